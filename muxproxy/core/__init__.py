@@ -1,0 +1,1 @@
+"""The sans-IO proxy core: events in, commands out. No sockets, no clock, no event loop."""

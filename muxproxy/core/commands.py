@@ -1,0 +1,84 @@
+"""Commands the core returns to the driver.
+
+The driver carries them out in order. None of them blocks the core: the driver reports the
+outcome later as an event (``ConnectionOpened``, ``DataSent``, ``ConnectionClosed``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .events import ConnId, TimerId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Origin:
+    """Where an upstream connection goes."""
+
+    host: str
+    port: int
+    tls: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Command:
+    pass
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SendData(Command):
+    """Append ``data`` to the connection's pending output; the writer sends it all at once."""
+
+    conn: ConnId
+    data: bytes
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class OpenConnection(Command):
+    """Connect to ``origin``; answer with ``ConnectionOpened`` or ``OpenFailed``."""
+
+    conn: ConnId
+    origin: Origin
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CloseConnection(Command):
+    """Send what is pending, then close. The driver answers with ``ConnectionClosed``."""
+
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class PauseReading(Command):
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeReading(Command):
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SetTimer(Command):
+    """Deliver ``Wakeup(timer)`` at monotonic time ``at``; replaces an earlier setting."""
+
+    timer: TimerId
+    at: float
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class CancelTimer(Command):
+    timer: TimerId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Log(Command):
+    """A structured log record: access log lines and diagnostics, as data tests can assert."""
+
+    event: str
+    fields: dict[str, Any] = attrs.field(factory=dict)

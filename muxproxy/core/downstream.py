@@ -1,0 +1,347 @@
+"""One client connection: protocol detection, the adapter, and the exchanges it carries.
+
+Obeys RFC 9113 §3.3 and §3.4 for choosing the protocol: over TLS the ALPN result decides; on a
+plain listener a connection that starts with the HTTP/2 connection preface speaks h2c (prior
+knowledge), anything else HTTP/1.1. The decision is made here, in the core, from the first
+bytes, so it is tested without sockets.
+
+It is the sink of its exchanges' responses and the source of their requests. It counts the
+bytes handed to the driver and not yet written (``pending``): together with an HTTP/2
+stream's send queue that is what the exchange measures for backpressure. It owns the
+connection-level timers: send (no write progress), keep-alive idle, client header.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import h2.errors
+
+from .commands import CloseConnection, Log, PauseReading, ResumeReading
+from .exchange import RequestPhase
+from .h1 import H1Server, PeerError
+from .h2 import PREFACE, H2Server
+from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+    from .proxy import ProxyCore
+
+
+class Protocol(enum.Enum):
+    SNIFFING = "sniffing"
+    """Plain listener, first bytes not seen yet: HTTP/1.1 or the HTTP/2 preface?"""
+    HTTP1 = "http/1.1"
+    HTTP2 = "h2"
+    CLOSED = "closed"
+
+
+class Downstream:
+    def __init__(
+        self, core: ProxyCore, conn: int, *, peer_ip: str, tls: bool, alpn: str | None
+    ) -> None:
+        self.core = core
+        self.conn = conn
+        self.peer_ip = peer_ip
+        self.scheme = b"https" if tls else b"http"
+        self.exchanges: dict[int, Exchange] = {}
+        self.stalled: set[Exchange] = set()
+        """Exchanges whose backend reading is paused because this side is behind."""
+        self.pending = 0
+        self.last_progress = core.now
+        self.send_timer_armed = False
+        self.reading_paused = False
+        self.h1: H1Server | None = None
+        self.h2: H2Server | None = None
+        self.sniffed = b""
+        self.protocol = Protocol.SNIFFING
+        if tls:
+            self._choose(Protocol.HTTP2 if alpn == "h2" else Protocol.HTTP1)
+        timeouts = core.config.timeouts
+        core.set_timer(("header", conn), core.now + timeouts.client_header)
+
+    @property
+    def is_h2(self) -> bool:
+        return self.protocol is Protocol.HTTP2
+
+    def _choose(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+        limits = self.core.config.limits
+        if protocol is Protocol.HTTP2:
+            self.h2 = H2Server(
+                scheme=self.scheme, max_concurrent_streams=limits.max_concurrent_streams
+            )
+            self._flush_h2()
+        else:
+            self.h1 = H1Server(scheme=self.scheme, max_head=limits.max_request_head)
+
+    # -- bytes in --------------------------------------------------------------------------
+
+    def on_data(self, data: bytes) -> None:
+        if self.protocol is Protocol.HTTP2:
+            assert self.h2 is not None
+            self._dispatch(self.h2.receive(data))
+            self._after_h2_receive()
+        elif self.protocol is Protocol.HTTP1:
+            self._receive_h1(data)
+        elif self.protocol is Protocol.SNIFFING:
+            self._sniff(data)
+
+    def _sniff(self, data: bytes) -> None:
+        # RFC 9113 §3.4: the client preface starts with a fixed 24-byte string that cannot be
+        # the start of an HTTP/1.1 request line of any real method.
+        buf = self.sniffed + data
+        if len(buf) < len(PREFACE) and PREFACE.startswith(buf):
+            self.sniffed = buf
+            return
+        self.sniffed = b""
+        self._choose(Protocol.HTTP2 if buf.startswith(PREFACE) else Protocol.HTTP1)
+        self.on_data(buf)
+
+    def _receive_h1(self, data: bytes) -> None:
+        assert self.h1 is not None
+        try:
+            messages = self.h1.receive(data)
+        except PeerError as exc:
+            self._h1_protocol_error(exc)
+            return
+        self._dispatch(messages)
+
+    def _h1_protocol_error(self, exc: PeerError) -> None:
+        assert self.h1 is not None
+        self.core.emit(
+            Log(event="client_protocol_error", fields={"conn": self.conn, "error": exc.reason})
+        )
+        exchange = self.exchanges.get(self.h1.stream)
+        if exchange is not None:
+            exchange.client_aborted(f"malformed request body: {exc.reason}")
+        self._send(self.h1.send_error(exc.status, exc.reason))
+        self.close()
+
+    def _after_h2_receive(self) -> None:
+        h2c = self.h2
+        assert h2c is not None
+        if h2c.blocked and h2c.window_changed:
+            for stream in h2c.flush_blocked():
+                exchange = self.exchanges.get(stream)
+                if exchange is not None and exchange in self.stalled:
+                    exchange.client_drained()
+        h2c.window_changed = False
+        self._flush_h2()
+        if h2c.closed and not self.exchanges:
+            self.close()
+
+    def _dispatch(self, messages: list[Message]) -> None:
+        exchanges = self.exchanges
+        for message in messages:
+            kind = type(message)
+            if kind is Body:
+                exchange = exchanges.get(message.stream)
+                if exchange is not None:
+                    exchange.request_body(message.data, message.flow_len)  # type: ignore[union-attr]
+                elif self.h2 is not None:
+                    self.h2.acknowledge(message.stream, message.flow_len)  # type: ignore[union-attr]
+            elif kind is RequestHead:
+                self._start_exchange(message)  # type: ignore[arg-type]
+            elif kind is End:
+                exchange = exchanges.get(message.stream)
+                if exchange is not None:
+                    exchange.request_end(message.trailers)  # type: ignore[union-attr]
+            elif kind is Abort:
+                exchange = exchanges.get(message.stream)
+                if exchange is not None:
+                    exchange.client_aborted(message.reason)  # type: ignore[union-attr]
+
+    def _start_exchange(self, head: RequestHead) -> None:
+        core = self.core
+        if not self.exchanges:
+            core.cancel_timer(("header", self.conn))
+            core.cancel_timer(("idle", self.conn))
+        exchange = core.new_exchange(self, head)
+        self.exchanges[head.stream] = exchange
+        exchange.start()
+
+    # -- the sink side, for exchanges ------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        if not data or self.protocol is Protocol.CLOSED:
+            return
+        core = self.core
+        if not self.pending:
+            self.last_progress = core.now
+            if not self.send_timer_armed:
+                self.send_timer_armed = True
+                core.set_timer(("send", self.conn), core.now + core.config.timeouts.send)
+        self.pending += len(data)
+        core.send(self.conn, data)
+
+    def _flush_h2(self) -> None:
+        assert self.h2 is not None
+        self._send(self.h2.data_to_send())
+
+    def send_head(self, head: ResponseHead) -> None:
+        if self.h2 is not None:
+            self.h2.send_head(head)
+            self._flush_h2()
+        elif self.h1 is not None:
+            self._send(self.h1.send_head(head))
+
+    def send_body(self, stream: int, data: bytes) -> None:
+        if self.h2 is not None:
+            self.h2.send_body(stream, data)
+            self._flush_h2()
+        elif self.h1 is not None:
+            self._send(self.h1.send_body(data))
+
+    def send_end(self, stream: int, trailers: Headers) -> None:
+        if self.h2 is not None:
+            self.h2.send_end(stream, trailers)
+            self._flush_h2()
+        elif self.h1 is not None:
+            self._send(self.h1.send_end(trailers))
+
+    def send_error(self, stream: int, status: int, text: str) -> None:
+        if self.h2 is not None:
+            body = (text + "\n").encode()
+            headers = [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            self.h2.send_head(ResponseHead(stream=stream, status=status, headers=headers))
+            self.h2.send_body(stream, body)
+            self.h2.send_end(stream, [])
+            self._flush_h2()
+        elif self.h1 is not None:
+            self._send(self.h1.send_error(status, text))
+
+    def abort(self, stream: int) -> None:
+        """End a response without a clean end: the client must see the truncation."""
+        if self.h2 is not None:
+            # RFC 9113 §8.1: an incomplete response is reset, INTERNAL_ERROR as the cause.
+            self.h2.abort(stream, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self._flush_h2()
+        else:
+            # HTTP/1.1 has no reset: closing without the final chunk is the signal
+            # (RFC 9112 §8: an incomplete message).
+            self.close()
+
+    def buffered(self, stream: int) -> int:
+        """Bytes of this stream's response held here: its HTTP/2 queue plus unsent output."""
+        if self.h2 is not None:
+            return self.pending + self.h2.queued(stream)
+        return self.pending
+
+    def acknowledge(self, stream: int, nbytes: int) -> None:
+        if self.h2 is not None and nbytes:
+            self.h2.acknowledge(stream, nbytes)
+            self._flush_h2()
+
+    def pause_source(self, exchange: Exchange) -> None:
+        # HTTP/2 sources are stopped by the withheld acknowledgements alone.
+        if self.h1 is not None and not self.reading_paused:
+            self.reading_paused = True
+            self.core.emit(PauseReading(conn=self.conn))
+
+    def resume_source(self, exchange: Exchange) -> None:
+        if self.h1 is not None and self.reading_paused:
+            self.reading_paused = False
+            self.core.emit(ResumeReading(conn=self.conn))
+
+    def exchange_finished(self, exchange: Exchange) -> None:
+        self.exchanges.pop(exchange.stream, None)
+        self.stalled.discard(exchange)
+        if self.protocol is Protocol.CLOSED:
+            return
+        if self.h1 is not None:
+            if not self.h1.reusable:
+                # "Connection: close", or the response ended before the request (an early
+                # error, a half-read upload): RFC 9112 §9.6, close rather than resynchronise.
+                self.close()
+                return
+            try:
+                messages = self.h1.next_cycle()
+            except PeerError as exc:
+                self._h1_protocol_error(exc)
+                return
+            self._become_idle_if_unused()
+            self._dispatch(messages)
+        elif self.h2 is not None:
+            if exchange.request is RequestPhase.BODY and self.h2.finished(exchange.stream):
+                # RFC 9113 §8.1: the response is complete, so the rest of the request body
+                # is not needed; NO_ERROR tells the client to stop sending it.
+                self.h2.cancel_request(exchange.stream)
+                self._flush_h2()
+            if self.h2.closed and not self.exchanges:
+                self.close()
+                return
+            self._become_idle_if_unused()
+
+    def _become_idle_if_unused(self) -> None:
+        if not self.exchanges:
+            core = self.core
+            core.set_timer(("idle", self.conn), core.now + core.config.timeouts.keepalive_idle)
+
+    # -- driver events ---------------------------------------------------------------------
+
+    def on_sent(self, nbytes: int) -> None:
+        self.pending -= nbytes
+        self.last_progress = self.core.now
+        if self.stalled and self.pending <= self.core.limits.low_water:
+            for exchange in list(self.stalled):
+                exchange.client_drained()
+
+    def on_closed(self, error: str | None) -> None:
+        was_open = self.protocol is not Protocol.CLOSED
+        self.protocol = Protocol.CLOSED
+        for exchange in list(self.exchanges.values()):
+            exchange.client_aborted(error or "client closed the connection")
+        self.exchanges.clear()
+        core = self.core
+        for kind in ("header", "idle", "send"):
+            core.cancel_timer((kind, self.conn))
+        core.clients.pop(self.conn, None)
+        if was_open:
+            core.emit(Log(event="client_closed", fields={"conn": self.conn, "error": error}))
+
+    def close(self) -> None:
+        """Close after what is pending is written; exchanges still running are aborted."""
+        if self.protocol is Protocol.CLOSED:
+            return
+        self.protocol = Protocol.CLOSED
+        self.core.emit(CloseConnection(conn=self.conn))
+        for exchange in list(self.exchanges.values()):
+            exchange.client_aborted("client connection closed")
+
+    def timer_fired(self, kind: str) -> None:
+        core = self.core
+        now = core.now
+        if kind == "send":
+            self.send_timer_armed = False
+            if not self.pending:
+                return
+            due = self.last_progress + core.config.timeouts.send
+            if now < due:
+                self.send_timer_armed = True
+                core.set_timer(("send", self.conn), due)
+                return
+            core.emit(Log(event="send_timeout", fields={"conn": self.conn}))
+            self.close()
+        elif kind in ("idle", "header"):
+            if self.exchanges:
+                return
+            if self.h2 is not None:
+                self.h2.goaway()
+                self._flush_h2()
+            elif self.h1 is not None and kind == "header" and not self.h1.idle:
+                # RFC 9110 §15.5.9: the client did not complete its request in time.
+                self._send(self.h1.send_error(408, "request header timeout"))
+            self.close()
+
+    def shutdown(self) -> None:
+        """Graceful stop: no new requests; close when the running ones are done."""
+        if self.h2 is not None:
+            self.h2.goaway()
+            self._flush_h2()
+        if not self.exchanges:
+            self.close()

@@ -1,0 +1,91 @@
+"""Events the driver feeds into the core.
+
+Every event carries ``now``, a monotonic time in seconds chosen by the driver, so the core never
+reads a clock and every test of it is deterministic. Connection ids are plain ints: ids of
+client connections are chosen by the driver (positive), ids of upstream connections by the core
+(negative), so the two never collide without any coordination.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+ConnId = int
+TimerId = tuple[str, int]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Event:
+    now: float
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ConnectionAccepted(Event):
+    """A client connected to ``listener``; for TLS the handshake is done and ``alpn`` chosen."""
+
+    conn: ConnId
+    listener: str
+    peer: tuple[str, int] | None
+    tls: bool = False
+    alpn: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ConnectionOpened(Event):
+    """An ``OpenConnection`` succeeded."""
+
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class OpenFailed(Event):
+    """An ``OpenConnection`` failed (refused, unreachable, TLS error)."""
+
+    conn: ConnId
+    reason: str
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class DataReceived(Event):
+    conn: ConnId
+    data: bytes
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class DataSent(Event):
+    """The writer handed ``nbytes`` of this connection's pending output to the kernel."""
+
+    conn: ConnId
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ConnectionClosed(Event):
+    """The peer closed (``error`` is None) or the connection broke (``error`` says how).
+
+    Sent exactly once per connection, also after the core's own ``CloseConnection``.
+    """
+
+    conn: ConnId
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Wakeup(Event):
+    """A timer set by ``SetTimer`` is due."""
+
+    timer: TimerId
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ConfigChanged(Event):
+    config: Any
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ShutdownRequested(Event):
+    """Stop taking new requests; let open streams finish until ``deadline``."""
+
+    deadline: float

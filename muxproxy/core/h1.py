@@ -1,0 +1,217 @@
+"""HTTP/1.1 adapters: one ``h11.Connection`` each, translated to and from core messages.
+
+Obeys RFC 9112 through h11, which owns the framing (Content-Length, chunked, read-until-close)
+and the keep-alive cycle. The adapters add nothing to the wire that h11 did not produce, and they
+hold no buffers of their own: bytes in become messages at once, messages out become bytes at
+once — that is what keeps one SSE token one write (per-chunk flush).
+
+``H1Server`` faces a client, ``H1Client`` faces a backend. Errors by blame: a peer's malformed
+bytes raise ``PeerError`` (with the status h11 suggests), our own misuse raises h11's
+``LocalProtocolError`` and is a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import h11
+
+from .headers import MalformedRequest, request_from_h1
+from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
+
+# How much of one h11.receive_data we let build up unparsed before the head is complete;
+# RFC 9112 leaves the limit to us, h11's default is 16 KiB.
+DEFAULT_MAX_HEAD = 64 * 1024
+
+
+class PeerError(Exception):
+    """The peer sent bytes that are not valid HTTP/1.1. ``status`` is the answer to give."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+class H1Server:
+    """The server side of one client connection: requests in, responses out."""
+
+    def __init__(self, *, scheme: bytes, max_head: int = DEFAULT_MAX_HEAD) -> None:
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
+        self.scheme = scheme
+        self.stream = 0
+        """Number of the current request on this connection (1, 2, ...)."""
+
+    def receive(self, data: bytes) -> list[Message]:
+        """Feed bytes (b"" for EOF); return the messages they complete. Raises ``PeerError``."""
+        self.conn.receive_data(data)
+        return self._drain()
+
+    def next_cycle(self) -> list[Message]:
+        """Start the next request on a kept-alive connection; parse what was pipelined."""
+        self.conn.start_next_cycle()
+        return self._drain()
+
+    def _drain(self) -> list[Message]:
+        out: list[Message] = []
+        conn = self.conn
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise PeerError(str(exc), exc.error_status_hint) from exc
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return out
+            if type(event) is h11.Data:
+                out.append(Body(stream=self.stream, data=bytes(event.data)))
+            elif type(event) is h11.Request:
+                self.stream += 1
+                try:
+                    head = request_from_h1(
+                        self.stream,
+                        event.method,
+                        event.target,
+                        event.headers,
+                        scheme=self.scheme,
+                        http_version=event.http_version,
+                    )
+                except MalformedRequest as exc:
+                    raise PeerError(exc.reason, exc.status) from exc
+                if _has_no_body(event.headers):
+                    head = _with_end_stream(head)
+                out.append(head)
+                if conn.they_are_waiting_for_100_continue:
+                    # RFC 9110 §10.1.1: we will read the body, so tell the client to send it
+                    # now instead of making it wait for a timeout.
+                    conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+            elif type(event) is h11.EndOfMessage:
+                out.append(End(stream=self.stream, trailers=list(event.headers)))
+            elif type(event) is h11.ConnectionClosed:
+                if conn.their_state is not h11.DONE or conn.our_state is not h11.DONE:
+                    out.append(Abort(stream=self.stream, reason="client closed the connection"))
+                return out
+            else:  # pragma: no cover - h11 has no other server-side events
+                raise AssertionError(f"unexpected h11 event {event!r}")
+
+    def send_head(self, head: ResponseHead) -> bytes:
+        return self.conn.send(h11.Response(status_code=head.status, headers=head.headers)) or b""
+
+    def send_body(self, data: bytes) -> bytes:
+        return self.conn.send(h11.Data(data=data)) or b""
+
+    def send_end(self, trailers: Headers) -> bytes:
+        return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
+
+    def send_error(self, status: int, text: str) -> bytes:
+        """A complete short plain-text response, when a response can still be started."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return b""
+        body = (text + "\n").encode()
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        except h11.LocalProtocolError:
+            # h11 refuses a response to a request it could not parse in some states.
+            return b""
+        out += self.conn.send(h11.Data(data=body)) or b""
+        out += self.conn.send(h11.EndOfMessage()) or b""
+        return out
+
+    @property
+    def reusable(self) -> bool:
+        """Request and response are both complete and the connection may carry another."""
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    @property
+    def response_started(self) -> bool:
+        return self.conn.our_state is not h11.SEND_RESPONSE and self.conn.our_state is not h11.IDLE
+
+    @property
+    def idle(self) -> bool:
+        """Between requests: nothing received of the next one yet."""
+        return self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]
+
+
+class H1Client:
+    """The client side of one backend connection: one request at a time, kept alive."""
+
+    def __init__(self) -> None:
+        self.conn = h11.Connection(h11.CLIENT)
+        self.stream = 0
+
+    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
+        self.stream = stream
+        return self.conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
+
+    def send_body(self, data: bytes) -> bytes:
+        return self.conn.send(h11.Data(data=data)) or b""
+
+    def send_end(self, trailers: Headers) -> bytes:
+        return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
+
+    def receive(self, data: bytes) -> list[Message]:
+        """Feed bytes (b"" for EOF); return the messages they complete.
+
+        A broken response (bad framing, EOF inside a chunked body) ends in ``Abort``: the
+        truncation must stay visible to the client.
+        """
+        self.conn.receive_data(data)
+        out: list[Message] = []
+        conn = self.conn
+        stream = self.stream
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                out.append(Abort(stream=stream, reason=f"bad response from backend: {exc}"))
+                return out
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return out
+            if type(event) is h11.Data:
+                out.append(Body(stream=stream, data=bytes(event.data)))
+            elif type(event) is h11.Response:
+                out.append(
+                    ResponseHead(stream=stream, status=event.status_code, headers=event.headers)
+                )
+            elif type(event) is h11.EndOfMessage:
+                out.append(End(stream=stream, trailers=list(event.headers)))
+            elif type(event) is h11.InformationalResponse:
+                # 1xx other than 101 are hop-by-hop for our purposes: the client got its own
+                # 100 Continue from us (RFC 9110 §15.2).
+                continue
+            elif type(event) is h11.ConnectionClosed:
+                if conn.their_state is not h11.DONE:
+                    out.append(Abort(stream=stream, reason="backend closed the connection"))
+                return out
+            else:  # pragma: no cover
+                raise AssertionError(f"unexpected h11 event {event!r}")
+
+    @property
+    def reusable(self) -> bool:
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    def next_cycle(self) -> None:
+        self.conn.start_next_cycle()
+
+    @property
+    def response_started(self) -> bool:
+        return self.conn.their_state is not h11.SEND_RESPONSE
+
+
+def _has_no_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    # RFC 9112 §6.3: a request without Transfer-Encoding or Content-Length has no body.
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return False
+        if name == b"content-length":
+            return value.strip() == b"0"
+    return True
+
+
+def _with_end_stream(head: RequestHead) -> RequestHead:
+    return attrs.evolve(head, end_stream=True)

@@ -1,0 +1,59 @@
+"""The version-neutral messages between protocol adapters and exchanges.
+
+An adapter turns bytes from one connection into these messages and these messages back into
+bytes; an exchange relays them from one adapter to the other without knowing the HTTP version
+on either side. Header names are lower-case bytes, values bytes (RFC 9110 §5.1: field names are
+case-insensitive; HTTP/2 requires lower case on the wire, RFC 9113 §8.2).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RequestHead:
+    stream: int
+    method: bytes
+    target: bytes
+    authority: bytes
+    scheme: bytes
+    headers: Headers
+    http_version: bytes = b"1.1"
+    end_stream: bool = False
+    """The request has no body: its ``End`` follows at once."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResponseHead:
+    stream: int
+    status: int
+    headers: Headers
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Body:
+    """A chunk of body. ``flow_len`` is what it cost the sender's HTTP/2 window (with padding)."""
+
+    stream: int
+    data: bytes
+    flow_len: int = 0
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class End:
+    stream: int
+    trailers: Headers = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Abort:
+    """The stream ended without a clean end: a reset, a broken connection, a protocol error."""
+
+    stream: int
+    reason: str
+
+
+Message = RequestHead | ResponseHead | Body | End | Abort

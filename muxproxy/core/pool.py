@@ -1,0 +1,203 @@
+"""Backend connections: one HTTP/1.1 connection per exchange, kept alive in a pool per origin.
+
+Obeys RFC 9112 §9.3 (persistence): a connection goes back to the pool only when h11 says both
+the request and the response completed cleanly; anything else is closed. Idle connections are
+kept at most ``pool_max_idle`` per backend and ``pool_idle_timeout`` seconds; one that the
+backend closes while idle is simply dropped from the pool.
+
+An ``UpstreamConn`` counts the bytes it handed to the driver and that were not yet written
+(``pending``), which is the request direction's share of the exchange's buffer, and it pauses
+and resumes its own reading for the response direction's backpressure.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from .commands import CloseConnection, OpenConnection, Origin, PauseReading, ResumeReading
+from .h1 import H1Client
+from .messages import Abort, Body, End, Headers, ResponseHead
+
+if TYPE_CHECKING:
+    from ..config import Upstream
+    from .exchange import Exchange
+    from .proxy import ProxyCore
+
+
+class UpstreamState(enum.Enum):
+    CONNECTING = "connecting"
+    BUSY = "busy"
+    IDLE = "idle"
+    CLOSED = "closed"
+
+
+class UpstreamConn:
+    def __init__(self, core: ProxyCore, conn: int, origin: Origin, group: Upstream) -> None:
+        self.core = core
+        self.conn = conn
+        self.origin = origin
+        self.max_idle = group.pool_max_idle
+        self.idle_timeout = group.pool_idle_timeout
+        self.adapter = H1Client()
+        self.exchange: Exchange | None = None
+        self.state = UpstreamState.CONNECTING
+        self.pending = 0
+        self.paused = False
+
+    def _send(self, data: bytes) -> None:
+        if data:
+            self.pending += len(data)
+            self.core.send(self.conn, data)
+
+    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
+        self._send(self.adapter.send_head(stream, method, target, headers))
+
+    def send_body(self, data: bytes) -> None:
+        self._send(self.adapter.send_body(data))
+
+    def send_end(self, trailers: Headers) -> None:
+        self._send(self.adapter.send_end(trailers))
+
+    def pause(self) -> None:
+        if not self.paused:
+            self.paused = True
+            self.core.emit(PauseReading(conn=self.conn))
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.core.emit(ResumeReading(conn=self.conn))
+
+    def close(self) -> None:
+        if self.state is not UpstreamState.CLOSED:
+            self.state = UpstreamState.CLOSED
+            self.core.emit(CloseConnection(conn=self.conn))
+            self.core.pool.discard(self)
+
+    # -- events from the driver ------------------------------------------------------------
+
+    def on_data(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            # Bytes from an idle backend (RFC 9112 §9.3: nothing may arrive between
+            # responses): the connection is unusable.
+            self.close()
+            return
+        for message in self.adapter.receive(data):
+            kind = type(message)
+            if kind is Body:
+                exchange.response_body(message.data)  # type: ignore[union-attr]
+            elif kind is ResponseHead:
+                exchange.response_head(message)  # type: ignore[arg-type]
+            elif kind is End:
+                exchange.response_end(message.trailers)  # type: ignore[union-attr]
+                return
+            elif kind is Abort:
+                exchange.upstream_failed(message.reason)  # type: ignore[union-attr]
+                return
+
+    def on_sent(self, nbytes: int) -> None:
+        self.pending -= nbytes
+        if self.exchange is not None:
+            self.exchange.upstream_drained()
+
+    def on_closed(self, error: str | None) -> None:
+        was = self.state
+        self.state = UpstreamState.CLOSED
+        self.core.pool.discard(self)
+        exchange = self.exchange
+        if exchange is None or was is UpstreamState.CLOSED:
+            return
+        # h11 decides whether EOF ends the response cleanly (read-until-close framing) or
+        # truncates it (inside a Content-Length or chunked body).
+        self.on_data(b"")
+        if self.exchange is not None:
+            self.exchange.upstream_failed(error or "backend closed the connection")
+
+
+class Pool:
+    def __init__(self, core: ProxyCore) -> None:
+        self.core = core
+        self.idle: dict[Origin, list[UpstreamConn]] = {}
+        self.waiting: dict[int, Exchange] = {}
+        """Exchange waiting for each connecting connection."""
+
+    def acquire(self, origin: Origin, group: Upstream, exchange: Exchange) -> None:
+        """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later."""
+        core = self.core
+        idle = self.idle.get(origin)
+        while idle:
+            upstream = idle.pop()
+            core.cancel_timer(("pool", upstream.conn))
+            if upstream.state is UpstreamState.IDLE:
+                self._assign(upstream, exchange)
+                return
+        upstream = UpstreamConn(core, core.new_upstream_id(), origin, group)
+        core.upstreams[upstream.conn] = upstream
+        self.waiting[upstream.conn] = exchange
+        core.emit(OpenConnection(conn=upstream.conn, origin=origin))
+
+    def _assign(self, upstream: UpstreamConn, exchange: Exchange) -> None:
+        upstream.state = UpstreamState.BUSY
+        upstream.exchange = exchange
+        exchange.upstream_ready(upstream)
+
+    def opened(self, upstream: UpstreamConn) -> None:
+        exchange = self.waiting.pop(upstream.conn, None)
+        if exchange is None:
+            # Its exchange ended while we connected: keep the connection for the next one.
+            upstream.state = UpstreamState.BUSY
+            self.release(upstream, fresh=True)
+            return
+        self._assign(upstream, exchange)
+
+    def open_failed(self, upstream: UpstreamConn, reason: str) -> None:
+        upstream.state = UpstreamState.CLOSED
+        self.core.upstreams.pop(upstream.conn, None)
+        exchange = self.waiting.pop(upstream.conn, None)
+        if exchange is not None:
+            exchange.upstream_failed(f"connect to {upstream.origin} failed: {reason}")
+
+    def forget(self, exchange: Exchange) -> None:
+        """``exchange`` no longer waits for the connection being opened for it."""
+        for conn, waiting in list(self.waiting.items()):
+            if waiting is exchange:
+                del self.waiting[conn]
+                # A connect that timed out is abandoned; one merely no longer needed is kept.
+                self.core.upstreams[conn].close()
+
+    def release(self, upstream: UpstreamConn, *, fresh: bool = False) -> None:
+        """Return a connection whose exchange is done; keep it if it can carry another."""
+        core = self.core
+        adapter = upstream.adapter
+        if upstream.state is not UpstreamState.BUSY:
+            return
+        if not fresh:
+            if not adapter.reusable:
+                upstream.close()
+                return
+            adapter.next_cycle()
+        group_idle = self.idle.setdefault(upstream.origin, [])
+        if len(group_idle) >= upstream.max_idle:
+            upstream.close()
+            return
+        upstream.exchange = None
+        upstream.state = UpstreamState.IDLE
+        upstream.resume()
+        group_idle.append(upstream)
+        core.set_timer(("pool", upstream.conn), core.now + upstream.idle_timeout)
+
+    def discard(self, upstream: UpstreamConn) -> None:
+        """Forget a connection that closed."""
+        core = self.core
+        core.upstreams.pop(upstream.conn, None)
+        core.cancel_timer(("pool", upstream.conn))
+        idle = self.idle.get(upstream.origin)
+        if idle and upstream in idle:
+            idle.remove(upstream)
+
+    def idle_timeout(self, conn: int) -> None:
+        upstream = self.core.upstreams.get(conn)
+        if upstream is not None and upstream.state is UpstreamState.IDLE:
+            upstream.close()

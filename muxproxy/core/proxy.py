@@ -1,0 +1,261 @@
+"""ProxyCore: the one entry point of the sans-IO proxy, ``handle(event) -> list[Command]``.
+
+It routes each event to the connection it concerns (a ``Downstream`` for client connections,
+an ``UpstreamConn`` for backend ones) or to the exchange a timer belongs to, and collects the
+commands they emit. It never awaits, never reads a clock (``event.now`` is the time), and
+touches no socket: any driver task may call it, one call at a time, without a lock.
+
+Fault isolation: a peer's bad bytes become a response, a reset or a GOAWAY inside the adapter
+that owns the connection; nothing a peer sends can raise out of ``handle``. An exception that
+does escape is a bug in muxproxy and is not swallowed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..config import Config, Upstream
+from ..routing.balancer import RoundRobin
+from .commands import CancelTimer, Command, Log, SendData, SetTimer
+from .downstream import Downstream
+from .events import (
+    ConfigChanged,
+    ConnectionAccepted,
+    ConnectionClosed,
+    ConnectionOpened,
+    DataReceived,
+    DataSent,
+    Event,
+    OpenFailed,
+    ShutdownRequested,
+    TimerId,
+    Wakeup,
+)
+from .exchange import Exchange
+from .pool import Pool, UpstreamConn
+
+
+@attrs.frozen(kw_only=True)
+class BufferLimits:
+    """Per-stream buffer bounds derived from ``limits.stream_buffer``.
+
+    A source is stopped at ``high_water``. It can still deliver what one read already brought
+    (the driver reads at most ``read_size`` bytes at a time), so a stream never holds more than
+    ``high_water + read_size`` = ``stream_buffer`` bytes.
+    """
+
+    high_water: int
+    low_water: int
+
+    @classmethod
+    def for_stream_buffer(cls, stream_buffer: int, read_size: int) -> BufferLimits:
+        high = stream_buffer - read_size
+        return cls(high_water=high, low_water=high // 2)
+
+
+@attrs.frozen(kw_only=True)
+class StreamStatistics:
+    conn: int
+    stream: int
+    phase: str
+    response_buffered: int
+    """Response bytes accepted from the backend and not yet written to the client."""
+    request_buffered: int
+    """Request bytes accepted from the client and not yet written to the backend."""
+    upstream_paused: bool
+
+
+@attrs.frozen(kw_only=True)
+class ProxyStatistics:
+    client_connections: int
+    upstream_connections: int
+    idle_upstream_connections: int
+    streams: list[StreamStatistics]
+
+
+# The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
+READ_SIZE = 64 * 1024
+
+
+class ProxyCore:
+    def __init__(self, config: Config, *, read_size: int = READ_SIZE) -> None:
+        self.config = config
+        self._max_read_size = read_size
+        self._apply_limits()
+        self.now = 0.0
+        self.clients: dict[int, Downstream] = {}
+        self.upstreams: dict[int, UpstreamConn] = {}
+        self.exchanges: dict[int, Exchange] = {}
+        self.pool = Pool(self)
+        self._balancers: dict[str, RoundRobin] = {}
+        self._timers: set[TimerId] = set()
+        self._out: list[Command] = []
+        self._next_upstream = 0
+        self._next_exchange = 0
+        self.shutting_down = False
+        self._dispatch: dict[type[Event], Callable[[Any], None]] = {
+            DataReceived: self._data_received,
+            DataSent: self._data_sent,
+            ConnectionAccepted: self._accepted,
+            ConnectionOpened: self._opened,
+            OpenFailed: self._open_failed,
+            ConnectionClosed: self._closed,
+            Wakeup: self._wakeup,
+            ConfigChanged: self._config_changed,
+            ShutdownRequested: self._shutdown,
+        }
+
+    def _apply_limits(self) -> None:
+        stream_buffer = self.config.limits.stream_buffer
+        self.read_size = min(self._max_read_size, stream_buffer // 2)
+        """How many bytes the driver may read from a socket at once."""
+        self.limits = BufferLimits.for_stream_buffer(stream_buffer, self.read_size)
+
+    def handle(self, event: Event) -> list[Command]:
+        """Process one event; return the commands to carry out, in order."""
+        self.now = event.now
+        self._dispatch[type(event)](event)
+        out = self._out
+        self._out = []
+        return out
+
+    # -- helpers for the parts of the core -------------------------------------------------
+
+    def emit(self, command: Command) -> None:
+        self._out.append(command)
+
+    def send(self, conn: int, data: bytes) -> None:
+        self._out.append(SendData(conn=conn, data=data))
+
+    def set_timer(self, timer: TimerId, at: float) -> None:
+        self._timers.add(timer)
+        self._out.append(SetTimer(timer=timer, at=at))
+
+    def cancel_timer(self, timer: TimerId) -> None:
+        if timer in self._timers:
+            self._timers.discard(timer)
+            self._out.append(CancelTimer(timer=timer))
+
+    def new_upstream_id(self) -> int:
+        self._next_upstream -= 1
+        return self._next_upstream
+
+    def new_exchange(self, client: Downstream, head: Any) -> Exchange:
+        self._next_exchange += 1
+        exchange = Exchange(self, client, head, self._next_exchange)
+        self.exchanges[exchange.ident] = exchange
+        return exchange
+
+    def exchange_finished(self, exchange: Exchange) -> None:
+        self.exchanges.pop(exchange.ident, None)
+
+    def balancer(self, group: Upstream) -> RoundRobin:
+        balancer = self._balancers.get(group.name)
+        if balancer is None or balancer.count != len(group.servers):
+            balancer = self._balancers[group.name] = RoundRobin(len(group.servers))
+        return balancer
+
+    # -- event handlers --------------------------------------------------------------------
+
+    def _data_received(self, event: DataReceived) -> None:
+        conn = event.conn
+        if conn < 0:
+            upstream = self.upstreams.get(conn)
+            if upstream is not None:
+                upstream.on_data(event.data)
+        else:
+            client = self.clients.get(conn)
+            if client is not None:
+                client.on_data(event.data)
+
+    def _data_sent(self, event: DataSent) -> None:
+        conn = event.conn
+        if conn < 0:
+            upstream = self.upstreams.get(conn)
+            if upstream is not None:
+                upstream.on_sent(event.nbytes)
+        else:
+            client = self.clients.get(conn)
+            if client is not None:
+                client.on_sent(event.nbytes)
+
+    def _accepted(self, event: ConnectionAccepted) -> None:
+        peer_ip = event.peer[0] if event.peer else "unknown"
+        client = Downstream(self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn)
+        self.clients[event.conn] = client
+        if self.shutting_down:
+            client.shutdown()
+
+    def _opened(self, event: ConnectionOpened) -> None:
+        upstream = self.upstreams.get(event.conn)
+        if upstream is not None:
+            self.pool.opened(upstream)
+
+    def _open_failed(self, event: OpenFailed) -> None:
+        upstream = self.upstreams.get(event.conn)
+        if upstream is not None:
+            self.pool.open_failed(upstream, event.reason)
+
+    def _closed(self, event: ConnectionClosed) -> None:
+        conn = event.conn
+        if conn < 0:
+            upstream = self.upstreams.get(conn)
+            if upstream is not None:
+                upstream.on_closed(event.error)
+        else:
+            client = self.clients.get(conn)
+            if client is not None:
+                client.on_closed(event.error)
+
+    def _wakeup(self, event: Wakeup) -> None:
+        timer = event.timer
+        if timer not in self._timers:
+            return  # cancelled after the driver had already queued it
+        self._timers.discard(timer)
+        kind, ident = timer
+        if kind in ("connect", "head", "read"):
+            exchange = self.exchanges.get(ident)
+            if exchange is not None:
+                exchange.timer_fired(kind)
+        elif kind == "pool":
+            self.pool.idle_timeout(ident)
+        else:
+            client = self.clients.get(ident)
+            if client is not None:
+                client.timer_fired(kind)
+
+    def _config_changed(self, event: ConfigChanged) -> None:
+        self.config = event.config
+        self._apply_limits()
+        self.emit(Log(event="config_changed", fields={}))
+
+    def _shutdown(self, event: ShutdownRequested) -> None:
+        self.shutting_down = True
+        for client in list(self.clients.values()):
+            client.shutdown()
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def statistics(self) -> ProxyStatistics:
+        """A snapshot of connections and of every stream's buffered bytes."""
+        streams = [
+            StreamStatistics(
+                conn=ex.client.conn,
+                stream=ex.stream,
+                phase=ex.phase.value,
+                response_buffered=ex.client.buffered(ex.stream),
+                request_buffered=ex.request_buffered(),
+                upstream_paused=ex.upstream.paused if ex.upstream else False,
+            )
+            for ex in self.exchanges.values()
+        ]
+        idle = sum(len(v) for v in self.pool.idle.values())
+        return ProxyStatistics(
+            client_connections=len(self.clients),
+            upstream_connections=len(self.upstreams),
+            idle_upstream_connections=idle,
+            streams=streams,
+        )

@@ -1,0 +1,1 @@
+"""Routing policies: pure code, no I/O, time passed in."""

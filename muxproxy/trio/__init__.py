@@ -1,0 +1,1 @@
+"""The Trio driver: runs the sans-IO core on real sockets."""

@@ -1,0 +1,286 @@
+"""The Trio driver: sockets, timers and the execution of the core's commands.
+
+It holds no proxy logic. Each socket has a reader task (bytes -> ``DataReceived``) and a writer
+task (pending bytes -> one ``send_all`` -> ``DataSent``); one task runs every timer from a
+deadline heap. Any of them may call ``ProxyCore.handle`` directly: Trio runs one task at a time
+and ``handle`` never awaits, so there is no lock and no hop through a channel per chunk.
+
+What reaches the writer while a send is in flight goes out together in the next send: that is
+the only coalescing, so one SSE token is one write whenever the socket keeps up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ..core.commands import (
+    CancelTimer,
+    CloseConnection,
+    Command,
+    Log,
+    OpenConnection,
+    PauseReading,
+    ResumeReading,
+    SendData,
+    SetTimer,
+)
+from ..core.events import (
+    ConnectionClosed,
+    ConnectionOpened,
+    DataReceived,
+    DataSent,
+    Event,
+    OpenFailed,
+    TimerId,
+    Wakeup,
+)
+from ..core.proxy import ProxyCore
+
+log = logging.getLogger("muxproxy")
+access_log = logging.getLogger("muxproxy.access")
+
+
+def set_nodelay(stream: trio.abc.Stream) -> None:
+    """TCP_NODELAY on the socket under ``stream``: a token must not wait for Nagle."""
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if isinstance(stream, trio.SocketStream):
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+
+
+class Conn:
+    """One socket as the driver sees it: pending output, reading paused or not."""
+
+    __slots__ = (
+        "closed",
+        "closing",
+        "ident",
+        "paused",
+        "pending",
+        "resume",
+        "scope",
+        "stream",
+        "writer_lot",
+    )
+
+    def __init__(self, ident: int, stream: trio.abc.Stream) -> None:
+        self.ident = ident
+        self.stream = stream
+        self.pending = bytearray()
+        self.writer_lot = trio.lowlevel.ParkingLot()
+        self.paused = False
+        self.resume = trio.Event()
+        self.closing = False
+        self.closed = False
+        self.scope = trio.CancelScope()
+
+
+class Driver:
+    def __init__(self, core: ProxyCore, nursery: trio.Nursery) -> None:
+        self.core = core
+        self.nursery = nursery
+        self.conns: dict[int, Conn] = {}
+        self.connecting: dict[int, trio.CancelScope] = {}
+        self._next_client = 0
+        self._timers: dict[TimerId, float] = {}
+        self._heap: list[tuple[float, int, TimerId]] = []
+        self._seq = 0
+        self._timer_scope: trio.CancelScope | None = None
+        self._execute: dict[type[Command], Callable[[Any], None]] = {
+            SendData: self._send_data,
+            SetTimer: self._set_timer,
+            CancelTimer: self._cancel_timer,
+            PauseReading: self._pause,
+            ResumeReading: self._resume,
+            CloseConnection: self._close,
+            OpenConnection: self._open,
+            Log: self._log,
+        }
+        self.on_log: Callable[[Log], None] | None = None
+        """Tests hook here to see the core's ``Log`` commands."""
+
+    def feed(self, event: Event) -> None:
+        """Hand one event to the core and carry out its commands."""
+        execute = self._execute
+        for command in self.core.handle(event):
+            execute[type(command)](command)
+
+    def new_client_id(self) -> int:
+        self._next_client += 1
+        return self._next_client
+
+    # -- connections -----------------------------------------------------------------------
+
+    def register(self, ident: int, stream: trio.abc.Stream) -> Conn:
+        """Make ``ident`` known, so commands for it queue up before its tasks start."""
+        conn = Conn(ident, stream)
+        self.conns[ident] = conn
+        return conn
+
+    async def run_connection(self, conn: Conn) -> None:
+        """Read and write ``conn`` until either side closes it; report it closed once."""
+        ident = conn.ident
+        stream = conn.stream
+        error: str | None = None
+        try:
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, conn)
+                    error = await self._reader(conn)
+                    if not conn.closing:
+                        nursery.cancel_scope.cancel()
+        finally:
+            conn.closed = True
+            self.conns.pop(ident, None)
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1):
+                    try:
+                        await stream.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
+
+    async def _reader(self, conn: Conn) -> str | None:
+        receive = conn.stream.receive_some
+        feed = self.feed
+        ident = conn.ident
+        core = self.core
+        while True:
+            if conn.paused:
+                await conn.resume.wait()
+                continue
+            try:
+                data = await receive(core.read_size)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                return f"receive failed: {exc!r}"
+            if not data:
+                return None
+            feed(DataReceived(now=trio.current_time(), conn=ident, data=data))
+            if conn.closing:
+                await trio.sleep_forever()  # the writer flushes, then ends the connection
+
+    async def _writer(self, conn: Conn) -> None:
+        send_all = conn.stream.send_all
+        feed = self.feed
+        ident = conn.ident
+        pending = conn.pending
+        while True:
+            if not pending:
+                if conn.closing:
+                    conn.scope.cancel()
+                    return
+                await conn.writer_lot.park()
+                continue
+            data = bytes(pending)
+            pending.clear()
+            try:
+                await send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                conn.closing = True
+                conn.scope.cancel()
+                return
+            feed(DataSent(now=trio.current_time(), conn=ident, nbytes=len(data)))
+
+    def _send_data(self, command: SendData) -> None:
+        conn = self.conns.get(command.conn)
+        if conn is None or conn.closed:
+            return
+        conn.pending += command.data
+        conn.writer_lot.unpark()
+
+    def _pause(self, command: PauseReading) -> None:
+        conn = self.conns.get(command.conn)
+        if conn is not None and not conn.paused:
+            conn.paused = True
+            conn.resume = trio.Event()
+
+    def _resume(self, command: ResumeReading) -> None:
+        conn = self.conns.get(command.conn)
+        if conn is not None and conn.paused:
+            conn.paused = False
+            conn.resume.set()
+
+    def _close(self, command: CloseConnection) -> None:
+        scope = self.connecting.pop(command.conn, None)
+        if scope is not None:
+            scope.cancel()
+            return
+        conn = self.conns.get(command.conn)
+        if conn is not None and not conn.closing:
+            conn.closing = True
+            conn.writer_lot.unpark()
+
+    def _open(self, command: OpenConnection) -> None:
+        self.nursery.start_soon(self._connect, command)
+
+    async def _connect(self, command: OpenConnection) -> None:
+        ident = command.conn
+        origin = command.origin
+        scope = trio.CancelScope()
+        self.connecting[ident] = scope
+        stream: trio.abc.Stream | None = None
+        with scope:
+            try:
+                stream = await trio.open_tcp_stream(origin.host, origin.port)
+                set_nodelay(stream)
+            except OSError as exc:
+                self.connecting.pop(ident, None)
+                self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason=str(exc)))
+                return
+        if scope.cancelled_caught or stream is None:
+            # The core gave up on this connection (connect timeout, client gone).
+            self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error="cancelled"))
+            return
+        self.connecting.pop(ident, None)
+        conn = self.register(ident, stream)
+        self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
+        await self.run_connection(conn)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def _set_timer(self, command: SetTimer) -> None:
+        self._timers[command.timer] = command.at
+        self._seq += 1
+        heapq.heappush(self._heap, (command.at, self._seq, command.timer))
+        scope = self._timer_scope
+        if scope is not None and command.at < scope.deadline:
+            scope.deadline = command.at
+        if len(self._heap) > 2 * len(self._timers) + 256:
+            self._heap = [(at, i, t) for i, (t, at) in enumerate(self._timers.items())]
+            heapq.heapify(self._heap)
+
+    def _cancel_timer(self, command: CancelTimer) -> None:
+        self._timers.pop(command.timer, None)
+
+    async def run_timers(self) -> None:
+        timers = self._timers
+        while True:
+            while self._heap and timers.get(self._heap[0][2]) != self._heap[0][0]:
+                heapq.heappop(self._heap)  # cancelled or re-set: a stale entry
+            deadline = self._heap[0][0] if self._heap else float("inf")
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._timer_scope = scope
+                await trio.sleep_forever()
+            self._timer_scope = None
+            now = trio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                at, _, timer = heapq.heappop(self._heap)
+                if timers.get(timer) == at:
+                    del timers[timer]
+                    self.feed(Wakeup(now=now, timer=timer))
+
+    # -- logs ------------------------------------------------------------------------------
+
+    def _log(self, command: Log) -> None:
+        if self.on_log is not None:
+            self.on_log(command)
+        logger = access_log if command.event == "access" else log
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(json.dumps({"event": command.event, **command.fields}, default=str))

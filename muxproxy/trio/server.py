@@ -1,0 +1,122 @@
+"""Listeners and the proxy's top-level task: accept, TLS with ALPN, run the driver.
+
+Obeys RFC 9113 §3.2 (h2 over TLS is chosen by ALPN "h2", RFC 7301) and leaves the plain
+listener's h1/h2c choice to the core, which sees the connection preface. Every accepted socket
+gets TCP_NODELAY before its first byte is read.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import trio
+
+from ..config import Config, Listener
+from ..core.events import ConnectionAccepted
+from ..core.proxy import ProxyCore
+from .driver import Driver, set_nodelay
+
+
+def server_ssl_context(listener: Listener) -> ssl.SSLContext:
+    assert listener.tls_cert is not None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(listener.tls_cert, listener.tls_key)
+    # RFC 9113 §3.2: "h2" over TLS; http/1.1 for everyone else.
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    # RFC 9113 §9.2: TLS 1.2 or later for HTTP/2.
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+class ProxyServer:
+    """The proxy on its listeners. ``core`` is the live ``ProxyCore`` (for ``statistics()``)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.core = ProxyCore(config)
+        self.driver: Driver | None = None
+        self.addresses: list[tuple[str, int]] = []
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+            driver = self.driver = Driver(self.core, nursery)
+            nursery.start_soon(driver.run_timers)
+            for listener in self.config.listeners:
+                tcp_listeners = await trio.open_tcp_listeners(listener.port, host=listener.host)
+                context = server_ssl_context(listener) if listener.tls else None
+                for tcp in tcp_listeners:
+                    host, port = tcp.socket.getsockname()[:2]
+                    self.addresses.append((host, port))
+                    nursery.start_soon(self._accept_loop, tcp, listener, context)
+            task_status.started(list(self.addresses))
+
+    async def _accept_loop(
+        self,
+        tcp: trio.SocketListener,
+        listener: Listener,
+        context: ssl.SSLContext | None,
+    ) -> None:
+        assert self.driver is not None
+        async with tcp:
+            while True:
+                try:
+                    stream = await tcp.accept()
+                except OSError:
+                    # EMFILE and friends: back off a little instead of spinning.
+                    await trio.sleep(0.1)
+                    continue
+                self.driver.nursery.start_soon(self._serve_client, stream, listener, context)
+
+    async def _serve_client(
+        self,
+        stream: trio.SocketStream,
+        listener: Listener,
+        context: ssl.SSLContext | None,
+    ) -> None:
+        driver = self.driver
+        assert driver is not None
+        set_nodelay(stream)
+        try:
+            peer = stream.socket.getpeername()
+        except OSError:
+            await stream.aclose()
+            return
+        alpn: str | None = None
+        client: trio.abc.Stream = stream
+        if context is not None:
+            tls = trio.SSLStream(stream, context, server_side=True)
+            with trio.move_on_after(self.config.timeouts.client_header) as scope:
+                try:
+                    await tls.do_handshake()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.aclose()
+                    return
+            if scope.cancelled_caught:
+                await stream.aclose()
+                return
+            alpn = tls.selected_alpn_protocol()
+            client = tls
+        ident = driver.new_client_id()
+        conn = driver.register(ident, client)
+        driver.feed(
+            ConnectionAccepted(
+                now=trio.current_time(),
+                conn=ident,
+                listener=listener.address,
+                peer=(peer[0], peer[1]),
+                tls=context is not None,
+                alpn=alpn,
+            )
+        )
+        await driver.run_connection(conn)
+
+
+async def serve(
+    config: Config,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the proxy for ``config`` until cancelled; ``started`` gets the bound addresses."""
+    await ProxyServer(config).run(task_status=task_status)
