@@ -1,0 +1,243 @@
+"""The ``muxproxy`` command line: ``check``, ``serve``, ``fakellm`` and ``demo``.
+
+``muxproxy check --config FILE`` validates a configuration file and prints a summary, or every
+problem found (exit status 2). ``muxproxy serve`` runs the proxy from a file or from flags
+(``--listen HOST:PORT --upstream HOST:PORT ...``). ``fakellm`` and ``demo`` delegate to
+:mod:`muxproxy.testing.fakellm` and :mod:`muxproxy.demo`.
+
+Everything past configuration is imported lazily, inside the command that needs it: ``check``
+loads neither Trio nor the proxy, and a subcommand's module is imported only when that
+subcommand runs (or its ``--help`` is asked for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from muxproxy import __version__
+from muxproxy.config import Config, ConfigError, load_config, parse_quick_config
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+"""Bad usage or an invalid configuration."""
+
+_DELEGATED = {
+    "fakellm": (
+        "muxproxy.testing.fakellm",
+        "run a fake OpenAI-compatible LLM server (token streaming, for tests and demos)",
+    ),
+    "demo": ("muxproxy.demo", "run a demo: fake LLM servers behind the proxy"),
+}
+"""Subcommands whose arguments and behaviour live in another module: module, help."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser, subparsers = _build_parser()
+    command = _command_of(args_list)
+    if command in _DELEGATED:
+        try:
+            module = _delegate(command, subparsers[command])
+        except ImportError as exc:
+            print(f"muxproxy: {command} is not available: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        subparsers[command].set_defaults(handler=lambda args: int(module.run(args)))
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return handler(args)
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="muxproxy",
+        description="An HTTP/1.1 + HTTP/2 edge proxy for LLM inference servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"muxproxy {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+
+    check = commands.add_parser(
+        "check",
+        help="validate a configuration file",
+        description="Validate a configuration file: print a summary, or every problem found.",
+    )
+    check.add_argument("--config", required=True, metavar="FILE", help="TOML configuration")
+    check.set_defaults(handler=_check)
+    subparsers["check"] = check
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the proxy",
+        description="Run the proxy, configured by a TOML file or by flags (one upstream group).",
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", metavar="FILE", help="TOML configuration")
+    source.add_argument("--listen", metavar="HOST:PORT", help="address to listen on")
+    serve.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a backend server (repeat for several); with --listen",
+    )
+    serve.add_argument("--tls-cert", metavar="FILE", help="TLS certificate chain (PEM)")
+    serve.add_argument("--tls-key", metavar="FILE", help="TLS private key (PEM)")
+    serve.set_defaults(handler=_serve)
+    subparsers["serve"] = serve
+
+    for name, (_, help_text) in _DELEGATED.items():
+        subparsers[name] = commands.add_parser(name, help=help_text, description=help_text)
+    return parser, subparsers
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: its first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _delegate(command: str, subparser: argparse.ArgumentParser) -> ModuleType:
+    """Import the module of a delegated subcommand and let it add its arguments."""
+    module = importlib.import_module(_DELEGATED[command][0])
+    module.add_arguments(subparser)
+    return module
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        _print_problems(exc, args.config)
+        return EXIT_USAGE
+    print(f"muxproxy: {args.config}: configuration is valid")
+    for line in describe_config(config):
+        print(f"  {line}")
+    return EXIT_OK
+
+
+def describe_config(config: Config) -> list[str]:
+    """A short summary of ``config``: its listeners, upstream groups and routes."""
+    lines = [
+        f"listener {_scheme(listener.tls)}://{listener.address}" for listener in config.listeners
+    ]
+    for name, group in config.upstreams.items():
+        count = len(group.servers)
+        servers = ", ".join(server.address for server in group.servers)
+        lines.append(f"upstream {name}: {count} server{'s' if count != 1 else ''} ({servers})")
+    lines.extend(f"route {route.prefix} -> {route.upstream}" for route in config.routes)
+    return lines
+
+
+def _print_problems(error: ConfigError, source: str | None) -> None:
+    where = f"{source}: " if source is not None else ""
+    print(f"muxproxy: {where}invalid configuration", file=sys.stderr)
+    for problem in error.problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        extra = [
+            flag
+            for flag, value in (
+                ("--upstream", args.upstream),
+                ("--tls-cert", args.tls_cert),
+                ("--tls-key", args.tls_key),
+            )
+            if value
+        ]
+        if extra:
+            print(
+                f"muxproxy serve: {', '.join(extra)} cannot be used with --config"
+                " (the configuration file sets upstreams and TLS)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+    try:
+        if args.config is not None:
+            config = load_config(args.config)
+        else:
+            config = parse_quick_config(
+                args.listen, args.upstream, tls_cert=args.tls_cert, tls_key=args.tls_key
+            )
+    except ConfigError as exc:
+        _print_problems(exc, args.config)
+        return EXIT_USAGE
+    return run_server(config)
+
+
+def run_server(config: Config) -> int:
+    """Run :func:`muxproxy.trio.server.serve` until interrupted; returns the exit status.
+
+    Prints ``muxproxy listening on http://H:P`` for each bound listener once they are bound.
+    Ctrl-C ends it quietly (status 0); failing to listen prints why (status 1).
+    """
+    import trio
+
+    try:
+        serve = importlib.import_module("muxproxy.trio.server").serve
+    except ImportError as exc:
+        print(f"muxproxy: serve is not available: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    async def announce_and_serve() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve, config)
+            for line in listening_lines(config, bound):
+                print(line, flush=True)
+
+    try:
+        trio.run(announce_and_serve)
+    except (KeyboardInterrupt, OSError, BaseExceptionGroup) as exc:
+        leaves = _leaves(exc)
+        if all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            return EXIT_OK
+        if all(isinstance(leaf, KeyboardInterrupt | OSError) for leaf in leaves):
+            for leaf in leaves:
+                if isinstance(leaf, OSError):
+                    print(f"muxproxy: cannot serve: {leaf}", file=sys.stderr)
+            return EXIT_FAILURE
+        raise
+    return EXIT_OK
+
+
+def listening_lines(config: Config, bound: Sequence[tuple[str, int]]) -> list[str]:
+    """``muxproxy listening on SCHEME://HOST:PORT`` for each bound (host, port).
+
+    ``bound`` is what ``serve`` reports: one address per listener, in order, when the counts
+    match; otherwise each address is matched to a listener by port.
+    """
+    listeners = config.listeners
+    if len(bound) == len(listeners):
+        tls = [listener.tls for listener in listeners]
+    else:
+        by_port = {listener.port: listener.tls for listener in listeners}
+        every = all(listener.tls for listener in listeners)
+        tls = [by_port.get(port, every) for _, port in bound]
+    lines = []
+    for (host, port), secure in zip(bound, tls, strict=True):
+        shown = f"[{host}]" if ":" in host else host
+        lines.append(f"muxproxy listening on {_scheme(secure)}://{shown}:{port}")
+    return lines
+
+
+def _scheme(tls: bool) -> str:
+    return "https" if tls else "http"
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]

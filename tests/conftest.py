@@ -1,0 +1,73 @@
+"""Shared fixtures: fake LLM backends and a proxy, all on 127.0.0.1 with port 0."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from muxproxy.config import Config, Limits, Timeouts, quick_config
+from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
+from muxproxy.trio.server import ProxyServer
+
+
+@attrs.define
+class RunningProxy:
+    server: ProxyServer
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+StartBackend = Callable[..., Awaitable[tuple[FakeLLM, int]]]
+StartProxy = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+def start_backend(nursery: trio.Nursery) -> StartBackend:
+    """``fake, port = await start_backend(backend_id="gpu0", tokens=4, delay=0.01)``."""
+
+    async def start(**options: Any) -> tuple[FakeLLM, int]:
+        fake = FakeLLM(**options)
+        port = await nursery.start(serve_fakellm, fake)
+        return fake, port
+
+    return start
+
+
+@pytest.fixture
+def start_proxy(nursery: trio.Nursery) -> StartProxy:
+    """``proxy = await start_proxy([port1, port2], timeouts=Timeouts(...), limits=...)``.
+
+    Or ``await start_proxy(config=Config(...))`` for a full configuration.
+    """
+
+    async def start(
+        backend_ports: list[int] | None = None,
+        *,
+        config: Config | None = None,
+        timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> RunningProxy:
+        if config is None:
+            config = quick_config(
+                "127.0.0.1:0",
+                [f"127.0.0.1:{p}" for p in backend_ports or []],
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+            )
+            config = attrs.evolve(
+                config, timeouts=timeouts or config.timeouts, limits=limits or config.limits
+            )
+        server = ProxyServer(config)
+        addresses = await nursery.start(server.run)
+        return RunningProxy(server=server, port=addresses[0][1])
+
+    return start

@@ -1,0 +1,346 @@
+"""Tests of the ``muxproxy`` command line (:mod:`muxproxy.cli`, ``python -m muxproxy``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import muxproxy
+from muxproxy.cli import listening_lines, main
+from muxproxy.config import quick_config
+
+REPO = Path(muxproxy.__file__).resolve().parent.parent
+
+GOOD = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = ["127.0.0.1:9001", { address = "127.0.0.1:9002" }]
+
+[upstreams.cpus]
+servers = ["127.0.0.1:9003"]
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpus"
+
+[[routes]]
+prefix = "/"
+upstream = "cpus"
+"""
+
+BAD = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[timeouts]
+raed = 30
+read = -3
+
+[upstreams.gpus]
+servers = ["127.0.0.1:9001", "localhost"]
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpu"
+"""
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m muxproxy ARGS`` in a real subprocess."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "muxproxy", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# --- check, as a subprocess -------------------------------------------------------------------
+
+
+def test_check_bad_file_exits_2_with_every_problem(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text(BAD)
+    result = run_cli("check", "--config", "bad.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "muxproxy: bad.toml: invalid configuration",
+        '  timeouts.raed: unknown key; did you mean "read"?',
+        "  timeouts.read: expected a positive number of seconds, got -3",
+        '  upstreams.gpus.servers[1]: expected "host:port", got "localhost"',
+        '  routes[0].upstream: no upstream named "gpu"; define [upstreams.gpu] or use one of: gpus',
+    ]
+
+
+def test_check_good_file_exits_0_with_a_summary(tmp_path: Path) -> None:
+    (tmp_path / "good.toml").write_text(GOOD)
+    result = run_cli("check", "--config", "good.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == [
+        "muxproxy: good.toml: configuration is valid",
+        "  listener http://127.0.0.1:8080",
+        "  upstream gpus: 2 servers (127.0.0.1:9001, 127.0.0.1:9002)",
+        "  upstream cpus: 1 server (127.0.0.1:9003)",
+        "  route /v1/ -> gpus",
+        "  route / -> cpus",
+    ]
+
+
+def test_check_missing_file(tmp_path: Path) -> None:
+    result = run_cli("check", "--config", "nope.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "muxproxy: nope.toml: invalid configuration",
+        "  nope.toml: no such file",
+    ]
+
+
+def test_check_toml_syntax_error(tmp_path: Path) -> None:
+    (tmp_path / "broken.toml").write_text('[[listeners]]\naddress = "127.0.0.1:8080"\n[upstreams\n')
+    result = run_cli("check", "--config", "broken.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    head, problem = result.stderr.splitlines()
+    assert head == "muxproxy: broken.toml: invalid configuration"
+    assert problem.startswith("  broken.toml, line 3, column ")
+    assert "invalid TOML" in problem
+
+
+def test_check_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
+    """Lazy imports: ``check`` loads neither Trio nor the server, fakellm or demo modules."""
+    (tmp_path / "good.toml").write_text(GOOD)
+    code = (
+        "import sys\n"
+        "from muxproxy.cli import main\n"
+        "assert main(['check', '--config', 'good.toml']) == 0\n"
+        "loaded = [m for m in ('trio', 'muxproxy.trio.server', 'muxproxy.testing.fakellm',"
+        " 'muxproxy.demo') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- in process --------------------------------------------------------------------------------
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: muxproxy" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"muxproxy {muxproxy.__version__}"
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check"]) == 2
+    assert "--config" in capsys.readouterr().err
+
+
+def test_check_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(BAD)
+    assert main(["check", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"muxproxy: {path}: invalid configuration"
+
+
+def test_serve_flags_are_validated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["serve", "--listen", "localhost", "--upstream", "127.0.0.1:9001", "--upstream", "x:99999"]
+    )
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "muxproxy: invalid configuration",
+        '  --listen: expected "host:port", got "localhost"',
+        '  --upstream: expected "host:port" with a port in 1..65535, got "x:99999"',
+    ]
+
+
+def test_serve_listen_needs_an_upstream(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--listen", "127.0.0.1:8080"]) == 2
+    assert '--upstream: missing; expected at least one "host:port"' in capsys.readouterr().err
+
+
+def test_serve_needs_config_or_listen(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert "one of the arguments --config --listen is required" in capsys.readouterr().err
+
+
+def test_serve_config_and_listen_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", "a.toml", "--listen", "127.0.0.1:1"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_serve_config_rejects_quick_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", "a.toml", "--upstream", "127.0.0.1:1"]) == 2
+    assert "--upstream cannot be used with --config" in capsys.readouterr().err
+
+
+def test_serve_bad_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(BAD)
+    assert main(["serve", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"muxproxy: {path}: invalid configuration"
+
+
+# --- serve, with a stand-in for muxproxy.trio.server -------------------------------------------
+
+
+def fake_server(monkeypatch: pytest.MonkeyPatch, behaviour: str) -> list[Any]:
+    """Install a stand-in ``muxproxy.trio.server``; returns the configs it was run with."""
+    seen: list[Any] = []
+
+    async def serve(
+        config: Any,
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        seen.append(config)
+        if behaviour == "oserror":
+            raise OSError(98, "Address already in use")
+        task_status.started(
+            [(listener.host, listener.port or 40000) for listener in config.listeners]
+        )
+        if behaviour == "interrupt":
+            raise KeyboardInterrupt
+        if behaviour == "crash":
+            raise RuntimeError("boom")
+
+    module = types.ModuleType("muxproxy.trio.server")
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "muxproxy.trio.server", module)
+    return seen
+
+
+def test_serve_quick_prints_listening_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = fake_server(monkeypatch, "return")
+    assert main(["serve", "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:9001"]) == 0
+    assert seen == [quick_config("127.0.0.1:0", ["127.0.0.1:9001"])]
+    assert capsys.readouterr().out == "muxproxy listening on http://127.0.0.1:40000\n"
+
+
+def test_serve_config_file_with_tls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cert.pem").write_text("c")
+    (tmp_path / "key.pem").write_text("k")
+    path = tmp_path / "tls.toml"
+    path.write_text(
+        '[[listeners]]\naddress = "127.0.0.1:8080"\n'
+        '[[listeners]]\naddress = "[::1]:8443"\ntls_cert = "cert.pem"\ntls_key = "key.pem"\n'
+        '[upstreams.a]\nservers = ["127.0.0.1:9001"]\n'
+    )
+    fake_server(monkeypatch, "return")
+    assert main(["serve", "--config", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "muxproxy listening on http://127.0.0.1:8080",
+        "muxproxy listening on https://[::1]:8443",
+    ]
+
+
+def test_serve_ctrl_c_is_quiet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_server(monkeypatch, "interrupt")
+    assert main(["serve", "--listen", "127.0.0.1:8080", "--upstream", "127.0.0.1:9001"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_serve_cannot_listen(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_server(monkeypatch, "oserror")
+    assert main(["serve", "--listen", "127.0.0.1:8080", "--upstream", "127.0.0.1:9001"]) == 1
+    assert "muxproxy: cannot serve: [Errno 98] Address already in use" in capsys.readouterr().err
+
+
+def test_serve_other_errors_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_server(monkeypatch, "crash")
+    with pytest.raises((RuntimeError, BaseExceptionGroup)) as info:
+        main(["serve", "--listen", "127.0.0.1:8080", "--upstream", "127.0.0.1:9001"])
+    error = info.value
+    found = error.split(RuntimeError)[0] if isinstance(error, BaseExceptionGroup) else error
+    assert "boom" in repr(found)
+
+
+def test_listening_lines_match_by_port_when_counts_differ() -> None:
+    config = quick_config("0.0.0.0:8443", ["127.0.0.1:9001"], tls_cert="c", tls_key="k")
+    assert listening_lines(config, [("0.0.0.0", 8443), ("::", 8443)]) == [
+        "muxproxy listening on https://0.0.0.0:8443",
+        "muxproxy listening on https://[::]:8443",
+    ]
+
+
+# --- delegated subcommands --------------------------------------------------------------------
+
+
+def fake_delegate(monkeypatch: pytest.MonkeyPatch, name: str) -> list[argparse.Namespace]:
+    runs: list[argparse.Namespace] = []
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--port", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> int:
+        runs.append(args)
+        return 7
+
+    module = types.ModuleType(name)
+    module.add_arguments = add_arguments  # type: ignore[attr-defined]
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, module)
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("command", "module"), [("fakellm", "muxproxy.testing.fakellm"), ("demo", "muxproxy.demo")]
+)
+def test_delegated_subcommand(monkeypatch: pytest.MonkeyPatch, command: str, module: str) -> None:
+    runs = fake_delegate(monkeypatch, module)
+    assert main([command, "--port", "5"]) == 7
+    (args,) = runs
+    assert args.port == 5
+
+
+@pytest.mark.parametrize(
+    ("command", "module"), [("fakellm", "muxproxy.testing.fakellm"), ("demo", "muxproxy.demo")]
+)
+def test_delegated_subcommand_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str, module: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
+    assert main([command]) == 1
+    assert capsys.readouterr().err.startswith(f"muxproxy: {command} is not available: ")
+
+
+def test_delegated_subcommand_arguments_are_not_loaded_for_other_commands(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "muxproxy.testing.fakellm", None)
+    monkeypatch.setitem(sys.modules, "muxproxy.demo", None)
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "fakellm" in out
+    assert "demo" in out
