@@ -135,23 +135,22 @@ class Downstream:
     def _dispatch(self, messages: list[Message]) -> None:
         exchanges = self.exchanges
         for message in messages:
-            kind = type(message)
-            if kind is Body:
+            if type(message) is Body:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
-                    exchange.request_body(message.data, message.flow_len)  # type: ignore[union-attr]
+                    exchange.request_body(message.data, message.flow_len)
                 elif self.h2 is not None:
-                    self.h2.acknowledge(message.stream, message.flow_len)  # type: ignore[union-attr]
-            elif kind is RequestHead:
-                self._start_exchange(message)  # type: ignore[arg-type]
-            elif kind is End:
+                    self.h2.acknowledge(message.stream, message.flow_len)
+            elif type(message) is RequestHead:
+                self._start_exchange(message)
+            elif type(message) is End:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
-                    exchange.request_end(message.trailers)  # type: ignore[union-attr]
-            elif kind is Abort:
+                    exchange.request_end(message.trailers)
+            elif type(message) is Abort:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
-                    exchange.client_aborted(message.reason)  # type: ignore[union-attr]
+                    exchange.client_aborted(message.reason)
 
     def _start_exchange(self, head: RequestHead) -> None:
         core = self.core

@@ -176,7 +176,9 @@ class H1Client:
                 out.append(Body(stream=stream, data=bytes(event.data)))
             elif type(event) is h11.Response:
                 out.append(
-                    ResponseHead(stream=stream, status=event.status_code, headers=event.headers)
+                    ResponseHead(
+                        stream=stream, status=event.status_code, headers=list(event.headers)
+                    )
                 )
             elif type(event) is h11.EndOfMessage:
                 out.append(End(stream=stream, trailers=list(event.headers)))

@@ -17,6 +17,8 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import h2.config
 import h2.connection
@@ -88,8 +90,7 @@ class H2Server:
             return self._connection_error(exc)
         out: list[Message] = []
         for event in events:
-            kind = type(event)
-            if kind is h2.events.DataReceived:
+            if isinstance(event, h2.events.DataReceived):
                 sid = event.stream_id
                 if sid in self.queues or sid in self.trailers:
                     out.append(
@@ -99,26 +100,26 @@ class H2Server:
                     # Data for a stream we already refused: give the window back at once,
                     # nobody will consume it (RFC 9113 §6.9: flow control is hop by hop).
                     self.conn.acknowledge_received_data(event.flow_controlled_length, sid)
-            elif kind is h2.events.RequestReceived:
+            elif isinstance(event, h2.events.RequestReceived):
                 out.extend(self._request(event))
-            elif kind is h2.events.StreamEnded:
+            elif isinstance(event, h2.events.StreamEnded):
                 sid = event.stream_id
                 if sid in self.queues:
                     out.append(End(stream=sid, trailers=self.trailers.pop(sid, [])))
-            elif kind is h2.events.TrailersReceived:
+            elif isinstance(event, h2.events.TrailersReceived):
                 self.trailers[event.stream_id] = list(event.headers)
-            elif kind is h2.events.StreamReset:
+            elif isinstance(event, h2.events.StreamReset):
                 sid = event.stream_id
                 self.blocked.discard(sid)
                 if self.queues.pop(sid, None) is not None:
                     out.append(
                         Abort(stream=sid, reason=f"client reset the stream ({event.error_code!r})")
                     )
-            elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
+            elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
                 # RFC 9113 §6.9.2: a SETTINGS change of the initial window applies to every
                 # stream, so any of them may have room now.
                 self.window_changed = True
-            elif kind is h2.events.ConnectionTerminated:
+            elif isinstance(event, h2.events.ConnectionTerminated):
                 self.closed = True
         return out
 
@@ -137,10 +138,8 @@ class H2Server:
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> list[Message]:
         code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
-        try:
+        with contextlib.suppress(h2.exceptions.ProtocolError):
             self.conn.close_connection(error_code=code, additional_data=str(exc)[:64].encode())
-        except h2.exceptions.ProtocolError:
-            pass
         self.closed = True
         out: list[Message] = [
             Abort(stream=sid, reason=f"connection error: {exc}") for sid in self.queues

@@ -85,16 +85,15 @@ class UpstreamConn:
             self.close()
             return
         for message in self.adapter.receive(data):
-            kind = type(message)
-            if kind is Body:
-                exchange.response_body(message.data)  # type: ignore[union-attr]
-            elif kind is ResponseHead:
-                exchange.response_head(message)  # type: ignore[arg-type]
-            elif kind is End:
-                exchange.response_end(message.trailers)  # type: ignore[union-attr]
+            if type(message) is Body:
+                exchange.response_body(message.data)
+            elif type(message) is ResponseHead:
+                exchange.response_head(message)
+            elif type(message) is End:
+                exchange.response_end(message.trailers)
                 return
-            elif kind is Abort:
-                exchange.upstream_failed(message.reason)  # type: ignore[union-attr]
+            elif type(message) is Abort:
+                exchange.upstream_failed(message.reason)
                 return
 
     def on_sent(self, nbytes: int) -> None:

@@ -11,6 +11,7 @@ the only coalescing, so one SSE token is one write whenever the socket keeps up.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import logging
@@ -139,12 +140,12 @@ class Driver:
         finally:
             conn.closed = True
             self.conns.pop(ident, None)
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(1):
-                    try:
-                        await stream.aclose()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        pass
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
+            ):
+                await stream.aclose()
             self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
 
     async def _reader(self, conn: Conn) -> str | None:
@@ -162,7 +163,7 @@ class Driver:
                 return f"receive failed: {exc!r}"
             if not data:
                 return None
-            feed(DataReceived(now=trio.current_time(), conn=ident, data=data))
+            feed(DataReceived(now=trio.current_time(), conn=ident, data=bytes(data)))
             if conn.closing:
                 await trio.sleep_forever()  # the writer flushes, then ends the connection
 

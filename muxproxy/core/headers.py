@@ -1,0 +1,621 @@
+"""Header handling for a proxy: intake validation, upstream translation, response cleanup.
+
+Pure functions, run once per request or response; they avoid needless copies and look names up
+in frozensets. What they obey:
+
+* RFC 9110 §7.6.1 (hop-by-hop fields): Connection, Proxy-Connection, Keep-Alive, TE,
+  Transfer-Encoding, Upgrade and every field a Connection header nominates are removed before
+  forwarding, in both directions. ``TE: trailers`` is the one exception we forward (it is
+  meaningful end to end for gRPC, RFC 9113 §8.2.2).
+* RFC 9110 §7.6.2 (Max-Forwards) is not needed: we answer no TRACE or OPTIONS ourselves.
+* RFC 9110 §7.6.3 (Via): we append ``<received-protocol> <pseudonym>`` in both directions.
+* RFC 9113 §8.2 / §8.2.1 (field validity), §8.2.2 (connection-specific fields), §8.2.3 (cookie
+  crumbs, joined with "; " for HTTP/1.1), §8.3.1 (request pseudo-headers) and §8.1.1 (malformed
+  messages) for HTTP/2 requests, which h2 hands us unvalidated and unnormalized.
+* RFC 9112 §3.2 (Host, request-target forms) and §6.3 (Transfer-Encoding overrides
+  Content-Length; an intermediary removes Content-Length in that case) for HTTP/1.1.
+* RFC 7239 (Forwarded) is not used; we set X-Forwarded-For and X-Forwarded-Proto instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from muxproxy.core.messages import Headers, RequestHead
+
+__all__ = [
+    "MalformedRequest",
+    "header_value",
+    "is_event_stream",
+    "request_from_h1",
+    "request_from_h2",
+    "response_headers",
+    "upstream_h1_headers",
+]
+
+
+class MalformedRequest(Exception):
+    """A request the client got wrong; `status` is the HTTP/1.1 status to answer with (400
+    usually, 431 for a too large head, 501 for unsupported transfer coding...), `reason` short
+    text."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+    def __repr__(self) -> str:
+        return f"MalformedRequest({self.reason!r}, status={self.status})"
+
+
+# --- character classes ---------------------------------------------------------------------
+
+# RFC 9110 §5.6.2 tchar, without upper case: RFC 9113 §8.2.1 forbids 0x00-0x20, 0x41-0x5a and
+# 0x7f-0xff in names, and §8.2.1 says to validate against RFC 9110 §5.1 too, so a name must be a
+# lower-case token. (Anything else would also be refused by h11 when we forward it.)
+_LOWER_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
+# RFC 9110 §5.6.2 token, as :method must be (RFC 9110 §9.1).
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 9110 §5.5 field-value: field-vchar (VCHAR / obs-text) with SP / HTAB only inside. This
+# covers RFC 9113 §8.2.1 (no NUL, CR, LF; no leading or trailing SP / HTAB) and also refuses the
+# other control characters, as RFC 9110 §5.5 defines them out (h11 would refuse VT and FF).
+_FIELD_VALUE = re.compile(
+    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
+)
+# RFC 3986 §3.1 scheme.
+_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+\-.]*")
+# RFC 3986 §3.2 authority without userinfo (RFC 9110 §4.2.4 / RFC 9113 §8.3.1 forbid it):
+# host (IP-literal or reg-name / IPv4address) and an optional port.
+_AUTHORITY = re.compile(
+    rb"(?:\[[0-9A-Za-z:.!$&'()*+,;=\-_~%]+\]|[0-9A-Za-z\-._~!$&'()*+,;=%]*)(?::[0-9]*)?"
+)
+# RFC 9112 §3.2.1 origin-form / RFC 9113 §8.3.1 :path: path-absolute [ "?" query ], all VCHAR.
+_ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*")
+# RFC 9112 §3.2.2 absolute-form; we take the scheme and authority and keep path and query.
+_ABSOLUTE_FORM = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)([^#]*)")
+
+# --- field name sets -----------------------------------------------------------------------
+
+# RFC 9113 §8.3.1 request pseudo-headers, plus :protocol from RFC 8441 §4 (extended CONNECT).
+_REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
+# RFC 9113 §8.3.2: the one response pseudo-header; in a request it is malformed (§8.1.1).
+_RESPONSE_PSEUDO = frozenset({b":status"})
+# RFC 9113 §8.2.2 connection-specific fields: malformed in an HTTP/2 message. TE is checked
+# separately (allowed with the value "trailers" only).
+_CONNECTION_SPECIFIC = frozenset(
+    {b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
+)
+# RFC 9110 §7.6.1 hop-by-hop fields (Proxy-Connection and Keep-Alive being the legacy ones it
+# names too).
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"proxy-connection", b"keep-alive", b"te", b"transfer-encoding", b"upgrade"}
+)
+# Names a Connection header may not take away from the message here: Content-Length frames the
+# body we relay (dropping it would change the message, RFC 9110 §7.6.1 forbids nominating fields
+# meant for all recipients) and TE keeps its own rule (only "trailers" travels).
+_NOT_NOMINATABLE = frozenset({b"content-length", b"te", b"host"})
+
+# Every request field name upstream_h1_headers treats specially; one set lookup per field on
+# the common path.
+_UPSTREAM_SPECIAL = _HOP_BY_HOP | {
+    b"host",
+    b"cookie",
+    b"content-length",
+    b"x-forwarded-for",
+    b"x-forwarded-proto",
+    b"via",
+}
+# Every response field name response_headers treats specially.
+_RESPONSE_SPECIAL = _HOP_BY_HOP | {
+    b"content-length",
+    b"content-type",
+    b"cache-control",
+    b"x-accel-buffering",
+    b"via",
+}
+
+_EVENT_STREAM = b"text/event-stream"
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _tokens(value: bytes) -> set[bytes]:
+    """The lower-cased tokens of a comma-separated list (RFC 9110 §5.6.1), parameters dropped."""
+    out: set[bytes] = set()
+    for item in value.split(b","):
+        token = item.split(b";", 1)[0].strip(b" \t").lower()
+        if token:
+            out.add(token)
+    return out
+
+
+def _append_list(existing: list[bytes] | None, item: bytes) -> bytes:
+    """`item` appended to the comma-separated list field values `existing` (RFC 9110 §5.3: field
+    lines of one name combine with ", "), skipping empty ones."""
+    if existing is None:
+        return item
+    return b", ".join([*(v for v in existing if v), item])
+
+
+def _check_name(name: bytes) -> None:
+    # RFC 9113 §8.2.1 / §8.2: field names are lower-case tokens; an empty name is malformed.
+    if _LOWER_TOKEN.fullmatch(name) is not None:
+        return
+    if not name:
+        raise MalformedRequest("empty field name")
+    if name.lower() != name:
+        raise MalformedRequest(f"upper-case character in field name {name!r}")
+    raise MalformedRequest(f"invalid character in field name {name!r}")
+
+
+def _check_authority(authority: bytes) -> None:
+    # RFC 9113 §8.3.1 / RFC 9110 §4.2.4: no userinfo; RFC 9112 §3.2: an invalid Host is a 400.
+    if b"@" in authority:
+        raise MalformedRequest("userinfo in authority")
+    if _AUTHORITY.fullmatch(authority) is None:
+        raise MalformedRequest(f"invalid authority {authority!r}")
+
+
+def _check_content_length(value: bytes, seen: bytes | None) -> bytes:
+    # RFC 9110 §8.6: Content-Length = 1*DIGIT; RFC 9113 §8.1.1 / RFC 9112 §6.3: differing
+    # values make the message malformed (we also refuse the "5, 5" list form, and "05" next to
+    # "5", which h11 would refuse upstream).
+    if not value.isdigit():
+        raise MalformedRequest("invalid content-length")
+    if seen is not None and seen != value:
+        raise MalformedRequest("conflicting content-length")
+    return value
+
+
+# --- intake --------------------------------------------------------------------------------
+
+
+def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> RequestHead:
+    """Validate an HTTP/2 request header block and build its RequestHead.
+
+    The block is as hpack decoded it (h2 with validate_inbound_headers=False and
+    normalize_inbound_headers=False). Everything RFC 9113 §8.1.1 calls malformed raises
+    MalformedRequest. A plain CONNECT is returned as valid (target b""); the caller decides.
+    """
+    method: bytes | None = None
+    scheme: bytes | None = None
+    authority: bytes | None = None
+    path: bytes | None = None
+    protocol: bytes | None = None
+    host: bytes | None = None
+    host_count = 0
+    content_length: bytes | None = None
+    regular: Headers = []
+    append = regular.append
+    lower_token = _LOWER_TOKEN.fullmatch
+    field_value = _FIELD_VALUE.fullmatch
+
+    for field in headers:
+        name, value = field
+        if name[:1] == b":":
+            # RFC 9113 §8.3: pseudo-headers come first, once each, from the defined set.
+            if regular:
+                raise MalformedRequest(f"pseudo-header {name!r} after a regular field")
+            if name not in _REQUEST_PSEUDO:
+                if name in _RESPONSE_PSEUDO:
+                    raise MalformedRequest(f"response pseudo-header {name!r} in a request")
+                raise MalformedRequest(f"unknown pseudo-header {name!r}")
+            if field_value(value) is None:
+                raise MalformedRequest(f"invalid value for {name!r}")
+            if name == b":method":
+                if method is not None:
+                    raise MalformedRequest("duplicated :method")
+                method = value
+            elif name == b":path":
+                if path is not None:
+                    raise MalformedRequest("duplicated :path")
+                path = value
+            elif name == b":scheme":
+                if scheme is not None:
+                    raise MalformedRequest("duplicated :scheme")
+                scheme = value
+            elif name == b":authority":
+                if authority is not None:
+                    raise MalformedRequest("duplicated :authority")
+                authority = value
+            else:  # :protocol
+                if protocol is not None:
+                    raise MalformedRequest("duplicated :protocol")
+                protocol = value
+            continue
+
+        # RFC 9113 §8.2.1: lower-case token names, clean values.
+        if lower_token(name) is None:
+            _check_name(name)
+        if field_value(value) is None:
+            raise MalformedRequest(f"invalid value for field {name!r}")
+        if name in _CONNECTION_SPECIFIC:
+            # RFC 9113 §8.2.2: connection-specific fields make the message malformed.
+            raise MalformedRequest(f"connection-specific field {name!r}")
+        if name == b"te":
+            # RFC 9113 §8.2.2: TE may be present with no value other than "trailers".
+            if value.lower() != b"trailers":
+                raise MalformedRequest("te other than trailers")
+        elif name == b"host":
+            host = value
+            host_count += 1
+        elif name == b"content-length":
+            content_length = _check_content_length(value, content_length)
+        append(field)
+
+    if method is None:
+        raise MalformedRequest("missing :method")
+    # RFC 9110 §9.1: the method is a token (h11 would refuse anything else upstream).
+    if _TOKEN.fullmatch(method) is None:
+        raise MalformedRequest("invalid :method")
+
+    if authority is not None:
+        # RFC 9113 §8.3.1: :authority wins over Host; the Host field stays in `headers`
+        # untouched (it is rebuilt from `authority` on the way upstream). With no authority to
+        # convey a client omits :authority, so an empty one is malformed.
+        if not authority:
+            raise MalformedRequest("empty :authority")
+        _check_authority(authority)
+    elif host is not None:
+        # RFC 9113 §8.3.1: without :authority the Host field carries it (RFC 9112 §3.2: one).
+        if host_count > 1:
+            raise MalformedRequest("more than one host field")
+        _check_authority(host)
+        authority = host
+
+    if method == b"CONNECT" and protocol is None:
+        # RFC 9113 §8.5: CONNECT has :authority and neither :scheme nor :path.
+        if authority is None or authority == b"":
+            raise MalformedRequest("CONNECT without :authority")
+        if scheme is not None or path is not None:
+            raise MalformedRequest("CONNECT with :scheme or :path")
+        return RequestHead(
+            stream=stream,
+            method=method,
+            target=b"",
+            authority=authority,
+            scheme=scheme_default,
+            headers=regular,
+            http_version=b"2",
+        )
+
+    if protocol is not None and method != b"CONNECT":
+        # RFC 8441 §4: :protocol only on an extended CONNECT.
+        raise MalformedRequest(":protocol on a non-CONNECT request")
+    # RFC 9113 §8.3.1 (and RFC 8441 §4 for extended CONNECT): :scheme and :path are required,
+    # :path not empty.
+    if scheme is None:
+        raise MalformedRequest("missing :scheme")
+    if path is None:
+        raise MalformedRequest("missing :path")
+    if not path:
+        raise MalformedRequest("empty :path")
+    if _SCHEME.fullmatch(scheme) is None:
+        raise MalformedRequest("invalid :scheme")
+    # RFC 9113 §8.3.1: for http / https, :path is origin-form, or "*" for OPTIONS.
+    if _ORIGIN_FORM.fullmatch(path) is None and not (path == b"*" and method == b"OPTIONS"):
+        raise MalformedRequest("invalid :path")
+    return RequestHead(
+        stream=stream,
+        method=method,
+        target=path,
+        authority=b"" if authority is None else authority,
+        scheme=scheme,
+        headers=regular,
+        http_version=b"2",
+    )
+
+
+def request_from_h1(
+    stream: int,
+    method: bytes,
+    target: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
+    *,
+    scheme: bytes,
+    http_version: bytes,
+) -> RequestHead:
+    """Build a RequestHead from an h11.Request's parts (h11 validated syntax, lower-cased names).
+
+    Authority is the Host value (RFC 9112 §3.2), or the absolute-form target's authority, which
+    wins over Host (RFC 9112 §3.2.2). A CONNECT's authority-form target becomes the authority,
+    with target b"" as for HTTP/2.
+    """
+    fields: Headers = list(headers)
+    host: bytes | None = None
+    host_count = 0
+    for name, value in fields:
+        if name == b"host":
+            host = value
+            host_count += 1
+    # RFC 9112 §3.2: 400 for an HTTP/1.1 request without Host, with several, or an invalid one.
+    if host_count > 1:
+        raise MalformedRequest("more than one host field")
+    if host is None and http_version != b"1.0":
+        raise MalformedRequest("missing host field")
+
+    authority = b"" if host is None else host
+    if target[:1] == b"/":
+        # RFC 9112 §3.2.1 origin-form: the common case.
+        pass
+    elif method == b"CONNECT":
+        # RFC 9112 §3.2.3 authority-form, only for CONNECT.
+        if not target:
+            raise MalformedRequest("invalid CONNECT target")
+        _check_authority(target)
+        authority = target
+        target = b""
+    elif target == b"*":
+        # RFC 9112 §3.2.4 asterisk-form, only for OPTIONS.
+        if method != b"OPTIONS":
+            raise MalformedRequest("asterisk-form target on a non-OPTIONS request")
+    else:
+        # RFC 9112 §3.2.2 absolute-form: its authority wins over Host.
+        match = _ABSOLUTE_FORM.fullmatch(target)
+        if match is None or match[1].lower() not in (b"http", b"https"):
+            raise MalformedRequest("invalid request target")
+        authority = match[2]
+        path = match[3]
+        if not path:
+            # RFC 9112 §3.2.4: an empty path is "/" (or "*" for OPTIONS).
+            path = b"*" if method == b"OPTIONS" else b"/"
+        elif path[:1] != b"/":  # only a query: RFC 3986 §6.2.3 gives it the path "/".
+            path = b"/" + path
+        target = path
+        if not authority:
+            # RFC 9110 §4.2.1: an http(s) URI has a non-empty host.
+            raise MalformedRequest("empty authority in absolute-form target")
+        _check_authority(authority)
+        return RequestHead(
+            stream=stream,
+            method=method,
+            target=target,
+            authority=authority,
+            scheme=scheme,
+            headers=fields,
+            http_version=http_version,
+        )
+    if host is not None:
+        _check_authority(host)
+    return RequestHead(
+        stream=stream,
+        method=method,
+        target=target,
+        authority=authority,
+        scheme=scheme,
+        headers=fields,
+        http_version=http_version,
+    )
+
+
+# --- upstream (to an HTTP/1.1 backend) -----------------------------------------------------
+
+
+def upstream_h1_headers(
+    head: RequestHead, *, client_ip: str, via: bytes, has_body: bool = False
+) -> Headers:
+    """The field list to send to an HTTP/1.1 backend for `head`.
+
+    Host first (from head.authority); hop-by-hop fields dropped (RFC 9110 §7.6.1) except
+    ``te: trailers``; cookies joined (RFC 9113 §8.2.3); X-Forwarded-For appended,
+    X-Forwarded-Proto set, Via appended (RFC 9110 §7.6.3).
+
+    Body framing (RFC 9112 §6): Content-Length is kept. A client's Transfer-Encoding (h11 only
+    accepts chunked) is replaced by our own ``transfer-encoding: chunked`` and any Content-Length
+    next to it is removed (RFC 9112 §6.3). An HTTP/2 request has no Transfer-Encoding: pass
+    ``has_body=True`` when its HEADERS did not end the stream, so that a body without
+    Content-Length is sent chunked (h11 frames a request without either as having no body).
+    """
+    # RFC 9112 §3.2: Host first; an empty authority is sent as an empty Host.
+    out: Headers = [(b"host", head.authority)]
+    append = out.append
+    special = _UPSTREAM_SPECIAL
+    cookies: list[bytes] | None = None
+    cookie_index = 0
+    xff: list[bytes] | None = None
+    vias: list[bytes] | None = None
+    nominated: set[bytes] | None = None
+    te_sent = False
+    chunked = False
+    content_length = False
+
+    for field in head.headers:
+        name = field[0]
+        if name not in special:
+            append(field)
+            continue
+        if name == b"cookie":
+            # RFC 9113 §8.2.3: crumbs are joined with "; " for HTTP/1.1, which allows one
+            # Cookie line (RFC 6265 §5.4); the joined field takes the first one's place.
+            if cookies is None:
+                cookies = [field[1]]
+                cookie_index = len(out)
+                append(field)
+            else:
+                cookies.append(field[1])
+        elif name == b"content-length":
+            content_length = True
+            append(field)
+        elif name == b"x-forwarded-for":
+            if xff is None:
+                xff = [field[1]]
+            else:
+                xff.append(field[1])
+        elif name == b"via":
+            if vias is None:
+                vias = [field[1]]
+            else:
+                vias.append(field[1])
+        elif name == b"te":
+            # RFC 9110 §7.6.1 / RFC 9113 §8.2.2: TE is hop-by-hop, but "trailers" says the
+            # client takes trailers, which matters end to end (gRPC); any coding is dropped.
+            if not te_sent and b"trailers" in _tokens(field[1]):
+                append((b"te", b"trailers"))
+                te_sent = True
+        elif name == b"connection":
+            # RFC 9110 §7.6.1: the fields it names are hop-by-hop too.
+            if nominated is None:
+                nominated = _tokens(field[1])
+            else:
+                nominated |= _tokens(field[1])
+        elif name == b"transfer-encoding":
+            # RFC 9112 §6.1: a proxy re-frames; we send chunked ourselves (below).
+            chunked = True
+        # host (rebuilt), x-forwarded-proto (replaced), proxy-connection, keep-alive,
+        # upgrade: dropped.
+
+    if cookies is not None and len(cookies) > 1:
+        # Empty crumbs carry no cookie; joining them would leave a stray "; " (and h11 refuses
+        # a value ending in SP).
+        out[cookie_index] = (b"cookie", b"; ".join([c for c in cookies if c]))
+    if nominated:
+        nominated -= _NOT_NOMINATABLE
+        if nominated:
+            out = [field for field in out if field[0] not in nominated]
+            if b"x-forwarded-for" in nominated:
+                xff = None
+            if b"via" in nominated:
+                vias = None
+    if chunked and content_length:
+        # RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and an intermediary removes
+        # the Content-Length before forwarding (request smuggling otherwise).
+        out = [field for field in out if field[0] != b"content-length"]
+        content_length = False
+    if chunked or (has_body and not content_length):
+        out.append((b"transfer-encoding", b"chunked"))
+
+    # X-Forwarded-For: the existing list plus the address we got the request from.
+    ip = client_ip.encode("ascii")
+    out.append((b"x-forwarded-for", _append_list(xff, ip)))
+    # X-Forwarded-Proto: the scheme the client used with us, whatever it claimed before.
+    out.append((b"x-forwarded-proto", head.scheme))
+    # RFC 9110 §7.6.3: received-protocol is the client's version ("HTTP/" omitted), then our
+    # pseudonym; appended to what earlier hops put there.
+    ours = head.http_version + b" " + via
+    out.append((b"via", _append_list(vias, ours)))
+    return out
+
+
+# --- downstream (to the client) ------------------------------------------------------------
+
+
+def response_headers(
+    status: int,
+    headers: Iterable[tuple[bytes, bytes]],
+    *,
+    via: bytes,
+    upstream_version: bytes,
+    to_h2: bool,
+) -> Headers:
+    """The field list to send to the client for a backend response.
+
+    Hop-by-hop fields dropped (RFC 9110 §7.6.1), Transfer-Encoding always (the client side
+    frames the body itself), Content-Length kept except where RFC 9110 §8.6 / RFC 9112 §6.3 say
+    it must go; Via appended (RFC 9110 §7.6.3); for text/event-stream, cache-control: no-cache
+    (unless the backend set one) and x-accel-buffering: no. For HTTP/2 the names come out
+    lower-case with no connection-specific field (RFC 9113 §8.2, §8.2.2).
+    """
+    out: Headers = []
+    append = out.append
+    special = _RESPONSE_SPECIAL
+    vias: list[bytes] | None = None
+    nominated: set[bytes] | None = None
+    content_type: bytes | None = None
+    cache_control = False
+    accel = False
+    chunked = False
+    content_length = False
+    # RFC 9110 §8.6: no Content-Length in a 1xx or 204 response.
+    no_length = status < 200 or status == 204
+
+    for field in headers:
+        name = field[0]
+        if not name.islower() and name.lower() != name:
+            # RFC 9113 §8.2: lower case on the HTTP/2 wire; and our lookups need it.
+            name = name.lower()
+            field = (name, field[1])
+        if name not in special:
+            append(field)
+            continue
+        if name == b"content-type":
+            if content_type is None:
+                content_type = field[1]
+            append(field)
+        elif name == b"content-length":
+            if not no_length:
+                content_length = True
+                append(field)
+        elif name == b"cache-control":
+            cache_control = True
+            append(field)
+        elif name == b"x-accel-buffering":
+            accel = True
+            append(field)
+        elif name == b"via":
+            if vias is None:
+                vias = [field[1]]
+            else:
+                vias.append(field[1])
+        elif name == b"connection":
+            # RFC 9110 §7.6.1: the fields it names are hop-by-hop too.
+            if nominated is None:
+                nominated = _tokens(field[1])
+            else:
+                nominated |= _tokens(field[1])
+        elif name == b"transfer-encoding":
+            chunked = True
+        # te, keep-alive, proxy-connection, upgrade: dropped (RFC 9110 §7.6.1; RFC 9113 §8.2.2
+        # makes them malformed in HTTP/2).
+
+    if nominated:
+        nominated -= _NOT_NOMINATABLE
+        if nominated:
+            out = [field for field in out if field[0] not in nominated]
+            if b"via" in nominated:
+                vias = None
+            if content_type is not None and b"content-type" in nominated:
+                content_type = None
+            if b"cache-control" in nominated:
+                cache_control = False
+    if chunked and content_length:
+        # RFC 9112 §6.3: with Transfer-Encoding the Content-Length is wrong or ignored; an
+        # intermediary removes it before forwarding.
+        out = [field for field in out if field[0] != b"content-length"]
+
+    # RFC 9110 §7.6.3: received-protocol is the backend's version, then our pseudonym.
+    ours = upstream_version + b" " + via
+    append = out.append
+    append((b"via", _append_list(vias, ours)))
+    if content_type is not None and _is_event_stream_type(content_type):
+        # Server-sent events (HTML Living Standard §9.2): keep caches and buffering proxies
+        # (nginx's X-Accel-Buffering) from holding tokens back.
+        if not cache_control:
+            append((b"cache-control", b"no-cache"))
+        if accel:
+            out = [field for field in out if field[0] != b"x-accel-buffering"]
+            out.append((b"x-accel-buffering", b"no"))
+        else:
+            append((b"x-accel-buffering", b"no"))
+    return out
+
+
+def _is_event_stream_type(content_type: bytes) -> bool:
+    # RFC 9110 §8.3.1: media type = type "/" subtype *( OWS ";" OWS parameter ), type and
+    # subtype case-insensitive.
+    return content_type.split(b";", 1)[0].strip(b" \t").lower() == _EVENT_STREAM
+
+
+def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether the (first) content-type is text/event-stream, parameters allowed."""
+    content_type = header_value(headers, b"content-type")
+    return content_type is not None and _is_event_stream_type(content_type)
+
+
+def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of field `name` (lower-case), or None."""
+    for field_name, value in headers:
+        if field_name == name:
+            return value
+    return None

@@ -1,0 +1,440 @@
+"""The whole proxy driven with bytes only: real h11/h2 peers on both sides, no sockets."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import attrs
+import h2.errors
+import h2.events
+import h11
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+
+from muxproxy.config import Limits, Timeouts
+from muxproxy.core.commands import (
+    CloseConnection,
+    Log,
+    OpenConnection,
+    PauseReading,
+    ResumeReading,
+    SendData,
+    SetTimer,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "muxproxy"
+FORBIDDEN = {"trio", "asyncio", "socket", "ssl", "select", "selectors", "time"}
+SSE_EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(5)]
+
+
+@pytest.mark.parametrize("package", ["core", "routing"])
+def test_core_is_sans_io(package: str) -> None:
+    files = sorted((ROOT / package).glob("*.py"))
+    assert files
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+
+
+def _start_h1(pb: Playbook, request: bytes) -> tuple[int, H1BackendPeer]:
+    """Client request in; returns the backend connection id and the backend peer."""
+    pb.accept(1)
+    pb.receive(1, request)
+    (open_cmd,) = pb.opens()
+    assert str(open_cmd.origin) == BACKEND
+    backend = H1BackendPeer()
+    pb.opened(open_cmd.conn)
+    return open_cmd.conn, backend
+
+
+@pytest.mark.parametrize("split", [0, 1])
+def test_h1_client_sse_stream_is_relayed_chunk_by_chunk(split: int) -> None:
+    pb = Playbook(split=split)
+    client = H1ClientPeer()
+    body = b'{"stream": true}'
+    up, backend = _start_h1(
+        pb, client.request("POST", "/v1/chat/completions", [("Cookie", "a=1")], body)
+    )
+    received = backend.events(pb.take(up))
+    request = received[0]
+    assert isinstance(request, h11.Request)
+    assert request.target == b"/v1/chat/completions"
+    headers = dict(request.headers)
+    assert headers[b"host"] == b"proxy.example"
+    assert headers[b"x-forwarded-for"] == b"10.0.0.7"
+    assert headers[b"via"] == b"1.1 muxproxy"
+    assert b"".join(e.data for e in received if isinstance(e, h11.Data)) == body
+    assert isinstance(received[-1], h11.EndOfMessage)
+
+    head = pb.receive(up, backend.sse_head())
+    response = client.events(pb.take(1, head))
+    assert isinstance(response[0], h11.Response)
+    assert dict(response[0].headers)[b"x-accel-buffering"] == b"no"
+    for event in SSE_EVENTS:
+        commands = pb.receive(up, backend.chunk(event))
+        # Per-chunk flush: what arrives leaves in the very call that brought it.
+        decoded = client.events(pb.take(1, commands))
+        assert b"".join(d.data for d in decoded) == event
+        if not split:
+            assert len(decoded) == 1
+    final = client.events(pb.take(1, pb.receive(up, backend.end())))
+    assert isinstance(final[-1], h11.EndOfMessage)
+    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
+    assert access.fields["status"] == 200
+    assert access.fields["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("split", [0, 1, 7])
+def test_h2_client_streams_are_relayed_per_data_frame(split: int) -> None:
+    pb = Playbook(split=split)
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, data = client.request(
+        b"POST",
+        b"/v1/chat/completions",
+        headers=[(b"cookie", b"a=1"), (b"cookie", b"b=2")],
+        body=b"{}",
+    )
+    pb.receive(1, client.preface() + data)
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    request = backend.events(pb.take(up))[0]
+    headers = dict(request.headers)
+    # RFC 9113 §8.2.3: cookies arrive joined for HTTP/1.1.
+    assert headers[b"cookie"] == b"a=1; b=2"
+    assert headers[b"host"] == b"proxy.example"
+    assert headers[b"via"] == b"2 muxproxy"
+
+    events = client.events(pb.take(1, pb.receive(up, backend.sse_head())))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"200"
+    for chunk in SSE_EVENTS:
+        events = client.events(pb.take(1, pb.receive(up, backend.chunk(chunk))))
+        frames = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
+        assert b"".join(frames) == chunk
+        if not split:
+            assert len(frames) == 1
+    events = client.events(pb.take(1, pb.receive(up, backend.end())))
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+
+
+def test_plain_listener_tells_h1_from_h2_by_the_preface_byte_by_byte() -> None:
+    pb = Playbook(split=1)
+    pb.accept(1)
+    client = H2ClientPeer()
+    _, data = client.request()
+    pb.receive(1, client.preface() + data)
+    assert len(pb.opens()) == 1  # the request was parsed as HTTP/2
+    out = client.events(pb.take(1))
+    assert any(isinstance(e, h2.events.RemoteSettingsChanged) for e in out)
+
+
+def test_tls_alpn_h2_needs_no_sniffing() -> None:
+    pb = Playbook()
+    pb.accept(1, tls=True, alpn="h2")
+    # The server preface (SETTINGS) goes out at once, before any client byte.
+    assert pb.take(1)
+    client = H2ClientPeer()
+    _, data = client.request()
+    pb.receive(1, client.preface() + data)
+    assert len(pb.opens()) == 1
+
+
+def test_backend_pool_reuses_the_kept_alive_connection() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    response = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
+    pb.receive(up, (response or b"") + backend.chunk(b"ok") + backend.end())
+    assert [type(e) for e in client.events(pb.take(1))][-1] is h11.EndOfMessage
+    client.conn.start_next_cycle()
+    backend.conn.start_next_cycle()
+    before = len(pb.log)
+    pb.receive(1, client.request())
+    assert len(pb.opens()) == 1  # no new connection
+    request = backend.events(pb.take(up, pb.log[before:]))[0]
+    assert isinstance(request, h11.Request)
+    assert pb.core.statistics().upstream_connections == 1
+
+
+def test_slow_h1_client_pauses_the_backend_and_resumes_it() -> None:
+    limits = Limits(stream_buffer=64 * 1024)
+    pb = Playbook(default_config(limits=limits))
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head())
+    chunk = b"data: " + b"x" * 4000 + b"\n\n"
+    paused_at = None
+    for i in range(40):
+        commands = pb.receive(up, backend.chunk(chunk))
+        if PauseReading(conn=up) in commands:
+            paused_at = i
+            break
+    assert paused_at is not None
+    (stats,) = pb.core.statistics().streams
+    assert stats.upstream_paused
+    assert stats.response_buffered <= limits.stream_buffer
+    # The client's socket drains: reading resumes once below low water.
+    commands = pb.sent(1, stats.response_buffered)
+    assert ResumeReading(conn=up) in commands
+
+
+def test_stalled_h2_stream_does_not_stall_its_neighbour() -> None:
+    limits = Limits(stream_buffer=64 * 1024)
+    pb = Playbook(default_config(limits=limits))
+    pb.accept(1)
+    client = H2ClientPeer()
+    stalled, data1 = client.request(path=b"/a")
+    other, data2 = client.request(path=b"/b")
+    pb.receive(1, client.preface() + data1 + data2)
+    up_stalled, up_other = (c.conn for c in pb.opens())
+    backends = {}
+    for up in (up_stalled, up_other):
+        pb.opened(up)
+        backends[up] = H1BackendPeer()
+        backends[up].events(pb.take(up))
+        pb.receive(up, backends[up].sse_head())
+    client.conn.receive_data(pb.take(1))  # settings and both response heads
+    pb.receive(1, client.conn.data_to_send())
+    # The client reads everything but never gives window back for the stalled stream.
+    received: dict[int, int] = {stalled: 0, other: 0}
+
+    def deliver(commands: list) -> None:
+        for event in client.conn.receive_data(pb.take(1, commands)):
+            if isinstance(event, h2.events.DataReceived):
+                received[event.stream_id] += len(event.data)
+                if event.stream_id == other:
+                    client.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                else:
+                    # Like any real h2 client, give the connection-level window back for
+                    # data it buffered, but keep the stream's window closed.
+                    client.conn.increment_flow_control_window(event.flow_controlled_length)
+        pb.receive(1, client.conn.data_to_send())
+
+    chunk = b"data: " + b"y" * 8000 + b"\n\n"
+    paused = False
+    for _ in range(40):
+        commands = pb.receive(up_stalled, backends[up_stalled].chunk(chunk))
+        paused = paused or PauseReading(conn=up_stalled) in commands
+        deliver(commands)
+        for c in commands:
+            if isinstance(c, SendData) and c.conn == 1:
+                pb.sent(1, len(c.data))
+        if paused:
+            break
+    assert paused
+    before = received[other]
+    for _ in range(20):
+        commands = pb.receive(up_other, backends[up_other].chunk(chunk))
+        assert PauseReading(conn=up_other) not in commands
+        deliver(commands)
+        for c in commands:
+            if isinstance(c, SendData) and c.conn == 1:
+                pb.sent(1, len(c.data))
+    assert received[other] - before == 20 * (len(chunk))
+    by_stream = {s.stream: s for s in pb.core.statistics().streams}
+    assert by_stream[stalled].upstream_paused
+    assert by_stream[stalled].response_buffered <= limits.stream_buffer
+    assert not by_stream[other].upstream_paused
+
+
+def test_client_reset_closes_the_backend_connection_at_once() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, data = client.request()
+    pb.receive(1, client.preface() + data)
+    (open_cmd,) = pb.opens()
+    pb.opened(open_cmd.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(open_cmd.conn))
+    pb.receive(open_cmd.conn, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
+    client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    commands = pb.receive(1, client.conn.data_to_send())
+    assert CloseConnection(conn=open_cmd.conn) in commands
+
+
+def test_h1_client_disconnect_closes_the_backend_connection() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head())
+    assert CloseConnection(conn=up) in pb.closed(1)
+
+
+def test_backend_death_mid_stream_resets_the_h2_stream() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, data = client.request()
+    pb.receive(1, client.preface() + data)
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
+    events = client.events(pb.take(1, pb.closed(up)))
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [r.error_code for r in resets] == [h2.errors.ErrorCodes.INTERNAL_ERROR]
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
+
+
+def test_backend_death_mid_stream_closes_h1_without_last_chunk() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
+    commands = pb.closed(up)
+    assert CloseConnection(conn=1) in commands
+    events = client.events(pb.take(1))
+    assert not any(isinstance(e, h11.EndOfMessage) for e in events)
+    with pytest.raises(h11.RemoteProtocolError):
+        client.events(b"")  # EOF inside a chunked body
+
+
+@pytest.mark.parametrize(
+    ("timer", "status"), [("connect", 504), ("head", 504)], ids=["connect", "response-head"]
+)
+def test_timeouts_before_the_head_answer_504(timer: str, status: int) -> None:
+    pb = Playbook(default_config(timeouts=Timeouts(connect=2, response_head=3)))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, client.request())
+    (open_cmd,) = pb.opens()
+    if timer == "head":
+        pb.opened(open_cmd.conn)
+    armed = [c for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == timer]
+    assert armed and armed[-1].at == (2 if timer == "connect" else 3)
+    pb.now = armed[-1].at
+    commands = pb.wakeup(timer, armed[-1].timer[1])
+    response = client.events(pb.take(1, commands))[0]
+    assert response.status_code == status
+
+
+def test_read_timeout_is_lazy_and_moves_with_every_chunk() -> None:
+    pb = Playbook(default_config(timeouts=Timeouts(read=10)))
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head())
+    (armed,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == "read"]
+    pb.now = 6.0
+    commands = pb.receive(up, backend.chunk(SSE_EVENTS[0]))
+    assert not any(isinstance(c, SetTimer) for c in commands)  # relaying costs no timer
+    pb.now = 10.0
+    commands = pb.wakeup("read", armed.timer[1])
+    assert SetTimer(timer=armed.timer, at=16.0) in commands
+    pb.now = 16.0
+    commands = pb.wakeup("read", armed.timer[1])
+    assert CloseConnection(conn=up) in commands
+    assert CloseConnection(conn=1) in commands  # truncated, never a clean end
+
+
+def test_refused_backend_answers_502() -> None:
+    from muxproxy.core.events import OpenFailed
+
+    pb = Playbook()
+    client = H2ClientPeer()
+    pb.accept(1)
+    sid, data = client.request()
+    pb.receive(1, client.preface() + data)
+    (open_cmd,) = pb.opens()
+    commands = pb.feed(OpenFailed(now=0, conn=open_cmd.conn, reason="refused"))
+    events = client.events(pb.take(1, commands))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"502"
+
+
+def test_malformed_h1_request_gets_400_and_close() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    commands = pb.receive(1, b"GET / HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n")
+    assert b"400" in pb.take(1, commands).split(b"\r\n")[0]
+    assert CloseConnection(conn=1) in commands
+    assert not pb.opens()
+
+
+def test_malformed_h2_request_resets_only_its_stream() -> None:
+    import h2.config
+    import h2.connection
+
+    pb = Playbook()
+    pb.accept(1)
+    config = h2.config.H2Configuration(
+        client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
+    )
+    conn = h2.connection.H2Connection(config=config)
+    conn.initiate_connection()
+    base = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
+    conn.send_headers(1, [*base, (b"connection", b"keep-alive")], end_stream=True)
+    conn.send_headers(3, base, end_stream=True)
+    pb.receive(1, conn.data_to_send())
+    events = conn.receive_data(pb.take(1))
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [(r.stream_id, r.error_code) for r in resets] == [
+        (1, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+    ]
+    assert len(pb.opens()) == 1  # stream 3 goes on to the backend
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_chunking_gives_the_same_relayed_stream(data: st.DataObject) -> None:
+    def cuts(blob: bytes) -> list[bytes]:
+        points = sorted(
+            data.draw(st.sets(st.integers(1, max(1, len(blob) - 1)), max_size=12)) | {len(blob)}
+        )
+        out, last = [], 0
+        for p in points:
+            out.append(blob[last:p])
+            last = p
+        return [p for p in out if p]
+
+    pb = Playbook()
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, request = client.request(b"POST", b"/v1/chat/completions", body=b'{"x": 1}')
+    for piece in cuts(client.preface() + request):
+        pb.receive(1, piece)
+    (open_cmd,) = pb.opens()
+    pb.opened(open_cmd.conn)
+    backend = H1BackendPeer()
+    got = backend.events(pb.take(open_cmd.conn))
+    assert b"".join(e.data for e in got if isinstance(e, h11.Data)) == b'{"x": 1}'
+    wire = backend.sse_head() + b"".join(backend.chunk(e) for e in SSE_EVENTS) + backend.end()
+    for piece in cuts(wire):
+        pb.receive(open_cmd.conn, piece)
+    events = client.events(pb.take(1))
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert body == b"".join(SSE_EVENTS)
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+    # Every exchange ends exactly once.
+    assert len([c for c in pb.log if isinstance(c, Log) and c.event == "access"]) == 1
+
+
+def test_open_connection_carries_the_origin() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    pb.receive(1, H1ClientPeer().request())
+    assert pb.opens() == [OpenConnection(conn=-1, origin=pb.opens()[0].origin)]
+    assert attrs.asdict(pb.opens()[0].origin) == {"host": "127.0.0.1", "port": 9001, "tls": False}
