@@ -294,7 +294,9 @@ def test_backend_death_mid_stream_resets_the_h2_stream() -> None:
     pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
     events = client.events(pb.take(1, pb.closed(up)))
     resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [r.error_code for r in resets] == [h2.errors.ErrorCodes.INTERNAL_ERROR]
+    assert [(r.stream_id, r.error_code) for r in resets] == [
+        (sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+    ]
     assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
 
 
@@ -356,7 +358,7 @@ def test_refused_backend_answers_502() -> None:
     pb = Playbook()
     client = H2ClientPeer()
     pb.accept(1)
-    sid, data = client.request()
+    _, data = client.request()
     pb.receive(1, client.preface() + data)
     (open_cmd,) = pb.opens()
     commands = pb.feed(OpenFailed(now=0, conn=open_cmd.conn, reason="refused"))
