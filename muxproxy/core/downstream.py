@@ -106,6 +106,9 @@ class Downstream:
         except PeerError as exc:
             self._h1_protocol_error(exc)
             return
+        if self.h1.interim:
+            self._send(self.h1.interim)
+            self.h1.interim = b""
         self._dispatch(messages)
 
     def _h1_protocol_error(self, exc: PeerError) -> None:

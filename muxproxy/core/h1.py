@@ -42,6 +42,8 @@ class H1Server:
         self.scheme = scheme
         self.stream = 0
         """Number of the current request on this connection (1, 2, ...)."""
+        self.interim = b""
+        """Bytes of an interim response (100 Continue) produced while receiving."""
 
     def receive(self, data: bytes) -> list[Message]:
         """Feed bytes (b"" for EOF); return the messages they complete. Raises ``PeerError``."""
@@ -84,7 +86,9 @@ class H1Server:
                 if conn.they_are_waiting_for_100_continue:
                     # RFC 9110 §10.1.1: we will read the body, so tell the client to send it
                     # now instead of making it wait for a timeout.
-                    conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+                    self.interim += (
+                        conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+                    )
             elif type(event) is h11.EndOfMessage:
                 out.append(End(stream=self.stream, trailers=list(event.headers)))
             elif type(event) is h11.ConnectionClosed:

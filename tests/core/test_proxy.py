@@ -16,6 +16,7 @@ from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playboo
 
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import (
+    CancelTimer,
     CloseConnection,
     Log,
     OpenConnection,
@@ -440,3 +441,49 @@ def test_open_connection_carries_the_origin() -> None:
     pb.receive(1, H1ClientPeer().request())
     assert pb.opens() == [OpenConnection(conn=-1, origin=pb.opens()[0].origin)]
     assert attrs.asdict(pb.opens()[0].origin) == {"host": "127.0.0.1", "port": 9001, "tls": False}
+
+
+def test_expect_100_continue_is_answered_by_the_proxy() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    client = H1ClientPeer()
+    head = client.conn.send(
+        h11.Request(
+            method="POST",
+            target="/v1/chat/completions",
+            headers=[("Host", "a"), ("Content-Length", "2"), ("Expect", "100-continue")],
+        )
+    )
+    commands = pb.receive(1, head or b"")
+    (interim,) = client.events(pb.take(1, commands))
+    assert isinstance(interim, h11.InformationalResponse)
+    assert interim.status_code == 100
+
+
+def test_idle_pooled_connection_is_closed_after_the_pool_idle_timeout() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    response = backend.conn.send(h11.Response(status_code=204, headers=[]))
+    pb.receive(up, (response or b"") + backend.end())
+    (armed,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer == ("pool", up)]
+    assert armed.at == pb.core.config.upstreams["default"].pool_idle_timeout
+    assert pb.core.statistics().idle_upstream_connections == 1
+    pb.now = armed.at
+    assert CloseConnection(conn=up) in pb.wakeup("pool", up)
+    assert pb.core.statistics().idle_upstream_connections == 0
+
+
+def test_backend_closing_an_idle_pooled_connection_just_drops_it() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = _start_h1(pb, client.request())
+    backend.events(pb.take(up))
+    response = backend.conn.send(h11.Response(status_code=204, headers=[]))
+    pb.receive(up, (response or b"") + backend.end())
+    assert pb.closed(up) == [CancelTimer(timer=("pool", up))]
+    client.events(pb.take(1))
+    client.conn.start_next_cycle()
+    pb.receive(1, client.request())
+    assert len(pb.opens()) == 2  # the next request opens a fresh connection
