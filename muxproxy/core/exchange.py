@@ -98,13 +98,11 @@ class Exchange:
         core.cancel_timer(("connect", self.ident))
         self.upstream = upstream
         head = self.head
-        headers = upstream_h1_headers(head, client_ip=self.client.peer_ip, via=VIA)
-        if not head.end_stream and not any(
-            name == b"content-length" or name == b"transfer-encoding" for name, _ in headers
-        ):
-            # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); HTTP/1.1
-            # needs one, and chunked is the one that streams (RFC 9112 §7.1).
-            headers.append((b"transfer-encoding", b"chunked"))
+        # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); without a
+        # Content-Length the HTTP/1.1 side frames it chunked (RFC 9112 §7.1).
+        headers = upstream_h1_headers(
+            head, client_ip=self.client.peer_ip, via=VIA, has_body=not head.end_stream
+        )
         upstream.send_head(self.stream, head.method, head.target, headers)
         for chunk in self.held:
             upstream.send_body(chunk)

@@ -93,7 +93,8 @@ _HOP_BY_HOP = frozenset(
 )
 # Names a Connection header may not take away from the message here: Content-Length frames the
 # body we relay (dropping it would change the message, RFC 9110 §7.6.1 forbids nominating fields
-# meant for all recipients) and TE keeps its own rule (only "trailers" travels).
+# meant for all recipients), Host is ours (rebuilt from the authority) and TE keeps its own rule
+# (only "trailers" travels). The X-Forwarded-* and Via fields we add are never removed either.
 _NOT_NOMINATABLE = frozenset({b"content-length", b"te", b"host"})
 
 # Every request field name upstream_h1_headers treats specially; one set lookup per field on
@@ -251,6 +252,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
     if _TOKEN.fullmatch(method) is None:
         raise MalformedRequest("invalid :method")
 
+    pseudo_authority = authority is not None
     if authority is not None:
         # RFC 9113 §8.3.1: :authority wins over Host; the Host field stays in `headers`
         # untouched (it is rebuilt from `authority` on the way upstream). With no authority to
@@ -266,8 +268,9 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         authority = host
 
     if method == b"CONNECT" and protocol is None:
-        # RFC 9113 §8.5: CONNECT has :authority and neither :scheme nor :path.
-        if authority is None or authority == b"":
+        # RFC 9113 §8.5: CONNECT has :authority (a Host field does not do) and neither :scheme
+        # nor :path.
+        if authority is None or not pseudo_authority:
             raise MalformedRequest("CONNECT without :authority")
         if scheme is not None or path is not None:
             raise MalformedRequest("CONNECT with :scheme or :path")
