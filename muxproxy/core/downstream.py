@@ -69,8 +69,12 @@ class Downstream:
         self.protocol = protocol
         limits = self.core.config.limits
         if protocol is Protocol.HTTP2:
+            # A stream's receive window is what a client may send beyond what we hold; the
+            # request side stays within stream_buffer only if it fits in one read's slack.
             self.h2 = H2Server(
-                scheme=self.scheme, max_concurrent_streams=limits.max_concurrent_streams
+                scheme=self.scheme,
+                max_concurrent_streams=limits.max_concurrent_streams,
+                initial_window=min(65535, self.core.read_size),
             )
             self._flush_h2()
         else:

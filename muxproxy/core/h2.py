@@ -62,12 +62,18 @@ class H2Server:
             client=False,
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window,
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list_size,
             },
         )
         self.conn.initiate_connection()
+        if initial_window != 65535:
+            # Sent as a change rather than an initial value: h2 applies it only once the
+            # client acknowledged it, so a client that sends a default 65,535-byte window
+            # before it saw our SETTINGS is within its rights (RFC 9113 §6.5.3, §6.9.2).
+            self.conn.update_settings(
+                {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window}
+            )
         self.conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self.queues: dict[int, _SendQueue] = {}
         self.blocked: set[int] = set()
