@@ -314,6 +314,13 @@ class Downstream:
         """Close after what is pending is written; exchanges still running are aborted."""
         if self.protocol is Protocol.CLOSED:
             return
+        if self.h2 is not None:
+            # What h2 still holds goes out before the close: a connection error queues its
+            # GOAWAY in ``H2Server.receive``, and the aborts of the running exchanges can
+            # reach this close (via ``exchange_finished``) before ``_after_h2_receive``
+            # flushes; once CLOSED, ``_send`` drops everything (RFC 9113 §5.4.1: the GOAWAY
+            # must be sent).
+            self._flush_h2()
         self.protocol = Protocol.CLOSED
         self.core.emit(CloseConnection(conn=self.conn))
         for exchange in list(self.exchanges.values()):

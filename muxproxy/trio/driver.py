@@ -67,6 +67,7 @@ class Conn:
         "pending",
         "resume",
         "scope",
+        "send_started",
         "stream",
         "writer_lot",
     )
@@ -81,6 +82,8 @@ class Conn:
         self.closing = False
         self.closed = False
         self.scope = trio.CancelScope()
+        self.send_started: float | None = None
+        """When the ``send_all`` in flight began; None while the writer is not sending."""
 
 
 class Driver:
@@ -181,12 +184,14 @@ class Driver:
                 continue
             data = bytes(pending)
             pending.clear()
+            conn.send_started = trio.current_time()
             try:
                 await send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 conn.closing = True
                 conn.scope.cancel()
                 return
+            conn.send_started = None
             feed(DataSent(now=trio.current_time(), conn=ident, nbytes=len(data)))
 
     def _send_data(self, command: SendData) -> None:
@@ -216,6 +221,14 @@ class Driver:
         conn = self.conns.get(command.conn)
         if conn is not None and not conn.closing:
             conn.closing = True
+            # The flush before the close is bounded like any write: a peer that takes none
+            # of the pending bytes for ``timeouts.send`` (counted from the start of the send
+            # in flight, if any) is cut off. Without this bound a close issued *because* of
+            # a send timeout (the client stopped reading) would wait in ``send_all`` forever.
+            started = conn.send_started
+            if started is None:
+                started = trio.current_time()
+            conn.scope.deadline = started + self.core.config.timeouts.send
             conn.writer_lot.unpark()
 
     def _open(self, command: OpenConnection) -> None:

@@ -1,0 +1,274 @@
+"""End to end: header translation through a real proxy to a real fake backend.
+
+The backend (``FakeLLM`` with ``x-fake-echo-headers: 1``) reports the request headers it
+received, so these tests see exactly what the proxy forwarded: hop-by-hop fields removed
+(RFC 9110 §7.6.1), Host from ``:authority`` (RFC 9113 §8.3.1), cookie crumbs joined
+(RFC 9113 §8.2.3), X-Forwarded-For / X-Forwarded-Proto / Via added. On the way back, an SSE
+response carries the anti-buffering fields and Via, and nothing connection-specific on HTTP/2
+(RFC 9113 §8.2.2).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h11
+import trio
+
+CHAT = b"/v1/chat/completions"
+
+
+def chat_body(*, stream: bool, tokens: int = 2) -> bytes:
+    return json.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": stream,
+            "max_tokens": tokens,
+        }
+    ).encode()
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
+    out: list[Any] = []
+    for block in body.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: ") :]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+# -- a minimal HTTP/1.1 client (h11) ---------------------------------------------------------
+
+
+async def h1_request(
+    port: int, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes = b""
+) -> tuple[h11.Response, bytes]:
+    """One request on a fresh connection; the response head and its whole body."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        if body:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+        data = conn.send(h11.Request(method=method, target=target, headers=headers))
+        if body:
+            data += conn.send(h11.Data(data=body))
+        data += conn.send(h11.EndOfMessage())
+        await stream.send_all(data)
+        response: h11.Response | None = None
+        chunks: list[bytes] = []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+                continue
+            if type(event) is h11.Response:
+                response = event
+            elif type(event) is h11.Data:
+                chunks.append(bytes(event.data))
+            elif type(event) is h11.EndOfMessage:
+                break
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+        assert response is not None
+        return response, b"".join(chunks)
+
+
+def h11_headers(response: h11.Response) -> dict[bytes, list[bytes]]:
+    out: dict[bytes, list[bytes]] = {}
+    for name, value in response.headers:
+        out.setdefault(bytes(name), []).append(bytes(value))
+    return out
+
+
+# -- a minimal HTTP/2 client (h2, prior knowledge) -------------------------------------------
+
+
+async def h2_request(
+    port: int, headers: list[tuple[bytes, bytes]], body: bytes = b""
+) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """One request on a fresh h2c connection; the response header block and body."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        config = h2.config.H2Configuration(
+            client_side=True,
+            header_encoding=None,
+            validate_inbound_headers=False,  # we check the response fields ourselves
+        )
+        conn = h2.connection.H2Connection(config=config)
+        conn.initiate_connection()
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, headers, end_stream=not body)
+        if body:
+            conn.send_data(sid, body, end_stream=True)
+        await stream.send_all(conn.data_to_send())
+        response_headers: list[tuple[bytes, bytes]] | None = None
+        chunks: list[bytes] = []
+        while True:
+            data = await stream.receive_some(65536)
+            assert data, "connection closed before the response ended"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    response_headers = list(event.headers)
+                elif isinstance(event, h2.events.DataReceived):
+                    chunks.append(event.data)
+                    conn.acknowledge_received_data(event.flow_controlled_length, sid)
+                elif isinstance(event, h2.events.StreamEnded):
+                    assert response_headers is not None
+                    return response_headers, b"".join(chunks)
+                elif isinstance(event, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    raise AssertionError(f"unexpected {event!r}")
+            await stream.send_all(conn.data_to_send())
+
+
+def field_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [value for field, value in headers if field == name]
+
+
+# -- requests as the backend saw them ---------------------------------------------------------
+
+HOP_BY_HOP_REQUEST = [
+    (b"host", b"api.example"),
+    (b"connection", b"keep-alive, x-secret"),
+    (b"x-secret", b"1"),
+    (b"keep-alive", b"5"),
+    (b"proxy-connection", b"keep-alive"),
+    (b"te", b"gzip"),
+    (b"x-fake-echo-headers", b"1"),
+    (b"content-type", b"application/json"),
+    (b"x-end-to-end", b"kept"),
+]
+
+
+async def test_h1_client_hop_by_hop_fields_are_not_forwarded(start_backend, start_proxy):
+    _, backend = await start_backend(tokens=2, delay=0)
+    proxy = await start_proxy([backend])
+    with trio.fail_after(10):
+        response, body = await h1_request(
+            proxy.port, b"POST", CHAT, HOP_BY_HOP_REQUEST, chat_body(stream=False)
+        )
+    assert response.status_code == 200
+    seen = json.loads(body)["request_headers"]
+    for name in ("connection", "x-secret", "keep-alive", "proxy-connection", "te"):
+        assert name not in seen, f"hop-by-hop field {name!r} reached the backend: {seen}"
+    assert seen["host"] == "api.example"
+    assert seen["x-end-to-end"] == "kept"
+    assert seen["x-forwarded-for"] == "127.0.0.1"
+    assert seen["x-forwarded-proto"] == "http"
+    assert "1.1 muxproxy" in seen["via"]
+
+
+async def test_h1_client_forwarded_fields_are_appended(start_backend, start_proxy):
+    _, backend = await start_backend(tokens=2, delay=0)
+    proxy = await start_proxy([backend])
+    headers = [
+        (b"host", b"api.example"),
+        (b"x-forwarded-for", b"203.0.113.7"),
+        (b"x-forwarded-proto", b"https"),  # a client's claim is replaced by what we saw
+        (b"via", b"1.0 edge"),
+        (b"x-fake-echo-headers", b"1"),
+    ]
+    with trio.fail_after(10):
+        response, body = await h1_request(
+            proxy.port, b"POST", CHAT, headers, chat_body(stream=False)
+        )
+    assert response.status_code == 200
+    seen = json.loads(body)["request_headers"]
+    assert seen["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    assert seen["x-forwarded-proto"] == "http"
+    assert seen["via"] == "1.0 edge, 1.1 muxproxy"
+
+
+async def test_h1_client_sse_response_fields(start_backend, start_proxy):
+    _, backend = await start_backend(tokens=3, delay=0)
+    proxy = await start_proxy([backend])
+    headers = [(b"host", b"api.example"), (b"x-fake-echo-headers", b"1")]
+    with trio.fail_after(10):
+        response, body = await h1_request(
+            proxy.port, b"POST", CHAT, headers, chat_body(stream=True)
+        )
+    assert response.status_code == 200
+    fields = h11_headers(response)
+    assert fields[b"content-type"][0].startswith(b"text/event-stream")
+    assert b"no-cache" in fields[b"cache-control"]
+    assert fields[b"x-accel-buffering"] == [b"no"]
+    assert b"muxproxy" in b", ".join(fields[b"via"])
+    events = sse_events(body)
+    assert events[-1] == "[DONE]"
+    seen = events[0]["request_headers"]
+    assert "1.1 muxproxy" in seen["via"]
+    assert seen["x-forwarded-proto"] == "http"
+
+
+async def test_h2_client_authority_cookies_and_forwarded_fields(start_backend, start_proxy):
+    _, backend = await start_backend(tokens=3, delay=0)
+    proxy = await start_proxy([backend])
+    body = chat_body(stream=True)
+    request = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":authority", b"llm.example:8443"),
+        (b":path", CHAT),
+        (b"cookie", b"a=1"),
+        (b"cookie", b"b=2"),
+        (b"x-forwarded-for", b"198.51.100.1"),
+        (b"x-fake-echo-headers", b"1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    with trio.fail_after(10):
+        headers, data = await h2_request(proxy.port, request, body)
+
+    # What the client got back.
+    assert field_values(headers, b":status") == [b"200"]
+    assert field_values(headers, b"content-type")[0].startswith(b"text/event-stream")
+    assert b"no-cache" in field_values(headers, b"cache-control")
+    assert field_values(headers, b"x-accel-buffering") == [b"no"]
+    assert any(b"muxproxy" in value for value in field_values(headers, b"via"))
+    for name in (b"transfer-encoding", b"connection", b"keep-alive", b"proxy-connection"):
+        assert not field_values(headers, name), f"{name!r} in an HTTP/2 response"
+    for name, _ in headers:
+        assert name == name.lower()
+
+    # What the backend got.
+    events = sse_events(data)
+    assert events[-1] == "[DONE]"
+    seen = events[0]["request_headers"]
+    assert seen["host"] == "llm.example:8443"
+    assert seen["cookie"] == "a=1; b=2"
+    assert seen["x-forwarded-for"] == "198.51.100.1, 127.0.0.1"
+    assert seen["x-forwarded-proto"] == "http"
+    assert "2 muxproxy" in seen["via"]
+    assert "1.1 muxproxy" not in seen["via"]
+
+
+async def test_h2_client_get_without_cookies_or_xff(start_backend, start_proxy):
+    fake, backend = await start_backend(tokens=1, delay=0)
+    proxy = await start_proxy([backend])
+    request = [
+        (b":method", b"GET"),
+        (b":scheme", b"http"),
+        (b":authority", b"models.example"),
+        (b":path", b"/v1/models"),
+        (b"te", b"trailers"),
+    ]
+    with trio.fail_after(10):
+        headers, data = await h2_request(proxy.port, request)
+    assert field_values(headers, b":status") == [b"200"]
+    assert json.loads(data)["object"] == "list"
+    assert not field_values(headers, b"transfer-encoding")
+    assert not field_values(headers, b"connection")
+    assert any(b"muxproxy" in value for value in field_values(headers, b"via"))
+    seen = fake.last_request_headers
+    assert seen is not None
+    assert seen["host"] == "models.example"
+    assert "cookie" not in seen
+    assert seen["x-forwarded-for"] == "127.0.0.1"
+    assert seen["te"] == "trailers"  # the one TE value that travels (RFC 9113 §8.2.2)
+    assert seen["via"] == "2 muxproxy"

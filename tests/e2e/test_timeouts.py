@@ -1,0 +1,632 @@
+"""End to end: every configured timeout, on real sockets, in virtual time.
+
+Each test runs under a ``MockClock`` that jumps to the next deadline once every task has been
+blocked for 10 ms of real time (``autojump_threshold=0.01``, not 0: with 0 the clock could jump
+while loopback bytes are still on their way between two sockets, firing a timeout early). So
+the timeouts here are realistic (seconds) and the tests still take milliseconds, and the
+durations can be asserted: virtual time moves only by jumps to deadlines.
+
+What is checked (``Timeouts`` in ``muxproxy.config``):
+
+- connect: a backend connect that never completes -> 504 after ``connect``;
+- response_head: a backend that never answers -> 504 after ``response_head``;
+- read: a backend that goes quiet mid-stream -> the truncation is visible (HTTP/2
+  RST_STREAM(INTERNAL_ERROR), HTTP/1.1 close without the last chunk), and a backend that is
+  slow but steady is not cut;
+- send: a client that stops reading -> the proxy closes its connection (at once, without
+  waiting for the unwritable bytes); a slow reader that keeps reading is served in full;
+- client_header: an incomplete (or trickled) request head -> 408 and close; a silent
+  connection -> close (GOAWAY first for HTTP/2); a TLS handshake that never starts -> close;
+- keepalive_idle: an idle kept-alive HTTP/1.1 connection is closed; an idle HTTP/2 connection
+  gets GOAWAY then is closed; a long response is not an idle connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h11
+import pytest
+import trio
+import trio.testing
+import trustme
+
+from muxproxy.config import Timeouts
+from muxproxy.core.commands import Log
+from muxproxy.core.events import ConnectionClosed
+from muxproxy.testing.fakellm import reply_text
+
+CHAT = b"/v1/chat/completions"
+
+
+def chat_body(tokens: int | None = None) -> bytes:
+    request: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    if tokens is not None:
+        request["max_tokens"] = tokens
+    return json.dumps(request).encode()
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    # pytest-trio runs the test under any Clock among its fixtures' values.
+    return trio.testing.MockClock(autojump_threshold=0.01)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+async def serve_raw(
+    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> int:
+    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return int(listeners[0].socket.getsockname()[1])
+
+
+async def never_answer(stream: trio.SocketStream) -> None:
+    async with stream:
+        while await stream.receive_some(65536):
+            pass
+
+
+async def closed_port() -> int:
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def h1_request_bytes(
+    target: bytes = b"/v1/models", method: bytes = b"GET", body: bytes = b""
+) -> tuple[h11.Connection, bytes]:
+    conn = h11.Connection(h11.CLIENT)
+    headers = [(b"host", b"proxy.test")]
+    if body:
+        headers.append((b"content-length", str(len(body)).encode()))
+    data = conn.send(h11.Request(method=method, target=target, headers=headers))
+    data += conn.send(h11.Data(data=body)) if body else b""
+    data += conn.send(h11.EndOfMessage())
+    return conn, data
+
+
+async def h1_read_response(
+    stream: trio.abc.Stream, conn: h11.Connection
+) -> tuple[h11.Response, bytes]:
+    response: h11.Response | None = None
+    body = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif type(event) is h11.Response:
+            response = event
+        elif type(event) is h11.Data:
+            body += bytes(event.data)
+        elif type(event) is h11.EndOfMessage:
+            assert response is not None
+            return response, body
+        else:
+            raise AssertionError(f"unexpected {event!r}")
+
+
+async def read_until_eof(stream: trio.abc.Stream) -> bytes:
+    received = b""
+    while chunk := await stream.receive_some(65536):
+        received += chunk
+    return received
+
+
+class H2Client:
+    """A minimal h2c client: requests out, per-stream results and GOAWAY in."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        self.status: dict[int, int] = {}
+        self.body: dict[int, bytes] = {}
+        self.ended: set[int] = set()
+        self.reset: dict[int, int] = {}
+        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.goaway_at: float | None = None
+        self.eof = False
+
+    @classmethod
+    async def connect(cls, port: int) -> H2Client:
+        client = cls(await trio.open_tcp_stream("127.0.0.1", port))
+        client.conn.initiate_connection()
+        await client.flush()
+        return client
+
+    async def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            await self.stream.send_all(data)
+
+    async def request(self, path: bytes, body: bytes = b"") -> int:
+        sid = self.conn.get_next_available_stream_id()
+        headers = [
+            (b":method", b"POST" if body else b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"proxy.test"),
+            (b":path", path),
+        ]
+        if body:
+            headers.append((b"content-length", str(len(body)).encode()))
+        self.body[sid] = b""
+        self.conn.send_headers(sid, headers, end_stream=not body)
+        if body:
+            self.conn.send_data(sid, body, end_stream=True)
+        await self.flush()
+        return sid
+
+    async def pump(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            self.eof = True
+            return
+        for event in self.conn.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived):
+                self.status[event.stream_id] = int(dict(event.headers)[b":status"])
+            elif isinstance(event, h2.events.DataReceived):
+                self.body[event.stream_id] += event.data
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.StreamReset):
+                self.reset[event.stream_id] = event.error_code
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.goaway = event
+                self.goaway_at = trio.current_time()
+        if not self.goaway:
+            await self.flush()
+
+    async def wait(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            assert not self.eof, "connection closed"
+            await self.pump()
+
+    async def finish(self, sid: int) -> None:
+        await self.wait(lambda: sid in self.ended or sid in self.reset)
+
+    async def until_eof(self) -> None:
+        while not self.eof:
+            await self.pump()
+
+
+def close_to(elapsed: float, timeout: float) -> bool:
+    """Virtual time moves by jumps to deadlines: the timeout, plus at most a little."""
+    return timeout <= elapsed < timeout + 0.5
+
+
+class Watch:
+    """The proxy's ``Log`` commands and client ``ConnectionClosed`` events, with the virtual
+    time of each (the latter by wrapping ``Driver.feed``: the core logs no ``client_closed``
+    for a connection it closed itself)."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.logs: list[tuple[float, str]] = []
+        self._changed = trio.Event()
+        driver = proxy.server.driver
+        assert driver is not None
+        driver.on_log = self._on_log
+        feed = driver.feed
+
+        def watching_feed(event: Any) -> None:
+            if isinstance(event, ConnectionClosed) and event.conn > 0:
+                self._record("connection_closed")
+            feed(event)
+
+        driver.feed = watching_feed
+
+    def _on_log(self, log: Log) -> None:
+        self._record(log.event)
+
+    def _record(self, event: str) -> None:
+        self.logs.append((trio.current_time(), event))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def times(self, event: str) -> list[float]:
+        return [at for at, name in self.logs if name == event]
+
+    async def wait_for(self, event: str) -> float:
+        while not self.times(event):
+            await self._changed.wait()
+        return self.times(event)[0]
+
+
+# -- connect ---------------------------------------------------------------------------------
+
+
+async def test_connect_timeout(start_proxy, monkeypatch, clock):
+    port = await closed_port()
+    real_open = trio.open_tcp_stream
+
+    async def hanging_open(host: str, p: int, **kwargs: Any) -> trio.SocketStream:
+        if p == port:
+            await trio.sleep_forever()
+        return await real_open(host, p, **kwargs)
+
+    monkeypatch.setattr(trio, "open_tcp_stream", hanging_open)
+    proxy = await start_proxy([port], timeouts=Timeouts(connect=7.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            conn, request = h1_request_bytes()
+            start = trio.current_time()
+            await stream.send_all(request)
+            response, _ = await h1_read_response(stream, conn)
+            assert response.status_code == 504
+            assert close_to(trio.current_time() - start, 7.0)
+
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            start = trio.current_time()
+            sid = await client.request(b"/v1/models")
+            await client.finish(sid)
+            assert client.status[sid] == 504 and sid in client.ended
+            assert close_to(trio.current_time() - start, 7.0)
+    assert proxy.server.core.statistics().upstream_connections == 0
+
+
+# -- response head ---------------------------------------------------------------------------
+
+
+async def test_response_head_timeout(start_proxy, nursery, clock):
+    port = await serve_raw(nursery, never_answer)
+    proxy = await start_proxy([port], timeouts=Timeouts(response_head=20.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            conn, request = h1_request_bytes(CHAT, b"POST", chat_body())
+            start = trio.current_time()
+            await stream.send_all(request)
+            response, body = await h1_read_response(stream, conn)
+            assert response.status_code == 504
+            assert body
+            assert close_to(trio.current_time() - start, 20.0)
+
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            start = trio.current_time()
+            sid = await client.request(CHAT, chat_body())
+            await client.finish(sid)
+            assert client.status[sid] == 504 and sid in client.ended
+            assert close_to(trio.current_time() - start, 20.0)
+
+
+# -- read ------------------------------------------------------------------------------------
+
+
+async def test_read_timeout_truncates_h2_stream(start_backend, start_proxy, clock):
+    # The backend sends the head and the first token, then would wait 1000 s for the next.
+    fake, backend = await start_backend(tokens=3, delay=1000.0)
+    proxy = await start_proxy([backend], timeouts=Timeouts(read=15.0))
+    with trio.fail_after(100):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            sid = await client.request(CHAT, chat_body())
+            await client.wait(lambda: b"tok0" in client.body.get(sid, b""))
+            first_token_at = trio.current_time()
+            await client.finish(sid)
+            assert close_to(trio.current_time() - first_token_at, 15.0)
+            await fake.wait_disconnect()  # the backend was told to stop generating
+    assert client.status[sid] == 200
+    assert client.reset[sid] == h2.errors.ErrorCodes.INTERNAL_ERROR
+    assert sid not in client.ended
+    assert b"[DONE]" not in client.body[sid]
+
+
+async def test_read_timeout_truncates_h1_response(start_backend, start_proxy, clock):
+    fake, backend = await start_backend(tokens=3, delay=1000.0)
+    proxy = await start_proxy([backend], timeouts=Timeouts(read=15.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            conn, request = h1_request_bytes(CHAT, b"POST", chat_body())
+            await stream.send_all(request)
+            body = b""
+            while b"tok0" not in body:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                elif type(event) is h11.Response:
+                    assert event.status_code == 200
+                elif type(event) is h11.Data:
+                    body += bytes(event.data)
+            first_token_at = trio.current_time()
+            rest = await read_until_eof(stream)
+            assert close_to(trio.current_time() - first_token_at, 15.0)
+            await fake.wait_disconnect()
+    # The connection closed inside the chunked body: no terminating chunk, no [DONE].
+    conn.receive_data(rest)
+    conn.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError):
+        while True:
+            event = conn.next_event()
+            assert type(event) is h11.Data
+    assert b"0\r\n\r\n" not in rest
+    assert b"[DONE]" not in body + rest
+
+
+async def test_slow_but_steady_stream_is_not_cut(start_backend, start_proxy, clock):
+    # Tokens every 8 s, read timeout 10 s: 4 tokens take 24 s in all, never a 10 s gap.
+    _, backend = await start_backend(tokens=4, delay=8.0)
+    proxy = await start_proxy([backend], timeouts=Timeouts(read=10.0))
+    with trio.fail_after(200):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            start = trio.current_time()
+            sid = await client.request(CHAT, chat_body())
+            await client.finish(sid)
+            assert trio.current_time() - start >= 24.0
+    assert sid in client.ended and sid not in client.reset
+    assert client.body[sid].endswith(b"data: [DONE]\n\n")
+    assert reply_text(4).split()[-1].encode() in client.body[sid]
+
+
+# -- send ------------------------------------------------------------------------------------
+
+
+async def flood(stream: trio.SocketStream) -> None:
+    """A backend answering with an endless body, as fast as the proxy takes it."""
+    async with stream:
+        await stream.receive_some(65536)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
+        await stream.send_all(head % (1 << 40))
+        chunk = b"data: " + b"x" * 65000 + b"\n\n"
+        try:
+            while True:
+                await stream.send_all(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+async def start_unread_request(port: int, protocol: str) -> trio.SocketStream:
+    """A client with a tiny receive buffer that sends one request and then reads nothing."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up quickly
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    if protocol == "h1":
+        _, request = h1_request_bytes(b"/stream")
+    else:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        # Flow control must not be what stops the proxy: open every window wide.
+        conn.local_settings.initial_window_size = 2**31 - 1
+        conn.initiate_connection()
+        conn.increment_flow_control_window(2**31 - 1 - 65535)
+        conn.send_headers(
+            1,
+            [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/s")],
+            end_stream=True,
+        )
+        request = conn.data_to_send()
+    await stream.send_all(request)
+    return stream
+
+
+@pytest.mark.parametrize("protocol", ["h1", "h2"])
+async def test_send_timeout_closes_a_client_that_stopped_reading(
+    start_proxy, nursery, clock, protocol
+):
+    port = await serve_raw(nursery, flood)
+    proxy = await start_proxy([port], timeouts=Timeouts(send=5.0))
+    watch = Watch(proxy)
+    with trio.fail_after(100):
+        stream = await start_unread_request(proxy.port, protocol)
+        async with stream:
+            # The client reads nothing; the proxy must give up on it, and close at once:
+            # the bytes it holds cannot be written, so there is nothing to wait for.
+            timed_out = await watch.wait_for("send_timeout")
+            closed = await watch.wait_for("connection_closed")
+            assert 0 <= closed - timed_out < 0.5
+            # What the kernel holds is all the client gets (with the driver waiting for its
+            # flush the flood would go on as soon as the client read, for ever).
+            received = 0
+            while chunk := await stream.receive_some(65536):
+                received += len(chunk)
+                assert received < 64 << 20, "the proxy did not close the connection"
+    assert proxy.server.core.statistics().upstream_connections == 0
+
+
+# -- client header ---------------------------------------------------------------------------
+
+
+async def test_incomplete_request_head_gets_408(start_proxy, clock):
+    proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            start = trio.current_time()
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n")
+            received = await read_until_eof(stream)
+            assert close_to(trio.current_time() - start, 10.0)
+    assert received.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_trickled_request_head_still_times_out(start_proxy, clock):
+    """The header timeout runs from the connection's start: bytes do not extend it."""
+    proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
+    head = b"GET /v1/models HTTP/1.1\r\nHost: a\r\nX-Slow: " + b"a" * 100
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            start = trio.current_time()
+
+            async def trickle() -> None:
+                for byte in head:
+                    await stream.send_all(bytes([byte]))
+                    await trio.sleep(1.0)  # pacing of the slow client, not synchronisation
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trickle)
+                received = await read_until_eof(stream)
+                nursery.cancel_scope.cancel()
+            assert close_to(trio.current_time() - start, 10.0)
+    assert received.startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("preface", [b"", b"PRI * HTTP/2.0\r\n"], ids=["nothing", "half-preface"])
+async def test_silent_connection_is_closed(start_proxy, clock, preface):
+    proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            start = trio.current_time()
+            if preface:
+                await stream.send_all(preface)
+            received = await read_until_eof(stream)
+            assert close_to(trio.current_time() - start, 10.0)
+    assert received == b""
+
+
+async def test_h2_connection_without_requests_gets_goaway(start_proxy, clock):
+    proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
+    with trio.fail_after(100):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            start = trio.current_time()
+            await client.until_eof()
+    assert client.goaway is not None and client.goaway_at is not None
+    assert client.goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+    assert close_to(client.goaway_at - start, 10.0)
+
+
+async def test_tls_handshake_counts_against_client_header(start_proxy, clock, tmp_path):
+    """A client that connects to the TLS listener and never starts the handshake."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(key_path))
+    proxy = await start_proxy(
+        [await closed_port()],
+        timeouts=Timeouts(client_header=10.0),
+        tls_cert=str(cert_path),
+        tls_key=str(key_path),
+    )
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            start = trio.current_time()
+            assert await read_until_eof(stream) == b""
+            assert close_to(trio.current_time() - start, 10.0)
+
+
+# -- keep-alive idle -------------------------------------------------------------------------
+
+
+async def test_idle_h1_connection_is_closed(start_backend, start_proxy, clock):
+    _, backend = await start_backend()
+    proxy = await start_proxy([backend], timeouts=Timeouts(keepalive_idle=20.0))
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            for _ in range(2):  # kept alive between the two
+                conn, request = h1_request_bytes()
+                await stream.send_all(request)
+                response, _ = await h1_read_response(stream, conn)
+                assert response.status_code == 200
+                conn.start_next_cycle()
+            idle_since = trio.current_time()
+            assert await read_until_eof(stream) == b""
+            assert close_to(trio.current_time() - idle_since, 20.0)
+
+
+async def test_idle_h2_connection_gets_goaway_then_close(start_backend, start_proxy, clock):
+    _, backend = await start_backend()
+    proxy = await start_proxy([backend], timeouts=Timeouts(keepalive_idle=20.0))
+    with trio.fail_after(100):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            sid = await client.request(b"/v1/models")
+            await client.finish(sid)
+            assert client.status[sid] == 200
+            idle_since = trio.current_time()
+            await client.until_eof()
+    assert client.goaway is not None and client.goaway_at is not None
+    assert client.goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+    assert client.goaway.last_stream_id == sid
+    assert close_to(client.goaway_at - idle_since, 20.0)
+
+
+async def test_long_response_is_not_idle(start_backend, start_proxy, clock):
+    """keepalive_idle counts only between requests, not during a long generation."""
+    _, backend = await start_backend(tokens=5, delay=4.0)
+    timeouts = Timeouts(keepalive_idle=5.0, client_header=5.0)
+    proxy = await start_proxy([backend], timeouts=timeouts)
+    with trio.fail_after(200):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            sid = await client.request(CHAT, chat_body())
+            await client.finish(sid)
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            conn, request = h1_request_bytes(CHAT, b"POST", chat_body())
+            await stream.send_all(request)
+            response, body = await h1_read_response(stream, conn)
+    assert sid in client.ended and client.body[sid].endswith(b"data: [DONE]\n\n")
+    assert client.goaway is None
+    assert response.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_slow_reader_making_progress_is_not_cut(start_proxy, nursery, clock):
+    """send is about *no* progress: a client that keeps reading, slowly, is served in full.
+
+    The client takes at most 64 KiB a second of a 3 MiB body, so the whole takes longer than
+    the send timeout (30 s) while no single write waits that long: the send timer fires with
+    output pending and must re-arm from the last progress instead of closing. (Much slower
+    readers are not "progress" the proxy can see: the kernel reports a socket writable again
+    only once a third of its send buffer drained, hundreds of KiB on loopback.)
+    """
+    size = 3 * 1024 * 1024
+
+    async def big_body(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some(65536)
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(head + b"content-length: %d\r\n\r\n" % size + b"x" * size)
+                await stream.receive_some(65536)
+
+    port = await serve_raw(nursery, big_body)
+    proxy = await start_proxy([port], timeouts=Timeouts(send=30.0))
+    watch = Watch(proxy)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 128 * 1024)
+    with trio.fail_after(1000):
+        await sock.connect(("127.0.0.1", proxy.port))
+        stream = trio.SocketStream(sock)
+        async with stream:
+            conn, request = h1_request_bytes(b"/download")
+            start = trio.current_time()
+            await stream.send_all(request)
+            body = b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    await trio.sleep(1.0)  # the slow reader's pace
+                    conn.receive_data(await stream.receive_some(65536))
+                elif type(event) is h11.Data:
+                    body += bytes(event.data)
+                elif type(event) is h11.EndOfMessage:
+                    break
+            took = trio.current_time() - start
+    assert len(body) == size
+    assert took > 30.0
+    assert not watch.times("send_timeout")
