@@ -14,12 +14,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+import attrs
+
 from muxproxy import __version__
-from muxproxy.config import Config, ConfigError, load_config, parse_quick_config
+from muxproxy.config import (
+    Config,
+    ConfigError,
+    GroupTimeouts,
+    Server,
+    Upstream,
+    load_config,
+    parse_quick_config,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -127,16 +138,94 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def describe_config(config: Config) -> list[str]:
-    """A short summary of ``config``: its listeners, upstream groups and routes."""
+    """A short summary of ``config``: its listeners, upstream groups and routes.
+
+    A group's settings follow it on indented lines: balancing and retries always, stickiness,
+    health checks, set headers (names only: values may hold credentials) and timeouts when
+    configured.
+    """
     lines = [
         f"listener {_scheme(listener.tls)}://{listener.address}" for listener in config.listeners
     ]
     for name, group in config.upstreams.items():
         count = len(group.servers)
-        servers = ", ".join(server.address for server in group.servers)
+        servers = ", ".join(_describe_server(server) for server in group.servers)
         lines.append(f"upstream {name}: {count} server{'s' if count != 1 else ''} ({servers})")
-    lines.extend(f"route {route.prefix} -> {route.upstream}" for route in config.routes)
+        lines.extend(f"  {line}" for line in _describe_group(group))
+    for route in config.routes:
+        extra = " (retry until first event)" if route.retry_until_first_event else ""
+        lines.append(f"route {route.prefix} -> {route.upstream}{extra}")
     return lines
+
+
+def _describe_server(server: Server) -> str:
+    text = server.address
+    default = Server(address=server.address)
+    if server.weight != default.weight:
+        text += f" weight={server.weight}" + (" (draining)" if server.weight == 0 else "")
+    if server.max_fails != default.max_fails:
+        text += f" max_fails={server.max_fails}"
+    if server.fail_timeout != default.fail_timeout:
+        text += f" fail_timeout={_seconds(server.fail_timeout)}"
+    if server.backup:
+        text += " backup"
+    return text
+
+
+def _describe_group(group: Upstream) -> list[str]:
+    retry = group.next_upstream
+    if retry.on and retry.tries > 1:
+        conditions = sorted(retry.on, key=lambda c: (c.startswith("http_"), c))
+        replay = (
+            f"bodies up to {_size(retry.replay_buffer)}"
+            if retry.replay_buffer
+            else "bodies not replayed"
+        )
+        retries = (
+            f"retry on {', '.join(conditions)}: {retry.tries} tries within"
+            f" {_seconds(retry.tries_timeout)}, {replay}"
+        )
+    else:
+        retries = "no retries"
+    lines = [f"balance {group.balance.value}; {retries}"]
+    sticky = group.sticky
+    parts = []
+    if sticky.sources:
+        parts.append("by " + ", ".join(f"{src.kind}:{src.name}" for src in sticky.sources))
+    if sticky.cookie is not None:
+        expires = sticky.cookie.expires
+        lifetime = "session" if expires is None else _seconds(expires)
+        parts.append(f"cookie {sticky.cookie.name} ({lifetime})")
+    if parts:
+        lines.append("sticky " + "; ".join(parts))
+    health = group.health_check
+    if health is not None:
+        lines.append(
+            f"health check GET {health.path} every {_seconds(health.interval)}"
+            f" (timeout {_seconds(health.timeout)}, expect {health.expect_status},"
+            f" up after {health.passes}, down after {health.fails})"
+        )
+    if group.set_headers:
+        lines.append("set headers " + ", ".join(rule.name for rule in group.set_headers))
+    timeouts = [
+        f"{field.name} {_seconds(value)}"
+        for field in attrs.fields(GroupTimeouts)
+        if (value := getattr(group.timeouts, field.name)) is not None
+    ]
+    if timeouts:
+        lines.append("timeouts " + ", ".join(timeouts))
+    return lines
+
+
+def _size(value: int) -> str:
+    for unit, size in (("MiB", 1024 * 1024), ("KiB", 1024)):
+        if value % size == 0:
+            return f"{value // size} {unit}"
+    return f"{value} bytes"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s" if math.isfinite(value) else "no limit"
 
 
 def _print_problems(error: ConfigError, source: str | None) -> None:

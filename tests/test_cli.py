@@ -54,6 +54,75 @@ prefix = "/v1/"
 upstream = "gpu"
 """
 
+ROUTING = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = [
+  "127.0.0.1:9001",
+  { address = "127.0.0.1:9002", weight = 5, max_fails = 3, fail_timeout = 30 },
+  { address = "127.0.0.1:9003", weight = 0 },
+  { address = "127.0.0.1:9004", backup = true },
+]
+balance = "least_streams"
+set_headers = { "X-Chat-ID" = "$session_key", Authorization = "Bearer sk-live-123" }
+
+[upstreams.gpus.sticky]
+sources = ["cookie:chat_session", "header:X-Chat-ID", "body:metadata.session_id"]
+
+[upstreams.gpus.sticky.cookie]
+name = "mux_srv"
+expires = 3600
+secret = "s3cret"
+
+[upstreams.gpus.next_upstream]
+on = ["error", "timeout", "http_502", "http_503"]
+tries = 2
+tries_timeout = 5
+replay_buffer = 0
+
+[upstreams.gpus.health_check]
+path = "/healthz"
+interval = 10
+
+[upstreams.gpus.timeouts]
+first_token = 120
+idle = 300
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpus"
+retry_until_first_event = true
+"""
+
+BAD_ROUTING = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = [{ address = "127.0.0.1:9001", backup = true }]
+
+[upstreams.gpus.sticky]
+sources = ["cookies:chat"]
+
+[upstreams.gpus.sticky.cookie]
+same_site = "lax"
+
+[upstreams.gpus.next_upstream]
+on = ["eror"]
+retries = 2
+
+[upstreams.gpus.health_check]
+interval = 5
+timeout = 5
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpus"
+retry_until_first_event = "true"
+"""
+
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``python -m muxproxy ARGS`` in a real subprocess."""
@@ -97,9 +166,58 @@ def test_check_good_file_exits_0_with_a_summary(tmp_path: Path) -> None:
         "muxproxy: good.toml: configuration is valid",
         "  listener http://127.0.0.1:8080",
         "  upstream gpus: 2 servers (127.0.0.1:9001, 127.0.0.1:9002)",
+        "    balance round_robin; retry on error, timeout: 3 tries within 10s, bodies up to 1 MiB",
         "  upstream cpus: 1 server (127.0.0.1:9003)",
+        "    balance round_robin; retry on error, timeout: 3 tries within 10s, bodies up to 1 MiB",
         "  route /v1/ -> gpus",
         "  route / -> cpus",
+    ]
+
+
+def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
+    (tmp_path / "routing.toml").write_text(ROUTING)
+    result = run_cli("check", "--config", "routing.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "muxproxy: routing.toml: configuration is valid",
+        "  listener http://127.0.0.1:8080",
+        "  upstream gpus: 4 servers (127.0.0.1:9001, 127.0.0.1:9002 weight=5 max_fails=3"
+        " fail_timeout=30s, 127.0.0.1:9003 weight=0 (draining), 127.0.0.1:9004 backup)",
+        "    balance least_streams; retry on error, timeout, http_502, http_503: 2 tries within"
+        " 5s, bodies not replayed",
+        "    sticky by cookie:chat_session, header:x-chat-id, body:metadata.session_id;"
+        " cookie mux_srv (3600s)",
+        "    health check GET /healthz every 10s (timeout 2s, expect 200, up after 2,"
+        " down after 2)",
+        "    set headers x-chat-id, authorization",
+        "    timeouts first_token 120s, idle 300s",
+        "  route /v1/ -> gpus (retry until first event)",
+    ]
+    assert "sk-live" not in result.stdout  # header values are not shown
+    assert "s3cret" not in result.stdout
+
+
+def test_check_bad_routing_file(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text(BAD_ROUTING)
+    result = run_cli("check", "--config", "bad.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "muxproxy: bad.toml: invalid configuration",
+        "  upstreams.gpus.servers: every server is a backup; expected at least one primary"
+        " server to take the traffic: set backup = false on one of them, or add one",
+        '  upstreams.gpus.sticky.sources[0]: unknown kind "cookies"; expected "kind:name" with'
+        ' kind cookie, header, query or body, e.g. "header:X-Chat-ID", got "cookies:chat";'
+        ' did you mean "cookie:chat"?',
+        '  upstreams.gpus.sticky.cookie.same_site: expected "Strict", "Lax" or "None",'
+        ' got "lax"; did you mean "Lax"?',
+        '  upstreams.gpus.next_upstream.retries: unknown key; did you mean "tries"?',
+        '  upstreams.gpus.next_upstream.on[0]: expected "error", "timeout", "http_429",'
+        ' "http_502", "http_503" or "http_504", got "eror"; did you mean "error"?',
+        "  upstreams.gpus.health_check.timeout: expected timeout (5s) to be less than interval"
+        " (5s), so that a check ends before the next one starts; lower timeout or raise"
+        " interval",
+        '  routes[0].retry_until_first_event: expected true or false (a TOML boolean), got "true"',
     ]
 
 

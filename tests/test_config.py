@@ -10,12 +10,20 @@ from typing import Any
 import pytest
 
 from muxproxy.config import (
+    Balance,
     Config,
     ConfigError,
+    GroupTimeouts,
+    HeaderRule,
+    HealthCheck,
     Limits,
     Listener,
+    NextUpstream,
     Route,
     Server,
+    SessionSource,
+    Sticky,
+    StickyCookie,
     Timeouts,
     Upstream,
     address_problem,
@@ -105,7 +113,7 @@ def test_minimal_file_gets_defaults_and_one_route(tmp_path: Path) -> None:
     )
     assert config.timeouts == Timeouts()
     assert config.limits == Limits()
-    assert config.route_for(b"/v1/chat/completions") is config.upstreams["gpus"]
+    assert config.route_for(b"/v1/chat/completions") == Route(prefix="/", upstream="gpus")
 
 
 def test_full_file(tmp_path: Path) -> None:
@@ -148,8 +156,14 @@ def test_full_file(tmp_path: Path) -> None:
         Route(prefix="/v1/", upstream="gpus"),
         Route(prefix="/", upstream="cpus"),
     )
-    assert config.route_for(b"/v1/completions") is config.upstreams["gpus"]
-    assert config.route_for(b"/health") is config.upstreams["cpus"]
+    assert config.route_for(b"/v1/completions") is config.routes[0]
+    assert config.route_for(b"/health") is config.routes[1]
+
+
+def test_route_for_without_a_matching_prefix() -> None:
+    data = valid()
+    data["routes"] = [{"prefix": "/v1/", "upstream": "gpus"}]
+    assert parse_config(data).route_for(b"/health") is None
 
 
 def test_parse_config_takes_a_dict() -> None:
@@ -259,8 +273,9 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         ),
         (
             ("upstreams", "gpus", "servers"),
-            [{"address": "127.0.0.1:9001", "weight": 2}],
-            "upstreams.gpus.servers[0].weight: unknown key; expected one of: address",
+            [{"address": "127.0.0.1:9001", "priority": 2}],
+            "upstreams.gpus.servers[0].priority: unknown key; expected one of: address, weight,"
+            " max_fails, fail_timeout, backup",
         ),
         (
             ("upstreams", "gpus", "servers"),
@@ -387,7 +402,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "weight": 1}],
-            "routes[0].weight: unknown key; expected one of: prefix, upstream",
+            "routes[0].weight: unknown key; expected one of: prefix, upstream,"
+            " retry_until_first_event",
         ),
         (
             ("routes",),
@@ -501,7 +517,7 @@ raed = 30
 connect = -3
 
 [upstreams.gpus]
-servers = ["127.0.0.1:9001", "localhost", { address = "10.0.0.5:9003", weight = 2 }]
+servers = ["127.0.0.1:9001", "localhost", { address = "10.0.0.5:9003", wieght = 2 }]
 
 [[routes]]
 prefix = "/v1/"
@@ -521,12 +537,599 @@ def test_all_problems_are_collected(tmp_path: Path) -> None:
         'timeouts.raed: unknown key; did you mean "read"?',
         "timeouts.connect: expected a positive number of seconds, got -3",
         'upstreams.gpus.servers[1]: expected "host:port", got "localhost"',
-        "upstreams.gpus.servers[2].weight: unknown key; expected one of: address",
+        'upstreams.gpus.servers[2].wieght: unknown key; did you mean "weight"?',
         'routes[0].upstream: no upstream named "gpu"; define [upstreams.gpu] or use one of: gpus',
     ]
     assert str(error).splitlines() == [
         f"{path}: invalid configuration",
         *(f"  {problem}" for problem in error.problems),
+    ]
+
+
+# --- routing: servers, balancing, stickiness, retries, health checks, headers ----------------
+
+
+ROUTING = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = [
+  "127.0.0.1:9001",                                   # still allowed
+  { address = "127.0.0.1:9002", weight = 5, max_fails = 3, fail_timeout = 30, backup = false },
+  { address = "127.0.0.1:9003", weight = 0 },
+  { address = "[::1]:9004", backup = true },
+]
+balance = "least_streams"
+
+[upstreams.gpus.set_headers]
+"X-Chat-ID" = "$session_key"
+"X-User-ID" = "$arg_user"
+Via-Edge = "mux $remote_addr"
+
+[upstreams.gpus.sticky]
+sources = ["cookie:chat_session", "header:X-Chat-ID", "query:session", "body:metadata.session_id"]
+body_limit = 65536
+
+[upstreams.gpus.sticky.cookie]
+name = "mux_srv"
+expires = 3600
+domain = "example.com"
+path = "/v1/"
+http_only = false
+secure = true
+same_site = "None"
+secret = "s3cret"
+
+[upstreams.gpus.next_upstream]
+on = ["error", "timeout", "http_502", "http_503"]
+tries = 4
+tries_timeout = 12.5
+replay_buffer = 0
+
+[upstreams.gpus.health_check]
+path = "/health"
+interval = 5
+timeout = 2
+passes = 3
+fails = 1
+expect_status = 204
+
+[upstreams.gpus.timeouts]
+connect = 2
+response_head = 30
+first_token = 120
+idle = 300
+
+[upstreams.cpus]
+servers = ["127.0.0.1:9005"]
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpus"
+retry_until_first_event = true
+
+[[routes]]
+prefix = "/"
+upstream = "cpus"
+retry_until_first_event = false
+"""
+
+
+def test_routing_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, ROUTING))
+    gpus = config.upstreams["gpus"]
+    assert gpus == Upstream(
+        name="gpus",
+        servers=(
+            Server(address="127.0.0.1:9001"),
+            Server(address="127.0.0.1:9002", weight=5, max_fails=3, fail_timeout=30.0),
+            Server(address="127.0.0.1:9003", weight=0),
+            Server(address="[::1]:9004", backup=True),
+        ),
+        balance=Balance.LEAST_STREAMS,
+        sticky=Sticky(
+            sources=(
+                SessionSource(kind="cookie", name="chat_session"),
+                SessionSource(kind="header", name="x-chat-id"),  # header names: lower case
+                SessionSource(kind="query", name="session"),
+                SessionSource(kind="body", name="metadata.session_id"),
+            ),
+            body_limit=65536,
+            cookie=StickyCookie(
+                name="mux_srv",
+                expires=3600.0,
+                domain="example.com",
+                path="/v1/",
+                http_only=False,
+                secure=True,
+                same_site="None",
+                secret="s3cret",
+            ),
+        ),
+        next_upstream=NextUpstream(
+            on=frozenset({"error", "timeout", "http_502", "http_503"}),
+            tries=4,
+            tries_timeout=12.5,
+            replay_buffer=0,
+        ),
+        health_check=HealthCheck(
+            path="/health", interval=5.0, timeout=2.0, passes=3, fails=1, expect_status=204
+        ),
+        set_headers=(
+            HeaderRule(name="x-chat-id", value="$session_key"),
+            HeaderRule(name="x-user-id", value="$arg_user"),
+            HeaderRule(name="via-edge", value="mux $remote_addr"),
+        ),
+        timeouts=GroupTimeouts(connect=2.0, response_head=30.0, first_token=120.0, idle=300.0),
+    )
+    assert all(isinstance(s.fail_timeout, float) for s in gpus.servers)
+    assert isinstance(gpus.sticky.cookie and gpus.sticky.cookie.expires, float)
+    # A group without the new tables gets the record defaults.
+    assert config.upstreams["cpus"] == Upstream(
+        name="cpus", servers=(Server(address="127.0.0.1:9005"),)
+    )
+    assert config.routes == (
+        Route(prefix="/v1/", upstream="gpus", retry_until_first_event=True),
+        Route(prefix="/", upstream="cpus", retry_until_first_event=False),
+    )
+    assert config.route_for(b"/v1/chat/completions") is config.routes[0]
+
+
+def test_routing_tables_alone_get_their_defaults() -> None:
+    data = valid()
+    data["upstreams"]["gpus"].update(
+        sticky={"cookie": {}}, next_upstream={}, health_check={}, timeouts={}, set_headers={}
+    )
+    group = parse_config(data).upstreams["gpus"]
+    assert group.sticky == Sticky(cookie=StickyCookie())
+    assert group.next_upstream == NextUpstream()
+    assert group.health_check == HealthCheck()
+    assert group.timeouts == GroupTimeouts()
+    assert group.set_headers == ()
+
+
+def test_every_primary_may_be_draining() -> None:
+    data = valid()
+    data["upstreams"]["gpus"]["servers"] = [
+        {"address": "127.0.0.1:9001", "weight": 0},
+        {"address": "127.0.0.1:9002", "backup": True},
+    ]
+    servers = parse_config(data).upstreams["gpus"].servers
+    assert [(s.weight, s.backup) for s in servers] == [(0, False), (1, True)]
+
+
+def test_next_upstream_may_retry_on_nothing() -> None:
+    data = valid()
+    data["upstreams"]["gpus"]["next_upstream"] = {"on": [], "tries": 1}
+    assert parse_config(data).upstreams["gpus"].next_upstream == NextUpstream(
+        on=frozenset(), tries=1
+    )
+
+
+def test_set_headers_may_use_session_key_with_sources() -> None:
+    data = valid()
+    data["upstreams"]["gpus"]["sticky"] = {"sources": ["header:x-chat-id"]}
+    data["upstreams"]["gpus"]["set_headers"] = {"X-Session": "s=$session_key;u=$http_x_user"}
+    (rule,) = parse_config(data).upstreams["gpus"].set_headers
+    assert rule == HeaderRule(name="x-session", value="s=$session_key;u=$http_x_user")
+
+
+G = ("upstreams", "gpus")
+S = (*G, "servers")
+TOKEN_CHARS = "letters, digits and !#$%&'*+-.^_`|~"
+SOURCE_EXPECTED = (
+    'expected "kind:name" with kind cookie, header, query or body, e.g. "header:X-Chat-ID"'
+)
+VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        # servers
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "weight": -1}],
+            "upstreams.gpus.servers[0].weight: expected an integer >= 0 (0 drains the server),"
+            " got -1",
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "weight": 1.5}],
+            "upstreams.gpus.servers[0].weight: expected an integer >= 0 (0 drains the server),"
+            " got 1.5",
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "max_fails": -2}],
+            "upstreams.gpus.servers[0].max_fails: expected an integer >= 0"
+            " (0: never take it out), got -2",
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "fail_timeout": 0}],
+            "upstreams.gpus.servers[0].fail_timeout: expected a positive number of seconds, got 0",
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "backup": "no"}],
+            'upstreams.gpus.servers[0].backup: expected true or false (a TOML boolean), got "no"',
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "backup": 0}],
+            "upstreams.gpus.servers[0].backup: expected true or false (a TOML boolean), got 0",
+        ),
+        (
+            S,
+            [{"address": "127.0.0.1:9001", "backup": True}, {"address": "h:1", "backup": True}],
+            "upstreams.gpus.servers: every server is a backup; expected at least one primary"
+            " server to take the traffic: set backup = false on one of them, or add one",
+        ),
+        (
+            S,
+            ["127.0.0.1:9001", {"address": "127.0.0.1:9001", "weight": 3}],
+            'upstreams.gpus.servers[1]: "127.0.0.1:9001" is already listed at'
+            " upstreams.gpus.servers[0]; list a server once, and give it a larger weight for a"
+            " larger share",
+        ),
+        # balance
+        (
+            (*G, "balance"),
+            "least_stream",
+            'upstreams.gpus.balance: expected "round_robin" or "least_streams",'
+            ' got "least_stream"; did you mean "least_streams"?',
+        ),
+        (
+            (*G, "balance"),
+            "ROUND_ROBIN",
+            'upstreams.gpus.balance: expected "round_robin" or "least_streams",'
+            ' got "ROUND_ROBIN"; did you mean "round_robin"?',
+        ),
+        (
+            (*G, "balance"),
+            "random",
+            'upstreams.gpus.balance: expected "round_robin" or "least_streams", got "random"',
+        ),
+        (
+            (*G, "balancing"),
+            "round_robin",
+            'upstreams.gpus.balancing: unknown key; did you mean "balance"?',
+        ),
+        # sticky
+        ((*G, "sticky"), "cookie", 'upstreams.gpus.sticky: expected a table, got "cookie"'),
+        (
+            (*G, "sticky", "source"),
+            [],
+            'upstreams.gpus.sticky.source: unknown key; did you mean "sources"?',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            "cookie:chat",
+            'upstreams.gpus.sticky.sources: expected an array of "kind:name" strings,'
+            ' got "cookie:chat"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["chat_session"],
+            f'upstreams.gpus.sticky.sources[0]: {SOURCE_EXPECTED}, got "chat_session"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["cookies:chat"],
+            f'upstreams.gpus.sticky.sources[0]: unknown kind "cookies"; {SOURCE_EXPECTED},'
+            ' got "cookies:chat"; did you mean "cookie:chat"?',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["header:X Chat"],
+            'upstreams.gpus.sticky.sources[0]: expected "header:NAME" with NAME a header name'
+            f' (a token: {TOKEN_CHARS}), got "header:X Chat"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["cookie:"],
+            'upstreams.gpus.sticky.sources[0]: expected "cookie:NAME" with NAME a cookie name'
+            f' (a token: {TOKEN_CHARS}), got "cookie:"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["query:a&b"],
+            'upstreams.gpus.sticky.sources[0]: expected "query:NAME" with NAME a query argument'
+            ' name (no spaces, "&", "=" or "#"), got "query:a&b"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["body:metadata..session-id"],
+            'upstreams.gpus.sticky.sources[0]: expected "body:NAME" with NAME a dotted path of'
+            ' JSON object keys, each an identifier, e.g. "metadata.session_id",'
+            ' got "body:metadata..session-id"',
+        ),
+        (
+            (*G, "sticky", "sources"),
+            ["header:X-Chat-ID", "query:s", "header:x-chat-id"],
+            'upstreams.gpus.sticky.sources[2]: "header:x-chat-id" is already listed at'
+            " upstreams.gpus.sticky.sources[0]; remove one",
+        ),
+        (
+            (*G, "sticky", "body_limit"),
+            0,
+            "upstreams.gpus.sticky.body_limit: expected a positive integer, got 0",
+        ),
+        # sticky cookie
+        (
+            (*G, "sticky", "cookie", "name"),
+            "mux srv",
+            "upstreams.gpus.sticky.cookie.name: expected a cookie name"
+            f' (a token: {TOKEN_CHARS}), got "mux srv"',
+        ),
+        (
+            (*G, "sticky", "cookie", "expires"),
+            -1,
+            "upstreams.gpus.sticky.cookie.expires: expected a positive number of seconds, got -1",
+        ),
+        (
+            (*G, "sticky", "cookie", "domain"),
+            "exa mple.com",
+            'upstreams.gpus.sticky.cookie.domain: expected a domain such as "example.com",'
+            ' got "exa mple.com"',
+        ),
+        (
+            (*G, "sticky", "cookie", "path"),
+            "v1",
+            'upstreams.gpus.sticky.cookie.path: expected a path starting with "/", without ";"'
+            ' or control characters, got "v1"',
+        ),
+        (
+            (*G, "sticky", "cookie", "http_only"),
+            "true",
+            "upstreams.gpus.sticky.cookie.http_only: expected true or false (a TOML boolean),"
+            ' got "true"',
+        ),
+        (
+            (*G, "sticky", "cookie", "same_site"),
+            "lax",
+            'upstreams.gpus.sticky.cookie.same_site: expected "Strict", "Lax" or "None",'
+            ' got "lax"; did you mean "Lax"?',
+        ),
+        (
+            (*G, "sticky", "cookie", "same_site"),
+            "None",
+            'upstreams.gpus.sticky.cookie.same_site: "None" needs secure = true (browsers drop'
+            ' SameSite=None cookies without Secure); set secure = true, or use "Lax"',
+        ),
+        (
+            (*G, "sticky", "cookie", "secret"),
+            42,
+            "upstreams.gpus.sticky.cookie.secret: expected a string, got 42",
+        ),
+        (
+            (*G, "sticky", "cookie", "max_age"),
+            60,
+            "upstreams.gpus.sticky.cookie.max_age: unknown key; expected one of: name, expires,"
+            " domain, path, http_only, secure, same_site, secret",
+        ),
+        # next_upstream
+        (
+            (*G, "next_upstream", "on"),
+            "error",
+            "upstreams.gpus.next_upstream.on: expected an array of conditions (error, timeout,"
+            ' http_429, http_502, http_503, http_504), got "error"',
+        ),
+        (
+            (*G, "next_upstream", "on"),
+            ["error", "timout"],
+            'upstreams.gpus.next_upstream.on[1]: expected "error", "timeout", "http_429",'
+            ' "http_502", "http_503" or "http_504", got "timout"; did you mean "timeout"?',
+        ),
+        (
+            (*G, "next_upstream", "on"),
+            ["http_404"],
+            'upstreams.gpus.next_upstream.on[0]: expected "error", "timeout", "http_429",'
+            ' "http_502", "http_503" or "http_504", got "http_404"; only 429, 502, 503 and 504'
+            " responses can be retried",
+        ),
+        (
+            (*G, "next_upstream", "on"),
+            ["error", 502],
+            'upstreams.gpus.next_upstream.on[1]: expected "error", "timeout", "http_429",'
+            ' "http_502", "http_503" or "http_504", got 502',
+        ),
+        (
+            (*G, "next_upstream", "tries"),
+            0,
+            "upstreams.gpus.next_upstream.tries: expected a positive integer, got 0",
+        ),
+        (
+            (*G, "next_upstream", "tries_timeout"),
+            -1,
+            "upstreams.gpus.next_upstream.tries_timeout: expected a positive number of seconds,"
+            " got -1",
+        ),
+        (
+            (*G, "next_upstream", "replay_buffer"),
+            -1,
+            "upstreams.gpus.next_upstream.replay_buffer: expected an integer >= 0, got -1",
+        ),
+        (
+            (*G, "next_upstream", "retries"),
+            2,
+            'upstreams.gpus.next_upstream.retries: unknown key; did you mean "tries"?',
+        ),
+        # health_check
+        (
+            (*G, "health_check"),
+            True,
+            "upstreams.gpus.health_check: expected a table, got true",
+        ),
+        (
+            (*G, "health_check", "path"),
+            "health",
+            'upstreams.gpus.health_check.path: expected a request path starting with "/",'
+            ' got "health"',
+        ),
+        (
+            (*G, "health_check", "timeout"),
+            5,
+            "upstreams.gpus.health_check.timeout: expected timeout (5s) to be less than"
+            " interval (5s), so that a check ends before the next one starts; lower timeout"
+            " or raise interval",
+        ),
+        (
+            (*G, "health_check", "interval"),
+            1.5,
+            "upstreams.gpus.health_check.interval: expected timeout (2s) to be less than"
+            " interval (1.5s), so that a check ends before the next one starts; lower timeout"
+            " or raise interval",
+        ),
+        (
+            (*G, "health_check", "passes"),
+            0,
+            "upstreams.gpus.health_check.passes: expected a positive integer, got 0",
+        ),
+        (
+            (*G, "health_check", "expect_status"),
+            600,
+            "upstreams.gpus.health_check.expect_status: expected an HTTP status code in"
+            " 100..599, got 600",
+        ),
+        (
+            (*G, "health_check", "expect_status"),
+            "200",
+            "upstreams.gpus.health_check.expect_status: expected an HTTP status code in"
+            ' 100..599, got "200"',
+        ),
+        # timeouts
+        (
+            (*G, "timeouts", "first_token"),
+            0,
+            "upstreams.gpus.timeouts.first_token: expected a positive number of seconds, got 0",
+        ),
+        (
+            (*G, "timeouts", "idel"),
+            30,
+            'upstreams.gpus.timeouts.idel: unknown key; did you mean "idle"?',
+        ),
+        # set_headers
+        (
+            (*G, "set_headers"),
+            ["X-Chat-ID"],
+            "upstreams.gpus.set_headers: expected a table of header names to values, e.g."
+            ' { "X-Chat-ID" = "$session_key" }, got an array',
+        ),
+        (
+            (*G, "set_headers"),
+            {"X Chat": "a"},
+            'upstreams.gpus.set_headers."X Chat": expected a header name'
+            f' (a token: {TOKEN_CHARS}), got "X Chat"',
+        ),
+        (
+            (*G, "set_headers"),
+            {"Content-Length": "0"},
+            "upstreams.gpus.set_headers.Content-Length: the proxy manages this header (message"
+            " framing or hop-by-hop); remove it from set_headers",
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": "a", "x-user": "b"},
+            'upstreams.gpus.set_headers.x-user: "x-user" is already set by'
+            " upstreams.gpus.set_headers.X-User (header names ignore case); keep one",
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": 5},
+            'upstreams.gpus.set_headers.X-User: expected a string, e.g. "$session_key", got 5',
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": "a\r\nX-Evil: 1"},
+            "upstreams.gpus.set_headers.X-User: expected a header value without control"
+            ' characters or line breaks, got "a\\r\\nX-Evil: 1"',
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": "ip=$remote_adr"},
+            'upstreams.gpus.set_headers.X-User: unknown variable "$remote_adr" in'
+            f' "ip=$remote_adr"; expected {VARIABLES}; did you mean "$remote_addr"?',
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": "$arg_"},
+            'upstreams.gpus.set_headers.X-User: unknown variable "$arg_" in "$arg_"; expected'
+            f" {VARIABLES}",
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-User": "${arg_user}"},
+            'upstreams.gpus.set_headers.X-User: "$" without a variable name in "${arg_user}";'
+            f" expected {VARIABLES}",
+        ),
+        (
+            (*G, "set_headers"),
+            {"X-Chat-ID": "$session_key"},
+            "upstreams.gpus.set_headers.X-Chat-ID: uses $session_key, but the group has no"
+            " session sources, so it would always be empty; add [upstreams.gpus.sticky] with"
+            ' sources = ["header:X-Chat-ID"] (or another source)',
+        ),
+        # routes
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "retry_until_first_event": "yes"}],
+            'routes[0].retry_until_first_event: expected true or false (a TOML boolean), got "yes"',
+        ),
+    ],
+)
+def test_one_routing_problem(path: tuple[Any, ...], value: Any, message: str) -> None:
+    assert problems_of(_set(valid(), path, value)) == [message]
+
+
+BAD_ROUTING = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = [{ address = "127.0.0.1:9001", weight = -1, backup = "yes" }]
+balance = "fastest"
+set_headers = { "X-Chat-ID" = "$sesion_key" }
+
+[upstreams.gpus.sticky]
+sources = ["cookie:chat_session", "jwt:sub"]
+
+[upstreams.gpus.next_upstream]
+on = ["error", "http_500"]
+tries = 0
+
+[upstreams.gpus.health_check]
+path = "/health"
+interval = 2
+timeout = 3
+
+[[routes]]
+prefix = "/v1/"
+upstream = "gpus"
+retry_until_first_event = 1
+"""
+
+
+def test_all_routing_problems_are_collected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, BAD_ROUTING))
+    assert info.value.problems == [
+        "upstreams.gpus.servers[0].weight: expected an integer >= 0 (0 drains the server), got -1",
+        'upstreams.gpus.servers[0].backup: expected true or false (a TOML boolean), got "yes"',
+        'upstreams.gpus.balance: expected "round_robin" or "least_streams", got "fastest"',
+        f'upstreams.gpus.sticky.sources[1]: unknown kind "jwt"; {SOURCE_EXPECTED}, got "jwt:sub"',
+        'upstreams.gpus.next_upstream.on[1]: expected "error", "timeout", "http_429",'
+        ' "http_502", "http_503" or "http_504", got "http_500"; only 429, 502, 503 and 504'
+        " responses can be retried",
+        "upstreams.gpus.next_upstream.tries: expected a positive integer, got 0",
+        "upstreams.gpus.health_check.timeout: expected timeout (3s) to be less than interval"
+        " (2s), so that a check ends before the next one starts; lower timeout or raise"
+        " interval",
+        'upstreams.gpus.set_headers.X-Chat-ID: unknown variable "$sesion_key" in'
+        f' "$sesion_key"; expected {VARIABLES}; did you mean "$session_key"?',
+        "routes[0].retry_until_first_event: expected true or false (a TOML boolean), got 1",
     ]
 
 

@@ -1,0 +1,71 @@
+"""Configuration: attrs records the core reads, and TOML loading with validation.
+
+Every record is frozen: a new configuration is a new object (``ConfigChanged``), never a
+mutation under a running exchange. Durations are seconds (float), sizes bytes (int).
+
+Loading: :func:`load_config` reads a TOML file, :func:`parse_config` validates an already
+parsed table, :func:`parse_quick_config` validates the flag form of ``muxproxy serve``. All
+three raise :class:`ConfigError`, which carries *every* problem found, each message naming
+the key path and what was expected::
+
+    upstreams.gpus.servers[1]: expected "host:port", got "localhost"
+    timeouts.raed: unknown key; did you mean "read"?
+
+The records themselves carry no validators: code may build them directly (tests do, with
+port 0 and tiny timeouts); validation is the job of the loading functions.
+
+Modules: :mod:`.records` (the records and :func:`quick_config`), :mod:`.loading` (files,
+top-level sections, ``serve`` flags), :mod:`.upstreams` (one ``[upstreams.NAME]`` group) and
+:mod:`.checker` (the problem-collecting machinery and value checks). Import from here.
+"""
+
+from __future__ import annotations
+
+from .checker import address_problem
+from .loading import ConfigError, load_config, parse_config, parse_quick_config
+from .records import (
+    CONDITIONS,
+    SOURCE_KINDS,
+    Balance,
+    Config,
+    GroupTimeouts,
+    HeaderRule,
+    HealthCheck,
+    Limits,
+    Listener,
+    NextUpstream,
+    Route,
+    Server,
+    SessionSource,
+    Sticky,
+    StickyCookie,
+    Timeouts,
+    Upstream,
+    quick_config,
+)
+
+__all__ = [
+    "CONDITIONS",
+    "SOURCE_KINDS",
+    "Balance",
+    "Config",
+    "ConfigError",
+    "GroupTimeouts",
+    "HeaderRule",
+    "HealthCheck",
+    "Limits",
+    "Listener",
+    "NextUpstream",
+    "Route",
+    "Server",
+    "SessionSource",
+    "Sticky",
+    "StickyCookie",
+    "Timeouts",
+    "Upstream",
+    "address_problem",
+    "load_config",
+    "parse_config",
+    "parse_quick_config",
+    "quick_config",
+]

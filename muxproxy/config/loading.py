@@ -1,0 +1,288 @@
+"""Loading a configuration: the TOML file, the top-level sections, and the ``serve`` flags.
+
+:func:`load_config` reads a TOML file, :func:`parse_config` validates an already parsed table,
+:func:`parse_quick_config` validates the flag form of ``muxproxy serve``. All three raise
+:class:`ConfigError`, which carries *every* problem found. The checks of one upstream group
+live in :mod:`.upstreams`, the machinery in :mod:`.checker`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .checker import Checker, Key, describe, join
+from .records import Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
+from .upstreams import upstream
+
+__all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
+
+
+class ConfigError(Exception):
+    """An invalid configuration. ``problems`` holds every problem found, one message each.
+
+    Each message starts with the key path it is about (``timeouts.read``,
+    ``upstreams.gpus.servers[1]``; the flag for :func:`parse_quick_config`; the file for
+    unreadable or malformed files) and says what is expected. ``source`` is the file, when
+    there is one.
+    """
+
+    def __init__(self, problems: Iterable[str], *, source: str | None = None) -> None:
+        self.problems: list[str] = list(problems)
+        self.source = source
+        super().__init__(self.problems)
+
+    def __str__(self) -> str:
+        head = "invalid configuration"
+        if self.source is not None:
+            head = f"{self.source}: {head}"
+        return "\n".join([head, *(f"  {problem}" for problem in self.problems)])
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read, parse and validate the TOML configuration file at ``path``.
+
+    Relative ``tls_cert``/``tls_key`` paths are taken relative to the file's directory.
+    Raises :class:`ConfigError` for a missing or unreadable file, a TOML syntax error (with
+    its line and column) and every invalid setting.
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as file:
+            raw = file.read()
+    except FileNotFoundError:
+        raise ConfigError([f"{name}: no such file"], source=name) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{name}: is a directory, expected a TOML file"], source=name) from None
+    except OSError as exc:
+        raise ConfigError([f"{name}: cannot read: {exc.strerror or exc}"], source=name) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            [f"{name}, line {line}: invalid TOML: not UTF-8 text"], source=name
+        ) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        where, message = _toml_error_location(exc, text)
+        raise ConfigError([f"{name}, {where}: invalid TOML: {message}"], source=name) from None
+    try:
+        return parse_config(data, base_dir=os.path.dirname(name) or None)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, source=name) from None
+
+
+def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Config:
+    """Validate an already parsed TOML document (a ``dict``) and build the :class:`Config`.
+
+    ``base_dir`` is where relative TLS file paths start (default: the working directory).
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    check = Checker(base_dir)
+    suggested = check.unknown_keys(data, _TOP_KEYS, "")
+
+    listeners = None
+    if "listeners" in data:
+        listeners = _listeners(check, data["listeners"])
+    elif "listeners" not in suggested:
+        check.add("listeners", "missing; " + _EXPECTED_LISTENERS)
+    timeouts = check.record(Timeouts, data.get("timeouts", {}), "timeouts", Checker.seconds)
+    limits = check.record(Limits, data.get("limits", {}), "limits", Checker.positive_int)
+    names: list[str] = []
+    upstreams = None
+    if "upstreams" in data:
+        upstreams = _upstreams(check, data["upstreams"], names)
+    elif "upstreams" not in suggested:
+        check.add("upstreams", "missing; " + _EXPECTED_UPSTREAMS)
+    routes = _routes(check, data.get("routes"), names)
+
+    if check.problems:
+        raise ConfigError(check.problems)
+    assert listeners is not None and upstreams is not None and routes is not None
+    assert timeouts is not None and limits is not None
+    return Config(
+        listeners=listeners,
+        upstreams=upstreams,
+        routes=routes,
+        timeouts=timeouts,
+        limits=limits,
+    )
+
+
+def parse_quick_config(
+    listen: str,
+    upstreams: list[str],
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> Config:
+    """:func:`quick_config` with validation; problems are named by their flag (``--listen``).
+
+    The flag form of ``muxproxy serve``. Raises :class:`ConfigError`.
+    """
+    check = Checker(None)
+    check.address(listen, "--listen", allow_port_zero=True)
+    if not upstreams:
+        check.add("--upstream", 'missing; expected at least one "host:port"')
+    for address in upstreams:
+        check.address(address, "--upstream")
+    if tls_cert is not None:
+        check.file(tls_cert, "--tls-cert")
+    if tls_key is not None:
+        check.file(tls_key, "--tls-key")
+    if (tls_cert is None) != (tls_key is None):
+        given, missing = (
+            ("--tls-cert", "--tls-key") if tls_key is None else ("--tls-key", "--tls-cert")
+        )
+        check.add(
+            missing, f"missing; {given} is given, and TLS needs both --tls-cert and --tls-key"
+        )
+    if check.problems:
+        raise ConfigError(check.problems)
+    return quick_config(listen, upstreams, tls_cert=tls_cert, tls_key=tls_key)
+
+
+_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes")
+_EXPECTED_LISTENERS = 'expected at least one [[listeners]] table with address = "host:port"'
+_EXPECTED_UPSTREAMS = (
+    'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'
+)
+_TOML_ERROR = re.compile(r"(?s)(.*) \(at line (\d+), column (\d+)\)\Z")
+
+_LISTENER_KEYS = {
+    "address": Key(Checker.listen_address, required='"host:port"'),
+    "tls_cert": Key(Checker.file),
+    "tls_key": Key(Checker.file),
+}
+_ROUTE_KEYS = {
+    "prefix": Key(Checker.prefix, required='a path prefix starting with "/"'),
+    "upstream": Key(Checker.name, required="the name of an upstream group"),
+    "retry_until_first_event": Key(Checker.boolean),
+}
+
+
+def _listeners(check: Checker, value: Any) -> tuple[Listener, ...] | None:
+    items = check.array(value, "listeners", "an array of [[listeners]] tables")
+    if items is None:
+        return None
+    if not items:
+        check.add("listeners", _EXPECTED_LISTENERS + ", got an empty array")
+        return None
+    listeners: list[Listener] = []
+    seen: dict[tuple[str, int], str] = {}
+    valid = True
+    for index, item in enumerate(items):
+        path = f"listeners[{index}]"
+        values = check.table(item, path, _LISTENER_KEYS)
+        if isinstance(item, Mapping) and ("tls_cert" in item) != ("tls_key" in item):
+            given, missing = (
+                ("tls_cert", "tls_key") if "tls_cert" in item else ("tls_key", "tls_cert")
+            )
+            check.add(
+                f"{path}.{missing}",
+                f"missing; {given} is set, and TLS needs both tls_cert and tls_key",
+            )
+            values = None
+        if values is None:
+            valid = False
+            continue
+        listener = Listener(**values)
+        if listener.port != 0:
+            key = (listener.host, listener.port)
+            if key in seen:
+                check.add(
+                    f"{path}.address",
+                    f"{describe(listener.address)} is already used by {seen[key]}",
+                )
+                valid = False
+            seen.setdefault(key, path)
+        listeners.append(listener)
+    return tuple(listeners) if valid else None
+
+
+def _upstreams(check: Checker, value: Any, names: list[str]) -> dict[str, Upstream] | None:
+    """The ``[upstreams.NAME]`` groups; ``names`` receives every group name, even invalid."""
+    if not isinstance(value, Mapping):
+        check.add("upstreams", f"expected a table of groups, got {describe(value)}")
+        return None
+    if not value:
+        check.add("upstreams", "expected at least one group, e.g. [upstreams.gpus]")
+        return None
+    groups: dict[str, Upstream] = {}
+    valid = True
+    for name, item in value.items():
+        names.append(name)
+        path = join("upstreams", name)
+        if not name:
+            check.add(path, "expected a non-empty group name")
+            valid = False
+            continue
+        group = upstream(check, name, item, path)
+        if group is None:
+            valid = False
+            continue
+        groups[name] = group
+    return groups if valid else None
+
+
+def _routes(check: Checker, value: Any, names: list[str]) -> tuple[Route, ...] | None:
+    if value is None or value == []:
+        if len(names) == 1:
+            return (Route(prefix="/", upstream=names[0]),)
+        if len(names) > 1:
+            check.add(
+                "routes",
+                f"missing; with several upstream groups ({', '.join(sorted(names))}) "
+                "each request needs a route: add [[routes]] tables with prefix and upstream",
+            )
+        return None
+    items = check.array(value, "routes", "an array of [[routes]] tables")
+    if items is None:
+        return None
+    routes: list[Route] = []
+    seen: dict[str, str] = {}
+    valid = True
+    for index, item in enumerate(items):
+        path = f"routes[{index}]"
+        values = check.table(item, path, _ROUTE_KEYS)
+        # An unknown group is reported even when another key of this route is invalid.
+        group = item.get("upstream") if isinstance(item, Mapping) else None
+        if isinstance(group, str) and group and group not in names:
+            advice = f"define [{join('upstreams', group)}]"
+            if names:
+                advice += " or use one of: " + ", ".join(sorted(names))
+            check.add(f"{path}.upstream", f"no upstream named {describe(group)}; {advice}")
+            valid = False
+        if values is None:
+            valid = False
+            continue
+        route = Route(**values)
+        if route.prefix in seen:
+            check.add(
+                f"{path}.prefix",
+                f"{describe(route.prefix)} is already routed by {seen[route.prefix]}",
+            )
+            valid = False
+        seen.setdefault(route.prefix, path)
+        routes.append(route)
+    return tuple(routes) if valid else None
+
+
+def _toml_error_location(exc: tomllib.TOMLDecodeError, text: str) -> tuple[str, str]:
+    """(``"line L, column C"``, message) of a TOML syntax error."""
+    lineno = getattr(exc, "lineno", None)  # Python >= 3.14
+    if isinstance(lineno, int):
+        return f"line {lineno}, column {getattr(exc, 'colno', 0)}", str(getattr(exc, "msg", exc))
+    message = str(exc)
+    match = _TOML_ERROR.match(message)
+    if match is not None:
+        return f"line {match[2]}, column {match[3]}", match[1]
+    suffix = " (at end of document)"
+    if message.endswith(suffix):
+        return f"line {text.count(chr(10)) + 1} (end of file)", message.removesuffix(suffix)
+    return "line ?", message

@@ -1,0 +1,244 @@
+"""The configuration records the core reads: frozen attrs classes, no validation.
+
+Every record is frozen: a new configuration is a new object (``ConfigChanged``), never a
+mutation under a running exchange. Durations are seconds (float), sizes bytes (int).
+
+The records carry no validators: code may build them directly (tests do, with port 0 and tiny
+timeouts); validation is the job of :mod:`muxproxy.config.loading`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class Timeouts:
+    connect: float = 5.0
+    """Seconds to establish an upstream TCP (and TLS) connection."""
+    response_head: float = 60.0
+    """Seconds from the request being sent upstream to the response head arriving."""
+    read: float = 300.0
+    """Longest idle gap between two upstream body chunks."""
+    send: float = 60.0
+    """Longest time a connection may have unsent output without any of it being written."""
+    client_header: float = 30.0
+    """Seconds a client has to send a complete request head."""
+    keepalive_idle: float = 75.0
+    """Seconds an idle client connection is kept open between requests."""
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    stream_buffer: int = 256 * 1024
+    """Bytes one stream may hold in the proxy (accepted from its source, not yet sent on)."""
+    max_concurrent_streams: int = 100
+    """SETTINGS_MAX_CONCURRENT_STREAMS advertised to HTTP/2 clients."""
+    max_request_head: int = 64 * 1024
+    """Largest request head (HTTP/1.1 request line + fields)."""
+
+
+@attrs.frozen(kw_only=True)
+class Server:
+    address: str
+    """``host:port`` of the backend."""
+    weight: int = 1
+    """Share of new (unkeyed and keyed) requests; 0 drains: pinned sessions stay, no new ones."""
+    max_fails: int = 1
+    """Failures within ``fail_timeout`` that take the server out (0: never)."""
+    fail_timeout: float = 10.0
+    """The window for counting failures, and how long a failed server stays out."""
+    backup: bool = False
+    """Used only when every primary server of the group is unusable."""
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
+class Balance(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    """Smooth weighted round-robin (nginx's algorithm)."""
+    LEAST_STREAMS = "least_streams"
+    """Fewest active streams relative to weight."""
+
+
+SOURCE_KINDS = ("cookie", "header", "query", "body")
+"""The kinds of :class:`SessionSource`, in the order the configuration lists them."""
+
+
+@attrs.frozen(kw_only=True)
+class SessionSource:
+    """Where a session key may come from: ``kind`` is one of :data:`SOURCE_KINDS`."""
+
+    kind: str
+    name: str
+    """Cookie name, header name (lower case), query argument, or dotted JSON path
+    (``metadata.session_id``: object keys, each an identifier)."""
+
+
+@attrs.frozen(kw_only=True)
+class StickyCookie:
+    """A cookie naming the chosen server by an opaque id, like nginx's ``sticky cookie``."""
+
+    name: str = "muxproxy_server"
+    expires: float | None = None
+    """Max-Age in seconds; None makes a session cookie."""
+    domain: str | None = None
+    path: str = "/"
+    http_only: bool = True
+    secure: bool = False
+    same_site: str | None = "Lax"
+    """Strict, Lax, None, or no attribute."""
+    secret: str = ""
+    """Mixed into the server ids so they cannot be computed from addresses."""
+
+
+@attrs.frozen(kw_only=True)
+class Sticky:
+    sources: tuple[SessionSource, ...] = ()
+    """Tried in order; the first that has a key wins."""
+    body_limit: int = 64 * 1024
+    """Most request-body bytes held to find a JSON body key; past it, no key."""
+    cookie: StickyCookie | None = None
+
+
+CONDITIONS = frozenset({"error", "timeout", "http_429", "http_502", "http_503", "http_504"})
+
+
+@attrs.frozen(kw_only=True)
+class NextUpstream:
+    """When a request is retried on the next candidate (before any response byte went out)."""
+
+    on: frozenset[str] = frozenset({"error", "timeout"})
+    tries: int = 3
+    """Attempts in all, the first one included."""
+    tries_timeout: float = 10.0
+    """No new attempt starts this long after the first one started."""
+    replay_buffer: int = 1024 * 1024
+    """Most request-body bytes kept for a replay; a longer body is not retried."""
+
+
+@attrs.frozen(kw_only=True)
+class HealthCheck:
+    path: str = "/health"
+    interval: float = 5.0
+    timeout: float = 2.0
+    passes: int = 2
+    """Consecutive successes that bring a down server up."""
+    fails: int = 2
+    """Consecutive failures that take an up server down."""
+    expect_status: int = 200
+
+
+@attrs.frozen(kw_only=True)
+class GroupTimeouts:
+    """Per-group deadlines; None falls back to the global ``[timeouts]``."""
+
+    connect: float | None = None
+    response_head: float | None = None
+    first_token: float | None = None
+    """From the request to the first response body byte (the first SSE event)."""
+    idle: float | None = None
+    """Longest gap between two body chunks (the global ``read`` timeout)."""
+
+
+@attrs.frozen(kw_only=True)
+class HeaderRule:
+    """A request header set for the backend, like nginx's ``proxy_set_header``.
+
+    ``value`` is a template: literal text with ``$session_key``, ``$remote_addr``,
+    ``$arg_NAME`` (query argument), ``$cookie_NAME`` and ``$http_NAME`` (request header, with
+    ``_`` for ``-``). A variable name is the longest run of ``[A-Za-z0-9_]`` after ``$``; the
+    loader admits no other ``$``. A value that expands to nothing removes the header.
+    """
+
+    name: str
+    """The header name, lower case (the loader lower-cases it)."""
+    value: str
+
+
+@attrs.frozen(kw_only=True)
+class Upstream:
+    name: str
+    servers: tuple[Server, ...]
+    pool_max_idle: int = 32
+    """Idle keep-alive connections kept per backend."""
+    pool_idle_timeout: float = 60.0
+    """Seconds an idle pooled connection is kept before it is closed."""
+    balance: Balance = Balance.ROUND_ROBIN
+    sticky: Sticky = Sticky()
+    next_upstream: NextUpstream = NextUpstream()
+    health_check: HealthCheck | None = None
+    set_headers: tuple[HeaderRule, ...] = ()
+    timeouts: GroupTimeouts = GroupTimeouts()
+
+
+@attrs.frozen(kw_only=True)
+class Route:
+    prefix: str
+    upstream: str
+    retry_until_first_event: bool = False
+    """Hold a text/event-stream response head until its first event, so a backend that fails
+    before its first token can still be retried."""
+
+
+@attrs.frozen(kw_only=True)
+class Listener:
+    address: str
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    listeners: tuple[Listener, ...]
+    upstreams: dict[str, Upstream]
+    routes: tuple[Route, ...]
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+
+    def route_for(self, path: bytes) -> Route | None:
+        """The route with the longest prefix matching ``path``."""
+        text = path.decode("latin-1")
+        best: Route | None = None
+        for route in self.routes:
+            if text.startswith(route.prefix) and (
+                best is None or len(route.prefix) > len(best.prefix)
+            ):
+                best = route
+        return best
+
+
+def quick_config(
+    listen: str,
+    upstreams: list[str],
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> Config:
+    """The configuration of ``muxproxy serve --listen A --upstream B ...``: one route, one group."""
+    group = Upstream(name="default", servers=tuple(Server(address=a) for a in upstreams))
+    return Config(
+        listeners=(Listener(address=listen, tls_cert=tls_cert, tls_key=tls_key),),
+        upstreams={"default": group},
+        routes=(Route(prefix="/", upstream="default"),),
+    )

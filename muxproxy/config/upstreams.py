@@ -1,0 +1,458 @@
+"""Validation of one ``[upstreams.NAME]`` group: servers, balancing, stickiness, retries,
+health checks, per-group timeouts and the request headers set for the backends.
+
+Internal to :mod:`muxproxy.config`; :func:`upstream` is what :mod:`.loading` calls. Each
+function here checks one value at one key path, reports through the :class:`Checker` and
+returns the record, or None when something was wrong.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .checker import TOKEN, Checker, Key, alternatives, describe, is_host_name, join
+from .records import (
+    CONDITIONS,
+    SOURCE_KINDS,
+    Balance,
+    GroupTimeouts,
+    HeaderRule,
+    HealthCheck,
+    NextUpstream,
+    Server,
+    SessionSource,
+    Sticky,
+    StickyCookie,
+    Upstream,
+)
+
+__all__ = ["upstream"]
+
+_TOKEN_CHARS = "letters, digits and !#$%&'*+-.^_`|~"
+_SOURCE_NAMES = {
+    "cookie": f"a cookie name (a token: {_TOKEN_CHARS})",
+    "header": f"a header name (a token: {_TOKEN_CHARS})",
+    "query": 'a query argument name (no spaces, "&", "=" or "#")',
+    "body": 'a dotted path of JSON object keys, each an identifier, e.g. "metadata.session_id"',
+}
+_QUERY_NAME = re.compile(r"[^\s&=#\x00-\x1f\x7f]+\Z")
+_BODY_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+_COOKIE_PATH = re.compile(r"/[^;\x00-\x1f\x7f]*\Z")
+_REQUEST_PATH = re.compile(r"/[^\s\x00-\x1f\x7f]*\Z")
+_HTTP_CONDITION = re.compile(r"http_[0-9]{3}\Z")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_VARIABLE = re.compile(r"\$([A-Za-z0-9_]*)")
+_VARIABLES = ("session_key", "remote_addr")
+_VARIABLE_PREFIXES = ("arg_", "cookie_", "http_")
+_EXPECTED_VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
+_PROXY_HEADERS = frozenset(
+    {
+        "connection",
+        "content-length",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""Headers set_headers may not set: message framing and hop-by-hop fields."""
+_SAME_SITE = ("Strict", "Lax", "None")
+_CONDITION_ORDER = tuple(sorted(CONDITIONS, key=lambda c: (c.startswith("http_"), c)))
+
+
+def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | None:
+    """The group ``name`` at ``path`` (``upstreams.NAME``), with its cross-checks."""
+    values = check.table(value, path, _UPSTREAM_KEYS, what="a table with servers = [...]")
+    if values is None:
+        return None
+    group = Upstream(name=name, **values)
+    if not group.sticky.sources:
+        valid = True
+        for rule in group.set_headers:
+            if "$session_key" in rule.value:
+                check.add(
+                    join(join(path, "set_headers"), _raw_name(value, rule.name)),
+                    "uses $session_key, but the group has no session sources, so it would "
+                    f'always be empty; add [{path}.sticky] with sources = ["header:X-Chat-ID"]'
+                    " (or another source)",
+                )
+                valid = False
+        if not valid:
+            return None
+    return group
+
+
+def _raw_name(table: Mapping[str, Any], lower: str) -> str:
+    """The spelling in the file of the set_headers key stored as ``lower``."""
+    headers = table.get("set_headers", {})
+    return next((key for key in headers if key.lower() == lower), lower)
+
+
+# -- servers --
+
+
+def servers(check: Checker, value: Any, path: str) -> tuple[Server, ...] | None:
+    items = check.array(value, path, 'an array of "host:port" strings or { address = ... }')
+    if items is None:
+        return None
+    if not items:
+        check.add(path, "expected at least one server, got an empty array")
+        return None
+    parsed = [server(check, item, f"{path}[{index}]") for index, item in enumerate(items)]
+    if any(one is None for one in parsed):
+        return None
+    result = tuple(one for one in parsed if one is not None)
+    seen: dict[str, int] = {}
+    valid = True
+    for index, one in enumerate(result):
+        if one.address in seen:
+            check.add(
+                f"{path}[{index}]",
+                f"{describe(one.address)} is already listed at {path}[{seen[one.address]}];"
+                " list a server once, and give it a larger weight for a larger share",
+            )
+            valid = False
+        seen.setdefault(one.address, index)
+    if all(one.backup for one in result):
+        check.add(
+            path,
+            "every server is a backup; expected at least one primary server to take the"
+            " traffic: set backup = false on one of them, or add one",
+        )
+        valid = False
+    return result if valid else None
+
+
+def server(check: Checker, value: Any, path: str) -> Server | None:
+    if isinstance(value, str):
+        address = check.address(value, path)
+        return None if address is None else Server(address=address)
+    if not isinstance(value, Mapping):
+        check.add(path, f'expected "host:port" or a table with address, got {describe(value)}')
+        return None
+    values = check.table(value, path, _SERVER_KEYS)
+    return None if values is None else Server(**values)
+
+
+def weight(check: Checker, value: Any, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        check.add(path, f"expected an integer >= 0 (0 drains the server), got {describe(value)}")
+        return None
+    return value
+
+
+def max_fails(check: Checker, value: Any, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        check.add(path, f"expected an integer >= 0 (0: never take it out), got {describe(value)}")
+        return None
+    return value
+
+
+def balance(check: Checker, value: Any, path: str) -> Balance | None:
+    choice = check.one_of(value, path, [member.value for member in Balance])
+    return None if choice is None else Balance(choice)
+
+
+# -- stickiness --
+
+
+def sticky(check: Checker, value: Any, path: str) -> Sticky | None:
+    values = check.table(value, path, _STICKY_KEYS)
+    return None if values is None else Sticky(**values)
+
+
+def sources(check: Checker, value: Any, path: str) -> tuple[SessionSource, ...] | None:
+    items = check.array(value, path, 'an array of "kind:name" strings')
+    if items is None:
+        return None
+    parsed = [source(check, item, f"{path}[{index}]") for index, item in enumerate(items)]
+    if any(one is None for one in parsed):
+        return None
+    result = tuple(one for one in parsed if one is not None)
+    seen: dict[SessionSource, int] = {}
+    valid = True
+    for index, one in enumerate(result):
+        if one in seen:
+            check.add(
+                f"{path}[{index}]",
+                f'"{one.kind}:{one.name}" is already listed at {path}[{seen[one]}]; remove one',
+            )
+            valid = False
+        seen.setdefault(one, index)
+    return result if valid else None
+
+
+def source(check: Checker, value: Any, path: str) -> SessionSource | None:
+    kinds = ", ".join(SOURCE_KINDS[:-1]) + " or " + SOURCE_KINDS[-1]
+    expected = f'expected "kind:name" with kind {kinds}, e.g. "header:X-Chat-ID"'
+    if not isinstance(value, str) or ":" not in value:
+        check.add(path, f"{expected}, got {describe(value)}")
+        return None
+    kind, _, name = value.partition(":")
+    if kind not in SOURCE_KINDS:
+        message = f"unknown kind {describe(kind)}; {expected}, got {describe(value)}"
+        close = difflib.get_close_matches(kind.lower(), SOURCE_KINDS, n=1)
+        if close:
+            message += f"; did you mean {describe(close[0] + ':' + name)}?"
+        check.add(path, message)
+        return None
+    valid = {
+        "cookie": TOKEN.match(name),
+        "header": TOKEN.match(name),
+        "query": _QUERY_NAME.match(name),
+        "body": _BODY_PATH.match(name),
+    }[kind]
+    if not valid:
+        check.add(
+            path, f'expected "{kind}:NAME" with NAME {_SOURCE_NAMES[kind]}, got {describe(value)}'
+        )
+        return None
+    return SessionSource(kind=kind, name=name.lower() if kind == "header" else name)
+
+
+def sticky_cookie(check: Checker, value: Any, path: str) -> StickyCookie | None:
+    values = check.table(value, path, _COOKIE_KEYS)
+    if values is None:
+        return None
+    cookie = StickyCookie(**values)
+    if cookie.same_site == "None" and not cookie.secure:
+        check.add(
+            join(path, "same_site"),
+            '"None" needs secure = true (browsers drop SameSite=None cookies without Secure);'
+            ' set secure = true, or use "Lax"',
+        )
+        return None
+    return cookie
+
+
+def cookie_name(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not TOKEN.match(value):
+        check.add(path, f"expected a cookie name (a token: {_TOKEN_CHARS}), got {describe(value)}")
+        return None
+    return value
+
+
+def cookie_domain(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not is_host_name(value.removeprefix(".")):
+        check.add(path, f'expected a domain such as "example.com", got {describe(value)}')
+        return None
+    return value
+
+
+def cookie_path(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not _COOKIE_PATH.match(value):
+        check.add(
+            path,
+            f'expected a path starting with "/", without ";" or control characters,'
+            f" got {describe(value)}",
+        )
+        return None
+    return value
+
+
+def same_site(check: Checker, value: Any, path: str) -> str | None:
+    return check.one_of(value, path, _SAME_SITE)
+
+
+# -- retries --
+
+
+def next_upstream(check: Checker, value: Any, path: str) -> NextUpstream | None:
+    values = check.table(value, path, _NEXT_UPSTREAM_KEYS)
+    return None if values is None else NextUpstream(**values)
+
+
+def conditions(check: Checker, value: Any, path: str) -> frozenset[str] | None:
+    items = check.array(value, path, f"an array of conditions ({', '.join(_CONDITION_ORDER)})")
+    if items is None:
+        return None
+    result: set[str] = set()
+    valid = True
+    for index, item in enumerate(items):
+        where = f"{path}[{index}]"
+        if isinstance(item, str) and item not in CONDITIONS and _HTTP_CONDITION.match(item):
+            codes = sorted(c.removeprefix("http_") for c in CONDITIONS if c.startswith("http_"))
+            check.add(
+                where,
+                f"expected {alternatives(_CONDITION_ORDER)}, got {describe(item)};"
+                f" only {', '.join(codes[:-1])} and {codes[-1]} responses can be retried",
+            )
+            valid = False
+            continue
+        condition = check.one_of(item, where, _CONDITION_ORDER)
+        if condition is None:
+            valid = False
+        else:
+            result.add(condition)
+    return frozenset(result) if valid else None
+
+
+# -- health checks --
+
+
+def health_check(check: Checker, value: Any, path: str) -> HealthCheck | None:
+    values = check.table(value, path, _HEALTH_CHECK_KEYS)
+    if values is None:
+        return None
+    health = HealthCheck(**values)
+    if health.timeout >= health.interval:
+        where = "timeout" if "timeout" in values else "interval"
+        check.add(
+            join(path, where),
+            f"expected timeout ({health.timeout:g}s) to be less than interval"
+            f" ({health.interval:g}s), so that a check ends before the next one starts;"
+            " lower timeout or raise interval",
+        )
+        return None
+    return health
+
+
+def request_path(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not _REQUEST_PATH.match(value):
+        check.add(path, f'expected a request path starting with "/", got {describe(value)}')
+        return None
+    return value
+
+
+def status_code(check: Checker, value: Any, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
+        check.add(path, f"expected an HTTP status code in 100..599, got {describe(value)}")
+        return None
+    return value
+
+
+# -- timeouts and headers --
+
+
+def group_timeouts(check: Checker, value: Any, path: str) -> GroupTimeouts | None:
+    result: GroupTimeouts | None = check.record(GroupTimeouts, value, path, Checker.seconds)
+    return result
+
+
+def set_headers(check: Checker, value: Any, path: str) -> tuple[HeaderRule, ...] | None:
+    if not isinstance(value, Mapping):
+        check.add(
+            path,
+            'expected a table of header names to values, e.g. { "X-Chat-ID" = "$session_key" },'
+            f" got {describe(value)}",
+        )
+        return None
+    rules: list[HeaderRule] = []
+    seen: dict[str, str] = {}
+    valid = True
+    for name, template in value.items():
+        where = join(path, name)
+        lower = name.lower()
+        if not TOKEN.match(name):
+            check.add(
+                where, f"expected a header name (a token: {_TOKEN_CHARS}), got {describe(name)}"
+            )
+            valid = False
+        elif lower in _PROXY_HEADERS:
+            check.add(
+                where,
+                "the proxy manages this header (message framing or hop-by-hop);"
+                " remove it from set_headers",
+            )
+            valid = False
+        elif lower in seen:
+            check.add(
+                where,
+                f"{describe(name)} is already set by {seen[lower]} (header names ignore case);"
+                " keep one",
+            )
+            valid = False
+        seen.setdefault(lower, where)
+        if not _template(check, template, where):
+            valid = False
+        elif valid:
+            rules.append(HeaderRule(name=lower, value=template))
+    return tuple(rules) if valid else None
+
+
+def _template(check: Checker, value: Any, path: str) -> bool:
+    """Check a header value template; True when it is valid."""
+    if not isinstance(value, str):
+        check.add(path, f'expected a string, e.g. "$session_key", got {describe(value)}')
+        return False
+    if _CONTROL.search(value):
+        check.add(
+            path,
+            f"expected a header value without control characters or line breaks,"
+            f" got {describe(value)}",
+        )
+        return False
+    valid = True
+    for match in _VARIABLE.finditer(value):
+        name = match[1]
+        if name in _VARIABLES or any(
+            name.startswith(prefix) and len(name) > len(prefix) for prefix in _VARIABLE_PREFIXES
+        ):
+            continue
+        if not name:
+            message = f'"$" without a variable name in {describe(value)}'
+        else:
+            message = f'unknown variable "${name}" in {describe(value)}'
+        message += f"; expected {_EXPECTED_VARIABLES}"
+        close = difflib.get_close_matches(name, _VARIABLES, 1) if name else []
+        if close:
+            message += f'; did you mean "${close[0]}"?'
+        check.add(path, message)
+        valid = False
+    return valid
+
+
+# The keys each kind of table may have. To add a setting: add the field to its record in
+# records.py and a Key here with the function that checks its value.
+_SERVER_KEYS = {
+    "address": Key(Checker.address, required='"host:port"'),
+    "weight": Key(weight),
+    "max_fails": Key(max_fails),
+    "fail_timeout": Key(Checker.seconds),
+    "backup": Key(Checker.boolean),
+}
+_COOKIE_KEYS = {
+    "name": Key(cookie_name),
+    "expires": Key(Checker.seconds),
+    "domain": Key(cookie_domain),
+    "path": Key(cookie_path),
+    "http_only": Key(Checker.boolean),
+    "secure": Key(Checker.boolean),
+    "same_site": Key(same_site),
+    "secret": Key(Checker.string),
+}
+_STICKY_KEYS = {
+    "sources": Key(sources),
+    "body_limit": Key(Checker.positive_int),
+    "cookie": Key(sticky_cookie),
+}
+_NEXT_UPSTREAM_KEYS = {
+    "on": Key(conditions),
+    "tries": Key(Checker.positive_int),
+    "tries_timeout": Key(Checker.seconds),
+    "replay_buffer": Key(Checker.count),
+}
+_HEALTH_CHECK_KEYS = {
+    "path": Key(request_path),
+    "interval": Key(Checker.seconds),
+    "timeout": Key(Checker.seconds),
+    "passes": Key(Checker.positive_int),
+    "fails": Key(Checker.positive_int),
+    "expect_status": Key(status_code),
+}
+_UPSTREAM_KEYS = {
+    "servers": Key(servers, required='an array of "host:port" servers'),
+    "pool_max_idle": Key(Checker.count),
+    "pool_idle_timeout": Key(Checker.seconds),
+    "balance": Key(balance),
+    "sticky": Key(sticky),
+    "next_upstream": Key(next_upstream),
+    "health_check": Key(health_check),
+    "set_headers": Key(set_headers),
+    "timeouts": Key(group_timeouts),
+}
