@@ -3,8 +3,15 @@
 The exchange relays version-neutral messages between a client stream (``Downstream``) and one
 backend connection (``UpstreamConn``); it never sees bytes of either protocol. Its rules:
 
-- Per-chunk flush: every upstream body chunk is handed to the client side in the same call
-  that received it. Nothing waits for more data.
+- Routing: the group's ``GroupRouter`` orders the candidate servers (sticky pin, session key,
+  balancer); the exchange walks that list on failure.
+- Retries (``next_upstream``) only while nothing reached the client: on a connection error, a
+  timeout or a configured status, within ``tries`` and ``tries_timeout``, with the request
+  body replayed from a bounded copy (RFC 9110 §9.2.2: the proxy decides; we never retry once a
+  response byte went out). With ``retry_until_first_event`` an SSE response head is held until
+  its first event, so a backend that dies before its first token costs the user nothing.
+- Per-chunk flush: every backend body chunk is handed to the client side in the same call
+  that received it.
 - Bounded buffers: bytes accepted from one side and not yet written to the other are counted;
   at ``high_water`` the source is stopped (backend: PauseReading; HTTP/1.1 client:
   PauseReading; HTTP/2 client: its WINDOW_UPDATEs are withheld), below ``low_water`` it
@@ -13,12 +20,8 @@ backend connection (``UpstreamConn``); it never sees bytes of either protocol. I
   which is what stops a GPU generating tokens nobody reads.
 - Truncation is visible: a backend that fails after the response head went out makes the
   client side abort the stream (RST_STREAM on HTTP/2, no final chunk on HTTP/1.1).
-- Errors before the head map to short plain responses: refused or broken backend 502,
-  timeout 504 (RFC 9110 §15.6.3, §15.6.5).
-
-The phase of the response is an enum, the transitions are the methods below; the request side
-has its own small enum because the two directions progress independently (a response may end
-before the request body does).
+- Errors before the head map to short plain responses: no route 404, no usable backend 503,
+  refused or broken backend 502, timeout 504 (RFC 9110 §15.6).
 """
 
 from __future__ import annotations
@@ -26,11 +29,21 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from ..config import Route, Upstream
+from ..routing.sticky import (
+    cookie_value,
+    expand_header_rule,
+    session_key_from_body,
+    session_key_from_head,
+    set_cookie_header,
+)
+from .body import RequestBody
 from .commands import Log, Origin
-from .headers import response_headers, upstream_h1_headers
+from .headers import is_event_stream, response_headers, upstream_h1_headers
 from .messages import Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
+    from ..routing.router import GroupRouter
     from .downstream import Downstream
     from .pool import UpstreamConn
     from .proxy import ProxyCore
@@ -39,13 +52,21 @@ VIA = b"muxproxy"
 
 
 class Phase(enum.Enum):
+    BUFFERING = "buffering"
+    """Holding the start of the request body to find a session key in it."""
     CONNECTING = "connecting"
     """Waiting for a backend connection; request body bytes are held (bounded)."""
     WAITING_HEAD = "waiting_head"
     """The request head went to the backend; waiting for its response head."""
+    HOLDING = "holding"
+    """An SSE response head is held until the first event (``retry_until_first_event``)."""
     STREAMING = "streaming"
     """The response head went to the client; body chunks are relayed as they come."""
     DONE = "done"
+
+
+# Phases in which nothing has reached the client yet, so a failure may still be retried.
+UNCOMMITTED = frozenset({Phase.CONNECTING, Phase.WAITING_HEAD, Phase.HOLDING})
 
 
 class RequestPhase(enum.Enum):
@@ -64,37 +85,144 @@ class Exchange:
         self.request = RequestPhase.COMPLETE if head.end_stream else RequestPhase.BODY
         self.upstream: UpstreamConn | None = None
         self.origin: Origin | None = None
-        self.held: list[bytes] = []
-        self.held_size = 0
+        self.route: Route | None = None
+        self.group: Upstream | None = None
+        self.router: GroupRouter | None = None
+        self.body = RequestBody(0)
         self.request_trailers: Headers = []
+        self.session_key: bytes | None = None
+        self.pinned: bytes | None = None
+        self.candidates: list[int] = []
+        self.tries = 0
+        self.server: int | None = None
+        """Index of the server of the current attempt in its group."""
+        self.response: ResponseHead | None = None
         self.unacked = 0
         self.source_paused = False
         self.started = core.now
+        self.first_attempt_at = core.now
         self.last_upstream_activity = core.now
         self.first_byte_at: float | None = None
         self.status = 0
         self.bytes_out = 0
         self.outcome = ""
 
-    # -- request direction -----------------------------------------------------------------
+    # -- routing ---------------------------------------------------------------------------
 
     def start(self) -> None:
         core = self.core
-        group = core.config.route_for(self.head.target)
-        if group is None:
+        head = self.head
+        route = self.route = core.config.route_for(head.target)
+        if route is None:
             self.fail(404, "no route for this path")
             return
-        server = group.servers[core.balancer(group).pick()]
+        group = self.group = core.config.upstreams[route.upstream]
+        self.router = core.router(group)
+        self.body = RequestBody(group.next_upstream.replay_buffer)
+        sticky = group.sticky
+        if sticky.cookie is not None:
+            value = cookie_value(head.headers, sticky.cookie.name)
+            self.pinned = value or None
+        key, need_body = session_key_from_head(sticky.sources, head.headers, head.target)
+        if need_body and self.request is RequestPhase.BODY:
+            self.phase = Phase.BUFFERING
+            return
+        self._route(key)
+
+    def _buffered_enough(self) -> bool:
+        assert self.group is not None
+        limit = min(self.group.sticky.body_limit, self.core.limits.high_water)
+        return self.body.size >= limit
+
+    def _route_by_body(self) -> None:
+        assert self.group is not None
+        head = self.head
+        complete = self.request is RequestPhase.COMPLETE
+        key = session_key_from_body(
+            self.group.sticky.sources, head.headers, head.target, self.body.prefix(), complete
+        )
+        self._route(key)
+
+    def _route(self, key: bytes | None) -> None:
+        assert self.router is not None
+        self.session_key = key
+        self.candidates = self.router.candidates(key, self.pinned, self.core.now)
+        if not self.candidates:
+            self.fail(503, "no backend available")
+            return
+        self.first_attempt_at = self.core.now
+        self._attempt()
+
+    def _attempt(self) -> None:
+        core = self.core
+        assert self.group is not None and self.router is not None
+        index = self.server = self.candidates[self.tries]
+        self.tries += 1
+        self.router.active[index] += 1
+        server = self.group.servers[index]
         self.origin = Origin(host=server.host, port=server.port)
-        core.set_timer(("connect", self.ident), core.now + core.config.timeouts.connect)
-        core.pool.acquire(self.origin, group, self)
+        self.phase = Phase.CONNECTING
+        timeout = self.group.timeouts.connect or core.config.timeouts.connect
+        core.set_timer(("connect", self.ident), core.now + timeout)
+        core.pool.acquire(self.origin, self.group, self)
+
+    def _leave_server(self) -> None:
+        if self.server is not None and self.router is not None:
+            self.router.active[self.server] -= 1
+            self.server = None
+
+    def _may_retry(self, condition: str) -> bool:
+        group = self.group
+        if group is None or condition not in group.next_upstream.on:
+            return False
+        policy = group.next_upstream
+        if self.tries >= min(policy.tries, len(self.candidates)):
+            return False
+        if self.core.now - self.first_attempt_at >= policy.tries_timeout:
+            return False
+        if not self.body.rewind():
+            self.core.emit(
+                Log(
+                    event="retry_skipped",
+                    fields={"reason": "request body larger than the replay buffer"},
+                )
+            )
+            return False
+        return True
+
+    def _retry_or_fail(self, condition: str, reason: str) -> None:
+        """The current attempt failed before anything reached the client."""
+        assert self.router is not None and self.server is not None
+        self.router.failed(self.server, self.core.now)
+        self._cancel_attempt_timers()
+        self._release_upstream(close=True)
+        failed_origin = str(self.origin)
+        if self._may_retry(condition):
+            self._leave_server()
+            self.core.emit(
+                Log(
+                    event="retry",
+                    fields={"upstream": failed_origin, "condition": condition, "reason": reason},
+                )
+            )
+            self._attempt()
+            return
+        if condition == "timeout":
+            self.fail(504, "upstream timed out", reason)
+        else:
+            self.fail(502, "upstream unavailable", reason)
+
+    # -- request direction -----------------------------------------------------------------
 
     def upstream_ready(self, upstream: UpstreamConn) -> None:
         """A backend connection is ours: send the head and whatever body was held."""
         if self.phase is not Phase.CONNECTING:
-            upstream.core.pool.release(upstream)
+            upstream.exchange = None
+            upstream.close()
             return
         core = self.core
+        group = self.group
+        assert group is not None
         core.cancel_timer(("connect", self.ident))
         self.upstream = upstream
         head = self.head
@@ -103,28 +231,53 @@ class Exchange:
         headers = upstream_h1_headers(
             head, client_ip=self.client.peer_ip, via=VIA, has_body=not head.end_stream
         )
+        if group.set_headers:
+            headers = self._apply_header_rules(headers)
         upstream.send_head(self.stream, head.method, head.target, headers)
-        for chunk in self.held:
+        for chunk in self.body.take_unsent():
             upstream.send_body(chunk)
-        self.held.clear()
-        self.held_size = 0
         if self.request is RequestPhase.COMPLETE:
             upstream.send_end(self.request_trailers)
         self.phase = Phase.WAITING_HEAD
-        core.set_timer(("head", self.ident), core.now + core.config.timeouts.response_head)
+        timeouts = group.timeouts
+        now = core.now
+        core.set_timer(
+            ("head", self.ident),
+            now + (timeouts.response_head or core.config.timeouts.response_head),
+        )
+        if timeouts.first_token:
+            core.set_timer(("first_token", self.ident), now + timeouts.first_token)
         self._check_request_flow()
+
+    def _apply_header_rules(self, headers: Headers) -> Headers:
+        assert self.group is not None
+        head = self.head
+        for rule in self.group.set_headers:
+            name = rule.name.lower().encode("latin-1")
+            value = expand_header_rule(
+                rule.value,
+                session_key=self.session_key,
+                remote_addr=self.client.peer_ip,
+                headers=head.headers,
+                target=head.target,
+            )
+            headers = [(n, v) for n, v in headers if n != name]
+            if value is not None:
+                headers.append((name, value))
+        return headers
 
     def request_body(self, data: bytes, flow_len: int) -> None:
         if self.phase is Phase.DONE:
             self.client.acknowledge(self.stream, flow_len)
             return
         self.unacked += flow_len
+        self.body.add(data)
         upstream = self.upstream
-        if upstream is None:
-            self.held.append(data)
-            self.held_size += len(data)
-        else:
-            upstream.send_body(data)
+        if upstream is not None:
+            for chunk in self.body.take_unsent():
+                upstream.send_body(chunk)
+        elif self.phase is Phase.BUFFERING and self._buffered_enough():
+            self._route_by_body()
         self._check_request_flow()
 
     def request_end(self, trailers: Headers) -> None:
@@ -136,12 +289,16 @@ class Exchange:
         self.request_trailers = trailers
         if self.upstream is not None:
             self.upstream.send_end(trailers)
+        elif self.phase is Phase.BUFFERING:
+            self._route_by_body()
 
     def request_buffered(self) -> int:
         """Request bytes taken from the client and not yet written to the backend."""
-        return self.held_size + (self.upstream.pending if self.upstream else 0)
+        return self.body.unsent_size + (self.upstream.pending if self.upstream else 0)
 
     def _check_request_flow(self) -> None:
+        if self.phase is Phase.DONE:
+            return
         buffered = self.request_buffered()
         limits = self.core.limits
         if buffered >= limits.high_water:
@@ -174,23 +331,55 @@ class Exchange:
         if self.phase is not Phase.WAITING_HEAD:
             return
         core = self.core
+        assert self.router is not None and self.server is not None and self.route is not None
         core.cancel_timer(("head", self.ident))
-        self.phase = Phase.STREAMING
-        self.status = head.status
+        status = head.status
+        condition = f"http_{status}"
+        if self._may_retry(condition):
+            self._retry_or_fail(condition, f"backend answered {status}")
+            return
+        self.router.succeeded(self.server)
+        self.status = status
         headers = response_headers(
-            head.status, head.headers, via=VIA, upstream_version=b"1.1", to_h2=self.client.is_h2
+            status, head.headers, via=VIA, upstream_version=b"1.1", to_h2=self.client.is_h2
         )
-        self.client.send_head(ResponseHead(stream=self.stream, status=head.status, headers=headers))
+        cookie = self.group.sticky.cookie if self.group else None
+        if cookie is not None:
+            server_id = self.router.ids[self.server]
+            if self.pinned != server_id:
+                headers.append(set_cookie_header(cookie, server_id))
+        self.response = ResponseHead(stream=self.stream, status=status, headers=headers)
         self.last_upstream_activity = core.now
-        core.set_timer(("read", self.ident), core.now + core.config.timeouts.read)
+        if (
+            self.route.retry_until_first_event
+            and 200 <= status < 300
+            and is_event_stream(head.headers)
+        ):
+            self.phase = Phase.HOLDING
+            return
+        self._commit()
+
+    def _commit(self) -> None:
+        """Send the response head: from here on nothing is retried."""
+        assert self.response is not None
+        core = self.core
+        self.phase = Phase.STREAMING
+        self.body.commit()
+        self.client.send_head(self.response)
+        idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
+        core.set_timer(("read", self.ident), self.last_upstream_activity + idle)
 
     def response_body(self, data: bytes) -> None:
-        if self.phase is not Phase.STREAMING:
-            return
+        phase = self.phase
+        if phase is not Phase.STREAMING:
+            if phase is not Phase.HOLDING:
+                return
+            self._commit()
         now = self.core.now
         self.last_upstream_activity = now
         if self.first_byte_at is None:
             self.first_byte_at = now
+            self.core.cancel_timer(("first_token", self.ident))
         self.bytes_out += len(data)
         client = self.client
         client.send_body(self.stream, data)
@@ -212,6 +401,8 @@ class Exchange:
             self.client.stalled.discard(self)
 
     def response_end(self, trailers: Headers) -> None:
+        if self.phase is Phase.HOLDING:
+            self._commit()
         if self.phase is not Phase.STREAMING:
             return
         self.client.send_end(self.stream, trailers)
@@ -220,24 +411,21 @@ class Exchange:
 
     def upstream_failed(self, reason: str, *, timeout: bool = False) -> None:
         """The backend connection broke, could not be opened, or timed out."""
-        if self.phase is Phase.DONE:
-            return
-        self._release_upstream(close=True)
-        if self.phase is Phase.STREAMING:
+        if self.phase in UNCOMMITTED:
+            self._retry_or_fail("timeout" if timeout else "error", reason)
+        elif self.phase is Phase.STREAMING:
+            self._release_upstream(close=True)
             # Truncation must be visible: never a clean end for a broken stream.
             self.client.abort(self.stream)
             self._finish(f"upstream failed mid-stream: {reason}")
-        elif timeout:
-            self.fail(504, "upstream timed out", reason)
-        else:
-            self.fail(502, "upstream unavailable", reason)
 
     def timer_fired(self, kind: str) -> None:
         core = self.core
         if kind == "read":
             if self.phase is not Phase.STREAMING:
                 return
-            due = self.last_upstream_activity + core.config.timeouts.read
+            idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
+            due = self.last_upstream_activity + idle
             if core.now < due:
                 # Lazy timer: the deadline moves with every chunk, but we re-arm only here,
                 # so relaying a chunk costs no timer command.
@@ -248,6 +436,8 @@ class Exchange:
             self.upstream_failed("connect timeout", timeout=True)
         elif kind == "head":
             self.upstream_failed("response head timeout", timeout=True)
+        elif kind == "first_token":
+            self.upstream_failed("no first token within the first-token timeout", timeout=True)
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -257,11 +447,16 @@ class Exchange:
         self.client.send_error(self.stream, status, text)
         self._finish(reason or text)
 
+    def _cancel_attempt_timers(self) -> None:
+        for kind in ("connect", "head", "first_token", "read"):
+            self.core.cancel_timer((kind, self.ident))
+
     def _release_upstream(self, *, close: bool) -> None:
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
             upstream.exchange = None
+            self.client.stalled.discard(self)
             if close or self.request is not RequestPhase.COMPLETE:
                 upstream.close()
             else:
@@ -273,8 +468,8 @@ class Exchange:
         core = self.core
         self.phase = Phase.DONE
         self.outcome = outcome
-        for kind in ("connect", "head", "read"):
-            core.cancel_timer((kind, self.ident))
+        self._cancel_attempt_timers()
+        self._leave_server()
         if self.unacked:
             self.client.acknowledge(self.stream, self.unacked)
             self.unacked = 0
@@ -294,6 +489,7 @@ class Exchange:
                     "version": head.http_version.decode("latin-1"),
                     "status": self.status,
                     "upstream": str(self.origin) if self.origin else None,
+                    "tries": self.tries,
                     "bytes": self.bytes_out,
                     "duration": round(core.now - self.started, 6),
                     "ttfb": None

@@ -13,7 +13,7 @@ and resumes its own reading for the response direction's backpressure.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .commands import CloseConnection, OpenConnection, Origin, PauseReading, ResumeReading
 from .h1 import H1Client
@@ -21,8 +21,18 @@ from .messages import Abort, Body, End, Headers, ResponseHead
 
 if TYPE_CHECKING:
     from ..config import Upstream
-    from .exchange import Exchange
     from .proxy import ProxyCore
+
+
+class UpstreamUser(Protocol):
+    """What a backend connection talks to: an exchange, or a health probe."""
+
+    def upstream_ready(self, upstream: UpstreamConn) -> None: ...
+    def upstream_drained(self) -> None: ...
+    def response_head(self, head: ResponseHead) -> None: ...
+    def response_body(self, data: bytes) -> None: ...
+    def response_end(self, trailers: Headers) -> None: ...
+    def upstream_failed(self, reason: str, *, timeout: bool = False) -> None: ...
 
 
 class UpstreamState(enum.Enum):
@@ -40,7 +50,7 @@ class UpstreamConn:
         self.max_idle = group.pool_max_idle
         self.idle_timeout = group.pool_idle_timeout
         self.adapter = H1Client()
-        self.exchange: Exchange | None = None
+        self.exchange: UpstreamUser | None = None
         self.state = UpstreamState.CONNECTING
         self.pending = 0
         self.paused = False
@@ -119,10 +129,10 @@ class Pool:
     def __init__(self, core: ProxyCore) -> None:
         self.core = core
         self.idle: dict[Origin, list[UpstreamConn]] = {}
-        self.waiting: dict[int, Exchange] = {}
+        self.waiting: dict[int, UpstreamUser] = {}
         """Exchange waiting for each connecting connection."""
 
-    def acquire(self, origin: Origin, group: Upstream, exchange: Exchange) -> None:
+    def acquire(self, origin: Origin, group: Upstream, exchange: UpstreamUser) -> None:
         """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later."""
         core = self.core
         idle = self.idle.get(origin)
@@ -137,7 +147,7 @@ class Pool:
         self.waiting[upstream.conn] = exchange
         core.emit(OpenConnection(conn=upstream.conn, origin=origin))
 
-    def _assign(self, upstream: UpstreamConn, exchange: Exchange) -> None:
+    def _assign(self, upstream: UpstreamConn, exchange: UpstreamUser) -> None:
         upstream.state = UpstreamState.BUSY
         upstream.exchange = exchange
         exchange.upstream_ready(upstream)
@@ -158,7 +168,7 @@ class Pool:
         if exchange is not None:
             exchange.upstream_failed(f"connect to {upstream.origin} failed: {reason}")
 
-    def forget(self, exchange: Exchange) -> None:
+    def forget(self, exchange: UpstreamUser) -> None:
         """``exchange`` no longer waits for the connection being opened for it."""
         for conn, waiting in list(self.waiting.items()):
             if waiting is exchange:

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from ..config import Config, Upstream
-from ..routing.balancer import RoundRobin
+from ..routing.router import GroupRouter
 from .commands import CancelTimer, Command, Log, SendData, SetTimer
 from .downstream import Downstream
 from .events import (
@@ -36,6 +36,7 @@ from .events import (
 )
 from .exchange import Exchange
 from .pool import Pool, UpstreamConn
+from .probes import Probe
 
 
 @attrs.frozen(kw_only=True)
@@ -90,11 +91,13 @@ class ProxyCore:
         self.upstreams: dict[int, UpstreamConn] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.pool = Pool(self)
-        self._balancers: dict[str, RoundRobin] = {}
+        self._routers: dict[str, GroupRouter] = {}
         self._timers: set[TimerId] = set()
         self._out: list[Command] = []
         self._next_upstream = 0
         self._next_exchange = 0
+        self.probes: dict[int, Probe] = {}
+        self._next_probe = 0
         self.shutting_down = False
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
             DataReceived: self._data_received,
@@ -152,11 +155,12 @@ class ProxyCore:
     def exchange_finished(self, exchange: Exchange) -> None:
         self.exchanges.pop(exchange.ident, None)
 
-    def balancer(self, group: Upstream) -> RoundRobin:
-        balancer = self._balancers.get(group.name)
-        if balancer is None or balancer.count != len(group.servers):
-            balancer = self._balancers[group.name] = RoundRobin(len(group.servers))
-        return balancer
+    def router(self, group: Upstream) -> GroupRouter:
+        """The routing state of ``group``; kept while the group's servers stay the same."""
+        router = self._routers.get(group.name)
+        if router is None or router.group != group:
+            router = self._routers[group.name] = GroupRouter(group)
+        return router
 
     # -- event handlers --------------------------------------------------------------------
 
@@ -216,20 +220,35 @@ class ProxyCore:
             return  # cancelled after the driver had already queued it
         self._timers.discard(timer)
         kind, ident = timer
-        if kind in ("connect", "head", "read"):
+        if kind in ("connect", "head", "first_token", "read"):
             exchange = self.exchanges.get(ident)
             if exchange is not None:
                 exchange.timer_fired(kind)
         elif kind == "pool":
             self.pool.idle_timeout(ident)
+        elif kind in ("probe", "probe_timeout"):
+            probe = self.probes.get(ident)
+            if probe is not None:
+                probe.timer_fired(kind)
         else:
             client = self.clients.get(ident)
             if client is not None:
                 client.timer_fired(kind)
 
     def _config_changed(self, event: ConfigChanged) -> None:
+        """A new configuration; also the driver's first event, which starts health checks."""
         self.config = event.config
         self._apply_limits()
+        for probe in self.probes.values():
+            self.cancel_timer(("probe", probe.ident))
+        self.probes.clear()
+        for group in self.config.upstreams.values():
+            if group.health_check is None:
+                continue
+            for index in range(len(group.servers)):
+                self._next_probe += 1
+                probe = self.probes[self._next_probe] = Probe(self, group, index, self._next_probe)
+                probe.schedule(0.0)
         self.emit(Log(event="config_changed", fields={}))
 
     def _shutdown(self, event: ShutdownRequested) -> None:

@@ -12,7 +12,7 @@ import ssl
 import trio
 
 from ..config import Config, Listener
-from ..core.events import ConnectionAccepted
+from ..core.events import ConfigChanged, ConnectionAccepted
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
 
@@ -43,6 +43,8 @@ class ProxyServer:
         async with trio.open_nursery() as nursery:
             driver = self.driver = Driver(self.core, nursery)
             nursery.start_soon(driver.run_timers)
+            # The core's first event: it arms what runs by itself (health checks).
+            driver.feed(ConfigChanged(now=trio.current_time(), config=self.config))
             for listener in self.config.listeners:
                 tcp_listeners = await trio.open_tcp_listeners(listener.port, host=listener.host)
                 context = server_ssl_context(listener) if listener.tls else None

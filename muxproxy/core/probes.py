@@ -1,0 +1,114 @@
+"""Active health checks: a periodic ``GET <path>`` to every server of a group that has one.
+
+A probe borrows a backend connection from the pool like an exchange does, and the pool talks to
+it through the same few methods (``upstream_ready``, ``response_head``, ``response_body``,
+``response_end``, ``upstream_failed``), so probing uses the very code path requests use. A
+probe passes when the expected status arrives within ``timeout``; the group's ``GroupRouter``
+turns results into up/down by its thresholds (``passes``, ``fails``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from ..config import HealthCheck, Upstream
+from .commands import Log, Origin
+from .messages import Headers, ResponseHead
+
+if TYPE_CHECKING:
+    from .pool import UpstreamConn
+    from .proxy import ProxyCore
+
+
+class ProbeState(enum.Enum):
+    IDLE = "idle"
+    """Waiting for the next interval."""
+    RUNNING = "running"
+
+
+class Probe:
+    def __init__(self, core: ProxyCore, group: Upstream, index: int, ident: int) -> None:
+        assert group.health_check is not None
+        self.core = core
+        self.group = group
+        self.check: HealthCheck = group.health_check
+        self.index = index
+        self.ident = ident
+        server = group.servers[index]
+        self.origin = Origin(host=server.host, port=server.port)
+        self.state = ProbeState.IDLE
+        self.upstream: UpstreamConn | None = None
+        self.status = 0
+
+    def schedule(self, delay: float) -> None:
+        self.core.set_timer(("probe", self.ident), self.core.now + delay)
+
+    def timer_fired(self, kind: str) -> None:
+        if kind == "probe" and self.state is ProbeState.IDLE:
+            self.state = ProbeState.RUNNING
+            self.status = 0
+            self.core.set_timer(("probe_timeout", self.ident), self.core.now + self.check.timeout)
+            self.core.pool.acquire(self.origin, self.group, self)
+        elif kind == "probe_timeout" and self.state is ProbeState.RUNNING:
+            self._done(False, "timeout")
+
+    # -- the pool's side -------------------------------------------------------------------
+
+    def upstream_ready(self, upstream: UpstreamConn) -> None:
+        if self.state is not ProbeState.RUNNING:
+            upstream.exchange = None
+            upstream.close()
+            return
+        self.upstream = upstream
+        headers = [(b"host", str(self.origin).encode()), (b"user-agent", b"muxproxy-health")]
+        upstream.send_head(0, b"GET", self.check.path.encode(), headers)
+        upstream.send_end([])
+
+    def upstream_drained(self) -> None:
+        pass
+
+    def response_head(self, head: ResponseHead) -> None:
+        self.status = head.status
+
+    def response_body(self, data: bytes) -> None:
+        pass
+
+    def response_end(self, trailers: Headers) -> None:
+        upstream = self.upstream
+        self.upstream = None
+        if upstream is not None:
+            upstream.exchange = None
+            self.core.pool.release(upstream)
+        ok = self.status == self.check.expect_status
+        self._done(ok, f"status {self.status}")
+
+    def upstream_failed(self, reason: str, *, timeout: bool = False) -> None:
+        self._done(False, reason)
+
+    # -- result ----------------------------------------------------------------------------
+
+    def _done(self, ok: bool, detail: str) -> None:
+        core = self.core
+        core.cancel_timer(("probe_timeout", self.ident))
+        if self.upstream is not None:
+            self.upstream.exchange = None
+            self.upstream.close()
+            self.upstream = None
+        else:
+            core.pool.forget(self)
+        self.state = ProbeState.IDLE
+        router = core.router(self.group)
+        if router.probe_result(self.index, ok):
+            core.emit(
+                Log(
+                    event="health",
+                    fields={
+                        "upstream": self.group.name,
+                        "server": str(self.origin),
+                        "up": router.probes.up(self.index) if router.probes else True,
+                        "detail": detail,
+                    },
+                )
+            )
+        self.schedule(self.check.interval)
