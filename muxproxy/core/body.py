@@ -51,8 +51,15 @@ class RequestBody:
         return True
 
     def prefix(self) -> bytes:
-        """What was received so far (for a session key in the body); only while replayable."""
-        return b"".join(self.chunks) if self.replayable else b""
+        """What was received so far (for a session key in the body), while all of it is held.
+
+        That is while replayable, and also while nothing was sent yet: a body held to find
+        its session key is all in ``chunks`` even when it is larger than ``replay_limit``
+        (``replay_buffer = 0`` turns replays off; it must not turn body keys off too).
+        """
+        if self.replayable or self.unsent_size == self.size:
+            return b"".join(self.chunks)
+        return b""
 
     def commit(self) -> None:
         """The response went to the client: no retry can happen, drop the replay copy."""

@@ -356,6 +356,11 @@ class Exchange:
             and is_event_stream(head.headers)
         ):
             self.phase = Phase.HOLDING
+            # The head timer is gone and ``_commit`` has not armed the idle one yet: without
+            # this a backend that sends the head and then nothing would hold the client
+            # forever (unless a first-token timeout is configured).
+            idle = self.group.timeouts.idle if self.group else None
+            core.set_timer(("read", self.ident), core.now + (idle or core.config.timeouts.read))
             return
         self._commit()
 
@@ -415,6 +420,10 @@ class Exchange:
             self._retry_or_fail("timeout" if timeout else "error", reason)
         elif self.phase is Phase.STREAMING:
             self._release_upstream(close=True)
+            # DONE before the abort: on HTTP/1.1 the abort closes the client connection, which
+            # calls ``client_aborted`` on this exchange; without this it would finish (and log)
+            # the exchange as "client aborted", and ``_finish`` below would run a second time.
+            self.phase = Phase.DONE
             # Truncation must be visible: never a clean end for a broken stream.
             self.client.abort(self.stream)
             self._finish(f"upstream failed mid-stream: {reason}")
@@ -422,7 +431,8 @@ class Exchange:
     def timer_fired(self, kind: str) -> None:
         core = self.core
         if kind == "read":
-            if self.phase is not Phase.STREAMING:
+            # HOLDING too: the idle deadline bounds a held head (see ``response_head``).
+            if self.phase is not Phase.STREAMING and self.phase is not Phase.HOLDING:
                 return
             idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
             due = self.last_upstream_activity + idle

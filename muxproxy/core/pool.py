@@ -95,6 +95,11 @@ class UpstreamConn:
             self.close()
             return
         for message in self.adapter.receive(data):
+            if self.exchange is not exchange:
+                # The exchange let go of this connection while handling an earlier message
+                # of this read (e.g. a retried 503 head): the rest belongs to the abandoned
+                # attempt and must not reach the exchange's next attempt.
+                return
             if type(message) is Body:
                 exchange.response_body(message.data)
             elif type(message) is ResponseHead:
