@@ -176,6 +176,11 @@ class Exchange:
         if group is None or condition not in group.next_upstream.on:
             return False
         policy = group.next_upstream
+        if self.tries >= len(self.candidates) and self.router is not None:
+            # Every candidate was tried; failures may have changed who is usable (the last
+            # primary down brings in the backups), so ask again.
+            fresh = self.router.candidates(self.session_key, self.pinned, self.core.now)
+            self.candidates.extend(i for i in fresh if i not in self.candidates)
         if self.tries >= min(policy.tries, len(self.candidates)):
             return False
         if self.core.now - self.first_attempt_at >= policy.tries_timeout:

@@ -978,3 +978,23 @@ def test_least_streams_avoids_the_server_with_a_long_stream() -> None:
     rig.request()
     rig.request()
     assert {origin(o) for o in rig.opens(mark)} == {A, B}
+
+
+def test_failure_of_the_last_primary_falls_through_to_the_backup() -> None:
+    config = fleet(
+        Server(address="127.0.0.1:9001"),
+        Server(address="127.0.0.1:9002", backup=True),
+        Server(address="127.0.0.1:9003"),
+    )
+    pb = Playbook(config)
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, client.request())
+    (first,) = pb.opens()
+    assert first.origin.port == 9001
+    pb.feed(OpenFailed(now=pb.now, conn=first.conn, reason="refused"))
+    first = pb.opens()[-1]
+    assert first.origin.port == 9003  # the other primary first
+    pb.feed(OpenFailed(now=pb.now, conn=first.conn, reason="refused"))
+    second = pb.opens()[-1]
+    assert second.origin.port == 9002
