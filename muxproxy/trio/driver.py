@@ -15,6 +15,7 @@ import contextlib
 import heapq
 import json
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,7 @@ class Conn:
         "ident",
         "paused",
         "pending",
+        "raw",
         "resume",
         "scope",
         "send_started",
@@ -82,6 +84,11 @@ class Conn:
         self.closing = False
         self.closed = False
         self.scope = trio.CancelScope()
+        self.raw: socket.socket | None = None
+        """A duplicate of a plain TCP socket for direct non-blocking sends (None for TLS)."""
+        if isinstance(stream, trio.SocketStream):
+            sock = stream.socket
+            self.raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
         self.send_started: float | None = None
         """When the ``send_all`` in flight began; None while the writer is not sending."""
 
@@ -107,14 +114,24 @@ class Driver:
             OpenConnection: self._open,
             Log: self._log,
         }
+        self._sent_now: dict[int, int] = {}
+        """Bytes written by ``_send_data`` itself, per connection, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
 
     def feed(self, event: Event) -> None:
         """Hand one event to the core and carry out its commands."""
         execute = self._execute
-        for command in self.core.handle(event):
+        handle = self.core.handle
+        for command in handle(event):
             execute[type(command)](command)
+        # Bytes the commands wrote straight to their sockets are reported after the batch:
+        # ``handle`` is never re-entered from inside the execution of its own commands.
+        sent_now = self._sent_now
+        while sent_now:
+            ident, nbytes = sent_now.popitem()
+            for command in handle(DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)):
+                execute[type(command)](command)
 
     def new_client_id(self) -> int:
         self._next_client += 1
@@ -143,6 +160,8 @@ class Driver:
         finally:
             conn.closed = True
             self.conns.pop(ident, None)
+            if conn.raw is not None:
+                conn.raw.close()  # the duplicate only; the stream closes its own below
             with (
                 trio.CancelScope(shield=True),
                 trio.move_on_after(1),
@@ -198,7 +217,22 @@ class Driver:
         conn = self.conns.get(command.conn)
         if conn is None or conn.closed:
             return
-        conn.pending += command.data
+        data = command.data
+        raw = conn.raw
+        if raw is not None and not conn.pending and conn.send_started is None and not conn.closing:
+            # The writer is idle, so nothing is queued ahead of these bytes: try the kernel
+            # at once. A token that fits the socket buffer (the common case) then costs no
+            # wake-up of the writer task; what does not fit waits for it as before.
+            try:
+                sent = raw.send(data)
+            except OSError:
+                sent = 0  # would block, or broken: the writer finds out and reports it
+            if sent:
+                self._sent_now[conn.ident] = self._sent_now.get(conn.ident, 0) + sent
+                if sent == len(data):
+                    return
+                data = data[sent:]
+        conn.pending += data
         conn.writer_lot.unpark()
 
     def _pause(self, command: PauseReading) -> None:
