@@ -275,7 +275,19 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("upstreams", "gpus", "servers"),
             [{"address": "127.0.0.1:9001", "priority": 2}],
             "upstreams.gpus.servers[0].priority: unknown key; expected one of: address, weight,"
-            " max_fails, fail_timeout, backup",
+            " max_fails, fail_timeout, backup, protocol, max_connections",
+        ),
+        (
+            ("upstreams", "gpus", "servers"),
+            [{"address": "127.0.0.1:9001", "protocol": "http2"}],
+            'upstreams.gpus.servers[0].protocol: expected "h1" (HTTP/1.1) or "h2" (h2c, prior'
+            ' knowledge), got "http2"',
+        ),
+        (
+            ("upstreams", "gpus", "servers"),
+            [{"address": "127.0.0.1:9001", "protocol": "h2", "max_connections": 0}],
+            "upstreams.gpus.servers[0].max_connections: expected an integer >= 1 (h2"
+            " connections to this server), got 0",
         ),
         (
             ("upstreams", "gpus", "servers"),
@@ -403,7 +415,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "weight": 1}],
             "routes[0].weight: unknown key; expected one of: prefix, upstream,"
-            " retry_until_first_event",
+            " retry_until_first_event, sse_heartbeat",
         ),
         (
             ("routes",),
@@ -674,6 +686,18 @@ def test_routing_file(tmp_path: Path) -> None:
         Route(prefix="/", upstream="cpus", retry_until_first_event=False),
     )
     assert config.route_for(b"/v1/chat/completions") is config.routes[0]
+
+
+def test_route_sse_heartbeat_is_seconds() -> None:
+    data = valid()
+    data["routes"] = [{"prefix": "/", "upstream": "gpus", "sse_heartbeat": 15}]
+    (route,) = parse_config(data).routes
+    assert route.sse_heartbeat == 15.0 and isinstance(route.sse_heartbeat, float)
+    assert parse_config(valid()).routes[0].sse_heartbeat is None
+    data["routes"][0]["sse_heartbeat"] = 0
+    assert problems_of(data) == [
+        "routes[0].sse_heartbeat: expected a positive number of seconds, got 0"
+    ]
 
 
 def test_routing_tables_alone_get_their_defaults() -> None:

@@ -163,6 +163,7 @@ _ROUTE_KEYS = {
     "prefix": Key(Checker.prefix, required='a path prefix starting with "/"'),
     "upstream": Key(Checker.name, required="the name of an upstream group"),
     "retry_until_first_event": Key(Checker.boolean),
+    "sse_heartbeat": Key(Checker.seconds),
 }
 
 

@@ -28,6 +28,8 @@ class Timeouts:
     """Seconds a client has to send a complete request head."""
     keepalive_idle: float = 75.0
     """Seconds an idle client connection is kept open between requests."""
+    tunnel_idle: float = 3600.0
+    """Seconds a WebSocket tunnel may carry no byte either way before both sides are closed."""
 
 
 @attrs.frozen(kw_only=True)
@@ -52,6 +54,11 @@ class Server:
     """The window for counting failures, and how long a failed server stays out."""
     backup: bool = False
     """Used only when every primary server of the group is unusable."""
+    protocol: str = "h1"
+    """``"h1"`` (HTTP/1.1, a keep-alive pool) or ``"h2"`` (h2c with prior knowledge: streams of
+    every client multiplexed onto shared connections)."""
+    max_connections: int = 4
+    """h2 only: connections opened to this server at most; past them requests wait (bounded)."""
 
     @property
     def host(self) -> str:
@@ -179,6 +186,13 @@ class Upstream:
     set_headers: tuple[HeaderRule, ...] = ()
     timeouts: GroupTimeouts = GroupTimeouts()
 
+    def server_at(self, host: str, port: int) -> Server | None:
+        """The server of this group at ``host:port``, if any."""
+        for server in self.servers:
+            if server.port == port and server.host == host:
+                return server
+        return None
+
 
 @attrs.frozen(kw_only=True)
 class Route:
@@ -187,6 +201,9 @@ class Route:
     retry_until_first_event: bool = False
     """Hold a text/event-stream response head until its first event, so a backend that fails
     before its first token can still be retried."""
+    sse_heartbeat: float | None = None
+    """Seconds without upstream bytes after which a text/event-stream response gets an SSE
+    comment (``: keep-alive``), written between events only; None: never."""
 
 
 @attrs.frozen(kw_only=True)

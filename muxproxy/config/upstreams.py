@@ -95,6 +95,8 @@ def _raw_name(table: Mapping[str, Any], lower: str) -> str:
 
 # -- servers --
 
+SERVER_PROTOCOLS = ("h1", "h2")
+
 
 def servers(check: Checker, value: Any, path: str) -> tuple[Server, ...] | None:
     items = check.array(value, path, 'an array of "host:port" strings or { address = ... }')
@@ -142,6 +144,25 @@ def server(check: Checker, value: Any, path: str) -> Server | None:
 def weight(check: Checker, value: Any, path: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         check.add(path, f"expected an integer >= 0 (0 drains the server), got {describe(value)}")
+        return None
+    return value
+
+
+def server_protocol(check: Checker, value: Any, path: str) -> str | None:
+    if value not in SERVER_PROTOCOLS:
+        check.add(
+            path,
+            f'expected "h1" (HTTP/1.1) or "h2" (h2c, prior knowledge), got {describe(value)}',
+        )
+        return None
+    return str(value)
+
+
+def max_connections(check: Checker, value: Any, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        check.add(
+            path, f"expected an integer >= 1 (h2 connections to this server), got {describe(value)}"
+        )
         return None
     return value
 
@@ -415,6 +436,8 @@ _SERVER_KEYS = {
     "max_fails": Key(max_fails),
     "fail_timeout": Key(Checker.seconds),
     "backup": Key(Checker.boolean),
+    "protocol": Key(server_protocol),
+    "max_connections": Key(max_connections),
 }
 _COOKIE_KEYS = {
     "name": Key(cookie_name),

@@ -16,7 +16,9 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import attrs
 import h2.errors
+import h2.exceptions
 
 from .commands import CloseConnection, Log, PauseReading, ResumeReading
 from .exchange import RequestPhase
@@ -69,16 +71,44 @@ class Downstream:
         self.protocol = protocol
         limits = self.core.config.limits
         if protocol is Protocol.HTTP2:
-            # A stream's receive window is what a client may send beyond what we hold; the
-            # request side stays within stream_buffer only if it fits in one read's slack.
-            self.h2 = H2Server(
-                scheme=self.scheme,
-                max_concurrent_streams=limits.max_concurrent_streams,
-                initial_window=min(65535, self.core.read_size),
-            )
+            self.h2 = self._new_h2()
             self._flush_h2()
         else:
             self.h1 = H1Server(scheme=self.scheme, max_head=limits.max_request_head)
+
+    def _new_h2(self, upgrade_settings: bytes | None = None) -> H2Server:
+        # A stream's receive window is what a client may send beyond what we hold; the
+        # request side stays within stream_buffer only if it fits in one read's slack.
+        return H2Server(
+            scheme=self.scheme,
+            max_concurrent_streams=self.core.config.limits.max_concurrent_streams,
+            initial_window=min(65535, self.core.read_size),
+            upgrade_settings=upgrade_settings,
+        )
+
+    def _maybe_switch_to_h2c(self) -> None:
+        """RFC 7540 §3.2: the HTTP/1.1 adapter accepted an h2c offer (h2c.py). Answer 101 and
+        go on as HTTP/2 with that request as stream 1; the rest of what the client sent is
+        the start of its HTTP/2 preface."""
+        h1 = self.h1
+        if h1 is None or h1.h2c is None or self.protocol is not Protocol.HTTP1:
+            return
+        head = h1.h2c.head
+        try:
+            h2s = self._new_h2(upgrade_settings=h1.h2c.settings)
+        except h2.exceptions.ProtocolError:
+            # Settings h2 refuses (RFC 9113 §6.5.2 value ranges): HTTP/1.1 it is, then.
+            self._dispatch(h1.decline_h2c())
+            return
+        switched, rest = h1.switch_to_h2c()
+        self._send(switched)
+        self.h1 = None
+        self.h2 = h2s
+        self.protocol = Protocol.HTTP2
+        self._flush_h2()
+        self._dispatch([attrs.evolve(head, stream=1), End(stream=1)])
+        if rest:
+            self.on_data(rest)
 
     # -- bytes in --------------------------------------------------------------------------
 
@@ -114,6 +144,7 @@ class Downstream:
             self._send(self.h1.interim)
             self.h1.interim = b""
         self._dispatch(messages)
+        self._maybe_switch_to_h2c()
 
     def _h1_protocol_error(self, exc: PeerError) -> None:
         assert self.h1 is not None
@@ -186,12 +217,16 @@ class Downstream:
         assert self.h2 is not None
         self._send(self.h2.data_to_send())
 
-    def send_head(self, head: ResponseHead) -> None:
+    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
+        """Send the response head; ``end_stream``: the response is complete without a body
+        (a gRPC Trailers-Only response: one HEADERS frame with END_STREAM on HTTP/2)."""
         if self.h2 is not None:
-            self.h2.send_head(head)
+            self.h2.send_head(head, end_stream=end_stream)
             self._flush_h2()
         elif self.h1 is not None:
             self._send(self.h1.send_head(head))
+            if end_stream:
+                self._send(self.h1.send_end([]))
 
     def send_body(self, stream: int, data: bytes) -> None:
         if self.h2 is not None:
@@ -272,6 +307,7 @@ class Downstream:
                 return
             self._become_idle_if_unused()
             self._dispatch(messages)
+            self._maybe_switch_to_h2c()
         elif self.h2 is not None:
             if exchange.request is RequestPhase.BODY and self.h2.finished(exchange.stream):
                 # RFC 9113 §8.1: the response is complete, so the rest of the request body

@@ -1,7 +1,8 @@
 """One proxied request/response: from the client's request head to the end of the response.
 
 The exchange relays version-neutral messages between a client stream (``Downstream``) and one
-backend connection (``UpstreamConn``); it never sees bytes of either protocol. Its rules:
+backend stream (``pool.UpstreamStream``: a whole HTTP/1.1 connection or one stream of a shared
+HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 - Routing: the group's ``GroupRouter`` orders the candidate servers (sticky pin, session key,
   balancer); the exchange walks that list on failure.
@@ -37,15 +38,18 @@ from ..routing.sticky import (
     session_key_from_head,
     set_cookie_header,
 )
+from . import grpc
 from .body import RequestBody
 from .commands import Log, Origin
-from .headers import is_event_stream, response_headers, upstream_h1_headers
+from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
+from .headers import header_value, is_event_stream, response_headers, upstream_h1_headers
 from .messages import Headers, RequestHead, ResponseHead
+from .sse import HEARTBEAT, EventBoundary
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
     from .downstream import Downstream
-    from .pool import UpstreamConn
+    from .pool import UpstreamStream
     from .proxy import ProxyCore
 
 VIA = b"muxproxy"
@@ -83,7 +87,7 @@ class Exchange:
         self.ident = ident
         self.phase = Phase.CONNECTING
         self.request = RequestPhase.COMPLETE if head.end_stream else RequestPhase.BODY
-        self.upstream: UpstreamConn | None = None
+        self.upstream: UpstreamStream | None = None
         self.origin: Origin | None = None
         self.route: Route | None = None
         self.group: Upstream | None = None
@@ -106,12 +110,19 @@ class Exchange:
         self.status = 0
         self.bytes_out = 0
         self.outcome = ""
+        self.sse: EventBoundary | None = None
+        """Event boundaries of an SSE response that gets heartbeats (``route.sse_heartbeat``)."""
+        self.heartbeat_at = 0.0
 
     # -- routing ---------------------------------------------------------------------------
 
     def start(self) -> None:
         core = self.core
         head = self.head
+        timeout = grpc_timeout(head.headers) if is_grpc(head.headers) else None
+        if timeout is not None:
+            # The whole call's deadline, across retries (gRPC's grpc-timeout).
+            core.set_timer(("deadline", self.ident), core.now + timeout)
         route = self.route = core.config.route_for(head.target)
         if route is None:
             self.fail(404, "no route for this path")
@@ -219,7 +230,7 @@ class Exchange:
 
     # -- request direction -----------------------------------------------------------------
 
-    def upstream_ready(self, upstream: UpstreamConn) -> None:
+    def upstream_ready(self, upstream: UpstreamStream) -> None:
         """A backend connection is ours: send the head and whatever body was held."""
         if self.phase is not Phase.CONNECTING:
             upstream.exchange = None
@@ -346,7 +357,11 @@ class Exchange:
         self.router.succeeded(self.server)
         self.status = status
         headers = response_headers(
-            status, head.headers, via=VIA, upstream_version=b"1.1", to_h2=self.client.is_h2
+            status,
+            head.headers,
+            via=VIA,
+            upstream_version=self.upstream.http_version if self.upstream else b"1.1",
+            to_h2=self.client.is_h2,
         )
         cookie = self.group.sticky.cookie if self.group else None
         if cookie is not None:
@@ -378,6 +393,21 @@ class Exchange:
         self.client.send_head(self.response)
         idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
         core.set_timer(("read", self.ident), self.last_upstream_activity + idle)
+        heartbeat = self.route.sse_heartbeat if self.route else None
+        if (
+            heartbeat
+            and 200 <= self.status < 300
+            and self.head.method != b"HEAD"
+            and is_event_stream(self.response.headers)
+            # A sized body cannot take extra bytes (RFC 9112 §6.3); SSE backends stream
+            # without Content-Length anyway.
+            and header_value(self.response.headers, b"content-length") is None
+        ):
+            # Lazy like the read timer: armed once here, moved only when it fires. The head
+            # going out now counts as the last thing the client got.
+            self.sse = EventBoundary()
+            self.heartbeat_at = core.now
+            core.set_timer(("heartbeat", self.ident), core.now + heartbeat)
 
     def response_body(self, data: bytes) -> None:
         phase = self.phase
@@ -391,6 +421,8 @@ class Exchange:
             self.first_byte_at = now
             self.core.cancel_timer(("first_token", self.ident))
         self.bytes_out += len(data)
+        if self.sse is not None:
+            self.sse.feed(data)
         client = self.client
         client.send_body(self.stream, data)
         if client.buffered(self.stream) >= self.core.limits.high_water:
@@ -453,17 +485,63 @@ class Exchange:
             self.upstream_failed("response head timeout", timeout=True)
         elif kind == "first_token":
             self.upstream_failed("no first token within the first-token timeout", timeout=True)
+        elif kind == "heartbeat":
+            self._heartbeat()
+        elif kind == "deadline":
+            self._deadline_exceeded()
+
+    def _deadline_exceeded(self) -> None:
+        """The gRPC call's ``grpc-timeout`` passed: DEADLINE_EXCEEDED in any phase."""
+        if self.phase is Phase.DONE:
+            return
+        self._cancel_attempt_timers()
+        if self.phase is Phase.STREAMING:
+            self._release_upstream(close=True)
+            self.phase = Phase.DONE
+            fields = status_fields(grpc.DEADLINE_EXCEEDED, "deadline exceeded (grpc-timeout)")
+            self.client.send_end(self.stream, fields)
+            self._finish("grpc-timeout exceeded")
+            return
+        self._release_upstream(close=True)
+        self.fail(504, "deadline exceeded (grpc-timeout)")
+
+    def _heartbeat(self) -> None:
+        """An SSE comment after ``sse_heartbeat`` seconds without upstream bytes, so idle
+        timeouts along the way (load balancers, proxies) keep a thinking model's stream."""
+        sse = self.sse
+        if self.phase is not Phase.STREAMING or sse is None or self.route is None:
+            return
+        interval = self.route.sse_heartbeat
+        assert interval is not None
+        core = self.core
+        now = core.now
+        due = max(self.last_upstream_activity, self.heartbeat_at) + interval
+        if now >= due:
+            # Only between events (a comment inside one would end it early), and only when
+            # the client took everything: unsent bytes keep nothing alive.
+            if sse.at_boundary and not self.client.buffered(self.stream):
+                self.client.send_body(self.stream, HEARTBEAT)
+                self.heartbeat_at = now
+            due = now + interval
+        core.set_timer(("heartbeat", self.ident), due)
 
     # -- endings ---------------------------------------------------------------------------
 
     def fail(self, status: int, text: str, reason: str = "") -> None:
         """Answer with a short plain response (only while no response head went out)."""
         self.status = status
-        self.client.send_error(self.stream, status, text)
+        if is_grpc(self.head.headers):
+            # A gRPC client gets a gRPC answer (grpc.py): 200 and a Trailers-Only response.
+            self.status = 200
+            fields = trailers_only(grpc.status_for_http(status), text)
+            head = ResponseHead(stream=self.stream, status=200, headers=fields)
+            self.client.send_head(head, end_stream=True)
+        else:
+            self.client.send_error(self.stream, status, text)
         self._finish(reason or text)
 
     def _cancel_attempt_timers(self) -> None:
-        for kind in ("connect", "head", "first_token", "read"):
+        for kind in ("connect", "head", "first_token", "read", "heartbeat"):
             self.core.cancel_timer((kind, self.ident))
 
     def _release_upstream(self, *, close: bool) -> None:
@@ -475,7 +553,7 @@ class Exchange:
             if close or self.request is not RequestPhase.COMPLETE:
                 upstream.close()
             else:
-                self.core.pool.release(upstream)
+                upstream.release()
         elif self.origin is not None and self.phase is Phase.CONNECTING:
             self.core.pool.forget(self)
 
@@ -484,6 +562,7 @@ class Exchange:
         self.phase = Phase.DONE
         self.outcome = outcome
         self._cancel_attempt_timers()
+        core.cancel_timer(("deadline", self.ident))
         self._leave_server()
         if self.unacked:
             self.client.acknowledge(self.stream, self.unacked)

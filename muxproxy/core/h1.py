@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import attrs
 import h11
 
+from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
 from .headers import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
 
@@ -44,6 +45,9 @@ class H1Server:
         """Number of the current request on this connection (1, 2, ...)."""
         self.interim = b""
         """Bytes of an interim response (100 Continue) produced while receiving."""
+        self.h2c: H2cUpgrade | None = None
+        """An accepted h2c upgrade offer (h2c.py): its head and end are withheld until the
+        owner calls ``switch_to_h2c`` or ``decline_h2c``."""
 
     def receive(self, data: bytes) -> list[Message]:
         """Feed bytes (b"" for EOF); return the messages they complete. Raises ``PeerError``."""
@@ -82,6 +86,9 @@ class H1Server:
                     raise PeerError(exc.reason, exc.status) from exc
                 if _has_no_body(event.headers):
                     head = _with_end_stream(head)
+                head, self.h2c = h2c_offer(head, plain=self.scheme == b"http")
+                if self.h2c is not None:
+                    continue  # h11 pauses after its EndOfMessage: the switch is proposed
                 out.append(head)
                 if conn.they_are_waiting_for_100_continue:
                     # RFC 9110 §10.1.1: we will read the body, so tell the client to send it
@@ -90,13 +97,31 @@ class H1Server:
                         conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
                     )
             elif type(event) is h11.EndOfMessage:
-                out.append(End(stream=self.stream, trailers=list(event.headers)))
+                if self.h2c is None:
+                    out.append(End(stream=self.stream, trailers=list(event.headers)))
             elif type(event) is h11.ConnectionClosed:
                 if conn.their_state is not h11.DONE or conn.our_state is not h11.DONE:
                     out.append(Abort(stream=self.stream, reason="client closed the connection"))
                 return out
             else:  # pragma: no cover - h11 has no other server-side events
                 raise AssertionError(f"unexpected h11 event {event!r}")
+
+    def switch_to_h2c(self) -> tuple[bytes, bytes]:
+        """Accept the pending h2c offer: (our 101's bytes, what the client sent after its
+        request — the start of its HTTP/2 preface). This connection is done with HTTP/1.1."""
+        self.h2c = None
+        switching = h11.InformationalResponse(
+            status_code=101, headers=UPGRADE_HEADERS, reason=b"Switching Protocols"
+        )
+        out = self.conn.send(switching)
+        return out or b"", bytes(self.conn.trailing_data[0])
+
+    def decline_h2c(self) -> list[Message]:
+        """Serve the pending h2c offer over HTTP/1.1 after all: its head and end. The normal
+        response that follows tells h11 the switch was refused (RFC 9110 §7.8)."""
+        upgrade, self.h2c = self.h2c, None
+        assert upgrade is not None
+        return [upgrade.head, End(stream=upgrade.head.stream)]
 
     def send_head(self, head: ResponseHead) -> bytes:
         return self.conn.send(h11.Response(status_code=head.status, headers=head.headers)) or b""
@@ -187,7 +212,13 @@ class H1Client:
             elif type(event) is h11.EndOfMessage:
                 out.append(End(stream=stream, trailers=list(event.headers)))
             elif type(event) is h11.InformationalResponse:
-                # 1xx other than 101 are hop-by-hop for our purposes: the client got its own
+                if event.status_code == 101:
+                    # RFC 9110 §15.2.2: h11 accepts a 101 only for an upgrade we proposed (a
+                    # WebSocket handshake); what follows it is no longer HTTP: the bytes h11
+                    # already read wait in ``conn.trailing_data`` for the tunnel.
+                    out.append(ResponseHead(stream=stream, status=101, headers=list(event.headers)))
+                    return out
+                # Other 1xx are hop-by-hop for our purposes: the client got its own
                 # 100 Continue from us (RFC 9110 §15.2).
                 continue
             elif type(event) is h11.ConnectionClosed:

@@ -27,6 +27,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from .h2send import Flushed, SendQueue, flush_queue, send_or_queue
 from .headers import MalformedRequest, request_from_h2
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
@@ -49,7 +50,10 @@ class H2Server:
         max_concurrent_streams: int = 100,
         initial_window: int = 65535,
         max_header_list_size: int = 64 * 1024,
+        upgrade_settings: bytes | None = None,
     ) -> None:
+        """``upgrade_settings``: the client's HTTP2-Settings value when this connection was
+        upgraded from HTTP/1.1 (h2c.py); raises h2's ``ProtocolError`` if they are invalid."""
         config = h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
@@ -64,9 +68,16 @@ class H2Server:
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list_size,
+                # RFC 8441 §3: we accept extended CONNECT (WebSockets over HTTP/2, tunnel.py).
+                h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
             },
         )
-        self.conn.initiate_connection()
+        if upgrade_settings is None:
+            self.conn.initiate_connection()
+        else:
+            # RFC 7540 §3.2: the settings count as the client's first SETTINGS (no ACK), and
+            # the upgraded request is stream 1, half-closed (remote).
+            self.conn.initiate_upgrade_connection(upgrade_settings)
         if initial_window != 65535:
             # Sent as a change rather than an initial value: h2 applies it only once the
             # client acknowledged it, so a client that sends a default 65,535-byte window
@@ -75,7 +86,9 @@ class H2Server:
                 {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window}
             )
         self.conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
-        self.queues: dict[int, _SendQueue] = {}
+        self.queues: dict[int, SendQueue] = {}
+        if upgrade_settings is not None:
+            self.queues[1] = SendQueue()  # the response to the upgraded request
         self.blocked: set[int] = set()
         """Streams with data waiting for window."""
         self.window_changed = False
@@ -137,7 +150,7 @@ class H2Server:
             # RFC 9113 §8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR.
             self.conn.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return []
-        self.queues[sid] = _SendQueue()
+        self.queues[sid] = SendQueue()
         if event.stream_ended is not None:
             return [attrs.evolve(head, end_stream=True), End(stream=sid)]
         return [head]
@@ -156,24 +169,20 @@ class H2Server:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send_head(self, head: ResponseHead) -> None:
+    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
+        """Send the response HEADERS; ``end_stream`` makes it a complete (Trailers-Only)
+        response."""
         headers = [(b":status", str(head.status).encode()), *head.headers]
-        self.conn.send_headers(head.stream, headers)
+        self.conn.send_headers(head.stream, headers, end_stream=end_stream)
+        if end_stream:
+            self.blocked.discard(head.stream)
+            self.queues.pop(head.stream, None)
 
     def send_body(self, stream: int, data: bytes) -> None:
         queue = self.queues.get(stream)
         if queue is None:
             return
-        if queue.size == 0:
-            # Fast path: the whole chunk fits the window and the frame size.
-            conn = self.conn
-            room = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size)
-            if len(data) <= room:
-                conn.send_data(stream, data)
-                return
-        queue.chunks.append(data)
-        queue.size += len(data)
-        self._flush(stream, queue)
+        self._settle(stream, send_or_queue(self.conn, stream, queue, data))
 
     def send_end(self, stream: int, trailers: Headers) -> None:
         queue = self.queues.get(stream)
@@ -231,36 +240,13 @@ class H2Server:
             self.conn.close_connection()
             self.closed = True
 
-    def _flush(self, stream: int, queue: _SendQueue) -> None:
-        conn = self.conn
-        chunks = queue.chunks
-        while chunks:
-            room = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size)
-            if room <= 0:
-                self.blocked.add(stream)
-                return
-            chunk = chunks[0]
-            if len(chunk) <= room:
-                chunks.pop(0)
-            else:
-                chunks[0] = chunk[room:]
-                chunk = chunk[:room]
-            conn.send_data(stream, chunk)
-            queue.size -= len(chunk)
+    def _flush(self, stream: int, queue: SendQueue) -> None:
+        self._settle(stream, flush_queue(self.conn, stream, queue))
+
+    def _settle(self, stream: int, state: Flushed) -> None:
+        if state is Flushed.BLOCKED:
+            self.blocked.add(stream)
+            return
         self.blocked.discard(stream)
-        if queue.end:
-            if queue.end_trailers:
-                conn.send_headers(stream, queue.end_trailers, end_stream=True)
-            else:
-                conn.end_stream(stream)
+        if state is Flushed.ENDED:
             del self.queues[stream]
-
-
-class _SendQueue:
-    __slots__ = ("chunks", "end", "end_trailers", "size")
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.end = False
-        self.end_trailers: Headers = []

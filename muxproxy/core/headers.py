@@ -7,6 +7,12 @@ in frozensets. What they obey:
   Transfer-Encoding, Upgrade and every field a Connection header nominates are removed before
   forwarding, in both directions. ``TE: trailers`` is the one exception we forward (it is
   meaningful end to end for gRPC, RFC 9113 §8.2.2).
+* RFC 6455 §4.1 / RFC 9110 §7.8 (Upgrade): the one exception to dropping Upgrade and
+  Connection is a WebSocket opening handshake (``is_websocket_upgrade``): a GET without a body
+  whose Upgrade is exactly ``websocket`` and whose Connection names ``upgrade`` is forwarded
+  with ``connection: upgrade`` and ``upgrade: websocket`` (and nothing else those fields held),
+  because the backend, not the proxy, answers the handshake. The tunnel after the 101 is
+  ``tunnel.py``'s.
 * RFC 9110 §7.6.2 (Max-Forwards) is not needed: we answer no TRACE or OPTIONS ourselves.
 * RFC 9110 §7.6.3 (Via): we append ``<received-protocol> <pseudonym>`` in both directions.
 * RFC 9113 §8.2 / §8.2.1 (field validity), §8.2.2 (connection-specific fields), §8.2.3 (cookie
@@ -28,6 +34,7 @@ __all__ = [
     "MalformedRequest",
     "header_value",
     "is_event_stream",
+    "is_websocket_upgrade",
     "request_from_h1",
     "request_from_h2",
     "response_headers",
@@ -308,6 +315,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         scheme=scheme,
         headers=regular,
         http_version=b"2",
+        protocol=protocol,
     )
 
 
@@ -488,6 +496,12 @@ def upstream_h1_headers(
         content_length = False
     if chunked or (has_body and not content_length):
         out.append((b"transfer-encoding", b"chunked"))
+    if is_websocket_upgrade(head):
+        # RFC 6455 §4.1 / RFC 9110 §7.8: the handshake goes to the backend, which answers it;
+        # only this upgrade is passed (the client's Connection / Upgrade values are dropped
+        # above like any hop-by-hop field, and rebuilt here from the known-good ones).
+        out.append((b"connection", b"upgrade"))
+        out.append((b"upgrade", b"websocket"))
 
     # X-Forwarded-For: the existing list plus the address we got the request from.
     ip = client_ip.encode("ascii")
@@ -499,6 +513,28 @@ def upstream_h1_headers(
     ours = head.http_version + b" " + via
     out.append((b"via", _append_list(vias, ours)))
     return out
+
+
+def is_websocket_upgrade(head: RequestHead) -> bool:
+    """Whether ``head`` is an HTTP/1.1 WebSocket opening handshake (RFC 6455 §4.1).
+
+    A GET without a body, ``Upgrade`` exactly ``websocket`` (case-insensitive; a list offering
+    other protocols too is not, since only this one is tunnelled) and ``Connection`` naming
+    ``upgrade`` (RFC 9110 §7.8: Upgrade is only honoured when Connection nominates it). Such a
+    request is tunnelled; any other Upgrade is dropped as a hop-by-hop field.
+    """
+    # HTTP/1.0 has no Upgrade (RFC 6455 §4.1 asks for 1.1 or later). An HTTP/2 request cannot
+    # carry these fields (RFC 9113 §8.2.2); one that does is ``websocket.bridged_head``'s.
+    if head.method != b"GET" or not head.end_stream or head.http_version == b"1.0":
+        return False
+    upgrade: set[bytes] = set()
+    connection: set[bytes] = set()
+    for name, value in head.headers:
+        if name == b"upgrade":
+            upgrade |= _tokens(value)
+        elif name == b"connection":
+            connection |= _tokens(value)
+    return upgrade == {b"websocket"} and b"upgrade" in connection
 
 
 # --- downstream (to the client) ------------------------------------------------------------
@@ -622,3 +658,33 @@ def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes |
         if field_name == name:
             return value
     return None
+
+
+# --- upstream (to an HTTP/2 backend) -------------------------------------------------------
+
+
+def upstream_h2_headers(method: bytes, scheme: bytes, target: bytes, fields: Headers) -> Headers:
+    """The HTTP/2 field block for a request whose forwarded fields are ``fields``.
+
+    ``fields`` is what :func:`upstream_h1_headers` produced (plus any configured rules): the
+    hop-by-hop work is done there. Here (RFC 9113 §8.3.1) Host becomes ``:authority``, the
+    pseudo-fields come first, names are lower-cased (§8.2) and connection-specific fields,
+    including the Transfer-Encoding added for HTTP/1.1 framing, are dropped (§8.2.2);
+    ``te: trailers`` is kept (gRPC needs it).
+    """
+    authority = b""
+    rest: Headers = []
+    for name, value in fields:
+        name = name.lower()
+        if name == b"host":
+            authority = value
+        elif name not in _CONNECTION_SPECIFIC and (
+            name != b"te" or value.strip().lower() == b"trailers"
+        ):
+            rest.append((name, value))
+    out: Headers = [(b":method", method), (b":scheme", scheme)]
+    if authority:
+        out.append((b":authority", authority))
+    out.append((b":path", target if target.startswith(b"/") or target == b"*" else b"/" + target))
+    out.extend(rest)
+    return out

@@ -24,6 +24,8 @@ class RequestHead:
     http_version: bytes = b"1.1"
     end_stream: bool = False
     """The request has no body: its ``End`` follows at once."""
+    protocol: bytes | None = None
+    """HTTP/2 ``:protocol`` of an extended CONNECT (RFC 8441 §4), e.g. ``b"websocket"``."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

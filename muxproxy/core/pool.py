@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .commands import CloseConnection, OpenConnection, Origin, PauseReading, ResumeReading
 from .h1 import H1Client
+from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
 
 if TYPE_CHECKING:
@@ -27,12 +28,55 @@ if TYPE_CHECKING:
 class UpstreamUser(Protocol):
     """What a backend connection talks to: an exchange, or a health probe."""
 
-    def upstream_ready(self, upstream: UpstreamConn) -> None: ...
+    def upstream_ready(self, upstream: UpstreamStream) -> None: ...
     def upstream_drained(self) -> None: ...
     def response_head(self, head: ResponseHead) -> None: ...
     def response_body(self, data: bytes) -> None: ...
     def response_end(self, trailers: Headers) -> None: ...
     def upstream_failed(self, reason: str, *, timeout: bool = False) -> None: ...
+
+
+class UpstreamStream(Protocol):
+    """One request/response on a backend, whatever the protocol: what an exchange talks to.
+
+    ``UpstreamConn`` (HTTP/1.1, the whole connection) and ``h2pool.H2Stream`` (one stream of a
+    shared HTTP/2 connection) implement it.
+    """
+
+    exchange: UpstreamUser | None
+    http_version: bytes
+
+    @property
+    def pending(self) -> int:
+        """Request bytes taken from the exchange and not yet written to the backend."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None: ...
+    def send_body(self, data: bytes) -> None: ...
+    def send_end(self, trailers: Headers) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def close(self) -> None:
+        """Abandon the request (h1: close the connection; h2: RST_STREAM(CANCEL))."""
+
+    def release(self) -> None:
+        """The exchange completed cleanly: the connection may carry another request."""
+
+
+class BackendConnection(Protocol):
+    """A backend connection as ``ProxyCore`` dispatches driver events to it."""
+
+    conn: int
+
+    def on_opened(self) -> None: ...
+    def on_open_failed(self, reason: str) -> None: ...
+    def on_data(self, data: bytes) -> None: ...
+    def on_sent(self, nbytes: int) -> None: ...
+    def on_closed(self, error: str | None) -> None: ...
+    def on_timer(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class UpstreamState(enum.Enum):
@@ -43,6 +87,8 @@ class UpstreamState(enum.Enum):
 
 
 class UpstreamConn:
+    http_version = b"1.1"
+
     def __init__(self, core: ProxyCore, conn: int, origin: Origin, group: Upstream) -> None:
         self.core = core
         self.conn = conn
@@ -85,7 +131,20 @@ class UpstreamConn:
             self.core.emit(CloseConnection(conn=self.conn))
             self.core.pool.discard(self)
 
+    def release(self) -> None:
+        self.core.pool.release(self)
+
     # -- events from the driver ------------------------------------------------------------
+
+    def on_opened(self) -> None:
+        self.core.pool.opened(self)
+
+    def on_open_failed(self, reason: str) -> None:
+        self.core.pool.open_failed(self, reason)
+
+    def on_timer(self) -> None:
+        if self.state is UpstreamState.IDLE:
+            self.close()
 
     def on_data(self, data: bytes) -> None:
         exchange = self.exchange
@@ -133,6 +192,8 @@ class UpstreamConn:
 class Pool:
     def __init__(self, core: ProxyCore) -> None:
         self.core = core
+        self.h2 = H2Pool(core)
+        """HTTP/2 servers' shared connections (``protocol = "h2"``)."""
         self.idle: dict[Origin, list[UpstreamConn]] = {}
         self.waiting: dict[int, UpstreamUser] = {}
         """Exchange waiting for each connecting connection."""
@@ -140,6 +201,10 @@ class Pool:
     def acquire(self, origin: Origin, group: Upstream, exchange: UpstreamUser) -> None:
         """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later."""
         core = self.core
+        server = group.server_at(origin.host, origin.port)
+        if server is not None and server.protocol == "h2":
+            self.h2.acquire(origin, group, server, exchange)
+            return
         idle = self.idle.get(origin)
         while idle:
             upstream = idle.pop()
@@ -175,6 +240,7 @@ class Pool:
 
     def forget(self, exchange: UpstreamUser) -> None:
         """``exchange`` no longer waits for the connection being opened for it."""
+        self.h2.forget(exchange)
         for conn, waiting in list(self.waiting.items()):
             if waiting is exchange:
                 del self.waiting[conn]
@@ -213,5 +279,5 @@ class Pool:
 
     def idle_timeout(self, conn: int) -> None:
         upstream = self.core.upstreams.get(conn)
-        if upstream is not None and upstream.state is UpstreamState.IDLE:
-            upstream.close()
+        if upstream is not None:
+            upstream.on_timer()

@@ -17,7 +17,7 @@ from .commands import Log, Origin
 from .messages import Headers, ResponseHead
 
 if TYPE_CHECKING:
-    from .pool import UpstreamConn
+    from .pool import UpstreamStream
     from .proxy import ProxyCore
 
 
@@ -38,7 +38,7 @@ class Probe:
         server = group.servers[index]
         self.origin = Origin(host=server.host, port=server.port)
         self.state = ProbeState.IDLE
-        self.upstream: UpstreamConn | None = None
+        self.upstream: UpstreamStream | None = None
         self.status = 0
 
     def schedule(self, delay: float) -> None:
@@ -55,7 +55,7 @@ class Probe:
 
     # -- the pool's side -------------------------------------------------------------------
 
-    def upstream_ready(self, upstream: UpstreamConn) -> None:
+    def upstream_ready(self, upstream: UpstreamStream) -> None:
         if self.state is not ProbeState.RUNNING:
             upstream.exchange = None
             upstream.close()
@@ -79,7 +79,7 @@ class Probe:
         self.upstream = None
         if upstream is not None:
             upstream.exchange = None
-            self.core.pool.release(upstream)
+            upstream.release()
         ok = self.status == self.check.expect_status
         self._done(ok, f"status {self.status}")
 

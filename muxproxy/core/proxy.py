@@ -35,8 +35,10 @@ from .events import (
     Wakeup,
 )
 from .exchange import Exchange
-from .pool import Pool, UpstreamConn
+from .pool import BackendConnection, Pool
 from .probes import Probe
+from .tunnel import Tunnel
+from .websocket import WebSocketExchange, wants_tunnel
 
 
 @attrs.frozen(kw_only=True)
@@ -88,8 +90,11 @@ class ProxyCore:
         self._apply_limits()
         self.now = 0.0
         self.clients: dict[int, Downstream] = {}
-        self.upstreams: dict[int, UpstreamConn] = {}
+        self.upstreams: dict[int, BackendConnection] = {}
         self.exchanges: dict[int, Exchange] = {}
+        self.tunnels: dict[int, Tunnel] = {}
+        """Connections whose bytes belong to a tunnel, not to HTTP: an HTTP/1.1 client after
+        its 101, and every tunnel's backend connection (which leaves ``upstreams``)."""
         self.pool = Pool(self)
         self._routers: dict[str, GroupRouter] = {}
         self._timers: set[TimerId] = set()
@@ -148,7 +153,9 @@ class ProxyCore:
 
     def new_exchange(self, client: Downstream, head: Any) -> Exchange:
         self._next_exchange += 1
-        exchange = Exchange(self, client, head, self._next_exchange)
+        # CONNECT and WebSocket handshakes become tunnels (tunnel.py) after their 101 / 200.
+        cls = WebSocketExchange if wants_tunnel(head) else Exchange
+        exchange = cls(self, client, head, self._next_exchange)
         self.exchanges[exchange.ident] = exchange
         return exchange
 
@@ -166,6 +173,10 @@ class ProxyCore:
 
     def _data_received(self, event: DataReceived) -> None:
         conn = event.conn
+        tunnel = self.tunnels.get(conn)
+        if tunnel is not None:
+            tunnel.on_data(conn, event.data)
+            return
         if conn < 0:
             upstream = self.upstreams.get(conn)
             if upstream is not None:
@@ -181,6 +192,8 @@ class ProxyCore:
             upstream = self.upstreams.get(conn)
             if upstream is not None:
                 upstream.on_sent(event.nbytes)
+            elif (tunnel := self.tunnels.get(conn)) is not None:
+                tunnel.backend_sent(event.nbytes)
         else:
             client = self.clients.get(conn)
             if client is not None:
@@ -196,12 +209,12 @@ class ProxyCore:
     def _opened(self, event: ConnectionOpened) -> None:
         upstream = self.upstreams.get(event.conn)
         if upstream is not None:
-            self.pool.opened(upstream)
+            upstream.on_opened()
 
     def _open_failed(self, event: OpenFailed) -> None:
         upstream = self.upstreams.get(event.conn)
         if upstream is not None:
-            self.pool.open_failed(upstream, event.reason)
+            upstream.on_open_failed(event.reason)
 
     def _closed(self, event: ConnectionClosed) -> None:
         conn = event.conn
@@ -209,6 +222,8 @@ class ProxyCore:
             upstream = self.upstreams.get(conn)
             if upstream is not None:
                 upstream.on_closed(event.error)
+            elif (tunnel := self.tunnels.pop(conn, None)) is not None:
+                tunnel.backend_closed(event.error)
         else:
             client = self.clients.get(conn)
             if client is not None:
@@ -220,7 +235,7 @@ class ProxyCore:
             return  # cancelled after the driver had already queued it
         self._timers.discard(timer)
         kind, ident = timer
-        if kind in ("connect", "head", "first_token", "read"):
+        if kind in ("connect", "head", "first_token", "read", "heartbeat", "tunnel", "deadline"):
             exchange = self.exchanges.get(ident)
             if exchange is not None:
                 exchange.timer_fired(kind)
@@ -271,7 +286,7 @@ class ProxyCore:
             )
             for ex in self.exchanges.values()
         ]
-        idle = sum(len(v) for v in self.pool.idle.values())
+        idle = sum(len(v) for v in self.pool.idle.values()) + self.pool.h2.idle_count
         return ProxyStatistics(
             client_connections=len(self.clients),
             upstream_connections=len(self.upstreams),

@@ -1,0 +1,375 @@
+"""HTTP/2 backends: streams of every client multiplexed onto a few shared connections.
+
+Obeys RFC 9113: §5.1.2 (at most the backend's SETTINGS_MAX_CONCURRENT_STREAMS open streams per
+connection: a stream is only started once the backend's first SETTINGS said how many),
+§6.8 (GOAWAY: streams up to last_stream_id finish, the connection takes no new ones, a new
+connection serves the rest), §6.7 (PING keeps an idle connection alive and proves it is), §8.7
+(a client that goes away cancels its backend stream with RST_STREAM(CANCEL), not the shared
+connection), §5.2/§6.9 (flow control per stream, end to end).
+
+Policy, per server: up to ``max_connections`` connections (draining ones not counted). A request
+takes a free stream on a ready connection; with none free it waits in a FIFO per server, bounded
+by ``MAX_WAITING`` (beyond it the request fails at once, like a refused connect: retried on the
+next server or answered 502) and by the exchange's connect timeout (then 504). A new connection
+is opened while requests wait, none is being opened and the server is below ``max_connections``.
+
+Response backpressure: the stream acknowledges the backend's DATA (WINDOW_UPDATE) as soon as the
+bytes were handed to the client side, unless the exchange paused it (the client's buffer is
+above high water); then acknowledgements are withheld until it resumes. The backend's window
+for that one stream closes; the connection and every other stream go on.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .commands import CloseConnection, Log, OpenConnection, Origin
+from .h2client import H2Client
+from .headers import upstream_h2_headers
+from .messages import Abort, Body, End, Headers, ResponseHead
+
+if TYPE_CHECKING:
+    from ..config import Server, Upstream
+    from .pool import UpstreamUser
+    from .proxy import ProxyCore
+
+# Requests that may wait for a free stream per server before new ones fail at once.
+MAX_WAITING = 1024
+# An idle connection is PINGed this often (at most a third of the idle timeout); a PING not
+# acknowledged by the next one means the connection is dead.
+PING_INTERVAL = 20.0
+
+
+class H2State(enum.Enum):
+    CONNECTING = "connecting"
+    STARTING = "starting"
+    """Connected, preface sent; waiting for the backend's SETTINGS."""
+    READY = "ready"
+    DRAINING = "draining"
+    """GOAWAY received (or sent): in-flight streams finish, no new ones."""
+    CLOSED = "closed"
+
+
+class H2Stream:
+    """One exchange's stream on a shared backend connection (``pool.UpstreamStream``)."""
+
+    http_version = b"2"
+
+    def __init__(self, upstream: H2Upstream, exchange: UpstreamUser) -> None:
+        self.upstream = upstream
+        self.exchange: UpstreamUser | None = exchange
+        self.sid = 0
+        self.paused = False
+        self.unacked = 0
+        """Response flow-controlled bytes withheld from the backend while paused."""
+        self.done = False
+
+    @property
+    def pending(self) -> int:
+        """Request bytes not yet written: the stream's send queue plus the connection's."""
+        return self.upstream.client.queued(self.sid) + self.upstream.pending
+
+    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
+        up = self.upstream
+        scheme = b"https" if up.origin.tls else b"http"
+        self.sid = up.client.start_request(upstream_h2_headers(method, scheme, target, headers))
+        up.streams[self.sid] = self
+        up.flush()
+
+    def send_body(self, data: bytes) -> None:
+        if self.sid and not self.done:
+            self.upstream.client.send_body(self.sid, data)
+            self.upstream.flush()
+
+    def send_end(self, trailers: Headers) -> None:
+        if self.sid and not self.done:
+            fields = [(name.lower(), value) for name, value in trailers]
+            self.upstream.client.send_end(self.sid, fields)
+            self.upstream.flush()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self._ack()
+
+    def took(self, flow_len: int) -> None:
+        """The exchange handed a DATA frame's bytes on: acknowledge unless paused."""
+        self.unacked += flow_len
+        if not self.paused:
+            self._ack()
+
+    def _ack(self) -> None:
+        if self.unacked and self.sid:
+            self.upstream.client.acknowledge(self.sid, self.unacked)
+            self.unacked = 0
+            self.upstream.flush()
+
+    def close(self) -> None:
+        """The exchange gives up on the stream: RST_STREAM(CANCEL) if it is still open."""
+        if not self.done and self.sid:
+            self.upstream.client.cancel(self.sid)
+            self.upstream.flush()
+        self._finish()
+
+    def release(self) -> None:
+        """The exchange completed cleanly: free the stream's slot."""
+        if self.sid:
+            self.upstream.client.forget(self.sid)
+        self._finish()
+
+    def _finish(self) -> None:
+        self.exchange = None
+        if not self.done:
+            self.done = True
+            self.upstream.stream_finished(self)
+
+
+class H2Upstream:
+    """One HTTP/2 connection to a backend (a ``pool.BackendConnection``)."""
+
+    def __init__(
+        self, pool: H2Pool, conn: int, origin: Origin, group: Upstream, server: Server
+    ) -> None:
+        self.pool = pool
+        self.core = pool.core
+        self.conn = conn
+        self.origin = origin
+        self.server = server
+        self.idle_timeout = group.pool_idle_timeout
+        self.client = H2Client(initial_window=min(65535, self.core.read_size))
+        self.state = H2State.CONNECTING
+        self.streams: dict[int, H2Stream] = {}
+        self.pending = 0
+        self.paused = False
+        self.idle_since = self.core.now
+        self.ping_sent = False
+
+    @property
+    def free_streams(self) -> int:
+        if self.state is not H2State.READY:
+            return 0
+        return self.client.max_concurrent_streams - self.client.open_streams
+
+    def flush(self) -> None:
+        data = self.client.data_to_send()
+        if data and self.state is not H2State.CLOSED:
+            self.pending += len(data)
+            self.core.send(self.conn, data)
+
+    # -- driver events (BackendConnection) -------------------------------------------------
+
+    def on_opened(self) -> None:
+        if self.state is H2State.CONNECTING:
+            self.state = H2State.STARTING
+            self.flush()  # the client preface and our SETTINGS (RFC 9113 §3.4)
+
+    def on_open_failed(self, reason: str) -> None:
+        self.state = H2State.CLOSED
+        self.pool.discard(self, f"connect to {self.origin} failed: {reason}")
+
+    def on_data(self, data: bytes) -> None:
+        client = self.client
+        messages = client.receive(data)
+        if self.state is H2State.STARTING and client.settings_received:
+            self.state = H2State.READY
+            self.pool.ready(self)
+        for message in messages:
+            stream = self.streams.get(message.stream)
+            exchange = stream.exchange if stream is not None else None
+            if stream is None or exchange is None:
+                if type(message) is Body:
+                    client.acknowledge(message.stream, message.flow_len)
+                continue
+            if type(message) is Body:
+                exchange.response_body(message.data)
+                stream.took(message.flow_len)
+            elif type(message) is ResponseHead:
+                exchange.response_head(message)
+            elif type(message) is End:
+                exchange.response_end(message.trailers)
+            elif type(message) is Abort:
+                # The adapter already forgot the stream, so the exchange's close sends no RST.
+                exchange.upstream_failed(message.reason)
+                if not stream.done:
+                    stream.exchange = None
+                    stream.done = True
+                    self.stream_finished(stream)
+        if client.window_changed:
+            for sid in client.flush_blocked():
+                stream = self.streams.get(sid)
+                if stream is not None and stream.exchange is not None:
+                    stream.exchange.upstream_drained()
+        if client.goaway_last_stream is not None and self.state in (
+            H2State.STARTING,
+            H2State.READY,
+        ):
+            self._drain("backend sent GOAWAY")
+        self.flush()
+        if client.closed and self.state is not H2State.CLOSED:
+            self.close()
+
+    def on_sent(self, nbytes: int) -> None:
+        self.pending -= nbytes
+        for stream in list(self.streams.values()):
+            if stream.exchange is not None:
+                stream.exchange.upstream_drained()
+
+    def on_closed(self, error: str | None) -> None:
+        was = self.state
+        self.state = H2State.CLOSED
+        reason = error or "backend closed the connection"
+        for stream in list(self.streams.values()):
+            exchange = stream.exchange
+            stream.exchange = None
+            stream.done = True
+            if exchange is not None:
+                exchange.upstream_failed(reason)
+        self.streams.clear()
+        if was is not H2State.CLOSED:
+            self.pool.discard(self, reason)
+
+    def on_timer(self) -> None:
+        """The keep-alive timer: PING an idle connection, close it after the idle timeout."""
+        if self.streams or self.state not in (H2State.READY, H2State.DRAINING):
+            return
+        now = self.core.now
+        deadline = self.idle_since + self.idle_timeout
+        if now >= deadline:
+            self.close()
+            return
+        if self.ping_sent and not self.client.ping_acked:
+            self.core.emit(Log(event="upstream_ping_timeout", fields={"upstream": str(self)}))
+            self.close()
+            return
+        self.client.ping()
+        self.ping_sent = True
+        self.flush()
+        self.core.set_timer(("pool", self.conn), min(now + self._ping_interval(), deadline))
+
+    def _ping_interval(self) -> float:
+        return min(PING_INTERVAL, self.idle_timeout / 3)
+
+    def close(self) -> None:
+        if self.state is H2State.CLOSED:
+            return
+        self.client.goaway()
+        self.flush()
+        self.state = H2State.CLOSED
+        self.core.emit(CloseConnection(conn=self.conn))
+        self.pool.discard(self, "connection closed")
+
+    def __str__(self) -> str:
+        return f"{self.origin} (h2, conn {self.conn})"
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def _drain(self, reason: str) -> None:
+        self.state = H2State.DRAINING
+        self.core.emit(Log(event="upstream_goaway", fields={"upstream": str(self), "why": reason}))
+        if not self.streams:
+            self.close()
+        else:
+            self.pool.draining(self)
+
+    def stream_finished(self, stream: H2Stream) -> None:
+        if self.streams.get(stream.sid) is stream:
+            del self.streams[stream.sid]
+        self.flush()
+        if self.state is H2State.DRAINING and not self.streams:
+            self.close()
+            return
+        if self.state is not H2State.READY:
+            return
+        if not self.streams:
+            self.idle_since = self.core.now
+            self.ping_sent = False
+            self.core.set_timer(("pool", self.conn), self.core.now + self._ping_interval())
+        self.pool.ready(self)
+
+    def take(self, exchange: UpstreamUser) -> None:
+        self.core.cancel_timer(("pool", self.conn))
+        exchange.upstream_ready(H2Stream(self, exchange))
+
+
+class H2Pool:
+    """Every h2 backend connection, and the requests waiting for a free stream."""
+
+    def __init__(self, core: ProxyCore) -> None:
+        self.core = core
+        self.conns: dict[Origin, list[H2Upstream]] = {}
+        self.waiting: dict[Origin, deque[UpstreamUser]] = {}
+        self.servers: dict[Origin, tuple[Upstream, Server]] = {}
+
+    def acquire(self, origin: Origin, group: Upstream, server: Server, user: UpstreamUser) -> None:
+        self.servers[origin] = (group, server)
+        for upstream in self.conns.get(origin, ()):
+            if upstream.free_streams > 0:
+                upstream.take(user)
+                return
+        queue = self.waiting.setdefault(origin, deque())
+        if len(queue) >= MAX_WAITING:
+            user.upstream_failed(f"{MAX_WAITING} requests already wait for {origin}")
+            return
+        queue.append(user)
+        self._maybe_open(origin)
+
+    def _maybe_open(self, origin: Origin) -> None:
+        if not self.waiting.get(origin):
+            return
+        group, server = self.servers[origin]
+        live = [
+            u
+            for u in self.conns.get(origin, ())
+            if u.state in (H2State.CONNECTING, H2State.STARTING, H2State.READY)
+        ]
+        if any(u.state is not H2State.READY for u in live) or len(live) >= server.max_connections:
+            return  # a connection on its way will take them, or they wait for a free stream
+        core = self.core
+        upstream = H2Upstream(self, core.new_upstream_id(), origin, group, server)
+        core.upstreams[upstream.conn] = upstream
+        self.conns.setdefault(origin, []).append(upstream)
+        core.emit(OpenConnection(conn=upstream.conn, origin=origin))
+
+    def ready(self, upstream: H2Upstream) -> None:
+        """``upstream`` may have free streams: give them to the waiting requests."""
+        origin = upstream.origin
+        queue = self.waiting.get(origin)
+        while queue and upstream.free_streams > 0:
+            upstream.take(queue.popleft())
+        self._maybe_open(origin)
+
+    def draining(self, upstream: H2Upstream) -> None:
+        self._maybe_open(upstream.origin)
+
+    def forget(self, user: UpstreamUser) -> None:
+        for queue in self.waiting.values():
+            if user in queue:
+                queue.remove(user)
+
+    def discard(self, upstream: H2Upstream, reason: str) -> None:
+        core = self.core
+        core.upstreams.pop(upstream.conn, None)
+        core.cancel_timer(("pool", upstream.conn))
+        origin = upstream.origin
+        conns = self.conns.get(origin, [])
+        if upstream in conns:
+            conns.remove(upstream)
+        live = [u for u in conns if u.state is not H2State.DRAINING]
+        queue = self.waiting.get(origin)
+        if queue and not live:
+            # Nothing left that could serve them: they fail now (and may be retried elsewhere)
+            # rather than loop on a backend that refuses connections.
+            self.waiting[origin] = deque()
+            for user in queue:
+                user.upstream_failed(reason)
+        else:
+            self._maybe_open(origin)
+
+    @property
+    def idle_count(self) -> int:
+        return sum(1 for c in self.conns.values() for u in c if not u.streams)

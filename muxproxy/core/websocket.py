@@ -1,0 +1,264 @@
+"""WebSocket handshakes: the exchange that becomes a byte tunnel (``tunnel.py``) on success.
+
+What it obeys:
+
+- RFC 6455 §4 (opening handshake) and RFC 9110 §7.8 (Upgrade): an HTTP/1.1 ``GET`` with
+  ``Upgrade: websocket`` and ``Connection: upgrade`` goes to the backend with those fields
+  kept (``headers.is_websocket_upgrade``); the backend answers the handshake, and its 101
+  (RFC 9110 §15.2.2) goes to the client, after which both connections are a tunnel.
+- RFC 8441 (WebSockets over HTTP/2): we advertise SETTINGS_ENABLE_CONNECT_PROTOCOL (``h2.py``);
+  an extended CONNECT (``:protocol websocket``) is bridged to an HTTP/1.1 handshake with the
+  backend: ``GET :path``, Host from ``:authority``, a Sec-WebSocket-Key of our own (RFC 6455
+  §4.1: 16 random bytes, base64), whose Sec-WebSocket-Accept the backend must return
+  (§4.2.2: base64(SHA-1(key + GUID))). On that 101 the stream gets ``:status 200`` (RFC 8441
+  §5) and its DATA frames carry the WebSocket frames unchanged.
+- A backend that does not switch: its response goes to the client as a normal response
+  (retries and failover as for any request). On the HTTP/2 bridge a 2xx other than 101, or a
+  wrong Sec-WebSocket-Accept, is a 502: a 2xx would tell the client the tunnel is open.
+- Plain CONNECT (RFC 9113 §8.5, RFC 9112 §3.2.3) and extended CONNECT for any other protocol
+  are answered 501 (RFC 9110 §15.6.2): we are a reverse proxy, not a TCP forwarder. A response
+  rather than RST_STREAM, so HTTP/1.1 and HTTP/2 clients both get the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import os
+from typing import TYPE_CHECKING
+
+import attrs
+import h11
+
+from .commands import Log
+from .exchange import VIA, Exchange, Phase, RequestPhase
+from .headers import header_value, is_websocket_upgrade, response_headers
+from .messages import Headers, RequestHead, ResponseHead
+from .pool import UpstreamConn, UpstreamState
+from .tunnel import Tunnel
+
+if TYPE_CHECKING:
+    from .downstream import Downstream
+    from .pool import UpstreamStream
+    from .proxy import ProxyCore
+
+# RFC 6455 §1.3: the GUID appended to the key before hashing.
+WEBSOCKET_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+class Handshake(enum.Enum):
+    H1_UPGRADE = "h1_upgrade"
+    """HTTP/1.1 Upgrade: forwarded as it is."""
+    H2_EXTENDED_CONNECT = "h2_extended_connect"
+    """RFC 8441: bridged to an HTTP/1.1 Upgrade with our own key."""
+    UNSUPPORTED = "unsupported"
+    """Plain CONNECT or another ``:protocol``: 501."""
+
+
+def wants_tunnel(head: RequestHead) -> bool:
+    """Whether ``head`` is handled by a :class:`WebSocketExchange` (CONNECT or a handshake)."""
+    return head.method == b"CONNECT" or is_websocket_upgrade(head)
+
+
+def new_key() -> bytes:
+    """A Sec-WebSocket-Key: 16 random bytes, base64 (RFC 6455 §4.1, client requirement 7)."""
+    return base64.b64encode(os.urandom(16))
+
+
+def accept_for(key: bytes) -> bytes:
+    """The Sec-WebSocket-Accept that answers ``key`` (RFC 6455 §4.2.2, step 5.4)."""
+    return base64.b64encode(hashlib.sha1(key + WEBSOCKET_GUID).digest())
+
+
+def bridged_head(head: RequestHead, key: bytes) -> RequestHead:
+    """The HTTP/1.1 handshake for an RFC 8441 extended CONNECT (RFC 8441 §5, RFC 6455 §4.1)."""
+    headers: Headers = [field for field in head.headers if field[0] != b"sec-websocket-key"]
+    headers += [
+        (b"connection", b"upgrade"),
+        (b"upgrade", b"websocket"),
+        (b"sec-websocket-key", key),
+    ]
+    return attrs.evolve(head, method=b"GET", headers=headers, end_stream=True, protocol=None)
+
+
+class WebSocketExchange(Exchange):
+    """An exchange for CONNECT or a WebSocket handshake; a :class:`Tunnel` once switched.
+
+    Until the backend's 101 it is an ordinary exchange (routing, retries, timeouts, error
+    responses); then the tunnel owns both sides and this exchange only forwards the client
+    side's messages to it and logs the end.
+    """
+
+    def __init__(self, core: ProxyCore, client: Downstream, head: RequestHead, ident: int) -> None:
+        super().__init__(core, client, head, ident)
+        self.tunnel: Tunnel | None = None
+        self.key: bytes | None = None
+        self.early: list[bytes] = []
+        """HTTP/2 DATA that came before the tunnel opened, held (unacknowledged) until then."""
+        self.early_size = 0
+        if head.method != b"CONNECT":
+            self.handshake = Handshake.H1_UPGRADE
+        elif head.protocol == b"websocket" and client.is_h2 and head.target:
+            self.handshake = Handshake.H2_EXTENDED_CONNECT
+            self.key = new_key()
+            self.head = bridged_head(head, self.key)
+        else:
+            self.handshake = Handshake.UNSUPPORTED
+
+    def start(self) -> None:
+        if self.handshake is Handshake.UNSUPPORTED:
+            self.fail(501, "CONNECT is not supported (only extended CONNECT for websocket)")
+            return
+        super().start()
+
+    def upstream_ready(self, upstream: UpstreamStream) -> None:
+        super().upstream_ready(upstream)
+        if self.upstream is upstream and self.handshake is Handshake.H2_EXTENDED_CONNECT:
+            # The bridged GET has no body; the stream's DATA are the tunnel's, after the 101.
+            upstream.send_end([])
+
+    # -- client side -----------------------------------------------------------------------
+
+    def request_body(self, data: bytes, flow_len: int) -> None:
+        if self.tunnel is not None:
+            self.tunnel.from_client(data, flow_len)
+        elif self.handshake is Handshake.H2_EXTENDED_CONNECT and self.phase is not Phase.DONE:
+            # RFC 8441 §5: DATA before the 200 belongs to the tunnel that is not open yet;
+            # held, and bounded like any request body (acknowledged only below low water).
+            self.early.append(data)
+            self.early_size += len(data)
+            self.unacked += flow_len
+            self._check_request_flow()
+        else:
+            super().request_body(data, flow_len)
+
+    def request_end(self, trailers: Headers) -> None:
+        if self.handshake is not Handshake.H2_EXTENDED_CONNECT:
+            super().request_end(trailers)
+            return
+        if self.request is RequestPhase.COMPLETE:
+            return
+        # END_STREAM: the client's FIN (RFC 8441 §5); before the 200 it ends the tunnel as
+        # soon as it opens.
+        self.request = RequestPhase.COMPLETE
+        if self.tunnel is not None:
+            self.tunnel.client_end()
+
+    def request_buffered(self) -> int:
+        if self.tunnel is not None:
+            return self.tunnel.backend_pending
+        return self.early_size + super().request_buffered()
+
+    def client_aborted(self, reason: str) -> None:
+        if self.tunnel is not None:
+            self.tunnel.client_gone(reason)
+        else:
+            super().client_aborted(reason)
+
+    def client_drained(self) -> None:
+        if self.tunnel is not None:
+            self.tunnel.client_drained()
+        else:
+            super().client_drained()
+
+    def timer_fired(self, kind: str) -> None:
+        if kind == "tunnel":
+            if self.tunnel is not None:
+                self.tunnel.timer_fired()
+        else:
+            super().timer_fired(kind)
+
+    # -- backend side ----------------------------------------------------------------------
+
+    def response_head(self, head: ResponseHead) -> None:
+        if self.phase is not Phase.WAITING_HEAD:
+            return
+        bridged = self.handshake is Handshake.H2_EXTENDED_CONNECT
+        if head.status != 101:
+            if bridged and 200 <= head.status < 300:
+                self._bad_handshake(f"backend answered {head.status} to a WebSocket handshake")
+                return
+            super().response_head(head)
+            return
+        upstream = self.upstream
+        if not isinstance(upstream, UpstreamConn):  # pragma: no cover - h11 only gives 101s
+            self._bad_handshake("101 from a backend that cannot switch")
+            return
+        if bridged:
+            assert self.key is not None
+            accept = header_value(head.headers, b"sec-websocket-accept")
+            if accept is None or accept.strip() != accept_for(self.key):
+                self._bad_handshake("wrong Sec-WebSocket-Accept from backend")
+                return
+        self._open_tunnel(upstream, head)
+
+    def _bad_handshake(self, reason: str) -> None:
+        self.core.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
+        self._cancel_attempt_timers()
+        self._release_upstream(close=True)
+        self.fail(502, "bad WebSocket handshake from upstream", reason)
+
+    def _open_tunnel(self, upstream: UpstreamConn, head: ResponseHead) -> None:
+        core = self.core
+        client = self.client
+        self._cancel_attempt_timers()
+        if self.router is not None and self.server is not None:
+            self.router.succeeded(self.server)
+        # The backend connection leaves the pool for good: its bytes are the tunnel's now.
+        self.upstream = None
+        upstream.exchange = None
+        upstream.state = UpstreamState.CLOSED
+        core.pool.discard(upstream)
+        leftover = upstream.adapter.conn.trailing_data[0]
+        headers = response_headers(
+            101, head.headers, via=VIA, upstream_version=b"1.1", to_h2=client.is_h2
+        )
+        self.phase = Phase.STREAMING
+        self.first_byte_at = core.now
+        early: list[bytes]
+        if self.handshake is Handshake.H2_EXTENDED_CONNECT:
+            # RFC 8441 §5: a 2xx opens the tunnel; the client never sent a key, so the accept
+            # is ours alone.
+            headers = [field for field in headers if field[0] != b"sec-websocket-accept"]
+            self.status = 200
+            client.send_head(ResponseHead(stream=self.stream, status=200, headers=headers))
+            early, self.early, self.early_size = self.early, [], 0
+        else:
+            # RFC 9110 §7.8: the 101 names the protocol switched to, with Connection: upgrade.
+            headers += [(b"connection", b"upgrade"), (b"upgrade", b"websocket")]
+            self.status = 101
+            h1 = client.h1
+            assert h1 is not None
+            switch = h11.InformationalResponse(status_code=101, headers=headers)
+            client._send(h1.conn.send(switch) or b"")
+            # Bytes the client sent after its request (h11 read them, PAUSED): tunnel bytes.
+            early = [h1.conn.trailing_data[0]]
+        tunnel = self.tunnel = Tunnel(
+            core,
+            self,
+            backend=upstream.conn,
+            backend_pending=upstream.pending,
+            timer=("tunnel", self.ident),
+            ended=self._tunnel_ended,
+        )
+        tunnel.unacked, self.unacked = self.unacked, 0
+        core.emit(
+            Log(
+                event="tunnel_opened",
+                fields={"conn": client.conn, "stream": self.stream, "upstream": str(self.origin)},
+            )
+        )
+        for chunk in early:
+            if chunk:
+                tunnel.from_client(chunk, 0)
+        if leftover:
+            tunnel.from_backend(leftover)
+        if self.request is RequestPhase.COMPLETE and client.is_h2:
+            tunnel.client_end()
+
+    def _tunnel_ended(self, outcome: str) -> None:
+        tunnel = self.tunnel
+        assert tunnel is not None
+        self.bytes_out = tunnel.bytes_down
+        self._finish(f"tunnel closed: {outcome}")

@@ -1,0 +1,287 @@
+"""The HTTP/2 upstream adapter (core/h2client.py, core/h2pool.py), driven with bytes only.
+
+Real h2 peers play the client and the backend: every frame the proxy sends is decoded by an
+``h2.H2Connection``, every frame it receives is built by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.settings
+from hyperframe.frame import GoAwayFrame
+from playbook import BACKEND, H1ClientPeer, H2ClientPeer, Playbook, default_config
+
+from muxproxy.config import Config, Limits, Server, Upstream
+from muxproxy.core.commands import CloseConnection, OpenConnection, SendData
+
+CHAT = b"/v1/chat/completions"
+
+
+def h2_config(**limits: Any) -> Config:
+    group = Upstream(
+        name="default", servers=(Server(address=BACKEND, protocol="h2", max_connections=2),)
+    )
+    config = default_config(upstreams={"default": group})
+    return attrs.evolve(config, limits=Limits(**limits)) if limits else config
+
+
+class Backend:
+    """An h2 server peer on backend connection ``conn`` of the playbook."""
+
+    def __init__(self, pb: Playbook, conn: int, *, max_streams: int = 100) -> None:
+        self.pb = pb
+        self.conn_id = conn
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        self.conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams},
+        )
+        self.conn.initiate_connection()
+        self.seen = 0
+
+    def read(self) -> list[h2.events.Event]:
+        """Decode what the proxy sent to this backend since the last read."""
+        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
+        data = b"".join(c.data for c in sends[self.seen :])
+        self.seen = len(sends)
+        return self.conn.receive_data(data) if data else []
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.pb.receive(self.conn_id, data)
+
+
+class Client:
+    """An h2 client peer on client connection ``conn``."""
+
+    def __init__(self, pb: Playbook, conn: int) -> None:
+        self.pb = pb
+        self.conn_id = conn
+        self.peer = H2ClientPeer()
+        self.seen = 0
+        pb.accept(conn)
+        pb.receive(conn, self.peer.preface())
+
+    def request(self, path: bytes = CHAT, headers: list[tuple[bytes, bytes]] | None = None) -> int:
+        sid, data = self.peer.request(b"POST", path, headers=headers, body=b"{}")
+        self.pb.receive(self.conn_id, data)
+        return sid
+
+    def read(self, *, ack: bool = True) -> list[h2.events.Event]:
+        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
+        data = b"".join(c.data for c in sends[self.seen :])
+        self.seen = len(sends)
+        if not data:
+            return []
+        if ack:
+            return self.peer.events(data)
+        return self.peer.conn.receive_data(data)
+
+    def send(self) -> None:
+        data = self.peer.conn.data_to_send()
+        if data:
+            self.pb.receive(self.conn_id, data)
+
+
+def connect_backend(pb: Playbook, conn: int, *, max_streams: int = 100) -> Backend:
+    assert OpenConnection in {type(c) for c in pb.log}
+    pb.opened(conn)
+    backend = Backend(pb, conn, max_streams=max_streams)
+    backend.read()  # our preface and SETTINGS
+    backend.flush()  # its SETTINGS: streams may start now
+    return backend
+
+
+def requests(events: list[h2.events.Event]) -> list[h2.events.RequestReceived]:
+    return [e for e in events if isinstance(e, h2.events.RequestReceived)]
+
+
+def respond(backend: Backend, sid: int, *, end: bool = False) -> None:
+    backend.conn.send_headers(
+        sid, [(b":status", b"200"), (b"content-type", b"text/event-stream")], end_stream=end
+    )
+    backend.flush()
+
+
+def test_two_client_connections_share_one_backend_connection() -> None:
+    pb = Playbook(h2_config())
+    one, two = Client(pb, 1), Client(pb, 2)
+    a = one.request()
+    b = two.request()
+    assert [o.conn for o in pb.opens()] == [-1], "the second stream waits for the first conn"
+    backend = connect_backend(pb, -1)
+    got = requests(backend.read())
+    assert len(got) == 2
+    fields = dict(got[0].headers)
+    assert fields[b":method"] == b"POST" and fields[b":path"] == CHAT
+    assert fields[b":authority"] == b"proxy.example" and fields[b":scheme"] == b"http"
+    assert b"host" not in fields and b"transfer-encoding" not in fields
+    for req, client, sid in ((got[0], one, a), (got[1], two, b)):
+        respond(backend, req.stream_id)
+        backend.conn.send_data(req.stream_id, b"data: tok\n\n", end_stream=True)
+        backend.flush()
+        events = client.read()
+        assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+        body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+        assert body == b"data: tok\n\n"
+    assert len(pb.opens()) == 1
+    assert not any(isinstance(c, CloseConnection) and c.conn == -1 for c in pb.log)
+    assert pb.core.statistics().upstream_connections == 1
+
+
+def test_max_concurrent_streams_opens_a_second_connection() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    client.request()
+    first = connect_backend(pb, -1, max_streams=1)
+    assert len(requests(first.read())) == 1
+    client.request()
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    second = connect_backend(pb, -2, max_streams=1)
+    assert len(requests(second.read())) == 1
+    # max_connections = 2: a third request waits for a free stream, no third connection.
+    client.request()
+    assert len(pb.opens()) == 2
+    # The first stream ends: the waiting request takes its place on the first connection.
+    respond(first, 1, end=True)
+    assert len(requests(first.read())) == 1
+
+
+def test_goaway_lets_in_flight_streams_finish_and_new_ones_go_elsewhere() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    a = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id)
+    # (h2 sends nothing after its own GOAWAY, so the frame is built by hyperframe.)
+    goaway = GoAwayFrame(0)
+    goaway.last_stream_id = req.stream_id
+    pb.receive(-1, goaway.serialize())
+    # A new request opens a new connection rather than using the draining one.
+    client.request()
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    # The in-flight stream still finishes on the old connection, which then closes.
+    backend.conn.send_data(req.stream_id, b"data: last\n\n", end_stream=True)
+    backend.flush()
+    events = client.read()
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == a for e in events)
+    assert any(isinstance(c, CloseConnection) and c.conn == -1 for c in pb.log)
+
+
+def test_backend_data_acknowledged_only_as_the_client_takes_it() -> None:
+    # stream_buffer 32 KiB: reads of 16 KiB, high water 16 KiB, a 16 KiB stream window.
+    pb = Playbook(h2_config(stream_buffer=32 * 1024))
+    client = Client(pb, 1)
+    client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    sid = req.stream_id
+    respond(backend, sid)
+    assert backend.conn.local_flow_control_window(sid) == 16 * 1024
+
+    def window_updates() -> int:
+        events = backend.read()
+        return sum(
+            e.delta for e in events if isinstance(e, h2.events.WindowUpdated) and e.stream_id == sid
+        )
+
+    def send_window() -> None:
+        for _ in range(2):
+            backend.conn.send_data(sid, b"x" * 8_000)
+            backend.flush()
+
+    # Below high water: each DATA frame is acknowledged as it is handed to the client side.
+    send_window()
+    assert window_updates() == 16_000
+    # The client takes nothing: past high water the acknowledgements are withheld.
+    send_window()
+    assert window_updates() == 0
+    assert backend.conn.local_flow_control_window(sid) == 16 * 1024 - 16_000
+    (entry,) = pb.core.statistics().streams
+    assert entry.upstream_paused
+    # The client socket takes everything: the withheld window goes back to the backend.
+    pending = sum(len(c.data) for c in pb.log if isinstance(c, SendData) and c.conn == 1)
+    pb.sent(1, pending)
+    assert window_updates() == 16_000
+    (entry,) = pb.core.statistics().streams
+    assert not entry.upstream_paused
+
+
+def test_client_reset_cancels_the_backend_stream_only() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    a = client.request()
+    b = client.request()
+    backend = connect_backend(pb, -1)
+    first, second = requests(backend.read())
+    respond(backend, first.stream_id)
+    client.peer.conn.reset_stream(a, h2.errors.ErrorCodes.CANCEL)
+    client.send()
+    events = backend.read()
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [(r.stream_id, r.error_code) for r in resets] == [
+        (first.stream_id, h2.errors.ErrorCodes.CANCEL)
+    ]
+    assert not any(isinstance(c, CloseConnection) for c in pb.log)
+    # The other stream goes on.
+    respond(backend, second.stream_id, end=True)
+    events = client.read()
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == b for e in events)
+
+
+def test_backend_reset_mid_stream_resets_the_client_stream() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    a = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id)
+    backend.conn.reset_stream(req.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+    backend.flush()
+    events = client.read()
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [(r.stream_id, r.error_code) for r in resets] == [
+        (a, h2.errors.ErrorCodes.INTERNAL_ERROR)
+    ]
+
+
+def test_trailers_reach_h2_and_h1_clients() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    a = client.request(headers=[(b"content-type", b"application/grpc"), (b"te", b"trailers")])
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    assert dict(req.headers)[b"te"] == b"trailers"
+    backend.conn.send_headers(
+        req.stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")]
+    )
+    backend.conn.send_data(req.stream_id, b"\x00\x00\x00\x00\x01y")
+    backend.conn.send_headers(
+        req.stream_id, [(b"grpc-status", b"5"), (b"grpc-message", b"gone")], end_stream=True
+    )
+    backend.flush()
+    events = client.read()
+    (trailers,) = [e for e in events if isinstance(e, h2.events.TrailersReceived)]
+    assert trailers.stream_id == a
+    assert dict(trailers.headers) == {b"grpc-status": b"5", b"grpc-message": b"gone"}
+
+    # An HTTP/1.1 client gets them as chunked trailers.
+    h1 = H1ClientPeer()
+    pb.accept(2)
+    pb.receive(2, h1.request("POST", "/x", [("te", "trailers")], body=b"{}"))
+    (req,) = requests(backend.read())
+    backend.conn.send_headers(req.stream_id, [(b":status", b"200")])
+    backend.conn.send_data(req.stream_id, b"body")
+    backend.conn.send_headers(req.stream_id, [(b"x-done", b"yes")], end_stream=True)
+    backend.flush()
+    out = h1.events(pb.take(2))
+    assert out[-1].headers == [(b"x-done", b"yes")]

@@ -1,0 +1,294 @@
+"""WebSocket tunnels in the core, bytes only: the handshake, the switch, the relay, the ends.
+
+Real peers build and decode everything HTTP: h11 for the client and the backend handshake,
+h2 for the RFC 8441 client. After the switch the bytes are opaque, so the tests use plain
+byte strings where WebSocket frames would travel.
+"""
+
+from __future__ import annotations
+
+import attrs
+import h2.events
+import h2.settings
+import h11
+from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config
+
+from muxproxy.config import Limits, Timeouts, parse_config
+from muxproxy.core.commands import (
+    CloseConnection,
+    Log,
+    PauseReading,
+    ResumeReading,
+    SetTimer,
+)
+from muxproxy.core.websocket import accept_for
+
+KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
+HANDSHAKE = [
+    ("Upgrade", "websocket"),
+    ("Connection", "Upgrade"),
+    ("Sec-WebSocket-Key", KEY.decode()),
+    ("Sec-WebSocket-Version", "13"),
+]
+
+
+def _upgrade_request(target: str = "/ws", extra: bytes = b"") -> bytes:
+    client = h11.Connection(h11.CLIENT)
+    data = client.send(
+        h11.Request(method="GET", target=target, headers=[("Host", "p"), *HANDSHAKE])
+    )
+    assert data is not None
+    return data + extra
+
+
+def _switch(backend: H1BackendPeer, key: bytes = KEY, status: int = 101) -> bytes:
+    headers = [("Upgrade", "websocket"), ("Connection", "Upgrade")]
+    headers.append(("Sec-WebSocket-Accept", accept_for(key).decode()))
+    return backend.conn.send(h11.InformationalResponse(status_code=status, headers=headers)) or b""
+
+
+def _open_h1(pb: Playbook, extra: bytes = b"") -> tuple[int, H1BackendPeer, h11.Request]:
+    pb.accept(1)
+    pb.receive(1, _upgrade_request(extra=extra))
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    (request, *_) = backend.events(pb.take(up))
+    assert isinstance(request, h11.Request)
+    return up, backend, request
+
+
+def _tunnel_timer(pb: Playbook) -> tuple[str, int]:
+    (timer,) = {c.timer for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == "tunnel"}
+    return timer
+
+
+def _closed_log(pb: Playbook) -> Log:
+    (log,) = [c for c in pb.log if isinstance(c, Log) and c.event == "tunnel_closed"]
+    return log
+
+
+def test_upgrade_goes_to_the_backend_with_only_the_websocket_upgrade_fields() -> None:
+    pb = Playbook()
+    _, _, request = _open_h1(pb)
+    headers = request.headers
+    assert (b"upgrade", b"websocket") in headers
+    assert (b"connection", b"upgrade") in headers
+    assert (b"sec-websocket-key", KEY) in headers
+    assert (b"sec-websocket-version", b"13") in headers
+    assert sum(1 for name, _ in headers if name in (b"upgrade", b"connection")) == 2
+
+
+def test_101_switches_both_connections_to_raw_bytes() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb, extra=b"early-frame")
+    before = len(pb.log)
+    # The backend's first frame arrives in the same read as its 101.
+    pb.receive(up, _switch(backend) + b"server-frame")
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(pb.take(1, pb.log[before:]))
+    switched = client.next_event()
+    assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
+    fields = dict(switched.headers)
+    assert fields[b"upgrade"] == b"websocket"
+    assert fields[b"sec-websocket-accept"] == accept_for(KEY)
+    assert client.our_state is h11.SWITCHED_PROTOCOL
+    assert client.trailing_data[0] == b"server-frame"
+    # What the client sent right after its request is the tunnel's first bytes upstream.
+    assert pb.take(up, pb.log[before:]) == b"early-frame"
+
+    commands = pb.receive(1, b"\x81\x05hello")
+    assert pb.take(up, commands) == b"\x81\x05hello"
+    commands = pb.receive(up, b"\x81\x05world")
+    assert pb.take(1, commands) == b"\x81\x05world"
+
+
+def test_backend_close_closes_the_client_after_flushing() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    pb.receive(up, b"last-frame")
+    commands = pb.closed(up)
+    # The last frame was handed over before; the close (which the driver flushes) follows.
+    assert CloseConnection(conn=1) in commands
+    assert pb.take(1, commands) == b""
+    assert _closed_log(pb).fields["reason"] == "backend closed"
+    access = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
+    assert access[-1].fields["status"] == 101
+    # The client's own close report afterwards changes nothing.
+    assert not [c for c in pb.closed(1) if isinstance(c, CloseConnection)]
+
+
+def test_client_close_closes_the_backend() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    commands = pb.closed(1)
+    assert CloseConnection(conn=up) in commands
+    assert _closed_log(pb).fields["reason"].startswith("client closed")
+    assert not pb.core.tunnels and not pb.core.exchanges
+
+
+def test_tunnel_backpressure_pauses_the_reading_side_both_ways() -> None:
+    pb = Playbook(default_config(limits=Limits(stream_buffer=64 * 1024)))
+    high = pb.core.limits.high_water
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    pb.sent(1, len(pb.take(1)))  # the 101 went out
+    # Backend to client: the client socket takes nothing, the backend is stopped.
+    commands = pb.receive(up, b"x" * high)
+    assert PauseReading(conn=up) in commands
+    commands = pb.sent(1, high)
+    assert ResumeReading(conn=up) in commands
+    # Client to backend: the backend socket takes nothing, the client is stopped.
+    pb.sent(up, len(pb.take(up)))  # the handshake went out
+    commands = pb.receive(1, b"y" * high)
+    assert PauseReading(conn=1) in commands
+    commands = pb.sent(up, high)
+    assert ResumeReading(conn=1) in commands
+
+
+def test_idle_tunnel_is_closed_on_both_sides_by_a_lazy_timer() -> None:
+    pb = Playbook(default_config(timeouts=Timeouts(tunnel_idle=10.0)))
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    timer = _tunnel_timer(pb)
+    pb.now = 6.0
+    pb.receive(1, b"ping")  # activity: the deadline moves, no timer command for it
+    pb.now = 10.0
+    commands = pb.wakeup(*timer)
+    assert SetTimer(timer=timer, at=16.0) in commands
+    pb.now = 16.0
+    commands = pb.wakeup(*timer)
+    assert CloseConnection(conn=1) in commands
+    assert CloseConnection(conn=up) in commands
+    assert _closed_log(pb).fields["reason"] == "idle timeout"
+
+
+def test_refused_upgrade_is_an_ordinary_response() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb)
+    response = (
+        backend.conn.send(h11.Response(status_code=403, headers=[("Content-Length", "2")])) or b""
+    )
+    response += backend.chunk(b"no") + backend.end()
+    pb.receive(up, response)
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(pb.take(1))
+    head = client.next_event()
+    assert isinstance(head, h11.Response) and head.status_code == 403
+    assert not pb.core.tunnels
+
+
+# -- RFC 8441 ---------------------------------------------------------------------------------
+
+
+def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1BackendPeer, bytes]:
+    pb.accept(1)
+    pb.receive(1, peer.preface())
+    events = peer.events(pb.take(1))
+    (settings,) = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
+    code = h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL
+    assert settings.changed_settings[code].new_value == 1
+    sid = peer.conn.get_next_available_stream_id()
+    peer.conn.send_headers(
+        sid,
+        [
+            (b":method", b"CONNECT"),
+            (b":protocol", b"websocket"),
+            (b":scheme", b"http"),
+            (b":path", b"/chat"),
+            (b":authority", b"proxy.example"),
+            (b"sec-websocket-version", b"13"),
+        ],
+    )
+    pb.receive(1, peer.conn.data_to_send())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    (request, end) = backend.events(pb.take(up))
+    assert isinstance(request, h11.Request) and isinstance(end, h11.EndOfMessage)
+    assert request.method == b"GET" and request.target == b"/chat"
+    fields = dict(request.headers)
+    assert fields[b"upgrade"] == b"websocket" and fields[b"sec-websocket-version"] == b"13"
+    return sid, up, backend, fields[b"sec-websocket-key"]
+
+
+def test_extended_connect_is_bridged_to_an_http1_upgrade() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    sid, up, backend, key = _extended_connect(pb, peer)
+    before = len(pb.log)
+    pb.receive(up, _switch(backend, key) + b"server-frame")
+    events = peer.events(pb.take(1, pb.log[before:]))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    fields = dict(response.headers)
+    assert fields[b":status"] == b"200"
+    assert b"sec-websocket-accept" not in fields and b"upgrade" not in fields
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"server-frame"
+
+    peer.conn.send_data(sid, b"client-frame")
+    commands = pb.receive(1, peer.conn.data_to_send())
+    assert pb.take(up, commands) == b"client-frame"
+
+    # The backend closes: END_STREAM for the client, after the data.
+    pb.receive(up, b"bye")
+    before = len(pb.log)
+    pb.closed(up)
+    events = peer.events(pb.take(1, pb.log[before:]))
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+
+
+def test_extended_connect_end_stream_closes_the_backend() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    sid, up, backend, key = _extended_connect(pb, peer)
+    pb.receive(up, _switch(backend, key))
+    peer.conn.end_stream(sid)
+    commands = pb.receive(1, peer.conn.data_to_send())
+    assert CloseConnection(conn=up) in commands
+    assert not pb.core.tunnels
+
+
+def test_extended_connect_with_a_wrong_accept_is_a_502() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    _, up, backend, _ = _extended_connect(pb, peer)
+    before = len(pb.log)
+    commands = pb.receive(up, _switch(backend, b"not-the-key"))
+    assert CloseConnection(conn=up) in commands
+    events = peer.events(pb.take(1, pb.log[before:]))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"502"
+
+
+def test_plain_connect_is_answered_501() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    pb.accept(1)
+    pb.receive(1, peer.preface())
+    sid = peer.conn.get_next_available_stream_id()
+    peer.conn.send_headers(sid, [(b":method", b"CONNECT"), (b":authority", b"db:5432")])
+    pb.receive(1, peer.conn.data_to_send())
+    events = peer.events(pb.take(1))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"501"
+    assert not pb.opens()
+
+
+def test_tunnel_idle_is_read_from_the_configuration() -> None:
+    data = {
+        "listeners": [{"address": "127.0.0.1:8080"}],
+        "timeouts": {"tunnel_idle": 120},
+        "upstreams": {"gpus": {"servers": ["127.0.0.1:9001"]}},
+        "routes": [{"prefix": "/", "upstream": "gpus"}],
+    }
+    assert parse_config(data).timeouts.tunnel_idle == 120.0
+    assert attrs.evolve(Timeouts()).tunnel_idle == 3600.0

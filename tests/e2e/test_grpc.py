@@ -1,0 +1,222 @@
+"""End-to-end gRPC: a real ``grpcio`` client through the proxy (h2c listener) to a real
+``grpcio`` server configured as an h2 backend. No protoc: a generic handler with bytes in and
+out. grpcio is blocking, so client calls run in threads (``trio.to_thread.run_sync``); the
+server runs its own thread pool.
+
+Asserted: unary, server-streaming and bidirectional calls; a non-OK status with its message
+delivered end to end, both as trailers after messages and as a Trailers-Only response; the
+proxy's own failures answered as gRPC (UNAVAILABLE), never an HTTP error page; ``grpc-timeout``
+honoured by the proxy (DEADLINE_EXCEEDED in a Trailers-Only response); ``te: trailers`` kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import grpc
+import pytest
+import trio
+from peers import open_h2
+
+from muxproxy.config import Config, quick_config
+
+if TYPE_CHECKING:
+    from conftest import StartProxy
+
+SERVICE = "test.Echo"
+seen_metadata: dict[str, str] = {}
+
+
+def _unary(request: bytes, context: grpc.ServicerContext) -> bytes:
+    seen_metadata.update({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
+    return request.upper()
+
+
+def _stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    for i in range(int(request)):
+        yield f"msg{i}".encode()
+
+
+def _bidi(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    for request in requests:
+        yield b"echo:" + request
+
+
+def _fail_early(request: bytes, context: grpc.ServicerContext) -> bytes:
+    # Aborting before any message: grpcio answers with a Trailers-Only response.
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, "not for you")
+    raise AssertionError("abort returns no value")
+
+
+def _fail_late(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    yield b"first"
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of tokens")
+
+
+def _slow(request: bytes, context: grpc.ServicerContext) -> bytes:
+    release.wait(5)
+    return b"late"
+
+
+release = threading.Event()
+
+
+def _identity(value: bytes) -> bytes:
+    return value
+
+
+def _handler() -> grpc.GenericRpcHandler:
+    def unary(fn: Callable[..., Any]) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(fn, _identity, _identity)
+
+    def streaming(fn: Callable[..., Any]) -> grpc.RpcMethodHandler:
+        return grpc.unary_stream_rpc_method_handler(fn, _identity, _identity)
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Unary": unary(_unary),
+            "Stream": streaming(_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(_bidi, _identity, _identity),
+            "FailEarly": unary(_fail_early),
+            "FailLate": streaming(_fail_late),
+            "Slow": unary(_slow),
+        },
+    )
+
+
+@pytest.fixture
+def grpc_backend() -> Iterator[int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers((_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    release.clear()
+    try:
+        yield port
+    finally:
+        release.set()
+        server.stop(None)
+
+
+def h2_config(port: int) -> Config:
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+    group = config.upstreams["default"]
+    servers = tuple(attrs.evolve(s, protocol="h2") for s in group.servers)
+    return attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
+
+
+def _method(channel: grpc.Channel, kind: str, name: str) -> Any:
+    factory = getattr(channel, kind)
+    return factory(
+        f"/{SERVICE}/{name}", request_serializer=_identity, response_deserializer=_identity
+    )
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def test_unary_streaming_and_bidi_calls(grpc_backend: int, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        unary = _method(channel, "unary_unary", "Unary")
+        assert await in_thread(lambda: unary(b"hello", timeout=5)) == b"HELLO"
+        # grpcio sends te: trailers; the backend must see it (gRPC servers require it).
+        assert seen_metadata.get("te") in (None, "trailers")
+
+        stream = _method(channel, "unary_stream", "Stream")
+        got = await in_thread(lambda: list(stream(b"5", timeout=5)))
+        assert got == [f"msg{i}".encode() for i in range(5)]
+
+        bidi = _method(channel, "stream_stream", "Bidi")
+        got = await in_thread(lambda: list(bidi(iter([b"a", b"b", b"c"]), timeout=5)))
+        assert got == [b"echo:a", b"echo:b", b"echo:c"]
+    # Every call used one shared backend connection.
+    assert proxy.server.core.statistics().upstream_connections == 1
+
+
+async def test_error_status_and_message_reach_the_client(
+    grpc_backend: int, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        early = _method(channel, "unary_unary", "FailEarly")
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(lambda: early(b"x", timeout=5))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert info.value.details() == "not for you"
+
+        late = _method(channel, "unary_stream", "FailLate")
+        got: list[bytes] = []
+
+        def collect() -> None:
+            for message in late(b"x", timeout=5):
+                got.append(message)
+
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(collect)
+        assert got == [b"first"]
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details() == "out of tokens"
+
+
+async def test_trailers_only_passes_through_to_raw_h2_client(
+    grpc_backend: int, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    headers = [("content-type", "application/grpc"), ("te", "trailers")]
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as peer:
+            sid = await peer.request(
+                "POST", f"/{SERVICE}/FailEarly", headers, b"\x00\x00\x00\x00\x01x"
+            )
+            state = await peer.wait_done(sid)
+    assert state.ended and state.status == 200
+    fields = dict(state.headers or []) | dict(state.trailers or [])
+    assert fields[b"grpc-status"] == b"7"
+    assert fields[b"grpc-message"] == b"not for you"
+
+
+async def test_proxy_failure_is_a_grpc_unavailable(start_proxy: StartProxy) -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]  # bound, never listening: connections are refused
+        proxy = await start_proxy(config=h2_config(dead))
+        with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+            unary = _method(channel, "unary_unary", "Unary")
+            with pytest.raises(grpc.RpcError) as info:
+                await in_thread(lambda: unary(b"x", timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details() == "upstream unavailable"
+        # On the wire: HTTP 200, application/grpc, one HEADERS frame ending the stream.
+        with trio.fail_after(10):
+            async with open_h2(proxy.port) as peer:
+                sid = await peer.request(
+                    "POST", f"/{SERVICE}/Unary", [("content-type", "application/grpc")], b""
+                )
+                state = await peer.wait_done(sid)
+        assert state.ended and state.status == 200 and state.trailers is None
+        assert not state.data_frames
+        fields = dict(state.headers or [])
+        assert fields[b"content-type"] == b"application/grpc"
+        assert fields[b"grpc-status"] == b"14"
+
+
+async def test_grpc_timeout_is_honoured_by_the_proxy(
+    grpc_backend: int, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    headers = [("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", "100m")]
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as peer:
+            sid = await peer.request("POST", f"/{SERVICE}/Slow", headers, b"\x00\x00\x00\x00\x00")
+            state = await peer.wait_done(sid)
+    assert state.ended and state.status == 200
+    fields = dict(state.headers or [])
+    assert fields[b"grpc-status"] == b"4", fields
+    assert b"deadline" in fields[b"grpc-message"]

@@ -1,0 +1,135 @@
+"""End-to-end HTTP/2 upstreams: Hypercorn's fake LLM speaking h2c, servers with protocol "h2".
+
+1. Streams of several client connections share one backend h2 connection.
+2. A client that stops reading stalls only its own backend stream: another client's tokens
+   sharing the same backend connection keep arriving, and the stalled stream's bytes held in
+   the proxy stay under ``stream_buffer``.
+3. A client that goes away cancels its backend stream (RST_STREAM) and the shared connection
+   stays up for the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+from peers import H1Peer, open_h2
+from test_streaming import (
+    CHAT,
+    JSON,
+    SMALL_BUFFER,
+    assert_complete_stream,
+    chat_body,
+    knobs,
+    settle,
+    stream_stats,
+    wait_stats,
+)
+
+from muxproxy.config import Config, Limits, quick_config
+
+if TYPE_CHECKING:
+    from conftest import StartBackend, StartProxy
+
+
+def h2_config(port: int, **limits: int) -> Config:
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+    group = config.upstreams["default"]
+    servers = tuple(attrs.evolve(s, protocol="h2") for s in group.servers)
+    return attrs.evolve(
+        config,
+        upstreams={"default": attrs.evolve(group, servers=servers)},
+        limits=Limits(**limits),
+    )
+
+
+def backend_conns(proxy: object) -> int:
+    driver = proxy.server.driver  # type: ignore[attr-defined]
+    return sum(1 for c in driver.conns.values() if c.ident < 0)
+
+
+async def test_clients_share_one_backend_connection(
+    start_backend: StartBackend, start_proxy: StartProxy
+) -> None:
+    fake, port = await start_backend(tokens=6, delay=0.01, first_delay=0.1)
+    proxy = await start_proxy(config=h2_config(port))
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as one, open_h2(proxy.port) as two:
+            a = await one.request("POST", CHAT, [JSON], chat_body())
+            b = await two.request("POST", CHAT, [JSON], chat_body())
+            await fake.wait_streams_started(2)
+            stats = proxy.server.core.statistics()
+            assert stats.client_connections == 2
+            assert stats.upstream_connections == 1
+            assert backend_conns(proxy) == 1
+            for peer, sid in ((one, a), (two, b)):
+                state = await peer.wait_done(sid)
+                assert state.ended and state.reset is None and state.status == 200
+                assert_complete_stream(state.body, 6)
+        # An HTTP/1.1 client reuses the same (now idle) backend connection.
+        peer = await H1Peer.connect(proxy.port)
+        await peer.send_request("POST", CHAT, [JSON], chat_body())
+        response = await peer.read_response()
+        assert response.status == 200
+        assert_complete_stream(response.body, 6)
+    assert backend_conns(proxy) == 1
+    assert fake.streams_completed == 3
+
+
+async def test_stalled_client_stalls_only_its_backend_stream(
+    start_backend: StartBackend, start_proxy: StartProxy
+) -> None:
+    fake, port = await start_backend(delay=0.0)
+    proxy = await start_proxy(config=h2_config(port, stream_buffer=SMALL_BUFFER))
+    with trio.fail_after(15):
+        async with (
+            open_h2(proxy.port, connection_window=16 * 1024 * 1024) as slow,
+            open_h2(proxy.port) as fast_peer,
+        ):
+            stalled = await slow.request(
+                "POST", CHAT, [JSON, *knobs(tokens=1500)], chat_body(), hold=True
+            )
+            await slow.wait_until(lambda: slow.conn.remote_flow_control_window(stalled) == 0)
+            await wait_stats(proxy, stalled, lambda s: s.upstream_paused)
+            received = len(slow.streams[stalled].body)
+
+            fast = await fast_peer.request(
+                "POST", CHAT, [JSON, *knobs(tokens=20, delay=0.005)], chat_body()
+            )
+            state = await fast_peer.wait_done(fast)
+            assert state.ended and state.reset is None
+            assert_complete_stream(state.body, 20)
+            assert backend_conns(proxy) == 1, "the two streams should share one connection"
+
+            await settle()
+            entry = stream_stats(proxy, stalled)
+            assert entry is not None and entry.upstream_paused
+            assert entry.response_buffered <= SMALL_BUFFER
+            assert len(slow.streams[stalled].body) == received
+            assert not slow.streams[stalled].done
+
+            await slow.release(stalled)
+            big = await slow.wait_done(stalled)
+    assert big.ended and big.reset is None
+    assert_complete_stream(big.body, 1500)
+    assert fake.streams_completed == 2
+
+
+async def test_client_gone_cancels_only_its_backend_stream(
+    start_backend: StartBackend, start_proxy: StartProxy
+) -> None:
+    fake, port = await start_backend(tokens=40, delay=0.01)
+    proxy = await start_proxy(config=h2_config(port))
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as keep:
+            sid = await keep.request("POST", CHAT, [JSON], chat_body())
+            async with open_h2(proxy.port) as gone:
+                await gone.request("POST", CHAT, [JSON], chat_body())
+                await fake.wait_streams_started(2)
+            await fake.wait_disconnect(1)
+            state = await keep.wait_done(sid)
+            assert state.ended and state.reset is None
+            assert_complete_stream(state.body, 40)
+    assert backend_conns(proxy) == 1
+    assert fake.streams_completed == 1
