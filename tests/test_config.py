@@ -275,13 +275,24 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("upstreams", "gpus", "servers"),
             [{"address": "127.0.0.1:9001", "priority": 2}],
             "upstreams.gpus.servers[0].priority: unknown key; expected one of: address, weight,"
-            " max_fails, fail_timeout, backup, protocol, max_connections",
+            " max_fails, fail_timeout, backup, protocol, max_connections, tls, tls_ca,"
+            " tls_server_name",
+        ),
+        (
+            ("upstreams", "gpus", "servers"),
+            [{"address": "127.0.0.1:9001", "tls": "yes"}],
+            'upstreams.gpus.servers[0].tls: expected true or false (a TOML boolean), got "yes"',
+        ),
+        (
+            ("upstreams", "gpus", "servers"),
+            [{"address": "127.0.0.1:9001", "tls": True, "tls_ca": "/nonexistent/ca.pem"}],
+            'upstreams.gpus.servers[0].tls_ca: file not found: "/nonexistent/ca.pem"',
         ),
         (
             ("upstreams", "gpus", "servers"),
             [{"address": "127.0.0.1:9001", "protocol": "http2"}],
-            'upstreams.gpus.servers[0].protocol: expected "h1" (HTTP/1.1) or "h2" (h2c, prior'
-            ' knowledge), got "http2"',
+            'upstreams.gpus.servers[0].protocol: expected "h1" (HTTP/1.1) or "h2" (HTTP/2: h2c,'
+            ' or TLS with ALPN when tls = true), got "http2"',
         ),
         (
             ("upstreams", "gpus", "servers"),

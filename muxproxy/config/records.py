@@ -55,10 +55,16 @@ class Server:
     backup: bool = False
     """Used only when every primary server of the group is unusable."""
     protocol: str = "h1"
-    """``"h1"`` (HTTP/1.1, a keep-alive pool) or ``"h2"`` (h2c with prior knowledge: streams of
-    every client multiplexed onto shared connections)."""
+    """``"h1"`` (HTTP/1.1, a keep-alive pool) or ``"h2"`` (h2c with prior knowledge, or TLS
+    with ALPN h2 when ``tls``: streams of every client multiplexed onto shared connections)."""
     max_connections: int = 4
     """h2 only: connections opened to this server at most; past them requests wait (bounded)."""
+    tls: bool = False
+    """Speak TLS to the backend (ALPN offers "h2" or "http/1.1" to match ``protocol``)."""
+    tls_ca: str | None = None
+    """CA bundle that verifies the backend's certificate; None: the system's trust store."""
+    tls_server_name: str | None = None
+    """Name checked against the certificate and sent as SNI; None: the host of ``address``."""
 
     @property
     def host(self) -> str:

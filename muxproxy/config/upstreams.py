@@ -152,7 +152,8 @@ def server_protocol(check: Checker, value: Any, path: str) -> str | None:
     if value not in SERVER_PROTOCOLS:
         check.add(
             path,
-            f'expected "h1" (HTTP/1.1) or "h2" (h2c, prior knowledge), got {describe(value)}',
+            f'expected "h1" (HTTP/1.1) or "h2" (HTTP/2: h2c, or TLS with ALPN when tls = true),'
+            f" got {describe(value)}",
         )
         return None
     return str(value)
@@ -438,6 +439,9 @@ _SERVER_KEYS = {
     "backup": Key(Checker.boolean),
     "protocol": Key(server_protocol),
     "max_connections": Key(max_connections),
+    "tls": Key(Checker.boolean),
+    "tls_ca": Key(Checker.file),
+    "tls_server_name": Key(Checker.string),
 }
 _COOKIE_KEYS = {
     "name": Key(cookie_name),

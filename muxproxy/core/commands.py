@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from ..config import Server
 from .events import ConnId, TimerId
 
 
@@ -20,6 +21,24 @@ class Origin:
     host: str
     port: int
     tls: bool = False
+    alpn: str = "http/1.1"
+    """With ``tls``: the one protocol offered by ALPN, which the backend must accept."""
+    ca: str | None = None
+    """With ``tls``: CA bundle verifying the backend's certificate (None: system store)."""
+    server_name: str | None = None
+    """With ``tls``: SNI and certificate name (None: ``host``)."""
+
+    @classmethod
+    def of(cls, server: Server) -> Origin:
+        """Where ``server`` (a configured backend) is reached."""
+        return cls(
+            host=server.host,
+            port=server.port,
+            tls=server.tls,
+            alpn="h2" if server.protocol == "h2" else "http/1.1",
+            ca=server.tls_ca,
+            server_name=server.tls_server_name,
+        )
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"

@@ -171,7 +171,7 @@ class Exchange:
         self.tries += 1
         self.router.active[index] += 1
         server = self.group.servers[index]
-        self.origin = Origin(host=server.host, port=server.port)
+        self.origin = Origin.of(server)
         self.phase = Phase.CONNECTING
         timeout = self.group.timeouts.connect or core.config.timeouts.connect
         core.set_timer(("connect", self.ident), core.now + timeout)

@@ -36,7 +36,7 @@ class Probe:
         self.index = index
         self.ident = ident
         server = group.servers[index]
-        self.origin = Origin(host=server.host, port=server.port)
+        self.origin = Origin.of(server)
         self.state = ProbeState.IDLE
         self.upstream: UpstreamStream | None = None
         self.status = 0

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..core.commands import (
     Command,
     Log,
     OpenConnection,
+    Origin,
     PauseReading,
     ResumeReading,
     SendData,
@@ -55,6 +57,10 @@ def set_nodelay(stream: trio.abc.Stream) -> None:
         stream = stream.transport_stream
     if isinstance(stream, trio.SocketStream):
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+
+
+class BackendTLSError(Exception):
+    """A backend's TLS handshake or ALPN result was not acceptable."""
 
 
 class Conn:
@@ -114,6 +120,7 @@ class Driver:
             OpenConnection: self._open,
             Log: self._log,
         }
+        self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
         self._sent_now: dict[int, int] = {}
         """Bytes written by ``_send_data`` itself, per connection, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
@@ -278,9 +285,14 @@ class Driver:
             try:
                 stream = await trio.open_tcp_stream(origin.host, origin.port)
                 set_nodelay(stream)
-            except OSError as exc:
+                if origin.tls:
+                    stream = await self._tls_handshake(stream, origin)
+            except (OSError, trio.BrokenResourceError, BackendTLSError) as exc:
                 self.connecting.pop(ident, None)
-                self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason=str(exc)))
+                if stream is not None:
+                    await trio.aclose_forcefully(stream)
+                reason = str(exc) or repr(exc)
+                self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason=reason))
                 return
         if scope.cancelled_caught or stream is None:
             # The core gave up on this connection (connect timeout, client gone).
@@ -290,6 +302,29 @@ class Driver:
         conn = self.register(ident, stream)
         self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
         await self.run_connection(conn)
+
+    async def _tls_handshake(
+        self, tcp: trio.SocketStream, origin: Origin
+    ) -> trio.SSLStream[trio.SocketStream]:
+        """TLS to a backend, verifying its certificate, with the ALPN protocol it must pick."""
+        key = (origin.ca, origin.alpn)
+        context = self._tls_contexts.get(key)
+        if context is None:
+            context = ssl.create_default_context(cafile=origin.ca)
+            context.set_alpn_protocols([origin.alpn])
+            self._tls_contexts[key] = context
+        stream = trio.SSLStream(tcp, context, server_hostname=origin.server_name or origin.host)
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as exc:
+            await trio.aclose_forcefully(tcp)
+            raise BackendTLSError(f"TLS handshake with {origin} failed: {exc.__cause__!r}") from exc
+        chosen = stream.selected_alpn_protocol()
+        if origin.alpn == "h2" and chosen != "h2":
+            # RFC 9113 §3.2: h2 over TLS only when the server selected it by ALPN.
+            await trio.aclose_forcefully(stream)
+            raise BackendTLSError(f"{origin} did not accept h2 by ALPN (chose {chosen!r})")
+        return stream
 
     # -- timers ----------------------------------------------------------------------------
 

@@ -220,3 +220,89 @@ async def test_grpc_timeout_is_honoured_by_the_proxy(
     fields = dict(state.headers or [])
     assert fields[b"grpc-status"] == b"4", fields
     assert b"deadline" in fields[b"grpc-message"]
+
+
+async def test_grpc_over_tls_on_both_sides(start_proxy: StartProxy, tmp_path: Any) -> None:
+    """A TLS gRPC client (ALPN h2) to the proxy's TLS listener, and TLS with ALPN h2 from the
+    proxy to a TLS grpcio server, its certificate verified against the test CA."""
+    import trustme
+
+    ca = trustme.CA()
+    backend_cert = ca.issue_cert("backend.test")
+    proxy_cert = ca.issue_cert("127.0.0.1")
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert_file, key_file = tmp_path / "proxy.pem", tmp_path / "proxy.key"
+    proxy_cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    proxy_cert.private_key_pem.write_to_path(str(key_file))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((_handler(),))
+    credentials = grpc.ssl_server_credentials(
+        [(backend_cert.private_key_pem.bytes(), backend_cert.cert_chain_pems[0].bytes())]
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        config = quick_config(
+            "127.0.0.1:0", [f"127.0.0.1:{port}"], tls_cert=str(cert_file), tls_key=str(key_file)
+        )
+        group = config.upstreams["default"]
+        servers = tuple(
+            attrs.evolve(
+                s, protocol="h2", tls=True, tls_ca=str(ca_file), tls_server_name="backend.test"
+            )
+            for s in group.servers
+        )
+        config = attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
+        proxy = await start_proxy(config=config)
+        client_credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+        with (
+            trio.fail_after(10),
+            grpc.secure_channel(f"127.0.0.1:{proxy.port}", client_credentials) as channel,
+        ):
+            unary = _method(channel, "unary_unary", "Unary")
+            assert await in_thread(lambda: unary(b"secure", timeout=5)) == b"SECURE"
+            stream = _method(channel, "unary_stream", "Stream")
+            got = await in_thread(lambda: list(stream(b"3", timeout=5)))
+            assert got == [b"msg0", b"msg1", b"msg2"]
+            early = _method(channel, "unary_unary", "FailEarly")
+            with pytest.raises(grpc.RpcError) as info:
+                await in_thread(lambda: early(b"x", timeout=5))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        server.stop(None)
+
+
+async def test_backend_certificate_that_does_not_verify_is_unavailable(
+    start_proxy: StartProxy, tmp_path: Any
+) -> None:
+    import trustme
+
+    ca, other_ca = trustme.CA(), trustme.CA()
+    backend_cert = ca.issue_cert("backend.test")
+    wrong_ca = tmp_path / "other-ca.pem"
+    other_ca.cert_pem.write_to_path(str(wrong_ca))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((_handler(),))
+    credentials = grpc.ssl_server_credentials(
+        [(backend_cert.private_key_pem.bytes(), backend_cert.cert_chain_pems[0].bytes())]
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        config = h2_config(port)
+        group = config.upstreams["default"]
+        servers = tuple(
+            attrs.evolve(s, tls=True, tls_ca=str(wrong_ca), tls_server_name="backend.test")
+            for s in group.servers
+        )
+        config = attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
+        proxy = await start_proxy(config=config)
+        with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+            unary = _method(channel, "unary_unary", "Unary")
+            with pytest.raises(grpc.RpcError) as info:
+                await in_thread(lambda: unary(b"x", timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
