@@ -14,11 +14,12 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.settings
+import pytest
 from hyperframe.frame import GoAwayFrame
 from playbook import BACKEND, H1ClientPeer, H2ClientPeer, Playbook, default_config
 
 from muxproxy.config import Config, Limits, Server, Upstream
-from muxproxy.core.commands import CloseConnection, OpenConnection, SendData
+from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer
 
 CHAT = b"/v1/chat/completions"
 
@@ -285,3 +286,57 @@ def test_trailers_reach_h2_and_h1_clients() -> None:
     backend.flush()
     out = h1.events(pb.take(2))
     assert out[-1].headers == [(b"x-done", b"yes")]
+
+
+def _finish_one_stream(pb: Playbook) -> Backend:
+    client = Client(pb, 1)
+    sid = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id)
+    backend.conn.send_data(req.stream_id, b"data: tok\n\n", end_stream=True)
+    backend.flush()
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in client.read())
+    return backend
+
+
+def _pool_timer(pb: Playbook) -> SetTimer:
+    return [c for c in pb.log if isinstance(c, SetTimer) and c.timer == ("pool", -1)][-1]
+
+
+def test_idle_backend_connection_is_pinged_then_closed_after_the_idle_timeout() -> None:
+    config = h2_config()
+    group = attrs.evolve(config.upstreams["default"], pool_idle_timeout=30.0)
+    pb = Playbook(attrs.evolve(config, upstreams={"default": group}))
+    backend = _finish_one_stream(pb)
+    # RFC 9113 §6.7: an idle connection is PINGed, a third of the idle timeout apart.
+    timer = _pool_timer(pb)
+    assert timer.at == pytest.approx(pb.now + 10.0)
+    pb.now = timer.at
+    pb.wakeup("pool", -1)
+    pings = [e for e in backend.read() if isinstance(e, h2.events.PingReceived)]
+    assert len(pings) == 1
+    backend.flush()  # h2 answers the PING with an ACK
+    assert CloseConnection(conn=-1) not in pb.log
+    while CloseConnection(conn=-1) not in pb.log:
+        timer = _pool_timer(pb)
+        pb.now = timer.at
+        pb.wakeup("pool", -1)
+        backend.read()
+        backend.flush()
+        assert pb.now <= 30.0
+    assert pb.now == pytest.approx(30.0)  # closed at the idle timeout, not before
+
+
+def test_backend_that_does_not_answer_a_ping_is_closed() -> None:
+    pb = Playbook(h2_config())
+    backend = _finish_one_stream(pb)
+    timer = _pool_timer(pb)
+    pb.now = timer.at
+    pb.wakeup("pool", -1)
+    assert any(isinstance(e, h2.events.PingReceived) for e in backend.read())
+    # No ACK comes back (the backend is wedged): the next tick closes the connection.
+    timer = _pool_timer(pb)
+    pb.now = timer.at
+    assert CloseConnection(conn=-1) in pb.wakeup("pool", -1)
+    assert any(isinstance(c, Log) and c.event == "upstream_ping_timeout" for c in pb.log)
