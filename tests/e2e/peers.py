@@ -21,9 +21,11 @@ Both only wait on conditions (``wait_until``), never on elapsed time.
 
 from __future__ import annotations
 
+import json
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import attrs
@@ -42,9 +44,16 @@ __all__ = [
     "H2Frame",
     "H2Peer",
     "H2Stream",
+    "closed_port",
+    "h1_read_response",
+    "h1_request_bytes",
+    "never_answer",
     "open_h2",
     "open_tcp",
+    "read_until_eof",
+    "serve_raw",
     "socket_of",
+    "sse_events",
 ]
 
 HeaderPairs = Sequence[tuple[str | bytes, str | bytes]]
@@ -87,7 +96,99 @@ def socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
     return stream.socket
 
 
+async def read_until_eof(stream: trio.abc.Stream) -> bytes:
+    """Everything ``stream`` delivers until the peer closes it."""
+    received = b""
+    while chunk := await stream.receive_some(65536):
+        received += chunk
+    return received
+
+
+# ---- bare servers --------------------------------------------------------------------------
+
+
+async def closed_port() -> int:
+    """A port on 127.0.0.1 with nothing listening (bound once, then closed)."""
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+async def serve_raw(
+    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> int:
+    """A bare TCP server on 127.0.0.1 running ``handler`` per connection; returns its port."""
+    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return int(listeners[0].socket.getsockname()[1])
+
+
+async def never_answer(stream: trio.SocketStream) -> None:
+    """A backend that reads whatever comes and never answers."""
+    async with stream:
+        while await stream.receive_some(65536):
+            pass
+
+
+# ---- SSE -----------------------------------------------------------------------------------
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
+    out: list[Any] = []
+    for block in body.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: ") :]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
 # ---- HTTP/1.1 ----------------------------------------------------------------------------
+
+
+def h1_request_bytes(
+    target: bytes = b"/v1/models",
+    method: bytes = b"GET",
+    body: bytes = b"",
+    headers: Sequence[tuple[bytes, bytes]] = ((b"host", b"proxy.test"),),
+) -> tuple[h11.Connection, bytes]:
+    """A fresh h11 client connection and one whole request serialized by it (content-length
+    added when there is a body), for a test that writes the bytes itself."""
+    conn = h11.Connection(h11.CLIENT)
+    all_headers = list(headers)
+    if body:
+        all_headers.append((b"content-length", str(len(body)).encode()))
+    data = conn.send(h11.Request(method=method, target=target, headers=all_headers))
+    data += conn.send(h11.Data(data=body)) if body else b""
+    data += conn.send(h11.EndOfMessage())
+    return conn, data
+
+
+async def h1_read_response(
+    stream: trio.abc.Stream, conn: h11.Connection
+) -> tuple[h11.Response, bytes]:
+    """Read one response on ``conn`` to its ``EndOfMessage``: its head and whole body.
+
+    Anything else (an informational response, EOF) fails the test; so does h11's
+    ``RemoteProtocolError`` (a body cut short), which propagates.
+    """
+    response: h11.Response | None = None
+    body = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif type(event) is h11.Response:
+            response = event
+        elif type(event) is h11.Data:
+            body += bytes(event.data)
+        elif type(event) is h11.EndOfMessage:
+            assert response is not None
+            return response, body
+        else:
+            raise AssertionError(f"unexpected {event!r}")
 
 
 @attrs.define

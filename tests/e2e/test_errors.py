@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Awaitable, Callable
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -25,6 +24,14 @@ import h11
 import hpack
 import pytest
 import trio
+from peers import (
+    closed_port,
+    h1_read_response,
+    h1_request_bytes,
+    never_answer,
+    read_until_eof,
+    serve_raw,
+)
 
 from muxproxy.config import Config, Listener, Route, Server, Timeouts, Upstream
 from muxproxy.core.commands import CloseConnection, OpenConnection, SendData, SetTimer
@@ -39,30 +46,6 @@ CHAT_BODY = json.dumps(
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-async def closed_port() -> int:
-    """A port on 127.0.0.1 with nothing listening (bound once, then closed)."""
-    sock = trio.socket.socket()
-    await sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-async def serve_raw(
-    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
-) -> int:
-    """A bare TCP server on 127.0.0.1 running ``handler`` per connection; returns its port."""
-    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-    return int(listeners[0].socket.getsockname()[1])
-
-
-async def never_answer(stream: trio.SocketStream) -> None:
-    """A backend that reads whatever comes and never answers."""
-    async with stream:
-        while await stream.receive_some(65536):
-            pass
 
 
 async def close_at_once(stream: trio.SocketStream) -> None:
@@ -88,33 +71,15 @@ async def h1_request(
 ) -> H1Result:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        headers = [(b"host", b"proxy.test")]
-        if body:
-            headers.append((b"content-length", str(len(body)).encode()))
-        data = conn.send(h11.Request(method=method, target=target, headers=headers))
-        data += conn.send(h11.Data(data=body)) if body else b""
-        data += conn.send(h11.EndOfMessage())
+        conn, data = h1_request_bytes(target, method, body)
         await stream.send_all(data)
-        response: h11.Response | None = None
-        chunks: list[bytes] = []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif type(event) is h11.Response:
-                response = event
-            elif type(event) is h11.Data:
-                chunks.append(bytes(event.data))
-            elif type(event) is h11.EndOfMessage:
-                break
-        assert response is not None
+        response, response_body = await h1_read_response(stream, conn)
         # After the response, is the connection closed by the proxy?
         closed = await stream.receive_some(1) == b""
         return H1Result(
             status=response.status_code,
             headers={bytes(k): bytes(v) for k, v in response.headers},
-            body=b"".join(chunks),
+            body=response_body,
             closed=closed,
         )
 
@@ -213,6 +178,10 @@ class H2Client:
             assert not self.eof, "connection closed"
             await self.pump()
 
+    async def until_eof(self) -> None:
+        while not self.eof:
+            await self.pump()
+
     async def finish(self, sid: int) -> H2Stream:
         state = self.streams[sid]
         await self.wait(lambda: state.ended or state.reset is not None)
@@ -232,6 +201,14 @@ def h2_request_headers(
         (b":path", path),
         *extra,
     ]
+
+
+async def start_chat(client: H2Client) -> int:
+    """A streaming chat request (with its content-length) on a new stream of ``client``."""
+    return await client.request(
+        h2_request_headers(CHAT, b"POST", [(b"content-length", str(len(CHAT_BODY)).encode())]),
+        CHAT_BODY,
+    )
 
 
 async def h2_get(port: int, path: bytes = b"/v1/models") -> H2Stream:
@@ -397,9 +374,7 @@ async def test_malformed_h1_request_is_400_and_closes(start_backend, start_proxy
         stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
         async with stream:
             await stream.send_all(request_bytes)
-            received = b""
-            while chunk := await stream.receive_some(65536):  # until the proxy closes
-                received += chunk
+            received = await read_until_eof(stream)  # until the proxy closes
     client = h11.Connection(h11.CLIENT)
     client.send(h11.Request(method="GET", target="/", headers=[("host", "a")]))
     client.send(h11.EndOfMessage())
@@ -439,14 +414,7 @@ async def test_malformed_h2_request_resets_only_its_stream(start_backend, start_
     with trio.fail_after(10):
         client = await H2Client.connect(proxy.port)
         try:
-            good = await client.request(
-                h2_request_headers(
-                    CHAT,
-                    b"POST",
-                    [(b"content-length", str(len(CHAT_BODY)).encode())],
-                ),
-                CHAT_BODY,
-            )
+            good = await start_chat(client)
             # The good stream is under way before the bad one arrives.
             await client.wait(lambda: client.streams[good].headers is not None)
             bad = await client.request(MALFORMED_H2[kind])
@@ -488,8 +456,7 @@ async def test_frame_level_violation_is_goaway_protocol_error(start_backend, sta
         client = await H2Client.connect(proxy.port)
         try:
             await client.stream.send_all(FRAME_VIOLATIONS[kind])
-            while not client.eof:
-                await client.pump()
+            await client.until_eof()
         finally:
             await client.aclose()
     assert client.goaway is not None
@@ -504,16 +471,10 @@ async def test_frame_level_violation_with_open_streams_is_goaway(start_backend, 
     with trio.fail_after(10):
         client = await H2Client.connect(proxy.port)
         try:
-            sid = await client.request(
-                h2_request_headers(
-                    CHAT, b"POST", [(b"content-length", str(len(CHAT_BODY)).encode())]
-                ),
-                CHAT_BODY,
-            )
+            sid = await start_chat(client)
             await client.wait(lambda: b"tok0" in client.streams[sid].body)
             await client.stream.send_all(FRAME_VIOLATIONS[kind])
-            while not client.eof:
-                await client.pump()
+            await client.until_eof()
         finally:
             await client.aclose()
         await fake.wait_disconnect()  # the running generation was stopped
@@ -529,9 +490,7 @@ async def test_garbage_after_the_h2_preface_is_goaway(start_backend, start_proxy
         stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
         async with stream:
             await stream.send_all(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x01")  # bad id
-            received = b""
-            while chunk := await stream.receive_some(65536):
-                received += chunk
+            received = await read_until_eof(stream)
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     events = client.receive_data(received)
@@ -563,12 +522,7 @@ async def test_h2_content_length_mismatch_resets_only_its_stream(start_backend, 
     with trio.fail_after(10):
         client = await H2Client.connect(proxy.port)
         try:
-            good = await client.request(
-                h2_request_headers(
-                    CHAT, b"POST", [(b"content-length", str(len(CHAT_BODY)).encode())]
-                ),
-                CHAT_BODY,
-            )
+            good = await start_chat(client)
             await client.wait(lambda: client.streams[good].headers is not None)
             bad = await client.request(
                 h2_request_headers(b"/v1/chat/completions", b"POST", fields), body

@@ -103,11 +103,28 @@ def grpc_backend() -> Iterator[int]:
         server.stop(None)
 
 
-def h2_config(port: int) -> Config:
-    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+def with_servers(config: Config, **fields: Any) -> Config:
+    """``config`` with ``fields`` set on every server of its ``default`` upstream group."""
     group = config.upstreams["default"]
-    servers = tuple(attrs.evolve(s, protocol="h2") for s in group.servers)
+    servers = tuple(attrs.evolve(s, **fields) for s in group.servers)
     return attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
+
+
+def h2_config(port: int) -> Config:
+    return with_servers(quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"]), protocol="h2")
+
+
+def start_tls_grpc_server(cert: Any, max_workers: int) -> tuple[grpc.Server, int]:
+    """A started grpcio server with the echo handlers, on TLS with ``cert`` (a trustme
+    ``LeafCert``); the caller stops it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    server.add_generic_rpc_handlers((_handler(),))
+    credentials = grpc.ssl_server_credentials(
+        [(cert.private_key_pem.bytes(), cert.cert_chain_pems[0].bytes())]
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, port
 
 
 def _method(channel: grpc.Channel, kind: str, name: str) -> Any:
@@ -236,25 +253,14 @@ async def test_grpc_over_tls_on_both_sides(start_proxy: StartProxy, tmp_path: An
     proxy_cert.cert_chain_pems[0].write_to_path(str(cert_file))
     proxy_cert.private_key_pem.write_to_path(str(key_file))
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((_handler(),))
-    credentials = grpc.ssl_server_credentials(
-        [(backend_cert.private_key_pem.bytes(), backend_cert.cert_chain_pems[0].bytes())]
-    )
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
+    server, port = start_tls_grpc_server(backend_cert, max_workers=4)
     try:
         config = quick_config(
             "127.0.0.1:0", [f"127.0.0.1:{port}"], tls_cert=str(cert_file), tls_key=str(key_file)
         )
-        group = config.upstreams["default"]
-        servers = tuple(
-            attrs.evolve(
-                s, protocol="h2", tls=True, tls_ca=str(ca_file), tls_server_name="backend.test"
-            )
-            for s in group.servers
+        config = with_servers(
+            config, protocol="h2", tls=True, tls_ca=str(ca_file), tls_server_name="backend.test"
         )
-        config = attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
         proxy = await start_proxy(config=config)
         client_credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
         with (
@@ -283,21 +289,11 @@ async def test_backend_certificate_that_does_not_verify_is_unavailable(
     backend_cert = ca.issue_cert("backend.test")
     wrong_ca = tmp_path / "other-ca.pem"
     other_ca.cert_pem.write_to_path(str(wrong_ca))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((_handler(),))
-    credentials = grpc.ssl_server_credentials(
-        [(backend_cert.private_key_pem.bytes(), backend_cert.cert_chain_pems[0].bytes())]
-    )
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
+    server, port = start_tls_grpc_server(backend_cert, max_workers=2)
     try:
-        config = h2_config(port)
-        group = config.upstreams["default"]
-        servers = tuple(
-            attrs.evolve(s, tls=True, tls_ca=str(wrong_ca), tls_server_name="backend.test")
-            for s in group.servers
+        config = with_servers(
+            h2_config(port), tls=True, tls_ca=str(wrong_ca), tls_server_name="backend.test"
         )
-        config = attrs.evolve(config, upstreams={"default": attrs.evolve(group, servers=servers)})
         proxy = await start_proxy(config=config)
         with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
             unary = _method(channel, "unary_unary", "Unary")

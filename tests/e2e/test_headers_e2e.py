@@ -11,13 +11,13 @@ response carries the anti-buffering fields and Via, and nothing connection-speci
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
 import h11
 import trio
+from peers import h1_read_response, h1_request_bytes, sse_events
 
 CHAT = b"/v1/chat/completions"
 
@@ -33,17 +33,6 @@ def chat_body(*, stream: bool, tokens: int = 2) -> bytes:
     ).encode()
 
 
-def sse_events(body: bytes) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
-    out: list[Any] = []
-    for block in body.decode().split("\n\n"):
-        for line in block.splitlines():
-            if line.startswith("data: "):
-                payload = line[len("data: ") :]
-                out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
-
-
 # -- a minimal HTTP/1.1 client (h11) ---------------------------------------------------------
 
 
@@ -53,31 +42,9 @@ async def h1_request(
     """One request on a fresh connection; the response head and its whole body."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        if body:
-            headers = [*headers, (b"content-length", str(len(body)).encode())]
-        data = conn.send(h11.Request(method=method, target=target, headers=headers))
-        if body:
-            data += conn.send(h11.Data(data=body))
-        data += conn.send(h11.EndOfMessage())
+        conn, data = h1_request_bytes(target, method, body, headers)
         await stream.send_all(data)
-        response: h11.Response | None = None
-        chunks: list[bytes] = []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-                continue
-            if type(event) is h11.Response:
-                response = event
-            elif type(event) is h11.Data:
-                chunks.append(bytes(event.data))
-            elif type(event) is h11.EndOfMessage:
-                break
-            else:
-                raise AssertionError(f"unexpected {event!r}")
-        assert response is not None
-        return response, b"".join(chunks)
+        return await h1_read_response(stream, conn)
 
 
 def h11_headers(response: h11.Response) -> dict[bytes, list[bytes]]:

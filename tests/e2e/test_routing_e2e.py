@@ -36,7 +36,7 @@ import h11
 import httpx
 import pytest
 import trio
-from peers import H1Peer, H1Response, H2Peer, open_h2
+from peers import H1Peer, H1Response, H2Peer, open_h2, sse_events
 
 from muxproxy.config import (
     Config,
@@ -139,17 +139,6 @@ def chat_body(*, stream: bool) -> bytes:
     return json.dumps(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     ).encode()
-
-
-def sse_events(body: bytes) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
-    out: list[Any] = []
-    for block in body.decode().split("\n\n"):
-        for line in block.splitlines():
-            if line.startswith("data: "):
-                payload = line[len("data: ") :]
-                out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 def sse_text(body: bytes) -> tuple[str, bool]:

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-from collections.abc import Awaitable, Callable
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import h2.config
@@ -39,6 +37,15 @@ import pytest
 import trio
 import trio.testing
 import trustme
+from peers import (
+    closed_port,
+    h1_read_response,
+    h1_request_bytes,
+    never_answer,
+    open_tcp,
+    read_until_eof,
+    serve_raw,
+)
 
 from muxproxy.config import Timeouts
 from muxproxy.core.commands import Log
@@ -66,67 +73,6 @@ def clock() -> trio.testing.MockClock:
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-async def serve_raw(
-    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
-) -> int:
-    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-    return int(listeners[0].socket.getsockname()[1])
-
-
-async def never_answer(stream: trio.SocketStream) -> None:
-    async with stream:
-        while await stream.receive_some(65536):
-            pass
-
-
-async def closed_port() -> int:
-    sock = trio.socket.socket()
-    await sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-def h1_request_bytes(
-    target: bytes = b"/v1/models", method: bytes = b"GET", body: bytes = b""
-) -> tuple[h11.Connection, bytes]:
-    conn = h11.Connection(h11.CLIENT)
-    headers = [(b"host", b"proxy.test")]
-    if body:
-        headers.append((b"content-length", str(len(body)).encode()))
-    data = conn.send(h11.Request(method=method, target=target, headers=headers))
-    data += conn.send(h11.Data(data=body)) if body else b""
-    data += conn.send(h11.EndOfMessage())
-    return conn, data
-
-
-async def h1_read_response(
-    stream: trio.abc.Stream, conn: h11.Connection
-) -> tuple[h11.Response, bytes]:
-    response: h11.Response | None = None
-    body = b""
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
-        elif type(event) is h11.Response:
-            response = event
-        elif type(event) is h11.Data:
-            body += bytes(event.data)
-        elif type(event) is h11.EndOfMessage:
-            assert response is not None
-            return response, body
-        else:
-            raise AssertionError(f"unexpected {event!r}")
-
-
-async def read_until_eof(stream: trio.abc.Stream) -> bytes:
-    received = b""
-    while chunk := await stream.receive_some(65536):
-        received += chunk
-    return received
 
 
 class H2Client:
@@ -210,6 +156,18 @@ class H2Client:
 def close_to(elapsed: float, timeout: float) -> bool:
     """Virtual time moves by jumps to deadlines: the timeout, plus at most a little."""
     return timeout <= elapsed < timeout + 0.5
+
+
+async def until_closed(port: int, sent: bytes = b"") -> tuple[bytes, float]:
+    """Connect, send ``sent`` (if any), read until the proxy closes: what came back, and the
+    virtual time from just after the connect to the close."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        start = trio.current_time()
+        if sent:
+            await stream.send_all(sent)
+        received = await read_until_eof(stream)
+        return received, trio.current_time() - start
 
 
 class Watch:
@@ -398,10 +356,7 @@ async def flood(stream: trio.SocketStream) -> None:
 
 async def start_unread_request(port: int, protocol: str) -> trio.SocketStream:
     """A client with a tiny receive buffer that sends one request and then reads nothing."""
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up quickly
-    await sock.connect(("127.0.0.1", port))
-    stream = trio.SocketStream(sock)
+    stream = await open_tcp(port, rcvbuf=4096)  # fill up quickly
     if protocol == "h1":
         _, request = h1_request_bytes(b"/stream")
     else:
@@ -450,12 +405,10 @@ async def test_send_timeout_closes_a_client_that_stopped_reading(
 async def test_incomplete_request_head_gets_408(start_proxy, clock):
     proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
     with trio.fail_after(100):
-        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
-        async with stream:
-            start = trio.current_time()
-            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n")
-            received = await read_until_eof(stream)
-            assert close_to(trio.current_time() - start, 10.0)
+        received, took = await until_closed(
+            proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
+        )
+        assert close_to(took, 10.0)
     assert received.startswith(b"HTTP/1.1 408 ")
 
 
@@ -485,13 +438,8 @@ async def test_trickled_request_head_still_times_out(start_proxy, clock):
 async def test_silent_connection_is_closed(start_proxy, clock, preface):
     proxy = await start_proxy([await closed_port()], timeouts=Timeouts(client_header=10.0))
     with trio.fail_after(100):
-        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
-        async with stream:
-            start = trio.current_time()
-            if preface:
-                await stream.send_all(preface)
-            received = await read_until_eof(stream)
-            assert close_to(trio.current_time() - start, 10.0)
+        received, took = await until_closed(proxy.port, preface)
+        assert close_to(took, 10.0)
     assert received == b""
 
 
@@ -521,11 +469,9 @@ async def test_tls_handshake_counts_against_client_header(start_proxy, clock, tm
         tls_key=str(key_path),
     )
     with trio.fail_after(100):
-        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
-        async with stream:
-            start = trio.current_time()
-            assert await read_until_eof(stream) == b""
-            assert close_to(trio.current_time() - start, 10.0)
+        received, took = await until_closed(proxy.port)
+        assert received == b""
+        assert close_to(took, 10.0)
 
 
 # -- keep-alive idle -------------------------------------------------------------------------
@@ -607,11 +553,8 @@ async def test_slow_reader_making_progress_is_not_cut(start_proxy, nursery, cloc
     port = await serve_raw(nursery, big_body)
     proxy = await start_proxy([port], timeouts=Timeouts(send=30.0))
     watch = Watch(proxy)
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 128 * 1024)
     with trio.fail_after(1000):
-        await sock.connect(("127.0.0.1", proxy.port))
-        stream = trio.SocketStream(sock)
+        stream = await open_tcp(proxy.port, rcvbuf=128 * 1024)
         async with stream:
             conn, request = h1_request_bytes(b"/download")
             start = trio.current_time()

@@ -69,6 +69,18 @@ async def ws_backend(nursery: trio.Nursery) -> WsBackend:
     return backend
 
 
+@pytest.fixture
+async def proxy(ws_backend: WsBackend, start_proxy: Any) -> Any:
+    """The proxy in front of ``ws_backend``, with default timeouts."""
+    return await start_proxy([ws_backend.port])
+
+
+async def _echo(ws: WebSocketConnection, message: str) -> None:
+    """One message through the tunnel and its echo back."""
+    await ws.send_message(message)
+    assert await ws.get_message() == message
+
+
 def _client(port: int, path: str = "/ws") -> Any:
     return open_websocket(
         "127.0.0.1", port, path, use_ssl=False, connect_timeout=TIMEOUT, disconnect_timeout=2
@@ -79,13 +91,11 @@ def _client(port: int, path: str = "/ws") -> Any:
 
 
 async def test_text_and_binary_messages_echo_through_the_tunnel(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
-            await ws.send_message("hello")
-            assert await ws.get_message() == "hello"
+            await _echo(ws, "hello")
             big = bytes(range(256)) * 1024  # 256 KiB: several reads and writes each way
             await ws.send_message(big)
             assert await ws.get_message() == big
@@ -94,31 +104,27 @@ async def test_text_and_binary_messages_echo_through_the_tunnel(
 
 
 async def test_ping_is_answered_by_the_backend_through_the_tunnel(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
             await ws.ping(b"are you there")  # returns once the matching pong arrived
 
 
 async def test_client_close_code_and_reason_reach_the_backend(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
-            await ws.send_message("x")
-            assert await ws.get_message() == "x"
+            await _echo(ws, "x")
             await ws.aclose(4000, "client bye")
         await ws_backend.closed.wait()
     assert ws_backend.closes == [(4000, "client bye")]
 
 
 async def test_backend_close_code_and_reason_reach_the_client(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
             await ws.send_message("close-me")
@@ -129,13 +135,11 @@ async def test_backend_close_code_and_reason_reach_the_client(
 
 
 async def test_client_disconnect_without_close_frame_closes_the_backend(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
-            await ws.send_message("x")
-            assert await ws.get_message() == "x"
+            await _echo(ws, "x")
             stream = ws._stream  # the TCP stream under the client
             await stream.aclose()
         await ws_backend.closed.wait()
@@ -143,9 +147,8 @@ async def test_client_disconnect_without_close_frame_closes_the_backend(
 
 
 async def test_backend_refusing_the_upgrade_answers_the_client_normally(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT), pytest.raises(ConnectionRejected) as info:
         async with _client(proxy.port, "/reject"):
             pass  # pragma: no cover
@@ -157,8 +160,7 @@ async def test_idle_tunnel_is_closed_on_both_sides(ws_backend: WsBackend, start_
     proxy = await start_proxy([ws_backend.port], timeouts=Timeouts(tunnel_idle=0.3))
     with trio.fail_after(TIMEOUT):
         async with _client(proxy.port) as ws:
-            await ws.send_message("x")
-            assert await ws.get_message() == "x"
+            await _echo(ws, "x")
             with pytest.raises(ConnectionClosed) as info:
                 await ws.get_message()
         await ws_backend.closed.wait()
@@ -259,13 +261,18 @@ async def _open_h2(port: int) -> H2WebSocket:
     return H2WebSocket(await trio.open_tcp_stream("127.0.0.1", port))
 
 
+async def _connect_h2(port: int, path: bytes) -> H2WebSocket:
+    """A fresh connection with its extended CONNECT to ``path`` answered (or reset)."""
+    client = await _open_h2(port)
+    await client.connect(path)
+    return client
+
+
 async def test_extended_connect_bridges_to_the_websocket_backend(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
-        client = await _open_h2(proxy.port)
-        await client.connect(b"/chat")
+        client = await _connect_h2(proxy.port, b"/chat")
         assert client.status == b"200"
         await client.send(TextMessage(data="hello over h2"))
         echoed = await client.next_event()
@@ -291,19 +298,14 @@ async def test_extended_connect_bridges_to_the_websocket_backend(
     assert ws_backend.closes == [(4000, "h2 bye")]
 
 
-async def test_extended_connect_gets_the_backend_refusal(
-    ws_backend: WsBackend, start_proxy: Any
-) -> None:
-    proxy = await start_proxy([ws_backend.port])
+async def test_extended_connect_gets_the_backend_refusal(ws_backend: WsBackend, proxy: Any) -> None:
     with trio.fail_after(TIMEOUT):
-        client = await _open_h2(proxy.port)
-        await client.connect(b"/reject")
+        client = await _connect_h2(proxy.port, b"/reject")
         assert client.status == b"403"
         await client.stream.aclose()
 
 
-async def test_plain_connect_is_not_implemented(ws_backend: WsBackend, start_proxy: Any) -> None:
-    proxy = await start_proxy([ws_backend.port])
+async def test_plain_connect_is_not_implemented(ws_backend: WsBackend, proxy: Any) -> None:
     with trio.fail_after(TIMEOUT):
         client = await _open_h2(proxy.port)
         client.h2.initiate_connection()
@@ -319,12 +321,10 @@ async def test_plain_connect_is_not_implemented(ws_backend: WsBackend, start_pro
 
 
 async def test_client_reset_of_the_stream_closes_the_backend(
-    ws_backend: WsBackend, start_proxy: Any
+    ws_backend: WsBackend, proxy: Any
 ) -> None:
-    proxy = await start_proxy([ws_backend.port])
     with trio.fail_after(TIMEOUT):
-        client = await _open_h2(proxy.port)
-        await client.connect(b"/chat")
+        client = await _connect_h2(proxy.port, b"/chat")
         await client.send(TextMessage(data="x"))
         assert isinstance(await client.next_event(), TextMessage)
         client.h2.reset_stream(client.sid)
@@ -334,8 +334,7 @@ async def test_client_reset_of_the_stream_closes_the_backend(
     assert ws_backend.closes == [(1006, None)]
 
 
-async def test_h1_connect_is_not_implemented(start_proxy: Any, ws_backend: WsBackend) -> None:
-    proxy = await start_proxy([ws_backend.port])
+async def test_h1_connect_is_not_implemented(proxy: Any, ws_backend: WsBackend) -> None:
     with trio.fail_after(TIMEOUT):
         stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
         await stream.send_all(b"CONNECT db:5432 HTTP/1.1\r\nHost: db:5432\r\n\r\n")
@@ -346,6 +345,3 @@ async def test_h1_connect_is_not_implemented(start_proxy: Any, ws_backend: WsBac
             data += chunk
         assert data.startswith(b"HTTP/1.1 501 ")
         await stream.aclose()
-
-
-_ = WebSocketConnection  # re-exported type, for readers of the client helpers
