@@ -93,6 +93,8 @@ def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Con
         check.add("listeners", "missing; " + _EXPECTED_LISTENERS)
     timeouts = check.record(Timeouts, data.get("timeouts", {}), "timeouts", Checker.seconds)
     limits = check.record(Limits, data.get("limits", {}), "limits", Checker.positive_int)
+    if limits is not None:
+        limits = _check_limits(check, limits)
     names: list[str] = []
     upstreams = None
     if "upstreams" in data:
@@ -165,6 +167,31 @@ _ROUTE_KEYS = {
     "retry_until_first_event": Key(Checker.boolean),
     "sse_heartbeat": Key(Checker.seconds),
 }
+
+
+# RFC 9113 §6.9.1: a flow-control window is at most 2**31-1; the connection window starts at
+# 65,535 and can only be opened further.
+_WINDOW_MIN = 65_535
+_WINDOW_MAX = 2**31 - 1
+
+
+def _check_limits(check: Checker, limits: Limits) -> Limits | None:
+    """The checks of ``[limits]`` that look beyond one positive integer."""
+    valid = True
+    window = limits.h2_connection_window
+    if not _WINDOW_MIN <= window <= _WINDOW_MAX:
+        check.add(
+            "limits.h2_connection_window",
+            f"expected {_WINDOW_MIN} to {_WINDOW_MAX} bytes (RFC 9113 §6.9.1), got {window}",
+        )
+        valid = False
+    if limits.stream_buffer < 2048:
+        check.add(
+            "limits.stream_buffer",
+            f"expected at least 2048 bytes (two socket reads), got {limits.stream_buffer}",
+        )
+        valid = False
+    return limits if valid else None
 
 
 def _listeners(check: Checker, value: Any) -> tuple[Listener, ...] | None:

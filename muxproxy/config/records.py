@@ -39,7 +39,35 @@ class Limits:
     max_concurrent_streams: int = 100
     """SETTINGS_MAX_CONCURRENT_STREAMS advertised to HTTP/2 clients."""
     max_request_head: int = 64 * 1024
-    """Largest request head (HTTP/1.1 request line + fields)."""
+    """Largest request head (HTTP/1.1 request line + fields; HTTP/2: advertised as
+    SETTINGS_MAX_HEADER_LIST_SIZE). Past it: 431 on HTTP/1.1 (RFC 6585 §5). LLM API requests
+    carry a few hundred bytes of fields; 64 KiB leaves room for large cookies and tokens."""
+    max_header_fields: int = 128
+    """Most fields in one request head (after HTTP/2 cookie crumbs, before joining). Past it:
+    431 (RFC 6585 §5). Each field costs a tuple and a lookup per hop; a head of thousands of
+    one-byte fields fits in ``max_request_head`` and costs far more than its bytes."""
+    max_request_body: int = 64 * 1024 * 1024
+    """Most request-body bytes relayed for one request. A Content-Length above it is a 413
+    before anything is forwarded; a body without one that grows past it ends in 413 (when no
+    response began) or a reset / close. 64 MiB holds a long-context prompt with images; it is
+    not a memory bound (``stream_buffer`` is), it bounds what one request can make a GPU read."""
+    max_client_connections: int = 10_000
+    """Client connections served at once per proxy process. Past it the listeners stop
+    accepting until one closes: new connections wait in the kernel's accept backlog, costing
+    the proxy nothing (no answer could be sent anyway before knowing h1 from h2). 10,000
+    streams x ~15-30 KiB is a few hundred MB; raise with the file-descriptor limit."""
+    h2_connection_window: int = 16 * 1024 * 1024
+    """The connection-level receive window opened to each HTTP/2 client (RFC 9113 §6.9.2),
+    65,535 to 2**31-1. It must exceed one stream's window so that a stalled stream cannot
+    starve the others; what a client can make us hold is still bounded by the stream windows
+    (``stream_buffer``), so this bounds only the sum a client may have in flight."""
+    h2_reset_budget: int = 100
+    """HTTP/2 streams a client may reset before their response is complete, beyond those paid
+    back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,
+    CVE-2023-44487. See ``muxproxy.core.h2guard``."""
+    h2_control_frame_budget: int = 1000
+    """HTTP/2 SETTINGS / PING / PRIORITY / WINDOW_UPDATE / empty DATA frames a client may send
+    beyond those paid back by responses, before GOAWAY(ENHANCE_YOUR_CALM)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -21,9 +21,10 @@ import h2.errors
 import h2.exceptions
 
 from .commands import CloseConnection, Log, PauseReading, ResumeReading
-from .exchange import RequestPhase
+from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
 from .h2 import PREFACE, H2Server
+from .headers import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Downstream:
         self.last_progress = core.now
         self.send_timer_armed = False
         self.reading_paused = False
+        self.abuse_logged = False
         self.h1: H1Server | None = None
         self.h2: H2Server | None = None
         self.sniffed = b""
@@ -83,7 +85,11 @@ class Downstream:
             scheme=self.scheme,
             max_concurrent_streams=self.core.config.limits.max_concurrent_streams,
             initial_window=min(65535, self.core.read_size),
+            max_header_list_size=self.core.config.limits.max_request_head,
+            connection_window=self.core.config.limits.h2_connection_window,
             upgrade_settings=upgrade_settings,
+            reset_budget=self.core.config.limits.h2_reset_budget,
+            control_budget=self.core.config.limits.h2_control_frame_budget,
         )
 
     def _maybe_switch_to_h2c(self) -> None:
@@ -166,6 +172,10 @@ class Downstream:
                 if exchange is not None and exchange in self.stalled:
                     exchange.client_drained()
         h2c.window_changed = False
+        if h2c.guard.exhausted is not None and not self.abuse_logged:
+            self.abuse_logged = True
+            fields = {"conn": self.conn, "reason": h2c.guard.exhausted}
+            self.core.emit(Log(event="client_h2_abuse", fields=fields))
         self._flush_h2()
         if h2c.closed and not self.exchanges:
             self.close()
@@ -176,6 +186,10 @@ class Downstream:
             if type(message) is Body:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
+                    limit = self.core.config.limits.max_request_body
+                    if exchange.body.size + len(message.data) > limit:
+                        self._body_too_large(exchange, message.flow_len)
+                        continue
                     exchange.request_body(message.data, message.flow_len)
                 elif self.h2 is not None:
                     self.h2.acknowledge(message.stream, message.flow_len)
@@ -192,12 +206,60 @@ class Downstream:
 
     def _start_exchange(self, head: RequestHead) -> None:
         core = self.core
+        limits = core.config.limits
+        try:
+            check_request_limits(
+                head, max_fields=limits.max_header_fields, max_body=limits.max_request_body
+            )
+        except MalformedRequest as exc:
+            self._refuse(head, exc)
+            return
         if not self.exchanges:
             core.cancel_timer(("header", self.conn))
             core.cancel_timer(("idle", self.conn))
         exchange = core.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
         exchange.start()
+
+    def _refuse(self, head: RequestHead, exc: MalformedRequest) -> None:
+        """A request past a limit (431, 413): answered here, never forwarded."""
+        if self.h1 is not None:
+            self._h1_protocol_error(PeerError(exc.reason, exc.status))
+            return
+        assert self.h2 is not None
+        self.core.emit(
+            Log(event="request_refused", fields={"conn": self.conn, "error": exc.reason})
+        )
+        self.send_error(head.stream, exc.status, exc.reason)
+        if not head.end_stream:
+            # RFC 9113 §8.1: the response is complete; the body it would send is not wanted.
+            self.h2.cancel_request(head.stream)
+            self._flush_h2()
+
+    def _body_too_large(self, exchange: Exchange, flow_len: int) -> None:
+        """The request body grew past ``limits.max_request_body``: 413 while no response
+        began, otherwise the stream is reset (HTTP/2) or the connection closed (HTTP/1.1)."""
+        reason = f"request body above {self.core.config.limits.max_request_body} bytes"
+        self.core.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
+        if self.h1 is not None:
+            # The 413 first (h11 sends nothing once a response began): the abort below
+            # closes the connection, which flushes it (RFC 9112 §9.6).
+            self._send(self.h1.send_error(413, reason))
+            exchange.client_aborted(reason)
+            self.close()
+            return
+        assert self.h2 is not None
+        self.h2.acknowledge(exchange.stream, flow_len)
+        answered = exchange.phase in (Phase.STREAMING, Phase.DONE)
+        stream = exchange.stream
+        exchange.client_aborted(reason)
+        if answered:
+            self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
+            self._flush_h2()
+        else:
+            self.send_error(stream, 413, reason)
+            self.h2.cancel_request(stream)
+            self._flush_h2()
 
     # -- the sink side, for exchanges ------------------------------------------------------
 

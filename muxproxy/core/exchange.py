@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from .proxy import ProxyCore
 
 VIA = b"muxproxy"
+# RFC 9110 §9.2.2: methods a client (and so a proxy) may send again after a connection failure.
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
 
 
 class Phase(enum.Enum):
@@ -113,6 +115,8 @@ class Exchange:
         self.sse: EventBoundary | None = None
         """Event boundaries of an SSE response that gets heartbeats (``route.sse_heartbeat``)."""
         self.heartbeat_at = 0.0
+        self.stale_retried = False
+        """The one retry after a stale pooled connection (``_retry_stale``) was used."""
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -205,6 +209,47 @@ class Exchange:
             )
             return False
         return True
+
+    def _may_retry_stale(self) -> bool:
+        """A reused keep-alive connection failed before any response byte: the backend most
+        likely closed it while it sat in our pool (RFC 9112 §9.3.1). Retry once on a new
+        connection to the same server, whatever ``next_upstream`` says, when the request may
+        be sent twice: idempotent (RFC 9110 §9.2.2), carrying an Idempotency-Key, or not yet
+        written at all."""
+        upstream = self.upstream
+        if self.phase is not Phase.WAITING_HEAD or self.stale_retried or upstream is None:
+            return False
+        head = self.head
+        if not (
+            head.method in IDEMPOTENT
+            or header_value(head.headers, b"idempotency-key") is not None
+            # Only an HTTP/1.1 ``UpstreamConn`` reports stale failures, and it tracks this.
+            or not getattr(upstream, "written", True)
+        ):
+            return False
+        return self.body.rewind()
+
+    def _retry_stale(self, reason: str) -> None:
+        """Same server, fresh connection; the server's health and ``tries`` are untouched."""
+        assert self.group is not None and self.origin is not None
+        core = self.core
+        self.stale_retried = True
+        self._cancel_attempt_timers()
+        self._release_upstream(close=True)
+        core.emit(
+            Log(
+                event="retry",
+                fields={
+                    "upstream": str(self.origin),
+                    "condition": "stale_connection",
+                    "reason": reason,
+                },
+            )
+        )
+        self.phase = Phase.CONNECTING
+        timeout = self.group.timeouts.connect or core.config.timeouts.connect
+        core.set_timer(("connect", self.ident), core.now + timeout)
+        core.pool.acquire(self.origin, self.group, self, fresh=True)
 
     def _retry_or_fail(self, condition: str, reason: str) -> None:
         """The current attempt failed before anything reached the client."""
@@ -451,8 +496,11 @@ class Exchange:
         self._release_upstream(close=False)
         self._finish("ok")
 
-    def upstream_failed(self, reason: str, *, timeout: bool = False) -> None:
+    def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
         """The backend connection broke, could not be opened, or timed out."""
+        if stale and self._may_retry_stale():
+            self._retry_stale(reason)
+            return
         if self.phase in UNCOMMITTED:
             self._retry_or_fail("timeout" if timeout else "error", reason)
         elif self.phase is Phase.STREAMING:

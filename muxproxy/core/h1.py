@@ -8,10 +8,22 @@ once — that is what keeps one SSE token one write (per-chunk flush).
 ``H1Server`` faces a client, ``H1Client`` faces a backend. Errors by blame: a peer's malformed
 bytes raise ``PeerError`` (with the status h11 suggests), our own misuse raises h11's
 ``LocalProtocolError`` and is a bug.
+
+Request smuggling (RFC 9112 §6.1, §6.3, §11.2): h11 is lenient where a front-end and we could
+disagree on where a request ends. It accepts bare LF line endings (RFC 9112 §2.2 allows that,
+but a peer that does not would see a different head), replaces obs-fold with SP (§5.2 allows
+that too), and merges repeated or list-form Content-Length values ("5, 5") into one. Its parsed
+``Request`` no longer shows any of that, so ``H1Server`` keeps the raw bytes of each request
+head (bounded by ``max_head``) and ``check_raw_head`` refuses all three with 400 before the
+head becomes a message. Content-Length next to Transfer-Encoding is refused by
+``headers.request_from_h1``. Chunk sizes h11 checks itself (hex digits only); an absurdly large
+one is bounded by ``limits.max_request_body``. The body always reaches the backend re-framed by
+our own h11 client, never as the client's bytes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import attrs
@@ -24,6 +36,36 @@ from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseH
 # How much of one h11.receive_data we let build up unparsed before the head is complete;
 # RFC 9112 leaves the limit to us, h11's default is 16 KiB.
 DEFAULT_MAX_HEAD = 64 * 1024
+
+
+# RFC 9112 §5.2: an obs-fold is a line break followed by SP or HTAB inside the field section.
+_OBS_FOLD = re.compile(rb"\n[ \t]")
+# RFC 9112 §2.2: a bare LF is an LF not preceded by CR. (A bare CR h11 refuses itself.)
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+# h11's end of a head: an empty line, CRLF or bare LF.
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+def check_raw_head(head: bytes) -> None:
+    """Refuse what h11 would normalise away in a request head (see the module docstring).
+
+    ``head`` is the request line and field lines up to the empty line. Raises
+    ``PeerError`` (400)."""
+    if _BARE_LF.search(head) is not None:
+        raise PeerError("bare LF line ending in the request head")
+    if _OBS_FOLD.search(head) is not None:
+        raise PeerError("obs-fold (line folding) in the request head")
+    lengths = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            lengths += 1
+            # RFC 9110 §8.6 lets a recipient merge identical values; a front-end that does
+            # not would frame the body differently, so we refuse both forms.
+            if lengths > 1:
+                raise PeerError("more than one content-length field")
+            if b"," in value:
+                raise PeerError("list of values in content-length")
 
 
 class PeerError(Exception):
@@ -48,14 +90,26 @@ class H1Server:
         self.h2c: H2cUpgrade | None = None
         """An accepted h2c upgrade offer (h2c.py): its head and end are withheld until the
         owner calls ``switch_to_h2c`` or ``decline_h2c``."""
+        self.max_head = max_head
+        self.method = b""
+        """The method of the current request, once h11 parsed its head."""
+        self.raw_head: bytearray | None = bytearray()
+        """The bytes received since the current request began, while its head is incomplete
+        (None once h11 parsed it): what ``check_raw_head`` looks at. At most ``max_head``
+        plus one read, since h11 refuses a longer head (431)."""
 
     def receive(self, data: bytes) -> list[Message]:
         """Feed bytes (b"" for EOF); return the messages they complete. Raises ``PeerError``."""
+        raw = self.raw_head
+        if raw is not None and len(raw) <= self.max_head:
+            raw += data
         self.conn.receive_data(data)
         return self._drain()
 
     def next_cycle(self) -> list[Message]:
         """Start the next request on a kept-alive connection; parse what was pipelined."""
+        self.raw_head = bytearray(self.conn.trailing_data[0])
+        self.method = b""
         self.conn.start_next_cycle()
         return self._drain()
 
@@ -72,7 +126,18 @@ class H1Server:
             if type(event) is h11.Data:
                 out.append(Body(stream=self.stream, data=bytes(event.data)))
             elif type(event) is h11.Request:
+                self.method = event.method
+                raw = self.raw_head
+                if raw is not None:
+                    self.raw_head = None
+                    end = _HEAD_END.search(raw)
+                    if end is None or end.start() > self.max_head:
+                        # h11 bounds only a head that is still incomplete after a read; one
+                        # that arrives whole is bounded here (RFC 6585 §5).
+                        raise PeerError("request head too large", 431)
+                    check_raw_head(bytes(raw[: end.start() + 1]))
                 self.stream += 1
+                self.method = bytes(event.method)
                 try:
                     head = request_from_h1(
                         self.stream,
@@ -142,12 +207,16 @@ class H1Server:
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
+        if self.method == b"HEAD" and self.conn.their_state is not h11.IDLE:
+            body = b""  # RFC 9110 §9.3.2: the fields only, h11 refuses a body
         try:
             out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
         except h11.LocalProtocolError:
             # h11 refuses a response to a request it could not parse in some states.
             return b""
-        out += self.conn.send(h11.Data(data=body)) or b""
+        if getattr(self, "method", b"") != b"HEAD":
+            # RFC 9110 §9.3.2: no body in a response to HEAD (h11 raises on one).
+            out += self.conn.send(h11.Data(data=body)) or b""
         out += self.conn.send(h11.EndOfMessage()) or b""
         return out
 
@@ -169,8 +238,10 @@ class H1Server:
 class H1Client:
     """The client side of one backend connection: one request at a time, kept alive."""
 
-    def __init__(self) -> None:
-        self.conn = h11.Connection(h11.CLIENT)
+    def __init__(self, *, max_head: int = DEFAULT_MAX_HEAD) -> None:
+        # A backend's response head is bounded like a client's request head: past
+        # ``max_head`` unparsed bytes h11 raises, which ``receive`` turns into an Abort (502).
+        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_head)
         self.stream = 0
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
@@ -181,6 +252,9 @@ class H1Client:
         return self.conn.send(h11.Data(data=data)) or b""
 
     def send_end(self, trailers: Headers) -> bytes:
+        # Trailers from an HTTP/2 client are not checked by h2 (inbound validation is off):
+        # drop fields h11 would refuse rather than raise on the peer's bytes (RFC 9110 §6.5.1).
+        trailers = [(n, v) for n, v in trailers if _TOKEN.fullmatch(n) and not _BAD_VALUE.search(v)]
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
     def receive(self, data: bytes) -> list[Message]:
@@ -238,6 +312,10 @@ class H1Client:
     @property
     def response_started(self) -> bool:
         return self.conn.their_state is not h11.SEND_RESPONSE
+
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
 
 
 def _has_no_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:

@@ -12,7 +12,12 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
   stream, the others go on. h2's own inbound header validation is off so that a bad header
   block does not become a connection error; ``headers.request_from_h2`` validates instead.
 - Frame-level violations are connection errors (RFC 9113 §5.4.1): GOAWAY with h2's error code,
-  after which ``closed`` is true.
+  after which ``closed`` is true. h2 itself refuses more than 64 CONTINUATION frames per
+  header block (PROTOCOL_ERROR) and a decoded header list over our
+  SETTINGS_MAX_HEADER_LIST_SIZE (an HPACK bomb: ENHANCE_YOUR_CALM).
+- Abuse that is legal frame by frame (rapid reset, control-frame floods) is counted by
+  ``h2guard.H2Guard`` and answered with GOAWAY(ENHANCE_YOUR_CALM) (RFC 9113 §10.5); a client
+  near the end of the stream-id space gets a graceful GOAWAY(NO_ERROR) (``drain``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
 from .h2send import Flushed, SendQueue, flush_queue, send_or_queue
 from .headers import MalformedRequest, request_from_h2
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
@@ -40,6 +46,19 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 CONNECTION_WINDOW = 16 * 1024 * 1024
 
 
+# h2 events that stand for a frame that asks for work and carries no request, and the name
+# a GOAWAY's debug data gives their flood (RFC 9113 §10.5).
+_CONTROL_EVENTS: dict[type[h2.events.Event], str] = {
+    h2.events.RemoteSettingsChanged: "SETTINGS",
+    h2.events.SettingsAcknowledged: "SETTINGS ACK",
+    h2.events.PingReceived: "PING",
+    h2.events.PingAckReceived: "PING ACK",
+    h2.events.PriorityUpdated: "PRIORITY",
+    h2.events.WindowUpdated: "WINDOW_UPDATE",
+    h2.events.UnknownFrameReceived: "unknown frame",
+}
+
+
 class H2Server:
     """HTTP/2 for one client connection."""
 
@@ -50,7 +69,10 @@ class H2Server:
         max_concurrent_streams: int = 100,
         initial_window: int = 65535,
         max_header_list_size: int = 64 * 1024,
+        connection_window: int = CONNECTION_WINDOW,
         upgrade_settings: bytes | None = None,
+        reset_budget: int = RESET_BUDGET,
+        control_budget: int = CONTROL_FRAME_BUDGET,
     ) -> None:
         """``upgrade_settings``: the client's HTTP2-Settings value when this connection was
         upgraded from HTTP/1.1 (h2c.py); raises h2's ``ProtocolError`` if they are invalid."""
@@ -85,7 +107,8 @@ class H2Server:
             self.conn.update_settings(
                 {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window}
             )
-        self.conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        if connection_window > 65535:
+            self.conn.increment_flow_control_window(connection_window - 65535)
         self.queues: dict[int, SendQueue] = {}
         if upgrade_settings is not None:
             self.queues[1] = SendQueue()  # the response to the upgraded request
@@ -96,6 +119,9 @@ class H2Server:
         self.trailers: dict[int, Headers] = {}
         self.closed = False
         """A GOAWAY was sent or received; no new streams."""
+        self.guard = H2Guard(reset_budget=reset_budget, control_budget=control_budget)
+        self.last_stream: int | None = None
+        """Set by a graceful ``drain``: the last stream id served; later ones are refused."""
 
     def data_to_send(self) -> bytes:
         return self.conn.data_to_send()
@@ -108,9 +134,18 @@ class H2Server:
         except h2.exceptions.ProtocolError as exc:
             return self._connection_error(exc)
         out: list[Message] = []
+        guard = self.guard
         for event in events:
+            if guard.exhausted is not None:
+                return out + self._calm(guard.exhausted)
+            if type(event) in _CONTROL_EVENTS:
+                guard.control_frame(_CONTROL_EVENTS[type(event)])
             if isinstance(event, h2.events.DataReceived):
                 sid = event.stream_id
+                if not event.flow_controlled_length and event.stream_ended is None:
+                    # RFC 9113 §10.5: an empty DATA frame costs a frame's work and moves
+                    # nothing (the "empty frames" flood, CVE-2019-9518).
+                    guard.control_frame("empty DATA")
                 if sid in self.queues or sid in self.trailers:
                     out.append(
                         Body(stream=sid, data=event.data, flow_len=event.flow_controlled_length)
@@ -131,6 +166,8 @@ class H2Server:
                 sid = event.stream_id
                 self.blocked.discard(sid)
                 if self.queues.pop(sid, None) is not None:
+                    # The response was not complete: a backend request started for nothing.
+                    guard.premature_reset()
                     out.append(
                         Abort(stream=sid, reason=f"client reset the stream ({event.error_code!r})")
                     )
@@ -140,10 +177,17 @@ class H2Server:
                 self.window_changed = True
             elif isinstance(event, h2.events.ConnectionTerminated):
                 self.closed = True
+        if guard.exhausted is not None:
+            return out + self._calm(guard.exhausted)
         return out
 
     def _request(self, event: h2.events.RequestReceived) -> list[Message]:
         sid = event.stream_id
+        if self.closed and (self.last_stream is None or sid > self.last_stream):
+            # RFC 9113 §6.8: after our GOAWAY, streams above its last stream id are not
+            # processed; REFUSED_STREAM tells the client it may retry them elsewhere.
+            self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return []
         try:
             head = request_from_h2(sid, list(event.headers), scheme_default=self.scheme)
         except MalformedRequest:
@@ -151,9 +195,48 @@ class H2Server:
             self.conn.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return []
         self.queues[sid] = SendQueue()
+        if sid >= STREAM_ID_DRAIN:
+            self.drain(sid)
         if event.stream_ended is not None:
             return [attrs.evolve(head, end_stream=True), End(stream=sid)]
         return [head]
+
+    def _calm(self, reason: str) -> list[Message]:
+        """RFC 9113 §10.5: GOAWAY(ENHANCE_YOUR_CALM); every open stream is aborted, so their
+        backend requests are cancelled."""
+        if self.closed and self.last_stream is None:
+            return []  # already closed by a connection error or an earlier flood
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.conn.close_connection(
+                error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                additional_data=reason[:64].encode(),
+            )
+        self.closed = True
+        self.last_stream = None
+        out: list[Message] = [
+            Abort(stream=sid, reason=f"HTTP/2 abuse: {reason}") for sid in self.queues
+        ]
+        self.queues.clear()
+        self.blocked.clear()
+        return out
+
+    def drain(self, last_stream: int | None = None) -> None:
+        """Graceful GOAWAY(NO_ERROR): the streams open now finish, new ones are refused.
+
+        h2 moves its state machine to CLOSED on any GOAWAY it sends and then refuses to send
+        or receive for the running streams, which RFC 9113 §6.8 lets finish; the state goes
+        back to SERVER_OPEN (as ``H2Client`` does for a received GOAWAY) and ``_request``
+        refuses the later streams itself. ``last_stream``: the last stream served (default:
+        the highest the client opened)."""
+        if self.closed:
+            return
+        conn = self.conn
+        if last_stream is None:
+            last_stream = conn.highest_inbound_stream_id
+        self.last_stream = last_stream
+        conn.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR, last_stream_id=last_stream)
+        conn.state_machine.state = h2.connection.ConnectionState.SERVER_OPEN
+        self.closed = True
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> list[Message]:
         code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
@@ -177,11 +260,13 @@ class H2Server:
         if end_stream:
             self.blocked.discard(head.stream)
             self.queues.pop(head.stream, None)
+            self.guard.response_completed()
 
     def send_body(self, stream: int, data: bytes) -> None:
         queue = self.queues.get(stream)
         if queue is None:
             return
+        self.guard.response_chunk()
         self._settle(stream, send_or_queue(self.conn, stream, queue, data))
 
     def send_end(self, stream: int, trailers: Headers) -> None:
@@ -210,7 +295,8 @@ class H2Server:
 
     def acknowledge(self, stream: int, nbytes: int) -> None:
         """Give ``nbytes`` of receive window back to the client (RFC 9113 §6.9)."""
-        if nbytes and not self.closed:
+        # After a graceful ``drain`` the running streams may still be uploading.
+        if nbytes and (not self.closed or self.last_stream is not None):
             try:
                 self.conn.acknowledge_received_data(nbytes, stream)
             except h2.exceptions.ProtocolError:
@@ -250,3 +336,4 @@ class H2Server:
         self.blocked.discard(stream)
         if state is Flushed.ENDED:
             del self.queues[stream]
+            self.guard.response_completed()

@@ -32,6 +32,7 @@ from muxproxy.core.messages import Headers, RequestHead
 
 __all__ = [
     "MalformedRequest",
+    "check_request_limits",
     "header_value",
     "is_event_stream",
     "is_websocket_upgrade",
@@ -337,10 +338,24 @@ def request_from_h1(
     fields: Headers = list(headers)
     host: bytes | None = None
     host_count = 0
+    content_length = transfer_encoding = False
     for name, value in fields:
         if name == b"host":
             host = value
             host_count += 1
+        elif name == b"content-length":
+            content_length = True
+        elif name == b"transfer-encoding":
+            transfer_encoding = True
+    if transfer_encoding:
+        # RFC 9112 §6.1: a message with both "ought to be handled as an error" by a server
+        # (it is the classic request-smuggling shape; preferring Transfer-Encoding, as §6.3
+        # would, leaves a front-end that preferred Content-Length out of step with us). An
+        # HTTP/1.0 message with Transfer-Encoding has faulty framing (§6.1) as well.
+        if content_length:
+            raise MalformedRequest("both content-length and transfer-encoding")
+        if http_version == b"1.0":
+            raise MalformedRequest("transfer-encoding in an HTTP/1.0 request")
     # RFC 9112 §3.2: 400 for an HTTP/1.1 request without Host, with several, or an invalid one.
     if host_count > 1:
         raise MalformedRequest("more than one host field")
@@ -402,6 +417,16 @@ def request_from_h1(
 
 
 # --- upstream (to an HTTP/1.1 backend) -----------------------------------------------------
+
+
+def check_request_limits(head: RequestHead, *, max_fields: int, max_body: int) -> None:
+    """Refuse a request head with more than ``max_fields`` fields (431, RFC 6585 §5) or a
+    Content-Length above ``max_body`` (413, RFC 9110 §15.5.14), before it is forwarded."""
+    if len(head.headers) > max_fields:
+        raise MalformedRequest(f"more than {max_fields} header fields", 431)
+    length = header_value(head.headers, b"content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        raise MalformedRequest(f"content-length above {max_body} bytes", 413)
 
 
 def upstream_h1_headers(

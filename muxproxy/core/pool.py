@@ -33,7 +33,10 @@ class UpstreamUser(Protocol):
     def response_head(self, head: ResponseHead) -> None: ...
     def response_body(self, data: bytes) -> None: ...
     def response_end(self, trailers: Headers) -> None: ...
-    def upstream_failed(self, reason: str, *, timeout: bool = False) -> None: ...
+    def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
+        """The backend stream failed. ``stale``: on a reused keep-alive connection, before any
+        response byte arrived (RFC 9112 §9.3.1: the backend may have closed it while we picked
+        it), so a retry on a fresh connection to the same server is safe to consider."""
 
 
 class UpstreamStream(Protocol):
@@ -100,6 +103,17 @@ class UpstreamConn:
         self.state = UpstreamState.CONNECTING
         self.pending = 0
         self.paused = False
+        self.reused = False
+        """The current request is not the connection's first (it came from the idle pool)."""
+        self.received = False
+        """Some byte of the current request's response arrived."""
+        self.written = False
+        """Some byte of the current request reached the kernel (a ``DataSent``)."""
+
+    @property
+    def stale(self) -> bool:
+        """A failure now is the keep-alive race (RFC 9112 §9.3.1), not the server's fault."""
+        return self.reused and not self.received
 
     def _send(self, data: bytes) -> None:
         if data:
@@ -107,6 +121,7 @@ class UpstreamConn:
             self.core.send(self.conn, data)
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
+        self.written = False
         self._send(self.adapter.send_head(stream, method, target, headers))
 
     def send_body(self, data: bytes) -> None:
@@ -153,6 +168,8 @@ class UpstreamConn:
             # responses): the connection is unusable.
             self.close()
             return
+        if data:
+            self.received = True
         for message in self.adapter.receive(data):
             if self.exchange is not exchange:
                 # The exchange let go of this connection while handling an earlier message
@@ -167,11 +184,12 @@ class UpstreamConn:
                 exchange.response_end(message.trailers)
                 return
             elif type(message) is Abort:
-                exchange.upstream_failed(message.reason)
+                exchange.upstream_failed(message.reason, stale=self.stale)
                 return
 
     def on_sent(self, nbytes: int) -> None:
         self.pending -= nbytes
+        self.written = True
         if self.exchange is not None:
             self.exchange.upstream_drained()
 
@@ -186,7 +204,9 @@ class UpstreamConn:
         # truncates it (inside a Content-Length or chunked body).
         self.on_data(b"")
         if self.exchange is not None:
-            self.exchange.upstream_failed(error or "backend closed the connection")
+            self.exchange.upstream_failed(
+                error or "backend closed the connection", stale=self.stale
+            )
 
 
 class Pool:
@@ -198,18 +218,22 @@ class Pool:
         self.waiting: dict[int, UpstreamUser] = {}
         """Exchange waiting for each connecting connection."""
 
-    def acquire(self, origin: Origin, group: Upstream, exchange: UpstreamUser) -> None:
-        """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later."""
+    def acquire(
+        self, origin: Origin, group: Upstream, exchange: UpstreamUser, *, fresh: bool = False
+    ) -> None:
+        """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later
+        (always a new one with ``fresh``: the retry after a stale pooled connection)."""
         core = self.core
         server = group.server_at(origin.host, origin.port)
         if server is not None and server.protocol == "h2":
             self.h2.acquire(origin, group, server, exchange)
             return
-        idle = self.idle.get(origin)
+        idle = None if fresh else self.idle.get(origin)
         while idle:
             upstream = idle.pop()
             core.cancel_timer(("pool", upstream.conn))
             if upstream.state is UpstreamState.IDLE:
+                upstream.reused = True
                 self._assign(upstream, exchange)
                 return
         upstream = UpstreamConn(core, core.new_upstream_id(), origin, group)
@@ -220,6 +244,7 @@ class Pool:
     def _assign(self, upstream: UpstreamConn, exchange: UpstreamUser) -> None:
         upstream.state = UpstreamState.BUSY
         upstream.exchange = exchange
+        upstream.received = False
         exchange.upstream_ready(upstream)
 
     def opened(self, upstream: UpstreamConn) -> None:

@@ -83,7 +83,7 @@ class Probe:
         ok = self.status == self.check.expect_status
         self._done(ok, f"status {self.status}")
 
-    def upstream_failed(self, reason: str, *, timeout: bool = False) -> None:
+    def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
         self._done(False, reason)
 
     # -- result ----------------------------------------------------------------------------

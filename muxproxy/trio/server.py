@@ -3,6 +3,12 @@
 Obeys RFC 9113 §3.2 (h2 over TLS is chosen by ALPN "h2", RFC 7301) and leaves the plain
 listener's h1/h2c choice to the core, which sees the connection preface. Every accepted socket
 gets TCP_NODELAY before its first byte is read.
+
+``limits.max_client_connections`` bounds the connections served at once, over all listeners:
+at the bound the accept loops stop calling ``accept`` until a connection ends. The kernel's
+backlog holds the next ones, which costs us no memory, and a client waits instead of getting a
+refusal it would retry at once (before its first bytes we could not even tell h1 from h2 to
+answer it properly).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class ProxyServer:
         self.core = ProxyCore(config)
         self.driver: Driver | None = None
         self.addresses: list[tuple[str, int]] = []
+        self.connection_slots = trio.Semaphore(config.limits.max_client_connections)
+        """One token per client connection being served (``limits.max_client_connections``)."""
 
     async def run(
         self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
@@ -63,15 +71,31 @@ class ProxyServer:
         assert self.driver is not None
         async with tcp:
             while True:
+                await self.connection_slots.acquire()
                 try:
                     stream = await tcp.accept()
                 except OSError:
                     # EMFILE and friends: back off a little instead of spinning.
+                    self.connection_slots.release()
                     await trio.sleep(0.1)
                     continue
+                except BaseException:
+                    self.connection_slots.release()
+                    raise
                 self.driver.nursery.start_soon(self._serve_client, stream, listener, context)
 
     async def _serve_client(
+        self,
+        stream: trio.SocketStream,
+        listener: Listener,
+        context: ssl.SSLContext | None,
+    ) -> None:
+        try:
+            await self._serve_client_in_slot(stream, listener, context)
+        finally:
+            self.connection_slots.release()
+
+    async def _serve_client_in_slot(
         self,
         stream: trio.SocketStream,
         listener: Listener,

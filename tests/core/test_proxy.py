@@ -440,7 +440,14 @@ def test_open_connection_carries_the_origin() -> None:
     pb.accept(1)
     pb.receive(1, H1ClientPeer().request())
     assert pb.opens() == [OpenConnection(conn=-1, origin=pb.opens()[0].origin)]
-    assert attrs.asdict(pb.opens()[0].origin) == {"host": "127.0.0.1", "port": 9001, "tls": False}
+    assert attrs.asdict(pb.opens()[0].origin) == {
+        "host": "127.0.0.1",
+        "port": 9001,
+        "tls": False,
+        "alpn": "http/1.1",
+        "ca": None,
+        "server_name": None,
+    }
 
 
 def test_expect_100_continue_is_answered_by_the_proxy() -> None:

@@ -436,6 +436,8 @@ def test_retry_onto_a_kept_alive_connection_replays_the_body() -> None:
     assert rig.routed(mark) == {A}
     got = rig.received(pooled[A])
     assert request_body(got) == payload
+    # Written, so this POST is no stale-pool retry (test_stale_pool.py): next_upstream's.
+    rig.pb.sent(pooled[A], len(got))
     rig.pb.closed(pooled[A])  # the keep-alive race: A closed as the request went out
     assert len(rig.opens()) == 2  # B's idle connection was used, nothing new opened
     got = rig.received(pooled[B])

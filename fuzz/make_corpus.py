@@ -1,0 +1,215 @@
+"""Write the seed corpus (``fuzz/corpus/<target>/``) from real h11 and h2 peer conversations.
+
+    python fuzz/make_corpus.py
+
+Each file is an atheris input (``harness.encode``: the split points, then the bytes). Client
+seeds are what h11 / h2 clients write for typical LLM API calls; backend seeds are what h11 /
+h2 servers write in answer to the proxy's request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import h2.config
+import h2.connection
+import h11
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fuzz.harness import encode
+
+CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+SSE = [b'data: {"tok":"a"}\n\n', b'data: {"tok":"b"}\n\n', b"data: [DONE]\n\n"]
+
+
+def h1_request(
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    chunked: bool = False,
+) -> bytes:
+    conn = h11.Connection(h11.CLIENT)
+    hdrs = [("Host", "proxy.example"), *headers]
+    if body is not None and not chunked:
+        hdrs.append(("Content-Length", str(len(body))))
+    if chunked:
+        hdrs.append(("Transfer-Encoding", "chunked"))
+    out = conn.send(h11.Request(method=method, target=target, headers=hdrs)) or b""
+    if body:
+        out += conn.send(h11.Data(data=body)) or b""
+    out += conn.send(h11.EndOfMessage()) or b""
+    return out
+
+
+def client_h1() -> list[bytes]:
+    get = h1_request("GET", "/v1/models", [], None)
+    post = h1_request("POST", "/v1/chat/completions", [("Content-Type", "application/json")], CHAT)
+    return [
+        encode(get),
+        encode(post, [5, 40]),
+        encode(h1_request("POST", "/v1/completions", [], CHAT, chunked=True)),
+        encode(get + post),  # pipelined
+        encode(h1_request("POST", "/v1/chat/completions", [("Expect", "100-continue")], CHAT)),
+        encode(
+            h1_request(
+                "GET",
+                "/ws",
+                [
+                    ("Upgrade", "websocket"),
+                    ("Connection", "upgrade"),
+                    ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+                    ("Sec-WebSocket-Version", "13"),
+                ],
+                None,
+            )
+        ),
+        encode(
+            h1_request(
+                "GET",
+                "/",
+                [
+                    ("Upgrade", "h2c"),
+                    ("Connection", "Upgrade, HTTP2-Settings"),
+                    ("HTTP2-Settings", "AAMAAABkAAQAAP__"),
+                ],
+                None,
+            )
+        ),
+    ]
+
+
+def h2_client() -> h2.connection.H2Connection:
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    conn.initiate_connection()
+    return conn
+
+
+def h2_headers(
+    method: bytes, path: bytes, *extra: tuple[bytes, bytes]
+) -> list[tuple[bytes, bytes]]:
+    return [
+        (b":method", method),
+        (b":scheme", b"http"),
+        (b":authority", b"proxy.example"),
+        (b":path", path),
+        *extra,
+    ]
+
+
+def client_h2() -> list[bytes]:
+    seeds = []
+    conn = h2_client()
+    conn.send_headers(1, h2_headers(b"GET", b"/v1/models"), end_stream=True)
+    seeds.append(encode(conn.data_to_send(), [3, 24]))
+    conn = h2_client()
+    conn.send_headers(
+        1, h2_headers(b"POST", b"/v1/chat/completions", (b"content-type", b"application/json"))
+    )
+    conn.send_data(1, CHAT, end_stream=True)
+    conn.send_headers(3, h2_headers(b"GET", b"/v1/models"), end_stream=True)
+    conn.reset_stream(3)
+    seeds.append(encode(conn.data_to_send()))
+    conn = h2_client()
+    conn.send_headers(
+        1,
+        h2_headers(
+            b"POST",
+            b"/grpc.Svc/Call",
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+            (b"grpc-timeout", b"1S"),
+        ),
+    )
+    conn.send_data(1, b"\x00\x00\x00\x00\x02hi")
+    conn.send_headers(1, [(b"x-trailer", b"1")], end_stream=True)
+    conn.ping(b"12345678")
+    seeds.append(encode(conn.data_to_send()))
+    return seeds
+
+
+def h1_response(
+    status: int, headers: list[tuple[str, str]], chunks: list[bytes], end: bool = True
+) -> bytes:
+    client = h11.Connection(h11.CLIENT)
+    client.send(
+        h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")])
+    )
+    client.send(h11.EndOfMessage())
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    server.next_event()
+    server.next_event()
+    out = server.send(h11.Response(status_code=status, headers=headers)) or b""
+    for chunk in chunks:
+        out += server.send(h11.Data(data=chunk)) or b""
+    if end:
+        out += server.send(h11.EndOfMessage()) or b""
+    return out
+
+
+def backend_h1() -> list[bytes]:
+    sse = [("Content-Type", "text/event-stream")]
+    return [
+        encode(h1_response(200, [("Content-Length", "2")], [b"ok"])),
+        encode(h1_response(200, sse, SSE), [20, 60]),
+        encode(h1_response(200, [*sse, ("Connection", "close")], SSE)),  # read until close
+        encode(h1_response(503, [("Content-Length", "4")], [b"busy"])),
+        encode(b"HTTP/1.1 100 Continue\r\n\r\n" + h1_response(204, [], [])),
+        encode(h1_response(200, sse, SSE[:1], end=False)),  # truncated
+    ]
+
+
+def backend_h2() -> list[bytes]:
+    seeds = []
+    for variant in range(4):
+        client = h2_client()
+        client.send_headers(1, h2_headers(b"POST", b"/v1/chat/completions"), end_stream=True)
+        server = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=False, header_encoding=None)
+        )
+        server.initiate_connection()
+        server.receive_data(client.data_to_send())
+        if variant == 0:
+            server.send_headers(1, [(b":status", b"200"), (b"content-type", b"text/event-stream")])
+            for event in SSE:
+                server.send_data(1, event)
+            server.end_stream(1)
+        elif variant == 1:
+            server.send_headers(1, [(b":status", b"200"), (b"content-length", b"2")])
+            server.send_data(1, b"ok", end_stream=True)
+            server.close_connection()
+        elif variant == 2:
+            server.send_headers(1, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+            server.send_data(1, b"\x00\x00\x00\x00\x02hi")
+            server.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+        else:
+            server.send_headers(1, [(b":status", b"200")])
+            server.reset_stream(1)
+        seeds.append(encode(server.data_to_send()))
+    return seeds
+
+
+def main() -> None:
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+    for name, seeds in [
+        ("client_h1", client_h1()),
+        ("client_h2", client_h2()),
+        ("backend_h1", backend_h1()),
+        ("backend_h2", backend_h2()),
+    ]:
+        folder = os.path.join(root, name)
+        os.makedirs(folder, exist_ok=True)
+        for seed in seeds:
+            path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
+            with open(path, "wb") as f:
+                f.write(seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""CI smoke run of the fuzz targets (fuzz/): the seed corpus, then bounded hypothesis inputs,
+through the same harness atheris drives (no atheris needed here)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuzz.harness import KINDS, decode, run_case
+
+CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
+SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
+
+
+@pytest.mark.parametrize(("kind", "path"), SEEDS, ids=[f"{k}/{p.name}" for k, p in SEEDS])
+def test_seed_corpus_keeps_every_invariant(kind: str, path: pathlib.Path) -> None:
+    data, splits = decode(path.read_bytes())
+    run_case(kind, data, splits)
+
+
+def test_every_target_has_seeds() -> None:
+    assert {kind for kind, _ in SEEDS} == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> None:
+    seeds = [decode(path.read_bytes())[0] for k, path in SEEDS if k == kind]
+    seed = data.draw(st.sampled_from(seeds))
+    # Flip, cut or insert a few bytes of a real conversation: close to valid, so deep paths run.
+    mutated = bytearray(seed)
+    for _ in range(data.draw(st.integers(0, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(mutated)))
+        if op == "flip" and at < len(mutated):
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif op == "cut":
+            del mutated[at : at + data.draw(st.integers(1, 16))]
+        else:
+            mutated[at:at] = data.draw(st.binary(max_size=16))
+    splits = data.draw(st.lists(st.integers(0, len(mutated)), max_size=6))
+    run_case(kind, bytes(mutated), splits)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(KINDS), raw=st.binary(max_size=256), splits=st.lists(st.integers()))
+def test_random_bytes_keep_every_invariant(kind: str, raw: bytes, splits: list[int]) -> None:
+    run_case(kind, raw, [abs(s) for s in splits])
