@@ -61,6 +61,10 @@ class Limits:
     65,535 to 2**31-1. It must exceed one stream's window so that a stalled stream cannot
     starve the others; what a client can make us hold is still bounded by the stream windows
     (``stream_buffer``), so this bounds only the sum a client may have in flight."""
+    connection_buffer: int = 1024 * 1024
+    """Bytes of output one client connection may have handed to the socket and not yet seen
+    written. Past it every backend feeding the connection is paused; they resume once it is
+    at or below half (and each stream at or below its low water). See ``Downstream._send``."""
     h2_reset_budget: int = 100
     """HTTP/2 streams a client may reset before their response is complete, beyond those paid
     back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,

@@ -166,12 +166,7 @@ class Downstream:
     def _after_h2_receive(self) -> None:
         h2c = self.h2
         assert h2c is not None
-        if h2c.blocked and h2c.window_changed:
-            for stream in h2c.flush_blocked():
-                exchange = self.exchanges.get(stream)
-                if exchange is not None and exchange in self.stalled:
-                    exchange.client_drained()
-        h2c.window_changed = False
+        self._flush_blocked()
         if h2c.guard.exhausted is not None and not self.abuse_logged:
             self.abuse_logged = True
             fields = {"conn": self.conn, "reason": h2c.guard.exhausted}
@@ -179,6 +174,18 @@ class Downstream:
         self._flush_h2()
         if h2c.closed and not self.exchanges:
             self.close()
+
+    def _flush_blocked(self) -> None:
+        """Send HTTP/2 data a WINDOW_UPDATE / SETTINGS made room for, unless the connection is
+        congested (then it waits for ``on_sent``)."""
+        h2c = self.h2
+        if h2c is None or not h2c.window_changed or (h2c.blocked and self.congested):
+            return
+        for stream in h2c.flush_blocked():
+            exchange = self.exchanges.get(stream)
+            if exchange is not None and exchange in self.stalled:
+                exchange.client_drained()
+        h2c.window_changed = False
 
     def _dispatch(self, messages: list[Message]) -> None:
         exchanges = self.exchanges
@@ -220,6 +227,24 @@ class Downstream:
         exchange = core.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
         exchange.start()
+        if (
+            self.h2 is not None
+            and exchange.request is RequestPhase.BODY
+            and exchange.phase is not Phase.DONE
+        ):
+            exchange.watch_request_body()
+
+    def request_body_timeout(self, exchange: Exchange) -> None:
+        """HTTP/2 slowloris: no request body for ``timeouts.client_header`` seconds while no
+        response began. RST_STREAM(CANCEL) to the client, the backend request aborted."""
+        assert self.h2 is not None
+        stream = exchange.stream
+        self.core.emit(
+            Log(event="request_body_timeout", fields={"conn": self.conn, "stream": stream})
+        )
+        self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
+        exchange.client_aborted("no request body within the client_header timeout")
+        self._flush_h2()
 
     def _refuse(self, head: RequestHead, exc: MalformedRequest) -> None:
         """A request past a limit (431, 413): answered here, never forwarded."""
@@ -274,6 +299,30 @@ class Downstream:
                 core.set_timer(("send", self.conn), core.now + core.config.timeouts.send)
         self.pending += len(data)
         core.send(self.conn, data)
+        if self.pending > core.config.limits.connection_buffer:
+            self._stall_all()
+
+    def _stall_all(self) -> None:
+        """``limits.connection_buffer`` is exceeded: pause every backend feeding this
+        connection (tunnels, which hold no ``upstream``, keep their own per-stream bound).
+
+        Bound: once ``pending`` exceeds ``connection_buffer`` every backend is paused, and a
+        paused backend delivers at most the one read it had in flight; the write that crossed
+        the bound is one read's output too. So ``pending <= connection_buffer + (streams + 1)
+        * out(read_size)`` where ``out(n)`` is n body bytes plus their HTTP/2 frame headers,
+        plus control frames (bounded by the h2 guard's budgets). WINDOW_UPDATEs do not release
+        queued stream data meanwhile (``_after_h2_receive`` defers ``flush_blocked``)."""
+        for exchange in self.exchanges.values():
+            upstream = exchange.upstream
+            if upstream is not None and not upstream.paused:
+                upstream.pause()
+                self.stalled.add(exchange)
+
+    @property
+    def congested(self) -> bool:
+        """Output above half of ``limits.connection_buffer`` while some backend is stalled:
+        stalled backends stay paused and queued HTTP/2 data stays queued."""
+        return bool(self.stalled) and self.pending > self.core.config.limits.connection_buffer // 2
 
     def _flush_h2(self) -> None:
         assert self.h2 is not None
@@ -391,6 +440,9 @@ class Downstream:
     def on_sent(self, nbytes: int) -> None:
         self.pending -= nbytes
         self.last_progress = self.core.now
+        if self.h2 is not None and self.h2.window_changed and self.protocol is Protocol.HTTP2:
+            self._flush_blocked()
+            self._flush_h2()
         if self.stalled and self.pending <= self.core.limits.low_water:
             for exchange in list(self.stalled):
                 exchange.client_drained()

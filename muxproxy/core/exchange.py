@@ -108,6 +108,8 @@ class Exchange:
         self.started = core.now
         self.first_attempt_at = core.now
         self.last_upstream_activity = core.now
+        self.last_request_activity = core.now
+        """When the client last moved the request body on (HTTP/2 ``watch_request_body``)."""
         self.first_byte_at: float | None = None
         self.status = 0
         self.bytes_out = 0
@@ -332,6 +334,7 @@ class Exchange:
             self.client.acknowledge(self.stream, flow_len)
             return
         self.unacked += flow_len
+        self.last_request_activity = self.core.now
         self.body.add(data)
         upstream = self.upstream
         if upstream is not None:
@@ -369,10 +372,39 @@ class Exchange:
         elif buffered <= limits.low_water or not self.source_paused:
             if self.source_paused:
                 self.source_paused = False
+                # The client could not send while we withheld its window: its idle time
+                # starts now (``watch_request_body``).
+                self.last_request_activity = self.core.now
                 self.client.resume_source(self)
             if self.unacked:
                 self.client.acknowledge(self.stream, self.unacked)
                 self.unacked = 0
+
+    def watch_request_body(self) -> None:
+        """HTTP/2 slowloris: a stream that sent HEADERS without END_STREAM must keep its body
+        moving. Lazy like the read timer: armed once here, moved only when it fires, so a DATA
+        frame costs no timer command. Tunnels override this (silence is theirs to keep)."""
+        core = self.core
+        core.set_timer(("body", self.ident), core.now + core.config.timeouts.client_header)
+
+    def _request_body_idle(self) -> None:
+        """The ``body`` timer: reset the stream if the client sent no request body for
+        ``timeouts.client_header`` seconds, unless the body is complete, the response has begun
+        (the backend is answering), or we are the ones withholding the window."""
+        if self.request is RequestPhase.COMPLETE or self.phase in (
+            Phase.DONE,
+            Phase.HOLDING,
+            Phase.STREAMING,
+        ):
+            return
+        core = self.core
+        if self.source_paused:
+            self.last_request_activity = core.now  # backpressure: the client is not at fault
+        due = self.last_request_activity + core.config.timeouts.client_header
+        if core.now < due:
+            core.set_timer(("body", self.ident), due)
+            return
+        self.client.request_body_timeout(self)
 
     def upstream_drained(self) -> None:
         """The backend connection wrote some of its pending bytes."""
@@ -483,6 +515,7 @@ class Exchange:
             upstream is not None
             and upstream.paused
             and self.client.buffered(self.stream) <= self.core.limits.low_water
+            and not self.client.congested
         ):
             upstream.resume()
             self.client.stalled.discard(self)
@@ -537,6 +570,8 @@ class Exchange:
             self._heartbeat()
         elif kind == "deadline":
             self._deadline_exceeded()
+        elif kind == "body":
+            self._request_body_idle()
 
     def _deadline_exceeded(self) -> None:
         """The gRPC call's ``grpc-timeout`` passed: DEADLINE_EXCEEDED in any phase."""
@@ -611,6 +646,7 @@ class Exchange:
         self.outcome = outcome
         self._cancel_attempt_timers()
         core.cancel_timer(("deadline", self.ident))
+        core.cancel_timer(("body", self.ident))
         self._leave_server()
         if self.unacked:
             self.client.acknowledge(self.stream, self.unacked)

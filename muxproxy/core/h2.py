@@ -322,9 +322,9 @@ class H2Server:
         return stream not in self.queues
 
     def goaway(self) -> None:
-        if not self.closed:
-            self.conn.close_connection()
-            self.closed = True
+        """Graceful GOAWAY(NO_ERROR) for shutdown and the idle / header timers: the streams
+        open now may finish (``drain``), later ones get REFUSED_STREAM."""
+        self.drain()
 
     def _flush(self, stream: int, queue: SendQueue) -> None:
         self._settle(stream, flush_queue(self.conn, stream, queue))

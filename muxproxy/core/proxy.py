@@ -79,6 +79,11 @@ class ProxyStatistics:
     streams: list[StreamStatistics]
 
 
+# Timer kinds owned by an exchange (``Exchange.timer_fired``).
+_EXCHANGE_TIMERS = frozenset(
+    {"connect", "head", "first_token", "read", "heartbeat", "tunnel", "deadline", "body"}
+)
+
 # The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
 READ_SIZE = 64 * 1024
 
@@ -235,7 +240,7 @@ class ProxyCore:
             return  # cancelled after the driver had already queued it
         self._timers.discard(timer)
         kind, ident = timer
-        if kind in ("connect", "head", "first_token", "read", "heartbeat", "tunnel", "deadline"):
+        if kind in _EXCHANGE_TIMERS:
             exchange = self.exchanges.get(ident)
             if exchange is not None:
                 exchange.timer_fired(kind)

@@ -162,6 +162,10 @@ class WebSocketExchange(Exchange):
         else:
             super().client_drained()
 
+    def watch_request_body(self) -> None:
+        """No request-body idle deadline: a tunnel's client may rightly stay silent (its
+        ``tunnel_idle`` timer bounds that)."""
+
     def timer_fired(self, kind: str) -> None:
         if kind == "tunnel":
             if self.tunnel is not None:
