@@ -59,6 +59,11 @@ _CONTROL_EVENTS: dict[type[h2.events.Event], str] = {
 }
 
 
+# The stream limit python-h2 itself enforces (see ``H2Server.__init__``): far above what one
+# read of at most 64 KiB can open (a HEADERS frame is at least 9 bytes plus its block).
+H2_ENFORCED_STREAMS = 2**31 - 1
+
+
 class H2Server:
     """HTTP/2 for one client connection."""
 
@@ -84,22 +89,28 @@ class H2Server:
         )
         self.conn = h2.connection.H2Connection(config=config)
         self.scheme = scheme
-        self.conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list_size,
-                # RFC 8441 §3: we accept extended CONNECT (WebSockets over HTTP/2, tunnel.py).
-                h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
-            },
-        )
+        self.max_streams = max_concurrent_streams
+        settings = {
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list_size,
+            # RFC 8441 §3: we accept extended CONNECT (WebSockets over HTTP/2, tunnel.py).
+            h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
+        }
+        self.conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
         if upgrade_settings is None:
             self.conn.initiate_connection()
         else:
             # RFC 7540 §3.2: the settings count as the client's first SETTINGS (no ACK), and
             # the upgraded request is stream 1, half-closed (remote).
             self.conn.initiate_upgrade_connection(upgrade_settings)
+        # RFC 9113 §5.1.2: a stream past the advertised MAX_CONCURRENT_STREAMS is a stream
+        # error (REFUSED_STREAM), the others go on. python-h2 enforces its local value as a
+        # connection error, so once the SETTINGS above are on their way the value h2 enforces
+        # is raised past anything one read can open, and ``_request`` refuses the extra
+        # streams itself.
+        settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = H2_ENFORCED_STREAMS
+        self.conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
         if initial_window != 65535:
             # Sent as a change rather than an initial value: h2 applies it only once the
             # client acknowledged it, so a client that sends a default 65,535-byte window
@@ -186,6 +197,9 @@ class H2Server:
         if self.closed and (self.last_stream is None or sid > self.last_stream):
             # RFC 9113 §6.8: after our GOAWAY, streams above its last stream id are not
             # processed; REFUSED_STREAM tells the client it may retry them elsewhere.
+            self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return []
+        if len(self.queues) >= self.max_streams:
             self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return []
         try:

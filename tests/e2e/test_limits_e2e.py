@@ -279,13 +279,6 @@ def queue_get(peer: H2Peer, path: str) -> int:
     return sid
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="python-h2 raises TooManyStreamsError out of receive_data for a HEADERS frame past "
-    "SETTINGS_MAX_CONCURRENT_STREAMS, so H2Server makes it GOAWAY(PROTOCOL_ERROR) instead of "
-    "the stream error RFC 9113 §5.1.2 asks for (REFUSED_STREAM); muxproxy/core/h2.py "
-    "(the same bug as the strict xfail in tests/core/test_limits.py)",
-)
 async def test_stream_past_max_concurrent_streams_is_refused_alone(start_proxy, nursery):
     backend, proxy = await recording_proxy(start_proxy, nursery, max_concurrent_streams=2)
     with trio.fail_after(10):
