@@ -206,7 +206,7 @@ class H2Server:
             head = request_from_h2(sid, list(event.headers), scheme_default=self.scheme)
         except MalformedRequest:
             # RFC 9113 §8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR.
-            self.conn.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self._reset(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return []
         self.queues[sid] = SendQueue()
         if sid >= STREAM_ID_DRAIN:
@@ -269,8 +269,14 @@ class H2Server:
     def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
         """Send the response HEADERS; ``end_stream`` makes it a complete (Trailers-Only)
         response."""
+        if head.stream not in self.queues:
+            return
         headers = [(b":status", str(head.status).encode()), *head.headers]
-        self.conn.send_headers(head.stream, headers, end_stream=end_stream)
+        try:
+            self.conn.send_headers(head.stream, headers, end_stream=end_stream)
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(head.stream)
+            return
         if end_stream:
             self.blocked.discard(head.stream)
             self.queues.pop(head.stream, None)
@@ -281,7 +287,10 @@ class H2Server:
         if queue is None:
             return
         self.guard.response_chunk()
-        self._settle(stream, send_or_queue(self.conn, stream, queue, data))
+        try:
+            self._settle(stream, send_or_queue(self.conn, stream, queue, data))
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(stream)
 
     def send_end(self, stream: int, trailers: Headers) -> None:
         queue = self.queues.get(stream)
@@ -290,6 +299,12 @@ class H2Server:
         queue.end = True
         queue.end_trailers = trailers
         self._flush(stream, queue)
+
+    def _closed_by_client(self, stream: int) -> None:
+        """h2 already closed ``stream``: its RST_STREAM came in the same read as the request,
+        so h2 processed it before the response was made. Its ``Abort`` is on its way."""
+        self.blocked.discard(stream)
+        self.queues.pop(stream, None)
 
     def abort(self, stream: int, code: h2.errors.ErrorCodes) -> None:
         self.blocked.discard(stream)
@@ -324,7 +339,9 @@ class H2Server:
         """Send what windows now allow; return the streams whose queues shrank."""
         drained = []
         for stream in list(self.blocked):
-            queue = self.queues[stream]
+            queue = self.queues.get(stream)
+            if queue is None:
+                continue
             before = queue.size
             self._flush(stream, queue)
             if queue.size < before:
@@ -341,7 +358,10 @@ class H2Server:
         self.drain()
 
     def _flush(self, stream: int, queue: SendQueue) -> None:
-        self._settle(stream, flush_queue(self.conn, stream, queue))
+        try:
+            self._settle(stream, flush_queue(self.conn, stream, queue))
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(stream)
 
     def _settle(self, stream: int, state: Flushed) -> None:
         if state is Flushed.BLOCKED:

@@ -494,3 +494,32 @@ def test_backend_closing_an_idle_pooled_connection_just_drops_it() -> None:
     client.conn.start_next_cycle()
     pb.receive(1, client.request())
     assert len(pb.opens()) == 2  # the next request opens a fresh connection
+
+
+@pytest.mark.parametrize("malformed", [False, True])
+def test_request_reset_in_the_same_read_is_answered_by_nothing(malformed: bool) -> None:
+    """h2 processes the RST_STREAM before the proxy answers the request it cancels: a
+    response made at once (here 404: no route) must not reach a closed stream."""
+    import h2.config
+    import h2.connection
+
+    pb = Playbook(default_config(routes=(attrs.evolve(default_config().routes[0], prefix="/v1/"),)))
+    pb.accept(1)
+    config = h2.config.H2Configuration(
+        client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
+    )
+    conn = h2.connection.H2Connection(config=config)
+    conn.initiate_connection()
+    headers = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a")]
+    headers.append((b":path", b"/elsewhere"))
+    if malformed:
+        headers.append((b"connection", b"close"))
+    conn.send_headers(1, headers, end_stream=True)
+    conn.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+    pb.receive(1, conn.data_to_send())
+    conn.receive_data(pb.take(1))
+    # The connection is still usable: a next request is answered.
+    conn.send_headers(3, [*headers[:3], (b":path", b"/elsewhere")], end_stream=True)
+    events = conn.receive_data(pb.take(1, pb.receive(1, conn.data_to_send())))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"404"
