@@ -24,7 +24,7 @@ from .commands import CloseConnection, Log, PauseReading, ResumeReading
 from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
 from .h2 import PREFACE, H2Server
-from .headers import MalformedRequest, check_request_limits
+from .intake import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ that too), and merges repeated or list-form Content-Length values ("5, 5") into 
 ``Request`` no longer shows any of that, so ``H1Server`` keeps the raw bytes of each request
 head (bounded by ``max_head``) and ``check_raw_head`` refuses all three with 400 before the
 head becomes a message. Content-Length next to Transfer-Encoding is refused by
-``headers.request_from_h1``. Chunk sizes h11 checks itself (hex digits only); an absurdly large
+``intake.request_from_h1``. Chunk sizes h11 checks itself (hex digits only); an absurdly large
 one is bounded by ``limits.max_request_body``. The body always reaches the backend re-framed by
 our own h11 client, never as the client's bytes.
 """
@@ -30,7 +30,7 @@ import attrs
 import h11
 
 from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
-from .headers import MalformedRequest, request_from_h1
+from .intake import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
 
 # How much of one h11.receive_data we let build up unparsed before the head is complete;

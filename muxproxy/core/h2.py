@@ -10,7 +10,7 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
   bytes have moved on, so a stalled backend closes this stream's window and no other's.
 - Malformed requests (RFC 9113 §8.1.1) are stream errors: RST_STREAM(PROTOCOL_ERROR) for that
   stream, the others go on. h2's own inbound header validation is off so that a bad header
-  block does not become a connection error; ``headers.request_from_h2`` validates instead.
+  block does not become a connection error; ``intake.request_from_h2`` validates instead.
 - Frame-level violations are connection errors (RFC 9113 §5.4.1): GOAWAY with h2's error code,
   after which ``closed`` is true. h2 itself refuses more than 64 CONTINUATION frames per
   header block (PROTOCOL_ERROR) and a decoded header list over our
@@ -34,7 +34,7 @@ import h2.settings
 
 from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
 from .h2send import Flushed, SendQueue, flush_queue, send_or_queue
-from .headers import MalformedRequest, request_from_h2
+from .intake import MalformedRequest, request_from_h2
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

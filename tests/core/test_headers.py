@@ -12,14 +12,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from muxproxy.core.headers import (
-    MalformedRequest,
     header_value,
     is_event_stream,
-    request_from_h1,
-    request_from_h2,
     response_headers,
     upstream_h1_headers,
 )
+from muxproxy.core.intake import MalformedRequest, request_from_h1, request_from_h2
 from muxproxy.core.messages import Headers, RequestHead
 
 HOP_BY_HOP = {b"connection", b"proxy-connection", b"keep-alive", b"te", b"transfer-encoding"}
