@@ -94,11 +94,9 @@ def _tokens(value: bytes) -> set[bytes]:
     return out
 
 
-def _append_list(existing: list[bytes] | None, item: bytes) -> bytes:
+def _append_list(existing: list[bytes], item: bytes) -> bytes:
     """`item` appended to the comma-separated list field values `existing` (RFC 9110 §5.3: field
     lines of one name combine with ", "), skipping empty ones."""
-    if existing is None:
-        return item
     return b", ".join([*(v for v in existing if v), item])
 
 
@@ -126,9 +124,9 @@ def upstream_h1_headers(
     special = _UPSTREAM_SPECIAL
     cookies: list[bytes] | None = None
     cookie_index = 0
-    xff: list[bytes] | None = None
-    vias: list[bytes] | None = None
-    nominated: set[bytes] | None = None
+    xff: list[bytes] = []
+    vias: list[bytes] = []
+    nominated: set[bytes] = set()
     te_sent = False
     chunked = False
     content_length = False
@@ -151,15 +149,9 @@ def upstream_h1_headers(
             content_length = True
             append(field)
         elif name == b"x-forwarded-for":
-            if xff is None:
-                xff = [field[1]]
-            else:
-                xff.append(field[1])
+            xff.append(field[1])
         elif name == b"via":
-            if vias is None:
-                vias = [field[1]]
-            else:
-                vias.append(field[1])
+            vias.append(field[1])
         elif name == b"te":
             # RFC 9110 §7.6.1 / RFC 9113 §8.2.2: TE is hop-by-hop, but "trailers" says the
             # client takes trailers, which matters end to end (gRPC); any coding is dropped.
@@ -168,10 +160,7 @@ def upstream_h1_headers(
                 te_sent = True
         elif name == b"connection":
             # RFC 9110 §7.6.1: the fields it names are hop-by-hop too.
-            if nominated is None:
-                nominated = _tokens(field[1])
-            else:
-                nominated |= _tokens(field[1])
+            nominated |= _tokens(field[1])
         elif name == b"transfer-encoding":
             # RFC 9112 §6.1: a proxy re-frames; we send chunked ourselves (below).
             chunked = True
@@ -187,9 +176,9 @@ def upstream_h1_headers(
         if nominated:
             out = [field for field in out if field[0] not in nominated]
             if b"x-forwarded-for" in nominated:
-                xff = None
+                xff = []
             if b"via" in nominated:
-                vias = None
+                vias = []
     if chunked and content_length:
         # RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and an intermediary removes
         # the Content-Length before forwarding (request smuggling otherwise).
@@ -260,8 +249,8 @@ def response_headers(
     out: Headers = []
     append = out.append
     special = _RESPONSE_SPECIAL
-    vias: list[bytes] | None = None
-    nominated: set[bytes] | None = None
+    vias: list[bytes] = []
+    nominated: set[bytes] = set()
     content_type: bytes | None = None
     cache_control = False
     accel = False
@@ -294,16 +283,10 @@ def response_headers(
             accel = True
             append(field)
         elif name == b"via":
-            if vias is None:
-                vias = [field[1]]
-            else:
-                vias.append(field[1])
+            vias.append(field[1])
         elif name == b"connection":
             # RFC 9110 §7.6.1: the fields it names are hop-by-hop too.
-            if nominated is None:
-                nominated = _tokens(field[1])
-            else:
-                nominated |= _tokens(field[1])
+            nominated |= _tokens(field[1])
         elif name == b"transfer-encoding":
             chunked = True
         # te, keep-alive, proxy-connection, upgrade: dropped (RFC 9110 §7.6.1; RFC 9113 §8.2.2
@@ -314,7 +297,7 @@ def response_headers(
         if nominated:
             out = [field for field in out if field[0] not in nominated]
             if b"via" in nominated:
-                vias = None
+                vias = []
             if content_type is not None and b"content-type" in nominated:
                 content_type = None
             if b"cache-control" in nominated:

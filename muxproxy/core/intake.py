@@ -114,11 +114,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
     normalize_inbound_headers=False). Everything RFC 9113 §8.1.1 calls malformed raises
     MalformedRequest. A plain CONNECT is returned as valid (target b""); the caller decides.
     """
-    method: bytes | None = None
-    scheme: bytes | None = None
-    authority: bytes | None = None
-    path: bytes | None = None
-    protocol: bytes | None = None
+    pseudo: dict[bytes, bytes] = {}
     host: bytes | None = None
     host_count = 0
     content_length: bytes | None = None
@@ -139,26 +135,9 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
                 raise MalformedRequest(f"unknown pseudo-header {name!r}")
             if field_value(value) is None:
                 raise MalformedRequest(f"invalid value for {name!r}")
-            if name == b":method":
-                if method is not None:
-                    raise MalformedRequest("duplicated :method")
-                method = value
-            elif name == b":path":
-                if path is not None:
-                    raise MalformedRequest("duplicated :path")
-                path = value
-            elif name == b":scheme":
-                if scheme is not None:
-                    raise MalformedRequest("duplicated :scheme")
-                scheme = value
-            elif name == b":authority":
-                if authority is not None:
-                    raise MalformedRequest("duplicated :authority")
-                authority = value
-            else:  # :protocol
-                if protocol is not None:
-                    raise MalformedRequest("duplicated :protocol")
-                protocol = value
+            if name in pseudo:
+                raise MalformedRequest(f"duplicated {name.decode()}")
+            pseudo[name] = value
             continue
 
         # RFC 9113 §8.2.1: lower-case token names, clean values.
@@ -180,6 +159,11 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
             content_length = _check_content_length(value, content_length)
         append(field)
 
+    method = pseudo.get(b":method")
+    scheme = pseudo.get(b":scheme")
+    authority = pseudo.get(b":authority")
+    path = pseudo.get(b":path")
+    protocol = pseudo.get(b":protocol")
     if method is None:
         raise MalformedRequest("missing :method")
     # RFC 9110 §9.1: the method is a token (h11 would refuse anything else upstream).
