@@ -9,7 +9,6 @@ the ``openai`` SDK, streaming and not. Each streamed reply must be exactly the f
 from __future__ import annotations
 
 import json
-import shutil
 import ssl
 from pathlib import Path
 from typing import Any
@@ -163,8 +162,6 @@ async def test_httpx_tls(start_backend, start_proxy, tls, http2):
 
 # -- curl -----------------------------------------------------------------------------------
 
-needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
-
 
 async def run_curl(*args: str) -> tuple[str, str]:
     """Run curl on a streaming chat request; (SSE body, %{http_version})."""
@@ -191,7 +188,6 @@ async def run_curl(*args: str) -> tuple[str, str]:
     return body, version
 
 
-@needs_curl
 async def test_curl_h2c_prior_knowledge(start_backend, start_proxy):
     _, backend = await start_backend(delay=0.005)
     proxy = await start_proxy([backend])
@@ -203,7 +199,6 @@ async def test_curl_h2c_prior_knowledge(start_backend, start_proxy):
     assert sse_text(body.splitlines()) == (reply_text(TOKENS), TOKENS, True)
 
 
-@needs_curl
 async def test_curl_h2_over_tls(start_backend, start_proxy, tls):
     _, backend = await start_backend(delay=0.005)
     proxy = await start_proxy([backend], tls_cert=tls.cert, tls_key=tls.key)

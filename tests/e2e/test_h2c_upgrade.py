@@ -8,15 +8,11 @@ when the server ignores the offer.
 from __future__ import annotations
 
 import json
-import shutil
 
 import h11
-import pytest
 import trio
 
 from muxproxy.testing.fakellm import MODEL, reply_text
-
-pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 
 TOKENS = 5
 

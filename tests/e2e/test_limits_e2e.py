@@ -174,6 +174,8 @@ async def test_rss_per_idle_h2_stream_is_within_budget():
                 async with trio.open_nursery() as warm_nursery:
                     await open_idle_streams(port, 5, warm, warm_nursery)
                     warm_nursery.cancel_scope.cancel()
+                # Measurement pacing, not synchronisation: let the allocator settle after the
+                # warm-up streams closed, so `before` is not read mid-free.
                 await trio.sleep(0.3)
                 before = vm_rss_kib(proxy.pid)
 
