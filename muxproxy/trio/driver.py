@@ -1,12 +1,14 @@
 """The Trio driver: sockets, timers and the execution of the core's commands.
 
-It holds no proxy logic. Each socket has a reader task (bytes -> ``DataReceived``) and a writer
-task (pending bytes -> one ``send_all`` -> ``DataSent``); one task runs every timer from a
-deadline heap. Any of them may call ``ProxyCore.handle`` directly: Trio runs one task at a time
-and ``handle`` never awaits, so there is no lock and no hop through a channel per chunk.
+It holds no proxy logic. Plain TCP sockets are served by the reactor (``reactor.py``): one task
+that handles every ready socket per wake-up. TLS connections have a reader task (bytes ->
+``DataReceived``) and a writer task (pending bytes -> one ``send_all`` -> ``DataSent``). One
+task runs every timer from a deadline heap. Any of them may call ``ProxyCore.handle``
+directly: Trio runs one task at a time and ``handle`` never awaits, so there is no lock and no
+hop through a channel per chunk.
 
-What reaches the writer while a send is in flight goes out together in the next send: that is
-the only coalescing, so one SSE token is one write whenever the socket keeps up.
+Events that the execution of a command causes (bytes written at once, a connection closed at
+once) are fed after the batch of commands that caused them: ``handle`` is never re-entered.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import contextlib
 import heapq
 import json
 import logging
-import os
 import socket
 import ssl
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,8 @@ from ..core.events import (
     Wakeup,
 )
 from ..core.proxy import ProxyCore
+from . import reactor
+from .reactor import Reactor, SocketConn
 
 log = logging.getLogger("muxproxy")
 access_log = logging.getLogger("muxproxy.access")
@@ -63,8 +67,15 @@ class BackendTLSError(Exception):
     """A backend's TLS handshake or ALPN result was not acceptable."""
 
 
-class Conn:
-    """One socket as the driver sees it: pending output, reading paused or not."""
+def detach_socket(stream: trio.SocketStream) -> socket.socket:
+    """The plain socket under ``stream``, which no longer owns it."""
+    sock = stream.socket
+    family, kind, proto = sock.family, sock.type, sock.proto
+    return socket.socket(family, kind, proto, fileno=sock.detach())
+
+
+class StreamConn:
+    """A connection served by a reader and a writer task (TLS, or no epoll on this platform)."""
 
     __slots__ = (
         "closed",
@@ -72,7 +83,6 @@ class Conn:
         "ident",
         "paused",
         "pending",
-        "raw",
         "resume",
         "scope",
         "send_started",
@@ -90,11 +100,6 @@ class Conn:
         self.closing = False
         self.closed = False
         self.scope = trio.CancelScope()
-        self.raw: socket.socket | None = None
-        """A duplicate of a plain TCP socket for direct non-blocking sends (None for TLS)."""
-        if isinstance(stream, trio.SocketStream):
-            sock = stream.socket
-            self.raw = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
         self.send_started: float | None = None
         """When the ``send_all`` in flight began; None while the writer is not sending."""
 
@@ -103,7 +108,7 @@ class Driver:
     def __init__(self, core: ProxyCore, nursery: trio.Nursery) -> None:
         self.core = core
         self.nursery = nursery
-        self.conns: dict[int, Conn] = {}
+        self.conns: dict[int, StreamConn | SocketConn] = {}
         self.connecting: dict[int, trio.CancelScope] = {}
         self._next_client = 0
         self._timers: dict[TimerId, float] = {}
@@ -121,24 +126,57 @@ class Driver:
             Log: self._log,
         }
         self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
+        self.reactor = Reactor(self) if reactor.available() else None
+        self._feeding = False
         self._sent_now: dict[int, int] = {}
-        """Bytes written by ``_send_data`` itself, per connection, not yet reported."""
+        """Bytes written while executing commands, per connection, not yet reported."""
+        self._closed_now: deque[tuple[int, str | None]] = deque()
+        """Connections closed while executing commands, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
+
+    def start(self) -> None:
+        """Start the driver's own tasks: the timers and, on Linux, the reactor."""
+        self.nursery.start_soon(self.run_timers)
+        if self.reactor is not None:
+            self.nursery.start_soon(self.reactor.run)
 
     def feed(self, event: Event) -> None:
         """Hand one event to the core and carry out its commands."""
         execute = self._execute
         handle = self.core.handle
-        for command in handle(event):
-            execute[type(command)](command)
-        # Bytes the commands wrote straight to their sockets are reported after the batch:
-        # ``handle`` is never re-entered from inside the execution of its own commands.
-        sent_now = self._sent_now
-        while sent_now:
-            ident, nbytes = sent_now.popitem()
-            for command in handle(DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)):
+        self._feeding = True
+        try:
+            for command in handle(event):
                 execute[type(command)](command)
+            # What the commands caused at once is reported after the batch: ``handle`` is
+            # never re-entered from inside the execution of its own commands. Bytes written
+            # go first, so a connection's DataSent precedes its ConnectionClosed.
+            sent_now = self._sent_now
+            closed_now = self._closed_now
+            while sent_now or closed_now:
+                later: Event
+                if sent_now:
+                    ident, nbytes = sent_now.popitem()
+                    later = DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)
+                else:
+                    ident, error = closed_now.popleft()
+                    later = ConnectionClosed(now=trio.current_time(), conn=ident, error=error)
+                for command in handle(later):
+                    execute[type(command)](command)
+        finally:
+            self._feeding = False
+
+    def sent_now(self, ident: int, nbytes: int) -> None:
+        """``nbytes`` of ``ident`` went to the kernel while a command was executed."""
+        self._sent_now[ident] = self._sent_now.get(ident, 0) + nbytes
+
+    def closed_now(self, ident: int, error: str | None) -> None:
+        """``ident`` is closed: tell the core now, or after the batch if inside one."""
+        if self._feeding:
+            self._closed_now.append((ident, error))
+        else:
+            self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
 
     def new_client_id(self) -> int:
         self._next_client += 1
@@ -146,13 +184,28 @@ class Driver:
 
     # -- connections -----------------------------------------------------------------------
 
-    def register(self, ident: int, stream: trio.abc.Stream) -> Conn:
-        """Make ``ident`` known, so commands for it queue up before its tasks start."""
-        conn = Conn(ident, stream)
+    def add_socket(
+        self,
+        ident: int,
+        stream: trio.SocketStream,
+        on_closed: Callable[[], None] | None = None,
+    ) -> SocketConn:
+        """Serve a plain TCP ``stream`` from the reactor (which must exist) as ``ident``.
+
+        No task waits for it: ``on_closed`` is called once the socket is closed.
+        """
+        assert self.reactor is not None
+        conn = self.reactor.add(ident, detach_socket(stream), on_closed)
         self.conns[ident] = conn
         return conn
 
-    async def run_connection(self, conn: Conn) -> None:
+    def register(self, ident: int, stream: trio.abc.Stream) -> StreamConn:
+        """Make ``ident`` known, so commands for it queue up before its tasks start."""
+        conn = StreamConn(ident, stream)
+        self.conns[ident] = conn
+        return conn
+
+    async def run_connection(self, conn: StreamConn) -> None:
         """Read and write ``conn`` until either side closes it; report it closed once."""
         ident = conn.ident
         stream = conn.stream
@@ -167,8 +220,6 @@ class Driver:
         finally:
             conn.closed = True
             self.conns.pop(ident, None)
-            if conn.raw is not None:
-                conn.raw.close()  # the duplicate only; the stream closes its own below
             with (
                 trio.CancelScope(shield=True),
                 trio.move_on_after(1),
@@ -177,7 +228,7 @@ class Driver:
                 await stream.aclose()
             self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
 
-    async def _reader(self, conn: Conn) -> str | None:
+    async def _reader(self, conn: StreamConn) -> str | None:
         receive = conn.stream.receive_some
         feed = self.feed
         ident = conn.ident
@@ -196,7 +247,7 @@ class Driver:
             if conn.closing:
                 await trio.sleep_forever()  # the writer flushes, then ends the connection
 
-    async def _writer(self, conn: Conn) -> None:
+    async def _writer(self, conn: StreamConn) -> None:
         send_all = conn.stream.send_all
         feed = self.feed
         ident = conn.ident
@@ -222,35 +273,30 @@ class Driver:
 
     def _send_data(self, command: SendData) -> None:
         conn = self.conns.get(command.conn)
-        if conn is None or conn.closed:
+        if conn is None:
             return
-        data = command.data
-        raw = conn.raw
-        if raw is not None and not conn.pending and conn.send_started is None and not conn.closing:
-            # The writer is idle, so nothing is queued ahead of these bytes: try the kernel
-            # at once. A token that fits the socket buffer (the common case) then costs no
-            # wake-up of the writer task; what does not fit waits for it as before.
-            try:
-                sent = raw.send(data)
-            except OSError:
-                sent = 0  # would block, or broken: the writer finds out and reports it
-            if sent:
-                self._sent_now[conn.ident] = self._sent_now.get(conn.ident, 0) + sent
-                if sent == len(data):
-                    return
-                data = data[sent:]
-        conn.pending += data
-        conn.writer_lot.unpark()
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.send(conn, command.data)
+        elif type(conn) is StreamConn and not conn.closed:
+            conn.pending += command.data
+            conn.writer_lot.unpark()
 
     def _pause(self, command: PauseReading) -> None:
         conn = self.conns.get(command.conn)
-        if conn is not None and not conn.paused:
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.pause(conn)
+        elif type(conn) is StreamConn and not conn.paused:
             conn.paused = True
             conn.resume = trio.Event()
 
     def _resume(self, command: ResumeReading) -> None:
         conn = self.conns.get(command.conn)
-        if conn is not None and conn.paused:
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.resume(conn)
+        elif type(conn) is StreamConn and conn.paused:
             conn.paused = False
             conn.resume.set()
 
@@ -260,7 +306,10 @@ class Driver:
             scope.cancel()
             return
         conn = self.conns.get(command.conn)
-        if conn is not None and not conn.closing:
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.close(conn)
+        elif type(conn) is StreamConn and not conn.closing:
             conn.closing = True
             # The flush before the close is bounded like any write: a peer that takes none
             # of the pending bytes for ``timeouts.send`` (counted from the start of the send
@@ -299,6 +348,10 @@ class Driver:
             self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error="cancelled"))
             return
         self.connecting.pop(ident, None)
+        if isinstance(stream, trio.SocketStream) and self.reactor is not None:
+            self.add_socket(ident, stream)
+            self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
+            return
         conn = self.register(ident, stream)
         self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
         await self.run_connection(conn)

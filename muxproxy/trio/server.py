@@ -21,6 +21,7 @@ from ..config import Config, Listener
 from ..core.events import ConfigChanged, ConnectionAccepted
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
+from .listeners import open_listeners
 
 
 def server_ssl_context(listener: Listener) -> ssl.SSLContext:
@@ -37,8 +38,10 @@ def server_ssl_context(listener: Listener) -> ssl.SSLContext:
 class ProxyServer:
     """The proxy on its listeners. ``core`` is the live ``ProxyCore`` (for ``statistics()``)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
         self.config = config
+        self.reuse_port = reuse_port
+        """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
         self.core = ProxyCore(config)
         self.driver: Driver | None = None
         self.addresses: list[tuple[str, int]] = []
@@ -50,11 +53,13 @@ class ProxyServer:
     ) -> None:
         async with trio.open_nursery() as nursery:
             driver = self.driver = Driver(self.core, nursery)
-            nursery.start_soon(driver.run_timers)
+            driver.start()
             # The core's first event: it arms what runs by itself (health checks).
             driver.feed(ConfigChanged(now=trio.current_time(), config=self.config))
             for listener in self.config.listeners:
-                tcp_listeners = await trio.open_tcp_listeners(listener.port, host=listener.host)
+                tcp_listeners = await open_listeners(
+                    listener.host, listener.port, reuse_port=self.reuse_port
+                )
                 context = server_ssl_context(listener) if listener.tls else None
                 for tcp in tcp_listeners:
                     host, port = tcp.socket.getsockname()[:2]
@@ -82,7 +87,32 @@ class ProxyServer:
                 except BaseException:
                     self.connection_slots.release()
                     raise
-                self.driver.nursery.start_soon(self._serve_client, stream, listener, context)
+                if context is None and self.driver.reactor is not None:
+                    # Plain TCP: the reactor serves it; no task of its own.
+                    self._serve_plain_client(stream, listener)
+                else:
+                    self.driver.nursery.start_soon(self._serve_client, stream, listener, context)
+
+    def _serve_plain_client(self, stream: trio.SocketStream, listener: Listener) -> None:
+        driver = self.driver
+        assert driver is not None
+        try:
+            set_nodelay(stream)
+            peer = stream.socket.getpeername()
+        except OSError:
+            stream.socket.close()
+            self.connection_slots.release()
+            return
+        ident = driver.new_client_id()
+        driver.add_socket(ident, stream, on_closed=self.connection_slots.release)
+        driver.feed(
+            ConnectionAccepted(
+                now=trio.current_time(),
+                conn=ident,
+                listener=listener.address,
+                peer=(peer[0], peer[1]),
+            )
+        )
 
     async def _serve_client(
         self,
@@ -142,7 +172,11 @@ class ProxyServer:
 async def serve(
     config: Config,
     *,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the proxy for ``config`` until cancelled; ``started`` gets the bound addresses."""
-    await ProxyServer(config).run(task_status=task_status)
+    """Run the proxy for ``config`` until cancelled; ``started`` gets the bound addresses.
+
+    ``reuse_port`` listens with ``SO_REUSEPORT``, so other processes can share the ports.
+    """
+    await ProxyServer(config, reuse_port=reuse_port).run(task_status=task_status)

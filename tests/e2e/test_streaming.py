@@ -42,6 +42,7 @@ from peers import H1Peer, open_h2, open_tcp, socket_of
 from muxproxy.config import Limits
 from muxproxy.core.proxy import StreamStatistics
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
+from muxproxy.trio.reactor import SocketConn
 
 if TYPE_CHECKING:
     from conftest import RunningProxy, StartBackend, StartProxy
@@ -197,7 +198,8 @@ def assert_nodelay_everywhere(proxy: RunningProxy, *, clients: int, upstreams: i
     assert sum(c.ident > 0 for c in conns) == clients, conns
     assert sum(c.ident < 0 for c in conns) == upstreams, conns
     for conn in conns:
-        sock = socket_of(conn.stream)
+        # Plain TCP connections live in the driver's reactor as bare sockets.
+        sock = conn.sock if isinstance(conn, SocketConn) else socket_of(conn.stream)
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), f"conn {conn.ident}"
 
 
@@ -679,11 +681,18 @@ async def test_upload_backpressure_http11_slow_backend(
                 done.set()
 
             uploading.start_soon(upload)
-            await wait_stats(proxy, 1, lambda s: s.request_buffered >= high_water)
+            # The proxy stops reading the client once the stream's buffer reaches high water
+            # (it may fall back a little as the kernel takes part of a write to the backend:
+            # the source stays stopped until low water).
+            await wait_stats(proxy, 1, lambda s: s.request_buffered > 0)
+            while not any(c.paused for c in driver.conns.values() if c.ident > 0):
+                await trio.sleep(0.005)
             await settle()
             # The proxy stopped reading the client; the client's upload is stuck.
             client_conns = [c for c in driver.conns.values() if c.ident > 0]
             assert len(client_conns) == 1 and client_conns[0].paused
+            entry = stream_stats(proxy, 1)
+            assert entry is not None and entry.request_buffered > high_water // 2
             assert not done.is_set()
             entry = stream_stats(proxy, 1)
             assert entry is not None and entry.request_buffered <= SMALL_BUFFER + FRAMING_SLACK

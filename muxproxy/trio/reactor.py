@@ -1,0 +1,319 @@
+"""Plain TCP connections served from one Trio task: every ready socket in one wake-up.
+
+A task per socket direction (the obvious Trio design, still used for TLS in ``driver.py``) pays,
+for every token relayed, a task switch, a one-shot epoll re-registration and a trip through
+Trio's scheduler, per socket. Here the proxy's plain TCP sockets sit in an epoll set of their
+own, registered once (level-triggered, ``EPOLLIN`` while reading is wanted, ``EPOLLOUT`` only
+while output is pending). Trio waits on that epoll's descriptor like on any other: when it
+is readable, one task runs ``epoll_wait(0)`` and handles every ready socket in one go, feeding
+the core synchronously. Timers, connects, TLS and accepts stay ordinary Trio tasks, and the
+core is untouched: it sees the same events and commands as with the task-per-socket driver.
+
+Semantics kept from the task-based driver (the core relies on them):
+
+- bytes are written at once when nothing is queued ahead of them (one ``send`` per token); what
+  the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is kept;
+- ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
+  own commands: the driver queues them and feeds them after the batch;
+- ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
+  counted from the last progress of the flush; ``ConnectionClosed`` comes exactly once;
+- a paused connection is not read: with no output pending it leaves the epoll set, so even a
+  peer that hangs up cannot wake us until reading resumes.
+
+A connection the core closes is closed in stages (RFC 9112 §9.6): once its output is flushed
+the write side is shut down (FIN), and what the peer still sends is read and dropped for up to
+``LINGER`` seconds before the socket is closed. Closing a socket with unread input makes the
+kernel send RST, and a client that receives RST may discard the response it has not read yet
+(the 408 for a slow request head, say). The core hears ``ConnectionClosed`` at the FIN.
+
+Linux only (epoll), like the deployments this proxy is for; elsewhere the driver falls back to
+tasks per socket.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..core.events import DataReceived, DataSent
+
+if TYPE_CHECKING:
+    from .driver import Driver
+
+EPOLLIN = getattr(select, "EPOLLIN", 1)
+EPOLLOUT = getattr(select, "EPOLLOUT", 4)
+EPOLLERR = getattr(select, "EPOLLERR", 8)
+EPOLLHUP = getattr(select, "EPOLLHUP", 16)
+READ_READY = EPOLLIN | EPOLLERR | EPOLLHUP
+WRITE_READY = EPOLLOUT | EPOLLERR | EPOLLHUP
+LINGER = 2.0
+"""Seconds a closed connection's input is still read and dropped (see the module docstring)."""
+LINGER_READ = 65536
+
+
+def available() -> bool:
+    """Whether this platform has epoll (Linux)."""
+    return hasattr(select, "epoll")
+
+
+class SocketConn:
+    """One plain TCP connection in the reactor: no task of its own."""
+
+    __slots__ = (
+        "blocked_since",
+        "closed",
+        "closing",
+        "fd",
+        "flush_deadline",
+        "ident",
+        "lingering",
+        "mask",
+        "on_closed",
+        "paused",
+        "pending",
+        "sock",
+    )
+
+    def __init__(
+        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None
+    ) -> None:
+        self.ident = ident
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pending = bytearray()
+        self.paused = False
+        self.closing = False
+        self.closed = False
+        self.lingering = False
+        """Write side shut down, input read and dropped until EOF or ``flush_deadline``."""
+        self.mask = 0
+        """The epoll events registered now (0: not in the set)."""
+        self.blocked_since: float | None = None
+        """When the kernel last took bytes while some are still pending (None: none pending)."""
+        self.flush_deadline = math.inf
+        self.on_closed = on_closed
+        """Called once when the socket is closed (the server frees a connection slot)."""
+
+    def __repr__(self) -> str:
+        return f"<SocketConn {self.ident} fd={self.fd} pending={len(self.pending)}>"
+
+
+class Reactor:
+    """The epoll set of the driver's plain TCP connections and the task that serves it."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, SocketConn] = {}
+        self._ending: set[SocketConn] = set()
+        """Connections flushing before their close, or lingering: each has a deadline."""
+        self._wait_scope: trio.CancelScope | None = None
+
+    def add(
+        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None = None
+    ) -> SocketConn:
+        """Serve ``sock`` (connected, TCP_NODELAY set) as connection ``ident``."""
+        sock.setblocking(False)
+        conn = SocketConn(ident, sock, on_closed)
+        self._by_fd[conn.fd] = conn
+        self._watch(conn)
+        return conn
+
+    async def run(self) -> None:
+        """Serve the sockets until cancelled; then close every one of them."""
+        epoll = self._epoll
+        fileno = epoll.fileno()
+        wait_readable = trio.lowlevel.wait_readable
+        by_fd = self._by_fd
+        try:
+            while True:
+                deadline = min((c.flush_deadline for c in self._ending), default=math.inf)
+                with trio.CancelScope(deadline=deadline) as scope:
+                    self._wait_scope = scope
+                    await wait_readable(fileno)
+                self._wait_scope = None
+                if self._ending:
+                    self._expire_flushes(trio.current_time())
+                for fd, events in epoll.poll(0):
+                    conn = by_fd.get(fd)
+                    if conn is None:
+                        continue
+                    if events & WRITE_READY and conn.pending:
+                        self._flush(conn)
+                    if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
+                        self._read(conn)
+                    elif conn.lingering:
+                        self._drop_input(conn)
+        finally:
+            for conn in list(by_fd.values()):
+                self._release(conn)
+            epoll.close()
+
+    # -- the core's commands (called from inside ``Driver.feed``) --------------------------
+
+    def send(self, conn: SocketConn, data: bytes) -> None:
+        if conn.closed:
+            return
+        if not conn.pending:
+            # Nothing is queued ahead of these bytes: try the kernel at once. A token that
+            # fits the socket buffer (the common case) costs one ``send`` and nothing else.
+            try:
+                sent = conn.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self._finish(conn, f"send failed: {exc!r}")
+                return
+            if sent:
+                self.driver.sent_now(conn.ident, sent)
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            conn.blocked_since = trio.current_time()
+            conn.pending += data
+            self._watch(conn)
+        else:
+            conn.pending += data
+
+    def pause(self, conn: SocketConn) -> None:
+        if not conn.paused:
+            conn.paused = True
+            self._watch(conn)
+
+    def resume(self, conn: SocketConn) -> None:
+        if conn.paused:
+            conn.paused = False
+            self._watch(conn)
+
+    def close(self, conn: SocketConn) -> None:
+        """Stop reading; close once what is pending is written (or the flush times out)."""
+        if conn.closing or conn.closed:
+            return
+        conn.closing = True
+        if not conn.pending:
+            self._finish(conn, None)
+            return
+        # A peer that takes none of the pending bytes for ``timeouts.send`` is cut off:
+        # without this bound a close issued *because* the client stopped reading would
+        # wait for it forever.
+        started = conn.blocked_since if conn.blocked_since is not None else trio.current_time()
+        self._set_deadline(conn, started + self.driver.core.config.timeouts.send)
+        self._watch(conn)
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    def _read(self, conn: SocketConn) -> None:
+        try:
+            data = conn.sock.recv(self.driver.core.read_size)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(conn, f"receive failed: {exc!r}")
+            return
+        if not data:
+            self._finish(conn, None)
+            return
+        self.driver.feed(DataReceived(now=trio.current_time(), conn=conn.ident, data=data))
+
+    def _flush(self, conn: SocketConn) -> None:
+        pending = conn.pending
+        try:
+            sent = conn.sock.send(pending)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(conn, f"send failed: {exc!r}")
+            return
+        del pending[:sent]
+        now = trio.current_time()
+        if pending:
+            conn.blocked_since = now
+            if conn.closing:
+                conn.flush_deadline = now + self.driver.core.config.timeouts.send
+        else:
+            conn.blocked_since = None
+            self._watch(conn)
+        self.driver.feed(DataSent(now=now, conn=conn.ident, nbytes=sent))
+        if conn.closing and not conn.pending:
+            self._finish(conn, None)
+
+    def _drop_input(self, conn: SocketConn) -> None:
+        try:
+            data = conn.sock.recv(LINGER_READ)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._release(conn)
+
+    def _expire_flushes(self, now: float) -> None:
+        for conn in [c for c in self._ending if c.flush_deadline <= now]:
+            if conn.lingering:
+                self._release(conn)
+            else:
+                self._finish(conn, None)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _watch(self, conn: SocketConn) -> None:
+        """Register the epoll events ``conn`` needs now (level-triggered)."""
+        wanted = EPOLLIN if conn.lingering or not (conn.paused or conn.closing) else 0
+        if conn.pending:
+            wanted |= EPOLLOUT
+        if wanted == conn.mask:
+            return
+        if not wanted:
+            self._epoll.unregister(conn.fd)
+        elif not conn.mask:
+            self._epoll.register(conn.fd, wanted)
+        else:
+            self._epoll.modify(conn.fd, wanted)
+        conn.mask = wanted
+
+    def _finish(self, conn: SocketConn, error: str | None) -> None:
+        """Close ``conn`` and tell the core (after the batch, if inside one)."""
+        if conn.closed or conn.lingering:
+            return
+        if error is None and conn.closing and not conn.pending:
+            self._linger(conn)
+        else:
+            self._release(conn)
+        self.driver.closed_now(conn.ident, error)
+
+    def _linger(self, conn: SocketConn) -> None:
+        """Shut the write side down and drop input until EOF or ``LINGER`` seconds."""
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._release(conn)
+            return
+        conn.lingering = True
+        self.driver.conns.pop(conn.ident, None)
+        self._set_deadline(conn, trio.current_time() + LINGER)
+        self._watch(conn)
+
+    def _set_deadline(self, conn: SocketConn, at: float) -> None:
+        """End ``conn``'s flush or linger at ``at``, waking the reactor's wait if earlier."""
+        conn.flush_deadline = at
+        self._ending.add(conn)
+        scope = self._wait_scope
+        if scope is not None and at < scope.deadline:
+            scope.deadline = at
+
+    def _release(self, conn: SocketConn) -> None:
+        conn.closed = True
+        self._ending.discard(conn)
+        self._by_fd.pop(conn.fd, None)
+        self.driver.conns.pop(conn.ident, None)
+        if conn.mask:
+            self._epoll.unregister(conn.fd)
+            conn.mask = 0
+        conn.sock.close()
+        if conn.on_closed is not None:
+            conn.on_closed()
