@@ -7,8 +7,9 @@ task runs every timer from a deadline heap. Any of them may call ``ProxyCore.han
 directly: Trio runs one task at a time and ``handle`` never awaits, so there is no lock and no
 hop through a channel per chunk.
 
-Events that the execution of a command causes (bytes written at once, a connection closed at
-once) are fed after the batch of commands that caused them: ``handle`` is never re-entered.
+Events that the execution of a command causes (bytes written, a connection closed at once)
+are fed after the batch of commands that caused them (``settle``): ``handle`` is never
+re-entered.
 """
 
 from __future__ import annotations
@@ -127,11 +128,12 @@ class Driver:
         }
         self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
         self.reactor = Reactor(self) if reactor.available() else None
-        self._feeding = False
+        self.batching = False
+        """While the reactor handles a round of ready sockets: ``feed`` leaves ``settle`` to it."""
         self._sent_now: dict[int, int] = {}
-        """Bytes written while executing commands, per connection, not yet reported."""
+        """Bytes the kernel took, per connection, not yet reported."""
         self._closed_now: deque[tuple[int, str | None]] = deque()
-        """Connections closed while executing commands, not yet reported."""
+        """Connections closed, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
 
@@ -144,39 +146,46 @@ class Driver:
     def feed(self, event: Event) -> None:
         """Hand one event to the core and carry out its commands."""
         execute = self._execute
+        for command in self.core.handle(event):
+            execute[type(command)](command)
+        if not self.batching:
+            self.settle()
+
+    def settle(self) -> None:
+        """Write what the commands queued and feed what that caused, until nothing is left.
+
+        ``handle`` is never re-entered from inside the execution of its own commands: bytes
+        the kernel took and connections closed are reported here, after the batch, bytes
+        first (a connection's DataSent precedes its ConnectionClosed). The reactor writes
+        each connection's queued output in one ``send`` here, however many commands queued it.
+        """
+        execute = self._execute
         handle = self.core.handle
-        self._feeding = True
-        try:
-            for command in handle(event):
+        reactor = self.reactor
+        sent_now = self._sent_now
+        closed_now = self._closed_now
+        while True:
+            if reactor is not None and reactor.outbox:
+                reactor.write_outbox()
+            later: Event
+            if sent_now:
+                ident, nbytes = sent_now.popitem()
+                later = DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)
+            elif closed_now:
+                ident, error = closed_now.popleft()
+                later = ConnectionClosed(now=trio.current_time(), conn=ident, error=error)
+            else:
+                return
+            for command in handle(later):
                 execute[type(command)](command)
-            # What the commands caused at once is reported after the batch: ``handle`` is
-            # never re-entered from inside the execution of its own commands. Bytes written
-            # go first, so a connection's DataSent precedes its ConnectionClosed.
-            sent_now = self._sent_now
-            closed_now = self._closed_now
-            while sent_now or closed_now:
-                later: Event
-                if sent_now:
-                    ident, nbytes = sent_now.popitem()
-                    later = DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)
-                else:
-                    ident, error = closed_now.popleft()
-                    later = ConnectionClosed(now=trio.current_time(), conn=ident, error=error)
-                for command in handle(later):
-                    execute[type(command)](command)
-        finally:
-            self._feeding = False
 
     def sent_now(self, ident: int, nbytes: int) -> None:
-        """``nbytes`` of ``ident`` went to the kernel while a command was executed."""
+        """The kernel took ``nbytes`` of ``ident``'s output (reported by ``settle``)."""
         self._sent_now[ident] = self._sent_now.get(ident, 0) + nbytes
 
     def closed_now(self, ident: int, error: str | None) -> None:
-        """``ident`` is closed: tell the core now, or after the batch if inside one."""
-        if self._feeding:
-            self._closed_now.append((ident, error))
-        else:
-            self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
+        """``ident`` is closed (reported by ``settle``)."""
+        self._closed_now.append((ident, error))
 
     def new_client_id(self) -> int:
         self._next_client += 1
@@ -189,13 +198,16 @@ class Driver:
         ident: int,
         stream: trio.SocketStream,
         on_closed: Callable[[], None] | None = None,
+        *,
+        linger: bool = False,
     ) -> SocketConn:
         """Serve a plain TCP ``stream`` from the reactor (which must exist) as ``ident``.
 
-        No task waits for it: ``on_closed`` is called once the socket is closed.
+        No task waits for it: ``on_closed`` is called once the socket is closed. ``linger``:
+        a client connection, closed in stages (see ``reactor.py``).
         """
         assert self.reactor is not None
-        conn = self.reactor.add(ident, detach_socket(stream), on_closed)
+        conn = self.reactor.add(ident, detach_socket(stream), on_closed, linger=linger)
         self.conns[ident] = conn
         return conn
 

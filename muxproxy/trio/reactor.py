@@ -11,20 +11,23 @@ core is untouched: it sees the same events and commands as with the task-per-soc
 
 Semantics kept from the task-based driver (the core relies on them):
 
-- bytes are written at once when nothing is queued ahead of them (one ``send`` per token); what
-  the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is kept;
+- output is written without waiting for readiness: what the core queues for a connection
+  during one round of ready sockets goes out in one ``send`` at the end of the round (one
+  token: one ``send``; the tokens of many streams of one HTTP/2 client: still one). What the
+  kernel does not take waits for ``EPOLLOUT``, and the order of bytes is kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
-  own commands: the driver queues them and feeds them after the batch;
+  own commands: the driver queues them and feeds them after the batch (``Driver.settle``);
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
   counted from the last progress of the flush; ``ConnectionClosed`` comes exactly once;
 - a paused connection is not read: with no output pending it leaves the epoll set, so even a
   peer that hangs up cannot wake us until reading resumes.
 
-A connection the core closes is closed in stages (RFC 9112 §9.6): once its output is flushed
-the write side is shut down (FIN), and what the peer still sends is read and dropped for up to
-``LINGER`` seconds before the socket is closed. Closing a socket with unread input makes the
-kernel send RST, and a client that receives RST may discard the response it has not read yet
-(the 408 for a slow request head, say). The core hears ``ConnectionClosed`` at the FIN.
+A client connection the core closes is closed in stages (RFC 9112 §9.6): once its output is
+flushed the write side is shut down (FIN), and what the peer still sends is read and dropped
+for up to ``LINGER`` seconds and ``LINGER_BYTES`` bytes before the socket is closed. Closing
+a socket with unread input makes the kernel send RST, and a client that receives RST may
+discard the response it has not read yet (the 408 for a slow request head, say). The core
+hears ``ConnectionClosed`` at the FIN.
 
 Linux only (epoll), like the deployments this proxy is for; elsewhere the driver falls back to
 tasks per socket.
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..core.events import DataReceived, DataSent
+from ..core.events import DataReceived
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -53,7 +56,8 @@ READ_READY = EPOLLIN | EPOLLERR | EPOLLHUP
 WRITE_READY = EPOLLOUT | EPOLLERR | EPOLLHUP
 LINGER = 2.0
 """Seconds a closed connection's input is still read and dropped (see the module docstring)."""
-LINGER_READ = 65536
+LINGER_BYTES = 256 * 1024
+"""Input dropped at most while lingering: a peer that keeps sending is cut off sooner."""
 
 
 def available() -> bool:
@@ -71,26 +75,36 @@ class SocketConn:
         "fd",
         "flush_deadline",
         "ident",
+        "linger_budget",
         "lingering",
         "mask",
         "on_closed",
         "paused",
         "pending",
+        "queued",
         "sock",
     )
 
     def __init__(
-        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None
+        self,
+        ident: int,
+        sock: socket.socket,
+        on_closed: Callable[[], None] | None,
+        linger: bool,
     ) -> None:
         self.ident = ident
         self.sock = sock
         self.fd = sock.fileno()
         self.pending = bytearray()
+        self.queued = False
+        """In the reactor's outbox: ``pending`` is written at the end of the round."""
         self.paused = False
         self.closing = False
         self.closed = False
         self.lingering = False
         """Write side shut down, input read and dropped until EOF or ``flush_deadline``."""
+        self.linger_budget = LINGER_BYTES if linger else 0
+        """Bytes still to drop while lingering (0: close at once, no lingering)."""
         self.mask = 0
         """The epoll events registered now (0: not in the set)."""
         self.blocked_since: float | None = None
@@ -113,13 +127,23 @@ class Reactor:
         self._ending: set[SocketConn] = set()
         """Connections flushing before their close, or lingering: each has a deadline."""
         self._wait_scope: trio.CancelScope | None = None
+        self.outbox: list[SocketConn] = []
+        """Connections whose new output is written by ``write_outbox`` (``Driver.settle``)."""
 
     def add(
-        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None = None
+        self,
+        ident: int,
+        sock: socket.socket,
+        on_closed: Callable[[], None] | None = None,
+        *,
+        linger: bool = False,
     ) -> SocketConn:
-        """Serve ``sock`` (connected, TCP_NODELAY set) as connection ``ident``."""
+        """Serve ``sock`` (connected, TCP_NODELAY set) as connection ``ident``.
+
+        ``linger``: close it in stages when the core closes it (client connections).
+        """
         sock.setblocking(False)
-        conn = SocketConn(ident, sock, on_closed)
+        conn = SocketConn(ident, sock, on_closed, linger)
         self._by_fd[conn.fd] = conn
         self._watch(conn)
         return conn
@@ -130,6 +154,7 @@ class Reactor:
         fileno = epoll.fileno()
         wait_readable = trio.lowlevel.wait_readable
         by_fd = self._by_fd
+        driver = self.driver
         try:
             while True:
                 deadline = min((c.flush_deadline for c in self._ending), default=math.inf)
@@ -137,18 +162,24 @@ class Reactor:
                     self._wait_scope = scope
                     await wait_readable(fileno)
                 self._wait_scope = None
-                if self._ending:
-                    self._expire_flushes(trio.current_time())
-                for fd, events in epoll.poll(0):
-                    conn = by_fd.get(fd)
-                    if conn is None:
-                        continue
-                    if events & WRITE_READY and conn.pending:
-                        self._flush(conn)
-                    if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
-                        self._read(conn)
-                    elif conn.lingering:
-                        self._drop_input(conn)
+                # One round: every ready socket, then the output they caused, in one go.
+                driver.batching = True
+                try:
+                    if self._ending:
+                        self._expire_flushes(trio.current_time())
+                    for fd, events in epoll.poll(0):
+                        conn = by_fd.get(fd)
+                        if conn is None:
+                            continue
+                        if events & WRITE_READY and conn.pending and not conn.queued:
+                            self._flush(conn)
+                        if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
+                            self._read(conn)
+                        elif conn.lingering:
+                            self._drop_input(conn)
+                finally:
+                    driver.batching = False
+                driver.settle()
         finally:
             for conn in list(by_fd.values()):
                 self._release(conn)
@@ -157,28 +188,23 @@ class Reactor:
     # -- the core's commands (called from inside ``Driver.feed``) --------------------------
 
     def send(self, conn: SocketConn, data: bytes) -> None:
-        if conn.closed:
+        if conn.closed or conn.lingering:
             return
         if not conn.pending:
-            # Nothing is queued ahead of these bytes: try the kernel at once. A token that
-            # fits the socket buffer (the common case) costs one ``send`` and nothing else.
-            try:
-                sent = conn.sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                self._finish(conn, f"send failed: {exc!r}")
-                return
-            if sent:
-                self.driver.sent_now(conn.ident, sent)
-                if sent == len(data):
-                    return
-                data = data[sent:]
-            conn.blocked_since = trio.current_time()
-            conn.pending += data
-            self._watch(conn)
-        else:
-            conn.pending += data
+            # Nothing waits for EPOLLOUT: the bytes go out at the end of the batch, together
+            # with whatever else the batch queues for this connection.
+            conn.queued = True
+            self.outbox.append(conn)
+        conn.pending += data
+
+    def write_outbox(self) -> None:
+        """Write what the batch queued, one ``send`` per connection."""
+        outbox = self.outbox
+        self.outbox = []
+        for conn in outbox:
+            conn.queued = False
+            if not conn.closed:
+                self._flush(conn)
 
     def pause(self, conn: SocketConn) -> None:
         if not conn.paused:
@@ -221,35 +247,39 @@ class Reactor:
         self.driver.feed(DataReceived(now=trio.current_time(), conn=conn.ident, data=data))
 
     def _flush(self, conn: SocketConn) -> None:
+        """Write as much of ``pending`` as the kernel takes; wait for EPOLLOUT for the rest."""
         pending = conn.pending
         try:
             sent = conn.sock.send(pending)
         except BlockingIOError:
-            return
+            sent = 0
         except OSError as exc:
             self._finish(conn, f"send failed: {exc!r}")
             return
-        del pending[:sent]
-        now = trio.current_time()
-        if pending:
+        if sent:
+            del pending[:sent]
+            self.driver.sent_now(conn.ident, sent)
+        if not pending:
+            conn.blocked_since = None
+            if conn.closing:
+                self._finish(conn, None)
+                return
+        elif sent or conn.blocked_since is None:
+            now = trio.current_time()
             conn.blocked_since = now
             if conn.closing:
-                conn.flush_deadline = now + self.driver.core.config.timeouts.send
-        else:
-            conn.blocked_since = None
-            self._watch(conn)
-        self.driver.feed(DataSent(now=now, conn=conn.ident, nbytes=sent))
-        if conn.closing and not conn.pending:
-            self._finish(conn, None)
+                self._set_deadline(conn, now + self.driver.core.config.timeouts.send)
+        self._watch(conn)
 
     def _drop_input(self, conn: SocketConn) -> None:
         try:
-            data = conn.sock.recv(LINGER_READ)
+            data = conn.sock.recv(conn.linger_budget)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        if not data:
+        conn.linger_budget -= len(data)
+        if not data or conn.linger_budget <= 0:
             self._release(conn)
 
     def _expire_flushes(self, now: float) -> None:
@@ -280,7 +310,7 @@ class Reactor:
         """Close ``conn`` and tell the core (after the batch, if inside one)."""
         if conn.closed or conn.lingering:
             return
-        if error is None and conn.closing and not conn.pending:
+        if error is None and conn.closing and not conn.pending and conn.linger_budget:
             self._linger(conn)
         else:
             self._release(conn)

@@ -104,7 +104,7 @@ class ProxyServer:
             self.connection_slots.release()
             return
         ident = driver.new_client_id()
-        driver.add_socket(ident, stream, on_closed=self.connection_slots.release)
+        driver.add_socket(ident, stream, on_closed=self.connection_slots.release, linger=True)
         driver.feed(
             ConnectionAccepted(
                 now=trio.current_time(),

@@ -172,8 +172,9 @@ async def until_closed(port: int, sent: bytes = b"") -> tuple[bytes, float]:
 
 class Watch:
     """The proxy's ``Log`` commands and client ``ConnectionClosed`` events, with the virtual
-    time of each (the latter by wrapping ``Driver.feed``: the core logs no ``client_closed``
-    for a connection it closed itself)."""
+    time of each (the latter by wrapping ``Driver.feed`` and ``Driver.closed_now``, where the
+    reactor reports the sockets it closed: the core logs no ``client_closed`` for a
+    connection it closed itself)."""
 
     def __init__(self, proxy: Any) -> None:
         self.logs: list[tuple[float, str]] = []
@@ -189,6 +190,14 @@ class Watch:
             feed(event)
 
         driver.feed = watching_feed
+        closed_now = driver.closed_now
+
+        def watching_closed_now(ident: int, error: str | None) -> None:
+            if ident > 0:
+                self._record("connection_closed")
+            closed_now(ident, error)
+
+        driver.closed_now = watching_closed_now
 
     def _on_log(self, log: Log) -> None:
         self._record(log.event)
