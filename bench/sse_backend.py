@@ -19,6 +19,15 @@ Request targets (query parameters, all optional):
 * ``/sse`` or ``/sse?n=0``: events forever, first one at once (with the head).
 * ``/sse?n=K``: K events (the first at once), then the final chunk; the connection stays open.
 * ``/sse?idle=1``: the head and one SSE comment, then nothing but a comment every ``--hb`` s.
+* ``/sse?burst=K``: saturation: no pacing, events back to back for as long as the client reads,
+  K events (K chunks) per ``write``, as fast as the socket takes them (the writes stop while
+  the transport's buffer is above its high-water mark and go on when it drains). The K events
+  of one write are the same bytes: one send time stamp ``t`` (and ``i``) per write.
+* ``POST /v1/chat/completions`` (a JSON body with Content-Length, like an OpenAI client):
+  the shape of an LLM server for ``llm_load.py``. The backend waits ``"bench_ttft_ms"`` (time to
+  first token), then streams ``"max_tokens"`` events paced by the ticker (one per
+  ``--interval-ms``), then ``data: [DONE]`` and the final chunk; the connection stays open.
+  Without those fields: a TTFT of 50-200 ms and 20-400 tokens, random with ``--seed``.
 * ``/stats``: JSON counters (events written, ticks late, open streams) with Content-Length.
 
 Usage: ``python bench/sse_backend.py --port 8001`` (prints ``ready`` once listening).
@@ -31,6 +40,7 @@ import asyncio
 import gc
 import json
 import os
+import random
 import resource
 import signal
 import socket
@@ -53,6 +63,9 @@ EVENT = (
 COMMENT_CHUNK = b": keep-alive\n\n"
 COMMENT_CHUNK = b"%x\r\n%s\r\n" % (len(COMMENT_CHUNK), COMMENT_CHUNK)
 END_CHUNK = b"0\r\n\r\n"
+DONE_END = b"e\r\ndata: [DONE]\n\n\r\n" + END_CHUNK
+BURST_ROUNDS = 64
+"""A burst stream yields to the event loop after this many writes that did not fill the socket."""
 BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 monotonic_ns = time.monotonic_ns
@@ -65,20 +78,29 @@ class Stats:
     max_lag_ms = 0.0
     streams = 0
     paused_skips = 0
+    chat_requests = 0
 
 
 class Backend:
-    def __init__(self, interval_ms: float, slots: int, hb: float) -> None:
+    def __init__(self, interval_ms: float, slots: int, hb: float, seed: int) -> None:
         self.interval = interval_ms / 1000.0
         self.nslots = max(1, slots)
         self.slots: list[dict[SSEConnection, None]] = [{} for _ in range(self.nslots)]
         self.next_slot = 0
+        self.tick_no = 0
+        """The ticker's last tick: its slot is the one visited again a whole interval later."""
         self.hb = hb
         self.idle: dict[SSEConnection, None] = {}
+        self.rng = random.Random(seed)
 
-    def add(self, conn: SSEConnection) -> None:
-        slot = self.slots[self.next_slot]
-        self.next_slot = (self.next_slot + 1) % self.nslots
+    def add(self, conn: SSEConnection, now: bool = False) -> None:
+        """Pace ``conn``: round robin over the slots, or (``now``) its next event one interval
+        after the event it has just been sent."""
+        if now:
+            slot = self.slots[self.tick_no % self.nslots]
+        else:
+            slot = self.slots[self.next_slot]
+            self.next_slot = (self.next_slot + 1) % self.nslots
         slot[conn] = None
         conn.slot = slot
         Stats.streams += 1
@@ -110,6 +132,7 @@ class Backend:
                     if lag > Stats.max_lag_ms:
                         Stats.max_lag_ms = lag
                 await asyncio.sleep(0)
+            self.tick_no = k
             slot = slots[k % nslots]
             if slot:
                 for conn in list(slot):
@@ -125,7 +148,7 @@ class Backend:
 class SSEConnection(asyncio.Protocol):
     backend: Backend
 
-    __slots__ = ("buf", "i", "n", "paused", "slot", "streaming", "transport")
+    __slots__ = ("buf", "burst", "end", "i", "n", "paused", "slot", "streaming", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -135,6 +158,9 @@ class SSEConnection(asyncio.Protocol):
         self.i = 0
         self.n = 0
         self.paused = False
+        self.burst = 0
+        self.end = END_CHUNK
+        """What follows the last event of a response of ``n`` events."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -152,6 +178,8 @@ class SSEConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self.burst:
+            self.pump()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None:
@@ -168,21 +196,27 @@ class SSEConnection(asyncio.Protocol):
                 if len(self.buf) > 65536 and self.transport is not None:
                     self.transport.close()
                 return
-            head = self.buf[:end]
-            self.buf = self.buf[end + 4 :]
-            line = head.split(b"\r\n", 1)[0]
+            line, _, fields = self.buf[:end].partition(b"\r\n")
             try:
-                _method, target, _version = line.split(b" ", 2)
+                method, target, _version = line.split(b" ", 2)
+                length = body_length(fields) if method == b"POST" else 0
             except ValueError:
                 self.write(BAD_REQUEST)
                 if self.transport is not None:
                     self.transport.close()
                 return
-            self._request(target)
+            if len(self.buf) < end + 4 + length:
+                return  # the rest of the body is still on its way
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            self._request(target, body)
 
-    def _request(self, target: bytes) -> None:
+    def _request(self, target: bytes, body: bytes) -> None:
         Stats.requests += 1
         path, _, query = target.partition(b"?")
+        if path == b"/v1/chat/completions":
+            self._chat(body)
+            return
         params = dict(p.partition(b"=")[::2] for p in query.split(b"&") if p)
         if path == b"/stats":
             body = json.dumps(stats_dict()).encode()
@@ -196,17 +230,66 @@ class SSEConnection(asyncio.Protocol):
             self.write(HEAD + COMMENT_CHUNK)
             self.backend.idle[self] = None
             return
+        if params.get(b"burst"):
+            self.streaming = True
+            self.burst = max(1, int(params[b"burst"]))
+            self.write(HEAD)
+            self.pump()
+            return
         self.n = int(params.get(b"n", b"0") or b"0")
         self.streaming = True
+        self._first_event(now=False)  # n == 1: _parse() goes on with any pipelined request
+
+    def _chat(self, body: bytes) -> None:
+        """An OpenAI-style streamed chat completion: the first token after a TTFT, then paced."""
+        Stats.chat_requests += 1
+        try:
+            req = json.loads(body) if body else {}
+        except ValueError:
+            req = {}
+        rng = self.backend.rng
+        ttft = req.get("bench_ttft_ms")
+        ttft = rng.uniform(50.0, 200.0) if ttft is None else float(ttft)
+        self.n = max(1, int(req.get("max_tokens") or rng.randint(20, 400)))
+        self.end = DONE_END
+        self.streaming = True
+        asyncio.get_running_loop().call_later(ttft / 1000.0, self._first_token)
+
+    def _first_token(self) -> None:
+        if self.transport is not None:
+            self._first_event(now=True)
+            if not self.streaming and self.buf:
+                self._parse()
+
+    def _first_event(self, now: bool) -> None:
+        """The head and the first event; then the ticker paces the rest (``Backend.add``), or
+        with ``n == 1`` the response ends here."""
         self.i = 1
         event = EVENT % (monotonic_ns(), 1)
         Stats.events += 1
         if self.n == 1:
-            self.write(b"%s%x\r\n%s\r\n%s" % (HEAD, len(event), event, END_CHUNK))
-            self.streaming = False  # _parse() goes on with any pipelined request
+            self.write(b"%s%x\r\n%s\r\n%s" % (HEAD, len(event), event, self.end))
+            self.streaming = False
+            self.end = END_CHUNK
             return
         self.write(b"%s%x\r\n%s\r\n" % (HEAD, len(event), event))
-        self.backend.add(self)
+        self.backend.add(self, now=now)
+
+    def pump(self) -> None:
+        """Burst stream: write ``burst`` events at a time until the transport pushes back."""
+        transport = self.transport
+        if transport is None:
+            return
+        k = self.burst
+        for _ in range(BURST_ROUNDS):
+            if self.paused or transport.is_closing():
+                return
+            self.i += k
+            event = EVENT % (monotonic_ns(), self.i)
+            transport.write((b"%x\r\n%s\r\n" % (len(event), event)) * k)
+            Stats.events += k
+        # The socket takes everything: let the other connections (and /stats) have a turn.
+        asyncio.get_running_loop().call_soon(self.pump)
 
     def tick(self) -> None:
         transport = self.transport
@@ -220,13 +303,26 @@ class SSEConnection(asyncio.Protocol):
         event = EVENT % (monotonic_ns(), self.i)
         Stats.events += 1
         if self.n and self.i >= self.n:
-            transport.write(b"%x\r\n%s\r\n%s" % (len(event), event, END_CHUNK))
+            transport.write(b"%x\r\n%s\r\n%s" % (len(event), event, self.end))
             self.backend.remove(self)
             self.streaming = False
+            self.end = END_CHUNK
             if self.buf:
                 self._parse()
         else:
             transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+
+
+def body_length(fields: bytes) -> int:
+    """Content-Length of a request head (0 without one); a chunked body is refused."""
+    lower = fields.lower()
+    if b"transfer-encoding:" in lower:
+        raise ValueError("chunked request bodies are not supported")
+    i = lower.find(b"content-length:")
+    if i < 0:
+        return 0
+    j = lower.find(b"\r\n", i)
+    return int(lower[i + 15 : j if j >= 0 else None])
 
 
 def stats_dict() -> dict[str, float]:
@@ -238,6 +334,7 @@ def stats_dict() -> dict[str, float]:
         "max_lag_ms": round(Stats.max_lag_ms, 3),
         "streams": Stats.streams,
         "paused_skips": Stats.paused_skips,
+        "chat_requests": Stats.chat_requests,
         "cpu_s": t.user + t.system,
         "monotonic": time.monotonic(),
     }
@@ -250,7 +347,7 @@ def raise_nofile() -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    backend = Backend(args.interval_ms, args.slots, args.hb)
+    backend = Backend(args.interval_ms, args.slots, args.hb, args.seed)
     SSEConnection.backend = backend
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
@@ -276,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval-ms", type=float, default=20.0, help="per-stream event period")
     parser.add_argument("--slots", type=int, default=10, help="phase slots per interval")
     parser.add_argument("--hb", type=float, default=15.0, help="idle-stream heartbeat period (s)")
+    parser.add_argument("--seed", type=int, default=0, help="chat requests without bench fields")
     return parser.parse_args(argv)
 
 

@@ -1,25 +1,43 @@
 """SSE relay benchmark: direct vs muxproxy (HTTP/1.1 and h2c clients) vs nginx vs a Trio relay.
 
-One command runs every variant against the same paced SSE backend, with the same load, and
-prints a markdown table (and writes everything measured to ``bench/results/*.json``)::
+One command runs every variant against the same SSE backend, with the same load, and prints a
+markdown table (and writes everything measured to ``bench/results/*.json``). Three modes:
+
+``--mode stream`` (the default): paced streams, one event per ``--interval`` each::
 
     python bench/sse_bench.py --streams 100,300,1000 --interval 0.02 --warmup 3 --duration 10
 
-Variants (``--variants``, comma-separated, default all):
+  latency (arrival - send time), proxy CPU per event, TTFB, RSS per idle stream.
+
+``--mode saturation``: ``--streams`` streams of back-to-back events (``--burst`` per backend
+write): how many events per second one proxy process relays, and per core of proxy CPU::
+
+    python bench/sse_bench.py --mode saturation --streams 16 --warmup 3 --duration 10
+
+``--mode llm``: the load LLM routers are benchmarked with (``llm_load.py``: Poisson arrivals of
+streamed ``POST /v1/chat/completions``, a TTFT, then one token per ``--interval``): TTFT, ITL,
+E2E latency, completed and failed requests, proxy CPU per token::
+
+    python bench/sse_bench.py --mode llm --rate 20 --requests 800
+
+Variants (``--variants``, comma-separated, default the first five):
 
 * ``direct``       client -> backend
 * ``muxproxy-h1``  HTTP/1.1 client -> muxproxy -> HTTP/1.1 backend
 * ``muxproxy-h2``  h2c client (``--h2-per-conn`` streams per connection) -> muxproxy -> backend
 * ``nginx``        HTTP/1.1 client -> nginx (Debian package, 1 worker, SSE-guide config)
 * ``trio-relay``   HTTP/1.1 client -> bench/trio_relay.py (bare byte relay) -> backend
+* ``muxproxy-h1-wN``, ``muxproxy-h2-wN``: ``muxproxy serve --workers N`` (a supervisor and N
+  worker processes); "the proxy" is then all of them: CPU and RSS are their sums.
 
-For each variant a fresh proxy process is started; first the idle-stream RSS is measured
-(``--idle-streams`` streams that receive nothing), then one load run per ``--streams`` value.
-Every process this script starts is stopped at the end, also on errors (by PID).
+For each variant a fresh proxy process is started. In ``stream`` mode first the idle-stream RSS
+is measured (``--idle-streams`` streams that receive nothing), then one load run per
+``--streams`` value; the other modes have one run per ``--streams`` (saturation) or ``--rate``
+(llm) value. Every process this script starts is stopped at the end, also on errors (by PID).
 
-The backend (``sse_backend.py``) and the load client (``sse_client.py``) are separate
-processes; the client measures the window and reads the CPU time of the backend and of the
-proxy from ``/proc/PID/stat``. See docs/performance.md for what each column means.
+The backend (``sse_backend.py``) and the load client (``sse_client.py``, ``llm_load.py``) are
+separate processes; the client measures the window and reads the CPU time of the backend and of
+the proxy from ``/proc/PID/stat``. See docs/performance.md for what each column means.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -38,12 +57,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BACKEND = HERE / "sse_backend.py"
 CLIENT = HERE / "sse_client.py"
+LLM_CLIENT = HERE / "llm_load.py"
 RELAY = HERE / "trio_relay.py"
 PYSPY_TOP = HERE / "pyspy_top.py"
 
@@ -55,6 +77,8 @@ VARIANTS = {
     "nginx": ("(d) nginx h1→h1", "nginx", "h1"),
     "trio-relay": ("(e) trio-relay", "relay", "h1"),
 }
+WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([1-9][0-9]*)")
+"""``muxproxy-h1-w2``: ``muxproxy serve --workers 2`` (supervisor + 2 workers), HTTP/1.1 client."""
 
 NGINX_CONF = """\
 worker_processes 1;
@@ -93,6 +117,22 @@ http {{
 """
 
 
+def variant(name: str) -> tuple[str, str | None, str, int]:
+    """(label, proxy kind or None, client protocol, muxproxy worker processes) of a variant."""
+    m = WORKERS_VARIANT.fullmatch(name)
+    if m:
+        proto, workers = m.group(1), int(m.group(2))
+        letter = "f" if proto == "h1" else "g"
+        return f"({letter}) muxproxy {proto}→h1, {workers} workers", "muxproxy", proto, workers
+    label, kind, proto = VARIANTS[name]
+    return label, kind, proto, 0
+
+
+def variant_order(name: str) -> tuple[int, str]:
+    order = list(VARIANTS)
+    return (order.index(name) if name in order else len(order), name)
+
+
 # --- processes ------------------------------------------------------------------------------
 
 
@@ -113,8 +153,9 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 20
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (children, their children, ...), from one scan of /proc."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -123,9 +164,21 @@ def children_of(pid: int) -> list[int]:
                 raw = f.read()
         except OSError:
             continue
-        if int(raw[raw.rfind(b")") + 2 :].split()[1]) == pid:
-            out.append(int(entry))
+        ppid = int(raw[raw.rfind(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
     return out
+
+
+class StartError(RuntimeError):
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(message)
+        self.log = log
 
 
 class Proc:
@@ -146,7 +199,7 @@ class Proc:
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.extra: list[int] = []
-        """Children we found (nginx workers), stopped with it."""
+        """Descendants we found (nginx or muxproxy workers): measured and stopped with it."""
 
     @property
     def pid(self) -> int:
@@ -194,13 +247,16 @@ def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
     return proc
 
 
-def start_proxy(kind: str, tmp: Path, backend: str, nginx: str) -> Proc:
+def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0) -> Proc:
+    """Start a proxy and wait until it listens (and its workers exist); StartError if not."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     listen = f"127.0.0.1:{port}"
     if kind == "muxproxy":
         argv = [sys.executable, "-m", "muxproxy", "serve", "--listen", listen]
         argv += ["--upstream", backend]
+        if workers:
+            argv += ["--workers", str(workers)]
         proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port)
     elif kind == "relay":
         argv = [sys.executable, str(RELAY), "--listen", listen, "--upstream", backend]
@@ -233,19 +289,28 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str) -> Proc:
         raise ValueError(kind)
     try:
         wait_listening(port, proc.proc)
-        if kind == "nginx":
-            deadline = time.monotonic() + 5
-            while not proc.extra and time.monotonic() < deadline:
-                proc.extra = children_of(proc.pid)
-                time.sleep(0.05)
+        # nginx: the master and its worker; muxproxy --workers N: the supervisor, N workers and
+        # whatever else they started. All of them are measured as "the proxy".
+        want = 1 if kind == "nginx" else workers
+        deadline = time.monotonic() + 15
+        while len(proc.extra) < want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            proc.extra = descendants(proc.pid)
+        if len(proc.extra) < want:
+            raise RuntimeError(f"{len(proc.extra)} child processes after 15 s, expected {want}")
+    except RuntimeError as exc:
+        proc.stop()
+        raise StartError(str(exc), proc.log_tail()) from exc
     except BaseException:
         proc.stop()
         raise
     return proc
 
 
-def run_client(args: argparse.Namespace, argv: list[str], timeout: float) -> dict[str, object]:
-    cmd = [sys.executable, str(CLIENT), *argv]
+def run_client(
+    args: argparse.Namespace, argv: list[str], timeout: float, script: Path = CLIENT
+) -> dict[str, object]:
+    cmd = [sys.executable, str(script), *argv]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -284,124 +349,234 @@ def quiesce(procs: list[Proc], limit: float = 15.0) -> None:
             return
 
 
-def bench(args: argparse.Namespace) -> dict[str, object]:
-    interval_ms = args.interval * 1000.0
-    tmp = Path(tempfile.mkdtemp(prefix="muxbench-"))
-    started: list[Proc] = []
-    runs: list[dict[str, object]] = []
-    try:
-        backend = start_backend(tmp, interval_ms, args.slots)
-        started.append(backend)
-        baddr = f"127.0.0.1:{backend.port}"
-        # One fresh proxy per variant, all started up front so the load runs can go round robin.
-        proxies: dict[str, Proc] = {}
+class Session:
+    """The backend and one fresh proxy per variant, all started up front so that the load runs
+    can go round robin; ``stop()`` ends every process started (by PID), also after errors."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="muxbench-"))
+        self.started: list[Proc] = []
+        self.proxies: dict[str, Proc] = {}
+        self.variants: list[str] = []
+        """The variants whose proxy started."""
+        self.runs: list[dict[str, object]] = []
+
+    def start(self) -> None:
+        args = self.args
+        self.backend = start_backend(self.tmp, args.interval * 1000.0, args.slots)
+        self.started.append(self.backend)
+        self.baddr = f"127.0.0.1:{self.backend.port}"
         for name in args.variants:
-            kind = VARIANTS[name][1]
+            label, kind, _, workers = variant(name)
             if kind is not None:
-                proxies[name] = start_proxy(kind, tmp / name, baddr, args.nginx)
-                started.append(proxies[name])
+                try:
+                    proxy = start_proxy(kind, self.tmp / name, self.baddr, args.nginx, workers)
+                except StartError as exc:
+                    print(f"#   ERROR {label}: did not start: {exc}\n{exc.log}", file=sys.stderr)
+                    error = f"proxy did not start: {exc}"
+                    self.runs.append({"variant": name, "label": label, "error": error})
+                    self.runs[-1]["log"] = exc.log
+                    continue
+                self.proxies[name] = proxy
+                self.started.append(proxy)
+            self.variants.append(name)
 
-        def common(name: str) -> list[str]:
-            proto = VARIANTS[name][2]
-            proxy = proxies.get(name)
-            argv = [
-                "--target",
-                f"127.0.0.1:{proxy.port}" if proxy else baddr,
-                "--backend",
-                baddr,
-                "--proto",
-                proto,
-                "--interval-ms",
-                str(interval_ms),
-                "--h2-per-conn",
-                str(args.h2_per_conn),
-                "--pid",
-                f"backend={backend.pid}",
-                "--ramp-limit",
-                str(args.ramp_limit),
-            ]
-            if proxy:
-                argv += ["--pid", "proxy=" + ",".join(map(str, proxy.measured_pids()))]
-            return argv
+    def common(self, name: str) -> list[str]:
+        """The client options every mode needs: where to send, what to measure."""
+        proxy = self.proxies.get(name)
+        argv = [
+            "--target",
+            f"127.0.0.1:{proxy.port}" if proxy else self.baddr,
+            "--backend",
+            self.baddr,
+            "--proto",
+            variant(name)[2],
+            "--pid",
+            f"backend={self.backend.pid}",
+        ]
+        if proxy:
+            argv += ["--pid", "proxy=" + ",".join(map(str, proxy.measured_pids()))]
+        return argv
 
-        if args.idle_streams and not args.profile:
-            for name, proxy in proxies.items():
-                label = VARIANTS[name][0]
-                print(f"# {label}: {args.idle_streams} idle streams (RSS)", file=sys.stderr)
-                res = run_client(
-                    args,
-                    [*common(name), "--mode", "idle", "--streams", str(args.idle_streams)],
-                    timeout=120,
-                )
-                runs.append({"variant": name, "label": label, **res})
-                report_problems(label, res, proxy)
-                quiesce(started)
-
+    def rounds(
+        self,
+        params: list[Any],
+        key: str,
+        describe: Callable[[Any], str],
+        client: Callable[[str, Any], tuple[Path, list[str], float]],
+    ) -> None:
+        """One client run per (repeat, param, variant), each parameter round robin over the
+        variants. ``client(name, param)`` gives the client script, its options beyond
+        ``common()`` and a timeout."""
+        args = self.args
+        names = self.variants
         for rep in range(args.repeat):
-            for streams in args.streams:
+            for param in params:
                 # Rotate the order each repeat so no variant always runs first or last.
-                k = rep % len(args.variants)
-                for name in args.variants[k:] + args.variants[:k]:
-                    label, kind, _ = VARIANTS[name]
-                    proxy = proxies.get(name)
+                k = rep % max(1, len(names))
+                for name in names[k:] + names[:k]:
+                    label = variant(name)[0]
+                    proxy = self.proxies.get(name)
                     if proxy is not None and not proxy.alive():
-                        runs.append(
+                        self.runs.append(
                             {
                                 "variant": name,
                                 "label": label,
-                                "streams": streams,
+                                key: param,
                                 "error": "proxy is not running",
                                 "log": proxy.log_tail(),
                             }
                         )
                         continue
                     print(
-                        f"# [{rep + 1}/{args.repeat}] {label}: {streams} streams", file=sys.stderr
+                        f"# [{rep + 1}/{args.repeat}] {label}: {describe(param)}", file=sys.stderr
                     )
-                    extra = []
-                    if args.profile and kind in ("muxproxy", "relay"):
-                        out = Path(args.out) / f"pyspy-{name}-{streams}.txt"
-                        extra = ["--profile-out", str(out), "--py-spy", args.py_spy]
-                        args.profiles.append(out)
-                    res = run_client(
-                        args,
-                        [
-                            *common(name),
-                            *extra,
-                            "--mode",
-                            "load",
-                            "--streams",
-                            str(streams),
-                            "--warmup",
-                            str(args.warmup),
-                            "--duration",
-                            str(args.duration),
-                            "--probe-interval",
-                            str(args.probe_interval),
-                        ],
-                        timeout=args.warmup + args.duration + 150,
-                    )
-                    runs.append({"variant": name, "label": label, "repeat": rep, **res})
+                    script, argv, timeout = client(name, param)
+                    res = run_client(args, [*self.common(name), *argv], timeout, script)
+                    self.runs.append({"variant": name, "label": label, "repeat": rep, **res})
+                    if proxy is not None:
+                        self.runs[-1]["proxy_pids"] = proxy.measured_pids()
                     report_problems(label, res, proxy)
-                    quiesce(started)
-        for name, proxy in proxies.items():
+                    quiesce(self.started)
+
+    def check_alive(self) -> None:
+        for name, proxy in self.proxies.items():
             if not proxy.alive():
-                runs.append(
+                self.runs.append(
                     {
                         "variant": name,
-                        "label": VARIANTS[name][0],
+                        "label": variant(name)[0],
                         "error": f"proxy exited ({proxy.proc.returncode})",
                         "log": proxy.log_tail(),
                     }
                 )
-    finally:
-        for proc in reversed(started):
+
+    def stop(self) -> None:
+        for proc in reversed(self.started):
             proc.stop()
-        if args.keep_tmp:
-            print(f"# logs kept in {tmp}", file=sys.stderr)
+        if self.args.keep_tmp:
+            print(f"# logs kept in {self.tmp}", file=sys.stderr)
         else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return {"meta": meta(args), "runs": runs}
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def bench(args: argparse.Namespace) -> dict[str, object]:
+    """``--mode stream``, ``saturation`` or ``llm``: every variant, every parameter."""
+    session = Session(args)
+    try:
+        session.start()
+        if args.mode == "stream":
+            bench_streams(args, session)
+        elif args.mode == "saturation":
+            session.rounds(
+                args.streams,
+                "streams",
+                lambda streams: f"{streams} streams, back to back",
+                lambda name, streams: (
+                    CLIENT,
+                    [
+                        "--mode",
+                        "saturation",
+                        "--streams",
+                        str(streams),
+                        "--burst",
+                        str(args.burst),
+                        "--h2-per-conn",
+                        str(args.h2_per_conn),
+                        *window_opts(args),
+                    ],
+                    args.warmup + args.duration + 60,
+                ),
+            )
+        else:
+            session.rounds(args.rate, "rate", lambda rate: f"{rate:g} requests/s", llm_client(args))
+        session.check_alive()
+    finally:
+        session.stop()
+    return {"meta": meta(args), "runs": session.runs}
+
+
+def window_opts(args: argparse.Namespace) -> list[str]:
+    return ["--warmup", str(args.warmup), "--duration", str(args.duration)]
+
+
+def llm_client(args: argparse.Namespace) -> Callable[[str, float], tuple[Path, list[str], float]]:
+    def client(name: str, rate: float) -> tuple[Path, list[str], float]:
+        argv = [
+            "--rate",
+            str(rate),
+            "--requests",
+            str(args.requests),
+            "--seed",
+            str(args.seed),
+            "--ttft-ms",
+            args.ttft_ms,
+            "--tokens",
+            args.tokens,
+            "--pool-limit",
+            str(args.pool_limit),
+            "--h2-per-conn",
+            str(args.h2_per_conn),
+            "--drain",
+            "60",
+        ]
+        return LLM_CLIENT, argv, args.requests / rate + 120
+
+    return client
+
+
+def bench_streams(args: argparse.Namespace, session: Session) -> None:
+    """``--mode stream``: idle-stream RSS per proxy, then paced load runs."""
+    interval_ms = args.interval * 1000.0
+    stream_opts = [
+        "--interval-ms",
+        str(interval_ms),
+        "--h2-per-conn",
+        str(args.h2_per_conn),
+        "--ramp-limit",
+        str(args.ramp_limit),
+    ]
+    if args.idle_streams and not args.profile:
+        for name, proxy in session.proxies.items():
+            label = variant(name)[0]
+            print(f"# {label}: {args.idle_streams} idle streams (RSS)", file=sys.stderr)
+            res = run_client(
+                args,
+                [
+                    *session.common(name),
+                    *stream_opts,
+                    "--mode",
+                    "idle",
+                    "--streams",
+                    str(args.idle_streams),
+                ],
+                timeout=120,
+            )
+            session.runs.append({"variant": name, "label": label, **res})
+            report_problems(label, res, proxy)
+            quiesce(session.started)
+
+    def client(name: str, streams: int) -> tuple[Path, list[str], float]:
+        extra = []
+        if args.profile and variant(name)[1] in ("muxproxy", "relay"):
+            out = Path(args.out) / f"pyspy-{name}-{streams}.txt"
+            extra = ["--profile-out", str(out), "--py-spy", args.py_spy]
+            args.profiles.append(out)
+        argv = [
+            *stream_opts,
+            *extra,
+            "--mode",
+            "load",
+            "--streams",
+            str(streams),
+            *window_opts(args),
+            "--probe-interval",
+            str(args.probe_interval),
+        ]
+        return CLIENT, argv, args.warmup + args.duration + 150
+
+    session.rounds(args.streams, "streams", lambda streams: f"{streams} streams", client)
 
 
 def report_problems(label: str, res: dict[str, object], proxy: Proc | None) -> None:
@@ -427,7 +602,7 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
     model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    return {
+    out: dict[str, object] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "cpus": os.cpu_count(),
@@ -446,7 +621,19 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
         "idle_streams": args.idle_streams,
         "repeat": args.repeat,
         "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
+        "mode": args.mode,
     }
+    if args.mode == "saturation":
+        out["burst"] = args.burst
+    elif args.mode == "llm":
+        out.update(
+            requests=args.requests,
+            seed=args.seed,
+            ttft_ms=args.ttft_ms,
+            tokens=args.tokens,
+            pool_limit=args.pool_limit,
+        )
+    return out
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -461,6 +648,10 @@ def fmt(value: object, spec: str = ".1f") -> str:
         return str(value)
 
 
+SATURATED_PCT = 85.0
+"""A process at this much of a core or more is (nearly) a bottleneck."""
+
+
 def median(values: list[float]) -> float | None:
     values = sorted(v for v in values if v is not None and v == v)
     if not values:
@@ -469,53 +660,65 @@ def median(values: list[float]) -> float | None:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def aggregate(runs: list[dict[str, object]]) -> list[dict[str, object]]:
-    """One row per (variant, streams): the median over repeats of every metric."""
-    groups: dict[tuple[str, int], list[dict[str, object]]] = {}
+def median_rows(
+    runs: list[dict[str, Any]], mode: str, key: str, metrics: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One row per (variant, ``key``) over the runs of ``mode``: for each metric (name: dotted
+    path into a run, e.g. ``cpu_pct.proxy``) the median over repeats, runs without it left out.
+    ``row["group"]`` holds the runs."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for r in runs:
-        if r.get("mode") == "load":
-            groups.setdefault((r["variant"], r["streams"]), []).append(r)
+        if r.get("mode") == mode:
+            groups.setdefault((r["variant"], r[key]), []).append(r)
     rows = []
-    for (variant, streams), group in groups.items():
-
-        def med(get: object, group: list[dict[str, object]] = group) -> float | None:
-            out = []
+    for (name, value), group in groups.items():
+        row = {"variant": name, "label": group[0]["label"], key: value, "repeats": len(group)}
+        for metric, path in metrics.items():
+            values = []
             for r in group:
-                try:
-                    out.append(get(r))  # type: ignore[operator]
-                except (KeyError, TypeError):
-                    pass
-            return median(out)
-
-        first = group[0]
-        row = {
-            "variant": variant,
-            "label": first["label"],
-            "streams": streams,
-            "repeats": len(group),
-            "events_per_s": med(lambda r: r["events_per_s"]),
-            "expected": first["expected_events_per_s"],
-            "min_events_per_s": min(r["events_per_s"] for r in group),
-            "proxy_cpu_pct": med(lambda r: r["cpu_pct"]["proxy"]),
-            "us_per_event": med(lambda r: r["proxy_cpu_us_per_event"]),
-            "backend_cpu_pct": med(lambda r: r["cpu_pct"]["backend"]),
-            "client_cpu_pct": med(lambda r: r["client_cpu_pct"]),
-            "others_cpu_pct": med(lambda r: r["other_processes_cpu_pct"]),
-            "backend_events_per_s": med(lambda r: r["backend_events_per_s"]),
-            "ttfb_p50": med(lambda r: r["ttfb_ms"]["p50"]),
-            "behind": [
-                r
-                for r in group
-                if r["events_per_s"] < 0.97 * r["expected_events_per_s"]
-                or r.get("streams_without_events")
-            ],
-            "errors": [r["errors"] for r in group if r.get("errors")],
-        }
-        for q in ("min", "p50", "p90", "p99", "p999", "max"):
-            row[f"lat_{q}"] = med(lambda r, q=q: r["latency_ms"][q])
+                with contextlib.suppress(KeyError, TypeError):
+                    value: Any = r
+                    for part in path.split("."):
+                        value = value[part]
+                    values.append(value)
+            row[metric] = median(values)
+        row["group"] = group
         rows.append(row)
-    order = list(VARIANTS)
-    rows.sort(key=lambda r: (r["streams"], order.index(r["variant"])))
+    rows.sort(key=lambda r: (r[key], variant_order(r["variant"])))
+    return rows
+
+
+CPU_METRICS = {
+    "proxy_cpu_pct": "cpu_pct.proxy",
+    "us_per_event": "proxy_cpu_us_per_event",
+    "backend_cpu_pct": "cpu_pct.backend",
+    "client_cpu_pct": "client_cpu_pct",
+    "others_cpu_pct": "other_processes_cpu_pct",
+}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (variant, streams): the median over repeats of every metric."""
+    metrics = {
+        "events_per_s": "events_per_s",
+        **CPU_METRICS,
+        "backend_events_per_s": "backend_events_per_s",
+        "ttfb_p50": "ttfb_ms.p50",
+    }
+    for q in ("min", "p50", "p90", "p99", "p999", "max"):
+        metrics[f"lat_{q}"] = f"latency_ms.{q}"
+    rows = median_rows(runs, "load", "streams", metrics)
+    for row in rows:
+        group = row["group"]
+        row["expected"] = group[0]["expected_events_per_s"]
+        row["min_events_per_s"] = min(r["events_per_s"] for r in group)
+        row["behind"] = [
+            r
+            for r in group
+            if r["events_per_s"] < 0.97 * r["expected_events_per_s"]
+            or r.get("streams_without_events")
+        ]
+        row["errors"] = [r["errors"] for r in group if r.get("errors")]
     return rows
 
 
@@ -613,11 +816,207 @@ def table(result: dict[str, object]) -> str:
     return "\n".join([*lines, "", *notes])
 
 
+def saturation_table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    rows = median_rows(
+        runs,
+        "saturation",
+        "streams",
+        {
+            "events_per_s": "events_per_s",
+            "per_core": "events_per_s_per_proxy_core",
+            "backend_events_per_s": "backend_events_per_s",
+            **CPU_METRICS,
+        },
+    )
+    cols = [
+        "variant",
+        "streams",
+        "events/s",
+        "proxy CPU %",
+        "events/s per proxy core",
+        "proxy CPU µs/event",
+        "backend CPU %",
+        "client CPU %",
+        "other procs CPU %",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    notes = []
+    for r in rows:
+        where = f"{r['label']}, {r['streams']} streams"
+        limits = [
+            f"the {who} used {r[f'{who}_cpu_pct']:.0f} % of a core"
+            for who in ("backend", "client")
+            if (r[f"{who}_cpu_pct"] or 0) >= SATURATED_PCT
+        ]
+        if limits:
+            notes.append(
+                f"⚠ {where}: {' and '.join(limits)}: it, not the "
+                + ("path" if r["variant"] == "direct" else "proxy")
+                + " may be the limit; the events/s is a lower bound"
+            )
+        _, kind, _, workers = variant(r["variant"])
+        cores = max(1, workers)
+        others = f"other processes: {fmt(r['others_cpu_pct'], '.0f')} %"
+        if limits:
+            pass
+        elif kind is None:
+            notes.append(
+                f"⚠ {where}: neither the backend nor the client used a whole core ({others}): "
+                "the machine set the pace"
+            )
+        elif (r["proxy_cpu_pct"] or 0) < SATURATED_PCT * cores:
+            notes.append(
+                f"⚠ {where}: the proxy used {fmt(r['proxy_cpu_pct'], '.0f')} % CPU of the "
+                f"{100 * cores} % it could use ({others}): the machine held it back; events/s "
+                "per proxy core is still comparable"
+            )
+        for run in r["group"]:
+            if run.get("errors") or run.get("streams_without_events"):
+                notes.append(
+                    f"errors in {where}: {run.get('errors')}, "
+                    f"{run.get('streams_without_events')} streams got no event"
+                )
+        flag = " ⚠" if any(n.startswith(f"⚠ {where}:") for n in notes) else ""
+        cells = [
+            r["label"],
+            str(r["streams"]),
+            f"{fmt(r['events_per_s'], ',.0f')}{flag}",
+            fmt(r["proxy_cpu_pct"], ".0f"),
+            fmt(r["per_core"], ",.0f"),
+            fmt(r["us_per_event"], ".1f"),
+            fmt(r["backend_cpu_pct"], ".0f"),
+            fmt(r["client_cpu_pct"], ".0f"),
+            fmt(r["others_cpu_pct"], ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    repeats = max((r["repeats"] for r in rows), default=1)
+    burst = result["meta"].get("burst")
+    lines.insert(
+        0,
+        f"Saturation: back-to-back events, {burst} per backend write. "
+        f"Medians over {repeats} repeat(s) per row.\n",
+    )
+    return "\n".join([*lines, "", *notes, *error_notes(runs)])
+
+
+def llm_table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    metrics = {
+        "completed_per_s": "request_throughput",
+        "failed": "failed",
+        "tokens_per_s": "output_token_throughput",
+        "e2e_p50": "e2e_ms.p50",
+        **CPU_METRICS,
+    }
+    for what in ("ttft", "itl", "token_latency"):
+        for q in ("p50", "p99"):
+            metrics[f"{what}_{q}"] = f"{what}_ms.{q}"
+    rows = median_rows(runs, "llm", "rate", metrics)
+    direct = {r["rate"]: r for r in rows if r["variant"] == "direct"}
+    cols = [
+        "variant",
+        "offered req/s",
+        "completed req/s",
+        "failed",
+        "tokens/s",
+        "TTFT p50 / p99 (ms)",
+        "added TTFT p50 / p99 vs direct",
+        "ITL p50 / p99 (ms)",
+        "added ITL p50 / p99 vs direct",
+        "E2E p50 (ms)",
+        "token latency p50 / p99 (ms)",
+        "proxy CPU %",
+        "proxy CPU µs/event",
+        "backend CPU %",
+        "client CPU %",
+        "other procs CPU %",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    notes = []
+
+    def pair(r: dict[str, Any], what: str) -> str:
+        return f"{fmt(r[f'{what}_p50'], '.2f')} / {fmt(r[f'{what}_p99'], '.2f')}"
+
+    def added(r: dict[str, Any], what: str) -> str:
+        base = direct.get(r["rate"])
+        if base is None or base is r or r[f"{what}_p50"] is None or base[f"{what}_p50"] is None:
+            return "-"
+        p50 = r[f"{what}_p50"] - base[f"{what}_p50"]
+        return f"{p50:+.2f} / {r[f'{what}_p99'] - base[f'{what}_p99']:+.2f}"
+
+    for r in rows:
+        where = f"{r['label']}, {r['rate']:g} req/s"
+        for run in r["group"]:
+            if run.get("failures"):
+                notes.append(f"⚠ {where}: failed requests {run['failures']}")
+            if run.get("pool_waits"):
+                notes.append(
+                    f"{where}: {run['pool_waits']} requests waited for one of the "
+                    f"{run['connections']} pooled connections (their TTFT includes the wait)"
+                )
+            if run.get("dispatch_lag_max_ms", 0) > 50:
+                notes.append(
+                    f"⚠ {where}: the client sent a request up to "
+                    f"{run['dispatch_lag_max_ms']:.0f} ms after its time (client CPU "
+                    f"{run['client_cpu_pct']:.0f} %, other processes "
+                    f"{run['other_processes_cpu_pct']:.0f} %): not quite open loop"
+                )
+            for who, pct in (
+                ("backend", run["cpu_pct"]["backend"]),
+                ("client", run["client_cpu_pct"]),
+            ):
+                if pct >= SATURATED_PCT:
+                    notes.append(f"⚠ {where}: the {who} used {pct:.0f} % of a core")
+        cells = [
+            r["label"],
+            f"{r['rate']:g}",
+            fmt(r["completed_per_s"], ".2f"),
+            fmt(r["failed"], ".0f"),
+            fmt(r["tokens_per_s"], ",.0f"),
+            pair(r, "ttft"),
+            added(r, "ttft"),
+            pair(r, "itl"),
+            added(r, "itl"),
+            fmt(r["e2e_p50"], ",.0f"),
+            pair(r, "token_latency"),
+            fmt(r["proxy_cpu_pct"], ".0f"),
+            fmt(r["us_per_event"], ".0f"),
+            fmt(r["backend_cpu_pct"], ".0f"),
+            fmt(r["client_cpu_pct"], ".0f"),
+            fmt(r["others_cpu_pct"], ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = result["meta"]
+    repeats = max((r["repeats"] for r in rows), default=1)
+    lines.insert(
+        0,
+        f"LLM load: {meta.get('requests')} requests per row, Poisson arrivals, seed "
+        f"{meta.get('seed')}, TTFT {meta.get('ttft_ms')} ms, {meta.get('tokens')} tokens, one "
+        f"token per {meta['interval_s'] * 1000:g} ms. Medians over {repeats} repeat(s) per row.\n",
+    )
+    return "\n".join([*lines, "", *notes, *error_notes(runs)])
+
+
+def error_notes(runs: list[dict[str, Any]]) -> list[str]:
+    return [f"ERROR {r.get('label')}: {r['error']}" for r in runs if r.get("error")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--streams", default="100,1000", help="comma-separated stream counts")
+    parser.add_argument(
+        "--mode",
+        choices=("stream", "saturation", "llm"),
+        default="stream",
+        help="stream: paced streams (the default); saturation: back-to-back events; "
+        "llm: open-loop chat completions",
+    )
+    parser.add_argument(
+        "--streams",
+        help="comma-separated stream counts (stream: 100,1000; saturation: 16)",
+    )
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between events")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--duration", type=float, default=10.0, help="measurement window (s)")
@@ -652,22 +1051,37 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the logs and nginx conf")
+    sat = parser.add_argument_group("--mode saturation")
+    sat.add_argument("--burst", type=int, default=16, help="events per backend write")
+    llm = parser.add_argument_group("--mode llm (see bench/llm_load.py)")
+    llm.add_argument("--rate", default="20", help="comma-separated request rates (req/s)")
+    llm.add_argument("--requests", type=int, default=800, help="requests per run")
+    llm.add_argument("--seed", type=int, default=0)
+    llm.add_argument("--ttft-ms", default="50,200", help="time to first token, MIN,MAX")
+    llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
+    llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
-    args.streams = [int(s) for s in args.streams.split(",") if s]
+    default_streams = {"stream": "100,1000", "saturation": "16", "llm": ""}[args.mode]
+    args.streams = [int(s) for s in (args.streams or default_streams).split(",") if s]
+    args.rate = [float(r) for r in args.rate.split(",") if r]
     args.profiles = []
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in VARIANTS and not WORKERS_VARIANT.fullmatch(v)]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    if any(VARIANTS[v][1] == "nginx" for v in args.variants) and not Path(args.nginx).exists():
+        parser.error(
+            f"unknown variants {unknown}; choose from {list(VARIANTS)} or muxproxy-h1-wN, "
+            "muxproxy-h2-wN (N worker processes)"
+        )
+    if any(variant(v)[1] == "nginx" for v in args.variants) and not Path(args.nginx).exists():
         parser.error("nginx not found (apt-get install nginx-light), or leave out --variants nginx")
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
     result = bench(args)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(args.out) / f"sse-bench-{stamp}.json"
+    name = "sse-bench" if args.mode == "stream" else args.mode
+    path = Path(args.out) / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(table(result))
+    print({"stream": table, "saturation": saturation_table, "llm": llm_table}[args.mode](result))
     print(f"\nresults: {path}")
     if args.profile:
         for prof in args.profiles:
