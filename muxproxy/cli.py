@@ -105,12 +105,29 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     )
     serve.add_argument("--tls-cert", metavar="FILE", help="TLS certificate chain (PEM)")
     serve.add_argument("--tls-key", metavar="FILE", help="TLS private key (PEM)")
+    serve.add_argument(
+        "--workers",
+        type=_worker_count,
+        default=1,
+        metavar="N",
+        help="worker processes sharing the listeners (SO_REUSEPORT; default 1, Linux for more)",
+    )
     serve.set_defaults(handler=_serve)
     subparsers["serve"] = serve
 
     for name, (_, help_text) in _DELEGATED.items():
         subparsers[name] = commands.add_parser(name, help=help_text, description=help_text)
     return parser, subparsers
+
+
+def _worker_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return count
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
@@ -263,6 +280,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc, args.config)
         return EXIT_USAGE
+    if args.workers > 1:
+        from muxproxy.workers import supervise
+
+        return supervise(config, args.workers)
     return run_server(config)
 
 

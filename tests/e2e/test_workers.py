@@ -1,0 +1,308 @@
+"""``muxproxy serve --workers N`` as a user runs it: a real supervisor and worker processes.
+
+Which worker served a connection is read from the kernel, not guessed: the proxy's end of a
+connection is the socket in ``/proc/net/tcp`` whose local port is the proxy's and whose remote
+port is the client's, and the worker holding that socket's inode among its fds accepted it.
+SO_REUSEPORT spreads connections by a hash of the 4-tuple, so a test keeps opening fresh
+connections until every worker has served one (bounded by a count and a deadline).
+
+Every wait is on a condition with a deadline; the ``/proc`` polls step by a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import pytest
+import trio
+from peers import h1_read_response, h1_request_bytes, open_tcp
+
+from muxproxy.cli import main
+
+if TYPE_CHECKING:
+    from conftest import StartBackend
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="--workers needs Linux (SO_REUSEPORT, PR_SET_PDEATHSIG)"
+)
+
+START_TIMEOUT = 15
+"""Seconds for a supervisor to print its listening line: N interpreters start and import."""
+MAX_CONNECTIONS = 200
+"""Fresh connections tried before concluding that some worker is never handed one."""
+POLL = 0.005
+"""Seconds between looks at ``/proc`` while waiting for a process to appear or go."""
+
+
+# ---- processes, from /proc -------------------------------------------------------------------
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (``Z`` for a zombie), or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def is_alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z")
+
+
+def children_of(parent: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == parent and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def accepting_worker(proxy_port: int, client_port: int, workers: set[int]) -> int | None:
+    """The worker holding the proxy's end of the connection from ``client_port``, if any."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, inode = fields[1], fields[2], fields[9]
+        if local.endswith(f":{proxy_port:04X}") and remote.endswith(f":{client_port:04X}"):
+            inodes.add(f"socket:[{inode}]")
+    for pid in workers:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+async def wait_for(condition: str, predicate: Callable[[], bool], timeout: float = 10) -> None:
+    """Poll ``predicate()`` until it holds; fail naming ``condition`` after ``timeout``."""
+    with trio.move_on_after(timeout):
+        while not predicate():
+            await trio.sleep(POLL)
+        return
+    raise AssertionError(f"timed out waiting until {condition}")
+
+
+def quick(backend_port: int, *, workers: int = 2, port: int = 0) -> list[str]:
+    """``serve`` flags: ``workers`` workers on 127.0.0.1:``port`` before one backend."""
+    return [
+        *("--workers", str(workers), "--listen", f"127.0.0.1:{port}"),
+        *("--upstream", f"127.0.0.1:{backend_port}"),
+    ]
+
+
+# ---- a supervisor ----------------------------------------------------------------------------
+
+
+@attrs.define
+class Supervisor:
+    process: trio.Process
+    port: int
+    stdout: bytes
+    """What it printed to stdout so far: its listening line, and more once it exited."""
+    stderr: Path
+    seen_workers: set[int] = attrs.field(factory=set)
+
+    def workers(self) -> set[int]:
+        current = children_of(self.process.pid)
+        self.seen_workers |= current
+        return current
+
+    def errors(self) -> str:
+        return self.stderr.read_text()
+
+    async def request(self) -> int | None:
+        """GET /v1/models on a fresh connection (must answer 200); the worker that served it."""
+        async with await open_tcp(self.port) as stream:
+            conn, data = h1_request_bytes(b"/v1/models")
+            await stream.send_all(data)
+            response, _ = await h1_read_response(stream, conn)
+            assert response.status_code == 200, response
+            # Still open (keep-alive): the worker holds the proxy's end.
+            return accepting_worker(self.port, stream.socket.getsockname()[1], self.workers())
+
+    async def wait_served_by(self, workers: set[int]) -> int:
+        """Fresh connections until each of ``workers`` served one; returns how many it took."""
+        served: set[int] = set()
+        with trio.fail_after(10):
+            for count in range(1, MAX_CONNECTIONS + 1):
+                pid = await self.request()
+                if pid is not None:
+                    served.add(pid)
+                if served >= workers:
+                    return count
+        raise AssertionError(f"{MAX_CONNECTIONS} connections, served by {served} of {workers}")
+
+    async def wait_exit(self, timeout: float = 10) -> int:
+        with trio.fail_after(timeout):
+            assert self.process.stdout is not None
+            while chunk := await self.process.stdout.receive_some(4096):
+                self.stdout += chunk
+            return await self.process.wait()
+
+
+@asynccontextmanager
+async def supervisor(tmp_path: Path, *args: str) -> AsyncIterator[Supervisor]:
+    """``python -m muxproxy serve ARGS`` with its listening line read; stopped at the end."""
+    stderr = tmp_path / "supervisor.stderr"
+    with stderr.open("wb") as err:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "muxproxy", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    running: Supervisor | None = None
+    try:
+        assert process.stdout is not None
+        out = b""
+        with trio.fail_after(START_TIMEOUT):
+            while b"\n" not in out:
+                chunk = await process.stdout.receive_some(4096)
+                assert chunk, f"exited before listening: {stderr.read_text()}"
+                out += chunk
+        line = out.split(b"\n", 1)[0].decode()
+        assert line.startswith("muxproxy listening on http://127.0.0.1:"), line
+        running = Supervisor(
+            process=process, port=int(line.rsplit(":", 1)[1]), stdout=out, stderr=stderr
+        )
+        running.workers()
+        yield running
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                with trio.move_on_after(10):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            # Our own workers only, should the supervisor have failed to stop them.
+            for pid in running.seen_workers if running is not None else ():
+                if is_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+async def test_workers_share_the_port_and_each_serves_connections(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    _, backend_port = await start_backend()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        workers = proxy.workers()
+        assert len(workers) == 2
+        for _ in range(40):
+            await proxy.request()
+        await proxy.wait_served_by(workers)
+        proxy.process.send_signal(signal.SIGINT)
+        assert await proxy.wait_exit() == 0
+    lines = proxy.stdout.decode().splitlines()
+    assert lines == [f"muxproxy listening on http://127.0.0.1:{proxy.port}"]
+    assert proxy.errors() == ""
+
+
+async def test_a_killed_worker_is_replaced(tmp_path: Path, start_backend: StartBackend) -> None:
+    _, backend_port = await start_backend()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        victim, survivor = sorted(proxy.workers())
+        os.kill(victim, signal.SIGKILL)
+        await wait_for("the worker is replaced", lambda: len(proxy.workers() - {victim}) == 2)
+        workers = proxy.workers()
+        assert survivor in workers and victim not in workers
+        # The replacement listens on the same port: it is handed connections too.
+        await proxy.wait_served_by(workers)
+        assert f"worker {victim} was killed by SIGKILL; starting another" in proxy.errors()
+
+
+async def test_sigterm_stops_every_worker_and_exits_zero(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    _, backend_port = await start_backend()
+    config = tmp_path / "muxproxy.toml"
+    config.write_text(
+        '[[listeners]]\naddress = "127.0.0.1:0"\n\n'
+        f'[upstreams.gpus]\nservers = ["127.0.0.1:{backend_port}"]\n\n'
+        '[[routes]]\nprefix = "/"\nupstream = "gpus"\n'
+    )
+    async with supervisor(tmp_path, "--workers", "3", "--config", str(config)) as proxy:
+        workers = proxy.workers()
+        assert len(workers) == 3
+        await proxy.request()
+        proxy.process.send_signal(signal.SIGTERM)
+        assert await proxy.wait_exit() == 0
+        assert not any(is_alive(pid) for pid in workers)
+
+
+async def test_workers_do_not_outlive_a_killed_supervisor(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    _, backend_port = await start_backend()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        workers = proxy.workers()
+        proxy.process.kill()
+        await proxy.process.wait()
+        await wait_for("the workers exit", lambda: not any(is_alive(p) for p in workers))
+
+
+async def test_a_crash_loop_gives_up_with_status_1(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    _, backend_port = await start_backend()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        # Two replacements within the window are allowed for two workers; the third is not.
+        for _ in range(2):
+            before = proxy.workers()
+            os.kill(min(before), signal.SIGKILL)
+            await wait_for("a replacement starts", lambda b=before: len(proxy.workers() - b) == 1)
+        os.kill(min(proxy.workers()), signal.SIGKILL)
+        assert await proxy.wait_exit() == 1
+        assert "giving up" in proxy.errors()
+        assert not any(is_alive(pid) for pid in proxy.seen_workers)
+
+
+async def test_a_port_in_use_fails_the_start(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with trio.fail_after(START_TIMEOUT):
+            result = await trio.run_process(
+                [sys.executable, "-m", "muxproxy", "serve", *quick(9, port=port)],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    assert result.returncode == 1
+    assert result.stdout == b""
+    errors = result.stderr.decode()
+    assert "cannot serve" in errors and "while starting" in errors
+
+
+@pytest.mark.parametrize("count", ["0", "-1", "two"])
+def test_workers_must_be_a_positive_number(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--workers", count, "--listen", "127.0.0.1:0", "--upstream", "a:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--workers" in err and repr(count) in err
