@@ -19,6 +19,12 @@ head becomes a message. Content-Length next to Transfer-Encoding is refused by
 ``intake.request_from_h1``. Chunk sizes h11 checks itself (hex digits only); an absurdly large
 one is bounded by ``limits.max_request_body``. The body always reaches the backend re-framed by
 our own h11 client, never as the client's bytes.
+
+One departure from "h11 owns the framing": a backend's *chunked response body* is decoded by
+``chunked.ChunkedDecoder`` once h11 has parsed the head (the bytes h11 read past the head come
+from its public ``trailing_data``). h11 makes one event per chunk, and an LLM backend sends one
+chunk per token; the decoder hands the proxy everything a read completed as one ``Body``.
+The connection's next response gets a fresh ``h11.Connection``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Iterable
 import attrs
 import h11
 
+from .chunked import ChunkedDecoder, ChunkedError
 from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
 from .intake import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
@@ -241,11 +248,18 @@ class H1Client:
     def __init__(self, *, max_head: int = DEFAULT_MAX_HEAD) -> None:
         # A backend's response head is bounded like a client's request head: past
         # ``max_head`` unparsed bytes h11 raises, which ``receive`` turns into an Abort (502).
+        self.max_head = max_head
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_head)
         self.stream = 0
+        self.method = b""
+        self.chunked: ChunkedDecoder | None = None
+        """Decodes the current response's chunked body, once h11 has parsed its head."""
+        self.extra = False
+        """The backend sent bytes after the end of the response (RFC 9112 §9.3)."""
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
         self.stream = stream
+        self.method = method
         return self.conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
 
     def send_body(self, data: bytes) -> bytes:
@@ -263,8 +277,11 @@ class H1Client:
         A broken response (bad framing, EOF inside a chunked body) ends in ``Abort``: the
         truncation must stay visible to the client.
         """
-        self.conn.receive_data(data)
         out: list[Message] = []
+        if self.chunked is not None:
+            self._receive_chunked(data, out)
+            return out
+        self.conn.receive_data(data)
         conn = self.conn
         stream = self.stream
         while True:
@@ -278,11 +295,18 @@ class H1Client:
             if type(event) is h11.Data:
                 out.append(Body(stream=stream, data=bytes(event.data)))
             elif type(event) is h11.Response:
-                out.append(
-                    ResponseHead(
-                        stream=stream, status=event.status_code, headers=list(event.headers)
-                    )
-                )
+                headers = list(event.headers)
+                out.append(ResponseHead(stream=stream, status=event.status_code, headers=headers))
+                if self._body_is_chunked(event.status_code, headers):
+                    # RFC 9112 §6.3: h11 accepts no transfer coding but chunked, so the body
+                    # is chunked. It is ours from the byte after the head.
+                    self.chunked = ChunkedDecoder(max_line=self.max_head)
+                    rest, closed = conn.trailing_data
+                    if rest:
+                        self._receive_chunked(rest, out)
+                    if closed:
+                        self._receive_chunked(b"", out)
+                    return out
             elif type(event) is h11.EndOfMessage:
                 out.append(End(stream=stream, trailers=list(event.headers)))
             elif type(event) is h11.InformationalResponse:
@@ -302,12 +326,50 @@ class H1Client:
             else:  # pragma: no cover
                 raise AssertionError(f"unexpected h11 event {event!r}")
 
+    def _body_is_chunked(self, status: int, headers: Headers) -> bool:
+        # RFC 9112 §6.3: no body for HEAD, 1xx, 204, 304, whatever the headers say.
+        if self.method == b"HEAD" or status < 200 or status in (204, 304):
+            return False
+        return any(name == b"transfer-encoding" for name, _ in headers)
+
+    def _receive_chunked(self, data: bytes, out: list[Message]) -> None:
+        decoder = self.chunked
+        assert decoder is not None
+        stream = self.stream
+        if decoder.done:
+            self.extra = self.extra or bool(data)
+            return
+        if not data:
+            out.append(Abort(stream=stream, reason="backend closed the connection"))
+            return
+        try:
+            payload, after = decoder.feed(data)
+        except ChunkedError as exc:
+            out.append(Abort(stream=stream, reason=f"bad response from backend: {exc}"))
+            return
+        if payload:
+            out.append(Body(stream=stream, data=payload))
+        if decoder.done:
+            self.extra = bool(after)
+            out.append(End(stream=stream, trailers=decoder.trailers))
+
     @property
     def reusable(self) -> bool:
-        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+        conn = self.conn
+        if conn.our_state is not h11.DONE:
+            return False
+        if self.chunked is not None:
+            return self.chunked.done and not self.extra
+        return conn.their_state is h11.DONE
 
     def next_cycle(self) -> None:
-        self.conn.start_next_cycle()
+        if self.chunked is not None:
+            # h11 never saw the body: the next response starts on a fresh state machine.
+            self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.max_head)
+            self.chunked = None
+            self.extra = False
+        else:
+            self.conn.start_next_cycle()
 
     @property
     def response_started(self) -> bool:

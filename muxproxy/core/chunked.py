@@ -1,0 +1,126 @@
+"""The chunked transfer coding of a backend's response body (RFC 9112 §7.1), decoded per read.
+
+h11 parses every response head and owns every other framing; a chunked response body is
+decoded here instead. h11 turns each chunk into its own event (an LLM server's token is one
+chunk), so a read that carries a hundred tokens cost a hundred trips through its state
+machine and ours. ``ChunkedDecoder.feed`` returns the payload of everything one read
+completed as one piece: one ``Body`` for the proxy to forward, however many chunks it held.
+
+Grammar (RFC 9112 §7.1, with §7.1.1 extensions and §7.1.2 trailers)::
+
+    chunked-body   = *chunk last-chunk trailer-section CRLF
+    chunk          = chunk-size [ chunk-ext ] CRLF chunk-data CRLF
+    last-chunk     = 1*("0") [ chunk-ext ] CRLF
+
+As strict as h11 where it matters for framing: a size is hex digits only (at most 16), every
+line ends in CRLF, chunk data is followed by CRLF. Extensions are ignored (§7.1.1 allows it)
+but must be printable; trailer fields must be well formed, and are passed on lowercased, as
+h11 would. Anything else raises ``ChunkedError``: the response is truncated, visibly.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Like h11: no whitespace before ";", optional whitespace before the CRLF.
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t\x20-\x7e\x80-\xff]*)?[ \t]*")
+_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*")
+
+_SIZE, _DATA, _DATA_END, _TRAILERS, _DONE = range(5)
+
+
+class ChunkedError(Exception):
+    """The backend's chunked body is malformed."""
+
+
+class ChunkedDecoder:
+    """Incremental decoder of one chunked body; ``feed`` until ``done``."""
+
+    __slots__ = ("_buffer", "_max_line", "_remaining", "_state", "_trailer_bytes", "trailers")
+
+    def __init__(self, *, max_line: int = 64 * 1024) -> None:
+        self._state = _SIZE
+        self._buffer = b""
+        """Bytes of a line (size, CRLF or trailer) not complete yet."""
+        self._remaining = 0
+        """Payload bytes of the current chunk still to come."""
+        self._max_line = max_line
+        self._trailer_bytes = 0
+        self.trailers: list[tuple[bytes, bytes]] = []
+
+    @property
+    def done(self) -> bool:
+        """The last chunk and the trailer section have been read."""
+        return self._state == _DONE
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes]:
+        """Decode ``data``; return (payload it completed, bytes after the end of the body).
+
+        The second part is empty unless this read finished the body and the backend sent
+        more behind it (which makes the connection unusable: RFC 9112 §9.3).
+        """
+        if self._buffer:
+            data = self._buffer + data
+            self._buffer = b""
+        payload: list[bytes] = []
+        pos = 0
+        end = len(data)
+        state = self._state
+        while pos < end:
+            if state == _DATA:
+                take = min(self._remaining, end - pos)
+                payload.append(data[pos : pos + take])
+                pos += take
+                self._remaining -= take
+                if not self._remaining:
+                    state = _DATA_END
+            elif state == _SIZE:
+                line_end = data.find(b"\r\n", pos)
+                if line_end < 0:
+                    self._keep_partial_line(data, pos)
+                    break
+                match = _SIZE_LINE.fullmatch(data, pos, line_end)
+                if match is None:
+                    raise ChunkedError(f"bad chunk size line {data[pos:line_end][:40]!r}")
+                pos = line_end + 2
+                self._remaining = int(match.group(1), 16)
+                state = _DATA if self._remaining else _TRAILERS
+            elif state == _DATA_END:
+                if end - pos < 2:
+                    self._keep_partial_line(data, pos)
+                    break
+                if data[pos : pos + 2] != b"\r\n":
+                    raise ChunkedError("chunk data not followed by CRLF")
+                pos += 2
+                state = _SIZE
+            elif state == _TRAILERS:
+                line_end = data.find(b"\r\n", pos)
+                if line_end < 0:
+                    self._keep_partial_line(data, pos)
+                    break
+                last = line_end == pos  # the empty line ends the trailer section
+                if not last:
+                    self._trailer_line(data, pos, line_end)
+                pos = line_end + 2
+                if last:
+                    self._state = _DONE
+                    return b"".join(payload), data[pos:]
+            else:  # _DONE: the caller stops feeding
+                break
+        self._state = state
+        return b"".join(payload), b""
+
+    def _keep_partial_line(self, data: bytes, pos: int) -> None:
+        rest = data[pos:]
+        if len(rest) > self._max_line:
+            raise ChunkedError(f"chunk line longer than {self._max_line} bytes")
+        self._buffer = rest
+
+    def _trailer_line(self, data: bytes, start: int, end: int) -> None:
+        self._trailer_bytes += end - start + 2
+        if self._trailer_bytes > self._max_line:
+            raise ChunkedError(f"trailer section longer than {self._max_line} bytes")
+        match = _FIELD.fullmatch(data, start, end)
+        if match is None:
+            raise ChunkedError(f"bad trailer field {data[start:end][:40]!r}")
+        self.trailers.append((match.group(1).lower(), match.group(2)))
