@@ -184,7 +184,9 @@ class StartError(RuntimeError):
 class Proc:
     """A process we started: its log, the PIDs to measure, and a stop that always happens."""
 
-    def __init__(self, name: str, argv: list[str], log: Path, port: int) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log: Path, port: int, cwd: Path | None = None
+    ) -> None:
         self.name = name
         self.log = log
         self.port = port
@@ -194,6 +196,7 @@ class Proc:
             stdout=self.logfile,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            cwd=cwd,
             # A shell without job control starts background jobs with SIGINT ignored; give the
             # child the default back so that stop() can end it gracefully with SIGINT.
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -247,6 +250,10 @@ def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
     return proc
 
 
+MUXPROXY_SRC = ROOT
+"""The checkout whose ``muxproxy`` package the muxproxy variants run (``--muxproxy-src``)."""
+
+
 def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0) -> Proc:
     """Start a proxy and wait until it listens (and its workers exist); StartError if not."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -257,7 +264,8 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
         argv += ["--upstream", backend]
         if workers:
             argv += ["--workers", str(workers)]
-        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port)
+        # ``-m`` puts the working directory first on sys.path: the package of MUXPROXY_SRC runs.
+        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=MUXPROXY_SRC)
     elif kind == "relay":
         argv = [sys.executable, str(RELAY), "--listen", listen, "--upstream", backend]
         proc = Proc("trio-relay", argv, tmp / "trio-relay.log", port)
@@ -591,14 +599,17 @@ def report_problems(label: str, res: dict[str, object], proxy: Proc | None) -> N
 def meta(args: argparse.Namespace) -> dict[str, object]:
     def cmd(argv: list[str]) -> str:
         try:
-            done = subprocess.run(argv, capture_output=True, timeout=10, check=False, cwd=ROOT)
+            done = subprocess.run(
+                argv, capture_output=True, timeout=10, check=False, cwd=MUXPROXY_SRC
+            )
             return (done.stdout or done.stderr).decode(errors="replace").strip()
         except OSError:
             return ""
 
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "muxproxy").rglob("*.py")):
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in sorted((MUXPROXY_SRC / "muxproxy").rglob("*.py")):
+        relative = path.relative_to(MUXPROXY_SRC).as_posix()
+        digest.update(relative.encode() + b"\0" + path.read_bytes())
     model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
@@ -1043,6 +1054,12 @@ def main() -> None:
     )
     parser.add_argument("--probe-interval", type=float, default=0.1, help="TTFB probe period")
     parser.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
+    parser.add_argument(
+        "--muxproxy-src",
+        type=Path,
+        default=ROOT,
+        help="run the muxproxy package of this checkout (e.g. a git worktree of an older commit)",
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument(
         "--profile",
@@ -1061,6 +1078,8 @@ def main() -> None:
     llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
     llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
+    global MUXPROXY_SRC
+    MUXPROXY_SRC = args.muxproxy_src.resolve()
     default_streams = {"stream": "100,1000", "saturation": "16", "llm": ""}[args.mode]
     args.streams = [int(s) for s in (args.streams or default_streams).split(",") if s]
     args.rate = [float(r) for r in args.rate.split(",") if r]

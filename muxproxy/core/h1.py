@@ -1,9 +1,9 @@
 """HTTP/1.1 adapters: one ``h11.Connection`` each, translated to and from core messages.
 
 Obeys RFC 9112 through h11, which owns the framing (Content-Length, chunked, read-until-close)
-and the keep-alive cycle. The adapters add nothing to the wire that h11 did not produce, and they
-hold no buffers of their own: bytes in become messages at once, messages out become bytes at
-once — that is what keeps one SSE token one write (per-chunk flush).
+and the keep-alive cycle, with the two exceptions below. The adapters hold no buffers of their
+own: bytes in become messages at once, messages out become bytes at once — that is what keeps
+one SSE token one write (per-chunk flush).
 
 ``H1Server`` faces a client, ``H1Client`` faces a backend. Errors by blame: a peer's malformed
 bytes raise ``PeerError`` (with the status h11 suggests), our own misuse raises h11's
@@ -20,11 +20,17 @@ head becomes a message. Content-Length next to Transfer-Encoding is refused by
 one is bounded by ``limits.max_request_body``. The body always reaches the backend re-framed by
 our own h11 client, never as the client's bytes.
 
-One departure from "h11 owns the framing": a backend's *chunked response body* is decoded by
-``chunked.ChunkedDecoder`` once h11 has parsed the head (the bytes h11 read past the head come
-from its public ``trailing_data``). h11 makes one event per chunk, and an LLM backend sends one
-chunk per token; the decoder hands the proxy everything a read completed as one ``Body``.
-The connection's next response gets a fresh ``h11.Connection``.
+Two departures from "h11 owns the framing", both on the per-token path, where h11's state
+machine cost more than everything else the proxy does for a token:
+
+- a backend's *chunked response body* is decoded by ``chunked.ChunkedDecoder`` once h11 has
+  parsed the head (the bytes h11 read past the head come from its public ``trailing_data``).
+  h11 makes one event per chunk, and an LLM backend sends one chunk per token; the decoder
+  hands the proxy everything a read completed as one ``Body``. The connection's next
+  response gets a fresh ``h11.Connection``;
+- a *chunked response body to a client* is framed by ``H1Server.send_body`` itself, once h11
+  has chosen chunked framing for the head; h11 writes the head, the last chunk and the
+  trailers, and keeps the keep-alive cycle.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from .chunked import ChunkedDecoder, ChunkedError
 from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
 from .intake import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
+
+# What h11 adds to a response head when it frames the body chunked.
+_H11_CHUNKED = b"\r\nTransfer-Encoding: chunked\r\n"
 
 # How much of one h11.receive_data we let build up unparsed before the head is complete;
 # RFC 9112 leaves the limit to us, h11's default is 16 KiB.
@@ -100,6 +109,8 @@ class H1Server:
         self.max_head = max_head
         self.method = b""
         """The method of the current request, once h11 parsed its head."""
+        self.chunking = False
+        """The current response's body is chunked: ``send_body`` frames it itself."""
         self.raw_head: bytearray | None = bytearray()
         """The bytes received since the current request began, while its head is incomplete
         (None once h11 parsed it): what ``check_raw_head`` looks at. At most ``max_head``
@@ -117,6 +128,7 @@ class H1Server:
         """Start the next request on a kept-alive connection; parse what was pipelined."""
         self.raw_head = bytearray(self.conn.trailing_data[0])
         self.method = b""
+        self.chunking = False
         self.conn.start_next_cycle()
         return self._drain()
 
@@ -196,9 +208,20 @@ class H1Server:
         return [upgrade.head, End(stream=upgrade.head.stream)]
 
     def send_head(self, head: ResponseHead) -> bytes:
-        return self.conn.send(h11.Response(status_code=head.status, headers=head.headers)) or b""
+        out = self.conn.send(h11.Response(status_code=head.status, headers=head.headers)) or b""
+        # The framing h11 chose for the body (RFC 9112 §6.3): chunked is the one it announces
+        # itself. A response to HEAD, a 204 or a 304 has no body, whatever the head says.
+        self.chunking = (
+            _H11_CHUNKED in out and self.method != b"HEAD" and head.status not in (204, 304)
+        )
+        return out
 
     def send_body(self, data: bytes) -> bytes:
+        if self.chunking:
+            # One chunk per piece (RFC 9112 §7.1), written here rather than by h11: the same
+            # bytes h11 writes, without a trip through its state machine per token. h11
+            # stays in SEND_BODY and writes the last chunk and trailers in ``send_end``.
+            return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
         return self.conn.send(h11.Data(data=data)) or b""
 
     def send_end(self, trailers: Headers) -> bytes:

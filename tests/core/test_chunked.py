@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muxproxy.core.chunked import ChunkedDecoder, ChunkedError
-from muxproxy.core.h1 import H1Client
-from muxproxy.core.messages import Abort, Body, End, ResponseHead
+from muxproxy.core.h1 import H1Client, H1Server
+from muxproxy.core.messages import Abort, Body, End, RequestHead, ResponseHead
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -188,3 +188,63 @@ def test_head_response_has_no_body():
     client = client_after_request(b"HEAD")
     assert [type(m) for m in client.receive(HEAD)] == [ResponseHead, End]
     assert client.reusable
+
+
+# -- H1Server: the chunks it frames itself ---------------------------------------------------
+
+
+def server_after_request(request: bytes) -> H1Server:
+    server = H1Server(scheme=b"http")
+    assert next(type(m) for m in server.receive(request)) is RequestHead
+    return server
+
+
+def client_reads(request: bytes, response: bytes) -> list[object]:
+    """What a real h11 client makes of ``response`` to ``request``."""
+    peer = h11.Connection(h11.CLIENT)
+    method, target, _version = request.split(b"\r\n")[0].split(b" ")
+    peer.send(h11.Request(method=method, target=target, headers=[("host", "a")]))
+    peer.send(h11.EndOfMessage())
+    peer.receive_data(response)
+    events: list[object] = []
+    while (event := peer.next_event()) is not h11.NEED_DATA:
+        events.append(event)
+        if type(event) is h11.EndOfMessage:
+            break
+    return events
+
+
+@pytest.mark.parametrize(
+    "request_line, headers, chunked",
+    [
+        (b"GET /s HTTP/1.1", [], True),
+        (b"GET /s HTTP/1.1", [(b"content-length", b"9")], False),
+        (b"GET /s HTTP/1.0", [], False),  # h11 frames by closing the connection
+    ],
+)
+def test_h1server_frames_what_h11_would(request_line, headers, chunked):
+    request = request_line + b"\r\nHost: a\r\n\r\n"
+    server = server_after_request(request)
+    out = server.send_head(ResponseHead(stream=1, status=200, headers=headers))
+    assert server.chunking is chunked
+    out += server.send_body(b"data: a\n\n") + server.send_body(b"")
+    out += server.send_end([(b"x-done", b"1")] if chunked else [])
+    events = client_reads(request, out)
+    assert b"".join(e.data for e in events if type(e) is h11.Data) == b"data: a\n\n"
+    if chunked:
+        assert b"9\r\ndata: a\n\n\r\n" in out
+        assert type(events[-1]) is h11.EndOfMessage and events[-1].headers == [(b"x-done", b"1")]
+        assert server.reusable
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_h1server_no_body_statuses_are_not_chunked(status):
+    server = server_after_request(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    server.send_head(ResponseHead(stream=1, status=status, headers=[]))
+    assert not server.chunking
+
+
+def test_h1server_head_response_is_not_chunked():
+    server = server_after_request(b"HEAD /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    server.send_head(ResponseHead(stream=1, status=200, headers=[]))
+    assert not server.chunking
