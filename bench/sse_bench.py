@@ -27,6 +27,8 @@ Variants (``--variants``, comma-separated, default the first five):
 * ``muxproxy-h2``  h2c client (``--h2-per-conn`` streams per connection) -> muxproxy -> backend
 * ``nginx``        HTTP/1.1 client -> nginx (Debian package, 1 worker, SSE-guide config)
 * ``trio-relay``   HTTP/1.1 client -> bench/trio_relay.py (bare byte relay) -> backend
+* ``epoll-relay``  the same relay with ``--epoll``: the floor of muxproxy's reactor design
+  (not in the default list)
 * ``muxproxy-h1-wN``, ``muxproxy-h2-wN``: ``muxproxy serve --workers N`` (a supervisor and N
   worker processes); "the proxy" is then all of them: CPU and RSS are their sums.
 
@@ -76,7 +78,9 @@ VARIANTS = {
     "muxproxy-h2": ("(c) muxproxy h2→h1", "muxproxy", "h2"),
     "nginx": ("(d) nginx h1→h1", "nginx", "h1"),
     "trio-relay": ("(e) trio-relay", "relay", "h1"),
+    "epoll-relay": ("(h) epoll relay", "relay-epoll", "h1"),
 }
+DEFAULT_VARIANTS = ["direct", "muxproxy-h1", "muxproxy-h2", "nginx", "trio-relay"]
 WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([1-9][0-9]*)")
 """``muxproxy-h1-w2``: ``muxproxy serve --workers 2`` (supervisor + 2 workers), HTTP/1.1 client."""
 
@@ -266,9 +270,11 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
             argv += ["--workers", str(workers)]
         # ``-m`` puts the working directory first on sys.path: the package of MUXPROXY_SRC runs.
         proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=MUXPROXY_SRC)
-    elif kind == "relay":
+    elif kind in ("relay", "relay-epoll"):
         argv = [sys.executable, str(RELAY), "--listen", listen, "--upstream", backend]
-        proc = Proc("trio-relay", argv, tmp / "trio-relay.log", port)
+        if kind == "relay-epoll":
+            argv.append("--epoll")
+        proc = Proc(kind, argv, tmp / f"{kind}.log", port)
     elif kind == "nginx":
         ntmp = tmp / "nginx"
         ntmp.mkdir(exist_ok=True)
@@ -567,7 +573,7 @@ def bench_streams(args: argparse.Namespace, session: Session) -> None:
 
     def client(name: str, streams: int) -> tuple[Path, list[str], float]:
         extra = []
-        if args.profile and variant(name)[1] in ("muxproxy", "relay"):
+        if args.profile and variant(name)[1] in ("muxproxy", "relay", "relay-epoll"):
             out = Path(args.out) / f"pyspy-{name}-{streams}.txt"
             extra = ["--profile-out", str(out), "--py-spy", args.py_spy]
             args.profiles.append(out)
@@ -1038,7 +1044,7 @@ def main() -> None:
         default=1,
         help="run every (variant, streams) this many times, round robin; the table shows medians",
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--h2-per-conn", type=int, default=100)
     parser.add_argument(
         "--slots",
