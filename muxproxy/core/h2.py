@@ -33,7 +33,7 @@ import h2.exceptions
 import h2.settings
 
 from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
-from .h2send import Flushed, SendQueue, flush_queue, send_or_queue
+from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
 from .intake import MalformedRequest, request_from_h2
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
@@ -123,7 +123,7 @@ class H2Server:
         self.queues: dict[int, SendQueue] = {}
         if upgrade_settings is not None:
             self.queues[1] = SendQueue()  # the response to the upgraded request
-        self.blocked: set[int] = set()
+        self.blocked = BlockedStreams()
         """Streams with data waiting for window."""
         self.window_changed = False
         """A WINDOW_UPDATE or SETTINGS arrived since the owner last flushed ``blocked``."""
@@ -338,7 +338,7 @@ class H2Server:
     def flush_blocked(self) -> list[int]:
         """Send what windows now allow; return the streams whose queues shrank."""
         drained = []
-        for stream in list(self.blocked):
+        for stream in self.blocked.in_order():
             queue = self.queues.get(stream)
             if queue is None:
                 continue
@@ -346,6 +346,7 @@ class H2Server:
             self._flush(stream, queue)
             if queue.size < before:
                 drained.append(stream)
+                self.blocked.served(stream)
         return drained
 
     def finished(self, stream: int) -> bool:

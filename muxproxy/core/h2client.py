@@ -28,7 +28,7 @@ import h2.exceptions
 import h2.settings
 
 from .h2 import CONNECTION_WINDOW
-from .h2send import Flushed, SendQueue, flush_queue, send_or_queue
+from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
 # gRPC's status fields (gRPC over HTTP/2, "Trailers"): in a Trailers-Only response they sit in
@@ -58,7 +58,7 @@ class H2Client:
         self.conn.initiate_connection()
         self.conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self.queues: dict[int, SendQueue] = {}
-        self.blocked: set[int] = set()
+        self.blocked = BlockedStreams()
         self.trailers: dict[int, Headers] = {}
         self.settings_received = False
         """The backend's first SETTINGS arrived: MAX_CONCURRENT_STREAMS is known."""
@@ -197,12 +197,13 @@ class H2Client:
         """Send what windows now allow; return the streams whose queues shrank."""
         self.window_changed = False
         drained = []
-        for sid in list(self.blocked):
+        for sid in self.blocked.in_order():
             queue = self.queues[sid]
             before = queue.size
             self._settle(sid, flush_queue(self.conn, sid, queue))
             if queue.size < before:
                 drained.append(sid)
+                self.blocked.served(sid)
         return drained
 
     def _settle(self, sid: int, state: Flushed) -> None:

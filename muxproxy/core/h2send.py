@@ -27,6 +27,39 @@ class Flushed(enum.Enum):
     """Everything went out, END_STREAM included: forget the queue."""
 
 
+class BlockedStreams:
+    """Streams with data waiting for window, in the order they get the next window.
+
+    RFC 9113 §5.3 leaves the order to the sender. Round robin: a stream that was served and is
+    still blocked goes to the back, so the streams that share a connection window all make
+    progress, and one fast stream cannot take every WINDOW_UPDATE (a set would serve the
+    lowest stream ids first, every time).
+    """
+
+    __slots__ = ("_order",)
+
+    def __init__(self) -> None:
+        self._order: dict[int, None] = {}
+
+    def add(self, stream: int) -> None:
+        """Blocked now (a stream already waiting keeps its place)."""
+        self._order.setdefault(stream)
+
+    def discard(self, stream: int) -> None:
+        self._order.pop(stream, None)
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def served(self, stream: int) -> None:
+        """``stream`` got some window: if it still waits, it waits behind the others."""
+        if self._order.pop(stream, 0) is None:
+            self._order[stream] = None
+
+    def in_order(self) -> list[int]:
+        return list(self._order)
+
+
 class SendQueue:
     __slots__ = ("chunks", "end", "end_trailers", "size")
 
