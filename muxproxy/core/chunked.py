@@ -74,17 +74,6 @@ class ChunkedDecoder:
                 self._remaining -= take
                 if not self._remaining:
                     state = _DATA_END
-            elif state == _SIZE:
-                line_end = data.find(b"\r\n", pos)
-                if line_end < 0:
-                    self._keep_partial_line(data, pos)
-                    break
-                match = _SIZE_LINE.fullmatch(data, pos, line_end)
-                if match is None:
-                    raise ChunkedError(f"bad chunk size line {data[pos:line_end][:40]!r}")
-                pos = line_end + 2
-                self._remaining = int(match.group(1), 16)
-                state = _DATA if self._remaining else _TRAILERS
             elif state == _DATA_END:
                 if end - pos < 2:
                     self._keep_partial_line(data, pos)
@@ -93,16 +82,21 @@ class ChunkedDecoder:
                     raise ChunkedError("chunk data not followed by CRLF")
                 pos += 2
                 state = _SIZE
-            elif state == _TRAILERS:
+            elif state in (_SIZE, _TRAILERS):
                 line_end = data.find(b"\r\n", pos)
                 if line_end < 0:
                     self._keep_partial_line(data, pos)
                     break
-                last = line_end == pos  # the empty line ends the trailer section
-                if not last:
-                    self._trailer_line(data, pos, line_end)
-                pos = line_end + 2
-                if last:
+                start, pos = pos, line_end + 2
+                if state == _SIZE:
+                    match = _SIZE_LINE.fullmatch(data, start, line_end)
+                    if match is None:
+                        raise ChunkedError(f"bad chunk size line {data[start:line_end][:40]!r}")
+                    self._remaining = int(match.group(1), 16)
+                    state = _DATA if self._remaining else _TRAILERS
+                elif start < line_end:
+                    self._trailer_line(data, start, line_end)
+                else:  # the empty line ends the trailer section
                     self._state = _DONE
                     return b"".join(payload), data[pos:]
             else:  # _DONE: the caller stops feeding

@@ -105,14 +105,7 @@ class ProxyServer:
             return
         ident = driver.new_client_id()
         driver.add_socket(ident, stream, on_closed=self.connection_slots.release, linger=True)
-        driver.feed(
-            ConnectionAccepted(
-                now=trio.current_time(),
-                conn=ident,
-                listener=listener.address,
-                peer=(peer[0], peer[1]),
-            )
-        )
+        self._accepted(ident, listener, peer)
 
     async def _serve_client(
         self,
@@ -156,17 +149,30 @@ class ProxyServer:
             client = tls
         ident = driver.new_client_id()
         conn = driver.register(ident, client)
-        driver.feed(
+        self._accepted(ident, listener, peer, tls=context is not None, alpn=alpn)
+        await driver.run_connection(conn)
+
+    def _accepted(
+        self,
+        ident: int,
+        listener: Listener,
+        peer: tuple[str, int],
+        *,
+        tls: bool = False,
+        alpn: str | None = None,
+    ) -> None:
+        """Tell the core about client connection ``ident`` (registered with the driver)."""
+        assert self.driver is not None
+        self.driver.feed(
             ConnectionAccepted(
                 now=trio.current_time(),
                 conn=ident,
                 listener=listener.address,
                 peer=(peer[0], peer[1]),
-                tls=context is not None,
+                tls=tls,
                 alpn=alpn,
             )
         )
-        await driver.run_connection(conn)
 
 
 async def serve(
