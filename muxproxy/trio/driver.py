@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import ipaddress
 import json
 import logging
 import socket
@@ -66,6 +67,14 @@ def set_nodelay(stream: trio.abc.Stream) -> None:
 
 class BackendTLSError(Exception):
     """A backend's TLS handshake or ALPN result was not acceptable."""
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def detach_socket(stream: trio.SocketStream) -> socket.socket:
@@ -132,8 +141,8 @@ class Driver:
         """While the reactor handles a round of ready sockets: ``feed`` leaves ``settle`` to it."""
         self._sent_now: dict[int, int] = {}
         """Bytes the kernel took, per connection, not yet reported."""
-        self._closed_now: deque[tuple[int, str | None]] = deque()
-        """Connections closed, not yet reported."""
+        self._later: deque[Event] = deque()
+        """Connections closed or failed to open, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
 
@@ -163,7 +172,7 @@ class Driver:
         handle = self.core.handle
         reactor = self.reactor
         sent_now = self._sent_now
-        closed_now = self._closed_now
+        later_events = self._later
         while True:
             if reactor is not None and reactor.outbox:
                 reactor.write_outbox()
@@ -171,9 +180,8 @@ class Driver:
             if sent_now:
                 ident, nbytes = sent_now.popitem()
                 later = DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)
-            elif closed_now:
-                ident, error = closed_now.popleft()
-                later = ConnectionClosed(now=trio.current_time(), conn=ident, error=error)
+            elif later_events:
+                later = later_events.popleft()
             else:
                 return
             for command in handle(later):
@@ -185,7 +193,7 @@ class Driver:
 
     def closed_now(self, ident: int, error: str | None) -> None:
         """``ident`` is closed (reported by ``settle``)."""
-        self._closed_now.append((ident, error))
+        self._later.append(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
 
     def new_client_id(self) -> int:
         self._next_client += 1
@@ -334,6 +342,19 @@ class Driver:
             conn.writer_lot.unpark()
 
     def _open(self, command: OpenConnection) -> None:
+        origin = command.origin
+        if self.reactor is not None and not origin.tls and is_ip_address(origin.host):
+            # No name to resolve and no handshake: the reactor connects without a task.
+            try:
+                self.conns[command.conn] = self.reactor.connect(
+                    command.conn, origin.host, origin.port
+                )
+            except OSError as exc:
+                reason = str(exc) or repr(exc)
+                self._later.append(
+                    OpenFailed(now=trio.current_time(), conn=command.conn, reason=reason)
+                )
+            return
         self.nursery.start_soon(self._connect, command)
 
     async def _connect(self, command: OpenConnection) -> None:

@@ -35,7 +35,9 @@ tasks per socket.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import select
 import socket
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..core.events import DataReceived
+from ..core.events import ConnectionOpened, DataReceived, OpenFailed
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -72,6 +74,7 @@ class SocketConn:
         "blocked_since",
         "closed",
         "closing",
+        "connecting",
         "fd",
         "flush_deadline",
         "ident",
@@ -101,6 +104,8 @@ class SocketConn:
         self.paused = False
         self.closing = False
         self.closed = False
+        self.connecting = False
+        """A non-blocking connect in progress: EPOLLOUT tells its outcome."""
         self.lingering = False
         """Write side shut down, input read and dropped until EOF or ``flush_deadline``."""
         self.linger_budget = LINGER_BYTES if linger else 0
@@ -148,6 +153,29 @@ class Reactor:
         self._watch(conn)
         return conn
 
+    def connect(self, ident: int, host: str, port: int) -> SocketConn:
+        """Start connecting to ``host`` (an IP address) as connection ``ident``.
+
+        The outcome is fed from the reactor's round: ``ConnectionOpened`` or ``OpenFailed``.
+        Raises ``OSError`` if the connect fails at once.
+        """
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            error = sock.connect_ex((host, port))
+            if error not in (0, errno.EINPROGRESS):
+                raise OSError(error, f"connect to {host}:{port} failed: {os.strerror(error)}")
+        except OSError:
+            sock.close()
+            raise
+        conn = SocketConn(ident, sock, None, False)
+        conn.connecting = True
+        self._by_fd[conn.fd] = conn
+        self._watch(conn)
+        return conn
+
     async def run(self) -> None:
         """Serve the sockets until cancelled; then close every one of them."""
         epoll = self._epoll
@@ -170,6 +198,9 @@ class Reactor:
                     for fd, events in epoll.poll(0):
                         conn = by_fd.get(fd)
                         if conn is None:
+                            continue
+                        if conn.connecting:
+                            self._connected(conn)
                             continue
                         if events & WRITE_READY and conn.pending and not conn.queued:
                             self._flush(conn)
@@ -203,7 +234,7 @@ class Reactor:
         self.outbox = []
         for conn in outbox:
             conn.queued = False
-            if not conn.closed:
+            if not (conn.closed or conn.connecting):
                 self._flush(conn)
 
     def pause(self, conn: SocketConn) -> None:
@@ -219,6 +250,11 @@ class Reactor:
     def close(self, conn: SocketConn) -> None:
         """Stop reading; close once what is pending is written (or the flush times out)."""
         if conn.closing or conn.closed:
+            return
+        if conn.connecting:
+            # The core gave up on the connect (connect timeout, client gone).
+            self._release(conn)
+            self.driver.closed_now(conn.ident, "cancelled")
             return
         conn.closing = True
         if not conn.pending:
@@ -271,6 +307,22 @@ class Reactor:
                 self._set_deadline(conn, now + self.driver.core.config.timeouts.send)
         self._watch(conn)
 
+    def _connected(self, conn: SocketConn) -> None:
+        """The connect of ``conn`` finished (EPOLLOUT, or an error): tell the core how."""
+        error = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        now = trio.current_time()
+        if error:
+            self._release(conn)
+            reason = f"connect failed: {os.strerror(error)}"
+            self.driver.feed(OpenFailed(now=now, conn=conn.ident, reason=reason))
+            return
+        conn.connecting = False
+        self._watch(conn)
+        if conn.pending and not conn.queued:
+            conn.queued = True
+            self.outbox.append(conn)
+        self.driver.feed(ConnectionOpened(now=now, conn=conn.ident))
+
     def _drop_input(self, conn: SocketConn) -> None:
         try:
             data = conn.sock.recv(conn.linger_budget)
@@ -293,9 +345,12 @@ class Reactor:
 
     def _watch(self, conn: SocketConn) -> None:
         """Register the epoll events ``conn`` needs now (level-triggered)."""
-        wanted = EPOLLIN if conn.lingering or not (conn.paused or conn.closing) else 0
-        if conn.pending:
-            wanted |= EPOLLOUT
+        if conn.connecting:
+            wanted = EPOLLOUT  # the connect's outcome
+        else:
+            wanted = EPOLLIN if conn.lingering or not (conn.paused or conn.closing) else 0
+            if conn.pending:
+                wanted |= EPOLLOUT
         if wanted == conn.mask:
             return
         if not wanted:

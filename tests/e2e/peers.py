@@ -21,9 +21,10 @@ Both only wait on conditions (``wait_until``), never on elapsed time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "closed_port",
     "h1_read_response",
     "h1_request_bytes",
+    "hanging_port",
     "never_answer",
     "open_h2",
     "open_tcp",
@@ -114,6 +116,30 @@ async def closed_port() -> int:
     port: int = sock.getsockname()[1]
     sock.close()
     return port
+
+
+@contextlib.contextmanager
+def hanging_port() -> Iterator[int]:
+    """A port on 127.0.0.1 where a connect hangs: a listener with a full accept queue.
+
+    ``listen(0)`` holds one connection that is never accepted; once fillers took it, Linux
+    drops every further SYN, so a connect waits (and retries) until its caller gives up.
+    """
+    listener = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port: int = listener.getsockname()[1]
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
 
 
 async def serve_raw(

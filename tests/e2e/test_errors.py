@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import h2.config
@@ -28,6 +27,7 @@ from peers import (
     closed_port,
     h1_read_response,
     h1_request_bytes,
+    hanging_port,
     never_answer,
     read_until_eof,
     serve_raw,
@@ -307,31 +307,22 @@ def test_connect_timeout_is_504_at_the_core_level():
     assert core.statistics().streams == []
 
 
-async def test_connect_timeout_is_504_end_to_end(start_proxy, monkeypatch):
-    """The same through the Trio driver, with a connect that hangs (patched for one port)."""
-    port = await closed_port()
-    real_open = trio.open_tcp_stream
-    cancelled = trio.Event()
-
-    async def hanging_open(host: str, p: int, **kwargs: Any) -> trio.SocketStream:
-        if p != port:
-            return await real_open(host, p, **kwargs)
-        try:
-            await trio.sleep_forever()
-        finally:
-            cancelled.set()
-        raise AssertionError("unreachable")
-
-    monkeypatch.setattr(trio, "open_tcp_stream", hanging_open)
-    proxy = await start_proxy([port], timeouts=Timeouts(connect=0.3))
-    with trio.fail_after(10):
-        result = await h1_request(proxy.port)
-        assert result.status == 504
-        assert_short_plain(result.body, result.headers.get(b"content-type"))
-        await cancelled.wait()  # the driver gave up on the connect attempt
-        stream = await h2_get(proxy.port)
-    assert stream.status == 504
-    assert_short_plain(stream.body, stream.field(b"content-type"))
+async def test_connect_timeout_is_504_end_to_end(start_proxy):
+    """The same through the Trio driver, with a connect that really hangs (a backend whose
+    accept queue is full drops our SYN)."""
+    with hanging_port() as port:
+        proxy = await start_proxy([port], timeouts=Timeouts(connect=0.3))
+        driver = proxy.server.driver
+        with trio.fail_after(10):
+            result = await h1_request(proxy.port)
+            assert result.status == 504
+            assert_short_plain(result.body, result.headers.get(b"content-type"))
+            # The driver gave up on the connect attempt: no backend socket is left.
+            assert not [ident for ident in driver.conns if ident < 0]
+            stream = await h2_get(proxy.port)
+        assert stream.status == 504
+        assert_short_plain(stream.body, stream.field(b"content-type"))
+        assert not [ident for ident in driver.conns if ident < 0]
 
 
 # -- routing --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import h2.config
 import h2.connection
 import h2.errors
@@ -41,13 +42,14 @@ from peers import (
     closed_port,
     h1_read_response,
     h1_request_bytes,
+    hanging_port,
     never_answer,
     open_tcp,
     read_until_eof,
     serve_raw,
 )
 
-from muxproxy.config import Timeouts
+from muxproxy.config import Timeouts, quick_config
 from muxproxy.core.commands import Log
 from muxproxy.core.events import ConnectionClosed
 from muxproxy.testing.fakellm import reply_text
@@ -219,17 +221,47 @@ class Watch:
 # -- connect ---------------------------------------------------------------------------------
 
 
-async def test_connect_timeout(start_proxy, monkeypatch, clock):
-    port = await closed_port()
+async def test_connect_timeout(start_proxy, clock):
+    with hanging_port() as port:
+        proxy = await start_proxy([port], timeouts=Timeouts(connect=7.0))
+        with trio.fail_after(100):
+            stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+            async with stream:
+                conn, request = h1_request_bytes()
+                start = trio.current_time()
+                await stream.send_all(request)
+                response, _ = await h1_read_response(stream, conn)
+                assert response.status_code == 504
+                assert close_to(trio.current_time() - start, 7.0)
+
+            client = await H2Client.connect(proxy.port)
+            async with client.stream:
+                start = trio.current_time()
+                sid = await client.request(b"/v1/models")
+                await client.finish(sid)
+                assert client.status[sid] == 504 and sid in client.ended
+                assert close_to(trio.current_time() - start, 7.0)
+        assert proxy.server.core.statistics().upstream_connections == 0
+
+
+async def test_connect_timeout_through_name_resolution(start_proxy, monkeypatch, clock):
+    """An upstream given by name connects in a Trio task (resolution may block): that connect
+    is abandoned at the timeout too."""
     real_open = trio.open_tcp_stream
+    abandoned = trio.Event()
 
     async def hanging_open(host: str, p: int, **kwargs: Any) -> trio.SocketStream:
-        if p == port:
+        if host != "localhost":
+            return await real_open(host, p, **kwargs)
+        try:
             await trio.sleep_forever()
-        return await real_open(host, p, **kwargs)
+        finally:
+            abandoned.set()
+        raise AssertionError("unreachable")
 
     monkeypatch.setattr(trio, "open_tcp_stream", hanging_open)
-    proxy = await start_proxy([port], timeouts=Timeouts(connect=7.0))
+    config = quick_config("127.0.0.1:0", ["localhost:9"])
+    proxy = await start_proxy(config=attrs.evolve(config, timeouts=Timeouts(connect=7.0)))
     with trio.fail_after(100):
         stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
         async with stream:
@@ -239,14 +271,7 @@ async def test_connect_timeout(start_proxy, monkeypatch, clock):
             response, _ = await h1_read_response(stream, conn)
             assert response.status_code == 504
             assert close_to(trio.current_time() - start, 7.0)
-
-        client = await H2Client.connect(proxy.port)
-        async with client.stream:
-            start = trio.current_time()
-            sid = await client.request(b"/v1/models")
-            await client.finish(sid)
-            assert client.status[sid] == 504 and sid in client.ended
-            assert close_to(trio.current_time() - start, 7.0)
+        await abandoned.wait()
     assert proxy.server.core.statistics().upstream_connections == 0
 
 
