@@ -444,7 +444,11 @@ class Downstream:
             self._flush_blocked()
             self._flush_h2()
         if self.stalled and self.pending <= self.core.limits.low_water:
-            for exchange in list(self.stalled):
+            # Least served first: the backends resumed first are read first (the driver reads
+            # ready sockets in the order they became ready), and they may fill the connection
+            # again before the others get a read. In a fixed order the same streams of a busy
+            # connection would win every time and the last ones would starve.
+            for exchange in sorted(self.stalled, key=_bytes_out):
                 exchange.client_drained()
 
     def on_closed(self, error: str | None) -> None:
@@ -508,3 +512,7 @@ class Downstream:
             self._flush_h2()
         if not self.exchanges:
             self.close()
+
+
+def _bytes_out(exchange: Exchange) -> int:
+    return exchange.bytes_out
