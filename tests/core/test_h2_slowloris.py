@@ -203,3 +203,28 @@ def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None
     assert not [c for c in commands if isinstance(c, ResumeReading)]
     commands = pb.sent(1, down.pending)
     assert {c.conn for c in commands if isinstance(c, ResumeReading)} == set(ups)
+
+
+def test_congested_connection_resumes_least_served_backends_first() -> None:
+    """The driver reads resumed backends in the order they were resumed, and the first ones
+    can fill the connection again: a fixed order would starve the last streams for good."""
+    bound = 64 * 1024
+    pb = book(connection_buffer=bound)
+    client = H2ClientPeer()
+    client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    preface = client.preface()
+    ups = [start_streaming(pb, client, preface if i == 0 else b"")[1] for i in range(6)]
+    client.events(pb.fresh())
+    down = pb.core.clients[1]
+    chunk = sse_chunk(b"data: " + b"z" * 4000 + b"\n\n")
+    # The first backends delivered the most before the connection filled up: least served
+    # first is the reverse of the order the core holds them in.
+    for reads, up in zip([1, 2, 3, 4, 5, 6], reversed(ups), strict=True):
+        for _ in range(reads):
+            pb.receive(up, chunk)
+    while not all(s.upstream_paused for s in pb.core.statistics().streams):
+        pb.receive(ups[0], chunk)
+    commands = pb.sent(1, down.pending)
+    resumed = [c.conn for c in commands if isinstance(c, ResumeReading)]
+    assert resumed == list(reversed(ups))
