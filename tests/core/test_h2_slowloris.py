@@ -4,6 +4,8 @@ client; raw frames parsed with hyperframe where h2 as a client refuses frames af
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import h2.errors
 import h2.settings
@@ -163,16 +165,23 @@ def test_upload_answered_by_the_backend_is_not_reset() -> None:
 # -- per-connection output bound ---------------------------------------------------------------
 
 
-def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None:
-    bound = 64 * 1024
+def streams_on_wide_windows(bound: int, streams: int) -> tuple[Any, list[int]]:
+    """A core with ``connection_buffer=bound`` and ``streams`` SSE streams of one HTTP/2
+    client whose windows are wide open: every byte goes to the socket at once, none waits in a
+    stream queue. Returns (playbook, backend connection ids)."""
     pb = book(connection_buffer=bound)
     client = H2ClientPeer()
-    # Wide windows: every byte goes to the socket at once, none waits in a stream queue.
     client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
     client.conn.increment_flow_control_window(2**31 - 1 - 65535)
     preface = client.preface()
-    ups = [start_streaming(pb, client, preface if i == 0 else b"")[1] for i in range(8)]
+    ups = [start_streaming(pb, client, preface if i == 0 else b"")[1] for i in range(streams)]
     client.events(pb.fresh())
+    return pb, ups
+
+
+def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None:
+    bound = 64 * 1024
+    pb, ups = streams_on_wide_windows(bound, 8)
     core = pb.core
     down = core.clients[1]
     paused: set[int] = set()
@@ -208,14 +217,7 @@ def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None
 def test_congested_connection_resumes_least_served_backends_first() -> None:
     """The driver reads resumed backends in the order they were resumed, and the first ones
     can fill the connection again: a fixed order would starve the last streams for good."""
-    bound = 64 * 1024
-    pb = book(connection_buffer=bound)
-    client = H2ClientPeer()
-    client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
-    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
-    preface = client.preface()
-    ups = [start_streaming(pb, client, preface if i == 0 else b"")[1] for i in range(6)]
-    client.events(pb.fresh())
+    pb, ups = streams_on_wide_windows(64 * 1024, 6)
     down = pb.core.clients[1]
     chunk = sse_chunk(b"data: " + b"z" * 4000 + b"\n\n")
     # The first backends delivered the most before the connection filled up: least served

@@ -221,18 +221,23 @@ class Watch:
 # -- connect ---------------------------------------------------------------------------------
 
 
+async def assert_h1_504_after(port: int, seconds: float) -> None:
+    """One HTTP/1.1 request to the proxy on ``port`` gets 504 after ``seconds``."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        conn, request = h1_request_bytes()
+        start = trio.current_time()
+        await stream.send_all(request)
+        response, _ = await h1_read_response(stream, conn)
+        assert response.status_code == 504
+        assert close_to(trio.current_time() - start, seconds)
+
+
 async def test_connect_timeout(start_proxy, clock):
     with hanging_port() as port:
         proxy = await start_proxy([port], timeouts=Timeouts(connect=7.0))
         with trio.fail_after(100):
-            stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
-            async with stream:
-                conn, request = h1_request_bytes()
-                start = trio.current_time()
-                await stream.send_all(request)
-                response, _ = await h1_read_response(stream, conn)
-                assert response.status_code == 504
-                assert close_to(trio.current_time() - start, 7.0)
+            await assert_h1_504_after(proxy.port, 7.0)
 
             client = await H2Client.connect(proxy.port)
             async with client.stream:
@@ -263,14 +268,7 @@ async def test_connect_timeout_through_name_resolution(start_proxy, monkeypatch,
     config = quick_config("127.0.0.1:0", ["localhost:9"])
     proxy = await start_proxy(config=attrs.evolve(config, timeouts=Timeouts(connect=7.0)))
     with trio.fail_after(100):
-        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
-        async with stream:
-            conn, request = h1_request_bytes()
-            start = trio.current_time()
-            await stream.send_all(request)
-            response, _ = await h1_read_response(stream, conn)
-            assert response.status_code == 504
-            assert close_to(trio.current_time() - start, 7.0)
+        await assert_h1_504_after(proxy.port, 7.0)
         await abandoned.wait()
     assert proxy.server.core.statistics().upstream_connections == 0
 
