@@ -204,18 +204,18 @@ class Driver:
     def add_socket(
         self,
         ident: int,
-        stream: trio.SocketStream,
+        sock: socket.socket,
         on_closed: Callable[[], None] | None = None,
         *,
         linger: bool = False,
     ) -> SocketConn:
-        """Serve a plain TCP ``stream`` from the reactor (which must exist) as ``ident``.
+        """Serve a connected plain TCP socket from the reactor (which must exist) as ``ident``.
 
         No task waits for it: ``on_closed`` is called once the socket is closed. ``linger``:
         a client connection, closed in stages (see ``reactor.py``).
         """
         assert self.reactor is not None
-        conn = self.reactor.add(ident, detach_socket(stream), on_closed, linger=linger)
+        conn = self.reactor.add(ident, sock, on_closed, linger=linger)
         self.conns[ident] = conn
         return conn
 
@@ -382,7 +382,7 @@ class Driver:
             return
         self.connecting.pop(ident, None)
         if isinstance(stream, trio.SocketStream) and self.reactor is not None:
-            self.add_socket(ident, stream)
+            self.add_socket(ident, detach_socket(stream))
             self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
             return
         conn = self.register(ident, stream)

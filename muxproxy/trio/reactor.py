@@ -35,6 +35,7 @@ tasks per socket.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -62,9 +63,25 @@ LINGER_BYTES = 256 * 1024
 """Input dropped at most while lingering: a peer that keeps sending is cut off sooner."""
 
 
+NOTSENT_LOWAT = 16 * 1024
+"""Unsent bytes the kernel may hold per socket (as ``trio.SocketStream`` sets it)."""
+
+
 def available() -> bool:
     """Whether this platform has epoll (Linux)."""
     return hasattr(select, "epoll")
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP_NODELAY (a token must not wait for Nagle) and TCP_NOTSENT_LOWAT: the kernel keeps
+    at most 16 KiB unsent per socket, so a peer that stops reading shows up in our own bounded
+    buffers (and pauses its source) instead of in megabytes of kernel memory, and a token is
+    not queued behind them."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+    lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if lowat is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, lowat, NOTSENT_LOWAT)
 
 
 class SocketConn:
@@ -163,7 +180,7 @@ class Reactor:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            tune(sock)
             error = sock.connect_ex((host, port))
             if error not in (0, errno.EINPROGRESS):
                 raise OSError(error, f"connect to {host}:{port} failed: {os.strerror(error)}")

@@ -13,6 +13,8 @@ answer it properly).
 
 from __future__ import annotations
 
+import os
+import socket
 import ssl
 
 import trio
@@ -22,6 +24,7 @@ from ..core.events import ConfigChanged, ConnectionAccepted
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
 from .listeners import open_listeners
+from .reactor import tune
 
 
 def server_ssl_context(listener: Listener) -> ssl.SSLContext:
@@ -33,6 +36,10 @@ def server_ssl_context(listener: Listener) -> ssl.SSLContext:
     # RFC 9113 §9.2: TLS 1.2 or later for HTTP/2.
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+ACCEPT_BATCH = 256
+"""Connections an accept loop takes per wake-up, at most, before letting other tasks run."""
 
 
 class ProxyServer:
@@ -73,38 +80,64 @@ class ProxyServer:
         listener: Listener,
         context: ssl.SSLContext | None,
     ) -> None:
-        assert self.driver is not None
-        async with tcp:
-            while True:
-                await self.connection_slots.acquire()
-                try:
-                    stream = await tcp.accept()
-                except OSError:
-                    # EMFILE and friends: back off a little instead of spinning.
-                    self.connection_slots.release()
-                    await trio.sleep(0.1)
-                    continue
-                except BaseException:
-                    self.connection_slots.release()
-                    raise
-                if context is None and self.driver.reactor is not None:
-                    # Plain TCP: the reactor serves it; no task of its own.
-                    self._serve_plain_client(stream, listener)
-                else:
-                    self.driver.nursery.start_soon(self._serve_client, stream, listener, context)
+        """Accept every connection that is waiting, up to ``ACCEPT_BATCH`` per wake-up.
 
-    def _serve_plain_client(self, stream: trio.SocketStream, listener: Listener) -> None:
+        Like nginx's ``multi_accept``: under load this task runs once per round of the
+        reactor, and one ``accept`` per round let new clients wait for seconds while the
+        streams already open were served.
+        """
+        slots = self.connection_slots
+        sock = tcp.socket
+        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+        raw.setblocking(False)
+        async with tcp:
+            with raw:
+                batch = 0
+                while True:
+                    try:
+                        slots.acquire_nowait()
+                    except trio.WouldBlock:
+                        await slots.acquire()
+                    try:
+                        client, _ = raw.accept()
+                    except BlockingIOError:
+                        slots.release()
+                        batch = 0
+                        await trio.lowlevel.wait_readable(raw)
+                        continue
+                    except OSError:
+                        # EMFILE and friends: back off a little instead of spinning.
+                        slots.release()
+                        await trio.sleep(0.1)
+                        continue
+                    except BaseException:
+                        slots.release()
+                        raise
+                    self._serve_accepted(client, listener, context)
+                    batch += 1
+                    if batch >= ACCEPT_BATCH:
+                        batch = 0
+                        await trio.lowlevel.checkpoint()
+
+    def _serve_accepted(
+        self, client: socket.socket, listener: Listener, context: ssl.SSLContext | None
+    ) -> None:
         driver = self.driver
         assert driver is not None
+        if context is not None or driver.reactor is None:
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(client))
+            driver.nursery.start_soon(self._serve_client, stream, listener, context)
+            return
+        # Plain TCP: the reactor serves it; no task of its own.
         try:
-            set_nodelay(stream)
-            peer = stream.socket.getpeername()
+            tune(client)
+            peer = client.getpeername()
         except OSError:
-            stream.socket.close()
+            client.close()
             self.connection_slots.release()
             return
         ident = driver.new_client_id()
-        driver.add_socket(ident, stream, on_closed=self.connection_slots.release, linger=True)
+        driver.add_socket(ident, client, on_closed=self.connection_slots.release, linger=True)
         self._accepted(ident, listener, peer)
 
     async def _serve_client(
