@@ -89,6 +89,7 @@ class SocketConn:
 
     __slots__ = (
         "blocked_since",
+        "born",
         "closed",
         "closing",
         "connecting",
@@ -115,6 +116,8 @@ class SocketConn:
         self.ident = ident
         self.sock = sock
         self.fd = sock.fileno()
+        self.born = -1
+        """The reactor's round this connection was added in (see ``Reactor.run``)."""
         self.pending = bytearray()
         self.queued = False
         """In the reactor's outbox: ``pending`` is written at the end of the round."""
@@ -149,6 +152,7 @@ class Reactor:
         self._ending: set[SocketConn] = set()
         """Connections flushing before their close, or lingering: each has a deadline."""
         self._wait_scope: trio.CancelScope | None = None
+        self._round = 0
         self.outbox: list[SocketConn] = []
         """Connections whose new output is written by ``write_outbox`` (``Driver.settle``)."""
 
@@ -165,7 +169,10 @@ class Reactor:
         ``linger``: close it in stages when the core closes it (client connections).
         """
         sock.setblocking(False)
-        conn = SocketConn(ident, sock, on_closed, linger)
+        return self._register(SocketConn(ident, sock, on_closed, linger))
+
+    def _register(self, conn: SocketConn) -> SocketConn:
+        conn.born = self._round
         self._by_fd[conn.fd] = conn
         self._watch(conn)
         return conn
@@ -189,9 +196,7 @@ class Reactor:
             raise
         conn = SocketConn(ident, sock, None, False)
         conn.connecting = True
-        self._by_fd[conn.fd] = conn
-        self._watch(conn)
-        return conn
+        return self._register(conn)
 
     async def run(self) -> None:
         """Serve the sockets until cancelled; then close every one of them."""
@@ -208,13 +213,17 @@ class Reactor:
                     await wait_readable(fileno)
                 self._wait_scope = None
                 # One round: every ready socket, then the output they caused, in one go.
+                self._round += 1
+                this_round = self._round
                 driver.batching = True
                 try:
                     if self._ending:
                         self._expire_flushes(trio.current_time())
                     for fd, events in epoll.poll(0):
                         conn = by_fd.get(fd)
-                        if conn is None:
+                        if conn is None or conn.born == this_round:
+                            # Closed during this round, or a new socket that reuses the number
+                            # of one closed during this round: the event is not its own.
                             continue
                         if conn.connecting:
                             self._connected(conn)
