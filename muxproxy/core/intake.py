@@ -304,15 +304,7 @@ def request_from_h1(
             # RFC 9110 §4.2.1: an http(s) URI has a non-empty host.
             raise MalformedRequest("empty authority in absolute-form target")
         _check_authority(authority)
-        return RequestHead(
-            stream=stream,
-            method=method,
-            target=target,
-            authority=authority,
-            scheme=scheme,
-            headers=fields,
-            http_version=http_version,
-        )
+        host = None  # the target's authority wins: the Host field is not looked at
     if host is not None:
         _check_authority(host)
     return RequestHead(
