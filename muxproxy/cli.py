@@ -310,11 +310,11 @@ def run_server(config: Config) -> int:
     try:
         trio.run(announce_and_serve)
     except (KeyboardInterrupt, OSError, BaseExceptionGroup) as exc:
-        leaves = _leaves(exc)
-        if all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+        errors = leaves(exc)
+        if all(isinstance(leaf, KeyboardInterrupt) for leaf in errors):
             return EXIT_OK
-        if all(isinstance(leaf, KeyboardInterrupt | OSError) for leaf in leaves):
-            for leaf in leaves:
+        if all(isinstance(leaf, KeyboardInterrupt | OSError) for leaf in errors):
+            for leaf in errors:
                 if isinstance(leaf, OSError):
                     print(f"muxproxy: cannot serve: {leaf}", file=sys.stderr)
             return EXIT_FAILURE
@@ -346,8 +346,8 @@ def _scheme(tls: bool) -> str:
     return "https" if tls else "http"
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
+def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, or ``[exc]``."""
     if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
     return [exc]

@@ -52,7 +52,7 @@ from typing import assert_never
 import attrs
 import trio
 
-from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, listening_lines
+from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
 from muxproxy.config import Config, Listener
 from muxproxy.trio.server import serve
 
@@ -376,7 +376,7 @@ def worker_main() -> int:
     except* KeyboardInterrupt:
         pass
     except* OSError as group:
-        for exc in _leaves(group):
+        for exc in leaves(group):
             print(f"muxproxy: worker {os.getpid()}: cannot serve: {exc}", file=sys.stderr)
         exit_status = EXIT_FAILURE
     return exit_status
@@ -390,9 +390,3 @@ def _exit_with(supervisor: int) -> None:
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
     if os.getppid() != supervisor:  # It exited before the prctl: no signal will come.
         raise SystemExit(EXIT_FAILURE)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
