@@ -158,15 +158,16 @@ class Driver:
         for command in self.core.handle(event):
             execute[type(command)](command)
         if not self.batching:
-            self.settle()
+            self.settle(event.now)
 
-    def settle(self) -> None:
+    def settle(self, now: float) -> None:
         """Write what the commands queued and feed what that caused, until nothing is left.
 
         ``handle`` is never re-entered from inside the execution of its own commands: bytes
         the kernel took and connections closed are reported here, after the batch, bytes
         first (a connection's DataSent precedes its ConnectionClosed). The reactor writes
         each connection's queued output in one ``send`` here, however many commands queued it.
+        ``now``: the time of the batch, which the DataSent events carry.
         """
         execute = self._execute
         handle = self.core.handle
@@ -179,7 +180,7 @@ class Driver:
             later: Event
             if sent_now:
                 ident, nbytes = sent_now.popitem()
-                later = DataSent(now=trio.current_time(), conn=ident, nbytes=nbytes)
+                later = DataSent(now=now, conn=ident, nbytes=nbytes)
             elif later_events:
                 later = later_events.popleft()
             else:
