@@ -243,20 +243,24 @@ def request_from_h1(
 
     Authority is the Host value (RFC 9112 §3.2), or the absolute-form target's authority, which
     wins over Host (RFC 9112 §3.2.2). A CONNECT's authority-form target becomes the authority,
-    with target b"" as for HTTP/2.
+    with target b"" as for HTTP/2. ``end_stream`` is set when the request has no body: no
+    Transfer-Encoding and no Content-Length, or Content-Length 0 (RFC 9112 §6.3).
     """
     fields: Headers = list(headers)
     host: bytes | None = None
     host_count = 0
     content_length = transfer_encoding = False
+    empty_body = True
     for name, value in fields:
         if name == b"host":
             host = value
             host_count += 1
         elif name == b"content-length":
             content_length = True
+            empty_body = empty_body and value.strip() == b"0"
         elif name == b"transfer-encoding":
             transfer_encoding = True
+            empty_body = False
     if transfer_encoding:
         # RFC 9112 §6.1: a message with both "ought to be handled as an error" by a server
         # (it is the classic request-smuggling shape; preferring Transfer-Encoding, as §6.3
@@ -315,6 +319,7 @@ def request_from_h1(
         scheme=scheme,
         headers=fields,
         http_version=http_version,
+        end_stream=empty_body,
     )
 
 

@@ -345,7 +345,23 @@ def test_request_from_h1_origin_form() -> None:
         scheme=b"http",
         headers=[(b"host", b"api.example"), (b"x-a", b"1")],
         http_version=b"1.1",
+        end_stream=True,  # no Content-Length, no Transfer-Encoding: no body
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "end_stream"),
+    [
+        (b"", True),
+        (b"Content-Length: 0\r\n", True),
+        (b"Content-Length: 5\r\n", False),
+        (b"Transfer-Encoding: chunked\r\n", False),
+    ],
+)
+def test_request_from_h1_end_stream(fields: bytes, end_stream: bool) -> None:
+    # RFC 9112 §6.3: a request without Transfer-Encoding or Content-Length has no body.
+    head = h1_head(b"POST /v1 HTTP/1.1\r\nHost: api.example\r\n" + fields + b"\r\n")
+    assert head.end_stream is end_stream
 
 
 @pytest.mark.parametrize(
