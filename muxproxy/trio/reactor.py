@@ -209,43 +209,64 @@ class Reactor:
         driver = self.driver
         try:
             while True:
-                deadline = min((c.flush_deadline for c in self._ending), default=math.inf)
-                with trio.CancelScope(deadline=deadline) as scope:
+                # One cancel scope for as many rounds as its deadline (the earliest flush or
+                # linger deadline, see ``_set_deadline``) lets run: entering a scope costs
+                # about as much as the wait itself, so it is not done per round.
+                with trio.CancelScope(deadline=self._next_deadline()) as scope:
                     self._wait_scope = scope
-                    await wait_readable(fileno)
+                    while True:
+                        await wait_readable(fileno)
+                        self._serve_round(epoll, by_fd, driver)
+                        deadline = self._next_deadline()
+                        if deadline != scope.deadline:
+                            scope.deadline = deadline
+                # The deadline passed: the round expires what is due.
                 self._wait_scope = None
-                # One round: every ready socket, then the output they caused, in one go. Its
-                # events carry the time of the wake-up: the round takes well under a
-                # millisecond, and one clock read per round is cheaper than one per socket.
-                self._round += 1
-                this_round = self._round
-                self.now = now = trio.current_time()
-                driver.batching = True
-                try:
-                    if self._ending:
-                        self._expire_flushes(now)
-                    for fd, events in epoll.poll(0):
-                        conn = by_fd.get(fd)
-                        if conn is None or conn.born == this_round:
-                            # Closed during this round, or a new socket that reuses the number
-                            # of one closed during this round: the event is not its own.
-                            continue
-                        if conn.connecting:
-                            self._connected(conn)
-                            continue
-                        if events & WRITE_READY and conn.pending and not conn.queued:
-                            self._flush(conn)
-                        if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
-                            self._read(conn)
-                        elif conn.lingering:
-                            self._drop_input(conn)
-                finally:
-                    driver.batching = False
-                driver.settle(now)
+                self._serve_round(epoll, by_fd, driver)
         finally:
             for conn in list(by_fd.values()):
                 self._release(conn)
             epoll.close()
+
+    def _serve_round(
+        self, epoll: select.epoll, by_fd: dict[int, SocketConn], driver: Driver
+    ) -> None:
+        """One round: every ready socket, then the output they caused, in one go.
+
+        Its events carry the time of the wake-up: the round takes well under a millisecond,
+        and one clock read per round is cheaper than one per socket.
+        """
+        self._round += 1
+        this_round = self._round
+        self.now = now = trio.current_time()
+        driver.batching = True
+        try:
+            if self._ending:
+                self._expire_flushes(now)
+            for fd, events in epoll.poll(0):
+                conn = by_fd.get(fd)
+                if conn is None or conn.born == this_round:
+                    # Closed during this round, or a new socket that reuses the number of
+                    # one closed during this round: the event is not its own.
+                    continue
+                if conn.connecting:
+                    self._connected(conn)
+                    continue
+                if events & WRITE_READY and conn.pending and not conn.queued:
+                    self._flush(conn)
+                if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
+                    self._read(conn)
+                elif conn.lingering:
+                    self._drop_input(conn)
+        finally:
+            driver.batching = False
+        driver.settle(now)
+
+    def _next_deadline(self) -> float:
+        """The earliest flush or linger deadline (``math.inf``: none)."""
+        if not self._ending:
+            return math.inf
+        return min(c.flush_deadline for c in self._ending)
 
     # -- the core's commands (called from inside ``Driver.feed``) --------------------------
 
