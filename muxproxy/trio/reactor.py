@@ -63,6 +63,9 @@ LINGER_BYTES = 256 * 1024
 """Input dropped at most while lingering: a peer that keeps sending is cut off sooner."""
 
 
+MAX_ROUNDS = 4
+"""Rounds served per wake-up at most, while each finds sockets ready."""
+
 NOTSENT_LOWAT = 16 * 1024
 """Unsent bytes the kernel may hold per socket (as ``trio.SocketStream`` sets it)."""
 
@@ -216,7 +219,12 @@ class Reactor:
                     self._wait_scope = scope
                     while True:
                         await wait_readable(fileno)
-                        self._serve_round(epoll, by_fd, driver)
+                        # Sockets that became ready during a round are served at once, without
+                        # a trip through Trio's scheduler, a few rounds at most before the
+                        # other tasks (timers, accepts, TLS) get their turn.
+                        rounds = 1
+                        while self._serve_round(epoll, by_fd, driver) and rounds < MAX_ROUNDS:
+                            rounds += 1
                         deadline = self._next_deadline()
                         if deadline != scope.deadline:
                             scope.deadline = deadline
@@ -230,8 +238,9 @@ class Reactor:
 
     def _serve_round(
         self, epoll: select.epoll, by_fd: dict[int, SocketConn], driver: Driver
-    ) -> None:
-        """One round: every ready socket, then the output they caused, in one go.
+    ) -> int:
+        """One round: every ready socket, then the output they caused, in one go; returns
+        the number of ready sockets.
 
         Its events carry the time of the wake-up: the round takes well under a millisecond,
         and one clock read per round is cheaper than one per socket.
@@ -243,7 +252,8 @@ class Reactor:
         try:
             if self._ending:
                 self._expire_flushes(now)
-            for fd, events in epoll.poll(0):
+            ready = epoll.poll(0)
+            for fd, events in ready:
                 conn = by_fd.get(fd)
                 if conn is None or conn.born == this_round:
                     # Closed during this round, or a new socket that reuses the number of
@@ -261,6 +271,7 @@ class Reactor:
         finally:
             driver.batching = False
         driver.settle(now)
+        return len(ready)
 
     def _next_deadline(self) -> float:
         """The earliest flush or linger deadline (``math.inf``: none)."""
