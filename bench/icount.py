@@ -1,0 +1,214 @@
+"""User-space instructions per token and per request through the real server (callgrind).
+
+Timings on a shared 2-vCPU machine move by 10-20 % from run to run; instruction counts do not
+(two runs agree to 0.1 %). This runs the real ``ProxyServer`` in-process (reactor, driver,
+core, h11) on loopback sockets, with the backend and the clients as plain non-blocking sockets
+of the same process, under ``valgrind --tool=callgrind``, twice with different sizes: the
+difference divided by the difference in size is the cost of one unit, start-up excluded.
+Valgrind counts user-space instructions only, so the kernel's TCP work, which is the same for
+any proxy, is left out: what remains is Python's work (muxproxy, Trio, h11), plus the harness's
+own sends and receives.
+
+Modes:
+
+- ``token``: one stream, one SSE event at a time (the next is sent when the client got the
+  last): the paced case, one token per round of the reactor;
+- ``batch``: 32 streams, one event each per round; per event;
+- ``request``: sequential ``GET /sse`` requests on one kept-alive connection (2 request fields,
+  4 response fields), each answered with a head, one event and the last chunk; per request;
+- ``openai``: the same with the request of the OpenAI Python SDK (15 fields, a JSON body) and
+  a vLLM-like response head; per request;
+- ``h11-floor``: no proxy, h11 alone doing what any h11-based proxy does for one ``openai``
+  request: parse the request head and body, send the request head and body, parse the
+  response head, send it and the body. The floor of the request path while heads go through
+  h11.
+
+    python bench/icount.py                   # every mode, a markdown table
+    python bench/icount.py --modes token,openai --src /tmp/wt-old   # an older checkout
+    python bench/icount.py --run openai 100  # one plain run (no valgrind), for profiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODES = ("token", "batch", "request", "openai", "h11-floor")
+SIZES = {"token": (200, 1200), "batch": (20, 120), "request": (50, 250)}
+BATCH = 32
+
+GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
+GET_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+OPENAI_BODY = (
+    b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":16,"n":1}'
+)
+OPENAI = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+    b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
+    b"Content-Type: application/json\r\nUser-Agent: OpenAI/Python 1.54.0\r\n"
+    b"X-Stainless-Lang: python\r\nX-Stainless-Package-Version: 1.54.0\r\n"
+    b"X-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\nX-Stainless-Runtime: CPython\r\n"
+    b"X-Stainless-Runtime-Version: 3.11.7\r\nAuthorization: Bearer sk-test-0123456789abcdef\r\n"
+    b"X-Stainless-Async: false\r\nx-stainless-retry-count: 0\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(OPENAI_BODY), OPENAI_BODY)
+)
+OPENAI_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ndate: Mon, 30 Nov 2026 05:00:00 GMT\r\nserver: uvicorn\r\n"
+    b"content-type: text/event-stream; charset=utf-8\r\n"
+    b"x-request-id: chatcmpl-8f7a6b5c4d3e2f1a\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+LAST = b"0\r\n\r\n"
+
+
+def run(mode: str, n: int) -> None:
+    """One run of ``mode`` with ``n`` units (tokens, rounds or requests)."""
+    if mode == "h11-floor":
+        h11_floor(n)
+        return
+    import trio
+
+    trio.run(serve_through_proxy, mode, n)
+
+
+async def serve_through_proxy(mode: str, n: int) -> None:
+    import trio
+
+    from muxproxy.config import quick_config
+    from muxproxy.trio.server import ProxyServer
+
+    async def read_until(sock: socket.socket, marker: bytes) -> bytes:
+        buf = b""
+        while marker not in buf:
+            await trio.lowlevel.wait_readable(sock)
+            buf += sock.recv(65536)
+        return buf
+
+    request, response = (OPENAI, OPENAI_RESPONSE) if mode == "openai" else (GET, GET_RESPONSE)
+    # What the backend has of a request once it has all of it (the proxy rewrites the head).
+    request_end = OPENAI_BODY if mode == "openai" else b"\r\n\r\n"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(BATCH)
+    listener.setblocking(False)
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{listener.getsockname()[1]}"])
+    async with trio.open_nursery() as nursery:
+        addresses = await nursery.start(ProxyServer(config).run)
+        pairs: list[tuple[socket.socket, socket.socket]] = []
+        for _ in range(BATCH if mode == "batch" else 1):
+            client = socket.create_connection(addresses[0])
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            client.setblocking(False)
+            client.send(request)
+            await trio.lowlevel.wait_readable(listener)
+            backend, _ = listener.accept()
+            backend.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            backend.setblocking(False)
+            await read_until(backend, request_end)
+            backend.send(response + CHUNK)
+            await read_until(client, EVENT)
+            pairs.append((client, backend))
+        if mode in ("request", "openai"):
+            client, backend = pairs[0]
+            backend.send(LAST)
+            await read_until(client, LAST)
+            for _ in range(n):
+                client.send(request)
+                await read_until(backend, request_end)
+                backend.send(response + CHUNK + LAST)
+                await read_until(client, LAST)
+        else:
+            for _ in range(n):
+                for _, backend in pairs:
+                    backend.send(CHUNK)
+                for client, _ in pairs:
+                    await read_until(client, EVENT)
+        nursery.cancel_scope.cancel()
+
+
+def h11_floor(n: int) -> None:
+    import h11
+
+    server, client = h11.Connection(h11.SERVER), h11.Connection(h11.CLIENT)
+    for _ in range(n):
+        server.receive_data(OPENAI)
+        head = server.next_event()
+        body = server.next_event()
+        assert isinstance(head, h11.Request) and isinstance(body, h11.Data)
+        server.next_event()
+        client.send(h11.Request(method=head.method, target=head.target, headers=head.headers))
+        client.send(h11.Data(data=body.data))
+        client.send(h11.EndOfMessage())
+        client.receive_data(OPENAI_RESPONSE + CHUNK + LAST)
+        response, data = client.next_event(), client.next_event()
+        assert isinstance(response, h11.Response) and isinstance(data, h11.Data)
+        client.next_event()
+        server.send(h11.Response(status_code=response.status_code, headers=response.headers))
+        server.send(h11.Data(data=data.data))
+        server.send(h11.EndOfMessage())
+        server.start_next_cycle()
+        client.start_next_cycle()
+
+
+def instructions(valgrind: str, src: Path, mode: str, n: int) -> int:
+    """User-space instructions of one run (callgrind's total)."""
+    proc = subprocess.run(
+        [
+            *(valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"),
+            *(sys.executable, str(Path(__file__).resolve()), "--run", mode, str(n)),
+        ],
+        cwd=src,
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    match = re.search(r"Collected : (\d+)", proc.stderr)
+    if match is None:
+        raise RuntimeError(f"no instruction count from callgrind:\n{proc.stderr[-2000:]}")
+    return int(match[1])
+
+
+def per_unit(valgrind: str, src: Path, mode: str) -> float:
+    small, large = SIZES.get(mode, SIZES["request"])
+    extra = instructions(valgrind, src, mode, large) - instructions(valgrind, src, mode, small)
+    units = (large - small) * (BATCH if mode == "batch" else 1)
+    return extra / units
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument("--src", type=Path, default=HERE.parent, help="the checkout to measure")
+    parser.add_argument("--run", nargs=2, metavar=("MODE", "N"), help="one run, no valgrind")
+    args = parser.parse_args()
+    if args.run:
+        run(args.run[0], int(args.run[1]))
+        return
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        parser.error("valgrind not found (apt-get install valgrind)")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    print(f"muxproxy from {args.src.resolve()}, Python {sys.version.split()[0]}\n")
+    print("| mode | unit | instructions per unit |\n|---|---|---:|")
+    for mode in modes:
+        unit = {"token": "token", "batch": "token"}.get(mode, "request")
+        print(f"| {mode} | {unit} | {per_unit(valgrind, args.src, mode):,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
