@@ -77,17 +77,21 @@ def check_raw_head(head: bytes) -> None:
         raise PeerError("bare LF line ending in the request head")
     if _OBS_FOLD.search(head) is not None:
         raise PeerError("obs-fold (line folding) in the request head")
-    lengths = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.lower() == b"content-length":
-            lengths += 1
-            # RFC 9110 §8.6 lets a recipient merge identical values; a front-end that does
-            # not would frame the body differently, so we refuse both forms.
-            if lengths > 1:
-                raise PeerError("more than one content-length field")
-            if b"," in value:
-                raise PeerError("list of values in content-length")
+    # With bare LF and obs-fold refused, every field line starts after a CRLF, and h11 allows
+    # no whitespace before the colon: each Content-Length field is one "\r\ncontent-length:".
+    # RFC 9110 §8.6 lets a recipient merge identical values; a front-end that does not would
+    # frame the body differently, so we refuse both forms.
+    lowered = head.lower()
+    field = b"\r\ncontent-length:"
+    first = lowered.find(field)
+    if first < 0:
+        return
+    start = first + len(field)
+    end = lowered.find(b"\r\n", start)
+    if b"," in lowered[start : end if end >= 0 else len(lowered)]:
+        raise PeerError("list of values in content-length")
+    if lowered.find(field, start) >= 0:
+        raise PeerError("more than one content-length field")
 
 
 class PeerError(Exception):

@@ -7,6 +7,8 @@ import h2.errors
 import h2.events
 import h11
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
 
 from muxproxy.core.commands import CloseConnection
@@ -122,6 +124,40 @@ def test_raw_check_names_the_problem(head, reason):
     with pytest.raises(PeerError, match=reason) as info:
         check_raw_head(head)
     assert info.value.status == 400
+
+
+def content_length_problem(head: bytes) -> str | None:
+    """The Content-Length rules of ``check_raw_head``, field line by field line."""
+    lengths = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            lengths += 1
+            if lengths > 1:
+                return "more than one"
+            if b"," in value:
+                return "list"
+    return None
+
+
+field_lines = st.lists(
+    st.tuples(
+        st.sampled_from([b"Content-Length", b"content-length", b"CONTENT-LENGTH", b"X-Length"]),
+        st.sampled_from([b"5", b" 5", b"1,1", b"1, 1", b"", b"a,b"]),
+    ),
+    max_size=4,
+)
+
+
+@given(field_lines)
+def test_raw_check_finds_content_length_like_a_walk_over_the_lines(fields):
+    head = b"POST / HTTP/1.1\r\nHost: a\r\n" + b"".join(n + b":" + v + b"\r\n" for n, v in fields)
+    expected = content_length_problem(head)
+    if expected is None:
+        check_raw_head(head)
+    else:
+        with pytest.raises(PeerError, match=expected):
+            check_raw_head(head)
 
 
 # -- HTTP/2 -> HTTP/1.1 downgrade ------------------------------------------------------------
