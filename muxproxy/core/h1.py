@@ -306,8 +306,15 @@ class H1Client:
 
     def send_end(self, trailers: Headers) -> bytes:
         # Trailers from an HTTP/2 client are not checked by h2 (inbound validation is off):
-        # drop fields h11 would refuse rather than raise on the peer's bytes (RFC 9110 §6.5.1).
-        trailers = [(n, v) for n, v in trailers if _TOKEN.fullmatch(n) and not _BAD_VALUE.search(v)]
+        # drop fields h11 would refuse rather than raise on the peer's bytes, and the framing
+        # and connection fields a trailer section must not carry (RFC 9110 §6.5.1).
+        trailers = [
+            (n, v)
+            for n, v in trailers
+            if _FIELD_NAME.fullmatch(n)
+            and _FIELD_VALUE.fullmatch(v)
+            and n.lower() not in H11_FIELDS
+        ]
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
     def receive(self, data: bytes) -> list[Message]:
@@ -415,19 +422,22 @@ class H1Client:
         return self.conn.their_state is not h11.SEND_RESPONSE
 
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
+# h11's grammar for what it sends: a field name is a token (RFC 9110 §5.1); a value has no
+# NUL, CR, LF or other whitespace but SP and HTAB inside, and none at either end (§5.5).
+_NAME_SYNTAX = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+_VALUE_SYNTAX = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
+_FIELD_NAME = re.compile(_NAME_SYNTAX)
+_FIELD_VALUE = re.compile(_VALUE_SYNTAX)
 
 H11_FIELDS = frozenset(
     [b"host", b"content-length", b"transfer-encoding", b"connection", b"expect", b"upgrade"]
 )
 """The fields h11 acts on when it sends a head: the body's framing (RFC 9112 §6), the
 mandatory Host (§3.2), keep-alive (§9.3), 100-continue (RFC 9110 §10.1.1) and upgrades (§7.8)."""
-_NAMES = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9a-zA-Z]+:)*")
-"""Field names, each followed by ":": every one a token (RFC 9110 §5.1)."""
-_VALUES = re.compile(rb"(?:(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?\x00)*")
-"""Field values, each followed by NUL: h11's grammar for a value (RFC 9110 §5.5): no NUL, CR,
-LF or other whitespace but SP and HTAB inside, none at either end."""
+_NAMES = re.compile(rb"(?:%s:)*" % _NAME_SYNTAX)
+"""Field names, each followed by ":"."""
+_VALUES = re.compile(rb"(?:%s\x00)*" % _VALUE_SYNTAX)
+"""Field values, each followed by NUL."""
 
 
 def head_bytes(

@@ -163,3 +163,27 @@ def test_adapters_write_every_field_once() -> None:
     )
     assert out.count(b"content-type: text/event-stream\r\n") == 1
     assert b"transfer-encoding: chunked\r\n" in out.lower() and server.chunking
+
+
+def test_trailers_h11_would_refuse_are_dropped_not_raised() -> None:
+    # Trailers from an HTTP/2 client reach us unchecked: a value h11 refuses (a form feed is
+    # whitespace to it) and framing fields (RFC 9110 §6.5.1) are dropped, the rest kept.
+    client = H1Client()
+    client.send_head(1, b"POST", b"/", [(b"host", b"b"), (b"transfer-encoding", b"chunked")])
+    client.send_body(b"x")
+    out = client.send_end(
+        [
+            (b"grpc-status", b"0"),
+            (b"x-bad", b"a\x0cb"),
+            (b"transfer-encoding", b"gzip"),
+            (b"bad name", b"1"),
+        ]
+    )
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(
+        b"POST / HTTP/1.1\r\nhost: b\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n" + out
+    )
+    events = [server.next_event() for _ in range(3)]
+    end = events[-1]
+    assert isinstance(end, h11.EndOfMessage)
+    assert list(end.headers) == [(b"grpc-status", b"0")]
