@@ -739,6 +739,11 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def markdown_header(cols: list[str]) -> list[str]:
+    """The header row and the separator row of a markdown table."""
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 def table(result: dict[str, object]) -> str:
     runs = result["runs"]
     assert isinstance(runs, list)
@@ -760,7 +765,7 @@ def table(result: dict[str, object]) -> str:
         "client CPU %",
         "other procs CPU %",
     ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = markdown_header(cols)
     notes = []
     for r in rows:
         base = direct.get(r["streams"])
@@ -857,7 +862,7 @@ def saturation_table(result: dict[str, Any]) -> str:
         "client CPU %",
         "other procs CPU %",
     ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = markdown_header(cols)
     notes = []
     for r in rows:
         where = f"{r['label']}, {r['streams']} streams"
@@ -949,7 +954,7 @@ def llm_table(result: dict[str, Any]) -> str:
         "client CPU %",
         "other procs CPU %",
     ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = markdown_header(cols)
     notes = []
 
     def pair(r: dict[str, Any], what: str) -> str:
