@@ -12,9 +12,11 @@ core is untouched: it sees the same events and commands as with the task-per-soc
 Semantics kept from the task-based driver (the core relies on them):
 
 - output is written without waiting for readiness: what the core queues for a connection
-  during one round of ready sockets goes out in one ``send`` at the end of the round (one
-  token: one ``send``; the tokens of many streams of one HTTP/2 client: still one). What the
-  kernel does not take waits for ``EPOLLOUT``, and the order of bytes is kept;
+  while it handles one ready socket goes out in one ``send`` before the next ready socket is
+  read (one read of a backend: one ``send`` to its client, however many tokens the read
+  held), so a token does not wait for the rest of the round; what timers and ``settle``
+  cause goes out at the end of their batch. What the kernel does not take waits for
+  ``EPOLLOUT``, and the order of bytes is kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
   own commands: the driver queues them and feeds them after the batch (``Driver.settle``);
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
@@ -123,7 +125,7 @@ class SocketConn:
         """The reactor's round this connection was added in (see ``Reactor.run``)."""
         self.pending = bytearray()
         self.queued = False
-        """In the reactor's outbox: ``pending`` is written at the end of the round."""
+        """In the reactor's outbox: ``pending`` is written by ``write_outbox``."""
         self.paused = False
         self.closing = False
         self.closed = False
@@ -239,7 +241,7 @@ class Reactor:
     def _serve_round(
         self, epoll: select.epoll, by_fd: dict[int, SocketConn], driver: Driver
     ) -> int:
-        """One round: every ready socket, then the output they caused, in one go; returns
+        """One round: every ready socket, each followed by the output it caused; returns
         the number of ready sockets.
 
         Its events carry the time of the wake-up: the round takes well under a millisecond,
@@ -261,13 +263,17 @@ class Reactor:
                     continue
                 if conn.connecting:
                     self._connected(conn)
-                    continue
-                if events & WRITE_READY and conn.pending and not conn.queued:
-                    self._flush(conn)
-                if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
-                    self._read(conn)
-                elif conn.lingering:
-                    self._drop_input(conn)
+                else:
+                    if events & WRITE_READY and conn.pending and not conn.queued:
+                        self._flush(conn)
+                    if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
+                        self._read(conn)
+                    elif conn.lingering:
+                        self._drop_input(conn)
+                if self.outbox:
+                    # What this socket's events caused leaves before the next socket is read:
+                    # a token does not wait for the other streams' work of the round.
+                    self.write_outbox()
         finally:
             driver.batching = False
         driver.settle(now)
@@ -285,8 +291,9 @@ class Reactor:
         if conn.closed or conn.lingering:
             return
         if not conn.pending:
-            # Nothing waits for EPOLLOUT: the bytes go out at the end of the batch, together
-            # with whatever else the batch queues for this connection.
+            # Nothing waits for EPOLLOUT: the bytes go out when the socket being handled is
+            # done (or at the end of the batch), with whatever else it queues for this
+            # connection.
             conn.queued = True
             self.outbox.append(conn)
         conn.pending += data

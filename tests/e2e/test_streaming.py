@@ -40,6 +40,7 @@ import trio.testing
 from peers import H1Peer, open_h2, open_tcp, socket_of
 
 from muxproxy.config import Limits
+from muxproxy.core.events import DataReceived
 from muxproxy.core.proxy import StreamStatistics
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 from muxproxy.trio.reactor import SocketConn
@@ -299,6 +300,78 @@ async def test_per_chunk_flush_http2(nursery: trio.Nursery, start_proxy: StartPr
 
 
 # ---- 2. many streams on one HTTP/2 connection --------------------------------------------
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+EVENT_CHUNK = b"%x\r\n%s\r\n" % (len(b"data: tok\n\n"), b"data: tok\n\n")
+
+
+async def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    buf = b""
+    while marker not in buf:
+        await trio.lowlevel.wait_readable(sock)
+        buf += sock.recv(65536)
+    return buf
+
+
+async def test_a_token_is_written_before_the_next_socket_is_read(
+    start_proxy: StartProxy,
+) -> None:
+    """Two backends become readable together (one round of the reactor): the token of the one
+    read first is already at its client when the proxy reads the other. A token does not wait
+    for the other streams' work of the round."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    proxy = await start_proxy([listener.getsockname()[1]])
+    clients: list[socket.socket] = []
+    backends: list[socket.socket] = []
+    core = proxy.server.core
+    handle = core.handle
+    waiting: list[list[int]] = []  # per backend read: bytes waiting at each client
+
+    def spy(event: Any) -> Any:
+        if type(event) is DataReceived and event.conn < 0:
+            waiting.append([len(peek(c)) for c in clients])
+        return handle(event)
+
+    try:
+        with trio.fail_after(5):
+            for _ in range(2):
+                client = socket.create_connection(("127.0.0.1", proxy.port))
+                client.setblocking(False)
+                clients.append(client)
+                client.send(b"GET /sse HTTP/1.1\r\nhost: x\r\n\r\n")
+                await trio.lowlevel.wait_readable(listener)
+                backend, _ = listener.accept()
+                backend.setblocking(False)
+                backends.append(backend)
+                await read_until(backend, b"\r\n\r\n")
+                backend.send(SSE_HEAD)
+                await read_until(client, b"\r\n\r\n")
+            core.handle = spy  # type: ignore[method-assign]
+            # No checkpoint between the two sends: the proxy finds both backends ready at once.
+            for backend in backends:
+                backend.send(EVENT_CHUNK)
+            for client in clients:
+                assert await read_until(client, b"tok") == EVENT_CHUNK
+    finally:
+        core.handle = handle  # type: ignore[method-assign]
+        for sock in [*clients, *backends, listener]:
+            sock.close()
+    assert len(waiting) == 2, waiting
+    assert waiting[0] == [0, 0]
+    assert sorted(waiting[1]) == [0, len(EVENT_CHUNK)], waiting
+
+
+def peek(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
 
 
 async def test_many_concurrent_streams_on_one_h2_connection(
