@@ -92,8 +92,18 @@ class ChunkedDecoder:
                     match = _SIZE_LINE.fullmatch(data, start, line_end)
                     if match is None:
                         raise ChunkedError(f"bad chunk size line {data[start:line_end][:40]!r}")
-                    self._remaining = int(match.group(1), 16)
-                    state = _DATA if self._remaining else _TRAILERS
+                    size = int(match.group(1), 16)
+                    data_end = pos + size
+                    if size and data_end + 2 <= end:
+                        # The whole chunk and its CRLF are in this read (a token, usually):
+                        # taken in one step, the state stays _SIZE.
+                        if data[data_end : data_end + 2] != b"\r\n":
+                            raise ChunkedError("chunk data not followed by CRLF")
+                        payload.append(data[pos:data_end])
+                        pos = data_end + 2
+                        continue
+                    self._remaining = size
+                    state = _DATA if size else _TRAILERS
                 elif start < line_end:
                     self._trailer_line(data, start, line_end)
                 else:  # the empty line ends the trailer section
