@@ -52,7 +52,14 @@ from typing import assert_never
 import attrs
 import trio
 
-from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
+from muxproxy.cli import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    freeze_startup_heap,
+    leaves,
+    listening_lines,
+)
 from muxproxy.config import Config, Listener
 from muxproxy.trio.server import serve
 
@@ -366,6 +373,7 @@ def worker_main() -> int:
     async def serve_and_report(config: Config) -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(partial(serve, config, reuse_port=True))
+            freeze_startup_heap()
             os.write(status, json.dumps(bound).encode() + b"\n")
 
     exit_status = EXIT_OK

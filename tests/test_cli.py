@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -358,6 +359,36 @@ def test_serve_quick_prints_listening_lines(
     assert main(["serve", "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:9001"]) == 0
     assert seen == [quick_config("127.0.0.1:0", ["127.0.0.1:9001"])]
     assert capsys.readouterr().out == "muxproxy listening on http://127.0.0.1:40000\n"
+
+
+def test_serve_freezes_the_startup_heap_once_it_listens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What start-up allocated leaves the collector's view (``gc.freeze``) once the server
+    listens, not before: a full collection would walk it all, a pause of every stream."""
+    frozen: list[int] = []
+
+    async def serve(
+        config: Any,
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        frozen.append(gc.get_freeze_count())
+        task_status.started([(config.listeners[0].host, 40000)])
+        await trio.lowlevel.checkpoint()
+        frozen.append(gc.get_freeze_count())
+
+    module = types.ModuleType("muxproxy.trio.server")
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "muxproxy.trio.server", module)
+    gc.unfreeze()
+    try:
+        assert main(["serve", "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:9001"]) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen[0] == 0
+    assert frozen[1] > 1000, frozen
+    assert "listening" in capsys.readouterr().out
 
 
 def test_serve_config_file_with_tls(
