@@ -70,6 +70,7 @@ CLIENT = HERE / "sse_client.py"
 LLM_CLIENT = HERE / "llm_load.py"
 RELAY = HERE / "trio_relay.py"
 PYSPY_TOP = HERE / "pyspy_top.py"
+TOKEN_TRACE = HERE / "token_trace.py"
 
 VARIANTS = {
     # name: (label, proxy kind or None, client protocol)
@@ -256,6 +257,8 @@ def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
 
 MUXPROXY_SRC = ROOT
 """The checkout whose ``muxproxy`` package the muxproxy variants run (``--muxproxy-src``)."""
+TRACE_DIR: Path | None = None
+"""``--trace``: muxproxy runs under ``token_trace.py``, which writes its summary here at exit."""
 
 
 def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0) -> Proc:
@@ -265,6 +268,8 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
     listen = f"127.0.0.1:{port}"
     if kind == "muxproxy":
         argv = [sys.executable, "-m", "muxproxy", "serve", "--listen", listen]
+        if TRACE_DIR is not None and not workers:
+            argv[1:3] = [str(TOKEN_TRACE), "--out", str(TRACE_DIR / f"{tmp.name}.json")]
         argv += ["--upstream", backend]
         if workers:
             argv += ["--workers", str(workers)]
@@ -591,6 +596,30 @@ def bench_streams(args: argparse.Namespace, session: Session) -> None:
         return CLIENT, argv, args.warmup + args.duration + 150
 
     session.rounds(args.streams, "streams", lambda streams: f"{streams} streams", client)
+
+
+def trace_table(paths: list[Path]) -> str:
+    """The summaries of ``token_trace.py``: where a read's time inside muxproxy went (ms)."""
+    rows = [
+        "",
+        "Where a backend read's time inside muxproxy went (ms, token_trace.py; means):",
+        "",
+        "| variant | reads | p50 / p99 / p99.9 | mean: wait for the round, before its read, own "
+        "| worst 1 %: the same | full collections (count, longest) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        t = json.loads(path.read_text())
+        q, mean, worst = t["total_ms"], t["mean_ms"], t["worst_1pct_mean_ms"]
+        parts = ("wait for the round", "before its read", "own")
+        full = t["gc"].get("gen2", {"count": 0, "max_ms": 0.0})
+        rows.append(
+            f"| {path.stem} | {t['reads']:,} | {q['p50']:.2f} / {q['p99']:.2f} / {q['p99.9']:.2f} "
+            f"| {', '.join(f'{mean.get(p, 0):.2f}' for p in parts)} "
+            f"| {', '.join(f'{worst.get(p, 0):.2f}' for p in parts)} "
+            f"| {full['count']}, {full['max_ms']:.1f} ms |"
+        )
+    return "\n".join(rows)
 
 
 def report_problems(label: str, res: dict[str, object], proxy: Proc | None) -> None:
@@ -1079,6 +1108,11 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the logs and nginx conf")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="run muxproxy (one process) under token_trace.py; use one --streams value",
+    )
     sat = parser.add_argument_group("--mode saturation")
     sat.add_argument("--burst", type=int, default=16, help="events per backend write")
     llm = parser.add_argument_group("--mode llm (see bench/llm_load.py)")
@@ -1089,8 +1123,11 @@ def main() -> None:
     llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
     llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
-    global MUXPROXY_SRC
+    global MUXPROXY_SRC, TRACE_DIR
     MUXPROXY_SRC = args.muxproxy_src.resolve()
+    if args.trace:
+        TRACE_DIR = Path(args.out) / dt.datetime.now().strftime("trace-%Y%m%d-%H%M%S")
+        TRACE_DIR.mkdir(parents=True)
     default_streams = {"stream": "100,1000", "saturation": "16", "llm": ""}[args.mode]
     args.streams = [int(s) for s in (args.streams or default_streams).split(",") if s]
     args.rate = [float(r) for r in args.rate.split(",") if r]
@@ -1113,6 +1150,8 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1))
     print({"stream": table, "saturation": saturation_table, "llm": llm_table}[args.mode](result))
     print(f"\nresults: {path}")
+    if TRACE_DIR is not None:
+        print(trace_table(sorted(TRACE_DIR.glob("*.json"))))
     if args.profile:
         for prof in args.profiles:
             print(f"\n# {prof.name}")
