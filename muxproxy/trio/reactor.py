@@ -14,9 +14,11 @@ Semantics kept from the task-based driver (the core relies on them):
 - output is written without waiting for readiness: what the core queues for a connection
   while it handles one ready socket goes out in one ``send`` before the next ready socket is
   read (one read of a backend: one ``send`` to its client, however many tokens the read
-  held), so a token does not wait for the rest of the round; what timers and ``settle``
-  cause goes out at the end of their batch. What the kernel does not take waits for
-  ``EPOLLOUT``, and the order of bytes is kept;
+  held), so a token does not wait for the rest of the round. A connection that another
+  socket fed last (the streams of an HTTP/2 client, each from its own backend) is written at
+  the end of the round instead, once for all of them; so is what timers and ``settle``
+  cause. What the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is
+  kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
   own commands: the driver queues them and feeds them after the batch (``Driver.settle``);
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
@@ -98,7 +100,9 @@ class SocketConn:
         "closed",
         "closing",
         "connecting",
+        "deferred",
         "fd",
+        "fed_by",
         "flush_deadline",
         "ident",
         "linger_budget",
@@ -126,6 +130,10 @@ class SocketConn:
         self.pending = bytearray()
         self.queued = False
         """In the reactor's outbox: ``pending`` is written by ``write_outbox``."""
+        self.fed_by = 0
+        """The connection whose handling last queued output here (0: none, or not a socket's)."""
+        self.deferred = False
+        """Output queued by a socket other than the last one: written at the end of the round."""
         self.paused = False
         self.closing = False
         self.closed = False
@@ -158,6 +166,8 @@ class Reactor:
         """Connections flushing before their close, or lingering: each has a deadline."""
         self._wait_scope: trio.CancelScope | None = None
         self._round = 0
+        self._serving = 0
+        """The connection whose ready events the round is handling (0: none)."""
         self.now = 0.0
         """The time of the current round's wake-up (Trio's clock)."""
         self.outbox: list[SocketConn] = []
@@ -241,8 +251,9 @@ class Reactor:
     def _serve_round(
         self, epoll: select.epoll, by_fd: dict[int, SocketConn], driver: Driver
     ) -> int:
-        """One round: every ready socket, each followed by the output it caused; returns
-        the number of ready sockets.
+        """One round: every ready socket, each followed by the output it caused (except for
+        connections several sockets feed, written at the end); returns the number of ready
+        sockets.
 
         Its events carry the time of the wake-up: the round takes well under a millisecond,
         and one clock read per round is cheaper than one per socket.
@@ -261,6 +272,7 @@ class Reactor:
                     # Closed during this round, or a new socket that reuses the number of
                     # one closed during this round: the event is not its own.
                     continue
+                self._serving = conn.ident
                 if conn.connecting:
                     self._connected(conn)
                 else:
@@ -273,8 +285,9 @@ class Reactor:
                 if self.outbox:
                     # What this socket's events caused leaves before the next socket is read:
                     # a token does not wait for the other streams' work of the round.
-                    self.write_outbox()
+                    self._write_undeferred()
         finally:
+            self._serving = 0
             driver.batching = False
         driver.settle(now)
         return len(ready)
@@ -290,6 +303,11 @@ class Reactor:
     def send(self, conn: SocketConn, data: bytes) -> None:
         if conn.closed or conn.lingering:
             return
+        if conn.fed_by != self._serving:
+            # Fed by another connection than last time: several feed it (the streams of an
+            # HTTP/2 client), and their output shares one send at the end of the round.
+            conn.fed_by = self._serving
+            conn.deferred = True
         if not conn.pending:
             # Nothing waits for EPOLLOUT: the bytes go out when the socket being handled is
             # done (or at the end of the batch), with whatever else it queues for this
@@ -303,6 +321,19 @@ class Reactor:
         outbox = self.outbox
         self.outbox = []
         for conn in outbox:
+            conn.queued = False
+            conn.deferred = False
+            if not (conn.closed or conn.connecting):
+                self._flush(conn)
+
+    def _write_undeferred(self) -> None:
+        """Write what the socket just handled queued, except for deferred connections."""
+        outbox = self.outbox
+        self.outbox = []
+        for conn in outbox:
+            if conn.deferred:
+                self.outbox.append(conn)
+                continue
             conn.queued = False
             if not (conn.closed or conn.connecting):
                 self._flush(conn)

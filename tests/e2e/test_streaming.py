@@ -32,7 +32,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import h2.config
+import h2.connection
 import h2.errors
+import h2.events
 import h11
 import pytest
 import trio
@@ -299,13 +302,15 @@ async def test_per_chunk_flush_http2(nursery: trio.Nursery, start_proxy: StartPr
     assert_flushed_one_by_one(backend.sent, [f.at for f in frames], FLUSH_TOKENS)
 
 
-# ---- 2. many streams on one HTTP/2 connection --------------------------------------------
-
+# Which sockets wait for which: backends played by the test on plain sockets, so that several
+# of them become readable in one round of the proxy's reactor.
 
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
-EVENT_CHUNK = b"%x\r\n%s\r\n" % (len(b"data: tok\n\n"), b"data: tok\n\n")
+EVENT = b"data: tok\n\n"
+EVENT_CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+H2_GET = [(":method", "GET"), (":scheme", "http"), (":authority", "x"), (":path", "/sse")]
 
 
 async def read_until(sock: socket.socket, marker: bytes) -> bytes:
@@ -316,62 +321,155 @@ async def read_until(sock: socket.socket, marker: bytes) -> bytes:
     return buf
 
 
-async def test_a_token_is_written_before_the_next_socket_is_read(
-    start_proxy: StartProxy,
-) -> None:
-    """Two backends become readable together (one round of the reactor): the token of the one
-    read first is already at its client when the proxy reads the other. A token does not wait
-    for the other streams' work of the round."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.setblocking(False)
-    proxy = await start_proxy([listener.getsockname()[1]])
-    clients: list[socket.socket] = []
-    backends: list[socket.socket] = []
-    core = proxy.server.core
-    handle = core.handle
-    waiting: list[list[int]] = []  # per backend read: bytes waiting at each client
-
-    def spy(event: Any) -> Any:
-        if type(event) is DataReceived and event.conn < 0:
-            waiting.append([len(peek(c)) for c in clients])
-        return handle(event)
-
-    try:
-        with trio.fail_after(5):
-            for _ in range(2):
-                client = socket.create_connection(("127.0.0.1", proxy.port))
-                client.setblocking(False)
-                clients.append(client)
-                client.send(b"GET /sse HTTP/1.1\r\nhost: x\r\n\r\n")
-                await trio.lowlevel.wait_readable(listener)
-                backend, _ = listener.accept()
-                backend.setblocking(False)
-                backends.append(backend)
-                await read_until(backend, b"\r\n\r\n")
-                backend.send(SSE_HEAD)
-                await read_until(client, b"\r\n\r\n")
-            core.handle = spy  # type: ignore[method-assign]
-            # No checkpoint between the two sends: the proxy finds both backends ready at once.
-            for backend in backends:
-                backend.send(EVENT_CHUNK)
-            for client in clients:
-                assert await read_until(client, b"tok") == EVENT_CHUNK
-    finally:
-        core.handle = handle  # type: ignore[method-assign]
-        for sock in [*clients, *backends, listener]:
-            sock.close()
-    assert len(waiting) == 2, waiting
-    assert waiting[0] == [0, 0]
-    assert sorted(waiting[1]) == [0, len(EVENT_CHUNK)], waiting
-
-
 def peek(sock: socket.socket) -> bytes:
     try:
         return sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return b""
+
+
+@attrs.define
+class RawBackends:
+    """A listener the proxy connects to, the backends accepted from it, and a spy on the
+    proxy's core that notes, at each read of a backend, the bytes waiting at each client."""
+
+    listener: socket.socket
+    clients: list[socket.socket] = attrs.field(factory=list)
+    backends: list[socket.socket] = attrs.field(factory=list)
+    waiting: list[list[int]] = attrs.field(factory=list)
+    rounds: list[int] = attrs.field(factory=list)
+
+    @classmethod
+    def listen(cls) -> RawBackends:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        return cls(listener)
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    def connect_client(self, proxy: RunningProxy) -> socket.socket:
+        client = socket.create_connection(("127.0.0.1", proxy.port))
+        client.setblocking(False)
+        self.clients.append(client)
+        return client
+
+    async def accept(self) -> None:
+        """Take the proxy's next backend connection, read its request, answer an SSE head."""
+        await trio.lowlevel.wait_readable(self.listener)
+        backend, _ = self.listener.accept()
+        backend.setblocking(False)
+        self.backends.append(backend)
+        await read_until(backend, b"\r\n\r\n")
+        backend.send(SSE_HEAD)
+
+    def send_one_event_each(self) -> None:
+        # No checkpoint between the sends: the proxy finds every backend ready at once.
+        for backend in self.backends:
+            backend.send(EVENT_CHUNK)
+
+    def spy_on(self, proxy: RunningProxy) -> Callable[[], None]:
+        """Start noting (``waiting``, and the reactor's round of each read in ``rounds``);
+        returns the undo."""
+        core = proxy.server.core
+        handle = core.handle
+        reactor = proxy.server.driver.reactor if proxy.server.driver else None
+        assert reactor is not None
+
+        def spy(event: Any) -> Any:
+            if type(event) is DataReceived and event.conn < 0:
+                self.waiting.append([len(peek(c)) for c in self.clients])
+                self.rounds.append(reactor._round)
+            return handle(event)
+
+        core.handle = spy  # type: ignore[method-assign]
+        return lambda: setattr(core, "handle", handle)
+
+    def close(self) -> None:
+        for sock in [*self.clients, *self.backends, self.listener]:
+            sock.close()
+
+
+async def test_a_token_is_written_before_the_next_socket_is_read(
+    start_proxy: StartProxy,
+) -> None:
+    """Two HTTP/1.1 clients, their backends readable together (one round of the reactor): the
+    token of the one read first is already at its client when the proxy reads the other. A
+    token does not wait for the other streams' work of the round."""
+    raw = RawBackends.listen()
+    proxy = await start_proxy([raw.port])
+    try:
+        with trio.fail_after(5):
+            for _ in range(2):
+                client = raw.connect_client(proxy)
+                client.send(b"GET /sse HTTP/1.1\r\nhost: x\r\n\r\n")
+                await raw.accept()
+                await read_until(client, b"\r\n\r\n")
+            undo = raw.spy_on(proxy)
+            raw.send_one_event_each()
+            for client in raw.clients:
+                assert await read_until(client, b"tok") == EVENT_CHUNK
+            undo()
+    finally:
+        raw.close()
+    assert len(raw.waiting) == 2, raw.waiting
+    assert raw.waiting[0] == [0, 0]
+    assert sorted(raw.waiting[1]) == [0, len(EVENT_CHUNK)], raw.waiting
+
+
+async def test_the_tokens_of_an_http2_clients_streams_in_one_round_share_a_send(
+    start_proxy: StartProxy,
+) -> None:
+    """Three streams of one HTTP/2 client, their backends readable together: the connection is
+    fed by several sockets, so what the round queues for it goes out at the end of the round,
+    in one send. (The first read of the round may be written at once, if the same backend fed
+    the connection last; the reads after it are not.)"""
+    raw = RawBackends.listen()
+    proxy = await start_proxy([raw.port])
+    h2conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2conn.initiate_connection()
+
+    async def receive_data_frames(n: int) -> list[bytes]:
+        frames: list[bytes] = []
+        while len(frames) < n:
+            await trio.lowlevel.wait_readable(client)
+            for event in h2conn.receive_data(client.recv(65536)):
+                if isinstance(event, h2.events.DataReceived):
+                    frames.append(event.data)
+            client.send(h2conn.data_to_send())
+        return frames
+
+    try:
+        with trio.fail_after(5):
+            client = raw.connect_client(proxy)
+            for stream in (1, 3, 5):
+                h2conn.send_headers(stream, H2_GET, end_stream=True)
+            client.send(h2conn.data_to_send())
+            for _ in range(3):
+                await raw.accept()
+            raw.send_one_event_each()  # a first round: each backend has fed the connection
+            assert await receive_data_frames(3) == [EVENT] * 3
+            undo = raw.spy_on(proxy)
+            # The three reads must fall in one round; a loaded kernel may deliver one late.
+            for _ in range(5):
+                await trio.testing.wait_all_tasks_blocked()
+                raw.waiting.clear()
+                raw.rounds.clear()
+                raw.send_one_event_each()
+                assert await receive_data_frames(3) == [EVENT] * 3
+                if len(set(raw.rounds)) == 1:
+                    break
+            undo()
+    finally:
+        raw.close()
+    assert len(raw.waiting) == 3 and len(set(raw.rounds)) == 1, (raw.waiting, raw.rounds)
+    assert raw.waiting[2] == raw.waiting[1], raw.waiting
+
+
+# ---- 2. many streams on one HTTP/2 connection --------------------------------------------
 
 
 async def test_many_concurrent_streams_on_one_h2_connection(
