@@ -10,7 +10,9 @@ into:
   asleep and waking up, or busy with an earlier round, or the process had no CPU;
 - **before its read**: the start of that round -> its ``recv``: the other ready sockets the
   round served first;
-- **own**: its ``recv`` -> the end of its client ``send``: muxproxy's work for this read.
+- **own**: its ``recv`` -> the end of the first ``send`` after it (its client's, at paced load
+  with one kind of client): muxproxy's work for this read, and for an HTTP/2 client the wait
+  for the end of the round, where its streams share one ``send``.
 
 Every collection of the cyclic garbage collector is timed too (``gc.callbacks``). At exit
 (SIGINT) a JSON summary goes to ``--out``; reads in the first ``--skip`` seconds after the
@@ -75,7 +77,7 @@ class TimedSocket(socket.socket):
 def instrument() -> None:
     from muxproxy.trio.reactor import Reactor
 
-    connect, serve_round, write_outbox = Reactor.connect, Reactor._serve_round, Reactor.write_outbox
+    connect, serve_round, flush = Reactor.connect, Reactor._serve_round, Reactor._flush
 
     def timed_connect(self: Reactor, ident: int, host: str, port: int) -> Any:
         conn = connect(self, ident, host, port)
@@ -87,8 +89,8 @@ def instrument() -> None:
         TRACE.round_start = time.time()
         return serve_round(self, *args)
 
-    def timed_write(self: Reactor) -> None:
-        write_outbox(self)
+    def timed_flush(self: Reactor, conn: Any) -> None:
+        flush(self, conn)
         if TRACE.unsent:
             done = time.time()
             TRACE.reads.extend((*read, done) for read in TRACE.unsent)
@@ -96,7 +98,7 @@ def instrument() -> None:
 
     Reactor.connect = timed_connect  # type: ignore[method-assign]
     Reactor._serve_round = timed_round  # type: ignore[method-assign]
-    Reactor.write_outbox = timed_write  # type: ignore[method-assign]
+    Reactor._flush = timed_flush  # type: ignore[method-assign]
     gc.callbacks.append(TRACE.on_gc)
 
 
