@@ -329,8 +329,8 @@ def freeze_startup_heap() -> None:
 
     For a serving process, once it listens: the modules, the configuration and Trio's runtime
     (about 29,000 objects) are never garbage, yet every full collection walked all of them, a
-    pause of 28-30 ms for every stream at once, every few seconds at 100 streams; after it the
-    full collections take 1.6-2.1 ms (``docs/performance.md``). What serving allocates is
+    pause of 27-34 ms for every stream at once, every few seconds at 100 streams; after it the
+    full collections take 1.6-3.7 ms (``docs/performance.md``). What serving allocates is
     collected as before.
     """
     gc.freeze()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import muxproxy
 from muxproxy.cli import listening_lines, main
@@ -375,7 +376,7 @@ def test_serve_freezes_the_startup_heap_once_it_listens(
     ) -> None:
         frozen.append(gc.get_freeze_count())
         task_status.started([(config.listeners[0].host, 40000)])
-        await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()  # the caller has gone on
         frozen.append(gc.get_freeze_count())
 
     module = types.ModuleType("muxproxy.trio.server")
