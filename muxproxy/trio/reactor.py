@@ -133,7 +133,8 @@ class SocketConn:
         self.fed_by = 0
         """The connection whose handling last queued output here (0: none, or not a socket's)."""
         self.deferred = False
-        """Output queued by a socket other than the last one: written at the end of the round."""
+        """Output queued by a socket other than the last one: written at the end of the round
+        (cleared by the next ``_flush``)."""
         self.paused = False
         self.closing = False
         self.closed = False
@@ -285,7 +286,7 @@ class Reactor:
                 if self.outbox:
                     # What this socket's events caused leaves before the next socket is read:
                     # a token does not wait for the other streams' work of the round.
-                    self._write_undeferred()
+                    self.write_outbox(deferred=False)
         finally:
             self._serving = 0
             driver.batching = False
@@ -316,22 +317,16 @@ class Reactor:
             self.outbox.append(conn)
         conn.pending += data
 
-    def write_outbox(self) -> None:
-        """Write what the batch queued, one ``send`` per connection."""
-        outbox = self.outbox
-        self.outbox = []
-        for conn in outbox:
-            conn.queued = False
-            conn.deferred = False
-            if not (conn.closed or conn.connecting):
-                self._flush(conn)
+    def write_outbox(self, *, deferred: bool = True) -> None:
+        """Write what the batch queued, one ``send`` per connection.
 
-    def _write_undeferred(self) -> None:
-        """Write what the socket just handled queued, except for deferred connections."""
+        ``deferred=False`` (after each ready socket) leaves the connections several sockets
+        feed in the outbox, for the end of the round.
+        """
         outbox = self.outbox
         self.outbox = []
         for conn in outbox:
-            if conn.deferred:
+            if conn.deferred and not deferred:
                 self.outbox.append(conn)
                 continue
             conn.queued = False
@@ -385,6 +380,7 @@ class Reactor:
 
     def _flush(self, conn: SocketConn) -> None:
         """Write as much of ``pending`` as the kernel takes; wait for EPOLLOUT for the rest."""
+        conn.deferred = False
         pending = conn.pending
         try:
             sent = conn.sock.send(pending)
