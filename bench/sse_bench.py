@@ -84,6 +84,9 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["direct", "muxproxy-h1", "muxproxy-h2", "nginx", "trio-relay"]
 WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([1-9][0-9]*)")
 """``muxproxy-h1-w2``: ``muxproxy serve --workers 2`` (supervisor + 2 workers), HTTP/1.1 client."""
+WORK_VARIANT = re.compile(r"epoll-relay-([1-9][0-9]*)us")
+"""``epoll-relay-40us``: the epoll relay spending 40 µs of CPU per read (``--work-us``): how the
+tail of a relay with muxproxy's I/O grows with the work it does per token."""
 
 NGINX_CONF = """\
 worker_processes 1;
@@ -124,6 +127,9 @@ http {{
 
 def variant(name: str) -> tuple[str, str | None, str, int]:
     """(label, proxy kind or None, client protocol, muxproxy worker processes) of a variant."""
+    m = WORK_VARIANT.fullmatch(name)
+    if m:
+        return f"(i) epoll relay + {m.group(1)} µs/read", f"relay-epoll:{m.group(1)}", "h1", 0
     m = WORKERS_VARIANT.fullmatch(name)
     if m:
         proto, workers = m.group(1), int(m.group(2))
@@ -190,7 +196,13 @@ class Proc:
     """A process we started: its log, the PIDs to measure, and a stop that always happens."""
 
     def __init__(
-        self, name: str, argv: list[str], log: Path, port: int, cwd: Path | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log: Path,
+        port: int,
+        cwd: Path | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.name = name
         self.log = log
@@ -204,7 +216,7 @@ class Proc:
             cwd=cwd,
             # A shell without job control starts background jobs with SIGINT ignored; give the
             # child the default back so that stop() can end it gracefully with SIGINT.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=lambda: start_child(cpus),
         )
         self.extra: list[int] = []
         """Descendants we found (nginx or muxproxy workers): measured and stopped with it."""
@@ -236,6 +248,19 @@ class Proc:
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         return ""
+
+
+def start_child(cpus: set[int] | None) -> None:
+    """In a child before ``exec``: the default SIGINT (a shell without job control starts
+    background jobs with it ignored, and ``Proc.stop`` ends children with it), and the CPUs it
+    may run on (``--proxy-cpus``; its own children inherit them)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+PROXY_CPUS: set[int] | None = None
+"""``--proxy-cpus``: the CPUs every proxy runs on; the backend and the clients get the others."""
 
 
 def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
@@ -274,12 +299,15 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
         if workers:
             argv += ["--workers", str(workers)]
         # ``-m`` puts the working directory first on sys.path: the package of MUXPROXY_SRC runs.
-        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=MUXPROXY_SRC)
-    elif kind in ("relay", "relay-epoll"):
+        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=MUXPROXY_SRC, cpus=PROXY_CPUS)
+    elif kind == "relay" or kind.startswith("relay-epoll"):
         argv = [sys.executable, str(RELAY), "--listen", listen, "--upstream", backend]
-        if kind == "relay-epoll":
+        if kind != "relay":
             argv.append("--epoll")
-        proc = Proc(kind, argv, tmp / f"{kind}.log", port)
+            _, _, work_us = kind.partition(":")
+            if work_us:
+                argv += ["--work-us", work_us]
+        proc = Proc(kind, argv, tmp / f"{tmp.name}.log", port, cpus=PROXY_CPUS)
     elif kind == "nginx":
         ntmp = tmp / "nginx"
         ntmp.mkdir(exist_ok=True)
@@ -303,7 +331,7 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
             "-g",
             "daemon off;",
         ]
-        proc = Proc("nginx", argv, tmp / "nginx.log", port)
+        proc = Proc("nginx", argv, tmp / "nginx.log", port, cpus=PROXY_CPUS)
     else:
         raise ValueError(kind)
     try:
@@ -666,6 +694,7 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
         "h2_per_conn": args.h2_per_conn,
         "idle_streams": args.idle_streams,
         "repeat": args.repeat,
+        "proxy_cpus": args.proxy_cpus,
         "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
         "mode": args.mode,
     }
@@ -1113,6 +1142,11 @@ def main() -> None:
         action="store_true",
         help="run muxproxy (one process) under token_trace.py; use one --streams value",
     )
+    parser.add_argument(
+        "--proxy-cpus",
+        help="comma-separated CPU numbers: run every proxy on these and the backend, the "
+        "clients and this script on the others (a proxy core of its own)",
+    )
     sat = parser.add_argument_group("--mode saturation")
     sat.add_argument("--burst", type=int, default=16, help="events per backend write")
     llm = parser.add_argument_group("--mode llm (see bench/llm_load.py)")
@@ -1123,8 +1157,15 @@ def main() -> None:
     llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
     llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
-    global MUXPROXY_SRC, TRACE_DIR
+    global MUXPROXY_SRC, TRACE_DIR, PROXY_CPUS
     MUXPROXY_SRC = args.muxproxy_src.resolve()
+    if args.proxy_cpus:
+        PROXY_CPUS = {int(c) for c in args.proxy_cpus.split(",")}
+        allowed = os.sched_getaffinity(0)
+        load_cpus = allowed - PROXY_CPUS
+        if not load_cpus or PROXY_CPUS - allowed:
+            parser.error(f"--proxy-cpus {args.proxy_cpus}: leave the load a CPU of its own")
+        os.sched_setaffinity(0, load_cpus)
     if args.trace:
         TRACE_DIR = Path(args.out) / dt.datetime.now().strftime("trace-%Y%m%d-%H%M%S")
         TRACE_DIR.mkdir(parents=True)
@@ -1133,11 +1174,15 @@ def main() -> None:
     args.rate = [float(r) for r in args.rate.split(",") if r]
     args.profiles = []
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS and not WORKERS_VARIANT.fullmatch(v)]
+    unknown = [
+        v
+        for v in args.variants
+        if v not in VARIANTS and not WORKERS_VARIANT.fullmatch(v) and not WORK_VARIANT.fullmatch(v)
+    ]
     if unknown:
         parser.error(
-            f"unknown variants {unknown}; choose from {list(VARIANTS)} or muxproxy-h1-wN, "
-            "muxproxy-h2-wN (N worker processes)"
+            f"unknown variants {unknown}; choose from {list(VARIANTS)}, muxproxy-h1-wN, "
+            "muxproxy-h2-wN (N worker processes) or epoll-relay-Nus (N µs of work per read)"
         )
     if any(variant(v)[1] == "nginx" for v in args.variants) and not Path(args.nginx).exists():
         parser.error("nginx not found (apt-get install nginx-light), or leave out --variants nginx")

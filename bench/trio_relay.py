@@ -8,7 +8,9 @@ With ``--epoll`` it is the floor of muxproxy's reactor design instead (``muxprox
 reactor.py``): the relayed sockets sit in one epoll set that Trio waits on, and one task moves
 the bytes of every ready socket per wake-up (``recv``, then ``send`` to the other side at once;
 what the other side does not take waits for ``EPOLLOUT`` while the source is not read). Still
-no HTTP at all.
+no HTTP at all. ``--work-us N`` makes it spend N µs of CPU on every read before relaying it,
+standing in for the HTTP work a proxy does per token: the tail latency of this design as a
+function of that work alone.
 
 Usage: ``python bench/trio_relay.py --listen 127.0.0.1:8002 --upstream 127.0.0.1:8001``
 (prints ``ready`` once listening; Ctrl-C / SIGINT ends it).
@@ -20,6 +22,7 @@ import argparse
 import resource
 import select
 import socket
+import time
 
 import trio
 
@@ -69,8 +72,17 @@ class Side:
         """Bytes read from ``peer`` that this socket did not take yet."""
 
 
+def spin(seconds: float) -> None:
+    """Use ``seconds`` of this thread's CPU time (time the process has no CPU does not count)."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
 class EpollRelay:
-    def __init__(self) -> None:
+    def __init__(self, work: float = 0.0) -> None:
+        self.work = work
+        """CPU seconds spent on each read before its bytes are relayed (``--work-us``)."""
         self.epoll = select.epoll()
         self.sides: dict[int, Side] = {}
 
@@ -109,6 +121,8 @@ class EpollRelay:
                 if not data:
                     self.close(side)
                     return
+                if self.work:
+                    spin(self.work)
                 try:
                     sent = peer.sock.send(data)
                 except BlockingIOError:
@@ -132,8 +146,10 @@ class EpollRelay:
                     self.on_ready(side, events)
 
 
-async def serve_epoll(listeners: list[trio.SocketListener], host: str, port: int) -> None:
-    relay = EpollRelay()
+async def serve_epoll(
+    listeners: list[trio.SocketListener], host: str, port: int, work: float
+) -> None:
+    relay = EpollRelay(work)
 
     async def accept_loop(listener: trio.SocketListener) -> None:
         while True:
@@ -163,7 +179,7 @@ async def main(args: argparse.Namespace) -> None:
     listeners = await trio.open_tcp_listeners(int(lport), host=lhost, backlog=4096)
     print("ready", flush=True)
     if args.epoll:
-        await serve_epoll(listeners, uhost, int(uport))
+        await serve_epoll(listeners, uhost, int(uport), args.work_us / 1e6)
     else:
         await trio.serve_listeners(lambda stream: handle(stream, uhost, int(uport)), listeners)
 
@@ -174,6 +190,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--upstream", required=True, metavar="HOST:PORT")
     parser.add_argument(
         "--epoll", action="store_true", help="one task and one epoll set for every socket"
+    )
+    parser.add_argument(
+        "--work-us",
+        type=float,
+        default=0.0,
+        help="with --epoll: µs of CPU spent on every read before relaying it",
     )
     return parser.parse_args()
 
