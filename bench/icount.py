@@ -23,6 +23,8 @@ Modes:
   request: parse the request head and body, send the request head and body, parse the
   response head, send it and the body. The floor of the request path while heads go through
   h11.
+- ``h11-floor-get``: the same for the ``request`` mode's ``GET /sse`` and its response (the
+  TTFB probe of ``sse_bench.py``).
 
     python bench/icount.py                   # every mode, a markdown table
     python bench/icount.py --modes token,openai --src /tmp/wt-old   # an older checkout
@@ -42,7 +44,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("token", "batch", "request", "openai", "h11-floor")
+MODES = ("token", "batch", "request", "openai", "h11-floor", "h11-floor-get")
 SIZES = {"token": (200, 1200), "batch": (20, 120), "request": (50, 250)}
 BATCH = 32
 
@@ -77,7 +79,10 @@ LAST = b"0\r\n\r\n"
 def run(mode: str, n: int) -> None:
     """One run of ``mode`` with ``n`` units (tokens, rounds or requests)."""
     if mode == "h11-floor":
-        h11_floor(n)
+        h11_floor(n, OPENAI, OPENAI_RESPONSE)
+        return
+    if mode == "h11-floor-get":
+        h11_floor(n, GET, GET_RESPONSE)
         return
     import trio
 
@@ -151,20 +156,22 @@ async def serve_through_proxy(mode: str, n: int) -> None:
         nursery.cancel_scope.cancel()
 
 
-def h11_floor(n: int) -> None:
+def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:
     import h11
 
     server, client = h11.Connection(h11.SERVER), h11.Connection(h11.CLIENT)
     for _ in range(n):
-        server.receive_data(OPENAI)
+        server.receive_data(request_bytes)
         head = server.next_event()
-        body = server.next_event()
-        assert isinstance(head, h11.Request) and isinstance(body, h11.Data)
-        server.next_event()
+        assert isinstance(head, h11.Request)
         client.send(h11.Request(method=head.method, target=head.target, headers=head.headers))
-        client.send(h11.Data(data=body.data))
+        body = server.next_event()
+        if isinstance(body, h11.Data):
+            client.send(h11.Data(data=body.data))
+            body = server.next_event()
+        assert isinstance(body, h11.EndOfMessage)
         client.send(h11.EndOfMessage())
-        client.receive_data(OPENAI_RESPONSE + CHUNK + LAST)
+        client.receive_data(response_bytes + CHUNK + LAST)
         response, data = client.next_event(), client.next_event()
         assert isinstance(response, h11.Response) and isinstance(data, h11.Data)
         client.next_event()
