@@ -1163,7 +1163,12 @@ def main() -> None:
         PROXY_CPUS = {int(c) for c in args.proxy_cpus.split(",")}
         allowed = os.sched_getaffinity(0)
         load_cpus = allowed - PROXY_CPUS
-        if not load_cpus or PROXY_CPUS - allowed:
+        if PROXY_CPUS - allowed:
+            parser.error(
+                f"--proxy-cpus {args.proxy_cpus}: CPUs {sorted(PROXY_CPUS - allowed)} are not "
+                f"among those this process may use ({sorted(allowed)})"
+            )
+        if not load_cpus:
             parser.error(f"--proxy-cpus {args.proxy_cpus}: leave the load a CPU of its own")
         os.sched_setaffinity(0, load_cpus)
     if args.trace:
