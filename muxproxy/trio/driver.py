@@ -175,7 +175,7 @@ class Driver:
         sent_now = self._sent_now
         later_events = self._later
         while True:
-            if reactor is not None and reactor.outbox:
+            if reactor is not None and (reactor.outbox or reactor.end_of_round):
                 reactor.write_outbox()
             later: Event
             if sent_now:

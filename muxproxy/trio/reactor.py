@@ -100,7 +100,6 @@ class SocketConn:
         "closed",
         "closing",
         "connecting",
-        "deferred",
         "fd",
         "fed_by",
         "flush_deadline",
@@ -129,12 +128,9 @@ class SocketConn:
         """The reactor's round this connection was added in (see ``Reactor.run``)."""
         self.pending = bytearray()
         self.queued = False
-        """In the reactor's outbox: ``pending`` is written by ``write_outbox``."""
+        """In one of the reactor's outboxes: ``pending`` is written by ``write_outbox``."""
         self.fed_by = 0
         """The connection whose handling last queued output here (0: none, or not a socket's)."""
-        self.deferred = False
-        """Output queued by a socket other than the last one: written at the end of the round
-        (cleared by the next ``_flush``)."""
         self.paused = False
         self.closing = False
         self.closed = False
@@ -172,7 +168,12 @@ class Reactor:
         self.now = 0.0
         """The time of the current round's wake-up (Trio's clock)."""
         self.outbox: list[SocketConn] = []
-        """Connections whose new output is written by ``write_outbox`` (``Driver.settle``)."""
+        """Connections whose new output is written once the ready socket that fed them is
+        handled (``write_outbox(end_of_round=False)``), or at the end of the batch."""
+        self.end_of_round: list[SocketConn] = []
+        """Connections that another socket than last time fed: several feed them (the streams
+        of an HTTP/2 client), so their output waits for the end of the batch, one send for
+        all (``write_outbox()``, from ``Driver.settle``)."""
 
     def add(
         self,
@@ -286,7 +287,7 @@ class Reactor:
                 if self.outbox:
                     # What this socket's events caused leaves before the next socket is read:
                     # a token does not wait for the other streams' work of the round.
-                    self.write_outbox(deferred=False)
+                    self.write_outbox(end_of_round=False)
         finally:
             self._serving = 0
             driver.batching = False
@@ -304,31 +305,31 @@ class Reactor:
     def send(self, conn: SocketConn, data: bytes) -> None:
         if conn.closed or conn.lingering:
             return
-        if conn.fed_by != self._serving:
-            # Fed by another connection than last time: several feed it (the streams of an
-            # HTTP/2 client), and their output shares one send at the end of the round.
-            conn.fed_by = self._serving
-            conn.deferred = True
         if not conn.pending:
             # Nothing waits for EPOLLOUT: the bytes go out when the socket being handled is
-            # done (or at the end of the batch), with whatever else it queues for this
-            # connection.
+            # done, with whatever else it queues for this connection. Fed by another
+            # connection than last time, several feed it (the streams of an HTTP/2 client),
+            # and their output shares one send at the end of the round.
             conn.queued = True
-            self.outbox.append(conn)
+            if conn.fed_by == self._serving:
+                self.outbox.append(conn)
+            else:
+                self.end_of_round.append(conn)
+        conn.fed_by = self._serving
         conn.pending += data
 
-    def write_outbox(self, *, deferred: bool = True) -> None:
+    def write_outbox(self, *, end_of_round: bool = True) -> None:
         """Write what the batch queued, one ``send`` per connection.
 
-        ``deferred=False`` (after each ready socket) leaves the connections several sockets
-        feed in the outbox, for the end of the round.
+        ``end_of_round=False`` (after each ready socket) leaves the connections several
+        sockets feed for the end of the round.
         """
         outbox = self.outbox
         self.outbox = []
+        if end_of_round and self.end_of_round:
+            outbox += self.end_of_round
+            self.end_of_round = []
         for conn in outbox:
-            if conn.deferred and not deferred:
-                self.outbox.append(conn)
-                continue
             conn.queued = False
             if not (conn.closed or conn.connecting):
                 self._flush(conn)
@@ -380,7 +381,6 @@ class Reactor:
 
     def _flush(self, conn: SocketConn) -> None:
         """Write as much of ``pending`` as the kernel takes; wait for EPOLLOUT for the rest."""
-        conn.deferred = False
         pending = conn.pending
         try:
             sent = conn.sock.send(pending)
