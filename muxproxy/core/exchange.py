@@ -292,7 +292,11 @@ class Exchange:
         # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); without a
         # Content-Length the HTTP/1.1 side frames it chunked (RFC 9112 §7.1).
         headers = upstream_h1_headers(
-            head, client_ip=self.client.peer_ip, via=VIA, has_body=not head.end_stream
+            head,
+            client_ip=self.client.peer_ip,
+            proto=self.client.scheme,
+            via=VIA,
+            has_body=not head.end_stream,
         )
         if group.set_headers:
             headers = self._apply_header_rules(headers)

@@ -6,9 +6,10 @@ Pure functions, run once per request or response; they avoid needless copies and
 in frozensets. What they obey:
 
 * RFC 9110 §7.6.1 (hop-by-hop fields): Connection, Proxy-Connection, Keep-Alive, TE,
-  Transfer-Encoding, Upgrade and every field a Connection header nominates are removed before
-  forwarding, in both directions. ``TE: trailers`` is the one exception we forward (it is
-  meaningful end to end for gRPC, RFC 9113 §8.2.2).
+  Transfer-Encoding, Upgrade, HTTP2-Settings (RFC 9113 §3.2.1: it belongs to one hop's h2c
+  offer, so it goes even when no Connection header names it) and every field a Connection
+  header nominates are removed before forwarding, in both directions. ``TE: trailers`` is
+  the one exception we forward (it is meaningful end to end for gRPC, RFC 9113 §8.2.2).
 * RFC 6455 §4.1 / RFC 9110 §7.8 (Upgrade): the one exception to dropping Upgrade and
   Connection is a WebSocket opening handshake (``is_websocket_upgrade``): a GET without a body
   whose Upgrade is exactly ``websocket`` and whose Connection names ``upgrade`` is forwarded
@@ -23,6 +24,9 @@ in frozensets. What they obey:
 * RFC 9112 §3.2 (Host, request-target forms) and §6.3 (Transfer-Encoding overrides
   Content-Length; an intermediary removes Content-Length in that case) for HTTP/1.1.
 * RFC 7239 (Forwarded) is not used; we set X-Forwarded-For and X-Forwarded-Proto instead.
+  X-Forwarded-Proto names the transport the request came on (TLS or not), never what the
+  client claimed: an HTTP/2 ``:scheme`` is the client's word (RFC 9113 §8.3.1), so a
+  cleartext client saying ``https`` would otherwise make the backend believe it was TLS.
 """
 
 from __future__ import annotations
@@ -49,9 +53,18 @@ CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
 )
 # RFC 9110 §7.6.1 hop-by-hop fields (Proxy-Connection and Keep-Alive being the legacy ones it
-# names too).
+# names too), and HTTP2-Settings, which RFC 9113 §3.2.1 makes hop-by-hop (an h2c offer to us,
+# whether we took it or not).
 _HOP_BY_HOP = frozenset(
-    {b"connection", b"proxy-connection", b"keep-alive", b"te", b"transfer-encoding", b"upgrade"}
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"te",
+        b"transfer-encoding",
+        b"upgrade",
+        b"http2-settings",
+    }
 )
 # Names a Connection header may not take away from the message here: Content-Length frames the
 # body we relay (dropping it would change the message, RFC 9110 §7.6.1 forbids nominating fields
@@ -104,13 +117,15 @@ def _append_list(existing: list[bytes], item: bytes) -> bytes:
 
 
 def upstream_h1_headers(
-    head: RequestHead, *, client_ip: str, via: bytes, has_body: bool = False
+    head: RequestHead, *, client_ip: str, proto: bytes, via: bytes, has_body: bool = False
 ) -> Headers:
     """The field list to send to an HTTP/1.1 backend for `head`.
 
     Host first (from head.authority); hop-by-hop fields dropped (RFC 9110 §7.6.1) except
     ``te: trailers``; cookies joined (RFC 9113 §8.2.3); X-Forwarded-For appended,
-    X-Forwarded-Proto set, Via appended (RFC 9110 §7.6.3).
+    X-Forwarded-Proto set to ``proto`` (``b"https"`` when the client's connection is TLS,
+    ``b"http"`` otherwise; never ``head.scheme``, which on HTTP/2 is the client's claim), Via
+    appended (RFC 9110 §7.6.3).
 
     Body framing (RFC 9112 §6): Content-Length is kept. A client's Transfer-Encoding (h11 only
     accepts chunked) is replaced by our own ``transfer-encoding: chunked`` and any Content-Length
@@ -165,7 +180,7 @@ def upstream_h1_headers(
             # RFC 9112 §6.1: a proxy re-frames; we send chunked ourselves (below).
             chunked = True
         # host (rebuilt), x-forwarded-proto (replaced), proxy-connection, keep-alive,
-        # upgrade: dropped.
+        # upgrade, http2-settings: dropped.
 
     if cookies is not None and len(cookies) > 1:
         # Empty crumbs carry no cookie; joining them would leave a stray "; " (and h11 refuses
@@ -196,8 +211,9 @@ def upstream_h1_headers(
     # X-Forwarded-For: the existing list plus the address we got the request from.
     ip = client_ip.encode("ascii")
     out.append((b"x-forwarded-for", _append_list(xff, ip)))
-    # X-Forwarded-Proto: the scheme the client used with us, whatever it claimed before.
-    out.append((b"x-forwarded-proto", head.scheme))
+    # X-Forwarded-Proto: the transport the client used with us, whatever it claimed before or
+    # in :scheme.
+    out.append((b"x-forwarded-proto", proto))
     # RFC 9110 §7.6.3: received-protocol is the client's version ("HTTP/" omitted), then our
     # pseudonym; appended to what earlier hops put there.
     ours = head.http_version + b" " + via
@@ -289,8 +305,8 @@ def response_headers(
             nominated |= _tokens(field[1])
         elif name == b"transfer-encoding":
             chunked = True
-        # te, keep-alive, proxy-connection, upgrade: dropped (RFC 9110 §7.6.1; RFC 9113 §8.2.2
-        # makes them malformed in HTTP/2).
+        # te, keep-alive, proxy-connection, upgrade, http2-settings: dropped (RFC 9110 §7.6.1,
+        # RFC 9113 §3.2.1; RFC 9113 §8.2.2 makes the first four malformed in HTTP/2).
 
     if nominated:
         nominated -= _NOT_NOMINATABLE

@@ -258,7 +258,7 @@ def test_request_from_h2_authority_wins_over_host() -> None:
     head = request_from_h2(1, [*GET, (b"host", b"other.example")], scheme_default=b"https")
     assert head.authority == b"api.example"
     assert head.headers == [(b"host", b"other.example")]  # untouched
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"muxproxy")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"muxproxy")
     assert values(out, b"host") == [b"api.example"]
 
 
@@ -319,7 +319,8 @@ def test_request_from_h2_through_real_h2() -> None:
         b"2",
     )
     assert names(head.headers) == [b"user-agent", b"cookie", b"cookie", b"cookie", b"content-type"]
-    out = upstream_h1_headers(head, client_ip="192.0.2.7", via=b"muxproxy")
+    # The connection is TLS: X-Forwarded-Proto says so (it does not come from :scheme).
+    out = upstream_h1_headers(head, client_ip="192.0.2.7", proto=b"https", via=b"muxproxy")
     assert out == [
         (b"host", b"api.example"),
         (b"user-agent", b"openai-python/1.30"),
@@ -383,7 +384,7 @@ def test_request_from_h1_absolute_form(
     head = h1_head(raw)
     assert (head.target, head.authority) == (path, authority)
     assert head.headers == [(b"host", b"other.example")]
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert out[0] == (b"host", authority)
 
 
@@ -397,7 +398,7 @@ def test_request_from_h1_connect_and_asterisk() -> None:
 def test_request_from_h1_http10_without_host() -> None:
     head = h1_head(b"GET / HTTP/1.0\r\n\r\n")
     assert (head.authority, head.http_version) == (b"", b"1.0")
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert out[0] == (b"host", b"")
     assert values(out, b"via") == [b"1.0 mp"]
     send_h11_request(out)
@@ -444,7 +445,7 @@ def test_upstream_drops_hop_by_hop_and_connection_listed() -> None:
             (b"content-length", b"4"),
         ]
     )
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert out == [
         (b"host", b"api.example"),
         (b"accept", b"*/*"),
@@ -458,7 +459,7 @@ def test_upstream_drops_hop_by_hop_and_connection_listed() -> None:
 
 def test_upstream_connection_cannot_remove_content_length_or_host() -> None:
     head = h1_request([(b"connection", b"content-length, host, te"), (b"content-length", b"2")])
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"content-length") == [b"2"]
     assert out[0] == (b"host", b"api.example")
 
@@ -475,14 +476,14 @@ def test_upstream_connection_cannot_remove_content_length_or_host() -> None:
 )
 def test_upstream_te(te: bytes, kept: bool) -> None:
     head = h1_request([(b"te", te), (b"connection", b"TE")])
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"te") == ([b"trailers"] if kept else [])
     assert b"connection" not in names(out)
 
 
 def test_upstream_te_trailers_from_h2() -> None:
     head = request_from_h2(1, [*GET, (b"te", b"trailers")], scheme_default=b"https")
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"te") == [b"trailers"]
 
 
@@ -497,7 +498,7 @@ def test_upstream_cookie_join_keeps_order_and_position() -> None:
         ],
         http_version=b"2",
     )
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert out[:4] == [
         (b"host", b"api.example"),
         (b"accept", b"*/*"),
@@ -509,29 +510,59 @@ def test_upstream_cookie_join_keeps_order_and_position() -> None:
 
 def test_upstream_single_cookie_untouched() -> None:
     head = h1_request([(b"cookie", b"a=1; b=2")])
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"cookie") == [b"a=1; b=2"]
 
 
 def test_upstream_x_forwarded_for() -> None:
-    out = upstream_h1_headers(h1_request([]), client_ip="10.0.0.1", via=b"mp")
+    out = upstream_h1_headers(h1_request([]), client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"x-forwarded-for") == [b"10.0.0.1"]
     head = h1_request(
         [(b"x-forwarded-for", b"203.0.113.1"), (b"x-forwarded-for", b"198.51.100.2, 10.1.1.1")]
     )
-    out = upstream_h1_headers(head, client_ip="2001:db8::7", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="2001:db8::7", proto=b"http", via=b"mp")
     assert values(out, b"x-forwarded-for") == [b"203.0.113.1, 198.51.100.2, 10.1.1.1, 2001:db8::7"]
 
 
 def test_upstream_x_forwarded_proto_replaced() -> None:
-    head = request_from_h2(1, [*GET, (b"x-forwarded-proto", b"http")], scheme_default=b"http")
-    out = upstream_h1_headers(head, client_ip="10.0.0.1", via=b"mp")
+    head = request_from_h2(1, [*GET, (b"x-forwarded-proto", b"http")], scheme_default=b"https")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"https", via=b"mp")
     assert values(out, b"x-forwarded-proto") == [b"https"]
+
+
+@pytest.mark.parametrize("claimed", [b"https", b"wss", b"javascript"])
+def test_upstream_x_forwarded_proto_is_the_transport_not_the_h2_scheme(claimed: bytes) -> None:
+    # A cleartext HTTP/2 client claiming ":scheme: https" must not make the backend think the
+    # request came over TLS.
+    pseudo = [GET[0], (b":scheme", claimed), *GET[2:]]
+    head = request_from_h2(1, pseudo, scheme_default=b"http")
+    out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
+    assert values(out, b"x-forwarded-proto") == [b"http"]
+
+
+@pytest.mark.parametrize("nominated", [False, True])
+def test_http2_settings_is_never_forwarded(nominated: bool) -> None:
+    # RFC 9113 §3.2.1: HTTP2-Settings is hop-by-hop, with or without Connection naming it.
+    fields = [(b"http2-settings", b"AAMAAABkAAQAAP__"), (b"accept", b"*/*")]
+    if nominated:
+        fields.append((b"connection", b"HTTP2-Settings"))
+    out = upstream_h1_headers(h1_request(fields), client_ip="10.0.0.1", proto=b"http", via=b"mp")
+    assert values(out, b"http2-settings") == []
+    assert values(out, b"accept") == [b"*/*"]
+    h2_head = request_from_h2(1, [*GET, fields[0]], scheme_default=b"http")
+    out = upstream_h1_headers(h2_head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
+    assert values(out, b"http2-settings") == []
+    back = response_headers(
+        200, [(b"HTTP2-Settings", b"AAMAAABk")], via=b"mp", upstream_version=b"1.1", to_h2=True
+    )
+    assert values(back, b"http2-settings") == []
 
 
 @pytest.mark.parametrize(("version", "expected"), [(b"1.1", b"1.1 mp"), (b"2", b"2 mp")])
 def test_upstream_via(version: bytes, expected: bytes) -> None:
-    out = upstream_h1_headers(h1_request([], http_version=version), client_ip="1.2.3.4", via=b"mp")
+    out = upstream_h1_headers(
+        h1_request([], http_version=version), client_ip="1.2.3.4", proto=b"http", via=b"mp"
+    )
     assert values(out, b"via") == [expected]
     head = h1_request([(b"via", b"1.0 fred"), (b"via", b"1.1 p.example (Apache/1.1)")])
     head = RequestHead(
@@ -543,15 +574,19 @@ def test_upstream_via(version: bytes, expected: bytes) -> None:
         headers=head.headers,
         http_version=version,
     )
-    out = upstream_h1_headers(head, client_ip="1.2.3.4", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="1.2.3.4", proto=b"http", via=b"mp")
     assert values(out, b"via") == [b"1.0 fred, 1.1 p.example (Apache/1.1), " + expected]
 
 
 def test_upstream_via_of_real_clients() -> None:
     h1 = h1_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
-    assert values(upstream_h1_headers(h1, client_ip="1.2.3.4", via=b"mp"), b"via") == [b"1.1 mp"]
+    assert values(
+        upstream_h1_headers(h1, client_ip="1.2.3.4", proto=b"http", via=b"mp"), b"via"
+    ) == [b"1.1 mp"]
     h2_ = request_from_h2(1, h2_roundtrip(GET), scheme_default=b"https")
-    assert values(upstream_h1_headers(h2_, client_ip="1.2.3.4", via=b"mp"), b"via") == [b"2 mp"]
+    assert values(
+        upstream_h1_headers(h2_, client_ip="1.2.3.4", proto=b"http", via=b"mp"), b"via"
+    ) == [b"2 mp"]
 
 
 def test_upstream_chunked_client_body_is_rechunked_without_content_length() -> None:
@@ -559,7 +594,7 @@ def test_upstream_chunked_client_body_is_rechunked_without_content_length() -> N
     # (Intake refuses such a request, RFC 9112 §6.1; this is the defence behind that.)
     head = h1_head(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n")
     head = attrs.evolve(head, headers=[*head.headers, (b"content-length", b"3")])
-    out = upstream_h1_headers(head, client_ip="1.2.3.4", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="1.2.3.4", proto=b"http", via=b"mp")
     assert values(out, b"transfer-encoding") == [b"chunked"]
     assert values(out, b"content-length") == []
     wire = send_h11_request(out, b"hello")
@@ -568,9 +603,9 @@ def test_upstream_chunked_client_body_is_rechunked_without_content_length() -> N
 
 def test_upstream_h2_body_framing() -> None:
     head = request_from_h2(1, [(b":method", b"POST"), *GET[1:]], scheme_default=b"https")
-    out = upstream_h1_headers(head, client_ip="1.2.3.4", via=b"mp")
+    out = upstream_h1_headers(head, client_ip="1.2.3.4", proto=b"http", via=b"mp")
     assert b"transfer-encoding" not in names(out)  # no body: h11 sends none
-    out = upstream_h1_headers(head, client_ip="1.2.3.4", via=b"mp", has_body=True)
+    out = upstream_h1_headers(head, client_ip="1.2.3.4", proto=b"http", via=b"mp", has_body=True)
     assert values(out, b"transfer-encoding") == [b"chunked"]
     send_h11_request(out, b"{}")
     with_length = RequestHead(
@@ -582,7 +617,9 @@ def test_upstream_h2_body_framing() -> None:
         headers=[(b"content-length", b"2")],
         http_version=b"2",
     )
-    out = upstream_h1_headers(with_length, client_ip="1.2.3.4", via=b"mp", has_body=True)
+    out = upstream_h1_headers(
+        with_length, client_ip="1.2.3.4", proto=b"http", via=b"mp", has_body=True
+    )
     assert values(out, b"content-length") == [b"2"]
     assert b"transfer-encoding" not in names(out)
     send_h11_request(out, b"{}")
@@ -818,7 +855,9 @@ def test_property_upstream_from_h1(fields: Headers, has_body: bool) -> None:
     for name, value in head.headers:
         if name == b"connection":
             nominated |= {t.strip().lower() for t in value.split(b",")}
-    out = upstream_h1_headers(head, client_ip="192.0.2.1", via=b"mp", has_body=has_body)
+    out = upstream_h1_headers(
+        head, client_ip="192.0.2.1", proto=b"http", via=b"mp", has_body=has_body
+    )
     check_upstream(out, nominated)
 
 
@@ -845,5 +884,7 @@ def test_property_upstream_from_h2(
         fields = [*fields, (b"content-length", length)]
     head = request_from_h2(1, [*pseudo, *fields], scheme_default=b"https")
     assert head.headers == fields
-    out = upstream_h1_headers(head, client_ip="2001:db8::1", via=b"mp", has_body=has_body)
+    out = upstream_h1_headers(
+        head, client_ip="2001:db8::1", proto=b"http", via=b"mp", has_body=has_body
+    )
     check_upstream(out, set())

@@ -239,3 +239,51 @@ async def test_h2_client_get_without_cookies_or_xff(start_backend, start_proxy):
     assert seen["x-forwarded-for"] == "127.0.0.1"
     assert seen["te"] == "trailers"  # the one TE value that travels (RFC 9113 §8.2.2)
     assert seen["via"] == "2 muxproxy"
+
+
+async def test_h2_client_scheme_claim_does_not_set_x_forwarded_proto(start_backend, start_proxy):
+    # A cleartext client claiming ":scheme: https": the backend still learns the truth
+    # (X-Forwarded-Proto comes from the transport, as on HTTP/1.1).
+    fake, backend = await start_backend(tokens=1, delay=0)
+    proxy = await start_proxy([backend])
+    for claimed in (b"https", b"wss", b"javascript"):
+        request = [
+            (b":method", b"GET"),
+            (b":scheme", claimed),
+            (b":authority", b"models.example"),
+            (b":path", b"/v1/models"),
+        ]
+        with trio.fail_after(10):
+            headers, _ = await h2_request(proxy.port, request)
+        assert field_values(headers, b":status") == [b"200"]
+        seen = fake.last_request_headers
+        assert seen is not None
+        assert seen["x-forwarded-proto"] == "http", claimed
+
+
+async def test_http2_settings_never_reaches_the_backend(start_backend, start_proxy):
+    # RFC 9113 §3.2.1: HTTP2-Settings is hop-by-hop; without an Upgrade it is still dropped,
+    # on both client protocols.
+    fake, backend = await start_backend(tokens=1, delay=0)
+    proxy = await start_proxy([backend])
+    with trio.fail_after(10):
+        response, _ = await h1_request(
+            proxy.port,
+            b"GET",
+            b"/v1/models",
+            [(b"host", b"api.example"), (b"http2-settings", b"AAMAAABkAAQAAP__")],
+        )
+        assert response.status_code == 200
+        seen = fake.last_request_headers
+        assert seen is not None and "http2-settings" not in seen, seen
+        request = [
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"models.example"),
+            (b":path", b"/v1/models"),
+            (b"http2-settings", b"AAMAAABkAAQAAP__"),
+        ]
+        headers, _ = await h2_request(proxy.port, request)
+    assert field_values(headers, b":status") == [b"200"]
+    seen = fake.last_request_headers
+    assert seen is not None and "http2-settings" not in seen, seen
