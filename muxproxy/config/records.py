@@ -19,13 +19,15 @@ class Timeouts:
     connect: float = 5.0
     """Seconds to establish an upstream TCP (and TLS) connection."""
     response_head: float = 60.0
-    """Seconds from the request being sent upstream to the response head arriving."""
+    """Seconds from the request being sent upstream (its body complete) to the response head
+    arriving."""
     read: float = 300.0
     """Longest idle gap between two upstream body chunks."""
     send: float = 60.0
     """Longest time a connection may have unsent output without any of it being written."""
     client_header: float = 30.0
-    """Seconds a client has to send a complete request head."""
+    """Seconds a client has to send a complete request head (from the connection's start, or
+    from the first byte of a later head); also the longest gap in a request body."""
     keepalive_idle: float = 75.0
     """Seconds an idle client connection is kept open between requests."""
     tunnel_idle: float = 3600.0

@@ -8,7 +8,18 @@ bytes, so it is tested without sockets.
 It is the sink of its exchanges' responses and the source of their requests. It counts the
 bytes handed to the driver and not yet written (``pending``): together with an HTTP/2
 stream's send queue that is what the exchange measures for backpressure. It owns the
-connection-level timers: send (no write progress), keep-alive idle, client header.
+connection-level timers: send (no write progress), keep-alive idle, client header, and the
+HTTP/2 stream-window timer:
+
+- A request head is due within ``client_header`` from the connection's start, and on an idle
+  kept-alive HTTP/1.1 connection from its first byte on (``Waiting.HEAD``): the client is
+  sending a request, so ``keepalive_idle`` no longer bounds it. Late: 408 (RFC 9110 §15.5.9).
+- A request body that stops coming for ``client_header`` is the client's fault: 408 and close
+  on HTTP/1.1, RST_STREAM(CANCEL) on HTTP/2 (``request_body_timeout``).
+- An HTTP/2 stream whose response waits for a window (RFC 9113 §6.9) the client does not open
+  for ``timeouts.send`` is reset with CANCEL, its backend request aborted, the other streams
+  untouched (``window`` timer, lazy: armed when a stream starts to wait, moved only when it
+  fires).
 """
 
 from __future__ import annotations
@@ -30,6 +41,17 @@ from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseH
 if TYPE_CHECKING:
     from .exchange import Exchange
     from .proxy import ProxyCore
+
+
+class Waiting(enum.Enum):
+    """What bounds the connection while it carries no request."""
+
+    HEAD = "head"
+    """A request head is due: the ``header`` timer (``client_header``) runs."""
+    IDLE = "idle"
+    """Between requests, nothing of the next one received: the ``idle`` timer runs."""
+    BUSY = "busy"
+    """Requests in progress: their exchanges' timers bound the connection."""
 
 
 class Protocol(enum.Enum):
@@ -64,6 +86,10 @@ class Downstream:
             self._choose(Protocol.HTTP2 if alpn == "h2" else Protocol.HTTP1)
         timeouts = core.config.timeouts
         core.set_timer(("header", conn), core.now + timeouts.client_header)
+        self.waiting = Waiting.HEAD
+        self.window_waits: dict[int, float] = {}
+        """HTTP/2 streams whose response waits for a window, and since when it has not moved
+        (``_window_timeout``)."""
 
     @property
     def is_h2(self) -> bool:
@@ -150,6 +176,8 @@ class Downstream:
             self._send(self.h1.interim)
             self.h1.interim = b""
         self._dispatch(messages)
+        if self.waiting is Waiting.IDLE and self.h1 is not None and not self.h1.idle:
+            self._await_head()
         self._maybe_switch_to_h2c()
 
     def _h1_protocol_error(self, exc: PeerError) -> None:
@@ -181,7 +209,10 @@ class Downstream:
         h2c = self.h2
         if h2c is None or not h2c.window_changed or (h2c.blocked and self.congested):
             return
+        waits = self.window_waits
         for stream in h2c.flush_blocked():
+            if stream in waits:
+                waits[stream] = self.core.now  # the window moved: its wait starts again
             exchange = self.exchanges.get(stream)
             if exchange is not None and exchange in self.stalled:
                 exchange.client_drained()
@@ -224,26 +255,32 @@ class Downstream:
         if not self.exchanges:
             core.cancel_timer(("header", self.conn))
             core.cancel_timer(("idle", self.conn))
+            self.waiting = Waiting.BUSY
         exchange = core.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
         exchange.start()
-        if (
-            self.h2 is not None
-            and exchange.request is RequestPhase.BODY
-            and exchange.phase is not Phase.DONE
-        ):
+        if exchange.request is RequestPhase.BODY and exchange.phase is not Phase.DONE:
             exchange.watch_request_body()
 
     def request_body_timeout(self, exchange: Exchange) -> None:
-        """HTTP/2 slowloris: no request body for ``timeouts.client_header`` seconds while no
-        response began. RST_STREAM(CANCEL) to the client, the backend request aborted."""
-        assert self.h2 is not None
+        """Slow request body: none of it for ``timeouts.client_header`` seconds while no
+        response began. The client's fault, not the backend's: 408 and close on HTTP/1.1
+        (RFC 9110 §15.5.9), RST_STREAM(CANCEL) on HTTP/2; the backend request is aborted."""
         stream = exchange.stream
         self.core.emit(
             Log(event="request_body_timeout", fields={"conn": self.conn, "stream": stream})
         )
+        reason = "no request body within the client_header timeout"
+        if self.h1 is not None:
+            exchange.status = 408
+            # The 408 first: the abort below ends in a close, which flushes it (RFC 9112 §9.6).
+            self._send(self.h1.send_error(408, "request body timeout"))
+            exchange.client_aborted(reason)
+            self.close()
+            return
+        assert self.h2 is not None
         self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
-        exchange.client_aborted("no request body within the client_header timeout")
+        exchange.client_aborted(reason)
         self._flush_h2()
 
     def _refuse(self, head: RequestHead, exc: MalformedRequest) -> None:
@@ -341,7 +378,8 @@ class Downstream:
 
     def send_body(self, stream: int, data: bytes) -> None:
         if self.h2 is not None:
-            self.h2.send_body(stream, data)
+            if self.h2.send_body(stream, data):
+                self._window_wait(stream)
             self._flush_h2()
         elif self.h1 is not None:
             self._send(self.h1.send_body(data))
@@ -377,6 +415,55 @@ class Downstream:
             # HTTP/1.1 has no reset: closing without the final chunk is the signal
             # (RFC 9112 §8: an incomplete message).
             self.close()
+
+    def _window_wait(self, stream: int) -> None:
+        """``stream``'s response started to wait for a window. One timer per connection,
+        armed while some stream waits; a chunk queued behind a closed window costs nothing."""
+        core = self.core
+        if not self.window_waits:
+            core.set_timer(("window", self.conn), core.now + core.config.timeouts.send)
+        self.window_waits[stream] = core.now
+
+    def _window_timeout(self) -> None:
+        """The ``window`` timer: reset each stream whose window stayed closed for
+        ``timeouts.send`` (the zero-window reader). Its bytes can never be written, so the
+        stream is given up like a connection that takes no bytes: RST_STREAM(CANCEL) — the
+        client has broken no rule (a closed window is legal, so not FLOW_CONTROL_ERROR) and
+        we did not fail (not INTERNAL_ERROR); the stream is no longer wanted (RFC 9113 §7).
+        Its backend request is aborted; the other streams go on."""
+        h2c = self.h2
+        core = self.core
+        now = core.now
+        limit = core.config.timeouts.send
+        waits = self.window_waits
+        due: float | None = None
+        for stream, since in list(waits.items()):
+            if h2c is None or not h2c.queued(stream):
+                del waits[stream]  # sent, ended or reset meanwhile
+                continue
+            if not h2c.window_closed(stream):
+                # The window is open and the bytes wait for the socket (``congested``): the
+                # connection's send timer judges that.
+                since = waits[stream] = now
+            elif now >= since + limit:
+                del waits[stream]
+                self._cut_window_wait(stream)
+                continue
+            at = since + limit
+            due = at if due is None or at < due else due
+        if due is not None and self.protocol is not Protocol.CLOSED:
+            core.set_timer(("window", self.conn), due)
+        if self.h2 is not None:
+            self._flush_h2()
+
+    def _cut_window_wait(self, stream: int) -> None:
+        assert self.h2 is not None
+        fields = {"conn": self.conn, "stream": stream}
+        self.core.emit(Log(event="stream_send_timeout", fields=fields))
+        self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
+        exchange = self.exchanges.get(stream)
+        if exchange is not None:
+            exchange.client_aborted("the client opened no window within the send timeout")
 
     def buffered(self, stream: int) -> int:
         """Bytes of this stream's response held here: its HTTP/2 queue plus unsent output."""
@@ -432,8 +519,20 @@ class Downstream:
 
     def _become_idle_if_unused(self) -> None:
         if not self.exchanges:
+            if self.h1 is not None and not self.h1.idle:
+                self._await_head()  # a pipelined head has begun
+                return
             core = self.core
+            self.waiting = Waiting.IDLE
             core.set_timer(("idle", self.conn), core.now + core.config.timeouts.keepalive_idle)
+
+    def _await_head(self) -> None:
+        """The first bytes of a request head came on an idle connection: from now on it is
+        bounded by ``client_header`` (and answered 408 when late), not ``keepalive_idle``."""
+        core = self.core
+        self.waiting = Waiting.HEAD
+        core.cancel_timer(("idle", self.conn))
+        core.set_timer(("header", self.conn), core.now + core.config.timeouts.client_header)
 
     # -- driver events ---------------------------------------------------------------------
 
@@ -458,7 +557,7 @@ class Downstream:
             exchange.client_aborted(error or "client closed the connection")
         self.exchanges.clear()
         core = self.core
-        for kind in ("header", "idle", "send"):
+        for kind in ("header", "idle", "send", "window"):
             core.cancel_timer((kind, self.conn))
         core.clients.pop(self.conn, None)
         if was_open:
@@ -494,6 +593,8 @@ class Downstream:
                 return
             core.emit(Log(event="send_timeout", fields={"conn": self.conn}))
             self.close()
+        elif kind == "window":
+            self._window_timeout()
         elif kind in ("idle", "header"):
             if self.exchanges:
                 return

@@ -23,6 +23,13 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   client side abort the stream (RST_STREAM on HTTP/2, no final chunk on HTTP/1.1).
 - Errors before the head map to short plain responses: no route 404, no usable backend 503,
   refused or broken backend 502, timeout 504 (RFC 9110 §15.6).
+- Timeouts blame the party that is late. The backend's (response head, first token, read)
+  never count time in which it waits for us: while the client is still sending the request
+  body (the backend may want all of it before it answers) or while we paused the backend
+  because the client is behind. A client that stops sending its body is cut by the lazy
+  ``body`` timer (``client_header``; 408 / RST_STREAM, ``Downstream.request_body_timeout``),
+  also while the body is buffered for a session key; a client that stops reading, by the
+  send timeouts of ``Downstream``.
 """
 
 from __future__ import annotations
@@ -109,7 +116,10 @@ class Exchange:
         self.first_attempt_at = core.now
         self.last_upstream_activity = core.now
         self.last_request_activity = core.now
-        """When the client last moved the request body on (HTTP/2 ``watch_request_body``)."""
+        """When the client last moved the request body on (``watch_request_body``)."""
+        self.request_done_at = core.now
+        """When the request was complete (its start while the body is still coming): the
+        backend's response-head clock runs from there (``_backend_late``)."""
         self.first_byte_at: float | None = None
         self.status = 0
         self.bytes_out = 0
@@ -352,6 +362,7 @@ class Exchange:
         if self.request is RequestPhase.COMPLETE:
             return  # a request without a body was complete with its head
         self.request = RequestPhase.COMPLETE
+        self.request_done_at = self.core.now
         if self.phase is Phase.DONE:
             return
         self.request_trailers = trailers
@@ -385,9 +396,10 @@ class Exchange:
                 self.unacked = 0
 
     def watch_request_body(self) -> None:
-        """HTTP/2 slowloris: a stream that sent HEADERS without END_STREAM must keep its body
-        moving. Lazy like the read timer: armed once here, moved only when it fires, so a DATA
-        frame costs no timer command. Tunnels override this (silence is theirs to keep)."""
+        """Slow request bodies (slowloris on HTTP/2, a stalled upload on HTTP/1.1, also one
+        buffered for a session key): a request with a body must keep it moving. Lazy like the
+        read timer: armed once here, moved only when it fires, so a body chunk costs no timer
+        command. Tunnels override this (silence is theirs to keep)."""
         core = self.core
         core.set_timer(("body", self.ident), core.now + core.config.timeouts.client_header)
 
@@ -557,6 +569,10 @@ class Exchange:
             if self.phase is not Phase.STREAMING and self.phase is not Phase.HOLDING:
                 return
             idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
+            if self in self.client.stalled:
+                # We paused the backend because the client is behind: its silence is ours.
+                # The client side has its own bound (``Downstream``'s send and window timers).
+                self.last_upstream_activity = core.now
             due = self.last_upstream_activity + idle
             if core.now < due:
                 # Lazy timer: the deadline moves with every chunk, but we re-arm only here,
@@ -567,8 +583,16 @@ class Exchange:
         elif kind == "connect":
             self.upstream_failed("connect timeout", timeout=True)
         elif kind == "head":
+            timeout = (
+                self.group.timeouts.response_head if self.group else None
+            ) or core.config.timeouts.response_head
+            if not self._backend_late(kind, timeout):
+                return
             self.upstream_failed("response head timeout", timeout=True)
         elif kind == "first_token":
+            first_token = self.group.timeouts.first_token if self.group else None
+            if first_token and not self._backend_late(kind, first_token):
+                return
             self.upstream_failed("no first token within the first-token timeout", timeout=True)
         elif kind == "heartbeat":
             self._heartbeat()
@@ -576,6 +600,22 @@ class Exchange:
             self._deadline_exceeded()
         elif kind == "body":
             self._request_body_idle()
+
+    def _backend_late(self, kind: str, timeout: float) -> bool:
+        """Whether the ``head`` or ``first_token`` timer that fired blames the backend. Not
+        while the client still owes request body bytes the backend is taking: a backend may
+        wait for the whole request before it answers, and a client that stopped sending is
+        the ``body`` timer's to judge (RFC 9110 §15.5.9: 408, not a 504). Then the clock
+        runs from the end of the request; the timer is re-armed, so a body chunk costs none."""
+        core = self.core
+        if self.request is RequestPhase.BODY and not self.source_paused:
+            core.set_timer((kind, self.ident), core.now + timeout)
+            return False
+        due = self.request_done_at + timeout
+        if core.now < due:
+            core.set_timer((kind, self.ident), due)
+            return False
+        return True
 
     def _deadline_exceeded(self) -> None:
         """The gRPC call's ``grpc-timeout`` passed: DEADLINE_EXCEEDED in any phase."""

@@ -282,15 +282,18 @@ class H2Server:
             self.queues.pop(head.stream, None)
             self.guard.response_completed()
 
-    def send_body(self, stream: int, data: bytes) -> None:
+    def send_body(self, stream: int, data: bytes) -> bool:
+        """Send or queue ``data``; True when with it the stream starts to wait for a window
+        (its owner bounds such a wait: ``timeouts.send``)."""
         queue = self.queues.get(stream)
         if queue is None:
-            return
+            return False
         self.guard.response_chunk()
         try:
-            self._settle(stream, send_or_queue(self.conn, stream, queue, data))
+            return self._settle(stream, send_or_queue(self.conn, stream, queue, data))
         except h2.exceptions.StreamClosedError:
             self._closed_by_client(stream)
+            return False
 
     def send_end(self, stream: int, trailers: Headers) -> None:
         queue = self.queues.get(stream)
@@ -335,6 +338,14 @@ class H2Server:
         queue = self.queues.get(stream)
         return 0 if queue is None else queue.size
 
+    def window_closed(self, stream: int) -> bool:
+        """The client's window for ``stream`` (or the connection's) is closed: no queued byte
+        of it can be sent until a WINDOW_UPDATE (RFC 9113 §6.9)."""
+        try:
+            return self.conn.local_flow_control_window(stream) <= 0
+        except h2.exceptions.StreamClosedError:
+            return False
+
     def flush_blocked(self) -> list[int]:
         """Send what windows now allow; return the streams whose queues shrank."""
         drained = []
@@ -364,11 +375,15 @@ class H2Server:
         except h2.exceptions.StreamClosedError:
             self._closed_by_client(stream)
 
-    def _settle(self, stream: int, state: Flushed) -> None:
+    def _settle(self, stream: int, state: Flushed) -> bool:
+        """Record the stream's send state; True when it starts to wait for a window."""
         if state is Flushed.BLOCKED:
+            if stream in self.blocked:
+                return False
             self.blocked.add(stream)
-            return
+            return True
         self.blocked.discard(stream)
         if state is Flushed.ENDED:
             del self.queues[stream]
             self.guard.response_completed()
+        return False

@@ -45,6 +45,9 @@ class BlockedStreams:
         """Blocked now (a stream already waiting keeps its place)."""
         self._order.setdefault(stream)
 
+    def __contains__(self, stream: int) -> bool:
+        return stream in self._order
+
     def discard(self, stream: int) -> None:
         self._order.pop(stream, None)
 
