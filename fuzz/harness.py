@@ -10,7 +10,8 @@
 
 Then every timer fires in time order and every connection closes. Invariants (an
 ``AssertionError`` names the one that broke; any other exception escaped ``handle``, which is a
-bug by ``proxy.py``'s contract):
+bug by ``proxy.py``'s contract; the core runs with ``raise_errors``, so fault isolation does
+not hide it):
 
 1. no ``SendData`` for a connection after the core's ``CloseConnection`` for it;
 2. every stream's buffered bytes (``statistics()``) stay within ``limits.stream_buffer``;
@@ -103,7 +104,8 @@ class Driver:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.config = config_for(kind)
-        self.core = ProxyCore(self.config)
+        # A bug must crash the case, not be contained as one connection's internal error.
+        self.core = ProxyCore(self.config, raise_errors=True)
         self.now = 0.0
         self.queue: collections.deque[Event] = collections.deque()
         self.closed: set[int] = set()

@@ -1,7 +1,13 @@
-"""Shared fixtures: fake LLM backends and a proxy, all on 127.0.0.1 with port 0."""
+"""Shared fixtures: fake LLM backends and a proxy, all on 127.0.0.1 with port 0.
+
+Every ``ProxyCore`` of the suite, in this process and in ``python -m muxproxy`` subprocesses
+(which inherit the environment), re-raises internal errors instead of isolating them, so a bug
+fails its test. Tests of the isolation itself pass ``raise_errors=False``.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -10,8 +16,11 @@ import pytest
 import trio
 
 from muxproxy.config import Config, Limits, Timeouts, quick_config
+from muxproxy.core.proxy import RAISE_ERRORS_ENV
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 from muxproxy.trio.server import ProxyServer
+
+os.environ[RAISE_ERRORS_ENV] = "1"
 
 
 @attrs.define
@@ -45,6 +54,7 @@ def start_proxy(nursery: trio.Nursery) -> StartProxy:
     """``proxy = await start_proxy([port1, port2], timeouts=Timeouts(...), limits=...)``.
 
     Or ``await start_proxy(config=Config(...))`` for a full configuration.
+    ``raise_errors=False``: contain internal errors as in production (tests of that alone).
     """
 
     async def start(
@@ -55,6 +65,7 @@ def start_proxy(nursery: trio.Nursery) -> StartProxy:
         limits: Limits | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        raise_errors: bool | None = None,
     ) -> RunningProxy:
         if config is None:
             config = quick_config(
@@ -66,7 +77,7 @@ def start_proxy(nursery: trio.Nursery) -> StartProxy:
             config = attrs.evolve(
                 config, timeouts=timeouts or config.timeouts, limits=limits or config.limits
             )
-        server = ProxyServer(config)
+        server = ProxyServer(config, raise_errors=raise_errors)
         addresses = await nursery.start(server.run)
         return RunningProxy(server=server, port=addresses[0][1])
 

@@ -6,13 +6,19 @@ commands they emit. It never awaits, never reads a clock (``event.now`` is the t
 touches no socket: any driver task may call it, one call at a time, without a lock.
 
 Fault isolation: a peer's bad bytes become a response, a reset or a GOAWAY inside the adapter
-that owns the connection; nothing a peer sends can raise out of ``handle``. An exception that
-does escape is a bug in muxproxy and is not swallowed here.
+that owns the connection; nothing a peer sends should raise. An exception that does escape the
+handling of one event is a bug in muxproxy: it ends the connection the event concerns (a timer's
+``Wakeup`` counts for the connection of the exchange, pool entry or probe that owns it), logged
+with its traceback and counted, and every other connection goes on (``faults.py``). With
+``raise_errors`` (the test suite, the fuzzers: ``MUXPROXY_RAISE_ERRORS=1``) it is re-raised
+instead, so bugs fail loudly. An event that concerns no connection (``ConfigChanged``) always
+re-raises.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -35,7 +41,9 @@ from .events import (
     Wakeup,
 )
 from .exchange import Exchange
-from .pool import BackendConnection, Pool
+from .faults import Fault, Isolation
+from .h2pool import H2Stream
+from .pool import BackendConnection, Pool, UpstreamConn
 from .probes import Probe
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
@@ -87,10 +95,36 @@ _EXCHANGE_TIMERS = frozenset(
 # The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
 READ_SIZE = 64 * 1024
 
+RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
+"""Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
+
+COUNTERS = ("internal_errors",)
+"""The names in ``ProxyCore.counters``, each counted from 0 since the core started:
+
+- ``internal_errors``: connections ended by a bug in muxproxy (``faults.py``), core or driver.
+"""
+
+
+def raise_errors_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``MUXPROXY_RAISE_ERRORS`` asks for internal errors to re-raise."""
+    return environ.get(RAISE_ERRORS_ENV, "") not in ("", "0")
+
 
 class ProxyCore:
-    def __init__(self, config: Config, *, read_size: int = READ_SIZE) -> None:
+    def __init__(
+        self, config: Config, *, read_size: int = READ_SIZE, raise_errors: bool | None = None
+    ) -> None:
+        """``raise_errors``: let an internal error escape ``handle`` instead of ending the one
+        connection it concerns; None reads ``MUXPROXY_RAISE_ERRORS`` (once, here)."""
         self.config = config
+        if raise_errors is None:
+            raise_errors = raise_errors_from_environment()
+        self.raise_errors = raise_errors
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        """Plain counters, name -> int (``COUNTERS``), for an embedder to export as metrics."""
+        self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
+        self._waking: int | Probe | None = None
+        """Whose timer the current ``Wakeup`` is: a connection id, or a probe."""
         self._max_read_size = read_size
         self._apply_limits()
         self.now = 0.0
@@ -130,10 +164,37 @@ class ProxyCore:
     def handle(self, event: Event) -> list[Command]:
         """Process one event; return the commands to carry out, in order."""
         self.now = event.now
-        self._dispatch[type(event)](event)
+        try:
+            self._dispatch[type(event)](event)
+        except Exception as exc:
+            if self.raise_errors:
+                raise
+            fault = self._fault(event, exc)
+            if fault is None:
+                raise
+            self.isolation.contain(fault)
         out = self._out
         self._out = []
         return out
+
+    def _fault(self, event: Event, exc: Exception) -> Fault | None:
+        """The connection (or probe) that ``exc``, raised while handling ``event``, ends."""
+        name = type(event).__name__
+        if type(event) is Wakeup:
+            owner = self._waking
+            if isinstance(owner, Probe):
+                upstream = owner.upstream
+                conn = None
+                if isinstance(upstream, UpstreamConn):
+                    conn = upstream.conn
+                elif isinstance(upstream, H2Stream):
+                    conn = upstream.upstream.conn
+                if conn is None:
+                    return Fault(conn=None, probe=owner, event=name, error=exc)
+                return Fault(conn=conn, event=name, error=exc)
+            return None if owner is None else Fault(conn=owner, event=name, error=exc)
+        conn = getattr(event, "conn", None)
+        return None if conn is None else Fault(conn=conn, event=name, error=exc)
 
     # -- helpers for the parts of the core -------------------------------------------------
 
@@ -239,20 +300,25 @@ class ProxyCore:
         if timer not in self._timers:
             return  # cancelled after the driver had already queued it
         self._timers.discard(timer)
+        self._waking = None
         kind, ident = timer
         if kind in _EXCHANGE_TIMERS:
             exchange = self.exchanges.get(ident)
             if exchange is not None:
+                self._waking = exchange.client.conn
                 exchange.timer_fired(kind)
         elif kind == "pool":
+            self._waking = ident
             self.pool.idle_timeout(ident)
         elif kind in ("probe", "probe_timeout"):
             probe = self.probes.get(ident)
             if probe is not None:
+                self._waking = probe
                 probe.timer_fired(kind)
         else:
             client = self.clients.get(ident)
             if client is not None:
+                self._waking = ident
                 client.timer_fired(kind)
 
     def _config_changed(self, event: ConfigChanged) -> None:
@@ -274,7 +340,15 @@ class ProxyCore:
     def _shutdown(self, event: ShutdownRequested) -> None:
         self.shutting_down = True
         for client in list(self.clients.values()):
-            client.shutdown()
+            if self.clients.get(client.conn) is not client:
+                continue  # isolated meanwhile
+            try:
+                client.shutdown()
+            except Exception as exc:
+                if self.raise_errors:
+                    raise
+                fault = Fault(conn=client.conn, event=type(event).__name__, error=exc)
+                self.isolation.contain(fault)
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -10,6 +10,14 @@ hop through a channel per chunk.
 Events that the execution of a command causes (bytes written, a connection closed at once)
 are fed after the batch of commands that caused them (``settle``): ``handle`` is never
 re-entered.
+
+Fault isolation, as in the core (``core/faults.py``): an exception in the driver's own code for
+one connection (executing a command for it, reading or writing its socket, its tasks) closes
+that connection, is logged (``internal_error``) and counted in ``ProxyCore.counters``, and the
+core hears ``ConnectionClosed``; every other connection goes on. An exception out of
+``ProxyCore.handle`` itself (the core contains its own, so one that escapes is a broken
+invariant) and a bug in the loops that serve every connection still crash, as does everything
+with ``ProxyCore.raise_errors``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import logging
 import socket
 import ssl
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +60,7 @@ from ..core.events import (
 )
 from ..core.proxy import ProxyCore
 from . import reactor
-from .reactor import Reactor, SocketConn
+from .reactor import Reactor, SocketConn, from_core
 
 log = logging.getLogger("muxproxy")
 access_log = logging.getLogger("muxproxy.access")
@@ -145,6 +154,9 @@ class Driver:
         """Connections closed or failed to open, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
+        self.raise_errors = core.raise_errors
+        """Let a bug in per-connection code crash the driver instead of closing the one
+        connection (``ProxyCore.raise_errors``)."""
 
     def start(self) -> None:
         """Start the driver's own tasks: the timers and, on Linux, the reactor."""
@@ -156,7 +168,10 @@ class Driver:
         """Hand one event to the core and carry out its commands."""
         execute = self._execute
         for command in self.core.handle(event):
-            execute[type(command)](command)
+            try:
+                execute[type(command)](command)
+            except Exception as exc:
+                self.command_failed(command, exc)
         if not self.batching:
             self.settle(event.now)
 
@@ -186,11 +201,55 @@ class Driver:
             else:
                 return
             for command in handle(later):
-                execute[type(command)](command)
+                try:
+                    execute[type(command)](command)
+                except Exception as exc:
+                    self.command_failed(command, exc)
+
+    # -- fault isolation -------------------------------------------------------------------
+
+    def command_failed(self, command: Command, exc: Exception) -> None:
+        """Executing ``command`` raised: a bug of ours. Close its connection (a command for
+        no connection, a timer's, is a bug in shared state: it re-raises)."""
+        conn = getattr(command, "conn", None)
+        if self.raise_errors or conn is None:
+            raise exc
+        self.connection_failed(conn, exc, where=type(command).__name__)
+
+    def connection_failed(self, ident: int, exc: BaseException, *, where: str) -> None:
+        """A bug in the driver's code for connection ``ident`` (not in the core): log and
+        count it, close the connection and tell the core as for any broken connection."""
+        self.core.counters["internal_errors"] += 1
+        self._log(
+            Log(
+                event="internal_error",
+                fields={
+                    "conn": ident,
+                    "where": f"driver: {where}",
+                    "error": repr(exc),
+                    "traceback": "".join(traceback.format_exception(exc)),
+                },
+            )
+        )
+        scope = self.connecting.pop(ident, None)
+        if scope is not None:
+            scope.cancel()  # ``_connect`` reports the ConnectionClosed
+            return
+        conn = self.conns.get(ident)
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.abandon(conn, "internal error")
+        elif type(conn) is StreamConn:
+            conn.closing = True
+            conn.scope.cancel()  # ``run_connection`` reports the ConnectionClosed
 
     def sent_now(self, ident: int, nbytes: int) -> None:
         """The kernel took ``nbytes`` of ``ident``'s output (reported by ``settle``)."""
         self._sent_now[ident] = self._sent_now.get(ident, 0) + nbytes
+
+    def open_failed_now(self, ident: int, reason: str) -> None:
+        """The connect of ``ident`` failed (reported by ``settle``)."""
+        self._later.append(OpenFailed(now=trio.current_time(), conn=ident, reason=reason))
 
     def closed_now(self, ident: int, error: str | None) -> None:
         """``ident`` is closed (reported by ``settle``)."""
@@ -238,6 +297,11 @@ class Driver:
                     error = await self._reader(conn)
                     if not conn.closing:
                         nursery.cancel_scope.cancel()
+        except Exception as exc:
+            if self.raise_errors or from_core(exc):
+                raise
+            error = "internal error"
+            self.connection_failed(ident, exc, where="connection task")
         finally:
             conn.closed = True
             self.conns.pop(ident, None)
@@ -376,6 +440,15 @@ class Driver:
                     await trio.aclose_forcefully(stream)
                 reason = str(exc) or repr(exc)
                 self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason=reason))
+                return
+            except Exception as exc:
+                if self.raise_errors or from_core(exc):
+                    raise
+                self.connecting.pop(ident, None)
+                if stream is not None:
+                    await trio.aclose_forcefully(stream)
+                self.connection_failed(ident, exc, where="connect")
+                self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason="internal error"))
                 return
         if scope.cancelled_caught or stream is None:
             # The core gave up on this connection (connect timeout, client gone).

@@ -33,6 +33,10 @@ a socket with unread input makes the kernel send RST, and a client that receives
 discard the response it has not read yet (the 408 for a slow request head, say). The core
 hears ``ConnectionClosed`` at the FIN.
 
+An exception in the handling of one ready socket that is the driver's own (not one out of
+``ProxyCore.handle``) abandons that socket (``Driver.connection_failed``); the round goes on
+with the next one. A bug in the round itself (polling, deadlines, ``settle``) still crashes.
+
 Linux only (epoll), like the deployments this proxy is for; elsewhere the driver falls back to
 tasks per socket.
 """
@@ -51,9 +55,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..core.events import ConnectionOpened, DataReceived, OpenFailed
+from ..core.proxy import ProxyCore
 
 if TYPE_CHECKING:
     from .driver import Driver
+
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)
@@ -72,6 +78,21 @@ MAX_ROUNDS = 4
 
 NOTSENT_LOWAT = 16 * 1024
 """Unsent bytes the kernel may hold per socket (as ``trio.SocketStream`` sets it)."""
+
+
+_HANDLE = ProxyCore.handle.__code__
+
+
+def from_core(exc: BaseException) -> bool:
+    """Whether ``exc`` (or one in its group) came out of ``ProxyCore.handle``."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(from_core(inner) for inner in exc.exceptions)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _HANDLE:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def available() -> bool:
@@ -275,24 +296,46 @@ class Reactor:
                     # one closed during this round: the event is not its own.
                     continue
                 self._serving = conn.ident
-                if conn.connecting:
-                    self._connected(conn)
-                else:
-                    if events & WRITE_READY and conn.pending and not conn.queued:
-                        self._flush(conn)
-                    if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
-                        self._read(conn)
-                    elif conn.lingering:
-                        self._drop_input(conn)
-                if self.outbox:
-                    # What this socket's events caused leaves before the next socket is read:
-                    # a token does not wait for the other streams' work of the round.
-                    self.write_outbox(end_of_round=False)
+                try:
+                    if conn.connecting:
+                        self._connected(conn)
+                    else:
+                        if events & WRITE_READY and conn.pending and not conn.queued:
+                            self._flush(conn)
+                        if events & READ_READY and not (conn.closed or conn.paused or conn.closing):
+                            self._read(conn)
+                        elif conn.lingering:
+                            self._drop_input(conn)
+                    if self.outbox:
+                        # What this socket's events caused leaves before the next socket is
+                        # read: a token does not wait for the other streams' work of the round.
+                        self.write_outbox(end_of_round=False)
+                except Exception as exc:
+                    self._failed(conn, exc)
         finally:
             self._serving = 0
             driver.batching = False
         driver.settle(now)
         return len(ready)
+
+    def _failed(self, conn: SocketConn, exc: Exception) -> None:
+        """Handling ``conn``'s readiness raised: a bug of ours, in the driver's code for it
+        (re-raised if it came out of the core, or with ``raise_errors``)."""
+        driver = self.driver
+        if driver.raise_errors or from_core(exc):
+            raise exc
+        driver.connection_failed(conn.ident, exc, where="reactor")
+
+    def abandon(self, conn: SocketConn, reason: str) -> None:
+        """Close ``conn`` now, whatever is pending (it failed); the core hears of it."""
+        if conn.closed or conn.lingering:
+            return
+        connecting = conn.connecting
+        self._release(conn)
+        if connecting:
+            self.driver.open_failed_now(conn.ident, reason)
+        else:
+            self.driver.closed_now(conn.ident, reason)
 
     def _next_deadline(self) -> float:
         """The earliest flush or linger deadline (``math.inf``: none)."""

@@ -45,11 +45,15 @@ ACCEPT_BATCH = 256
 class ProxyServer:
     """The proxy on its listeners. ``core`` is the live ``ProxyCore`` (for ``statistics()``)."""
 
-    def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self, config: Config, *, reuse_port: bool = False, raise_errors: bool | None = None
+    ) -> None:
+        """``raise_errors``: an internal error escapes and stops the server instead of ending
+        the one connection it concerns (None: ``MUXPROXY_RAISE_ERRORS``, see ``ProxyCore``)."""
         self.config = config
         self.reuse_port = reuse_port
         """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
-        self.core = ProxyCore(config)
+        self.core = ProxyCore(config, raise_errors=raise_errors)
         self.driver: Driver | None = None
         self.addresses: list[tuple[str, int]] = []
         self.connection_slots = trio.Semaphore(config.limits.max_client_connections)

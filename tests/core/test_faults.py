@@ -1,0 +1,229 @@
+"""Fault isolation (``core/faults.py``): a bug met while handling one connection ends that one.
+
+No peer can trigger a bug on purpose, so each test injects one: an adapter method of one
+connection is replaced by one that raises (the only mock of the suite's core tests). The
+switch that re-raises (on for the whole suite) is turned off for these cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h2.errors
+import h2.events
+import h11
+import pytest
+from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
+
+from muxproxy.core.commands import CloseConnection, Log
+from muxproxy.core.events import ConfigChanged
+from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
+
+CHAT = b"/v1/chat/completions"
+EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(3)]
+
+
+class Injected(RuntimeError):
+    """The bug a test plants."""
+
+
+def _isolating() -> Playbook:
+    pb = Playbook()
+    pb.core.raise_errors = False
+    return pb
+
+
+def _h2_stream(pb: Playbook, conn: int) -> tuple[H2ClientPeer, int, int, H1BackendPeer]:
+    """An HTTP/2 client on ``conn`` whose SSE response is streaming: (client, sid, backend
+    connection, backend peer)."""
+    known = {o.conn for o in pb.opens()}
+    pb.accept(conn)
+    client = H2ClientPeer()
+    sid, data = client.request(b"GET", CHAT)
+    pb.receive(conn, client.preface() + data)
+    (up,) = [o.conn for o in pb.opens() if o.conn not in known]
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    client.events(pb.take(conn, pb.receive(up, backend.sse_head() + backend.chunk(EVENTS[0]))))
+    return client, sid, up, backend
+
+
+def _internal_errors(pb: Playbook) -> list[Log]:
+    return [c for c in pb.log if isinstance(c, Log) and c.event == "internal_error"]
+
+
+def _boom(*args: Any, **kwargs: Any) -> Any:
+    raise Injected("planted bug")
+
+
+def test_client_fault_ends_that_connection_and_the_other_stream_completes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pb = _isolating()
+    client1, sid1, up1, _ = _h2_stream(pb, 1)
+    client2, sid2, up2, backend2 = _h2_stream(pb, 2)
+    h2_of_1 = pb.core.clients[1].h2
+    assert h2_of_1 is not None
+    original = h2_of_1.receive
+
+    def receive_then_fail(data: bytes) -> Any:
+        original(data)  # queues its answer (a PING ACK) before the bug strikes
+        raise Injected("planted bug")
+
+    monkeypatch.setattr(h2_of_1, "receive", receive_then_fail)
+    client1.conn.ping(b"12345678")
+    commands = pb.receive(1, client1.conn.data_to_send())
+
+    # The failed connection: what the failed call queued for it is dropped; a GOAWAY
+    # (INTERNAL_ERROR) and the close take its place; its backend connection is closed.
+    events = client1.events(pb.take(1, commands))
+    assert not any(isinstance(e, h2.events.PingAckReceived) for e in events)
+    (gone,) = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert gone.error_code == h2.errors.ErrorCodes.INTERNAL_ERROR
+    assert gone.last_stream_id == sid1
+    assert CloseConnection(conn=1) in commands
+    assert CloseConnection(conn=up1) in commands
+    assert 1 not in pb.core.clients
+    assert all(ex.client.conn != 1 for ex in pb.core.exchanges.values())
+    assert not [t for t in pb.core._timers if t[1] == 1 and t[0] in ("header", "idle", "send")]
+    (logged,) = _internal_errors(pb)
+    assert logged.fields["conn"] == 1
+    assert logged.fields["event"] == "DataReceived"
+    assert logged.fields["streams"] == [sid1]
+    assert "Injected: planted bug" in logged.fields["traceback"]
+    assert "receive_then_fail" in logged.fields["traceback"]
+    assert pb.core.counters["internal_errors"] == 1
+
+    # Later events for the failed connections are ignored.
+    pb.receive(1, b"anything")
+    pb.closed(1)
+    pb.closed(up1)
+
+    # The neighbour streams on to its clean end.
+    out = pb.receive(up2, backend2.chunk(EVENTS[1]) + backend2.end())
+    events = client2.events(pb.take(2, out))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == EVENTS[1]
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
+    assert pb.core.counters["internal_errors"] == 1
+
+
+def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pb = _isolating()
+    client1, sid1, up1, backend1 = _h2_stream(pb, 1)
+    client2, _, up2, backend2 = _h2_stream(pb, 2)
+    downstream = pb.core.clients[1]
+    original = downstream.send_body
+
+    def send_then_fail(stream: int, data: bytes) -> None:
+        original(stream, data)  # a command for the client, queued by the backend's call
+        raise Injected("planted bug")
+
+    monkeypatch.setattr(downstream, "send_body", send_then_fail)
+    commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
+    monkeypatch.undo()
+
+    # The backend's event failed: that backend connection is closed, and its exchange fails as
+    # an upstream failure after the head: the chunk already sent, then RST(INTERNAL_ERROR).
+    assert CloseConnection(conn=up1) in commands
+    events = client1.events(pb.take(1, commands))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == EVENTS[1]
+    resets = [(e.stream_id, e.error_code) for e in events if isinstance(e, h2.events.StreamReset)]
+    assert resets == [(sid1, h2.errors.ErrorCodes.INTERNAL_ERROR)]
+    assert CloseConnection(conn=1) not in commands
+    (logged,) = _internal_errors(pb)
+    assert logged.fields["conn"] == up1
+    assert up1 not in pb.core.upstreams
+
+    # The client connection itself is fine: a new request on it is served.
+    _, data3 = client1.request(b"GET", CHAT)
+    pb.receive(1, data3)
+    up3 = pb.opens()[-1].conn
+    assert up3 not in (up1, up2)
+    # The other stream was untouched.
+    events = client2.events(pb.take(2, pb.receive(up2, backend2.chunk(EVENTS[1]))))
+    assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == EVENTS[1]
+
+
+def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:
+    pb = _isolating()
+    pb.accept(1)
+    client = H1ClientPeer()
+    pb.receive(1, client.request("GET", CHAT.decode()))
+    (opened,) = pb.opens()
+    pb.opened(opened.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opened.conn))
+    monkeypatch.setattr(pb.core.upstreams[opened.conn].adapter, "receive", _boom)
+    commands = pb.receive(opened.conn, backend.sse_head())
+    (response, *_) = client.events(pb.take(1, commands))
+    assert isinstance(response, h11.Response) and response.status_code == 502
+    assert CloseConnection(conn=opened.conn) in commands
+
+
+def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    pb = _isolating()
+    pb.accept(1)
+    client = H1ClientPeer()
+    pb.receive(1, client.request("GET", CHAT.decode()))
+    (opened,) = pb.opens()
+    pb.opened(opened.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opened.conn))
+    pb.receive(opened.conn, backend.sse_head() + backend.chunk(EVENTS[0]))
+    # A bug on a timer of the exchange: it belongs to the client connection.
+    exchange = next(iter(pb.core.exchanges.values()))
+    monkeypatch.setattr(exchange, "timer_fired", _boom)
+    pb.now = 1000.0
+    commands = pb.wakeup("read", exchange.ident)
+    assert CloseConnection(conn=1) in commands
+    assert CloseConnection(conn=opened.conn) in commands
+    events = client.events(pb.take(1))
+    assert not any(isinstance(e, h11.EndOfMessage) for e in events)
+    with pytest.raises(h11.RemoteProtocolError):
+        client.events(b"")  # EOF inside a chunked body: visibly truncated
+    (logged,) = _internal_errors(pb)
+    assert (logged.fields["conn"], logged.fields["event"]) == (1, "Wakeup")
+    assert not pb.core.exchanges
+
+
+def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pb = _isolating()
+    _, _, up1, backend1 = _h2_stream(pb, 1)
+    client2, sid2, up2, backend2 = _h2_stream(pb, 2)
+    monkeypatch.setattr(pb.core.upstreams[up1].adapter, "receive", _boom)
+    # Failing the backend's exchange calls into its client, whose adapter is broken as well.
+    h2_of_1 = pb.core.clients[1].h2
+    assert h2_of_1 is not None
+    monkeypatch.setattr(h2_of_1, "abort", _boom)
+    commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
+    assert [log.fields["conn"] for log in _internal_errors(pb)] == [up1, 1]
+    assert CloseConnection(conn=1) in commands
+    assert 1 not in pb.core.clients
+    events = client2.events(pb.take(2, pb.receive(up2, backend2.end())))
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
+
+
+def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    pb = Playbook()
+    assert pb.core.raise_errors  # tests/conftest.py sets MUXPROXY_RAISE_ERRORS=1
+    pb.accept(1)
+    monkeypatch.setattr(pb.core.clients[1], "on_data", _boom)
+    with pytest.raises(Injected):
+        pb.receive(1, b"GET / HTTP/1.1\r\n")
+    assert raise_errors_from_environment({"MUXPROXY_RAISE_ERRORS": "1"})
+    assert not raise_errors_from_environment({"MUXPROXY_RAISE_ERRORS": "0"})
+    assert not raise_errors_from_environment({})
+
+
+def test_fault_outside_any_connection_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = ProxyCore(Playbook().core.config, raise_errors=False)
+    monkeypatch.setattr(core, "_apply_limits", _boom)
+    with pytest.raises(Injected):
+        core.handle(ConfigChanged(now=0.0, config=core.config))
