@@ -73,6 +73,20 @@ class CloseConnection(Command):
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class ShutdownWrite(Command):
+    """Send what is pending, then end our sending side (TCP FIN, ``shutdown(SHUT_WR)``);
+    reading goes on. The connection is still closed only by ``CloseConnection`` (or when it
+    fails), and ``ConnectionClosed`` still comes exactly once.
+
+    Over TLS the driver sends nothing: trio's ``SSLStream`` cannot send close_notify and
+    keep reading, so the peer learns the end from the protocol above it (a WebSocket Close
+    frame) or from the close that follows.
+    """
+
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class PauseReading(Command):
     conn: ConnId
 

@@ -62,6 +62,24 @@ class DataSent(Event):
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class InputEnded(Event):
+    """The peer ended its sending side (TCP FIN, a TLS close_notify): nothing more will be
+    read from ``conn``, which stays open for writing.
+
+    Driver contract: after a clean EOF on a read, the driver feeds this once and reads that
+    connection no more; it keeps writing what the core sends, and still closes it only on
+    ``CloseConnection`` or a failure (``ConnectionClosed`` follows as always). The core answers
+    a connection that is not a tunnel with ``CloseConnection`` and treats it as closed at once,
+    as before; a tunnel relays the end to its other side (``ShutdownWrite``, or END_STREAM on
+    an HTTP/2 stream) and goes on relaying the other direction (RFC 9293 §3.6: a half-closed
+    TCP connection still carries data the other way). A driver that never feeds this event
+    reports an EOF as ``ConnectionClosed(error=None)``, which the core handles too.
+    """
+
+    conn: ConnId
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class ConnectionClosed(Event):
     """The peer closed (``error`` is None) or the connection broke (``error`` says how).
 

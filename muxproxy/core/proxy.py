@@ -25,7 +25,7 @@ import attrs
 
 from ..config import Config, Upstream
 from ..routing.router import GroupRouter
-from .commands import CancelTimer, Command, Log, SendData, SetTimer
+from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
 from .downstream import Downstream
 from .events import (
     ConfigChanged,
@@ -35,6 +35,7 @@ from .events import (
     DataReceived,
     DataSent,
     Event,
+    InputEnded,
     OpenFailed,
     ShutdownRequested,
     TimerId,
@@ -150,6 +151,7 @@ class ProxyCore:
             ConnectionOpened: self._opened,
             OpenFailed: self._open_failed,
             ConnectionClosed: self._closed,
+            InputEnded: self._input_ended,
             Wakeup: self._wakeup,
             ConfigChanged: self._config_changed,
             ShutdownRequested: self._shutdown,
@@ -294,6 +296,19 @@ class ProxyCore:
             client = self.clients.get(conn)
             if client is not None:
                 client.on_closed(event.error)
+
+    def _input_ended(self, event: InputEnded) -> None:
+        conn = event.conn
+        tunnel = self.tunnels.get(conn)
+        if tunnel is not None:
+            # RFC 9293 §3.6: one direction ended; the tunnel relays it and the other goes on.
+            tunnel.input_ended(conn)
+            return
+        # Not a tunnel: the peer's EOF ends the connection as it always has (its exchanges
+        # end as for a close). The driver's ``ConnectionClosed`` that follows finds it
+        # forgotten already.
+        self.emit(CloseConnection(conn=conn))
+        self._closed(ConnectionClosed(now=event.now, conn=conn))
 
     def _wakeup(self, event: Wakeup) -> None:
         timer = event.timer

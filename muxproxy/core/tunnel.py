@@ -1,48 +1,60 @@
-"""One byte tunnel: a client side and a raw backend connection, after a WebSocket handshake.
+"""One byte tunnel: a client side and a backend side, after a WebSocket handshake.
 
 What it obeys:
 
 - RFC 9110 §7.8 / §15.2.2: after a 101 (Switching Protocols) the connection carries the new
   protocol; for the proxy that is opaque bytes both ways. An HTTP/1.1 client connection is
-  raw from then on (its bytes reach the tunnel before h11, see ``ProxyCore.tunnels``); the
-  backend connection is raw too and leaves the pool for good.
+  raw from then on (its bytes reach the tunnel before h11, see ``ProxyCore.tunnels``); an
+  HTTP/1.1 backend connection is raw too and leaves the pool for good.
 - RFC 6455: the WebSocket frames pass unchanged (masking, extensions, close codes are the two
   endpoints' business); the proxy never parses them.
-- RFC 8441 §5: over HTTP/2 the client side is one stream; its DATA payloads are the bytes, and
-  END_STREAM / RST_STREAM stand for the TCP FIN / RST of the backend connection.
+- RFC 8441 §5: over HTTP/2 a side is one stream (the client's, or one on an HTTP/2 backend
+  connection, ``StreamBackend``); its DATA payloads are the bytes, and END_STREAM /
+  RST_STREAM stand for the TCP FIN / RST of a connection.
+- RFC 9293 §3.6: a FIN ends one direction only. Each side's end (its EOF, ``InputEnded``, or
+  END_STREAM) is relayed to the other side (``ShutdownWrite`` or END_STREAM, after what is
+  pending for it), and the other direction goes on until it ends too: a WebSocket client
+  that sends its Close frame and then ends its side still gets the backend's Close reply
+  (RFC 6455 §7.1.1: the close handshake runs in both directions).
 
 Invariants, the same as for an exchange (design §4):
 
 - Bounded buffers. Bytes taken from one side and not yet written to the other are counted:
-  client to backend ``backend_pending`` (what the backend socket has not taken), backend to
-  client ``client.buffered(stream)``. At ``high_water`` the reading side stops (HTTP/1.1
-  client and backend: PauseReading; HTTP/2 client: its WINDOW_UPDATEs are withheld); at
-  ``low_water`` it resumes.
-- A close from either side closes the other, after what is pending for it is written
-  (``CloseConnection`` flushes; on HTTP/2 END_STREAM queues behind the data). The driver has no
-  half-close, so a FIN from one side ends the whole tunnel.
-- ``timeouts.tunnel_idle`` without a byte either way closes both sides: a lazy timer, armed
-  once and moved forward only when it fires (like the read timeout).
-- It ends exactly once (``state``), and then tells its owner (``ended``), which logs it.
+  client to backend ``backend.pending`` (what the backend connection has not written),
+  backend to client ``client.buffered(stream)``. At ``high_water`` the reading side stops
+  (HTTP/1.1 client and backend: PauseReading; HTTP/2 client or backend stream: its
+  WINDOW_UPDATEs are withheld); at ``low_water`` it resumes.
+- ``state`` says which directions still flow. Once both ended, both sides are closed; a
+  failure or reset of either side (or a client that goes away) closes both at once, the
+  other side after what is pending for it is written (``CloseConnection`` flushes; on
+  HTTP/2 END_STREAM queues behind the data).
+- ``timeouts.tunnel_idle`` without a byte either way closes both sides, half-closed or not:
+  a lazy timer, armed once and moved forward only when it fires (like the read timeout).
+- It ends exactly once (``CLOSED``), and then tells its owner (``ended``), which logs it.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .commands import CloseConnection, Log, PauseReading, ResumeReading
+from .commands import CloseConnection, Log, PauseReading, ResumeReading, ShutdownWrite
 from .events import TimerId
 
 if TYPE_CHECKING:
     from .downstream import Downstream
     from .exchange import Exchange
+    from .h2pool import H2Stream
     from .proxy import ProxyCore
 
 
 class TunnelState(enum.Enum):
     OPEN = "open"
+    CLIENT_ENDED = "client_ended"
+    """The client ended its side (relayed to the backend); backend to client still flows."""
+    BACKEND_ENDED = "backend_ended"
+    """The backend ended its side (relayed to the client); client to backend still flows."""
     CLOSED = "closed"
 
 
@@ -57,11 +69,101 @@ class ClientEnd(enum.Enum):
     """HTTP/1.1 close after the flush, or RST_STREAM."""
 
 
+class BackendEnd(enum.Enum):
+    """What ending the tunnel does to the backend side."""
+
+    KEEP = "keep"
+    """It is gone already (closed, failed, or reset)."""
+    END = "end"
+    """Both directions ended cleanly: close the connection, free the stream."""
+    ABORT = "abort"
+    """Close the connection after the flush, or RST_STREAM(CANCEL)."""
+
+
 class ClientKind(enum.Enum):
     RAW = "raw"
     """An HTTP/1.1 connection after its 101: the socket's bytes are the tunnel's."""
     H2_STREAM = "h2_stream"
     """One HTTP/2 stream after a 200 to an extended CONNECT (RFC 8441): DATA frames."""
+
+
+class Backend(Protocol):
+    """The backend side of a tunnel: a raw connection or one stream of an HTTP/2 one."""
+
+    @property
+    def pending(self) -> int:
+        """Bytes handed to this side and not yet written."""
+
+    def send(self, data: bytes) -> None: ...
+    def end(self) -> None:
+        """Our sending side ends (after what is pending): FIN, or END_STREAM."""
+
+    def close(self, how: BackendEnd) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+
+class RawBackend:
+    """An HTTP/1.1 backend connection after its 101: its bytes are the tunnel's."""
+
+    def __init__(self, core: ProxyCore, conn: int, pending: int) -> None:
+        self.core = core
+        self.conn = conn
+        self.pending = pending
+
+    def send(self, data: bytes) -> None:
+        self.pending += len(data)
+        self.core.send(self.conn, data)
+
+    def sent(self, nbytes: int) -> None:
+        self.pending -= nbytes
+
+    def end(self) -> None:
+        self.core.emit(ShutdownWrite(conn=self.conn))
+
+    def close(self, how: BackendEnd) -> None:
+        if how is not BackendEnd.KEEP:
+            # Flushes first (``CloseConnection``).
+            self.core.emit(CloseConnection(conn=self.conn))
+
+    def pause(self) -> None:
+        self.core.emit(PauseReading(conn=self.conn))
+
+    def resume(self) -> None:
+        self.core.emit(ResumeReading(conn=self.conn))
+
+
+class StreamBackend:
+    """One stream on an HTTP/2 backend connection, after its 200 to an extended CONNECT
+    (RFC 8441 §5). Its DATA reach the tunnel through the exchange (``response_body``), and
+    are acknowledged as they are handed on unless paused (``H2Stream.took``)."""
+
+    def __init__(self, stream: H2Stream) -> None:
+        self.stream = stream
+
+    @property
+    def pending(self) -> int:
+        return self.stream.pending
+
+    def send(self, data: bytes) -> None:
+        self.stream.send_body(data)
+
+    def end(self) -> None:
+        self.stream.send_end([])
+
+    def close(self, how: BackendEnd) -> None:
+        stream = self.stream
+        stream.exchange = None
+        if how is BackendEnd.END:
+            stream.release()  # both END_STREAMs went by: the stream is closed
+        else:
+            stream.close()  # RST_STREAM(CANCEL) unless it is over already
+
+    def pause(self) -> None:
+        self.stream.pause()
+
+    def resume(self) -> None:
+        self.stream.resume()
 
 
 class Tunnel:
@@ -70,8 +172,7 @@ class Tunnel:
         core: ProxyCore,
         exchange: Exchange,
         *,
-        backend: int,
-        backend_pending: int,
+        backend: Backend,
         timer: TimerId,
         ended: Callable[[str], None],
     ) -> None:
@@ -81,8 +182,6 @@ class Tunnel:
         self.stream = exchange.stream
         self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
         self.backend = backend
-        self.backend_pending = backend_pending
-        """Bytes handed to the backend socket and not yet written."""
         self.timer = timer
         self.ended = ended
         self.state = TunnelState.OPEN
@@ -93,7 +192,8 @@ class Tunnel:
         self.bytes_up = 0
         self.bytes_down = 0
         self.last_activity = core.now
-        core.tunnels[backend] = self
+        if isinstance(backend, RawBackend):
+            core.tunnels[backend.conn] = self
         if self.kind is ClientKind.RAW:
             core.tunnels[self.client.conn] = self
         core.set_timer(timer, core.now + core.config.timeouts.tunnel_idle)
@@ -101,15 +201,23 @@ class Tunnel:
     # -- client to backend -----------------------------------------------------------------
 
     def on_data(self, conn: int, data: bytes) -> None:
-        """Raw bytes read from the backend or (HTTP/1.1) the client connection."""
-        if conn == self.backend:
+        """Raw bytes read from the backend (a negative id) or the HTTP/1.1 client."""
+        if conn < 0:
             self.from_backend(data)
         else:
             self.from_client(data, 0)
 
+    def input_ended(self, conn: int) -> None:
+        """A raw connection's peer ended its sending side (``InputEnded``)."""
+        if conn < 0:
+            self.backend_end()
+        else:
+            self.client_end()
+
     def from_client(self, data: bytes, flow_len: int) -> None:
         """Bytes from the client: raw HTTP/1.1 bytes, or one DATA payload (``flow_len``)."""
-        if self.state is TunnelState.CLOSED:
+        state = self.state
+        if state is TunnelState.CLOSED or state is TunnelState.CLIENT_ENDED:
             if flow_len:
                 self.client.acknowledge(self.stream, flow_len)
             return
@@ -117,13 +225,18 @@ class Tunnel:
         self.unacked += flow_len
         if data:
             self.bytes_up += len(data)
-            self.backend_pending += len(data)
-            self.core.send(self.backend, data)
+            self.backend.send(data)
         self._check_client_flow()
 
     def backend_sent(self, nbytes: int) -> None:
-        """The backend socket took ``nbytes`` of what we handed it."""
-        self.backend_pending -= nbytes
+        """The raw backend connection wrote ``nbytes`` of what we handed it."""
+        backend = self.backend
+        if isinstance(backend, RawBackend):
+            backend.sent(nbytes)
+        self.backend_drained()
+
+    def backend_drained(self) -> None:
+        """The backend side wrote some of its pending bytes."""
         if self.client_paused or self.unacked:
             self._check_client_flow()
 
@@ -131,7 +244,7 @@ class Tunnel:
         if self.state is TunnelState.CLOSED:
             return
         limits = self.core.limits
-        pending = self.backend_pending
+        pending = self.backend.pending
         client = self.client
         if pending >= limits.high_water:
             if not self.client_paused:
@@ -149,7 +262,8 @@ class Tunnel:
     # -- backend to client -----------------------------------------------------------------
 
     def from_backend(self, data: bytes) -> None:
-        if self.state is TunnelState.CLOSED or not data:
+        state = self.state
+        if state is TunnelState.CLOSED or state is TunnelState.BACKEND_ENDED or not data:
             return
         self.last_activity = self.core.now
         self.bytes_down += len(data)
@@ -162,39 +276,56 @@ class Tunnel:
             client.send_body(self.stream, data)
         if not self.backend_paused and client.buffered(self.stream) >= self.core.limits.high_water:
             self.backend_paused = True
-            self.core.emit(PauseReading(conn=self.backend))
+            self.backend.pause()
             client.stalled.add(self.exchange)
 
     def client_drained(self) -> None:
         """The client side wrote some of its pending bytes; maybe read the backend again."""
         if (
             self.backend_paused
-            and self.state is TunnelState.OPEN
+            and self.state is not TunnelState.CLOSED
             and self.client.buffered(self.stream) <= self.core.limits.low_water
         ):
             self.backend_paused = False
-            self.core.emit(ResumeReading(conn=self.backend))
+            self.backend.resume()
             self.client.stalled.discard(self.exchange)
 
     # -- endings ---------------------------------------------------------------------------
 
     def client_end(self) -> None:
-        """HTTP/2 END_STREAM from the client: the FIN of the backend connection (RFC 8441 §5).
+        """The client ended its side: its FIN, or END_STREAM (RFC 8441 §5). Relayed to the
+        backend once what the client sent before it is written; the backend goes on."""
+        state = self.state
+        if state is TunnelState.OPEN:
+            self.state = TunnelState.CLIENT_ENDED
+            self.backend.end()
+        elif state is TunnelState.BACKEND_ENDED:
+            self._end("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
 
-        Our half of the stream ends too: the driver cannot half-close the backend, so nothing
-        more will come from it."""
-        self._end("client ended the stream", client=ClientEnd.END)
+    def backend_end(self) -> None:
+        """The backend ended its side: its FIN, or END_STREAM on an HTTP/2 backend stream.
+        Relayed to the client after what is pending for it; the client goes on."""
+        state = self.state
+        if state is TunnelState.OPEN:
+            self.state = TunnelState.BACKEND_ENDED
+            if self.kind is ClientKind.RAW:
+                self.core.emit(ShutdownWrite(conn=self.client.conn))
+            else:
+                self.client.send_end(self.stream, [])
+        elif state is TunnelState.CLIENT_ENDED:
+            self._end("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
 
     def client_gone(self, reason: str) -> None:
         """The client connection closed, or (HTTP/2) reset the stream."""
         self._end(f"client closed: {reason}", client=ClientEnd.KEEP)
 
     def backend_closed(self, error: str | None) -> None:
+        """The backend connection closed (or, on HTTP/2, its stream was reset)."""
         if error is None:
-            self._end("backend closed", client=ClientEnd.END, close_backend=False)
+            self._end("backend closed", client=ClientEnd.END, backend=BackendEnd.KEEP)
         else:
             reason = f"backend connection failed: {error}"
-            self._end(reason, client=ClientEnd.ABORT, close_backend=False)
+            self._end(reason, client=ClientEnd.ABORT, backend=BackendEnd.KEEP)
 
     def timer_fired(self) -> None:
         if self.state is TunnelState.CLOSED:
@@ -206,14 +337,17 @@ class Tunnel:
             return
         self._end("idle timeout", client=ClientEnd.ABORT)
 
-    def _end(self, outcome: str, *, client: ClientEnd, close_backend: bool = True) -> None:
+    def _end(
+        self, outcome: str, *, client: ClientEnd, backend: BackendEnd = BackendEnd.ABORT
+    ) -> None:
         if self.state is TunnelState.CLOSED:
             return
         # CLOSED first: closing the client side calls back into ``client_gone``.
         self.state = TunnelState.CLOSED
         core = self.core
         core.cancel_timer(self.timer)
-        core.tunnels.pop(self.backend, None)
+        if isinstance(self.backend, RawBackend):
+            core.tunnels.pop(self.backend.conn, None)
         downstream = self.client
         if self.kind is ClientKind.RAW:
             core.tunnels.pop(downstream.conn, None)
@@ -230,9 +364,7 @@ class Tunnel:
             else:
                 # RFC 8441 §5: a TCP reset (or an abandoned tunnel) is a stream reset.
                 downstream.abort(self.stream)
-        if close_backend:
-            # Flushes first too (``CloseConnection``).
-            core.emit(CloseConnection(conn=self.backend))
+        self.backend.close(backend)
         core.emit(
             Log(
                 event="tunnel_closed",

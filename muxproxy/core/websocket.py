@@ -36,7 +36,7 @@ from .exchange import VIA, Exchange, Phase, RequestPhase
 from .headers import header_value, is_websocket_upgrade, response_headers
 from .messages import Headers, RequestHead, ResponseHead
 from .pool import UpstreamConn, UpstreamState
-from .tunnel import Tunnel
+from .tunnel import RawBackend, Tunnel
 
 if TYPE_CHECKING:
     from .downstream import Downstream
@@ -147,7 +147,7 @@ class WebSocketExchange(Exchange):
 
     def request_buffered(self) -> int:
         if self.tunnel is not None:
-            return self.tunnel.backend_pending
+            return self.tunnel.backend.pending
         return self.early_size + super().request_buffered()
 
     def client_aborted(self, reason: str) -> None:
@@ -241,8 +241,7 @@ class WebSocketExchange(Exchange):
         tunnel = self.tunnel = Tunnel(
             core,
             self,
-            backend=upstream.conn,
-            backend_pending=upstream.pending,
+            backend=RawBackend(core, upstream.conn, upstream.pending),
             timer=("tunnel", self.ident),
             ended=self._tunnel_ended,
         )

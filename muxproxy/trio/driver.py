@@ -47,6 +47,7 @@ from ..core.commands import (
     ResumeReading,
     SendData,
     SetTimer,
+    ShutdownWrite,
 )
 from ..core.events import (
     ConnectionClosed,
@@ -54,6 +55,7 @@ from ..core.events import (
     DataReceived,
     DataSent,
     Event,
+    InputEnded,
     OpenFailed,
     TimerId,
     Wakeup,
@@ -105,6 +107,7 @@ class StreamConn:
         "resume",
         "scope",
         "send_started",
+        "shutdown_wanted",
         "stream",
         "writer_lot",
     )
@@ -121,6 +124,8 @@ class StreamConn:
         self.scope = trio.CancelScope()
         self.send_started: float | None = None
         """When the ``send_all`` in flight began; None while the writer is not sending."""
+        self.shutdown_wanted = False
+        """``ShutdownWrite`` on a stream that can half-close: ``send_eof`` once flushed."""
 
 
 class Driver:
@@ -141,6 +146,7 @@ class Driver:
             PauseReading: self._pause,
             ResumeReading: self._resume,
             CloseConnection: self._close,
+            ShutdownWrite: self._shutdown_write,
             OpenConnection: self._open,
             Log: self._log,
         }
@@ -327,7 +333,10 @@ class Driver:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 return f"receive failed: {exc!r}"
             if not data:
-                return None
+                # The peer ended its side; writing goes on until the core closes (or the
+                # writer fails).
+                feed(InputEnded(now=trio.current_time(), conn=ident))
+                await trio.sleep_forever()
             feed(DataReceived(now=trio.current_time(), conn=ident, data=bytes(data)))
             if conn.closing:
                 await trio.sleep_forever()  # the writer flushes, then ends the connection
@@ -342,6 +351,17 @@ class Driver:
                 if conn.closing:
                     conn.scope.cancel()
                     return
+                if conn.shutdown_wanted:
+                    conn.shutdown_wanted = False
+                    stream = conn.stream
+                    assert isinstance(stream, trio.abc.HalfCloseableStream)
+                    try:
+                        await stream.send_eof()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        conn.closing = True
+                        conn.scope.cancel()
+                        return
+                    continue
                 await conn.writer_lot.park()
                 continue
             data = bytes(pending)
@@ -404,6 +424,20 @@ class Driver:
             if started is None:
                 started = trio.current_time()
             conn.scope.deadline = started + self.core.config.timeouts.send
+            conn.writer_lot.unpark()
+
+    def _shutdown_write(self, command: ShutdownWrite) -> None:
+        conn = self.conns.get(command.conn)
+        if type(conn) is SocketConn:
+            assert self.reactor is not None
+            self.reactor.shutdown_write(conn)
+        elif (
+            type(conn) is StreamConn
+            and not conn.closing
+            # TLS (``SSLStream``) cannot half-close: nothing is sent (see ``ShutdownWrite``).
+            and isinstance(conn.stream, trio.abc.HalfCloseableStream)
+        ):
+            conn.shutdown_wanted = True
             conn.writer_lot.unpark()
 
     def _open(self, command: OpenConnection) -> None:

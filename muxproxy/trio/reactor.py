@@ -24,7 +24,10 @@ Semantics kept from the task-based driver (the core relies on them):
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
   counted from the last progress of the flush; ``ConnectionClosed`` comes exactly once;
 - a paused connection is not read: with no output pending it leaves the epoll set, so even a
-  peer that hangs up cannot wake us until reading resumes.
+  peer that hangs up cannot wake us until reading resumes;
+- an EOF read is fed as ``InputEnded`` and that connection is read no more (it stays paused
+  for good); it is still written, and closed on ``CloseConnection`` as any other.
+  ``ShutdownWrite`` shuts the write side down (``SHUT_WR``) once what is pending is written.
 
 A client connection the core closes is closed in stages (RFC 9112 §9.6): once its output is
 flushed the write side is shut down (FIN), and what the peer still sends is read and dropped
@@ -54,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..core.events import ConnectionOpened, DataReceived, OpenFailed
+from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
 from ..core.proxy import ProxyCore
 
 if TYPE_CHECKING:
@@ -125,6 +128,7 @@ class SocketConn:
         "fed_by",
         "flush_deadline",
         "ident",
+        "input_ended",
         "linger_budget",
         "lingering",
         "mask",
@@ -132,6 +136,7 @@ class SocketConn:
         "paused",
         "pending",
         "queued",
+        "shutdown_wanted",
         "sock",
     )
 
@@ -159,6 +164,10 @@ class SocketConn:
         """A non-blocking connect in progress: EPOLLOUT tells its outcome."""
         self.lingering = False
         """Write side shut down, input read and dropped until EOF or ``flush_deadline``."""
+        self.input_ended = False
+        """The peer's EOF was read (``InputEnded``): never read again."""
+        self.shutdown_wanted = False
+        """``ShutdownWrite`` came with output pending: shut down once it is written."""
         self.linger_budget = LINGER_BYTES if linger else 0
         """Bytes still to drop while lingering (0: close at once, no lingering)."""
         self.mask = 0
@@ -383,9 +392,18 @@ class Reactor:
             self._watch(conn)
 
     def resume(self, conn: SocketConn) -> None:
-        if conn.paused:
+        if conn.paused and not conn.input_ended:
             conn.paused = False
             self._watch(conn)
+
+    def shutdown_write(self, conn: SocketConn) -> None:
+        """End our sending side (FIN) once what is pending is written; reading goes on."""
+        if conn.closed or conn.closing or conn.lingering or conn.connecting:
+            return
+        if conn.pending:
+            conn.shutdown_wanted = True
+        else:
+            self._shutdown_write(conn)
 
     def close(self, conn: SocketConn) -> None:
         """Stop reading; close once what is pending is written (or the flush times out)."""
@@ -418,9 +436,16 @@ class Reactor:
             self._finish(conn, f"receive failed: {exc!r}")
             return
         if not data:
-            self._finish(conn, None)
+            self._input_ended(conn)
             return
         self.driver.feed(DataReceived(now=self.now, conn=conn.ident, data=data))
+
+    def _input_ended(self, conn: SocketConn) -> None:
+        """The peer ended its sending side: read no more, tell the core (which closes the
+        connection, or relays the end if it is a tunnel's)."""
+        conn.input_ended = True
+        self.pause(conn)
+        self.driver.feed(InputEnded(now=self.now, conn=conn.ident))
 
     def _flush(self, conn: SocketConn) -> None:
         """Write as much of ``pending`` as the kernel takes; wait for EPOLLOUT for the rest."""
@@ -440,6 +465,10 @@ class Reactor:
             if conn.closing:
                 self._finish(conn, None)
                 return
+            if conn.shutdown_wanted:
+                self._shutdown_write(conn)
+                if conn.closed:
+                    return
         elif sent or conn.blocked_since is None:
             now = trio.current_time()
             conn.blocked_since = now
@@ -505,11 +534,24 @@ class Reactor:
         """Close ``conn`` and tell the core (after the batch, if inside one)."""
         if conn.closed or conn.lingering:
             return
-        if error is None and conn.closing and not conn.pending and conn.linger_budget:
+        if (
+            error is None
+            and conn.closing
+            and not conn.pending
+            and conn.linger_budget
+            and not conn.input_ended
+        ):
             self._linger(conn)
         else:
             self._release(conn)
         self.driver.closed_now(conn.ident, error)
+
+    def _shutdown_write(self, conn: SocketConn) -> None:
+        conn.shutdown_wanted = False
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            self._finish(conn, f"shutdown failed: {exc!r}")
 
     def _linger(self, conn: SocketConn) -> None:
         """Shut the write side down and drop input until EOF or ``LINGER`` seconds."""

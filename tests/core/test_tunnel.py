@@ -16,11 +16,14 @@ from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config
 from muxproxy.config import Limits, Timeouts, parse_config
 from muxproxy.core.commands import (
     CloseConnection,
+    Command,
     Log,
     PauseReading,
     ResumeReading,
     SetTimer,
+    ShutdownWrite,
 )
+from muxproxy.core.events import InputEnded
 from muxproxy.core.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
@@ -130,6 +133,61 @@ def test_client_close_closes_the_backend() -> None:
     assert CloseConnection(conn=up) in commands
     assert _closed_log(pb).fields["reason"].startswith("client closed")
     assert not pb.core.tunnels and not pb.core.exchanges
+
+
+def _eof(pb: Playbook, conn: int) -> list[Command]:
+    return pb.feed(InputEnded(now=pb.now, conn=conn))
+
+
+def test_client_eof_is_relayed_and_the_backend_reply_still_reaches_the_client() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    # The client sends its Close frame and shuts its side down (SHUT_WR).
+    commands = pb.receive(1, b"client-close") + _eof(pb, 1)
+    assert pb.take(up, commands) == b"client-close"
+    # RFC 9293 §3.6: the FIN goes on to the backend after the frame; nothing is closed.
+    assert commands[-1] == ShutdownWrite(conn=up)
+    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    # The backend's Close reply still reaches the client.
+    commands = pb.receive(up, b"backend-close")
+    assert pb.take(1, commands) == b"backend-close"
+    # Then the backend ends too: both directions are over, both connections close.
+    commands = _eof(pb, up)
+    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    assert not pb.core.tunnels and not pb.core.exchanges
+
+
+def test_backend_eof_is_relayed_and_the_client_reply_still_reaches_the_backend() -> None:
+    pb = Playbook()
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    commands = pb.receive(up, b"backend-close") + _eof(pb, up)
+    assert pb.take(1, commands) == b"backend-close"
+    assert commands[-1] == ShutdownWrite(conn=1)
+    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    commands = pb.receive(1, b"client-close")
+    assert pb.take(up, commands) == b"client-close"
+    commands = _eof(pb, 1)
+    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
+
+
+def test_eof_on_a_connection_that_is_no_tunnel_closes_it() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    pb.receive(1, _upgrade_request())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    # Before the 101 the client's EOF ends the connection as a close does: the handshake
+    # is abandoned and the backend connection closed.
+    commands = _eof(pb, 1)
+    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+    assert not pb.core.clients and not pb.core.exchanges
+    # The driver's ConnectionClosed that follows changes nothing.
+    assert pb.closed(1) == []
 
 
 def test_tunnel_backpressure_pauses_the_reading_side_both_ways() -> None:
@@ -246,14 +304,28 @@ def test_extended_connect_is_bridged_to_an_http1_upgrade() -> None:
     assert any(isinstance(e, h2.events.StreamEnded) for e in events)
 
 
-def test_extended_connect_end_stream_closes_the_backend() -> None:
+def test_extended_connect_end_stream_half_closes_the_backend() -> None:
     pb = Playbook()
     peer = H2ClientPeer()
     sid, up, backend, key = _extended_connect(pb, peer)
-    pb.receive(up, _switch(backend, key))
-    peer.conn.end_stream(sid)
+    peer.events(pb.take(1, pb.receive(up, _switch(backend, key))))
+    # RFC 8441 §5: END_STREAM is the FIN. The Close frame in the same DATA goes first.
+    peer.conn.send_data(sid, b"client-close", end_stream=True)
     commands = pb.receive(1, peer.conn.data_to_send())
+    assert pb.take(up, commands) == b"client-close"
+    assert commands[-1] == ShutdownWrite(conn=up)
+    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    # The backend's Close reply reaches the client, then its FIN is our END_STREAM.
+    before = len(pb.log)
+    pb.receive(up, b"backend-close")
+    commands = _eof(pb, up)
     assert CloseConnection(conn=up) in commands
+    events = peer.events(pb.take(1, pb.log[before:]))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"backend-close"
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+    assert not any(isinstance(e, h2.events.StreamReset) for e in events)
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
     assert not pb.core.tunnels
 
 

@@ -16,6 +16,7 @@ import h2.events
 import h2.settings
 import pytest
 import trio
+from peers import serve_raw
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -24,9 +25,18 @@ from trio_websocket import (
     open_websocket,
     serve_websocket,
 )
+from wsproto import WSConnection
 from wsproto.connection import Connection as WsConnection
 from wsproto.connection import ConnectionType
-from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Ping,
+    Pong,
+    Request,
+    TextMessage,
+)
 
 from muxproxy.config import Timeouts
 
@@ -168,6 +178,99 @@ async def test_idle_tunnel_is_closed_on_both_sides(ws_backend: WsBackend, start_
     assert ws_backend.closes == [(1006, None)]
 
 
+# -- half-close: one side ends, the other direction goes on (RFC 9293 §3.6) ------------------
+
+
+class RawWebSocket:
+    """A wsproto WebSocket over a plain socket, so a test decides when its side ends."""
+
+    def __init__(self, stream: trio.SocketStream, kind: ConnectionType) -> None:
+        self.stream = stream
+        self.ws = WSConnection(kind)
+        self.events: list[Any] = []
+        self.eof = False
+
+    async def send(self, event: Any) -> None:
+        await self.stream.send_all(self.ws.send(event))
+
+    async def next_event(self) -> Any:
+        while not self.events:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                self.eof = True
+                raise EOFError("the peer ended its side")
+            self.ws.receive_data(data)
+            self.events.extend(self.ws.events())
+        return self.events.pop(0)
+
+    async def read_until_eof(self) -> None:
+        while not self.eof:
+            try:
+                self.events.append(await self.next_event())
+            except EOFError:
+                return
+
+
+async def _raw_client(port: int) -> RawWebSocket:
+    client = RawWebSocket(await trio.open_tcp_stream("127.0.0.1", port), ConnectionType.CLIENT)
+    await client.send(Request(host="proxy.example", target="/ws"))
+    assert isinstance(await client.next_event(), AcceptConnection)
+    return client
+
+
+async def test_h1_client_that_shuts_down_after_its_close_gets_the_backend_close_reply(
+    ws_backend: WsBackend, proxy: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        client = await _raw_client(proxy.port)
+        await client.send(TextMessage(data="x"))
+        assert isinstance(await client.next_event(), TextMessage)
+        await client.send(CloseConnection(code=4000, reason="h1 bye"))
+        await client.stream.send_eof()  # shutdown(SHUT_WR)
+        reply = await client.next_event()
+        assert isinstance(reply, CloseConnection)
+        assert (reply.code, reply.reason) == (4000, "h1 bye")
+        await client.read_until_eof()
+        await ws_backend.closed.wait()
+        await client.stream.aclose()
+    assert ws_backend.closes == [(4000, "h1 bye")]
+
+
+async def test_backend_that_shuts_down_after_its_close_gets_the_client_close_reply(
+    nursery: trio.Nursery, start_proxy: Any
+) -> None:
+    replies: list[tuple[int, str | None]] = []
+    done = trio.Event()
+
+    async def backend(stream: trio.SocketStream) -> None:
+        peer = RawWebSocket(stream, ConnectionType.SERVER)
+        assert isinstance(await peer.next_event(), Request)
+        await peer.send(AcceptConnection())
+        await peer.send(CloseConnection(code=4002, reason="backend bye"))
+        await stream.send_eof()  # shutdown(SHUT_WR): our side is over, we still read
+        reply = await peer.next_event()
+        assert isinstance(reply, CloseConnection)
+        replies.append((reply.code, reply.reason))
+        await peer.read_until_eof()
+        done.set()
+        await stream.aclose()
+
+    port = await serve_raw(nursery, backend)
+    proxy = await start_proxy([port])
+    with trio.fail_after(TIMEOUT):
+        client = await _raw_client(proxy.port)
+        closing = await client.next_event()
+        assert isinstance(closing, CloseConnection) and closing.code == 4002
+        with pytest.raises(EOFError):
+            await client.next_event()  # the backend's FIN, relayed
+        # Our reply still travels: only the other direction had ended.
+        await client.send(closing.response())
+        await client.stream.send_eof()
+        await done.wait()
+        await client.stream.aclose()
+    assert replies == [(4002, "backend bye")]
+
+
 # -- RFC 8441: extended CONNECT over HTTP/2 ------------------------------------------------
 
 
@@ -296,6 +399,28 @@ async def test_extended_connect_bridges_to_the_websocket_backend(
         await ws_backend.closed.wait()
         await client.stream.aclose()
     assert ws_backend.closes == [(4000, "h2 bye")]
+
+
+async def test_h2_client_close_with_end_stream_gets_the_backend_close_reply(
+    ws_backend: WsBackend, proxy: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        client = await _connect_h2(proxy.port, b"/chat")
+        assert client.status == b"200"
+        # RFC 8441 §5: the Close frame, and END_STREAM as the FIN of our side.
+        client.h2.send_data(
+            client.sid, client.ws.send(CloseConnection(code=4003, reason="ended")), end_stream=True
+        )
+        await client.flush()
+        reply = await client.next_event()
+        assert isinstance(reply, CloseConnection)
+        assert (reply.code, reply.reason) == (4003, "ended")
+        while not client.ended:
+            await client.read()
+        assert client.reset is None
+        await ws_backend.closed.wait()
+        await client.stream.aclose()
+    assert ws_backend.closes == [(4003, "ended")]
 
 
 async def test_extended_connect_gets_the_backend_refusal(ws_backend: WsBackend, proxy: Any) -> None:
