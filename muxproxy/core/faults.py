@@ -34,7 +34,14 @@ import attrs
 import h2.errors
 import hyperframe.frame
 
-from .commands import CloseConnection, Log, PauseReading, ResumeReading, SendData
+from .commands import (
+    CloseConnection,
+    Log,
+    PauseReading,
+    ResumeReading,
+    SendData,
+    ShutdownWrite,
+)
 from .downstream import Protocol
 from .exchange import Exchange, Phase
 from .h2pool import H2State, H2Stream, H2Upstream
@@ -49,7 +56,7 @@ if TYPE_CHECKING:
 # Timer kinds keyed by something else than a client connection id, besides the exchanges'.
 _OTHER_TIMERS = frozenset({"pool", "probe", "probe_timeout"})
 # Commands addressed to a connection that a failed call may have queued for it.
-_CONN_COMMANDS = (SendData, PauseReading, ResumeReading, CloseConnection)
+_CONN_COMMANDS = (SendData, PauseReading, ResumeReading, ShutdownWrite, CloseConnection)
 
 UPSTREAM_REASON = "internal error on the backend connection"
 
