@@ -12,6 +12,9 @@ Obeys RFC 9113 through h2 and adds what h2 leaves to its user, mirroring ``h2.H2
   fields, which every client understands, h1 chunked trailers included.
 - GOAWAY (RFC 9113 §6.8): ``goaway_last_stream`` records the last stream the backend will
   process; streams above it were refused and are aborted (safe to retry: nothing was processed).
+- An empty DATA frame (typically the one that carries END_STREAM) is no ``Body``: the client
+  side would send it on as an empty DATA frame of its own (RFC 9113 §6.1 allows it, but it is
+  a frame for nothing); its padding, if any, is acknowledged at once.
 - Frame-level violations by the backend are connection errors (RFC 9113 §5.4.1): GOAWAY sent,
   every open stream aborted, ``closed`` set.
 """
@@ -89,12 +92,13 @@ class H2Client:
         for event in events:
             if isinstance(event, h2.events.DataReceived):
                 sid = event.stream_id
-                if sid in self.queues:
+                if event.data and sid in self.queues:
                     out.append(
                         Body(stream=sid, data=event.data, flow_len=event.flow_controlled_length)
                     )
                 else:
-                    # Data for a stream we reset: nobody consumes it, give the window back.
+                    # Data for a stream we reset, or none (an empty frame, maybe padded):
+                    # nobody consumes it, give the window back.
                     self.acknowledge(sid, event.flow_controlled_length)
             elif isinstance(event, h2.events.ResponseReceived):
                 out.extend(self._response(event))

@@ -340,3 +340,26 @@ def test_backend_that_does_not_answer_a_ping_is_closed() -> None:
     pb.now = timer.at
     assert CloseConnection(conn=-1) in pb.wakeup("pool", -1)
     assert any(isinstance(c, Log) and c.event == "upstream_ping_timeout" for c in pb.log)
+
+
+def ended(events: list[h2.events.Event], sid: int) -> bool:
+    return any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+
+
+def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    sid = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id)
+    backend.conn.send_data(req.stream_id, b"data: tok\n\n")
+    backend.flush()
+    backend.conn.send_data(req.stream_id, b"", pad_length=9)  # empty but flow-controlled
+    backend.flush()
+    backend.conn.end_stream(req.stream_id)  # an empty DATA frame with END_STREAM
+    backend.flush()
+    events = client.read()
+    data = [e for e in events if isinstance(e, h2.events.DataReceived) and e.stream_id == sid]
+    assert [e.data for e in data if not e.stream_ended] == [b"data: tok\n\n"]
+    assert ended(events, sid)

@@ -6,6 +6,7 @@
    the proxy stay under ``stream_buffer``.
 3. A client that goes away cancels its backend stream (RST_STREAM) and the shared connection
    stays up for the others.
+4. The empty DATA frame that ends a backend's stream is not sent on as an empty frame of its own.
 """
 
 from __future__ import annotations
@@ -133,3 +134,18 @@ async def test_client_gone_cancels_only_its_backend_stream(
             assert_complete_stream(state.body, 40)
     assert backend_conns(proxy) == 1
     assert fake.streams_completed == 1
+
+
+async def test_no_empty_data_frame_before_end_stream(
+    start_backend: StartBackend, start_proxy: StartProxy
+) -> None:
+    _, port = await start_backend(tokens=4)
+    proxy = await start_proxy(config=h2_config(port))
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as peer:
+            sid = await peer.request("POST", CHAT, [JSON], chat_body())
+            state = await peer.wait_done(sid)
+    assert state.ended and state.reset is None
+    assert_complete_stream(state.body, 4)
+    # Only the last DATA frame (the one with END_STREAM) may be empty.
+    assert [f for f in state.frames[:-1] if not f.data] == []
