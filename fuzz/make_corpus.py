@@ -16,6 +16,7 @@ import sys
 import h2.config
 import h2.connection
 import h11
+from hyperframe.frame import GoAwayFrame
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -167,7 +168,7 @@ def backend_h1() -> list[bytes]:
 
 def backend_h2() -> list[bytes]:
     seeds = []
-    for variant in range(4):
+    for variant in range(5):
         client = h2_client()
         client.send_headers(1, h2_headers(b"POST", b"/v1/chat/completions"), end_stream=True)
         server = h2.connection.H2Connection(
@@ -188,9 +189,20 @@ def backend_h2() -> list[bytes]:
             server.send_headers(1, [(b":status", b"200"), (b"content-type", b"application/grpc")])
             server.send_data(1, b"\x00\x00\x00\x00\x02hi")
             server.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
-        else:
+        elif variant == 3:
             server.send_headers(1, [(b":status", b"200")])
             server.reset_stream(1)
+        else:
+            # A graceful GOAWAY between two DATA frames of the stream it lets finish (h2 sends
+            # nothing after its own GOAWAY, so hyperframe builds it).
+            server.send_headers(1, [(b":status", b"200"), (b"content-type", b"text/event-stream")])
+            server.send_data(1, SSE[0])
+            before = server.data_to_send()
+            server.send_data(1, SSE[1], end_stream=True)
+            goaway = GoAwayFrame(0)
+            goaway.last_stream_id = 1
+            seeds.append(encode(before + goaway.serialize() + server.data_to_send()))
+            continue
         seeds.append(encode(server.data_to_send()))
     return seeds
 

@@ -235,7 +235,7 @@ class Exchange:
         if not (
             head.method in IDEMPOTENT
             or header_value(head.headers, b"idempotency-key") is not None
-            # Only an HTTP/1.1 ``UpstreamConn`` reports stale failures, and it tracks this.
+            # ``UpstreamConn`` tracks this; an ``H2Stream`` a GOAWAY refused was never processed.
             or not getattr(upstream, "written", True)
         ):
             return False

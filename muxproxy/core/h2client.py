@@ -11,7 +11,10 @@ Obeys RFC 9113 through h2 and adds what h2 leaves to its user, mirroring ``h2.H2
   stream (gRPC's Trailers-Only) is split into a head and trailers holding the gRPC status
   fields, which every client understands, h1 chunked trailers included.
 - GOAWAY (RFC 9113 §6.8): ``goaway_last_stream`` records the last stream the backend will
-  process; streams above it were refused and are aborted (safe to retry: nothing was processed).
+  process; streams above it were refused and are aborted (``refused`` says so: safe to retry,
+  RFC 9113 §8.7, nothing was processed). Streams up to it may finish, so a received GOAWAY
+  leaves h2's connection state open (``_GoawayKeepsOpen``): the frames after it, in the same
+  read or later, are still processed. A GOAWAY with an error code aborts every stream.
 - An empty DATA frame (typically the one that carries END_STREAM) is no ``Body``: the client
   side would send it on as an empty DATA frame of its own (RFC 9113 §6.1 allows it, but it is
   a frame for nothing); its padding, if any, is acknowledged at once.
@@ -39,6 +42,23 @@ from .messages import Abort, Body, End, Headers, Message, ResponseHead
 GRPC_STATUS_FIELDS = frozenset({b"grpc-status", b"grpc-message", b"grpc-status-details-bin"})
 
 
+class _GoawayKeepsOpen(h2.connection.H2ConnectionStateMachine):
+    """h2's connection state machine, except that a GOAWAY received leaves it where it was.
+
+    python-h2 moves to CLOSED on any GOAWAY received and then refuses every frame, those in the
+    same read included, with a ``ProtocolError`` that loses the read's events. RFC 9113 §6.8
+    lets the streams up to last_stream_id finish, so the connection stays open for them; the
+    pool starts no new stream on it, and our own GOAWAY (``close_connection``) still closes it.
+    """
+
+    def process_input(self, input_: h2.connection.ConnectionInputs) -> list[h2.events.Event]:
+        before = self.state
+        events = super().process_input(input_)
+        if input_ is h2.connection.ConnectionInputs.RECV_GOAWAY:
+            self.state = before
+        return events
+
+
 class H2Client:
     """HTTP/2 for one backend connection: requests out, responses in."""
 
@@ -50,6 +70,7 @@ class H2Client:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
+        self.conn.state_machine = _GoawayKeepsOpen()
         self.conn.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -131,13 +152,6 @@ class H2Client:
                     out.append(Abort(stream=sid, reason="backend sent GOAWAY (stream refused)"))
                 if event.error_code != h2.errors.ErrorCodes.NO_ERROR:
                     out.extend(self._abort_all(f"backend GOAWAY {event.error_code!r}"))
-                elif self.queues:
-                    # python-h2 closes its state machine on any GOAWAY and then refuses every
-                    # frame, but RFC 9113 §6.8 lets the streams up to last_stream_id finish.
-                    # Reopen it for them; the pool starts no new stream on a draining
-                    # connection. (Frames after the GOAWAY in the same read are still lost
-                    # to h2's error: a known limit, rare since a GOAWAY ends a write.)
-                    self.conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
         return out
 
     def _response(self, event: h2.events.ResponseReceived) -> list[Message]:
@@ -162,6 +176,11 @@ class H2Client:
         # StreamEnded follows in the same event list and yields the End.
         self.trailers[sid] = trailers
         return [ResponseHead(stream=sid, status=status, headers=head)]
+
+    def refused(self, sid: int) -> bool:
+        """``sid`` is above a GOAWAY's last_stream_id: the backend never processed it."""
+        last = self.goaway_last_stream
+        return last is not None and sid > last
 
     def connection_error(self, reason: str, exc: Exception | None = None) -> list[Message]:
         code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)

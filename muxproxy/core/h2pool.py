@@ -1,11 +1,13 @@
 """HTTP/2 backends: streams of every client multiplexed onto a few shared connections.
 
 Obeys RFC 9113: §5.1.2 (at most the backend's SETTINGS_MAX_CONCURRENT_STREAMS open streams per
-connection: a stream is only started once the backend's first SETTINGS said how many),
-§6.8 (GOAWAY: streams up to last_stream_id finish, the connection takes no new ones, a new
-connection serves the rest), §6.7 (PING keeps an idle connection alive and proves it is), §8.7
-(a client that goes away cancels its backend stream with RST_STREAM(CANCEL), not the shared
-connection), §5.2/§6.9 (flow control per stream, end to end).
+connection: a stream is only started once the backend's first SETTINGS said how many), §6.8
+(GOAWAY, whenever it comes, even in the same read as the first SETTINGS: streams up to
+last_stream_id finish, the connection takes no new ones, a new connection serves the rest; a
+stream above it was never processed, so §8.7 makes it safe to retry, and it is reported
+``stale`` like HTTP/1.1's keep-alive race), §6.7 (PING keeps an idle connection alive and proves
+it is), §8.7 (a client that goes away cancels its backend stream with RST_STREAM(CANCEL), not
+the shared connection), §5.2/§6.9 (flow control per stream, end to end).
 
 Policy, per server: up to ``max_connections`` connections (draining ones not counted). A request
 takes a free stream on a ready connection; with none free it waits in a FIFO per server, bounded
@@ -65,11 +67,19 @@ class H2Stream:
         self.unacked = 0
         """Response flow-controlled bytes withheld from the backend while paused."""
         self.done = False
+        self.refused = False
+        """The backend's GOAWAY said it will not process this stream (RFC 9113 §6.8)."""
 
     @property
     def pending(self) -> int:
         """Request bytes not yet written: the stream's send queue plus the connection's."""
         return self.upstream.client.queued(self.sid) + self.upstream.pending
+
+    @property
+    def written(self) -> bool:
+        """The backend may have processed the request: false once a GOAWAY refused the stream
+        (what ``Exchange`` asks before a ``stale`` retry of a non-idempotent request)."""
+        return not self.refused
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
         up = self.upstream
@@ -175,7 +185,17 @@ class H2Upstream:
     def on_data(self, data: bytes) -> None:
         client = self.client
         messages = client.receive(data)
-        if self.state is H2State.STARTING and client.settings_received:
+        went_away = client.goaway_last_stream is not None and self.state in (
+            H2State.STARTING,
+            H2State.READY,
+        )
+        if went_away:
+            # Before the messages: a refused stream retried below must not come back here,
+            # and a GOAWAY in the same read as the first SETTINGS means no stream at all.
+            self.state = H2State.DRAINING
+            fields = {"upstream": str(self), "last_stream": client.goaway_last_stream}
+            self.core.emit(Log(event="upstream_goaway", fields=fields))
+        elif self.state is H2State.STARTING and client.settings_received:
             self.state = H2State.READY
             self.pool.ready(self)
         for message in messages:
@@ -194,7 +214,8 @@ class H2Upstream:
                 exchange.response_end(message.trailers)
             elif type(message) is Abort:
                 # The adapter already forgot the stream, so the exchange's close sends no RST.
-                exchange.upstream_failed(message.reason)
+                stream.refused = client.refused(message.stream)
+                exchange.upstream_failed(message.reason, stale=stream.refused)
                 if not stream.done:
                     stream.exchange = None
                     stream.done = True
@@ -204,11 +225,11 @@ class H2Upstream:
                 stream = self.streams.get(sid)
                 if stream is not None and stream.exchange is not None:
                     stream.exchange.upstream_drained()
-        if client.goaway_last_stream is not None and self.state in (
-            H2State.STARTING,
-            H2State.READY,
-        ):
-            self._drain("backend sent GOAWAY")
+        if went_away and self.state is H2State.DRAINING:
+            if self.streams:
+                self.pool.draining(self)
+            else:
+                self.close("backend sent GOAWAY")
         self.flush()
         if client.closed and self.state is not H2State.CLOSED:
             self.close()
@@ -254,27 +275,21 @@ class H2Upstream:
     def _ping_interval(self) -> float:
         return min(PING_INTERVAL, self.idle_timeout / 3)
 
-    def close(self) -> None:
+    def close(self, reason: str = "connection closed") -> None:
+        """Close the connection; with no other to serve them, the requests that wait for a
+        stream to ``origin`` fail with ``reason``."""
         if self.state is H2State.CLOSED:
             return
         self.client.goaway()
         self.flush()
         self.state = H2State.CLOSED
         self.core.emit(CloseConnection(conn=self.conn))
-        self.pool.discard(self, "connection closed")
+        self.pool.discard(self, reason)
 
     def __str__(self) -> str:
         return f"{self.origin} (h2, conn {self.conn})"
 
     # -- streams ---------------------------------------------------------------------------
-
-    def _drain(self, reason: str) -> None:
-        self.state = H2State.DRAINING
-        self.core.emit(Log(event="upstream_goaway", fields={"upstream": str(self), "why": reason}))
-        if not self.streams:
-            self.close()
-        else:
-            self.pool.draining(self)
 
     def stream_finished(self, stream: H2Stream) -> None:
         if self.streams.get(stream.sid) is stream:

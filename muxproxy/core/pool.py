@@ -36,7 +36,8 @@ class UpstreamUser(Protocol):
     def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
         """The backend stream failed. ``stale``: on a reused keep-alive connection, before any
         response byte arrived (RFC 9112 §9.3.1: the backend may have closed it while we picked
-        it), so a retry on a fresh connection to the same server is safe to consider."""
+        it), or an HTTP/2 stream above a GOAWAY's last_stream_id (RFC 9113 §8.7: never
+        processed), so a retry on a fresh connection to the same server is safe to consider."""
 
 
 class UpstreamStream(Protocol):

@@ -342,8 +342,126 @@ def test_backend_that_does_not_answer_a_ping_is_closed() -> None:
     assert any(isinstance(c, Log) and c.event == "upstream_ping_timeout" for c in pb.log)
 
 
+# -- GOAWAY at any moment, empty DATA frames -----------------------------------------------------
+
+OTHER = "127.0.0.1:9002"
+
+
+def two_server_config() -> Config:
+    servers = tuple(Server(address=a, protocol="h2") for a in (BACKEND, OTHER))
+    return default_config(upstreams={"default": Upstream(name="default", servers=servers)})
+
+
+def goaway_frame(last_stream_id: int, code: h2.errors.ErrorCodes) -> bytes:
+    # (h2 sends nothing after its own GOAWAY, so the frame is built by hyperframe.)
+    frame = GoAwayFrame(0)
+    frame.last_stream_id = last_stream_id
+    frame.error_code = code
+    return frame.serialize()
+
+
+def settings_then_goaway(pb: Playbook, conn: int, code: h2.errors.ErrorCodes) -> Backend:
+    """A backend shutting down: its SETTINGS and a GOAWAY(last_stream_id 0) in one write."""
+    pb.opened(conn)
+    backend = Backend(pb, conn)
+    backend.read()
+    pb.receive(conn, backend.conn.data_to_send() + goaway_frame(0, code))
+    return backend
+
+
+def status_of(events: list[h2.events.Event], sid: int) -> int:
+    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert head.stream_id == sid
+    return int(dict(head.headers)[b":status"])
+
+
 def ended(events: list[h2.events.Event], sid: int) -> bool:
     return any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+
+
+@pytest.mark.parametrize(
+    "code", [h2.errors.ErrorCodes.NO_ERROR, h2.errors.ErrorCodes.INTERNAL_ERROR]
+)
+def test_goaway_with_the_first_settings_starts_no_stream_and_fails_over(
+    code: h2.errors.ErrorCodes,
+) -> None:
+    pb = Playbook(two_server_config())
+    client = Client(pb, 1)
+    sid = client.request()
+    (first,) = pb.opens()
+    gone = settings_then_goaway(pb, first.conn, code)
+    assert requests(gone.read()) == [], "no stream may start on a connection that went away"
+    assert CloseConnection(conn=first.conn) in pb.log
+    assert any(isinstance(c, Log) and c.event == "upstream_goaway" for c in pb.log)
+    # The request was never sent: it goes to the other server (next_upstream "error").
+    second = pb.opens()[-1]
+    assert second.origin != first.origin
+    backend = connect_backend(pb, second.conn)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id, end=True)
+    events = client.read()
+    assert status_of(events, sid) == 200 and ended(events, sid)
+
+
+def test_goaway_before_the_first_request_leaves_the_next_request_a_new_connection() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    first = client.request()
+    settings_then_goaway(pb, -1, h2.errors.ErrorCodes.NO_ERROR)
+    # One server, nothing to fail over to: the request that waited for it gets a 502 ...
+    events = client.read()
+    assert status_of(events, first) == 502 and ended(events, first)
+    # ... and the proxy goes on: the next request opens a new connection and is served.
+    second = client.request()
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    backend = connect_backend(pb, -2)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id, end=True)
+    events = client.read()
+    assert status_of(events, second) == 200 and ended(events, second)
+
+
+def test_stream_refused_by_goaway_is_retried_on_a_new_connection() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    sid = client.request()  # a POST: not idempotent, but never processed (RFC 9113 §8.7)
+    old = connect_backend(pb, -1)
+    (refused,) = requests(old.read())
+    pb.receive(-1, goaway_frame(refused.stream_id - 1, h2.errors.ErrorCodes.NO_ERROR))
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    assert CloseConnection(conn=-1) in pb.log
+    retries = [c for c in pb.log if isinstance(c, Log) and c.event == "retry"]
+    assert [r.fields["condition"] for r in retries] == ["stale_connection"]
+    backend = connect_backend(pb, -2)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id)
+    backend.conn.send_data(req.stream_id, b"data: tok\n\n", end_stream=True)
+    backend.flush()
+    events = client.read()
+    assert status_of(events, sid) == 200 and ended(events, sid)
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert body == b"data: tok\n\n"
+
+
+def test_frames_after_goaway_in_the_same_read_still_reach_the_stream() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    sid = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    backend.conn.send_headers(req.stream_id, [(b":status", b"200")])
+    backend.conn.send_data(req.stream_id, b"one ")
+    before = backend.conn.data_to_send()
+    backend.conn.send_data(req.stream_id, b"two", end_stream=True)
+    after = backend.conn.data_to_send()
+    pb.receive(-1, before + goaway_frame(req.stream_id, h2.errors.ErrorCodes.NO_ERROR) + after)
+    events = client.read()
+    assert status_of(events, sid) == 200 and ended(events, sid)
+    assert not any(isinstance(e, h2.events.StreamReset) for e in events)
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert body == b"one two"
+    # Drained: the connection closes once its last stream is done.
+    assert CloseConnection(conn=-1) in pb.log
 
 
 def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -> None:

@@ -6,16 +6,23 @@
    the proxy stay under ``stream_buffer``.
 3. A client that goes away cancels its backend stream (RST_STREAM) and the shared connection
    stays up for the others.
-4. The empty DATA frame that ends a backend's stream is not sent on as an empty frame of its own.
+4. A backend that answers a new connection with its SETTINGS and a GOAWAY in one write (a
+   server shutting down) neither takes a stream nor stops the proxy: the request goes to
+   another server, or the next request to a new connection.
+5. The empty DATA frame that ends a backend's stream is not sent on as an empty frame of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import attrs
+import h2.config
+import h2.connection
+import h2.events
 import trio
-from peers import H1Peer, open_h2
+from peers import H1Peer, open_h2, serve_raw
 from test_streaming import (
     CHAT,
     JSON,
@@ -28,7 +35,7 @@ from test_streaming import (
     wait_stats,
 )
 
-from muxproxy.config import Config, Limits, quick_config
+from muxproxy.config import Config, Limits, Upstream, quick_config
 
 if TYPE_CHECKING:
     from conftest import StartBackend, StartProxy
@@ -134,6 +141,84 @@ async def test_client_gone_cancels_only_its_backend_stream(
             assert_complete_stream(state.body, 40)
     assert backend_conns(proxy) == 1
     assert fake.streams_completed == 1
+
+
+class ShuttingDownBackend:
+    """A real h2 server over a socket whose first ``refusals`` connections get its SETTINGS and
+    a GOAWAY(NO_ERROR, last_stream_id 0) in one write; later ones are served ("served")."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.connections = 0
+        self.streams = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        conn = h2.connection.H2Connection(config=config)
+        conn.initiate_connection()
+        refuse = self.connections <= self.refusals
+        if refuse:
+            conn.close_connection()
+        async with stream:
+            await stream.send_all(conn.data_to_send())
+            with contextlib.suppress(trio.BrokenResourceError):
+                while data := await stream.receive_some(65536):
+                    if refuse:
+                        continue
+                    for event in conn.receive_data(data):
+                        if isinstance(event, h2.events.StreamEnded):
+                            self.streams += 1
+                            sid = event.stream_id
+                            conn.send_headers(sid, [(b":status", b"200")])
+                            conn.send_data(sid, b"served", end_stream=True)
+                    await stream.send_all(conn.data_to_send())
+
+
+def h2_servers(ports: list[int]) -> Config:
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{p}" for p in ports])
+    group = config.upstreams["default"]
+    servers = tuple(attrs.evolve(s, protocol="h2") for s in group.servers)
+    return attrs.evolve(config, upstreams={"default": Upstream(name="default", servers=servers)})
+
+
+async def test_backend_goaway_with_its_settings_fails_over_to_another_server(
+    nursery: trio.Nursery, start_backend: StartBackend, start_proxy: StartProxy
+) -> None:
+    gone = ShuttingDownBackend(refusals=1_000)
+    gone_port = await serve_raw(nursery, gone.handle)
+    fake, port = await start_backend(tokens=3)
+    proxy = await start_proxy(config=h2_servers([gone_port, port]))
+    with trio.fail_after(10):
+        # Round robin sends one of the two requests to the server shutting down first.
+        for _ in range(2):
+            peer = await H1Peer.connect(proxy.port)
+            await peer.send_request("POST", CHAT, [JSON], chat_body())
+            response = await peer.read_response()
+            assert response.status == 200
+            assert_complete_stream(response.body, 3)
+    assert gone.connections >= 1 and gone.streams == 0
+    assert fake.streams_completed == 2
+
+
+async def test_backend_goaway_before_the_first_request_then_a_new_connection_serves(
+    nursery: trio.Nursery, start_proxy: StartProxy
+) -> None:
+    backend = ShuttingDownBackend(refusals=1)
+    port = await serve_raw(nursery, backend.handle)
+    proxy = await start_proxy(config=h2_servers([port]))
+    with trio.fail_after(10):
+        peer = await H1Peer.connect(proxy.port)
+        # One server: the request that waited for the refused connection gets a 502 ...
+        await peer.send_request("POST", CHAT, [JSON], chat_body())
+        response = await peer.read_response()
+        assert response.status == 502
+        # ... and the proxy keeps serving: the next request opens a new connection.
+        peer = await H1Peer.connect(proxy.port)
+        await peer.send_request("POST", CHAT, [JSON], chat_body())
+        response = await peer.read_response()
+        assert response.status == 200 and response.body == b"served"
+    assert backend.connections == 2 and backend.streams == 1
 
 
 async def test_no_empty_data_frame_before_end_stream(
