@@ -1,13 +1,15 @@
 """HTTP/2 backends: streams of every client multiplexed onto a few shared connections.
 
 Obeys RFC 9113: §5.1.2 (at most the backend's SETTINGS_MAX_CONCURRENT_STREAMS open streams per
-connection: a stream is only started once the backend's first SETTINGS said how many), §6.8
-(GOAWAY, whenever it comes, even in the same read as the first SETTINGS: streams up to
-last_stream_id finish, the connection takes no new ones, a new connection serves the rest; a
-stream above it was never processed, so §8.7 makes it safe to retry, and it is reported
-``stale`` like HTTP/1.1's keep-alive race), §6.7 (PING keeps an idle connection alive and proves
-it is), §8.7 (a client that goes away cancels its backend stream with RST_STREAM(CANCEL), not
-the shared connection), §5.2/§6.9 (flow control per stream, end to end).
+connection: a stream is only started once the backend's first SETTINGS said how many), §3.4 (the
+backend's SETTINGS is due first: a connection that sends none within the connect timeout is
+closed, its waiting requests fail as timeouts), §6.8 (GOAWAY, whenever it comes, even in the
+same read as the first SETTINGS: streams up to last_stream_id finish, the connection takes no
+new ones, a new connection serves the rest; a stream above it was never processed, so §8.7
+makes it safe to retry, and it is reported ``stale`` like HTTP/1.1's keep-alive race), §6.7
+(PING keeps an idle connection alive and proves it is), §8.7 (a client that goes away cancels
+its backend stream with RST_STREAM(CANCEL), not the shared connection), §5.2/§6.9 (flow control
+per stream, end to end).
 
 Policy, per server: up to ``max_connections`` connections (draining ones not counted). A request
 takes a free stream on a ready connection; with none free it waits in a FIFO per server, bounded
@@ -151,6 +153,10 @@ class H2Upstream:
         self.origin = origin
         self.server = server
         self.idle_timeout = group.pool_idle_timeout
+        self.start_deadline = self.core.now + (
+            group.timeouts.connect or self.core.config.timeouts.connect
+        )
+        """Connected with the backend's first SETTINGS by then, or given up (RFC 9113 §3.4)."""
         self.client = H2Client(initial_window=min(65535, self.core.read_size))
         self.state = H2State.CONNECTING
         self.streams: dict[int, H2Stream] = {}
@@ -255,7 +261,18 @@ class H2Upstream:
             self.pool.discard(self, reason)
 
     def on_timer(self) -> None:
-        """The keep-alive timer: PING an idle connection, close it after the idle timeout."""
+        """The start timer (connected, with the backend's SETTINGS, by ``start_deadline``), then
+        the keep-alive timer: PING an idle connection, close it after the idle timeout."""
+        if self.state in (H2State.CONNECTING, H2State.STARTING):
+            # RFC 9113 §3.4: the server's preface is a SETTINGS frame; a backend that is up at
+            # TCP but sends none cannot take a stream, and must not hold the requests that
+            # wait for it (nor keep the pool from opening another connection) for ever.
+            what = "connect" if self.state is H2State.CONNECTING else "SETTINGS"
+            self.core.emit(
+                Log(event="upstream_start_timeout", fields={"upstream": str(self), "wait": what})
+            )
+            self.close(f"no {what} from {self.origin} within the connect timeout", timeout=True)
+            return
         if self.streams or self.state not in (H2State.READY, H2State.DRAINING):
             return
         now = self.core.now
@@ -275,16 +292,17 @@ class H2Upstream:
     def _ping_interval(self) -> float:
         return min(PING_INTERVAL, self.idle_timeout / 3)
 
-    def close(self, reason: str = "connection closed") -> None:
+    def close(self, reason: str = "connection closed", *, timeout: bool = False) -> None:
         """Close the connection; with no other to serve them, the requests that wait for a
-        stream to ``origin`` fail with ``reason``."""
+        stream to ``origin`` fail with ``reason`` (``timeout``: as a timeout)."""
         if self.state is H2State.CLOSED:
             return
-        self.client.goaway()
-        self.flush()
+        if self.state is not H2State.CONNECTING:
+            self.client.goaway()
+            self.flush()
         self.state = H2State.CLOSED
         self.core.emit(CloseConnection(conn=self.conn))
-        self.pool.discard(self, reason)
+        self.pool.discard(self, reason, timeout=timeout)
 
     def __str__(self) -> str:
         return f"{self.origin} (h2, conn {self.conn})"
@@ -349,6 +367,7 @@ class H2Pool:
         core.upstreams[upstream.conn] = upstream
         self.conns.setdefault(origin, []).append(upstream)
         core.emit(OpenConnection(conn=upstream.conn, origin=origin))
+        core.set_timer(("pool", upstream.conn), upstream.start_deadline)
 
     def ready(self, upstream: H2Upstream) -> None:
         """``upstream`` may have free streams: give them to the waiting requests."""
@@ -366,7 +385,7 @@ class H2Pool:
             if user in queue:
                 queue.remove(user)
 
-    def discard(self, upstream: H2Upstream, reason: str) -> None:
+    def discard(self, upstream: H2Upstream, reason: str, *, timeout: bool = False) -> None:
         core = self.core
         core.upstreams.pop(upstream.conn, None)
         core.cancel_timer(("pool", upstream.conn))
@@ -381,7 +400,7 @@ class H2Pool:
             # rather than loop on a backend that refuses connections.
             self.waiting[origin] = deque()
             for user in queue:
-                user.upstream_failed(reason)
+                user.upstream_failed(reason, timeout=timeout)
         else:
             self._maybe_open(origin)
 

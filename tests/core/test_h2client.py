@@ -342,7 +342,7 @@ def test_backend_that_does_not_answer_a_ping_is_closed() -> None:
     assert any(isinstance(c, Log) and c.event == "upstream_ping_timeout" for c in pb.log)
 
 
-# -- GOAWAY at any moment, empty DATA frames -----------------------------------------------------
+# -- GOAWAY at any moment, a backend that never sends SETTINGS, empty DATA frames --------------
 
 OTHER = "127.0.0.1:9002"
 
@@ -462,6 +462,54 @@ def test_frames_after_goaway_in_the_same_read_still_reach_the_stream() -> None:
     assert body == b"one two"
     # Drained: the connection closes once its last stream is done.
     assert CloseConnection(conn=-1) in pb.log
+
+
+def fire_due_timer(pb: Playbook, timer: tuple[str, int]) -> list[Any]:
+    """Move the clock to ``timer``'s deadline and fire it."""
+    (armed,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer == timer][-1:]
+    pb.now = armed.at
+    return pb.wakeup(*timer)
+
+
+def test_backend_silent_after_connect_is_closed_and_a_later_request_gets_a_new_one() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    first = client.request()
+    pb.opened(-1)  # up at TCP; the backend never sends its SETTINGS (RFC 9113 §3.4)
+    assert CloseConnection(conn=-1) in fire_due_timer(pb, ("pool", -1))
+    assert pb.now == pb.core.config.timeouts.connect
+    assert any(isinstance(c, Log) and c.event == "upstream_start_timeout" for c in pb.log)
+    # The request that waited for it fails as a timeout, with one server to try: 504.
+    events = client.read()
+    assert status_of(events, first) == 504 and ended(events, first)
+    # 100 s later a request is not stuck behind it: a new connection serves it.
+    pb.now += 100
+    second = client.request()
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    backend = connect_backend(pb, -2)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id, end=True)
+    events = client.read()
+    assert status_of(events, second) == 200 and ended(events, second)
+
+
+def test_request_waiting_for_a_silent_backend_is_retried_on_the_next_server() -> None:
+    pb = Playbook(two_server_config())
+    client = Client(pb, 1)
+    sid = client.request()
+    (first,) = pb.opens()
+    pb.opened(first.conn)
+    fire_due_timer(pb, ("pool", first.conn))
+    assert CloseConnection(conn=first.conn) in pb.log
+    retries = [c for c in pb.log if isinstance(c, Log) and c.event == "retry"]
+    assert [r.fields["condition"] for r in retries] == ["timeout"]
+    second = pb.opens()[-1]
+    assert second.origin != first.origin
+    backend = connect_backend(pb, second.conn)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id, end=True)
+    events = client.read()
+    assert status_of(events, sid) == 200 and ended(events, sid)
 
 
 def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -> None:
