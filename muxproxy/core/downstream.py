@@ -182,9 +182,14 @@ class Downstream:
 
     def _h1_protocol_error(self, exc: PeerError) -> None:
         assert self.h1 is not None
-        self.core.emit(
-            Log(event="client_protocol_error", fields={"conn": self.conn, "error": exc.reason})
-        )
+        if exc.smuggling:
+            self.core.defences.record(
+                "smuggling_refused", self.peer_ip, conn=self.conn, error=exc.reason
+            )
+        else:
+            self.core.emit(
+                Log(event="client_protocol_error", fields={"conn": self.conn, "error": exc.reason})
+            )
         exchange = self.exchanges.get(self.h1.stream)
         if exchange is not None:
             exchange.client_aborted(f"malformed request body: {exc.reason}")
@@ -197,8 +202,9 @@ class Downstream:
         self._flush_blocked()
         if h2c.guard.exhausted is not None and not self.abuse_logged:
             self.abuse_logged = True
-            fields = {"conn": self.conn, "reason": h2c.guard.exhausted}
-            self.core.emit(Log(event="client_h2_abuse", fields=fields))
+            self.core.defences.record(
+                "client_h2_abuse", self.peer_ip, conn=self.conn, reason=h2c.guard.exhausted
+            )
         self._flush_h2()
         if h2c.closed and not self.exchanges:
             self.close()
@@ -267,8 +273,8 @@ class Downstream:
         response began. The client's fault, not the backend's: 408 and close on HTTP/1.1
         (RFC 9110 §15.5.9), RST_STREAM(CANCEL) on HTTP/2; the backend request is aborted."""
         stream = exchange.stream
-        self.core.emit(
-            Log(event="request_body_timeout", fields={"conn": self.conn, "stream": stream})
+        self.core.defences.record(
+            "request_body_timeout", self.peer_ip, conn=self.conn, stream=stream
         )
         reason = "no request body within the client_header timeout"
         if self.h1 is not None:
@@ -603,6 +609,7 @@ class Downstream:
                 self._flush_h2()
             elif self.h1 is not None and kind == "header" and not self.h1.idle:
                 # RFC 9110 §15.5.9: the client did not complete its request in time.
+                self.core.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
                 self._send(self.h1.send_error(408, "request header timeout"))
             self.close()
 

@@ -95,12 +95,15 @@ def check_raw_head(head: bytes) -> None:
 
 
 class PeerError(Exception):
-    """The peer sent bytes that are not valid HTTP/1.1. ``status`` is the answer to give."""
+    """The peer sent bytes that are not valid HTTP/1.1. ``status`` is the answer to give;
+    ``smuggling``: framing that another parser could read differently (a refused smuggling
+    attempt, which ``defencelog.py`` counts)."""
 
-    def __init__(self, reason: str, status: int = 400) -> None:
+    def __init__(self, reason: str, status: int = 400, *, smuggling: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.smuggling = smuggling
 
 
 class H1Server:
@@ -164,7 +167,11 @@ class H1Server:
                         # h11 bounds only a head that is still incomplete after a read; one
                         # that arrives whole is bounded here (RFC 6585 §5).
                         raise PeerError("request head too large", 431)
-                    check_raw_head(bytes(raw[: end.start() + 1]))
+                    try:
+                        check_raw_head(bytes(raw[: end.start() + 1]))
+                    except PeerError as exc:
+                        exc.smuggling = True  # every check there is one (module docstring)
+                        raise
                 self.stream += 1
                 self.method = bytes(event.method)
                 try:
@@ -177,7 +184,7 @@ class H1Server:
                         http_version=event.http_version,
                     )
                 except MalformedRequest as exc:
-                    raise PeerError(exc.reason, exc.status) from exc
+                    raise PeerError(exc.reason, exc.status, smuggling=exc.smuggling) from exc
                 head, self.h2c = h2c_offer(head, plain=self.scheme == b"http")
                 if self.h2c is not None:
                     continue  # h11 pauses after its EndOfMessage: the switch is proposed

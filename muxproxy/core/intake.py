@@ -29,12 +29,13 @@ __all__ = ["MalformedRequest", "check_request_limits", "request_from_h1", "reque
 class MalformedRequest(Exception):
     """A request the client got wrong; `status` is the HTTP/1.1 status to answer with (400
     usually, 431 for a too large head, 501 for unsupported transfer coding...), `reason` short
-    text."""
+    text; ``smuggling``: ambiguous framing (a refused smuggling attempt)."""
 
-    def __init__(self, reason: str, status: int = 400) -> None:
+    def __init__(self, reason: str, status: int = 400, *, smuggling: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.smuggling = smuggling
 
     def __repr__(self) -> str:
         return f"MalformedRequest({self.reason!r}, status={self.status})"
@@ -267,9 +268,9 @@ def request_from_h1(
         # would, leaves a front-end that preferred Content-Length out of step with us). An
         # HTTP/1.0 message with Transfer-Encoding has faulty framing (§6.1) as well.
         if content_length:
-            raise MalformedRequest("both content-length and transfer-encoding")
+            raise MalformedRequest("both content-length and transfer-encoding", smuggling=True)
         if http_version == b"1.0":
-            raise MalformedRequest("transfer-encoding in an HTTP/1.0 request")
+            raise MalformedRequest("transfer-encoding in an HTTP/1.0 request", smuggling=True)
     # RFC 9112 §3.2: 400 for an HTTP/1.1 request without Host, with several, or an invalid one.
     if host_count > 1:
         raise MalformedRequest("more than one host field")

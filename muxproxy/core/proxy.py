@@ -26,6 +26,8 @@ import attrs
 from ..config import Config, Upstream
 from ..routing.router import GroupRouter
 from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
+from .defencelog import KINDS as DEFENCE_KINDS
+from .defencelog import DefenceLog
 from .downstream import Downstream
 from .events import (
     ConfigChanged,
@@ -99,10 +101,12 @@ READ_SIZE = 64 * 1024
 RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
 """Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
 
-COUNTERS = ("internal_errors",)
+COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 """The names in ``ProxyCore.counters``, each counted from 0 since the core started:
 
-- ``internal_errors``: connections ended by a bug in muxproxy (``faults.py``), core or driver.
+- ``internal_errors``: connections ended by a bug in muxproxy (``faults.py``), core or driver;
+- one per defence (``defencelog.KINDS``): GOAWAY(ENHANCE_YOUR_CALM) to an abusive HTTP/2
+  client, refused request-smuggling shapes, request head and request body timeouts.
 """
 
 
@@ -124,6 +128,8 @@ class ProxyCore:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         """Plain counters, name -> int (``COUNTERS``), for an embedder to export as metrics."""
         self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
+        self.defences = DefenceLog(self)
+        """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""
         self._waking: int | Probe | None = None
         """Whose timer the current ``Wakeup`` is: a connection id, or a probe."""
         self._max_read_size = read_size
