@@ -47,7 +47,7 @@ from .exchange import Exchange, Phase
 from .h2pool import H2State, H2Stream, H2Upstream
 from .pool import UpstreamConn, UpstreamState
 from .probes import Probe, ProbeState
-from .tunnel import Tunnel, TunnelState
+from .tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
 from .websocket import WebSocketExchange
 
 if TYPE_CHECKING:
@@ -158,9 +158,12 @@ class Isolation:
             downstream.exchanges.clear()
             downstream.stalled.clear()
         fields["streams"] = sorted(ex.stream for ex in doomed)
-        for tunnel in {id(t): t for t in core.tunnels.values()}.values():
-            if tunnel.client.conn == conn:
-                self._drop_tunnel(tunnel, close_backend=True)
+        tunnels = {id(t): t for t in core.tunnels.values() if t.client.conn == conn}
+        for ex in doomed:
+            if isinstance(ex, WebSocketExchange) and ex.tunnel is not None:
+                tunnels[id(ex.tunnel)] = ex.tunnel
+        for tunnel in tunnels.values():
+            self._drop_tunnel(tunnel, close_backend=True)
         for ex in doomed:
             self._drop_exchange(ex)
         self._detach_backends(doomed)
@@ -215,8 +218,16 @@ class Isolation:
         for conn in [c for c, t in core.tunnels.items() if t is tunnel]:
             del core.tunnels[conn]
         core.cancel_timer(tunnel.timer)
-        if close_backend:
-            core.emit(CloseConnection(conn=tunnel.backend))
+        if not close_backend:
+            return
+        backend = tunnel.backend
+        if isinstance(backend, RawBackend):
+            core.emit(CloseConnection(conn=backend.conn))
+        elif isinstance(backend, StreamBackend):
+            # RFC 9113 §8.7: the stream on the shared backend connection is cancelled.
+            stream = backend.stream
+            stream.exchange = None
+            self.guard(stream.upstream.conn, "detach", stream.close)
 
     # -- a backend connection --------------------------------------------------------------
 
@@ -242,8 +253,11 @@ class Isolation:
         tunnel = core.tunnels.get(conn)
         if tunnel is not None:
             fields["upstream"] = "tunnel"
-            self._drop_tunnel(tunnel, close_backend=False)
             users.append(tunnel.exchange)
+        for user in users:
+            # Tunnels over this connection (raw, or streams of it): their backend side is gone.
+            if isinstance(user, WebSocketExchange) and user.tunnel is not None:
+                self._drop_tunnel(user.tunnel, close_backend=False)
         core.upstreams.pop(conn, None)
         core.cancel_timer(("pool", conn))
         core.emit(CloseConnection(conn=conn))

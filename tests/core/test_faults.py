@@ -18,6 +18,7 @@ from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
 from muxproxy.core.commands import CloseConnection, Log
 from muxproxy.core.events import ConfigChanged
 from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
+from muxproxy.core.websocket import accept_for
 
 CHAT = b"/v1/chat/completions"
 EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(3)]
@@ -227,3 +228,62 @@ def test_fault_outside_any_connection_still_raises(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(core, "_apply_limits", _boom)
     with pytest.raises(Injected):
         core.handle(ConfigChanged(now=0.0, config=core.config))
+
+
+def _tunnel(pb: Playbook) -> int:
+    """An HTTP/1.1 WebSocket tunnel on client connection 1; returns its backend connection."""
+    key = b"dGhlIHNhbXBsZSBub25jZQ=="
+    handshake = [
+        ("Host", "p"),
+        ("Upgrade", "websocket"),
+        ("Connection", "Upgrade"),
+        ("Sec-WebSocket-Key", key.decode()),
+        ("Sec-WebSocket-Version", "13"),
+    ]
+    pb.accept(1)
+    pb.receive(
+        1,
+        h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target="/ws", headers=handshake))
+        or b"",
+    )
+    (opened,) = pb.opens()
+    pb.opened(opened.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opened.conn))
+    switch = h11.InformationalResponse(
+        status_code=101,
+        headers=[
+            ("Upgrade", "websocket"),
+            ("Connection", "Upgrade"),
+            ("Sec-WebSocket-Accept", accept_for(key).decode()),
+        ],
+    )
+    pb.receive(opened.conn, backend.conn.send(switch) or b"")
+    assert pb.core.tunnels
+    return opened.conn
+
+
+@pytest.mark.parametrize("side", ["client", "backend"])
+def test_fault_in_a_tunnel_closes_both_of_its_connections(
+    monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    pb = _isolating()
+    up = _tunnel(pb)
+    tunnel = pb.core.tunnels[up]
+    if side == "client":
+        monkeypatch.setattr(tunnel, "from_client", _boom)
+        commands = pb.receive(1, b"\x81\x05hello")
+    else:
+        monkeypatch.setattr(tunnel, "from_backend", _boom)
+        commands = pb.receive(up, b"\x81\x05world")
+    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+    assert not pb.core.tunnels and not pb.core.exchanges
+    assert not [t for t in pb.core._timers if t[0] == "tunnel"]
+    (logged,) = _internal_errors(pb)
+    assert logged.fields["conn"] == (1 if side == "client" else up)
+    # Later bytes on either connection find nothing to call into.
+    pb.receive(1, b"late")
+    pb.receive(up, b"late")
+    pb.closed(1)
+    pb.closed(up)
+    assert pb.core.counters["internal_errors"] == 1
