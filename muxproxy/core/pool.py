@@ -201,9 +201,12 @@ class UpstreamConn:
         exchange = self.exchange
         if exchange is None or was is UpstreamState.CLOSED:
             return
-        # h11 decides whether EOF ends the response cleanly (read-until-close framing) or
-        # truncates it (inside a Content-Length or chunked body).
-        self.on_data(b"")
+        # On a clean close h11 decides whether EOF ends the response (read-until-close
+        # framing) or truncates it (inside a Content-Length or chunked body). A broken one
+        # (reset, failed write, TLS close without close_notify) ends nothing: a body framed
+        # by the close is complete only after a clean one (RFC 9112 §8, §9.8).
+        if error is None:
+            self.on_data(b"")
         if self.exchange is not None:
             self.exchange.upstream_failed(
                 error or "backend closed the connection", stale=self.stale

@@ -101,6 +101,7 @@ class StreamConn:
     __slots__ = (
         "closed",
         "closing",
+        "error",
         "ident",
         "paused",
         "pending",
@@ -126,6 +127,8 @@ class StreamConn:
         """When the ``send_all`` in flight began; None while the writer is not sending."""
         self.shutdown_wanted = False
         """``ShutdownWrite`` on a stream that can half-close: ``send_eof`` once flushed."""
+        self.error: str | None = None
+        """Why the writer failed: the connection broke, it did not close cleanly."""
 
 
 class Driver:
@@ -309,6 +312,10 @@ class Driver:
             error = "internal error"
             self.connection_failed(ident, exc, where="connection task")
         finally:
+            if conn.error is not None:
+                # The writer failed and cancelled the reader: a broken connection, never a
+                # clean close (a read-until-close body must end truncated, RFC 9112 §8).
+                error = conn.error
             conn.closed = True
             self.conns.pop(ident, None)
             with (
@@ -357,7 +364,8 @@ class Driver:
                     assert isinstance(stream, trio.abc.HalfCloseableStream)
                     try:
                         await stream.send_eof()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                        conn.error = f"send failed: {exc!r}"
                         conn.closing = True
                         conn.scope.cancel()
                         return
@@ -369,7 +377,8 @@ class Driver:
             conn.send_started = trio.current_time()
             try:
                 await send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                conn.error = f"send failed: {exc!r}"
                 conn.closing = True
                 conn.scope.cancel()
                 return
@@ -485,7 +494,10 @@ class Driver:
                 self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason="internal error"))
                 return
         if scope.cancelled_caught or stream is None:
-            # The core gave up on this connection (connect timeout, client gone).
+            # The core gave up on this connection (connect timeout, client gone), maybe in
+            # the middle of the TLS handshake: the TCP connection under it is closed too.
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
             self.feed(ConnectionClosed(now=trio.current_time(), conn=ident, error="cancelled"))
             return
         self.connecting.pop(ident, None)

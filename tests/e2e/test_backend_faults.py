@@ -6,21 +6,30 @@ test_timeouts.py), so a backend that drips one byte a second costs nothing. The 
 counts as failed (``max_fails = 0``) so that a fault cannot turn the healthy stream into a 503;
 the stale-pool test keeps the default to show that that retry spares the server's health.
 Refused connects and a plain response-head timeout are in test_errors.py / test_timeouts.py.
+TLS backends (trustme certificates): one that closes right after its last chunk, with and
+without close_notify; a handshake that never completes; a write that fails.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
+from functools import partial
+from pathlib import Path
 
 import attrs
 import h2.errors
 import pytest
 import trio
 import trio.testing
+import trustme
 from peers import H1Peer, open_h2, serve_raw
 
-from muxproxy.config import Server, Timeouts, quick_config
+from muxproxy.config import Config, Server, Timeouts, quick_config
+from muxproxy.core.events import ConnectionClosed
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.trio.driver import Driver
 
 GOOD_EVENTS = [b"data: %d\n\n" % i for i in range(5)]
 SSE_HEAD = (
@@ -44,7 +53,7 @@ def reset(stream: trio.SocketStream) -> None:
     stream.socket.close()
 
 
-async def read_head(stream: trio.SocketStream, buffer: bytearray) -> bytes | None:
+async def read_head(stream: trio.abc.Stream, buffer: bytearray) -> bytes | None:
     """The path of the next request head (GET, no body), or None at EOF."""
     while b"\r\n\r\n" not in buffer:
         data = await stream.receive_some(65536)
@@ -217,3 +226,173 @@ async def test_stale_pooled_connection_is_retried_on_the_same_server(start_proxy
     # server was never counted as failed (max_fails = 1 would have made the next one a 503).
     assert bodies == [b"conn 1", b"conn 2", b"conn 3"]
     assert backend.connections == 3
+
+
+# -- TLS backends ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BackendTls:
+    ca: trustme.CA
+    ca_file: str
+    cert: trustme.LeafCert
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.cert.configure_cert(context)
+        return context
+
+    def config(self, port: int, **changes: object) -> Config:
+        """A proxy config with one HTTP/1.1 server at ``port`` spoken to over TLS."""
+        config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+        group = config.upstreams["default"]
+        server = Server(
+            address=f"127.0.0.1:{port}",
+            max_fails=0,
+            tls=True,
+            tls_ca=self.ca_file,
+            tls_server_name="backend.test",
+        )
+        group = attrs.evolve(group, servers=(server,))
+        return attrs.evolve(config, upstreams={"default": group}, **changes)
+
+
+@pytest.fixture
+def backend_tls(tmp_path: Path) -> BackendTls:
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    return BackendTls(ca=ca, ca_file=str(ca_file), cert=ca.issue_cert("backend.test"))
+
+
+LAST_CHUNK_EVENTS = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("close_notify", [True, False], ids=["close_notify", "no-close_notify"])
+async def test_tls_backend_closing_right_after_its_last_chunk_never_truncates(
+    start_proxy, nursery, backend_tls, close_notify
+):
+    """The whole response, the terminating chunk and the close in one go, 50 times: the
+    last bytes and the close reach the proxy together, and the client must get every byte
+    and a clean end each time (a TLS stack that drops data read with the close, or a close
+    seen before the data it follows, would truncate the stream)."""
+    body = b"".join(chunk(event) for event in LAST_CHUNK_EVENTS) + b"0\r\n\r\n"
+
+    async def close_after_last_chunk(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        buffer = bytearray()
+        try:
+            if await read_head(stream, buffer) is None:
+                return
+            await stream.send_all(SSE_HEAD + body)
+        except trio.BrokenResourceError:
+            return
+        if close_notify:
+            await stream.aclose()
+        else:
+            await stream.transport_stream.aclose()  # TCP FIN, no TLS close_notify
+
+    listeners = await nursery.start(
+        partial(
+            trio.serve_ssl_over_tcp,
+            close_after_last_chunk,
+            0,
+            backend_tls.server_context(),
+            host="127.0.0.1",
+        )
+    )
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    proxy = await start_proxy(config=backend_tls.config(port))
+    with trio.fail_after(60):
+        h1 = await H1Peer.connect(proxy.port)
+        for _ in range(50):
+            await h1.send_request("GET", "/v1/stream")
+            response = await h1.read_response()
+            assert response.status == 200 and response.complete
+            assert response.body == b"".join(LAST_CHUNK_EVENTS)
+            h1.conn.start_next_cycle()
+        await h1.aclose()
+
+
+@pytest.mark.parametrize("close_notify", [True, False], ids=["close_notify", "no-close_notify"])
+async def test_tls_body_framed_by_the_close_is_complete_only_after_close_notify(
+    start_proxy, nursery, backend_tls, close_notify
+):
+    """RFC 9112 §9.8: a response with neither Content-Length nor chunked framing is complete
+    only if a valid closure alert was received; a bare TCP close may be a truncation."""
+
+    async def until_close(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        buffer = bytearray()
+        if await read_head(stream, buffer) is None:
+            return
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\npart one, ")
+        await stream.send_all(b"part two")
+        if close_notify:
+            await stream.aclose()
+        else:
+            await stream.transport_stream.aclose()
+
+    listeners = await nursery.start(
+        partial(
+            trio.serve_ssl_over_tcp, until_close, 0, backend_tls.server_context(), host="127.0.0.1"
+        )
+    )
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    proxy = await start_proxy(config=backend_tls.config(port))
+    with trio.fail_after(10):
+        h1 = await H1Peer.connect(proxy.port)
+        await h1.send_request("GET", "/v1/download")
+        response = await h1.read_response()
+        await h1.aclose()
+    assert response.status == 200
+    if close_notify:
+        assert response.complete and response.body == b"part one, part two"
+    else:
+        assert not response.complete and response.closed
+
+
+async def test_connect_cancelled_during_the_tls_handshake_closes_its_socket(
+    start_proxy, nursery, backend_tls, clock
+):
+    """The backend takes the ClientHello and never answers: the connect timeout gives up on
+    the handshake, and the TCP connection under it must be closed, not leaked."""
+    closed = trio.Event()
+
+    async def silent(stream: trio.SocketStream) -> None:
+        async with stream:
+            while await stream.receive_some(65536):
+                pass
+        closed.set()
+
+    port = await serve_raw(nursery, silent)
+    proxy = await start_proxy(config=backend_tls.config(port, timeouts=Timeouts(connect=2.0)))
+    with trio.fail_after(30):
+        h1 = await H1Peer.connect(proxy.port)
+        await h1.send_request("GET", "/v1/models")
+        response = await h1.read_response()
+        assert response.status == 504
+        await closed.wait()
+        await h1.aclose()
+
+
+async def test_tls_write_failure_is_reported_as_a_broken_connection(nursery, backend_tls):
+    """A TLS connection whose peer went away: our write fails while our read still waits.
+    The close is an error, so that a read-until-close response ends truncated, not clean."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    client_context = ssl.create_default_context()
+    backend_tls.ca.configure_trust(client_context)
+    client = trio.SSLStream(ours, client_context, server_hostname="backend.test")
+    server = trio.SSLStream(theirs, backend_tls.server_context(), server_side=True)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as handshakes:
+            handshakes.start_soon(client.do_handshake)
+            handshakes.start_soon(server.do_handshake)
+        await theirs.receive_stream.aclose()
+        driver = Driver(ProxyCore(quick_config("127.0.0.1:0", ["127.0.0.1:9"])), nursery)
+        events: list[object] = []
+        # The events are recorded, not handled: no core conversation is needed here.
+        driver.feed = events.append  # type: ignore[method-assign]
+        conn = driver.register(-1, client)
+        conn.pending += b"GET / HTTP/1.1\r\nhost: a\r\n\r\n"
+        await driver.run_connection(conn)
+    (closed,) = [e for e in events if isinstance(e, ConnectionClosed)]
+    assert closed.error is not None and "send failed" in closed.error
