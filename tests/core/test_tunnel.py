@@ -364,3 +364,19 @@ def test_tunnel_idle_is_read_from_the_configuration() -> None:
     }
     assert parse_config(data).timeouts.tunnel_idle == 120.0
     assert attrs.evolve(Timeouts()).tunnel_idle == 3600.0
+
+
+def test_internal_error_on_the_client_side_of_a_tunnel_closes_its_backend() -> None:
+    pb = Playbook()
+    pb.core.raise_errors = False
+    up, backend, _ = _open_h1(pb)
+    pb.receive(up, _switch(backend))
+    tunnel = pb.core.tunnels[1]
+
+    def planted(data: bytes, flow_len: int) -> None:
+        raise RuntimeError("planted bug")
+
+    tunnel.from_client = planted  # type: ignore[method-assign]  # the one injected fault
+    commands = pb.receive(1, b"frame")
+    assert CloseConnection(conn=up) in commands
+    assert not pb.core.tunnels
