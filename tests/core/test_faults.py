@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import h2.errors
 import h2.events
 import h11
 import pytest
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
 
-from muxproxy.core.commands import CloseConnection, Log
+from muxproxy.config import HealthCheck
+from muxproxy.core.commands import CloseConnection, Log, SetTimer
 from muxproxy.core.events import ConfigChanged
 from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
 from muxproxy.core.websocket import accept_for
@@ -287,3 +289,50 @@ def test_fault_in_a_tunnel_closes_both_of_its_connections(
     pb.closed(1)
     pb.closed(up)
     assert pb.core.counters["internal_errors"] == 1
+
+
+def test_fault_on_a_pooled_connections_timer_ends_that_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pb = _isolating()
+    pb.accept(1)
+    client = H1ClientPeer()
+    pb.receive(1, client.request("GET", "/v1/models"))
+    (opened,) = pb.opens()
+    pb.opened(opened.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opened.conn))
+    done = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "0")]))
+    pb.receive(opened.conn, (done or b"") + backend.end())
+    assert pb.core.pool.idle  # kept alive for the next request
+    monkeypatch.setattr(pb.core.upstreams[opened.conn], "on_timer", _boom)
+    commands = pb.wakeup("pool", opened.conn)
+    assert CloseConnection(conn=opened.conn) in commands
+    assert opened.conn not in pb.core.upstreams
+    assert not any(pb.core.pool.idle.values())
+    (logged,) = _internal_errors(pb)
+    assert (logged.fields["conn"], logged.fields["event"]) == (opened.conn, "Wakeup")
+    # The client connection is untouched: its next request opens a new backend connection.
+    pb.receive(1, H1ClientPeer().request("GET", "/v1/models"))
+    assert len(pb.opens()) == 2
+
+
+def test_fault_in_a_probe_without_a_connection_reschedules_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = Playbook().core.config
+    group = config.upstreams["default"]
+    group = attrs.evolve(group, health_check=HealthCheck(interval=7.0))
+    pb = Playbook(attrs.evolve(config, upstreams={"default": group}))
+    pb.core.raise_errors = False
+    pb.feed(ConfigChanged(now=0.0, config=pb.core.config))
+    (probe,) = pb.core.probes.values()
+    monkeypatch.setattr(pb.core.pool, "acquire", _boom)
+    commands = pb.wakeup("probe", probe.ident)
+    (logged,) = _internal_errors(pb)
+    assert logged.fields["probe"] == probe.ident and logged.fields["conn"] is None
+    assert SetTimer(timer=("probe", probe.ident), at=7.0) in commands
+    monkeypatch.undo()
+    pb.now = 7.0
+    pb.wakeup("probe", probe.ident)
+    assert pb.opens()  # the next check runs as usual
