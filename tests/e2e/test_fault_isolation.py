@@ -9,16 +9,20 @@ is real: sockets, an h2 client, the fake LLM backend. These proxies run with
 from __future__ import annotations
 
 import json
+import ssl
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import h2.errors
 import h11
 import pytest
 import trio
+import trustme
 from peers import H1Peer, open_h2
 
 from muxproxy.config import quick_config
 from muxproxy.core.commands import Log
+from muxproxy.trio.driver import StreamConn
 from muxproxy.trio.reactor import SocketConn
 from muxproxy.trio.server import ProxyServer
 
@@ -179,3 +183,49 @@ async def test_bug_while_isolating_still_crashes(monkeypatch: pytest.MonkeyPatch
     with trio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
         await _crash(server, plant)
     assert info.group_contains(Injected, match="in the cleanup", depth=None)
+
+
+async def test_fault_in_a_tls_connections_task_closes_only_that_connection(
+    start_backend: StartBackend,
+    start_proxy: StartProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    _fake, port = await start_backend(delay=0.0)
+    proxy = await start_proxy([port], tls_cert=str(cert), tls_key=str(key), raise_errors=False)
+    logs = _events(proxy)
+    driver = proxy.server.driver
+    assert driver is not None
+    reader = driver._reader
+
+    async def reader_or_fail(conn: StreamConn) -> str | None:
+        if conn.ident == 1:
+            raise Injected("planted bug in a connection task")
+        return await reader(conn)
+
+    monkeypatch.setattr(driver, "_reader", reader_or_fail)
+    with trio.fail_after(10):
+        doomed = await trio.open_ssl_over_tcp_stream("127.0.0.1", proxy.port, ssl_context=context)
+        await doomed.do_handshake()
+        assert await doomed.receive_some(100) == b""  # closed, nothing sent
+        other = await trio.open_ssl_over_tcp_stream("127.0.0.1", proxy.port, ssl_context=context)
+        client = h11.Connection(h11.CLIENT)
+        request = h11.Request(method="GET", target="/v1/models", headers=[("host", "a")])
+        await other.send_all(
+            (client.send(request) or b"") + (client.send(h11.EndOfMessage()) or b"")
+        )
+        event: Any = h11.NEED_DATA
+        while event is h11.NEED_DATA:
+            client.receive_data(await other.receive_some(65536))
+            event = client.next_event()
+        assert isinstance(event, h11.Response) and event.status_code == 200
+    (logged,) = [log for log in logs if log.event == "internal_error"]
+    assert (logged.fields["conn"], logged.fields["where"]) == (1, "driver: connection task")
+    assert 1 not in proxy.server.core.clients
