@@ -274,7 +274,11 @@ class Config:
     limits: Limits = Limits()
 
     def route_for(self, path: bytes) -> Route | None:
-        """The route with the longest prefix matching ``path``."""
+        """The route with the longest prefix matching ``path``.
+
+        The exchange passes the request target normalised by ``muxproxy.core.paths`` (dot-
+        segments resolved, encoded unreserved characters decoded), never the raw one: a prefix
+        is a boundary only on a path the backend has nothing left to resolve in."""
         text = path.decode("latin-1")
         best: Route | None = None
         for route in self.routes:

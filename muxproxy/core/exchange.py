@@ -4,8 +4,10 @@ The exchange relays version-neutral messages between a client stream (``Downstre
 backend stream (``pool.UpstreamStream``: a whole HTTP/1.1 connection or one stream of a shared
 HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
-- Routing: the group's ``GroupRouter`` orders the candidate servers (sticky pin, session key,
-  balancer); the exchange walks that list on failure.
+- Routing: the route is chosen by the normalised path (``paths.py``: dot-segments resolved,
+  encoded unreserved characters decoded; an encoded slash is a 400), and that path is what
+  the backend gets; the group's ``GroupRouter`` orders the candidate servers (sticky pin,
+  session key, balancer); the exchange walks that list on failure.
 - Retries (``next_upstream``) only while nothing reached the client: on a connection error, a
   timeout or a configured status, within ``tries`` and ``tries_timeout``, with the request
   body replayed from a bounded copy (RFC 9110 §9.2.2: the proxy decides; we never retry once a
@@ -37,6 +39,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import attrs
+
 from ..config import Route, Upstream
 from ..routing.sticky import (
     cookie_value,
@@ -50,7 +54,9 @@ from .body import RequestBody
 from .commands import Log, Origin
 from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
 from .headers import header_value, is_event_stream, response_headers, upstream_h1_headers
+from .intake import MalformedRequest
 from .messages import Headers, RequestHead, ResponseHead
+from .paths import normalise_target
 from .sse import HEARTBEAT, EventBoundary
 
 if TYPE_CHECKING:
@@ -139,6 +145,15 @@ class Exchange:
         if timeout is not None:
             # The whole call's deadline, across retries (gRPC's grpc-timeout).
             core.set_timer(("deadline", self.ident), core.now + timeout)
+        try:
+            target = normalise_target(head.target)
+        except MalformedRequest as exc:
+            self.fail(exc.status, exc.reason)
+            return
+        if target is not head.target:
+            # Routed and forwarded as normalised (paths.py): the backend has nothing left to
+            # resolve that could take it out of the route's prefix.
+            head = self.head = attrs.evolve(head, target=target)
         route = self.route = core.config.route_for(head.target)
         if route is None:
             self.fail(404, "no route for this path")

@@ -27,6 +27,8 @@ proxy's own passive-health deadline), under ``trio.fail_after``.
 from __future__ import annotations
 
 import json
+import posixpath
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +38,7 @@ import h11
 import httpx
 import pytest
 import trio
-from peers import H1Peer, H1Response, H2Peer, open_h2, sse_events
+from peers import H1Peer, H1Response, H2Peer, open_h2, serve_raw, sse_events
 
 from muxproxy.config import (
     Config,
@@ -607,3 +609,111 @@ async def test_group_without_usable_server_answers_503_at_once(nursery, start_pr
     # At once: no backend was tried, none even connected to.
     assert access["tries"] == 0 and access["upstream"] is None
     assert all(b.fake.requests == 0 for b in backends)
+
+
+# -- paths: routes match (and backends get) the normalised path --------------------------------
+
+
+@attrs.define
+class PathBackend:
+    """A backend that resolves what it is given, as many do: it percent-decodes the path and
+    resolves its dot-segments, and serves ``/flag`` (the secret) for whatever lands there."""
+
+    targets: list[bytes] = attrs.field(factory=list)
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    conn.receive_data(data)
+                elif type(event) is h11.Request:
+                    self.targets.append(bytes(event.target))
+                elif type(event) is h11.EndOfMessage:
+                    target = self.targets[-1].partition(b"?")[0]
+                    resolved = posixpath.normpath(urllib.parse.unquote(target.decode()))
+                    body = b"the flag" if resolved == "/flag" else b"ok"
+                    head = h11.Response(
+                        status_code=200, headers=[("content-length", str(len(body)))]
+                    )
+                    await stream.send_all(
+                        conn.send(head)
+                        + conn.send(h11.Data(data=body))
+                        + conn.send(h11.EndOfMessage())
+                    )
+                    conn.start_next_cycle()
+                else:
+                    return
+
+
+def v1_only_config(port: int) -> Config:
+    group = Upstream(name=GROUP, servers=(Server(address=f"127.0.0.1:{port}"),))
+    return Config(
+        listeners=(Listener(address="127.0.0.1:0"),),
+        upstreams={GROUP: group},
+        routes=(Route(prefix="/v1/", upstream=GROUP),),
+    )
+
+
+ESCAPES = [
+    (b"/v1/../flag", 404),
+    (b"/v1/%2e%2e/flag", 404),
+    (b"/v1/%2E%2e/flag?x=1", 404),
+    (b"/v1/..%2fflag", 400),
+    (b"/v1/..%2Fflag", 400),
+    (b"/v1/..%5cflag", 400),
+    (b"/v1/x/../../flag", 404),
+]
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+async def test_paths_escaping_the_route_never_reach_the_backend(nursery, start_proxy, http2):
+    backend = PathBackend()
+    port = await serve_raw(nursery, backend.serve)
+    proxy = await start_proxy(config=v1_only_config(port))
+    with trio.fail_after(10):
+        for target, status in ESCAPES:
+            if http2:
+                async with open_h2(proxy.port) as peer:
+                    sid = await peer.request("GET", target.decode())
+                    stream = await peer.wait_done(sid)
+                got, body = stream.status, stream.body
+            else:
+                peer = await H1Peer.connect(proxy.port)
+                async with peer.stream:
+                    await peer.send_request("GET", target.decode())
+                    response = await peer.read_response()
+                got, body = response.status, response.body
+            assert got == status, target
+            assert b"flag" not in body, target
+    assert backend.targets == [], "a path outside /v1/ reached the backend"
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+async def test_backend_gets_the_normalised_path(nursery, start_proxy, http2):
+    backend = PathBackend()
+    port = await serve_raw(nursery, backend.serve)
+    proxy = await start_proxy(config=v1_only_config(port))
+    sent = [b"/v1/./models", b"/v1/a/../models?next=/../x", b"/%76%31/models", b"/v1/a%20b"]
+    with trio.fail_after(10):
+        for target in sent:
+            if http2:
+                async with open_h2(proxy.port) as peer:
+                    stream = await peer.wait_done(await peer.request("GET", target.decode()))
+                assert stream.status == 200 and stream.body == b"ok", target
+            else:
+                peer = await H1Peer.connect(proxy.port)
+                async with peer.stream:
+                    await peer.send_request("GET", target.decode())
+                    response = await peer.read_response()
+                assert response.status == 200 and response.body == b"ok", target
+    assert backend.targets == [
+        b"/v1/models",
+        b"/v1/models?next=/../x",
+        b"/v1/models",
+        b"/v1/a%20b",
+    ]

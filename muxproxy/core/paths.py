@@ -1,0 +1,84 @@
+"""Request paths as routes see them: normalised once (RFC 3986 §6.2.2), or refused.
+
+A route is a path prefix, and a prefix is only a boundary if the proxy and the backend agree
+on what the path is. A backend that resolves dot-segments or decodes percent-encoding serves
+``/flag`` for ``/v1/../flag``, ``/v1/%2e%2e/flag`` or ``/v1/..%2fflag``, all of which start
+with ``/v1/``. So the proxy matches routes on the normalised path and forwards that same path,
+which leaves the backend nothing to resolve. The rules, applied to the path (the query, after
+the first ``?``, is never touched):
+
+* RFC 3986 §6.2.2.2: a percent-encoded unreserved character (ALPHA, DIGIT, ``-._~``) is the
+  character itself, so it is decoded: ``%2e`` is ``.``, ``%76%31`` is ``v1``. Every other
+  percent-encoding is kept exactly as sent.
+* RFC 3986 §5.2.4 ``remove_dot_segments``: ``.`` and ``..`` segments are resolved (``..`` at
+  the root stays at the root).
+* Refused with 400, because backends disagree on them and no single normalised form is safe
+  to forward: an encoded slash ``%2f`` (one decodes it into a separator, another keeps it in
+  the segment; ``..%2f`` is how a dot-segment hides), a backslash, raw or as ``%5c`` (a
+  separator to some servers; not a character RFC 3986 §3.3 allows in a path), and a ``%``
+  not followed by two hex digits (RFC 3986 §2.1).
+
+Run once per request, before routing; a path with no ``%``, no ``\\`` and no ``/.`` (nearly
+every path) costs three substring searches and is returned as it is. Targets that are not
+origin-form (``*`` for OPTIONS, a CONNECT's empty one) are returned unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .intake import MalformedRequest
+
+__all__ = ["normalise_target"]
+
+# RFC 3986 §2.1: "%" HEXDIG HEXDIG; the group is missing for a malformed one.
+_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})?")
+# RFC 3986 §2.3 unreserved characters.
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+# Encoded separators: "/" and "\".
+_SEPARATORS = frozenset(b"/\\")
+
+
+def normalise_target(target: bytes) -> bytes:
+    """The request target with its path normalised (module docstring); raises
+    ``MalformedRequest`` (400) for a path that cannot be normalised safely."""
+    if target[:1] != b"/":
+        return target
+    path, question, query = target.partition(b"?")
+    if b"%" not in path and b"\\" not in path and b"/." not in path:
+        return target
+    if b"\\" in path:
+        raise MalformedRequest("backslash in the request path")
+    if b"%" in path:
+        path = _PERCENT.sub(_decode_unreserved, path)
+    if b"/." in path:
+        path = remove_dot_segments(path)
+    return path + question + query
+
+
+def _decode_unreserved(match: re.Match[bytes]) -> bytes:
+    digits = match[1]
+    if digits is None:
+        raise MalformedRequest("invalid percent-encoding in the request path")
+    byte = int(digits, 16)
+    if byte in _UNRESERVED:
+        return bytes((byte,))
+    if byte in _SEPARATORS:
+        raise MalformedRequest("encoded slash or backslash in the request path")
+    return match[0]
+
+
+def remove_dot_segments(path: bytes) -> bytes:
+    """RFC 3986 §5.2.4 for an absolute path (one that starts with ``/``)."""
+    segments = path.split(b"/")[1:]
+    out: list[bytes] = []
+    for segment in segments:
+        if segment == b"..":
+            if out:
+                out.pop()
+        elif segment != b".":
+            out.append(segment)
+    if segments[-1] in (b".", b".."):
+        # "/a/b/.." is "/a/": the last dot-segment leaves its directory's trailing slash.
+        out.append(b"")
+    return b"/" + b"/".join(out)

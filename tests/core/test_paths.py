@@ -1,0 +1,98 @@
+"""Request-path normalisation (``muxproxy.core.paths``): RFC 3986 §5.2.4 and §6.2.2."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muxproxy.core.intake import MalformedRequest
+from muxproxy.core.paths import normalise_target, remove_dot_segments
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        # RFC 3986 §5.2.4 and the §5.4 examples, as absolute paths.
+        (b"/a/b/c/./../../g", b"/a/g"),
+        (b"/b/c/./g", b"/b/c/g"),
+        (b"/b/c/../g", b"/b/g"),
+        (b"/b/c/.", b"/b/c/"),
+        (b"/b/c/..", b"/b/"),
+        (b"/b/c/../..", b"/"),
+        (b"/../g", b"/g"),
+        (b"/../../g", b"/g"),
+        (b"/g.", b"/g."),
+        (b"/.g", b"/.g"),
+        (b"/g..", b"/g.."),
+        (b"/..g", b"/..g"),
+        (b"/a//../b", b"/a/b"),
+        (b"/..", b"/"),
+        (b"/.", b"/"),
+        (b"/", b"/"),
+    ],
+)
+def test_remove_dot_segments(path: bytes, expected: bytes) -> None:
+    assert remove_dot_segments(path) == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        (b"/v1/chat/completions", b"/v1/chat/completions"),
+        (b"/v1/../flag", b"/flag"),
+        (b"/v1/%2e%2e/flag", b"/flag"),
+        (b"/v1/%2E%2e/flag", b"/flag"),
+        (b"/v1/.%2e/flag", b"/flag"),
+        (b"/v1/./models", b"/v1/models"),
+        # RFC 3986 §6.2.2.2: encoded unreserved characters are the characters.
+        (b"/%76%31/models", b"/v1/models"),
+        (b"/v1/a%7Eb", b"/v1/a~b"),
+        # Other encodings are kept as sent.
+        (b"/v1/a%20b/./c", b"/v1/a%20b/c"),
+        (b"/v1/%C3%A9", b"/v1/%C3%A9"),
+        # The query is never touched.
+        (b"/v1/models?next=/../x&q=%2f%2e%2e", b"/v1/models?next=/../x&q=%2f%2e%2e"),
+        (b"/v1/../models?a=%2e", b"/models?a=%2e"),
+        (b"/.well-known/x", b"/.well-known/x"),
+        (b"*", b"*"),
+        (b"", b""),
+    ],
+)
+def test_normalise_target(target: bytes, expected: bytes) -> None:
+    assert normalise_target(target) == expected
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/v1/..%2fflag",
+        b"/v1/..%2Fflag",
+        b"/v1/models/org%2fmodel",
+        b"/v1/..%5cflag",
+        b"/v1/..\\flag",
+        b"/v1/%zz",
+        b"/v1/x%",
+        b"/v1/x%4",
+    ],
+)
+def test_paths_that_cannot_be_normalised_safely_are_refused(target: bytes) -> None:
+    with pytest.raises(MalformedRequest) as info:
+        normalise_target(target)
+    assert info.value.status == 400
+
+
+_segment = st.sampled_from([b"", b".", b"..", b"%2e", b"%2E%2e", b"a", b"b.c", b"%41", b"%20"])
+
+
+@given(st.lists(_segment, min_size=1, max_size=10), st.sampled_from([b"", b"?q=/../x"]))
+def test_normalised_paths_are_a_fixed_point_without_dot_segments(
+    segments: list[bytes], query: bytes
+) -> None:
+    target = b"/" + b"/".join(segments) + query
+    normal = normalise_target(target)
+    path, _, rest = normal.partition(b"?")
+    assert normal.endswith(query) and rest == query[1:]
+    assert b"." not in path.split(b"/") and b".." not in path.split(b"/")
+    assert b"%2e" not in path.lower()
+    assert normalise_target(normal) == normal
