@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from muxproxy.config import (
+    Api,
     Balance,
     Config,
     ConfigError,
@@ -164,6 +165,17 @@ def test_route_for_without_a_matching_prefix() -> None:
     data = valid()
     data["routes"] = [{"prefix": "/v1/", "upstream": "gpus"}]
     assert parse_config(data).route_for(b"/health") is None
+
+
+def test_route_api_openai() -> None:
+    data = valid()
+    data["routes"] = [
+        {"prefix": "/v1/", "upstream": "gpus", "api": "openai"},
+        {"prefix": "/", "upstream": "gpus"},
+    ]
+    config = parse_config(data)
+    assert config.routes[0].api is Api.OPENAI
+    assert config.routes[1].api is None
 
 
 def test_parse_config_takes_a_dict() -> None:
@@ -426,7 +438,17 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "weight": 1}],
             "routes[0].weight: unknown key; expected one of: prefix, upstream,"
-            " retry_until_first_event, sse_heartbeat",
+            " retry_until_first_event, sse_heartbeat, api",
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "api": "OpenAI"}],
+            'routes[0].api: expected "openai", got "OpenAI"; did you mean "openai"?',
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "api": "anthropic"}],
+            'routes[0].api: expected "openai", got "anthropic"',
         ),
         (
             ("routes",),

@@ -26,6 +26,7 @@ from .loading import ConfigError, load_config, parse_config, parse_quick_config
 from .records import (
     CONDITIONS,
     SOURCE_KINDS,
+    Api,
     Balance,
     Config,
     GroupTimeouts,
@@ -47,6 +48,7 @@ from .records import (
 __all__ = [
     "CONDITIONS",
     "SOURCE_KINDS",
+    "Api",
     "Balance",
     "Config",
     "ConfigError",

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .checker import Checker, Key, describe, join
-from .records import Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
+from .records import Api, Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
 from .upstreams import upstream
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
@@ -161,11 +161,19 @@ _LISTENER_KEYS = {
     "tls_cert": Key(Checker.file),
     "tls_key": Key(Checker.file),
 }
+
+
+def _api(check: Checker, value: Any, path: str) -> Api | None:
+    choice = check.one_of(value, path, [member.value for member in Api])
+    return None if choice is None else Api(choice)
+
+
 _ROUTE_KEYS = {
     "prefix": Key(Checker.prefix, required='a path prefix starting with "/"'),
     "upstream": Key(Checker.name, required="the name of an upstream group"),
     "retry_until_first_event": Key(Checker.boolean),
     "sse_heartbeat": Key(Checker.seconds),
+    "api": Key(_api),
 }
 
 

@@ -234,6 +234,14 @@ class Upstream:
         return None
 
 
+class Api(enum.Enum):
+    """The API a route serves, which shapes the proxy's own error responses."""
+
+    OPENAI = "openai"
+    """OpenAI-style: errors as ``{"error": {"message", "type", "param", "code"}}`` JSON, which
+    the OpenAI SDKs turn into the message of the exception they raise."""
+
+
 @attrs.frozen(kw_only=True)
 class Route:
     prefix: str
@@ -244,6 +252,9 @@ class Route:
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""
+    api: Api | None = None
+    """With ``Api.OPENAI`` the proxy's own errors on this route (502, 503, 504, 413, 431...)
+    carry the OpenAI error object instead of plain text (``muxproxy.core.errors``)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -31,12 +31,15 @@ import attrs
 import h2.errors
 import h2.exceptions
 
+from ..config import Api
 from .commands import CloseConnection, Log, PauseReading, ResumeReading
+from .errors import error_response
 from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
 from .h2 import PREFACE, H2Server
 from .intake import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
+from .paths import normalise_target
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -180,7 +183,7 @@ class Downstream:
             self._await_head()
         self._maybe_switch_to_h2c()
 
-    def _h1_protocol_error(self, exc: PeerError) -> None:
+    def _h1_protocol_error(self, exc: PeerError, api: Api | None = None) -> None:
         assert self.h1 is not None
         if exc.smuggling:
             self.core.defences.record(
@@ -193,8 +196,16 @@ class Downstream:
         exchange = self.exchanges.get(self.h1.stream)
         if exchange is not None:
             exchange.client_aborted(f"malformed request body: {exc.reason}")
-        self._send(self.h1.send_error(exc.status, exc.reason))
+        self._h1_error(exc.status, exc.reason, api)
         self.close()
+
+    def _h1_error(self, status: int, text: str, api: Api | None = None) -> int:
+        """The proxy's own response on HTTP/1.1; returns the body bytes it carried."""
+        assert self.h1 is not None
+        headers, body = error_response(status, text, api=api, date=self.core.http_date())
+        out = self.h1.send_whole(status, headers, body)
+        self._send(out)
+        return len(body) if out and not self.h1.head_only else 0
 
     def _after_h2_receive(self) -> None:
         h2c = self.h2
@@ -291,28 +302,39 @@ class Downstream:
 
     def _refuse(self, head: RequestHead, exc: MalformedRequest) -> None:
         """A request past a limit (431, 413): answered here, never forwarded."""
+        api = self._api_of(head)
         if self.h1 is not None:
-            self._h1_protocol_error(PeerError(exc.reason, exc.status))
+            self._h1_protocol_error(PeerError(exc.reason, exc.status), api)
             return
         assert self.h2 is not None
         self.core.emit(
             Log(event="request_refused", fields={"conn": self.conn, "error": exc.reason})
         )
-        self.send_error(head.stream, exc.status, exc.reason)
+        self.send_error(head.stream, exc.status, exc.reason, api=api)
         if not head.end_stream:
             # RFC 9113 §8.1: the response is complete; the body it would send is not wanted.
             self.h2.cancel_request(head.stream)
             self._flush_h2()
+
+    def _api_of(self, head: RequestHead) -> Api | None:
+        """The ``api`` of the route ``head`` would take, for a refusal before its exchange."""
+        try:
+            target = normalise_target(head.target)
+        except MalformedRequest:
+            return None
+        route = self.core.config.route_for(target)
+        return None if route is None else route.api
 
     def _body_too_large(self, exchange: Exchange, flow_len: int) -> None:
         """The request body grew past ``limits.max_request_body``: 413 while no response
         began, otherwise the stream is reset (HTTP/2) or the connection closed (HTTP/1.1)."""
         reason = f"request body above {self.core.config.limits.max_request_body} bytes"
         self.core.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
+        api = exchange.route.api if exchange.route is not None else None
         if self.h1 is not None:
             # The 413 first (h11 sends nothing once a response began): the abort below
             # closes the connection, which flushes it (RFC 9112 §9.6).
-            self._send(self.h1.send_error(413, reason))
+            self._h1_error(413, reason, api)
             exchange.client_aborted(reason)
             self.close()
             return
@@ -325,7 +347,7 @@ class Downstream:
             self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
             self._flush_h2()
         else:
-            self.send_error(stream, 413, reason)
+            self.send_error(stream, 413, reason, api=api)
             self.h2.cancel_request(stream)
             self._flush_h2()
 
@@ -397,19 +419,29 @@ class Downstream:
         elif self.h1 is not None:
             self._send(self.h1.send_end(trailers))
 
-    def send_error(self, stream: int, status: int, text: str) -> None:
+    def send_error(
+        self,
+        stream: int,
+        status: int,
+        text: str,
+        *,
+        api: Api | None = None,
+        head_only: bool = False,
+    ) -> int:
+        """The proxy's own short response (``errors.error_response``; ``api``: the route's);
+        ``head_only``: the request was a HEAD (RFC 9110 §9.3.2: no body). Returns the body
+        bytes sent, for the access log."""
         if self.h2 is not None:
-            body = (text + "\n").encode()
-            headers = [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-            ]
+            headers, body = error_response(status, text, api=api, date=self.core.http_date())
             self.h2.send_head(ResponseHead(stream=stream, status=status, headers=headers))
-            self.h2.send_body(stream, body)
+            if not head_only:
+                self.h2.send_body(stream, body)
             self.h2.send_end(stream, [])
             self._flush_h2()
-        elif self.h1 is not None:
-            self._send(self.h1.send_error(status, text))
+            return 0 if head_only else len(body)
+        if self.h1 is not None:
+            return self._h1_error(status, text, api)
+        return 0
 
     def abort(self, stream: int) -> None:
         """End a response without a clean end: the client must see the truncation."""
@@ -610,7 +642,7 @@ class Downstream:
             elif self.h1 is not None and kind == "header" and not self.h1.idle:
                 # RFC 9110 §15.5.9: the client did not complete its request in time.
                 self.core.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
-                self._send(self.h1.send_error(408, "request header timeout"))
+                self._h1_error(408, "request header timeout")
             self.close()
 
     def shutdown(self) -> None:

@@ -30,6 +30,9 @@ class ConnectionAccepted(Event):
     peer: tuple[str, int] | None
     tls: bool = False
     alpn: str | None = None
+    wall: float | None = None
+    """The wall-clock time (POSIX seconds, ``time.time()``) at ``now``: the core's only way to
+    the calendar, for ``Date`` fields (``dates.py``). None: the driver gives no clock."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
@@ -100,6 +103,8 @@ class Wakeup(Event):
 @attrs.frozen(kw_only=True, slots=True)
 class ConfigChanged(Event):
     config: Any
+    wall: float | None = None
+    """The wall-clock time at ``now``, as on ``ConnectionAccepted``."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

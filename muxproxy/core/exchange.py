@@ -23,8 +23,10 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   which is what stops a GPU generating tokens nobody reads.
 - Truncation is visible: a backend that fails after the response head went out makes the
   client side abort the stream (RST_STREAM on HTTP/2, no final chunk on HTTP/1.1).
-- Errors before the head map to short plain responses: no route 404, no usable backend 503,
-  refused or broken backend 502, timeout 504 (RFC 9110 §15.6).
+- Errors before the head map to short responses of our own (``errors.py``: plain text, or
+  the OpenAI error object on an ``api = "openai"`` route): no route 404, no usable backend
+  503, refused or broken backend 502, timeout 504 (RFC 9110 §15.6); the access log counts
+  their body bytes like a backend's.
 - Timeouts blame the party that is late. The backend's (response head, first token, read)
   never count time in which it waits for us: while the client is still sending the request
   body (the backend may want all of it before it answers) or while we paused the backend
@@ -32,6 +34,8 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   ``body`` timer (``client_header``; 408 / RST_STREAM, ``Downstream.request_body_timeout``),
   also while the body is buffered for a session key; a client that stops reading, by the
   send timeouts of ``Downstream``.
+- Date (RFC 9110 §6.6.1): a response the backend sent without one gets the proxy's, as do
+  the proxy's own (``dates.py``: from the wall time the driver gives).
 """
 
 from __future__ import annotations
@@ -470,6 +474,7 @@ class Exchange:
             via=VIA,
             upstream_version=self.upstream.http_version if self.upstream else b"1.1",
             to_h2=self.client.is_h2,
+            date=core.http_date(),
         )
         cookie = self.group.sticky.cookie if self.group else None
         if cookie is not None:
@@ -670,16 +675,23 @@ class Exchange:
     # -- endings ---------------------------------------------------------------------------
 
     def fail(self, status: int, text: str, reason: str = "") -> None:
-        """Answer with a short plain response (only while no response head went out)."""
+        """Answer with a short response of our own (only while no response head went out):
+        plain text, or the OpenAI error object on an ``api = "openai"`` route (errors.py)."""
         self.status = status
         if is_grpc(self.head.headers):
             # A gRPC client gets a gRPC answer (grpc.py): 200 and a Trailers-Only response.
             self.status = 200
             fields = trailers_only(grpc.status_for_http(status), text)
+            date = self.core.http_date()
+            if date is not None:
+                fields.append((b"date", date))
             head = ResponseHead(stream=self.stream, status=200, headers=fields)
             self.client.send_head(head, end_stream=True)
         else:
-            self.client.send_error(self.stream, status, text)
+            api = self.route.api if self.route is not None else None
+            self.bytes_out += self.client.send_error(
+                self.stream, status, text, api=api, head_only=self.head.method == b"HEAD"
+            )
         self._finish(reason or text)
 
     def _cancel_attempt_timers(self) -> None:

@@ -47,7 +47,9 @@ from collections.abc import Callable
 
 import h11
 
+from ..config import Api
 from .chunked import ChunkedDecoder, ChunkedError
+from .errors import error_response
 from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
 from .intake import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
@@ -246,24 +248,31 @@ class H1Server:
     def send_end(self, trailers: Headers) -> bytes:
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
-    def send_error(self, status: int, text: str) -> bytes:
-        """A complete short plain-text response, when a response can still be started."""
+    def send_error(
+        self, status: int, text: str, *, api: Api | None = None, date: bytes | None = None
+    ) -> bytes:
+        """A complete short error response (``errors.error_response``: plain text, or the
+        OpenAI error object with ``api``), when a response can still be started."""
+        headers, body = error_response(status, text, api=api, date=date)
+        return self.send_whole(status, headers, body)
+
+    @property
+    def head_only(self) -> bool:
+        """The current request is a HEAD: a response to it carries no body (RFC 9110 §9.3.2)."""
+        return self.method == b"HEAD" and self.conn.their_state is not h11.IDLE
+
+    def send_whole(self, status: int, headers: Headers, body: bytes) -> bytes:
+        """A complete response of the proxy's own, then a close (``connection: close``), when a
+        response can still be started; b"" otherwise."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return b""
-        body = (text + "\n").encode()
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        if self.method == b"HEAD" and self.conn.their_state is not h11.IDLE:
-            body = b""  # RFC 9110 §9.3.2: the fields only, h11 refuses a body
+        headers = [*headers, (b"connection", b"close")]
         try:
             out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
         except h11.LocalProtocolError:
             # h11 refuses a response to a request it could not parse in some states.
             return b""
-        if getattr(self, "method", b"") != b"HEAD":
+        if not self.head_only:
             # RFC 9110 §9.3.2: no body in a response to HEAD (h11 raises on one).
             out += self.conn.send(h11.Data(data=body)) or b""
         out += self.conn.send(h11.EndOfMessage()) or b""

@@ -84,6 +84,7 @@ _UPSTREAM_SPECIAL = _HOP_BY_HOP | {
 }
 # Every response field name response_headers treats specially.
 _RESPONSE_SPECIAL = _HOP_BY_HOP | {
+    b"date",
     b"content-length",
     b"content-type",
     b"cache-control",
@@ -253,12 +254,16 @@ def response_headers(
     via: bytes,
     upstream_version: bytes,
     to_h2: bool,
+    date: bytes | None = None,
 ) -> Headers:
     """The field list to send to the client for a backend response.
 
     Hop-by-hop fields dropped (RFC 9110 §7.6.1), Transfer-Encoding always (the client side
     frames the body itself), Content-Length kept except where RFC 9110 §8.6 / RFC 9112 §6.3 say
-    it must go; Via appended (RFC 9110 §7.6.3); for text/event-stream, cache-control: no-cache
+    it must go; Via appended (RFC 9110 §7.6.3); ``date`` (the proxy's clock, ``dates.py``)
+    added as Date when the backend sent none and the status is not 1xx (RFC 9110 §6.6.1: a
+    recipient with a clock adds the Date a forwarded response lacks); for text/event-stream,
+    cache-control: no-cache
     (unless the backend set one) and x-accel-buffering: no. For HTTP/2 the names come out
     lower-case with no connection-specific field (RFC 9113 §8.2, §8.2.2).
     """
@@ -272,6 +277,7 @@ def response_headers(
     accel = False
     chunked = False
     content_length = False
+    dated = False
     # RFC 9110 §8.6: no Content-Length in a 1xx or 204 response.
     no_length = status < 200 or status == 204
 
@@ -298,6 +304,9 @@ def response_headers(
         elif name == b"x-accel-buffering":
             accel = True
             append(field)
+        elif name == b"date":
+            dated = True
+            append(field)
         elif name == b"via":
             vias.append(field[1])
         elif name == b"connection":
@@ -318,6 +327,8 @@ def response_headers(
                 content_type = None
             if b"cache-control" in nominated:
                 cache_control = False
+            if b"date" in nominated:
+                dated = False
     if chunked and content_length:
         # RFC 9112 §6.3: with Transfer-Encoding the Content-Length is wrong or ignored; an
         # intermediary removes it before forwarding.
@@ -327,6 +338,8 @@ def response_headers(
     ours = upstream_version + b" " + via
     append = out.append
     append((b"via", _append_list(vias, ours)))
+    if date is not None and not dated and status >= 200:
+        append((b"date", date))
     if content_type is not None and _is_event_stream_type(content_type):
         # Server-sent events (HTML Living Standard §9.2): keep caches and buffering proxies
         # (nginx's X-Accel-Buffering) from holding tokens back.

@@ -26,6 +26,7 @@ import attrs
 from ..config import Config, Upstream
 from ..routing.router import GroupRouter
 from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
+from .dates import HttpDate
 from .defencelog import KINDS as DEFENCE_KINDS
 from .defencelog import DefenceLog
 from .downstream import Downstream
@@ -150,6 +151,8 @@ class ProxyCore:
         self.probes: dict[int, Probe] = {}
         self._next_probe = 0
         self.shutting_down = False
+        self.date = HttpDate()
+        """The ``Date`` of responses, from the wall time the driver gives (``dates.py``)."""
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
             DataReceived: self._data_received,
             DataSent: self._data_sent,
@@ -221,6 +224,10 @@ class ProxyCore:
             self._timers.discard(timer)
             self._out.append(CancelTimer(timer=timer))
 
+    def http_date(self) -> bytes | None:
+        """The ``Date`` field value now (RFC 9110 §6.6.1); None while the core has no clock."""
+        return self.date.at(self.now)
+
     def new_upstream_id(self) -> int:
         self._next_upstream -= 1
         return self._next_upstream
@@ -274,6 +281,8 @@ class ProxyCore:
                 client.on_sent(event.nbytes)
 
     def _accepted(self, event: ConnectionAccepted) -> None:
+        if event.wall is not None:
+            self.date.set_wall(event.now, event.wall)
         peer_ip = event.peer[0] if event.peer else "unknown"
         client = Downstream(self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn)
         self.clients[event.conn] = client
@@ -345,6 +354,8 @@ class ProxyCore:
     def _config_changed(self, event: ConfigChanged) -> None:
         """A new configuration; also the driver's first event, which starts health checks."""
         self.config = event.config
+        if event.wall is not None:
+            self.date.set_wall(event.now, event.wall)
         self._apply_limits()
         for probe in self.probes.values():
             self.cancel_timer(("probe", probe.ident))

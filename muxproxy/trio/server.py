@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import time
 
 import trio
 
@@ -66,7 +67,9 @@ class ProxyServer:
             driver = self.driver = Driver(self.core, nursery)
             driver.start()
             # The core's first event: it arms what runs by itself (health checks).
-            driver.feed(ConfigChanged(now=trio.current_time(), config=self.config))
+            driver.feed(
+                ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())
+            )
             for listener in self.config.listeners:
                 tcp_listeners = await open_listeners(
                     listener.host, listener.port, reuse_port=self.reuse_port
@@ -208,6 +211,7 @@ class ProxyServer:
                 peer=(peer[0], peer[1]),
                 tls=tls,
                 alpn=alpn,
+                wall=time.time(),
             )
         )
 

@@ -51,10 +51,24 @@ class Playbook:
         self.log.extend(commands)
         return commands
 
-    def accept(self, conn: int = 1, *, tls: bool = False, alpn: str | None = None) -> None:
+    def accept(
+        self,
+        conn: int = 1,
+        *,
+        tls: bool = False,
+        alpn: str | None = None,
+        wall: float | None = None,
+    ) -> None:
+        """A client connection; ``wall``: the wall-clock time the driver tells the core."""
         self.feed(
             ConnectionAccepted(
-                now=self.now, conn=conn, listener="l", peer=("10.0.0.7", 5555), tls=tls, alpn=alpn
+                now=self.now,
+                conn=conn,
+                listener="l",
+                peer=("10.0.0.7", 5555),
+                tls=tls,
+                alpn=alpn,
+                wall=wall,
             )
         )
 

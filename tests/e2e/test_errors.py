@@ -10,9 +10,12 @@ stream error, RST_STREAM(PROTOCOL_ERROR), that leaves the other streams alone (R
 
 from __future__ import annotations
 
+import email.utils
 import json
 import struct
+import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import h2.config
@@ -21,6 +24,7 @@ import h2.errors
 import h2.events
 import h11
 import hpack
+import openai
 import pytest
 import trio
 from peers import (
@@ -33,8 +37,8 @@ from peers import (
     serve_raw,
 )
 
-from muxproxy.config import Config, Listener, Route, Server, Timeouts, Upstream
-from muxproxy.core.commands import CloseConnection, OpenConnection, SendData, SetTimer
+from muxproxy.config import Api, Config, Limits, Listener, Route, Server, Timeouts, Upstream
+from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer
 from muxproxy.core.events import ConnectionAccepted, DataReceived, Wakeup
 from muxproxy.core.h2 import PREFACE
 from muxproxy.core.proxy import ProxyCore
@@ -533,3 +537,176 @@ async def test_h2_content_length_mismatch_resets_only_its_stream(start_backend, 
     assert bad_state.reset == h2.errors.ErrorCodes.PROTOCOL_ERROR
     assert good_state.status == 200 and good_state.ended
     assert good_state.body.endswith(b"data: [DONE]\n\n")
+
+
+# -- the proxy's own responses: Date, access-log bytes, the OpenAI error shape ----------------
+
+
+def capture_logs(proxy) -> list[Log]:
+    records: list[Log] = []
+    proxy.server.driver.on_log = records.append
+    return records
+
+
+def route_config(port: int, **route: Any) -> Config:
+    return Config(
+        listeners=(Listener(address="127.0.0.1:0"),),
+        upstreams={"llm": Upstream(name="llm", servers=(Server(address=f"127.0.0.1:{port}"),))},
+        routes=(Route(prefix="/v1/", upstream="llm", **route),),
+    )
+
+
+def assert_http_date(value: bytes | None) -> None:
+    # RFC 9110 §5.6.7 IMF-fixdate, close to now.
+    assert value is not None
+    when = email.utils.parsedate_to_datetime(value.decode())
+    assert value.endswith(b" GMT")
+    assert abs(when.timestamp() - time.time()) < 60
+
+
+async def answer_without_date(stream: trio.SocketStream) -> None:
+    """A backend that answers every request 200 with no Date field (h11 adds none)."""
+    conn = h11.Connection(h11.SERVER)
+    async with stream:
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                conn.receive_data(data)
+            elif type(event) is h11.EndOfMessage:
+                head = h11.Response(status_code=200, headers=[("content-length", "2")])
+                out = conn.send(head) + conn.send(h11.Data(data=b"{}"))
+                await stream.send_all(out + conn.send(h11.EndOfMessage()))
+                conn.start_next_cycle()
+            elif type(event) is not h11.Request:
+                return
+
+
+async def test_responses_without_date_get_one(start_proxy, nursery):
+    # RFC 9110 §6.6.1: a recipient with a clock adds the Date a forwarded response lacks.
+    port = await serve_raw(nursery, answer_without_date)
+    proxy = await start_proxy([port])
+    with trio.fail_after(10):
+        client = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with client:
+            conn, data = h1_request_bytes(b"/v1/models")
+            await client.send_all(data)
+            response, _ = await h1_read_response(client, conn)
+        stream = await h2_get(proxy.port)
+    assert response.status_code == 200
+    assert_http_date(dict(response.headers).get(b"date"))
+    assert stream.status == 200
+    assert_http_date(stream.field(b"date"))
+
+
+async def own_responses(proxy) -> tuple[H1Result, H1Result, H2Stream]:
+    """A 404 (no route) and a 502 (refused backend) over HTTP/1.1, a 502 over HTTP/2."""
+    with trio.fail_after(10):
+        missing = await h1_request(proxy.port, b"/elsewhere")
+        refused = await h1_request(proxy.port, b"/v1/models")
+        refused_h2 = await h2_get(proxy.port, b"/v1/models")
+    assert missing.status == 404 and refused.status == 502 and refused_h2.status == 502
+    return missing, refused, refused_h2
+
+
+async def test_own_responses_have_a_date(start_proxy):
+    proxy = await start_proxy(config=route_config(await closed_port()))
+    missing, refused, refused_h2 = await own_responses(proxy)
+    assert_http_date(missing.headers.get(b"date"))
+    assert_http_date(refused.headers.get(b"date"))
+    assert_http_date(refused_h2.field(b"date"))
+
+
+async def test_access_log_counts_the_bytes_of_own_responses(start_proxy):
+    proxy = await start_proxy(config=route_config(await closed_port()))
+    records = capture_logs(proxy)
+    missing, refused, refused_h2 = await own_responses(proxy)
+    logged = [r.fields["bytes"] for r in records if r.event == "access"]
+    assert logged == [len(missing.body), len(refused.body), len(refused_h2.body)]
+    assert all(logged)
+
+
+def openai_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10
+    )
+
+
+def chat(port: int) -> None:
+    with openai_client(port) as client:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_openai_sdk_shows_the_reason_of_a_502(start_proxy):
+    proxy = await start_proxy(config=route_config(await closed_port(), api=Api.OPENAI))
+    with trio.fail_after(20), pytest.raises(openai.InternalServerError) as info:
+        await trio.to_thread.run_sync(chat, proxy.port, abandon_on_cancel=True)
+    error = info.value
+    assert error.status_code == 502
+    # The SDK's exception text carries the proxy's reason (with a plain body: the code only).
+    assert str(error) == "Error code: 502 - upstream unavailable"
+    assert error.body == {
+        "message": "upstream unavailable",
+        "type": "server_error",
+        "param": None,
+        "code": "bad_gateway",
+    }
+    assert error.type == "server_error" and error.code == "bad_gateway"
+    assert error.response.headers["content-type"] == "application/json"
+
+
+async def test_openai_sdk_shows_the_reason_of_a_504(start_proxy, nursery):
+    port = await serve_raw(nursery, never_answer)
+    config = attrs.evolve(route_config(port, api=Api.OPENAI), timeouts=Timeouts(response_head=0.3))
+    proxy = await start_proxy(config=config)
+    with trio.fail_after(20), pytest.raises(openai.InternalServerError) as info:
+        await trio.to_thread.run_sync(chat, proxy.port, abandon_on_cancel=True)
+    assert info.value.status_code == 504
+    assert info.value.body == {
+        "message": "upstream timed out",
+        "type": "server_error",
+        "param": None,
+        "code": "gateway_timeout",
+    }
+
+
+async def test_openai_sdk_shows_the_reason_of_a_413(start_backend, start_proxy):
+    fake, backend = await start_backend()
+    config = attrs.evolve(route_config(backend, api=Api.OPENAI), limits=Limits(max_request_body=16))
+    proxy = await start_proxy(config=config)
+    with trio.fail_after(20), pytest.raises(openai.APIStatusError) as info:
+        await trio.to_thread.run_sync(chat, proxy.port, abandon_on_cancel=True)
+    assert info.value.status_code == 413
+    assert info.value.body == {
+        "message": "content-length above 16 bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+    assert fake.requests == 0
+
+
+async def test_openai_errors_over_h2_and_plain_text_elsewhere(start_proxy):
+    port = await closed_port()
+    config = attrs.evolve(
+        route_config(port, api=Api.OPENAI),
+        routes=(
+            Route(prefix="/v1/", upstream="llm", api=Api.OPENAI),
+            Route(prefix="/plain/", upstream="llm"),
+        ),
+    )
+    proxy = await start_proxy(config=config)
+    with trio.fail_after(10):
+        shaped = await h2_get(proxy.port, b"/v1/models")
+        plain = await h2_get(proxy.port, b"/plain/models")
+        unrouted = await h1_request(proxy.port, b"/nowhere")
+    assert shaped.status == 502 and shaped.field(b"content-type") == b"application/json"
+    assert json.loads(shaped.body)["error"]["message"] == "upstream unavailable"
+    assert int(shaped.field(b"content-length") or 0) == len(shaped.body)
+    assert plain.status == 502
+    assert_short_plain(plain.body, plain.field(b"content-type"))
+    # No route: not bound to any route's API, so plain text.
+    assert unrouted.status == 404
+    assert_short_plain(unrouted.body, unrouted.headers.get(b"content-type"))

@@ -1,0 +1,134 @@
+"""The Date field (RFC 9110 §6.6.1): ``muxproxy.core.dates`` and the responses that carry it.
+
+The core has no clock: the driver's ``wall`` on ``ConnectionAccepted`` says what wall-clock
+time its monotonic ``now`` is, so these tests pick both and know the exact Date to expect.
+"""
+
+from __future__ import annotations
+
+import h2.events
+import h11
+import pytest
+from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+
+from muxproxy.config import Route
+from muxproxy.core.commands import Log
+from muxproxy.core.dates import HttpDate
+from muxproxy.core.events import OpenFailed
+
+# RFC 9110 §5.6.7's example: 784111777 is "Sun, 06 Nov 1994 08:49:37 GMT".
+WALL = 784111777.0
+DATE = b"Sun, 06 Nov 1994 08:49:37 GMT"
+
+
+def test_http_date_is_imf_fixdate_from_the_offset() -> None:
+    date = HttpDate()
+    assert date.at(5.0) is None  # no wall time given: no clock, no Date
+    date.set_wall(100.0, WALL)
+    assert date.at(100.0) == DATE
+    assert date.at(100.999) == DATE
+    assert date.at(101.0) == b"Sun, 06 Nov 1994 08:49:38 GMT"
+    assert date.at(100.0 + 86400) == b"Mon, 07 Nov 1994 08:49:37 GMT"
+
+
+def test_http_date_is_formatted_once_per_second() -> None:
+    date = HttpDate()
+    date.set_wall(0.0, WALL)
+    first = date.at(0.1)
+    assert date.at(0.9) is first  # the cached bytes, not a new string
+    assert date.at(1.2) is not first
+
+
+def _h1_response(
+    pb: Playbook, client: H1ClientPeer, headers: list[tuple[str, str]]
+) -> h11.Response:
+    pb.receive(1, client.request("GET", "/v1/models"))
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    pb.now += 2.5
+    head = backend.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+    commands = pb.receive(up, head + backend.chunk(b"{}") + backend.end())
+    response = client.events(pb.take(1, commands))[0]
+    assert isinstance(response, h11.Response)
+    return response
+
+
+def test_backend_response_without_date_gets_the_proxys() -> None:
+    pb = Playbook()
+    pb.now = 10.0
+    pb.accept(1, wall=WALL)
+    client = H1ClientPeer()
+    response = _h1_response(pb, client, [("Content-Type", "application/json")])
+    dates = [v for n, v in response.headers if n == b"date"]
+    # Two and a half seconds after the accept.
+    assert dates == [b"Sun, 06 Nov 1994 08:49:39 GMT"]
+
+
+def test_backend_date_is_kept() -> None:
+    pb = Playbook()
+    pb.accept(1, wall=WALL)
+    client = H1ClientPeer()
+    theirs = "Tue, 01 Dec 2026 12:00:00 GMT"
+    response = _h1_response(pb, client, [("Date", theirs)])
+    assert [v for n, v in response.headers if n == b"date"] == [theirs.encode()]
+
+
+def test_no_date_without_a_wall_clock() -> None:
+    pb = Playbook()
+    pb.accept(1)
+    response = _h1_response(pb, H1ClientPeer(), [])
+    assert [v for n, v in response.headers if n == b"date"] == []
+
+
+def _access(pb: Playbook) -> Log:
+    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
+    return access
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_h1_own_404_has_a_date_and_logs_its_bytes(method: str) -> None:
+    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    pb.accept(1, wall=WALL)
+    client = H1ClientPeer()
+    events = client.events(pb.take(1, pb.receive(1, client.request(method, "/other"))))
+    response = events[0]
+    assert isinstance(response, h11.Response) and response.status_code == 404
+    headers = dict(response.headers)
+    assert headers[b"date"] == DATE
+    body = b"".join(e.data for e in events if isinstance(e, h11.Data))
+    assert _access(pb).fields["bytes"] == len(body)
+    if method == "GET":
+        assert len(body) == int(headers[b"content-length"]) > 0
+    else:
+        assert body == b""
+
+
+def test_h2_own_404_has_a_date_and_logs_its_bytes() -> None:
+    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    pb.accept(1, wall=WALL)
+    client = H2ClientPeer()
+    _, data = client.request(b"GET", b"/other")
+    events = client.events(pb.take(1, pb.receive(1, client.preface() + data)))
+    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    headers = dict(head.headers)
+    assert headers[b":status"] == b"404"
+    assert headers[b"date"] == DATE
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert len(body) == int(headers[b"content-length"]) > 0
+    assert _access(pb).fields["bytes"] == len(body)
+
+
+def test_own_502_has_a_date() -> None:
+    pb = Playbook()
+    pb.accept(1, wall=WALL)
+    client = H1ClientPeer()
+    pb.receive(1, client.request("GET", "/v1/models"))
+    (open_cmd,) = pb.opens()
+    commands = pb.feed(OpenFailed(now=pb.now, conn=open_cmd.conn, reason="refused"))
+    response = client.events(pb.take(1, commands))[0]
+    assert isinstance(response, h11.Response) and response.status_code == 502
+    assert dict(response.headers)[b"date"] == DATE
+    assert _access(pb).fields["bytes"] > 0
