@@ -291,7 +291,8 @@ class Downstream:
         if self.h1 is not None:
             exchange.status = 408
             # The 408 first: the abort below ends in a close, which flushes it (RFC 9112 §9.6).
-            self._send(self.h1.send_error(408, "request body timeout"))
+            api = exchange.route.api if exchange.route is not None else None
+            exchange.bytes_out += self._h1_error(408, "request body timeout", api)
             exchange.client_aborted(reason)
             self.close()
             return
