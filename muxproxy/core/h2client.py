@@ -40,6 +40,9 @@ from .messages import Abort, Body, End, Headers, Message, ResponseHead
 # gRPC's status fields (gRPC over HTTP/2, "Trailers"): in a Trailers-Only response they sit in
 # the one HEADERS frame; we move them to trailers.
 GRPC_STATUS_FIELDS = frozenset({b"grpc-status", b"grpc-message", b"grpc-status-details-bin"})
+# RFC 9113 §5.1.1: stream ids are 31 bits and never reused; a client that used them all opens a
+# new connection.
+MAX_STREAM_ID = 2**31 - 1
 
 
 class _GoawayKeepsOpen(h2.connection.H2ConnectionStateMachine):
@@ -101,6 +104,11 @@ class H2Client:
     @property
     def open_streams(self) -> int:
         return int(self.conn.open_outbound_streams)
+
+    @property
+    def stream_ids_left(self) -> bool:
+        """Another stream can be opened (RFC 9113 §5.1.1: ids are never reused)."""
+        return int(self.conn.highest_outbound_stream_id) + 2 <= MAX_STREAM_ID
 
     # -- receiving -------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ new ones, a new connection serves the rest; a stream above it was never processe
 makes it safe to retry, and it is reported ``stale`` like HTTP/1.1's keep-alive race), §6.7
 (PING keeps an idle connection alive and proves it is), §8.7 (a client that goes away cancels
 its backend stream with RST_STREAM(CANCEL), not the shared connection), §5.2/§6.9 (flow control
-per stream, end to end).
+per stream, end to end), §5.1.1 (stream ids are never reused: a connection that used the last
+one drains like after a GOAWAY).
 
 Policy, per server: up to ``max_connections`` connections (draining ones not counted). A request
 takes a free stream on a ready connection; with none free it waits in a FIFO per server, bounded
@@ -89,6 +90,8 @@ class H2Stream:
         self.sid = up.client.start_request(upstream_h2_headers(method, scheme, target, headers))
         up.streams[self.sid] = self
         up.flush()
+        if not up.client.stream_ids_left and up.state is H2State.READY:
+            up.retire()
 
     def send_body(self, data: bytes) -> None:
         if self.sid and not self.done:
@@ -308,6 +311,12 @@ class H2Upstream:
         return f"{self.origin} (h2, conn {self.conn})"
 
     # -- streams ---------------------------------------------------------------------------
+
+    def retire(self) -> None:
+        """The last stream id is taken (RFC 9113 §5.1.1): drain, new streams go elsewhere."""
+        self.state = H2State.DRAINING
+        self.core.emit(Log(event="upstream_stream_ids_used", fields={"upstream": str(self)}))
+        self.pool.draining(self)
 
     def stream_finished(self, stream: H2Stream) -> None:
         if self.streams.get(stream.sid) is stream:

@@ -370,8 +370,9 @@ def settings_then_goaway(pb: Playbook, conn: int, code: h2.errors.ErrorCodes) ->
 
 
 def status_of(events: list[h2.events.Event], sid: int) -> int:
-    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert head.stream_id == sid
+    (head,) = [
+        e for e in events if isinstance(e, h2.events.ResponseReceived) and e.stream_id == sid
+    ]
     return int(dict(head.headers)[b":status"])
 
 
@@ -529,3 +530,31 @@ def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -
     data = [e for e in events if isinstance(e, h2.events.DataReceived) and e.stream_id == sid]
     assert [e.data for e in data if not e.stream_ended] == [b"data: tok\n\n"]
     assert ended(events, sid)
+
+
+def test_connection_that_used_every_stream_id_drains_and_the_next_request_opens_another() -> None:
+    pb = Playbook(h2_config())
+    client = Client(pb, 1)
+    a = client.request()
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    # As if 2**30 streams had gone by: the next one gets the last id (RFC 9113 §5.1.1).
+    upstream: Any = pb.core.upstreams[-1]
+    upstream.client.conn.highest_outbound_stream_id = 2**31 - 3
+    respond(backend, req.stream_id, end=True)
+    b = client.request()
+    (last,) = requests(backend.read())
+    assert last.stream_id == 2**31 - 1
+    assert any(isinstance(c, Log) and c.event == "upstream_stream_ids_used" for c in pb.log)
+    # No id is left on it: the next request opens a new connection.
+    c = client.request()
+    assert [o.conn for o in pb.opens()] == [-1, -2]
+    fresh = connect_backend(pb, -2)
+    (other,) = requests(fresh.read())
+    respond(fresh, other.stream_id, end=True)
+    # The last stream still finishes on the old connection, which then closes.
+    respond(backend, last.stream_id, end=True)
+    events = client.read()
+    for sid in (a, b, c):
+        assert status_of(events, sid) == 200 and ended(events, sid)
+    assert CloseConnection(conn=-1) in pb.log
