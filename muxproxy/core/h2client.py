@@ -102,6 +102,12 @@ class H2Client:
         return int(self.conn.remote_settings.max_concurrent_streams)
 
     @property
+    def extended_connect(self) -> bool:
+        """The backend accepts RFC 8441 extended CONNECT (SETTINGS_ENABLE_CONNECT_PROTOCOL,
+        RFC 8441 §3); known once its first SETTINGS arrived."""
+        return bool(self.conn.remote_settings.enable_connect_protocol == 1)
+
+    @property
     def open_streams(self) -> int:
         return int(self.conn.open_outbound_streams)
 

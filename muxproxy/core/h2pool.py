@@ -84,10 +84,22 @@ class H2Stream:
         (what ``Exchange`` asks before a ``stale`` retry of a non-idempotent request)."""
         return not self.refused
 
-    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
+    def send_head(
+        self,
+        stream: int,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        *,
+        protocol: bytes | None = None,
+    ) -> None:
+        """Open the stream; ``protocol``: an RFC 8441 extended CONNECT (``:protocol``)."""
         up = self.upstream
         scheme = b"https" if up.origin.tls else b"http"
-        self.sid = up.client.start_request(upstream_h2_headers(method, scheme, target, headers))
+        fields = upstream_h2_headers(method, scheme, target, headers)
+        if protocol is not None:
+            fields.insert(1, (b":protocol", protocol))
+        self.sid = up.client.start_request(fields)
         up.streams[self.sid] = self
         up.flush()
         if not up.client.stream_ids_left and up.state is H2State.READY:

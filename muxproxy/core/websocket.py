@@ -11,7 +11,16 @@ What it obeys:
   backend: ``GET :path``, Host from ``:authority``, a Sec-WebSocket-Key of our own (RFC 6455
   §4.1: 16 random bytes, base64), whose Sec-WebSocket-Accept the backend must return
   (§4.2.2: base64(SHA-1(key + GUID))). On that 101 the stream gets ``:status 200`` (RFC 8441
-  §5) and its DATA frames carry the WebSocket frames unchanged.
+  §5) and its DATA frames carry the WebSocket frames unchanged. The 200 carries a
+  Sec-WebSocket-Accept although RFC 8441 needs none (clients such as niquests insist): the
+  one for the client's own key if it sent one, else the backend's, which we checked.
+- An HTTP/2 backend (``protocol = "h2"``) gets an extended CONNECT itself (RFC 8441 §4:
+  ``:method CONNECT``, ``:protocol websocket``, no Sec-WebSocket-Key), from an HTTP/1.1 client
+  too, and only where its SETTINGS say SETTINGS_ENABLE_CONNECT_PROTOCOL = 1 (§3); otherwise
+  a 502 says why, and nothing is sent (never a plain GET). Its 2xx opens the tunnel: an
+  HTTP/1.1 client gets a 101 with the Sec-WebSocket-Accept for its key, computed here; the
+  stream stays open for the frames (``tunnel.StreamBackend``). A refusal is an ordinary
+  response, and our side of the stream ends with it.
 - A backend that does not switch: its response goes to the client as a normal response
   (retries and failover as for any request). On the HTTP/2 bridge a 2xx other than 101, or a
   wrong Sec-WebSocket-Accept, is a 502: a 2xx would tell the client the tunnel is open.
@@ -33,10 +42,11 @@ import h11
 
 from .commands import Log
 from .exchange import VIA, Exchange, Phase, RequestPhase
-from .headers import header_value, is_websocket_upgrade, response_headers
+from .h2pool import H2Stream
+from .headers import header_value, is_websocket_upgrade, response_headers, upstream_h1_headers
 from .messages import Headers, RequestHead, ResponseHead
 from .pool import UpstreamConn, UpstreamState
-from .tunnel import RawBackend, Tunnel
+from .tunnel import Backend, RawBackend, StreamBackend, Tunnel
 
 if TYPE_CHECKING:
     from .downstream import Downstream
@@ -97,6 +107,9 @@ class WebSocketExchange(Exchange):
         self.early: list[bytes] = []
         """HTTP/2 DATA that came before the tunnel opened, held (unacknowledged) until then."""
         self.early_size = 0
+        self.client_key = header_value(head.headers, b"sec-websocket-key")
+        """The client's own Sec-WebSocket-Key (RFC 6455 §4.1; an RFC 8441 client may send one
+        too), answered with its Sec-WebSocket-Accept where the backend's does not fit."""
         if head.method != b"CONNECT":
             self.handshake = Handshake.H1_UPGRADE
         elif head.protocol == b"websocket" and client.is_h2 and head.target:
@@ -113,10 +126,45 @@ class WebSocketExchange(Exchange):
         super().start()
 
     def upstream_ready(self, upstream: UpstreamStream) -> None:
+        if isinstance(upstream, H2Stream) and self.phase is Phase.CONNECTING:
+            self._extended_connect(upstream)
+            return
         super().upstream_ready(upstream)
         if self.upstream is upstream and self.handshake is Handshake.H2_EXTENDED_CONNECT:
             # The bridged GET has no body; the stream's DATA are the tunnel's, after the 101.
             upstream.send_end([])
+
+    def _extended_connect(self, stream: H2Stream) -> None:
+        """An HTTP/2 backend: RFC 8441 extended CONNECT, never a plain GET, and only where the
+        backend's SETTINGS allow it (§3: SETTINGS_ENABLE_CONNECT_PROTOCOL = 1)."""
+        core = self.core
+        group = self.group
+        assert group is not None
+        core.cancel_timer(("connect", self.ident))
+        if not stream.upstream.client.extended_connect:
+            stream.exchange = None
+            stream.close()  # no HEADERS went out: this only frees the slot
+            reason = (
+                "the HTTP/2 backend does not accept WebSockets "
+                "(no SETTINGS_ENABLE_CONNECT_PROTOCOL, RFC 8441 §3)"
+            )
+            self.core.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
+            self.fail(502, f"bad gateway: {reason}", reason)
+            return
+        self.upstream = stream
+        head = self.head
+        headers = upstream_h1_headers(
+            head, client_ip=self.client.peer_ip, proto=self.client.scheme, via=VIA, has_body=False
+        )
+        if group.set_headers:
+            headers = self._apply_header_rules(headers)
+        # RFC 8441 §5: no Sec-WebSocket-Key over HTTP/2 (nor Upgrade / Connection, which
+        # the HTTP/2 field block drops anyway); the stream stays open for the frames.
+        headers = [field for field in headers if field[0].lower() != b"sec-websocket-key"]
+        stream.send_head(self.stream, b"CONNECT", head.target, headers, protocol=b"websocket")
+        self.phase = Phase.WAITING_HEAD
+        timeout = group.timeouts.response_head or core.config.timeouts.response_head
+        core.set_timer(("head", self.ident), core.now + timeout)
 
     # -- client side -----------------------------------------------------------------------
 
@@ -162,6 +210,32 @@ class WebSocketExchange(Exchange):
         else:
             super().client_drained()
 
+    # An HTTP/2 backend stream's events reach the tunnel through the exchange.
+
+    def upstream_drained(self) -> None:
+        if self.tunnel is not None:
+            self.tunnel.backend_drained()
+        else:
+            super().upstream_drained()
+
+    def response_body(self, data: bytes) -> None:
+        if self.tunnel is not None:
+            self.tunnel.from_backend(data)
+        else:
+            super().response_body(data)
+
+    def response_end(self, trailers: Headers) -> None:
+        if self.tunnel is not None:
+            self.tunnel.backend_end()  # END_STREAM: the backend's FIN (RFC 8441 §5)
+        else:
+            super().response_end(trailers)
+
+    def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
+        if self.tunnel is not None:
+            self.tunnel.backend_closed(reason)
+        else:
+            super().upstream_failed(reason, timeout=timeout, stale=stale)
+
     def watch_request_body(self) -> None:
         """No request-body idle deadline: a tunnel's client may rightly stay silent (its
         ``tunnel_idle`` timer bounds that)."""
@@ -178,6 +252,17 @@ class WebSocketExchange(Exchange):
     def response_head(self, head: ResponseHead) -> None:
         if self.phase is not Phase.WAITING_HEAD:
             return
+        upstream = self.upstream
+        if isinstance(upstream, H2Stream):
+            if 200 <= head.status < 300:
+                # RFC 8441 §5: a 2xx to the extended CONNECT opens the tunnel.
+                self.upstream = None  # the tunnel's now; its events still come here
+                self._open_tunnel(StreamBackend(upstream), head)
+            else:
+                # A refusal is an ordinary response; our side of the stream is done.
+                upstream.send_end([])
+                super().response_head(head)
+            return
         bridged = self.handshake is Handshake.H2_EXTENDED_CONNECT
         if head.status != 101:
             if bridged and 200 <= head.status < 300:
@@ -185,7 +270,6 @@ class WebSocketExchange(Exchange):
                 return
             super().response_head(head)
             return
-        upstream = self.upstream
         if not isinstance(upstream, UpstreamConn):  # pragma: no cover - h11 only gives 101s
             self._bad_handshake("101 from a backend that cannot switch")
             return
@@ -195,7 +279,13 @@ class WebSocketExchange(Exchange):
             if accept is None or accept.strip() != accept_for(self.key):
                 self._bad_handshake("wrong Sec-WebSocket-Accept from backend")
                 return
-        self._open_tunnel(upstream, head)
+        # The backend connection leaves the pool for good: its bytes are the tunnel's now.
+        self.upstream = None
+        upstream.exchange = None
+        upstream.state = UpstreamState.CLOSED
+        self.core.pool.discard(upstream)
+        backend = RawBackend(self.core, upstream.conn, upstream.pending)
+        self._open_tunnel(backend, head, upstream.adapter.conn.trailing_data[0])
 
     def _bad_handshake(self, reason: str) -> None:
         self.core.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
@@ -203,28 +293,31 @@ class WebSocketExchange(Exchange):
         self._release_upstream(close=True)
         self.fail(502, "bad WebSocket handshake from upstream", reason)
 
-    def _open_tunnel(self, upstream: UpstreamConn, head: ResponseHead) -> None:
+    def _open_tunnel(self, backend: Backend, head: ResponseHead, leftover: bytes = b"") -> None:
+        """The backend switched (its 101, or a 2xx to an extended CONNECT): switch the client
+        too and relay. ``leftover``: backend bytes read past its 101."""
         core = self.core
         client = self.client
         self._cancel_attempt_timers()
         if self.router is not None and self.server is not None:
             self.router.succeeded(self.server)
-        # The backend connection leaves the pool for good: its bytes are the tunnel's now.
-        self.upstream = None
-        upstream.exchange = None
-        upstream.state = UpstreamState.CLOSED
-        core.pool.discard(upstream)
-        leftover = upstream.adapter.conn.trailing_data[0]
+        h2_backend = isinstance(backend, StreamBackend)
         headers = response_headers(
-            101, head.headers, via=VIA, upstream_version=b"1.1", to_h2=client.is_h2
+            101,
+            head.headers,
+            via=VIA,
+            upstream_version=b"2" if h2_backend else b"1.1",
+            to_h2=client.is_h2,
         )
+        if h2_backend or self.handshake is Handshake.H2_EXTENDED_CONNECT:
+            # The backend never saw the client's key: answer it ourselves (RFC 6455 §4.2.2).
+            # RFC 8441 §5 needs no accept on HTTP/2, yet clients (niquests) insist on one.
+            headers = self._accept_for_client(headers)
         self.phase = Phase.STREAMING
         self.first_byte_at = core.now
         early: list[bytes]
         if self.handshake is Handshake.H2_EXTENDED_CONNECT:
-            # RFC 8441 §5: a 2xx opens the tunnel; the client never sent a key, so the accept
-            # is ours alone.
-            headers = [field for field in headers if field[0] != b"sec-websocket-accept"]
+            # RFC 8441 §5: a 2xx opens the tunnel.
             self.status = 200
             client.send_head(ResponseHead(stream=self.stream, status=200, headers=headers))
             early, self.early, self.early_size = self.early, [], 0
@@ -239,11 +332,7 @@ class WebSocketExchange(Exchange):
             # Bytes the client sent after its request (h11 read them, PAUSED): tunnel bytes.
             early = [h1.conn.trailing_data[0]]
         tunnel = self.tunnel = Tunnel(
-            core,
-            self,
-            backend=RawBackend(core, upstream.conn, upstream.pending),
-            timer=("tunnel", self.ident),
-            ended=self._tunnel_ended,
+            core, self, backend=backend, timer=("tunnel", self.ident), ended=self._tunnel_ended
         )
         tunnel.unacked, self.unacked = self.unacked, 0
         core.emit(
@@ -259,6 +348,16 @@ class WebSocketExchange(Exchange):
             tunnel.from_backend(leftover)
         if self.request is RequestPhase.COMPLETE and client.is_h2:
             tunnel.client_end()
+
+    def _accept_for_client(self, headers: Headers) -> Headers:
+        """The Sec-WebSocket-Accept for the client's own key, if it sent one; otherwise
+        the backend's (on the HTTP/1.1 bridge: the value checked against our key)."""
+        key = self.client_key
+        if key is None:
+            return headers
+        fields = [field for field in headers if field[0].lower() != b"sec-websocket-accept"]
+        fields.append((b"sec-websocket-accept", accept_for(key.strip())))
+        return fields
 
     def _tunnel_ended(self, outcome: str) -> None:
         tunnel = self.tunnel

@@ -8,18 +8,21 @@ byte strings where WebSocket frames would travel.
 from __future__ import annotations
 
 import attrs
+import h2.config
+import h2.connection
 import h2.events
 import h2.settings
 import h11
-from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config
+from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
 
-from muxproxy.config import Limits, Timeouts, parse_config
+from muxproxy.config import Config, Limits, Server, Timeouts, Upstream, parse_config
 from muxproxy.core.commands import (
     CloseConnection,
     Command,
     Log,
     PauseReading,
     ResumeReading,
+    SendData,
     SetTimer,
     ShutdownWrite,
 )
@@ -288,7 +291,9 @@ def test_extended_connect_is_bridged_to_an_http1_upgrade() -> None:
     (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
     fields = dict(response.headers)
     assert fields[b":status"] == b"200"
-    assert b"sec-websocket-accept" not in fields and b"upgrade" not in fields
+    assert b"upgrade" not in fields
+    # RFC 8441 needs none, but clients insist: the backend's accept, checked against our key.
+    assert fields[b"sec-websocket-accept"] == accept_for(key)
     data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
     assert data == b"server-frame"
 
@@ -380,3 +385,216 @@ def test_internal_error_on_the_client_side_of_a_tunnel_closes_its_backend() -> N
     commands = pb.receive(1, b"frame")
     assert CloseConnection(conn=up) in commands
     assert not pb.core.tunnels
+
+
+def test_extended_connect_with_a_client_key_gets_the_accept_for_that_key() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    pb.accept(1)
+    pb.receive(1, peer.preface())
+    peer.events(pb.take(1))
+    sid = peer.conn.get_next_available_stream_id()
+    headers = [
+        (b":method", b"CONNECT"),
+        (b":protocol", b"websocket"),
+        (b":scheme", b"http"),
+        (b":path", b"/chat"),
+        (b":authority", b"proxy.example"),
+        (b"sec-websocket-version", b"13"),
+        (b"sec-websocket-key", KEY),
+    ]
+    peer.conn.send_headers(sid, headers)
+    pb.receive(1, peer.conn.data_to_send())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    (request, _) = backend.events(pb.take(up))
+    ours = dict(request.headers)[b"sec-websocket-key"]
+    assert ours != KEY
+    before = len(pb.log)
+    pb.receive(up, _switch(backend, ours))
+    events = peer.events(pb.take(1, pb.log[before:]))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b"sec-websocket-accept"] == accept_for(KEY)
+
+
+# -- HTTP/2 backends (RFC 8441 extended CONNECT upstream) -----------------------------------------
+
+
+def _h2_backend_config() -> Config:
+    group = Upstream(name="default", servers=(Server(address=BACKEND, protocol="h2"),))
+    return default_config(upstreams={"default": group})
+
+
+class H2BackendPeer:
+    """An h2 server peer for backend connection ``conn``; ``connect``: whether its SETTINGS
+    allow extended CONNECT (RFC 8441 §3)."""
+
+    def __init__(self, pb: Playbook, conn: int, *, connect: bool) -> None:
+        self.pb = pb
+        self.conn_id = conn
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        code = h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL
+        self.conn.local_settings = h2.settings.Settings(
+            client=False, initial_values={code: int(connect)}
+        )
+        self.conn.initiate_connection()
+        self.seen = 0
+
+    def read(self) -> list[h2.events.Event]:
+        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
+        data = b"".join(c.data for c in sends[self.seen :])
+        self.seen = len(sends)
+        events = self.conn.receive_data(data) if data else []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        return events
+
+    def flush(self) -> list[Command]:
+        return self.pb.receive(self.conn_id, self.conn.data_to_send())
+
+
+def _upgrade_to_h2_backend(
+    pb: Playbook, *, connect: bool = True
+) -> tuple[int, H2BackendPeer, list[h2.events.Event]]:
+    pb.accept(1)
+    pb.receive(1, _upgrade_request())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H2BackendPeer(pb, up, connect=connect)
+    events = backend.read()
+    backend.flush()  # its SETTINGS: the connection is ready, the request goes out
+    return up, backend, events + backend.read()
+
+
+def test_h1_upgrade_to_an_h2_backend_is_an_extended_connect_answered_with_a_101() -> None:
+    pb = Playbook(_h2_backend_config())
+    up, backend, events = _upgrade_to_h2_backend(pb)
+    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    fields = dict(request.headers)
+    # RFC 8441 §4/§5: CONNECT with :protocol, never a plain GET; no key, no Upgrade.
+    assert fields[b":method"] == b"CONNECT" and fields[b":protocol"] == b"websocket"
+    assert fields[b":path"] == b"/ws" and fields[b":scheme"] == b"http"
+    assert fields[b"sec-websocket-version"] == b"13"
+    assert b"sec-websocket-key" not in fields and b"upgrade" not in fields
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
+    sid = request.stream_id
+    backend.conn.send_headers(sid, [(b":status", b"200")])
+    backend.conn.send_data(sid, b"server-frame")
+    before = len(pb.log)
+    backend.flush()
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(pb.take(1, pb.log[before:]))
+    switched = client.next_event()
+    assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
+    headers = dict(switched.headers)
+    assert headers[b"sec-websocket-accept"] == accept_for(KEY)  # RFC 6455 §4.2.2, ours
+    assert headers[b"upgrade"] == b"websocket"
+    assert client.trailing_data[0] == b"server-frame"
+
+    # Frames both ways, as DATA on the backend stream.
+    pb.receive(1, b"client-frame")
+    data = [e for e in backend.read() if isinstance(e, h2.events.DataReceived)]
+    assert b"".join(e.data for e in data) == b"client-frame"
+    backend.conn.send_data(sid, b"more")
+    commands = backend.flush()
+    assert pb.take(1, commands) == b"more"
+
+    # The client's FIN is END_STREAM upstream; the backend's END_STREAM then ends it all.
+    commands = _eof(pb, 1)
+    assert any(isinstance(e, h2.events.StreamEnded) for e in backend.read())
+    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    backend.conn.send_data(sid, b"backend-close", end_stream=True)
+    commands = backend.flush()
+    assert pb.take(1, commands) == b"backend-close"
+    assert CloseConnection(conn=1) in commands
+    assert CloseConnection(conn=up) not in commands  # the shared connection stays
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    assert not pb.core.exchanges
+
+
+def test_websocket_to_an_h2_backend_without_extended_connect_is_a_502() -> None:
+    pb = Playbook(_h2_backend_config())
+    _, _, events = _upgrade_to_h2_backend(pb, connect=False)
+    assert not [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    client = H1ClientPeer()
+    client.conn.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+    client.conn.send(h11.EndOfMessage())
+    (response, *rest) = client.events(pb.take(1))
+    assert isinstance(response, h11.Response) and response.status_code == 502
+    body = b"".join(e.data for e in rest if isinstance(e, h11.Data))
+    assert b"SETTINGS_ENABLE_CONNECT_PROTOCOL" in body
+
+
+def test_h2_backend_refusal_of_the_extended_connect_is_an_ordinary_response() -> None:
+    pb = Playbook(_h2_backend_config())
+    _, backend, events = _upgrade_to_h2_backend(pb)
+    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    sid = request.stream_id
+    backend.conn.send_headers(sid, [(b":status", b"403"), (b"content-length", b"2")])
+    backend.conn.send_data(sid, b"no", end_stream=True)
+    backend.flush()
+    # Our side of the refused stream ends too: nothing holds the backend's stream open.
+    assert any(isinstance(e, h2.events.StreamEnded) for e in backend.read())
+    client = H1ClientPeer()
+    client.conn.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+    client.conn.send(h11.EndOfMessage())
+    (response, *rest) = client.events(pb.take(1))
+    assert isinstance(response, h11.Response) and response.status_code == 403
+    assert b"".join(e.data for e in rest if isinstance(e, h11.Data)) == b"no"
+    assert not pb.core.tunnels and not pb.core.exchanges
+
+
+def test_extended_connect_from_an_h2_client_to_an_h2_backend() -> None:
+    pb = Playbook(_h2_backend_config())
+    peer = H2ClientPeer()
+    pb.accept(1)
+    pb.receive(1, peer.preface())
+    peer.events(pb.take(1))
+    sid = peer.conn.get_next_available_stream_id()
+    peer.conn.send_headers(
+        sid,
+        [
+            (b":method", b"CONNECT"),
+            (b":protocol", b"websocket"),
+            (b":scheme", b"http"),
+            (b":path", b"/chat"),
+            (b":authority", b"proxy.example"),
+            (b"sec-websocket-version", b"13"),
+        ],
+    )
+    pb.receive(1, peer.conn.data_to_send())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H2BackendPeer(pb, up, connect=True)
+    backend.read()
+    backend.flush()
+    (request,) = [e for e in backend.read() if isinstance(e, h2.events.RequestReceived)]
+    fields = dict(request.headers)
+    assert fields[b":method"] == b"CONNECT" and fields[b":protocol"] == b"websocket"
+    assert b"sec-websocket-key" not in fields
+    bsid = request.stream_id
+    backend.conn.send_headers(bsid, [(b":status", b"200")])
+    before = len(pb.log)
+    backend.flush()
+    events = peer.events(pb.take(1, pb.log[before:]))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b":status"] == b"200"
+    peer.conn.send_data(sid, b"client-frame")
+    pb.receive(1, peer.conn.data_to_send())
+    data = [e for e in backend.read() if isinstance(e, h2.events.DataReceived)]
+    assert b"".join(e.data for e in data) == b"client-frame"
+    backend.conn.send_data(bsid, b"server-frame")
+    before = len(pb.log)
+    backend.flush()
+    events = peer.events(pb.take(1, pb.log[before:]))
+    assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == (
+        b"server-frame"
+    )

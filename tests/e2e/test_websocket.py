@@ -7,6 +7,7 @@ to, rejects the handshake with 403 on ``/reject``, and records how each connecti
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import attrs
@@ -39,6 +40,7 @@ from wsproto.events import (
 )
 
 from muxproxy.config import Timeouts
+from muxproxy.core.websocket import accept_for
 
 TIMEOUT = 5
 
@@ -317,7 +319,7 @@ class H2WebSocket:
                 self.reset = event
         await self.flush()
 
-    async def connect(self, path: bytes) -> None:
+    async def connect(self, path: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         self.h2.initiate_connection()
         await self.flush()
         code = h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL
@@ -332,6 +334,7 @@ class H2WebSocket:
             (b":path", path),
             (b":authority", b"proxy.example"),
             (b"sec-websocket-version", b"13"),
+            *(extra or []),
         ]
         self.h2.send_headers(self.sid, headers)
         await self.flush()
@@ -421,6 +424,27 @@ async def test_h2_client_close_with_end_stream_gets_the_backend_close_reply(
         await ws_backend.closed.wait()
         await client.stream.aclose()
     assert ws_backend.closes == [(4003, "ended")]
+
+
+async def test_extended_connect_response_carries_sec_websocket_accept(
+    ws_backend: WsBackend, proxy: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        # Without a key of its own the client gets the backend's (checked by the proxy).
+        client = await _connect_h2(proxy.port, b"/chat")
+        accept = dict(client.response or [])[b"sec-websocket-accept"]
+        assert len(base64.b64decode(accept)) == 20  # RFC 6455 §4.2.2: a SHA-1, base64
+        await client.stream.aclose()
+        # With a key of its own (some clients send one), the accept for that key.
+        key = base64.b64encode(b"sixteen byte key")
+        client = await _open_h2(proxy.port)
+        await client.connect(b"/chat", [(b"sec-websocket-key", key)])
+        assert client.status == b"200"
+        assert dict(client.response or [])[b"sec-websocket-accept"] == accept_for(key)
+        await client.send(TextMessage(data="still a tunnel"))
+        echoed = await client.next_event()
+        assert isinstance(echoed, TextMessage) and echoed.data == "still a tunnel"
+        await client.stream.aclose()
 
 
 async def test_extended_connect_gets_the_backend_refusal(ws_backend: WsBackend, proxy: Any) -> None:
