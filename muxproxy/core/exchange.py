@@ -57,7 +57,13 @@ from . import grpc
 from .body import RequestBody
 from .commands import Log, Origin
 from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
-from .headers import header_value, is_event_stream, response_headers, upstream_h1_headers
+from .headers import (
+    header_value,
+    is_event_stream,
+    response_headers,
+    trailer_fields,
+    upstream_h1_headers,
+)
 from .intake import MalformedRequest
 from .messages import Headers, RequestHead, ResponseHead
 from .paths import normalise_target
@@ -384,7 +390,8 @@ class Exchange:
         self.request_done_at = self.core.now
         if self.phase is Phase.DONE:
             return
-        self.request_trailers = trailers
+        # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
+        trailers = self.request_trailers = trailer_fields(trailers) if trailers else trailers
         if self.upstream is not None:
             self.upstream.send_end(trailers)
         elif self.phase is Phase.BUFFERING:
@@ -561,7 +568,8 @@ class Exchange:
             self._commit()
         if self.phase is not Phase.STREAMING:
             return
-        self.client.send_end(self.stream, trailers)
+        # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
+        self.client.send_end(self.stream, trailer_fields(trailers) if trailers else trailers)
         self._release_upstream(close=False)
         self._finish("ok")
 

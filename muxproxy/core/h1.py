@@ -246,6 +246,11 @@ class H1Server:
         return self.conn.send(h11.Data(data=data)) or b""
 
     def send_end(self, trailers: Headers) -> bytes:
+        # RFC 9112 §7.1.2: only a chunked body has a trailer section; with Content-Length,
+        # read-until-close (an HTTP/1.0 client) or no body at all the trailers are dropped
+        # (RFC 9110 §6.5.2 lets a recipient discard them), as h11 refuses to send them.
+        if not self.chunking:
+            trailers = []
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
     def send_error(
@@ -307,10 +312,14 @@ class H1Client:
         """Decodes the current response's chunked body, once h11 has parsed its head."""
         self.extra = False
         """The backend sent bytes after the end of the response (RFC 9112 §9.3)."""
+        self.chunking = False
+        """The current request's body is chunked: it may end with trailers."""
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
         self.stream = stream
         self.method = method
+        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
+        self.chunking = any(name.lower() == b"transfer-encoding" for name, _ in headers)
         return head_bytes(
             self.conn,
             lambda fields: h11.Request(method=method, target=target, headers=fields),
@@ -321,16 +330,11 @@ class H1Client:
         return self.conn.send(h11.Data(data=data)) or b""
 
     def send_end(self, trailers: Headers) -> bytes:
-        # Trailers from an HTTP/2 client are not checked by h2 (inbound validation is off):
-        # drop fields h11 would refuse rather than raise on the peer's bytes, and the framing
-        # and connection fields a trailer section must not carry (RFC 9110 §6.5.1).
-        trailers = [
-            (n, v)
-            for n, v in trailers
-            if _FIELD_NAME.fullmatch(n)
-            and _FIELD_VALUE.fullmatch(v)
-            and n.lower() not in H11_FIELDS
-        ]
+        # ``trailers`` are what ``headers.trailer_fields`` let through. RFC 9112 §7.1.2: only a
+        # chunked body has a trailer section; next to a Content-Length they are dropped (RFC
+        # 9110 §6.5.2), as h11 refuses to send them.
+        if not self.chunking:
+            trailers = []
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
     def receive(self, data: bytes) -> list[Message]:
@@ -442,8 +446,6 @@ class H1Client:
 # NUL, CR, LF or other whitespace but SP and HTAB inside, and none at either end (§5.5).
 _NAME_SYNTAX = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _VALUE_SYNTAX = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
-_FIELD_NAME = re.compile(_NAME_SYNTAX)
-_FIELD_VALUE = re.compile(_VALUE_SYNTAX)
 
 H11_FIELDS = frozenset(
     [b"host", b"content-length", b"transfer-encoding", b"connection", b"expect", b"upgrade"]

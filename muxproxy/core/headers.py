@@ -23,6 +23,8 @@ in frozensets. What they obey:
   messages) for HTTP/2 requests, which h2 hands us unvalidated and unnormalized.
 * RFC 9112 §3.2 (Host, request-target forms) and §6.3 (Transfer-Encoding overrides
   Content-Length; an intermediary removes Content-Length in that case) for HTTP/1.1.
+* RFC 9110 §6.5.1 (trailer fields): what a trailer section must not carry, and what the other
+  protocol cannot carry, is dropped, whichever way the message goes (``trailer_fields``).
 * RFC 7239 (Forwarded) is not used; we set X-Forwarded-For and X-Forwarded-Proto instead.
   X-Forwarded-Proto names the transport the request came on (TLS or not), never what the
   client claimed: an HTTP/2 ``:scheme`` is the client's word (RFC 9113 §8.3.1), so a
@@ -31,6 +33,7 @@ in frozensets. What they obey:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from muxproxy.core.messages import Headers, RequestHead
@@ -41,6 +44,7 @@ __all__ = [
     "is_event_stream",
     "is_websocket_upgrade",
     "response_headers",
+    "trailer_fields",
     "upstream_h1_headers",
     "upstream_h2_headers",
 ]
@@ -400,4 +404,70 @@ def upstream_h2_headers(method: bytes, scheme: bytes, target: bytes, fields: Hea
         out.append((b":authority", authority))
     out.append((b":path", target if target.startswith(b"/") or target == b"*" else b"/" + target))
     out.extend(rest)
+    return out
+
+
+# --- trailers (both directions) ------------------------------------------------------------
+
+# RFC 9110 §6.5.1: a trailer field is processed after the content, so a field whose meaning a
+# recipient needs before it (framing, routing, authentication, request modifiers, response
+# control, content format) has no place in a trailer section; nor has a hop-by-hop field
+# (§7.6.1), a connection-specific one (RFC 9113 §8.2.2) or HTTP2-Settings (RFC 9113 §3.2.1).
+# h11 raises on a bad Transfer-Encoding or Content-Length in trailers it sends, and h2 on a
+# connection-specific field or a pseudo-header (RFC 9113 §8.1): they are dropped.
+_NOT_IN_TRAILERS = _HOP_BY_HOP | {
+    # framing and routing
+    b"content-length",
+    b"trailer",
+    b"host",
+    b"http2-settings",
+    # content format
+    b"content-type",
+    b"content-encoding",
+    b"content-range",
+    # authentication
+    b"authorization",
+    b"proxy-authorization",
+    b"www-authenticate",
+    b"proxy-authenticate",
+    b"cookie",
+    b"set-cookie",
+    # request modifiers and response control data
+    b"cache-control",
+    b"expect",
+    b"max-forwards",
+    b"range",
+    b"age",
+    b"expires",
+    b"date",
+    b"location",
+    b"retry-after",
+    b"vary",
+}
+# RFC 9110 §5.1 token (any case; lower-cased on the way out) and §5.5 field-value: VCHAR and
+# obs-text, SP / HTAB only inside. A pseudo-header (":status") is not a token.
+_TRAILER_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TRAILER_VALUE = re.compile(
+    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
+)
+
+
+def trailer_fields(trailers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The trailer fields of a message that may be forwarded, names lower-cased.
+
+    Dropped (RFC 9110 §6.5.1, §6.5.2 lets a recipient discard trailers): fields that must not
+    be trailers (``_NOT_IN_TRAILERS``), pseudo-headers, and names or values outside RFC 9110
+    §5.1 / §5.5, which neither h11 nor h2 would send. What is left is valid in an HTTP/1.1
+    chunked trailer section and an HTTP/2 trailing HEADERS frame alike, so this runs once per
+    message, whatever the two protocols are.
+    """
+    out: Headers = []
+    for name, value in trailers:
+        name = name.lower()
+        if (
+            name not in _NOT_IN_TRAILERS
+            and _TRAILER_NAME.fullmatch(name) is not None
+            and _TRAILER_VALUE.fullmatch(value) is not None
+        ):
+            out.append((name, value))
     return out

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muxproxy.core.h1 import H11_FIELDS, H1Client, H1Server, head_bytes
+from muxproxy.core.headers import trailer_fields
 from muxproxy.core.messages import Headers, ResponseHead
 
 Fields = list[tuple[bytes, bytes]]
@@ -167,18 +168,18 @@ def test_adapters_write_every_field_once() -> None:
 
 def test_trailers_h11_would_refuse_are_dropped_not_raised() -> None:
     # Trailers from an HTTP/2 client reach us unchecked: a value h11 refuses (a form feed is
-    # whitespace to it) and framing fields (RFC 9110 §6.5.1) are dropped, the rest kept.
+    # whitespace to it) and framing fields (RFC 9110 §6.5.1) are dropped by
+    # ``trailer_fields`` (which the exchange applies), the rest kept.
     client = H1Client()
     client.send_head(1, b"POST", b"/", [(b"host", b"b"), (b"transfer-encoding", b"chunked")])
     client.send_body(b"x")
-    out = client.send_end(
-        [
-            (b"grpc-status", b"0"),
-            (b"x-bad", b"a\x0cb"),
-            (b"transfer-encoding", b"gzip"),
-            (b"bad name", b"1"),
-        ]
-    )
+    trailers = [
+        (b"grpc-status", b"0"),
+        (b"x-bad", b"a\x0cb"),
+        (b"transfer-encoding", b"gzip"),
+        (b"bad name", b"1"),
+    ]
+    out = client.send_end(trailer_fields(trailers))
     server = h11.Connection(h11.SERVER)
     server.receive_data(
         b"POST / HTTP/1.1\r\nhost: b\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n" + out

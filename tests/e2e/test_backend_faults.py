@@ -20,6 +20,7 @@ from pathlib import Path
 
 import attrs
 import h2.errors
+import h11
 import pytest
 import trio
 import trio.testing
@@ -36,6 +37,10 @@ SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
 TIMEOUTS = Timeouts(response_head=5.0, read=3.0)
+BAD_TRAILERS = (
+    b"0\r\nTransfer-Encoding: ehunked\r\nContent-Length: 5\r\nConnection: close\r\n"
+    b"x-done: yes\r\n\r\n"
+)
 
 
 @pytest.fixture
@@ -119,6 +124,10 @@ class FaultyBackend:
                     await trio.sleep(1.0)
                     await stream.send_all(chunk(bytes([byte])))
                 await stream.send_all(b"0\r\n\r\n")
+            elif path == b"/bad-trailers":
+                # A trailer section h11 refuses to send (RFC 9110 §6.5.1 forbids framing
+                # fields in trailers), next to fields that may go on.
+                await stream.send_all(SSE_HEAD + chunk(b"data: first\n\n") + BAD_TRAILERS)
             elif path == b"/once":
                 # Keep-alive for one response; the next request on this connection finds
                 # it closed (as if the backend's idle close raced with our reuse).
@@ -396,3 +405,44 @@ async def test_tls_write_failure_is_reported_as_a_broken_connection(nursery, bac
         await driver.run_connection(conn)
     (closed,) = [e for e in events if isinstance(e, ConnectionClosed)]
     assert closed.error is not None and "send failed" in closed.error
+
+
+async def test_trailers_a_backend_must_not_send_are_dropped_on_every_path(start_proxy, nursery):
+    # The live form of a crash: one plain curl to a backend that sends
+    # "Transfer-Encoding: ehunked" as a trailer. Every client gets the body and the trailer
+    # fields that may go on; the proxy serves the next client as well.
+    _, proxy = await start(start_proxy, nursery)
+    with trio.fail_after(20):
+        result = await trio.run_process(
+            [
+                "curl",
+                "--silent",
+                "--show-error",
+                "--raw",
+                "--max-time",
+                "10",
+                f"http://127.0.0.1:{proxy.port}/bad-trailers",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        raw = result.stdout.lower()
+        assert b"data: first" in raw and raw.endswith(b"0\r\nx-done: yes\r\n\r\n")
+        assert b"ehunked" not in raw
+
+        async with open_h2(proxy.port) as peer:
+            sid = await peer.request("GET", "/bad-trailers", headers=[("te", "trailers")])
+            stream = await peer.wait_done(sid)
+            assert stream.status == 200 and stream.ended and stream.reset is None
+            assert stream.body == b"data: first\n\n"
+            assert stream.trailers == [(b"x-done", b"yes")]
+
+        h1 = await H1Peer.connect(proxy.port)
+        await h1.send_request("GET", "/bad-trailers")
+        events = []
+        while not events or not isinstance(events[-1], h11.EndOfMessage):
+            events.append((await h1.next_event())[1])
+        assert list(events[-1].headers) == [(b"x-done", b"yes")]
+        await h1.aclose()
