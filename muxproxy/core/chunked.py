@@ -1,10 +1,12 @@
-"""The chunked transfer coding of a backend's response body (RFC 9112 §7.1), decoded per read.
+"""The chunked transfer coding of a body (RFC 9112 §7.1), decoded per read.
 
-h11 parses every response head and owns every other framing; a chunked response body is
-decoded here instead. h11 turns each chunk into its own event (an LLM server's token is one
-chunk), so a read that carries a hundred tokens cost a hundred trips through its state
+h11 parses every response head and owns every other framing; a backend's chunked response
+body is decoded here instead. h11 turns each chunk into its own event (an LLM server's token
+is one chunk), so a read that carries a hundred tokens cost a hundred trips through its state
 machine and ours. ``ChunkedDecoder.feed`` returns the payload of everything one read
 completed as one piece: one ``Body`` for the proxy to forward, however many chunks it held.
+A client's chunked request body stays h11's; ``H1Server`` feeds it through a decoder as well,
+for the stricter checks below.
 
 Grammar (RFC 9112 §7.1, with §7.1.1 extensions and §7.1.2 trailers)::
 
@@ -12,8 +14,9 @@ Grammar (RFC 9112 §7.1, with §7.1.1 extensions and §7.1.2 trailers)::
     chunk          = chunk-size [ chunk-ext ] CRLF chunk-data CRLF
     last-chunk     = 1*("0") [ chunk-ext ] CRLF
 
-As strict as h11 where it matters for framing: a size is hex digits only (at most 16), every
-line ends in CRLF, chunk data is followed by CRLF. Extensions are ignored (§7.1.1 allows it)
+As strict as h11 where it matters for framing, and stricter on sizes: a size is hex digits
+only, at most ``MAX_SIZE_DIGITS`` of them past leading zeros (16 in all), every line ends in
+CRLF, chunk data is followed by CRLF. Extensions are ignored (§7.1.1 allows it)
 but must be printable; trailer fields must be well formed, and are passed on lowercased, as
 h11 would. Anything else raises ``ChunkedError``: the response is truncated, visibly.
 """
@@ -22,15 +25,25 @@ from __future__ import annotations
 
 import re
 
+# The largest chunk size taken: 10 hex digits, under 1 TiB. A chunk is a buffer its sender
+# wrote at once; a size past that is garbage, or aims at a parser whose arithmetic gives up
+# (2**53 in a float, 2**63 and 2**64 in a machine integer: "10000000000000005" is a 5-byte
+# chunk to one that wraps and a huge one to us, so the two frame what follows differently).
+# Leading zeros are allowed, up to 16 digits in all. The size regex checks it: no added work
+# per chunk.
+MAX_SIZE_DIGITS = 10
 # Like h11: no whitespace before ";", optional whitespace before the CRLF.
-_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t\x20-\x7e\x80-\xff]*)?[ \t]*")
+_SIZE_LINE = re.compile(
+    rb"0{0,%d}([0-9A-Fa-f]{1,%d})(?:;[\t\x20-\x7e\x80-\xff]*)?[ \t]*"
+    % (16 - MAX_SIZE_DIGITS, MAX_SIZE_DIGITS)
+)
 _FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*")
 
 _SIZE, _DATA, _DATA_END, _TRAILERS, _DONE = range(5)
 
 
 class ChunkedError(Exception):
-    """The backend's chunked body is malformed."""
+    """The chunked body is malformed. The text is fixed: it quotes none of the peer's bytes."""
 
 
 class ChunkedDecoder:
@@ -91,7 +104,7 @@ class ChunkedDecoder:
                 if state == _SIZE:
                     match = _SIZE_LINE.fullmatch(data, start, line_end)
                     if match is None:
-                        raise ChunkedError(f"bad chunk size line {data[start:line_end][:40]!r}")
+                        raise ChunkedError("bad chunk size line (not hex, or too large)")
                     size = int(match.group(1), 16)
                     data_end = pos + size
                     if size and data_end + 2 <= end:
@@ -126,5 +139,5 @@ class ChunkedDecoder:
             raise ChunkedError(f"trailer section longer than {self._max_line} bytes")
         match = _FIELD.fullmatch(data, start, end)
         if match is None:
-            raise ChunkedError(f"bad trailer field {data[start:end][:40]!r}")
+            raise ChunkedError("bad trailer field")
         self.trailers.append((match.group(1).lower(), match.group(2)))

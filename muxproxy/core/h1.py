@@ -16,9 +16,12 @@ that too), and merges repeated or list-form Content-Length values ("5, 5") into 
 ``Request`` no longer shows any of that, so ``H1Server`` keeps the raw bytes of each request
 head (bounded by ``max_head``) and ``check_raw_head`` refuses all three with 400 before the
 head becomes a message. Content-Length next to Transfer-Encoding is refused by
-``intake.request_from_h1``. Chunk sizes h11 checks itself (hex digits only); an absurdly large
-one is bounded by ``limits.max_request_body``. The body always reaches the backend re-framed by
-our own h11 client, never as the client's bytes.
+``intake.request_from_h1``. Control characters in a field value (RFC 9110 §5.5), which h11
+lets through but for NUL, CR and LF, are refused by ``check_raw_head`` too. h11 checks chunk
+sizes only for hex digits (up to 20 of them, past 2**64); a chunked request body also goes
+through a ``chunked.ChunkedDecoder``, which refuses sizes past ``chunked.MAX_SIZE_DIGITS``
+(before h11 hands out a byte of them) and control characters in extensions and trailers. The
+body always reaches the backend re-framed by our own h11 client, never as the client's bytes.
 
 Two departures from "h11 owns the framing", both on the per-token path, where h11's state
 machine cost more than everything else the proxy does for a token:
@@ -70,11 +73,20 @@ _BARE_LF = re.compile(rb"(?<!\r)\n")
 _HEAD_END = re.compile(rb"\n\r?\n")
 
 
+# RFC 9110 §5.5: a field value holds no control character but HTAB (CR and LF end lines and
+# are h11's). h11 refuses NUL, VT, FF and bare CR itself, not the others.
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def check_raw_head(head: bytes) -> None:
-    """Refuse what h11 would normalise away in a request head (see the module docstring).
+    """Refuse what h11 would normalise away or let through in a request head (see the module
+    docstring), and control characters in it.
 
     ``head`` is the request line and field lines up to the empty line. Raises
     ``PeerError`` (400)."""
+    if _CONTROL.search(head) is not None:
+        # h11's request line grammar has no control characters either: one is in a value.
+        raise PeerError("control character in a field value")
     if _BARE_LF.search(head) is not None:
         raise PeerError("bare LF line ending in the request head")
     if _OBS_FOLD.search(head) is not None:
@@ -126,6 +138,10 @@ class H1Server:
         """The method of the current request, once h11 parsed its head."""
         self.chunking = False
         """The current response's body is chunked: ``send_body`` frames it itself."""
+        self.chunks: ChunkedDecoder | None = None
+        """While a chunked request body arrives: a decoder fed the same bytes as h11, for
+        what h11 lets through (a size past ``chunked.MAX_SIZE_DIGITS``, control characters
+        in an extension or a trailer). Its payload is dropped; h11's events carry the body."""
         self.raw_head: bytearray | None = bytearray()
         """The bytes received since the current request began, while its head is incomplete
         (None once h11 parsed it): what ``check_raw_head`` looks at. At most ``max_head``
@@ -136,12 +152,28 @@ class H1Server:
         raw = self.raw_head
         if raw is not None and len(raw) <= self.max_head:
             raw += data
+        if self.chunks is not None:
+            self._check_chunks(data)
         self.conn.receive_data(data)
         return self._drain()
+
+    def _check_chunks(self, data: bytes) -> None:
+        """Feed the request body's bytes to ``chunks`` before h11 sees them, so a bad chunk
+        is refused before any of it is forwarded. Raises ``PeerError`` (400)."""
+        chunks = self.chunks
+        assert chunks is not None
+        try:
+            chunks.feed(data)
+        except ChunkedError as exc:
+            # Framing h11 would have read differently: a smuggling attempt, or a broken client.
+            raise PeerError(str(exc), smuggling=True) from exc
+        if chunks.done:
+            self.chunks = None  # what follows is the next request's: h11 keeps it
 
     def next_cycle(self) -> list[Message]:
         """Start the next request on a kept-alive connection; parse what was pipelined."""
         self.raw_head = bytearray(self.conn.trailing_data[0])
+        self.chunks = None
         self.method = b""
         self.chunking = False
         self.conn.start_next_cycle()
@@ -174,6 +206,12 @@ class H1Server:
                     except PeerError as exc:
                         exc.smuggling = True  # every check there is one (module docstring)
                         raise
+                    if any(name == b"transfer-encoding" for name, _ in event.headers):
+                        # h11 accepts no transfer coding but chunked (RFC 9112 §6.1); the
+                        # body starts after the empty line.
+                        self.chunks = ChunkedDecoder(max_line=self.max_head)
+                        if end.end() < len(raw):
+                            self._check_chunks(bytes(raw[end.end() :]))
                 self.stream += 1
                 self.method = bytes(event.method)
                 try:

@@ -29,7 +29,8 @@ __all__ = ["MalformedRequest", "check_request_limits", "request_from_h1", "reque
 class MalformedRequest(Exception):
     """A request the client got wrong; `status` is the HTTP/1.1 status to answer with (400
     usually, 431 for a too large head, 501 for unsupported transfer coding...), `reason` short
-    text; ``smuggling``: ambiguous framing (a refused smuggling attempt)."""
+    fixed text: it becomes the body of the answer, so it never quotes the client's bytes;
+    ``smuggling``: ambiguous framing (a refused smuggling attempt)."""
 
     def __init__(self, reason: str, status: int = 400, *, smuggling: bool = False) -> None:
         super().__init__(reason)
@@ -82,16 +83,20 @@ def _check_name(name: bytes) -> None:
     if not name:
         raise MalformedRequest("empty field name")
     if name.lower() != name:
-        raise MalformedRequest(f"upper-case character in field name {name!r}")
-    raise MalformedRequest(f"invalid character in field name {name!r}")
+        raise MalformedRequest("upper-case character in a field name")
+    raise MalformedRequest("invalid character in a field name")
 
 
 def _check_authority(authority: bytes) -> None:
     # RFC 9113 §8.3.1 / RFC 9110 §4.2.4: no userinfo; RFC 9112 §3.2: an invalid Host is a 400.
+    # RFC 9110 §4.2.1: an http(s) URI with an empty host is invalid and its recipient must
+    # reject it ("", ":443"); a reg-name holds no ":", so a host part is empty exactly then.
+    if not authority or authority[:1] == b":":
+        raise MalformedRequest("empty host")
     if b"@" in authority:
         raise MalformedRequest("userinfo in authority")
     if _AUTHORITY.fullmatch(authority) is None:
-        raise MalformedRequest(f"invalid authority {authority!r}")
+        raise MalformedRequest("invalid authority")
 
 
 def _check_content_length(value: bytes, seen: bytes | None) -> bytes:
@@ -129,13 +134,13 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         if name[:1] == b":":
             # RFC 9113 §8.3: pseudo-headers come first, once each, from the defined set.
             if regular:
-                raise MalformedRequest(f"pseudo-header {name!r} after a regular field")
+                raise MalformedRequest("pseudo-header after a regular field")
             if name not in _REQUEST_PSEUDO:
                 if name in _RESPONSE_PSEUDO:
-                    raise MalformedRequest(f"response pseudo-header {name!r} in a request")
-                raise MalformedRequest(f"unknown pseudo-header {name!r}")
+                    raise MalformedRequest("response pseudo-header in a request")
+                raise MalformedRequest("unknown pseudo-header")
             if field_value(value) is None:
-                raise MalformedRequest(f"invalid value for {name!r}")
+                raise MalformedRequest(f"invalid value for {name.decode()}")
             if name in pseudo:
                 raise MalformedRequest(f"duplicated {name.decode()}")
             pseudo[name] = value
@@ -145,10 +150,10 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         if lower_token(name) is None:
             _check_name(name)
         if field_value(value) is None:
-            raise MalformedRequest(f"invalid value for field {name!r}")
+            raise MalformedRequest(f"invalid value for field {name.decode()}")
         if name in CONNECTION_SPECIFIC:
             # RFC 9113 §8.2.2: connection-specific fields make the message malformed.
-            raise MalformedRequest(f"connection-specific field {name!r}")
+            raise MalformedRequest(f"connection-specific field {name.decode()}")
         if name == b"te":
             # RFC 9113 §8.2.2: TE may be present with no value other than "trailers".
             if value.lower() != b"trailers":
@@ -247,6 +252,11 @@ def request_from_h1(
     with target b"" as for HTTP/2. ``end_stream`` is set when the request has no body: no
     Transfer-Encoding and no Content-Length, or Content-Length 0 (RFC 9112 §6.3).
     """
+    if http_version[:2] != b"1.":
+        # RFC 9112 §2.3, RFC 9110 §15.6.6: we speak major version 1 on this connection; a
+        # request line that names another ("HTTP/2.0": HTTP/2 has no request line at all,
+        # RFC 9113 §3) gets 505. A higher minor version is served as 1.1 (§2.3).
+        raise MalformedRequest("HTTP version not supported", 505)
     fields: Headers = list(headers)
     host: bytes | None = None
     host_count = 0
@@ -325,8 +335,16 @@ def request_from_h1(
 
 
 def check_request_limits(head: RequestHead, *, max_fields: int, max_body: int) -> None:
-    """Refuse a request head with more than ``max_fields`` fields (431, RFC 6585 §5) or a
-    Content-Length above ``max_body`` (413, RFC 9110 §15.5.14), before it is forwarded."""
+    """Refuse a request head with more than ``max_fields`` fields (431, RFC 6585 §5), a
+    Content-Length above ``max_body`` (413, RFC 9110 §15.5.14) or, on HTTP/2, no authority
+    at all (400), before it is forwarded: the client gets a response, on its stream."""
+    if head.http_version == b"2" and not head.authority:
+        # RFC 9113 §8.3.1: an http(s) request carries :authority or Host. Without either it
+        # is malformed, and §8.1.1 lets a server send a response before it closes the stream:
+        # a 400 that says what is missing, as the same request over HTTP/1.1 gets (RFC 9112
+        # §3.2), tells the client more than a bare RST_STREAM(PROTOCOL_ERROR). Either way it
+        # never reaches a backend (which would see an empty Host).
+        raise MalformedRequest("no :authority or host field")
     if len(head.headers) > max_fields:
         raise MalformedRequest(f"more than {max_fields} header fields", 431)
     length = header_value(head.headers, b"content-length")

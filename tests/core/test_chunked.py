@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muxproxy.core.chunked import ChunkedDecoder, ChunkedError
+from muxproxy.core.chunked import MAX_SIZE_DIGITS, ChunkedDecoder, ChunkedError
 from muxproxy.core.h1 import H1Client, H1Server
 from muxproxy.core.messages import Abort, Body, End, RequestHead, ResponseHead
 
@@ -120,6 +120,37 @@ def test_malformed_bodies_are_refused(body, reason):
     with pytest.raises(ChunkedError, match=reason):
         ChunkedDecoder().feed(body)
     assert h11_decode(body) is None
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        b"10000000000000005",  # 2**64 + 5: 5 to a parser that wraps at 64 bits
+        b"ffffffffffffffff",  # 2**64 - 1
+        b"8000000000000000",  # 2**63
+        b"10000000000",  # 2**40: one digit past MAX_SIZE_DIGITS
+        b"0000000ffffffffff",  # 17 digits with the zeros
+    ],
+)
+def test_absurd_chunk_sizes_h11_would_take_are_refused(size):
+    assert len(size.lstrip(b"0")) > MAX_SIZE_DIGITS or len(size) > 16
+    with pytest.raises(ChunkedError, match="bad chunk size line"):
+        ChunkedDecoder().feed(size + b"\r\nhello\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("size", [b"ffffffffff", b"000000ffffffffff", b"0000000000000005"])
+def test_chunk_sizes_within_the_bound_are_taken(size):
+    decoder = ChunkedDecoder()
+    payload, _ = decoder.feed(size + b"\r\nhello")
+    assert payload == b"hello" and not decoder.done
+
+
+def test_backend_absurd_chunk_size_truncates_the_response_visibly():
+    client = client_after_request()
+    messages = client.receive(HEAD + b"5\r\nhello\r\n")
+    assert [type(m).__name__ for m in messages] == ["ResponseHead", "Body"]
+    (abort,) = client.receive(b"ffffffffffffffff\r\nworld\r\n")
+    assert isinstance(abort, Abort) and "bad chunk size line" in abort.reason
 
 
 # -- H1Client ----------------------------------------------------------------------------

@@ -46,6 +46,26 @@ SMUGGLING_H1 = {
     b"5\r\nhelloXX0\r\n\r\n",
     "nul-in-value": b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x00c\r\n\r\n",
     "bare-cr": b"GET / HTTP/1.1\r\nHost: a\rX-A: b\r\n\r\n",
+    # RFC 9110 §5.5: control characters in a value, which h11 lets through.
+    "soh-in-value": b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x01c\r\n\r\n",
+    "esc-in-value": b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x1b[2Jc\r\n\r\n",
+    "del-in-value": b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x7f\r\n\r\n",
+    "ctl-in-host": b"GET / HTTP/1.1\r\nHost: a\x1f\r\n\r\n",
+    # A chunk size that wraps a 64-bit integer (2**64 + 5), and one of 2**40: h11 takes both.
+    "chunk-size-2**64+5": b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"10000000000000005\r\nhello\r\n0\r\n\r\n",
+    "chunk-size-2**40": b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"10000000000\r\nhello\r\n0\r\n\r\n",
+    "ctl-in-chunk-ext": b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"5;a=\x01\r\nhello\r\n0\r\n\r\n",
+    "ctl-in-trailer": b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"5\r\nhello\r\n0\r\nx-a: \x01\r\n\r\n",
+    # RFC 9112 §2.3: HTTP/2 has no request line; any major version but 1 is a 505.
+    "version-2.0": b"GET / HTTP/2.0\r\nHost: a\r\n\r\n",
+    "version-0.9": b"GET / HTTP/0.9\r\nHost: a\r\n\r\n",
+    # RFC 9110 §4.2.1: an http URI with an empty host is invalid.
+    "empty-host": b"GET / HTTP/1.1\r\nHost: \r\n\r\n",
+    "host-only-port": b"GET / HTTP/1.1\r\nHost: :80\r\n\r\n",
 }
 
 
@@ -57,11 +77,20 @@ def _status_of(data: bytes) -> int:
 
 
 # RFC 9112 §6.1: an unknown transfer coding is a 501 (h11's answer).
-STATUS = {"te-gzip": 501, "te-twice": 501}
+STATUS = {"te-gzip": 501, "te-twice": 501, "version-2.0": 505, "version-0.9": 505}
 # Errors in the body framing: h11 finds them only when the body arrives. Sent in one piece
 # with the head they are refused before the head is forwarded; byte by byte the head has
 # gone out by then, and the backend request is cut off unfinished (its connection closed).
-BODY_FRAMING = {"chunk-size-not-hex", "chunk-size-negative", "chunk-size-0x", "chunk-without-crlf"}
+BODY_FRAMING = {
+    "chunk-size-not-hex",
+    "chunk-size-negative",
+    "chunk-size-0x",
+    "chunk-without-crlf",
+    "chunk-size-2**64+5",
+    "chunk-size-2**40",
+    "ctl-in-chunk-ext",
+    "ctl-in-trailer",
+}
 
 
 @pytest.mark.parametrize("split", [0, 1])
@@ -206,3 +235,29 @@ def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forwarded(kin
         (sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
     ]
     assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+
+
+def test_h2_request_without_authority_or_host_gets_400_on_its_stream():
+    # RFC 9113 §8.3.1: an http(s) request carries :authority or Host; without either it is
+    # answered 400 (§8.1.1 allows a response before the stream closes), never forwarded,
+    # and the connection's other streams go on.
+    pb = Playbook()
+    pb.accept(1, tls=True, alpn="h2")
+    client = H2ClientPeer()
+    client.conn.config.validate_outbound_headers = False  # h2 refuses to send such a request
+    pb.receive(1, client.preface())
+    sid = client.conn.get_next_available_stream_id()
+    head = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/v1/models")]
+    client.conn.send_headers(sid, head, end_stream=True)
+    pb.receive(1, client.conn.data_to_send())
+    assert pb.opens() == []
+    events = client.events(pb.take(1))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert response.stream_id == sid and dict(response.headers)[b":status"] == b"400"
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert body == b"no :authority or host field\n"
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+    _, data = client.request()
+    pb.receive(1, data)
+    assert len(pb.opens()) == 1

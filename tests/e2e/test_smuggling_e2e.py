@@ -93,7 +93,14 @@ SMUGGLING_H1 = {
     b"zz\r\nhello\r\n0\r\n\r\n",
     "obs-fold": b"GET /smuggled HTTP/1.1\r\nHost: a\r\nX-A: b\r\n c\r\n\r\n",
     "bare-lf": b"GET /smuggled HTTP/1.1\nHost: a\n\n",
+    "ctl-in-value": b"GET /smuggled HTTP/1.1\r\nHost: a\r\nX-A: b\x01c\r\n\r\n",
+    "chunk-size-2**64+5": b"POST /smuggled HTTP/1.1\r\nHost: a\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n10000000000000005\r\nhello\r\n0\r\n\r\n",
+    "empty-host": b"GET /smuggled HTTP/1.1\r\nHost: \r\n\r\n",
+    "version-2.0": b"GET /smuggled HTTP/2.0\r\nHost: a\r\n\r\n",
 }
+# RFC 9110 §15.6.6: a request line of another major version is a 505, not a 400.
+STATUS_H1 = {"version-2.0": b"505"}
 
 
 @pytest.mark.parametrize("kind", sorted(SMUGGLING_H1))
@@ -104,7 +111,8 @@ async def test_ambiguous_h1_request_is_400_and_the_backend_gets_nothing(setup, k
         await stream.send_all(SMUGGLING_H1[kind])
         answer = await read_until_eof(stream)  # the proxy closes after the 400
         await stream.aclose()
-        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert answer.startswith(b"HTTP/1.1 %s " % STATUS_H1.get(kind, b"400")), answer
+        assert b"b'" not in answer  # a fixed reason, not a repr of the client's bytes
         assert (backend.connections, bytes(backend.received)) == (0, b"")
         await h1_control(backend, proxy.port)
     assert backend.connections == 1
@@ -168,4 +176,23 @@ async def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forward
             assert (stream.status, stream.body) == (200, b"ok")
             assert peer.terminated is None
     assert backend.connections == 1
+    assert backend.targets == [b"/control"]
+
+
+async def test_h2_request_without_authority_or_host_is_400_and_never_forwarded(setup):
+    backend, proxy = setup
+    with trio.fail_after(10):
+        async with open_h2(proxy.port) as peer:
+            peer.conn.config.validate_outbound_headers = False
+            sid = peer.conn.get_next_available_stream_id()
+            peer.streams[sid] = bad = H2Stream(sid=sid)
+            head = [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/smuggled")]
+            peer.conn.send_headers(sid, head, end_stream=True)
+            await peer.flush()
+            await peer.wait_done(sid)
+            assert bad.status == 400 and bad.ended
+            peer.conn.config.validate_outbound_headers = True
+            good = await peer.request("GET", "/control")
+            stream = await peer.wait_done(good)
+            assert (stream.status, stream.body) == (200, b"ok")
     assert backend.targets == [b"/control"]
