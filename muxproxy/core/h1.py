@@ -6,8 +6,11 @@ own: bytes in become messages at once, messages out become bytes at once — tha
 one SSE token one write (per-chunk flush).
 
 ``H1Server`` faces a client, ``H1Client`` faces a backend. Errors by blame: a peer's malformed
-bytes raise ``PeerError`` (with the status h11 suggests), our own misuse raises h11's
-``LocalProtocolError`` and is a bug.
+bytes raise ``PeerError`` (with the status h11 suggests and a fixed reason that quotes none of
+the peer's bytes, since it becomes the body of a 400), our own misuse raises h11's
+``LocalProtocolError`` and is a bug: nothing here catches it. What a peer sends reaches h11's
+send side only after it was checked (``head_bytes``, ``headers.trailer_fields``; trailers go
+out only where the body is chunked).
 
 Request smuggling (RFC 9112 §6.1, §6.3, §11.2): h11 is lenient where a front-end and we could
 disagree on where a request ends. It accepts bare LF line endings (RFC 9112 §2.2 allows that,
@@ -108,6 +111,19 @@ def check_raw_head(head: bytes) -> None:
         raise PeerError("more than one content-length field")
 
 
+# Where h11's error text starts quoting the peer's bytes as a Python repr ("illegal header
+# line: b'...'", "Illegal header name bytearray(b'...')").
+_REPR = re.compile(r":? ?(?:bytearray\(b|b)['\"]")
+
+
+def h11_reason(exc: h11.ProtocolError) -> str:
+    """h11's error text without the bytes it quotes: an error response's body is fixed text
+    and never echoes what the client sent."""
+    text = str(exc)
+    match = _REPR.search(text)
+    return text[: match.start()] if match is not None else text
+
+
 class PeerError(Exception):
     """The peer sent bytes that are not valid HTTP/1.1. ``status`` is the answer to give;
     ``smuggling``: framing that another parser could read differently (a refused smuggling
@@ -186,7 +202,7 @@ class H1Server:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise PeerError(str(exc), exc.error_status_hint) from exc
+                raise PeerError(h11_reason(exc), exc.error_status_hint) from exc
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return out
             if type(event) is h11.Data:
@@ -310,11 +326,7 @@ class H1Server:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return b""
         headers = [*headers, (b"connection", b"close")]
-        try:
-            out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
-        except h11.LocalProtocolError:
-            # h11 refuses a response to a request it could not parse in some states.
-            return b""
+        out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
         if not self.head_only:
             # RFC 9110 §9.3.2: no body in a response to HEAD (h11 raises on one).
             out += self.conn.send(h11.Data(data=body)) or b""
