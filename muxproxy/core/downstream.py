@@ -420,6 +420,12 @@ class Downstream:
         elif self.h1 is not None:
             self._send(self.h1.send_end(trailers))
 
+    def keep_receiving(self, stream: int) -> None:
+        """HTTP/2: the request side of ``stream`` still reaches its exchange after the
+        response ends (``H2Server.keep_receiving``)."""
+        if self.h2 is not None:
+            self.h2.keep_receiving(stream)
+
     def send_error(
         self,
         stream: int,

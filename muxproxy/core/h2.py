@@ -128,6 +128,9 @@ class H2Server:
         self.window_changed = False
         """A WINDOW_UPDATE or SETTINGS arrived since the owner last flushed ``blocked``."""
         self.trailers: dict[int, Headers] = {}
+        self.receiving: set[int] = set()
+        """Streams whose response ended while their request side still goes to the owner
+        (``keep_receiving``: a tunnel that relays a half-close, RFC 8441 §5)."""
         self.closed = False
         """A GOAWAY was sent or received; no new streams."""
         self.guard = H2Guard(reset_budget=reset_budget, control_budget=control_budget)
@@ -157,7 +160,7 @@ class H2Server:
                     # RFC 9113 §10.5: an empty DATA frame costs a frame's work and moves
                     # nothing (the "empty frames" flood, CVE-2019-9518).
                     guard.control_frame("empty DATA")
-                if sid in self.queues or sid in self.trailers:
+                if sid in self.queues or sid in self.trailers or sid in self.receiving:
                     out.append(
                         Body(stream=sid, data=event.data, flow_len=event.flow_controlled_length)
                     )
@@ -171,6 +174,9 @@ class H2Server:
                 sid = event.stream_id
                 if sid in self.queues:
                     out.append(End(stream=sid, trailers=self.trailers.pop(sid, [])))
+                elif sid in self.receiving:
+                    self.receiving.discard(sid)
+                    out.append(End(stream=sid, trailers=self.trailers.pop(sid, [])))
             elif isinstance(event, h2.events.TrailersReceived):
                 self.trailers[event.stream_id] = list(event.headers)
             elif isinstance(event, h2.events.StreamReset):
@@ -179,6 +185,11 @@ class H2Server:
                 if self.queues.pop(sid, None) is not None:
                     # The response was not complete: a backend request started for nothing.
                     guard.premature_reset()
+                    out.append(
+                        Abort(stream=sid, reason=f"client reset the stream ({event.error_code!r})")
+                    )
+                elif sid in self.receiving:
+                    self.receiving.discard(sid)
                     out.append(
                         Abort(stream=sid, reason=f"client reset the stream ({event.error_code!r})")
                     )
@@ -199,7 +210,7 @@ class H2Server:
             # processed; REFUSED_STREAM tells the client it may retry them elsewhere.
             self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return []
-        if len(self.queues) >= self.max_streams:
+        if len(self.queues) + len(self.receiving) >= self.max_streams:
             self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return []
         try:
@@ -228,9 +239,11 @@ class H2Server:
         self.closed = True
         self.last_stream = None
         out: list[Message] = [
-            Abort(stream=sid, reason=f"HTTP/2 abuse: {reason}") for sid in self.queues
+            Abort(stream=sid, reason=f"HTTP/2 abuse: {reason}")
+            for sid in [*self.queues, *self.receiving]
         ]
         self.queues.clear()
+        self.receiving.clear()
         self.blocked.clear()
         return out
 
@@ -258,9 +271,11 @@ class H2Server:
             self.conn.close_connection(error_code=code, additional_data=str(exc)[:64].encode())
         self.closed = True
         out: list[Message] = [
-            Abort(stream=sid, reason=f"connection error: {exc}") for sid in self.queues
+            Abort(stream=sid, reason=f"connection error: {exc}")
+            for sid in [*self.queues, *self.receiving]
         ]
         self.queues.clear()
+        self.receiving.clear()
         self.blocked.clear()
         return out
 
@@ -311,15 +326,22 @@ class H2Server:
 
     def abort(self, stream: int, code: h2.errors.ErrorCodes) -> None:
         self.blocked.discard(stream)
-        if self.queues.pop(stream, None) is None:
+        if self.queues.pop(stream, None) is None and stream not in self.receiving:
             return
         self._reset(stream, code)
+
+    def keep_receiving(self, stream: int) -> None:
+        """Deliver ``stream``'s DATA and END_STREAM after its response ended (END_STREAM
+        sent): a tunnel whose backend side ended first still relays the client's side."""
+        if stream in self.queues:
+            self.receiving.add(stream)
 
     def cancel_request(self, stream: int) -> None:
         """The response is complete; tell the client to stop sending the request body."""
         self._reset(stream, h2.errors.ErrorCodes.NO_ERROR)
 
     def _reset(self, stream: int, code: h2.errors.ErrorCodes) -> None:
+        self.receiving.discard(stream)
         try:
             self.conn.reset_stream(stream, code)
         except h2.exceptions.ProtocolError:

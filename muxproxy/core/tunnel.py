@@ -311,6 +311,7 @@ class Tunnel:
             if self.kind is ClientKind.RAW:
                 self.core.emit(ShutdownWrite(conn=self.client.conn))
             else:
+                self.client.keep_receiving(self.stream)
                 self.client.send_end(self.stream, [])
         elif state is TunnelState.CLIENT_ENDED:
             self._end("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)

@@ -598,3 +598,27 @@ def test_extended_connect_from_an_h2_client_to_an_h2_backend() -> None:
     assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == (
         b"server-frame"
     )
+
+
+def test_extended_connect_backend_eof_ends_the_stream_and_the_client_reply_still_goes_up() -> None:
+    pb = Playbook()
+    peer = H2ClientPeer()
+    sid, up, backend, key = _extended_connect(pb, peer)
+    peer.events(pb.take(1, pb.receive(up, _switch(backend, key))))
+    # The backend's Close frame, then its FIN: END_STREAM for the client, nothing closed.
+    commands = pb.receive(up, b"backend-close") + _eof(pb, up)
+    events = peer.events(pb.take(1, commands))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"backend-close"
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    # The client's Close reply still reaches the backend; its END_STREAM ends it all.
+    peer.conn.send_data(sid, b"client-close", end_stream=True)
+    commands = pb.receive(1, peer.conn.data_to_send())
+    assert pb.take(up, commands) == b"client-close"
+    assert commands.index(CloseConnection(conn=up)) > max(
+        i for i, c in enumerate(commands) if isinstance(c, SendData) and c.conn == up
+    )
+    assert not any(isinstance(e, h2.events.StreamReset) for e in peer.events(pb.take(1, commands)))
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    assert not pb.core.tunnels and not pb.core.exchanges

@@ -426,6 +426,41 @@ async def test_h2_client_close_with_end_stream_gets_the_backend_close_reply(
     assert ws_backend.closes == [(4003, "ended")]
 
 
+async def test_h2_client_gets_the_backend_close_and_end_and_its_reply_still_goes_up(
+    nursery: trio.Nursery, start_proxy: Any
+) -> None:
+    replies: list[tuple[int, str | None]] = []
+    done = trio.Event()
+
+    async def backend(stream: trio.SocketStream) -> None:
+        peer = RawWebSocket(stream, ConnectionType.SERVER)
+        assert isinstance(await peer.next_event(), Request)
+        await peer.send(AcceptConnection())
+        await peer.send(CloseConnection(code=4002, reason="backend bye"))
+        await stream.send_eof()  # shutdown(SHUT_WR): relayed as END_STREAM
+        reply = await peer.next_event()
+        assert isinstance(reply, CloseConnection)
+        replies.append((reply.code, reply.reason))
+        await peer.read_until_eof()
+        done.set()
+        await stream.aclose()
+
+    port = await serve_raw(nursery, backend)
+    proxy = await start_proxy([port])
+    with trio.fail_after(TIMEOUT):
+        client = await _connect_h2(proxy.port, b"/chat")
+        closing = await client.next_event()
+        assert isinstance(closing, CloseConnection) and closing.code == 4002
+        while not client.ended:
+            await client.read()
+        # RFC 8441 §5: END_STREAM ended one direction only; the reply travels, then ours.
+        client.h2.send_data(client.sid, client.ws.send(closing.response()), end_stream=True)
+        await client.flush()
+        await done.wait()
+        await client.stream.aclose()
+    assert replies == [(4002, "backend bye")]
+
+
 async def test_extended_connect_response_carries_sec_websocket_accept(
     ws_backend: WsBackend, proxy: Any
 ) -> None:
