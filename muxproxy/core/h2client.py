@@ -9,7 +9,10 @@ Obeys RFC 9113 through h2 and adds what h2 leaves to its user, mirroring ``h2.H2
   connection-level window is opened wide at the start for the same reason as on the server side.
 - Responses (RFC 9113 §8.1): 1xx heads are dropped (hop by hop for us); a HEADERS that ends the
   stream (gRPC's Trailers-Only) is split into a head and trailers holding the gRPC status
-  fields, which every client understands, h1 chunked trailers included.
+  fields, which every client understands, h1 chunked trailers included. h2 hands us the head
+  unvalidated (inbound validation is off, as on the server side): a :status that is not three
+  digits, or a field that is not valid by RFC 9113 §8.2.1, makes the response malformed
+  (§8.1.1): RST_STREAM(PROTOCOL_ERROR) and an ``Abort`` (a 502), never relayed.
 - GOAWAY (RFC 9113 §6.8): ``goaway_last_stream`` records the last stream the backend will
   process; streams above it were refused and are aborted (``refused`` says so: safe to retry,
   RFC 9113 §8.7, nothing was processed). Streams up to it may finish, so a received GOAWAY
@@ -35,6 +38,7 @@ import h2.settings
 
 from .h2 import CONNECTION_WINDOW
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
+from .intake import valid_h2_fields
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
 # gRPC's status fields (gRPC over HTTP/2, "Trailers"): in a Trailers-Only response they sit in
@@ -176,13 +180,14 @@ class H2Client:
         headers: Headers = []
         for name, value in event.headers:
             if name == b":status":
-                status = int(value)
+                status = int(value) if len(value) == 3 and value.isdigit() else 0
             elif not name.startswith(b":"):
                 headers.append((name, value))
-        if not 200 <= status <= 999:
+        if not 200 <= status <= 999 or not valid_h2_fields(headers):
+            # RFC 9113 §8.1.1, §8.3.2: a malformed response is a stream error, never relayed.
             self.forget(sid)
             self._reset(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            return [Abort(stream=sid, reason=f"bad :status from backend: {status}")]
+            return [Abort(stream=sid, reason="malformed response head from backend")]
         if event.stream_ended is None:
             return [ResponseHead(stream=sid, status=status, headers=headers)]
         trailers = [f for f in headers if f[0] in GRPC_STATUS_FIELDS]

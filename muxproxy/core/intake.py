@@ -23,7 +23,13 @@ from collections.abc import Iterable
 from .headers import CONNECTION_SPECIFIC, header_value
 from .messages import Headers, RequestHead
 
-__all__ = ["MalformedRequest", "check_request_limits", "request_from_h1", "request_from_h2"]
+__all__ = [
+    "MalformedRequest",
+    "check_request_limits",
+    "request_from_h1",
+    "request_from_h2",
+    "valid_h2_fields",
+]
 
 
 class MalformedRequest(Exception):
@@ -331,6 +337,19 @@ def request_from_h1(
         headers=fields,
         http_version=http_version,
         end_stream=empty_body,
+    )
+
+
+def valid_h2_fields(fields: Headers) -> bool:
+    """Whether every regular field of an HTTP/2 header block h2 handed us unvalidated (a
+    backend's response head) is valid by RFC 9113 §8.2.1: a lower-case token name and a
+    value without NUL, CR, LF, other control characters, or SP / HTAB at either end. One that
+    is not makes the response malformed (§8.1.1): it must not be forwarded, and h11 would
+    refuse to write it (CR LF in a value would be a header injection)."""
+    lower_token = _LOWER_TOKEN.fullmatch
+    field_value = _FIELD_VALUE.fullmatch
+    return all(
+        lower_token(name) is not None and field_value(value) is not None for name, value in fields
     )
 
 

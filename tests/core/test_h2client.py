@@ -558,3 +558,37 @@ def test_connection_that_used_every_stream_id_drains_and_the_next_request_opens_
     for sid in (a, b, c):
         assert status_of(events, sid) == 200 and ended(events, sid)
     assert CloseConnection(conn=-1) in pb.log
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [(b":status", b"200"), (b"x-a", b"a\r\ninjected: 1")],  # a header injection
+        [(b":status", b"200"), (b"x-a", b"a\x0cb")],
+        [(b":status", b"200"), (b"x-a", b" a")],
+        [(b":status", b"200"), (b"X-Upper", b"a")],
+        [(b":status", b"200"), (b"bad name", b"a")],
+        [(b":status", b"2xx")],
+        [(b":status", b"+200")],
+    ],
+    ids=["crlf", "form-feed", "leading-space", "upper-case", "space-in-name", "2xx", "+200"],
+)
+def test_malformed_backend_response_head_is_a_502_never_relayed(fields) -> None:
+    # RFC 9113 §8.1.1, §8.2.1: h2 hands us the block unvalidated; a malformed response is a
+    # stream error (RST_STREAM) and the client gets a 502, never the fields (h11 would refuse
+    # to write them, and CR LF in a value would inject a header).
+    pb = Playbook(h2_config())
+    h1 = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, h1.request("POST", "/x", body=b"{}"))
+    backend = connect_backend(pb, -1)
+    (req,) = requests(backend.read())
+    backend.conn.config.validate_outbound_headers = False
+    backend.conn.config.normalize_outbound_headers = False
+    backend.conn.send_headers(req.stream_id, fields)
+    backend.flush()
+    (response, *_) = h1.events(pb.take(1))
+    assert response.status_code == 502
+    assert b"injected" not in pb.take(1)
+    resets = [e for e in backend.read() if isinstance(e, h2.events.StreamReset)]
+    assert [e.error_code for e in resets] == [h2.errors.ErrorCodes.PROTOCOL_ERROR]
