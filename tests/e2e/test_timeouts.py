@@ -14,9 +14,12 @@ What is checked (``Timeouts`` in ``muxproxy.config``):
   RST_STREAM(INTERNAL_ERROR), HTTP/1.1 close without the last chunk), and a backend that is
   slow but steady is not cut;
 - send: a client that stops reading -> the proxy closes its connection (at once, without
-  waiting for the unwritable bytes); a slow reader that keeps reading is served in full;
-- client_header: an incomplete (or trickled) request head -> 408 and close; a silent
-  connection -> close (GOAWAY first for HTTP/2); a TLS handshake that never starts -> close;
+  waiting for the unwritable bytes); a slow reader that keeps reading is served in full; an
+  HTTP/2 stream whose window stays closed -> RST_STREAM(CANCEL) on that stream alone;
+- client_header: an incomplete (or trickled) request head -> 408 and close, also the second
+  head on a kept-alive connection; a request body that stops coming -> 408 (HTTP/1.1), not a
+  504; a silent connection -> close (GOAWAY first for HTTP/2); a TLS handshake that never
+  starts -> close;
 - keepalive_idle: an idle kept-alive HTTP/1.1 connection is closed; an idle HTTP/2 connection
   gets GOAWAY then is closed; a long response is not an idle connection.
 """
@@ -33,6 +36,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import h11
 import pytest
 import trio
@@ -431,7 +435,66 @@ async def test_send_timeout_closes_a_client_that_stopped_reading(
     assert proxy.server.core.statistics().upstream_connections == 0
 
 
+async def test_zero_window_stream_is_reset_after_send_and_others_go_on(
+    start_backend, start_proxy, clock
+):
+    """A client that never opens one stream's window (SETTINGS_INITIAL_WINDOW_SIZE 0) while it
+    reads another: the stuck one is reset with CANCEL after ``send``, and its backend is
+    told to stop, long before the read timeout; the other stream is served in full."""
+    fake, backend = await start_backend(tokens=2000, delay=0.1)
+    proxy = await start_proxy([backend], timeouts=Timeouts(send=20.0, read=300.0))
+    with trio.fail_after(200):
+        client = await H2Client.connect(proxy.port)
+        async with client.stream:
+            client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+            await client.flush()
+            start = trio.current_time()
+            stuck = await client.request(CHAT, chat_body(2000))
+            good = await client.request(CHAT, chat_body(3))
+            client.conn.increment_flow_control_window(1 << 20, stream_id=good)
+            await client.flush()
+            await client.wait(lambda: stuck in client.reset and good in client.ended)
+            assert 20.0 <= trio.current_time() - start < 22.0
+            await fake.wait_disconnect()
+    assert client.reset[stuck] == h2.errors.ErrorCodes.CANCEL
+    assert client.body[stuck] == b""
+    assert client.body[good].endswith(b"data: [DONE]\n\n") and good not in client.reset
+    assert client.goaway is None
+
+
 # -- client header ---------------------------------------------------------------------------
+
+
+async def test_second_request_head_on_a_kept_alive_connection_gets_408(
+    start_backend, start_proxy, clock
+):
+    _, backend = await start_backend()
+    timeouts = Timeouts(client_header=10.0, keepalive_idle=75.0)
+    proxy = await start_proxy([backend], timeouts=timeouts)
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            conn, request = h1_request_bytes()
+            await stream.send_all(request)
+            response, _ = await h1_read_response(stream, conn)
+            assert response.status_code == 200
+            await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n")
+            started = trio.current_time()
+            received = await read_until_eof(stream)
+            assert close_to(trio.current_time() - started, 10.0)
+    assert received.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_stalled_h1_request_body_gets_408_not_504(start_proxy, nursery, clock):
+    """The backend waits for the whole body, as it may; the client sent 10 of 100 bytes."""
+    port = await serve_raw(nursery, never_answer)
+    timeouts = Timeouts(client_header=10.0, response_head=5.0)
+    proxy = await start_proxy([port], timeouts=timeouts)
+    with trio.fail_after(100):
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\ncontent-length: 100\r\n\r\n"
+        received, took = await until_closed(proxy.port, head + b"x" * 10)
+        assert close_to(took, 10.0)
+    assert received.startswith(b"HTTP/1.1 408 ")
 
 
 async def test_incomplete_request_head_gets_408(start_proxy, clock):
