@@ -8,12 +8,15 @@
 - ``backend_h1`` / ``backend_h2``: a well-formed HTTP/1.1 client request, then ``data`` is what
   the backend (HTTP/1.1, or h2c with prior knowledge) answers, cut at ``splits``.
 
-Then every timer fires in time order and every connection closes. Invariants (an
+A peer's end is fed as the Trio driver feeds it: ``InputEnded`` (its EOF), then
+``ConnectionClosed`` once the core closes the connection. Then every timer fires in time order
+and every connection ends its side, then closes. Invariants (an
 ``AssertionError`` names the one that broke; any other exception escaped ``handle``, which is a
 bug by ``proxy.py``'s contract; the core runs with ``raise_errors``, so fault isolation does
 not hide it):
 
-1. no ``SendData`` for a connection after the core's ``CloseConnection`` for it;
+1. no ``SendData`` for a connection after the core's ``CloseConnection`` or ``ShutdownWrite``
+   for it;
 2. every stream's buffered bytes (``statistics()``) stay within ``limits.stream_buffer``;
 3. every exchange that started ends exactly once: one ``Log(event="access")`` each, and none
    is left in ``core.exchanges`` once all connections are closed;
@@ -44,6 +47,7 @@ from muxproxy.core.commands import (
     ResumeReading,
     SendData,
     SetTimer,
+    ShutdownWrite,
 )
 from muxproxy.core.events import (
     ConnectionAccepted,
@@ -52,6 +56,7 @@ from muxproxy.core.events import (
     DataReceived,
     DataSent,
     Event,
+    InputEnded,
     Wakeup,
 )
 from muxproxy.core.proxy import ProxyCore
@@ -112,6 +117,10 @@ class Driver:
         """Connections the core closed (``CloseConnection``)."""
         self.gone: set[int] = set()
         """Connections for which ``ConnectionClosed`` was delivered."""
+        self.shut: set[int] = set()
+        """Connections whose write side the core shut down (``ShutdownWrite``)."""
+        self.ended: set[int] = set()
+        """Connections whose peer ended its side (``InputEnded`` fed)."""
         self.paused: set[int] = set()
         self.timers: dict[tuple[str, int], float] = {}
         self.logs: list[Log] = []
@@ -134,6 +143,7 @@ class Driver:
     def apply(self, command: Command) -> None:
         if isinstance(command, SendData):
             assert command.conn not in self.closed, f"SendData after CloseConnection: {command}"
+            assert command.conn not in self.shut, f"SendData after ShutdownWrite: {command}"
             if command.conn in self.gone:
                 return  # the peer went away; the driver drops it (a race, not a bug)
             self.queue.append(DataSent(now=self.now, conn=command.conn, nbytes=len(command.data)))
@@ -148,6 +158,8 @@ class Driver:
             if self.kind.startswith("client"):
                 self.responders[command.conn] = h11.Connection(h11.SERVER)
             self.queue.append(ConnectionOpened(now=self.now, conn=command.conn))
+        elif isinstance(command, ShutdownWrite):
+            self.shut.add(command.conn)
         elif isinstance(command, PauseReading):
             self.paused.add(command.conn)
         elif isinstance(command, ResumeReading):
@@ -199,7 +211,12 @@ class Driver:
         for start, end in itertools.pairwise(cuts):
             for i in range(start, end, self.core.read_size):
                 self.settle()
-                if conn in self.paused or conn in self.gone or conn in self.closed:
+                if (
+                    conn in self.paused
+                    or conn in self.gone
+                    or conn in self.closed
+                    or (conn in self.ended)
+                ):
                     return  # the driver does not read a paused or closed socket
                 piece = data[i : min(end, i + self.core.read_size)]
                 self.feed(DataReceived(now=self.now, conn=conn, data=piece))
@@ -216,8 +233,17 @@ class Driver:
             self.feed(Wakeup(now=self.now, timer=timer))
         self.settle()
 
+    def end_input(self, conn: int) -> None:
+        """The peer on ``conn`` ends its side (EOF), as the driver reports it."""
+        if conn not in self.gone and conn not in self.closed and conn not in self.ended:
+            self.ended.add(conn)
+            self.queue.append(InputEnded(now=self.now, conn=conn))
+        self.settle()
+
     def close_everything(self) -> None:
         self.now += 1.0
+        for conn in [CLIENT, *self.backends]:
+            self.end_input(conn)
         for conn in [CLIENT, *self.backends]:
             if conn not in self.gone:
                 self.queue.append(ConnectionClosed(now=self.now, conn=conn))
@@ -236,10 +262,9 @@ def run_case(kind: str, data: bytes, splits: list[int]) -> None:
         driver.deliver(CLIENT, CLIENT_REQUEST, [])
         if driver.backends:
             driver.deliver(driver.backends[0], data, splits)
-            # The backend closes: h11's read-until-close framing, or a truncation.
-            if driver.backends[0] not in driver.gone:
-                driver.queue.append(ConnectionClosed(now=driver.now, conn=driver.backends[0]))
-            driver.settle()
+            # The backend ends: h11's read-until-close framing, a truncation, or (in a
+            # tunnel) one direction's end.
+            driver.end_input(driver.backends[0])
     driver.fire_timers()
     driver.close_everything()
     driver.fire_timers()
