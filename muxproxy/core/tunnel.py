@@ -154,10 +154,12 @@ class StreamBackend:
     def close(self, how: BackendEnd) -> None:
         stream = self.stream
         stream.exchange = None
-        if how is BackendEnd.END:
+        if how is BackendEnd.END and not stream.upstream.client.queued(stream.sid):
             stream.release()  # both END_STREAMs went by: the stream is closed
         else:
-            stream.close()  # RST_STREAM(CANCEL) unless it is over already
+            # RST_STREAM(CANCEL) unless it is over already; also when our END_STREAM still
+            # waits for window behind data, so that the stream cannot stay half-open.
+            stream.close()
 
     def pause(self) -> None:
         self.stream.pause()

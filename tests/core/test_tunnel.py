@@ -431,14 +431,18 @@ class H2BackendPeer:
     """An h2 server peer for backend connection ``conn``; ``connect``: whether its SETTINGS
     allow extended CONNECT (RFC 8441 §3)."""
 
-    def __init__(self, pb: Playbook, conn: int, *, connect: bool) -> None:
+    def __init__(self, pb: Playbook, conn: int, *, connect: bool, window: int = 65535) -> None:
         self.pb = pb
         self.conn_id = conn
         config = h2.config.H2Configuration(client_side=False, header_encoding=None)
         self.conn = h2.connection.H2Connection(config=config)
-        code = h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL
+        codes = h2.settings.SettingCodes
         self.conn.local_settings = h2.settings.Settings(
-            client=False, initial_values={code: int(connect)}
+            client=False,
+            initial_values={
+                codes.ENABLE_CONNECT_PROTOCOL: int(connect),
+                codes.INITIAL_WINDOW_SIZE: window,
+            },
         )
         self.conn.initiate_connection()
         self.seen = 0
@@ -458,14 +462,14 @@ class H2BackendPeer:
 
 
 def _upgrade_to_h2_backend(
-    pb: Playbook, *, connect: bool = True
+    pb: Playbook, *, connect: bool = True, window: int = 65535
 ) -> tuple[int, H2BackendPeer, list[h2.events.Event]]:
     pb.accept(1)
     pb.receive(1, _upgrade_request())
     (open_cmd,) = pb.opens()
     up = open_cmd.conn
     pb.opened(up)
-    backend = H2BackendPeer(pb, up, connect=connect)
+    backend = H2BackendPeer(pb, up, connect=connect, window=window)
     events = backend.read()
     backend.flush()  # its SETTINGS: the connection is ready, the request goes out
     return up, backend, events + backend.read()
@@ -622,3 +626,22 @@ def test_extended_connect_backend_eof_ends_the_stream_and_the_client_reply_still
     assert not any(isinstance(e, h2.events.StreamReset) for e in peer.events(pb.take(1, commands)))
     assert _closed_log(pb).fields["reason"] == "both sides ended"
     assert not pb.core.tunnels and not pb.core.exchanges
+
+
+def test_h2_backend_stream_is_reset_when_our_end_stream_still_waits_for_window() -> None:
+    pb = Playbook(_h2_backend_config())
+    _, backend, events = _upgrade_to_h2_backend(pb, window=4)
+    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    sid = request.stream_id
+    backend.conn.send_headers(sid, [(b":status", b"200")])
+    backend.flush()
+    # Ten bytes, four fit the window: our END_STREAM queues behind the other six.
+    pb.receive(1, b"0123456789")
+    _eof(pb, 1)
+    backend.read()  # the four bytes; the backend gives no window back
+    backend.conn.send_data(sid, b"bye", end_stream=True)
+    backend.flush()
+    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    # RFC 9113 §5.1: a stream we could not end cleanly is reset, never left half-open.
+    (reset,) = [e for e in backend.read() if isinstance(e, h2.events.StreamReset)]
+    assert reset.stream_id == sid
