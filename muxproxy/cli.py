@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import math
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -243,7 +242,7 @@ def _size(value: int) -> str:
 
 
 def _seconds(value: float) -> str:
-    return f"{value:g}s" if math.isfinite(value) else "no limit"
+    return f"{value:g}s"
 
 
 def _print_problems(error: ConfigError, source: str | None) -> None:

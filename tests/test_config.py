@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from muxproxy.config import (
     Api,
@@ -96,6 +97,13 @@ def problems_of(data: dict[str, Any], **kwargs: Any) -> list[str]:
     return info.value.problems
 
 
+def write_tls_pair(directory: Path, cert: str = "cert.pem", key: str = "key.pem") -> None:
+    """A real certificate and its private key, PEM, as ``directory/cert`` and ``directory/key``."""
+    issued = trustme.CA().issue_cert("localhost")
+    issued.cert_chain_pems[0].write_to_path(str(directory / cert))
+    issued.private_key_pem.write_to_path(str(directory / key))
+
+
 def write(tmp_path: Path, text: str, name: str = "muxproxy.toml") -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
@@ -118,8 +126,7 @@ def test_minimal_file_gets_defaults_and_one_route(tmp_path: Path) -> None:
 
 
 def test_full_file(tmp_path: Path) -> None:
-    (tmp_path / "cert.pem").write_text("cert")
-    (tmp_path / "key.pem").write_text("key")
+    write_tls_pair(tmp_path)
     config = load_config(str(write(tmp_path, FULL)))
 
     plain, secure = config.listeners
@@ -184,9 +191,8 @@ def test_parse_config_takes_a_dict() -> None:
 
 
 def test_absolute_tls_paths_are_kept(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path, "c.pem", "k.pem")
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    cert.write_text("c")
-    key.write_text("k")
     data = valid()
     data["listeners"][0].update(tls_cert=str(cert), tls_key=str(key))
     (listener,) = parse_config(data, base_dir="/nonexistent").listeners
@@ -199,10 +205,29 @@ def test_listener_may_use_port_zero() -> None:
     assert [listener.port for listener in parse_config(data).listeners] == [0, 0]
 
 
-def test_infinite_timeout_is_allowed() -> None:
-    data = valid()
-    data["timeouts"] = {"read": float("inf")}
-    assert parse_config(data).timeouts.read == float("inf")
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(float("inf"), "inf"), (float("nan"), "nan"), (1e400, "inf"), (10**400, "1" + "0" * 400)],
+    ids=["inf", "nan", "1e400", "10**400"],
+)
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("timeouts", "read"),
+        ("upstreams", "gpus", "pool_idle_timeout"),
+        ("upstreams", "gpus", "sticky", "cookie", "expires"),
+        ("upstreams", "gpus", "timeouts", "first_token"),
+    ],
+)
+def test_infinite_and_nan_durations_are_refused(
+    path: tuple[str, ...], value: float, shown: str
+) -> None:
+    """A duration becomes a timer deadline or a cookie's Max-Age (``math.ceil(inf)`` raises
+    inside the core): each must be a finite number, and the message names the key."""
+    data = _set(valid(), path, value)
+    assert problems_of(data) == [
+        f"{'.'.join(path)}: expected a positive, finite number of seconds, got {shown}"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -331,7 +356,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("upstreams", "gpus", "pool_idle_timeout"),
             0,
-            "upstreams.gpus.pool_idle_timeout: expected a positive number of seconds, got 0",
+            "upstreams.gpus.pool_idle_timeout:"
+            " expected a positive, finite number of seconds, got 0",
         ),
         (
             ("upstreams", "gpus", "server"),
@@ -351,22 +377,22 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("timeouts", "read"),
             -3,
-            "timeouts.read: expected a positive number of seconds, got -3",
+            "timeouts.read: expected a positive, finite number of seconds, got -3",
         ),
         (
             ("timeouts", "connect"),
             "5s",
-            'timeouts.connect: expected a positive number of seconds, got "5s"',
+            'timeouts.connect: expected a positive, finite number of seconds, got "5s"',
         ),
         (
             ("timeouts", "send"),
             True,
-            "timeouts.send: expected a positive number of seconds, got true",
+            "timeouts.send: expected a positive, finite number of seconds, got true",
         ),
         (
             ("timeouts", "send"),
             float("nan"),
-            "timeouts.send: expected a positive number of seconds, got nan",
+            "timeouts.send: expected a positive, finite number of seconds, got nan",
         ),
         (("timeouts", "raed"), 3, 'timeouts.raed: unknown key; did you mean "read"?'),
         (("timeouts",), 30, "timeouts: expected a table, got 30"),
@@ -580,7 +606,7 @@ def test_all_problems_are_collected(tmp_path: Path) -> None:
         f'listeners[0].tls_cert: file not found: "{tmp_path / "cert.pem"}"',
         "listeners[0].tls_key: missing; tls_cert is set, and TLS needs both tls_cert and tls_key",
         'timeouts.raed: unknown key; did you mean "read"?',
-        "timeouts.connect: expected a positive number of seconds, got -3",
+        "timeouts.connect: expected a positive, finite number of seconds, got -3",
         'upstreams.gpus.servers[1]: expected "host:port", got "localhost"',
         'upstreams.gpus.servers[2].wieght: unknown key; did you mean "weight"?',
         'routes[0].upstream: no upstream named "gpu"; define [upstreams.gpu] or use one of: gpus',
@@ -729,7 +755,7 @@ def test_route_sse_heartbeat_is_seconds() -> None:
     assert parse_config(valid()).routes[0].sse_heartbeat is None
     data["routes"][0]["sse_heartbeat"] = 0
     assert problems_of(data) == [
-        "routes[0].sse_heartbeat: expected a positive number of seconds, got 0"
+        "routes[0].sse_heartbeat: expected a positive, finite number of seconds, got 0"
     ]
 
 
@@ -806,7 +832,8 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             S,
             [{"address": "127.0.0.1:9001", "fail_timeout": 0}],
-            "upstreams.gpus.servers[0].fail_timeout: expected a positive number of seconds, got 0",
+            "upstreams.gpus.servers[0].fail_timeout:"
+            " expected a positive, finite number of seconds, got 0",
         ),
         (
             S,
@@ -924,7 +951,8 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             (*G, "sticky", "cookie", "expires"),
             -1,
-            "upstreams.gpus.sticky.cookie.expires: expected a positive number of seconds, got -1",
+            "upstreams.gpus.sticky.cookie.expires:"
+            " expected a positive, finite number of seconds, got -1",
         ),
         (
             (*G, "sticky", "cookie", "domain"),
@@ -1001,7 +1029,8 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             (*G, "next_upstream", "tries_timeout"),
             -1,
-            "upstreams.gpus.next_upstream.tries_timeout: expected a positive number of seconds,"
+            "upstreams.gpus.next_upstream.tries_timeout:"
+            " expected a positive, finite number of seconds,"
             " got -1",
         ),
         (
@@ -1061,7 +1090,8 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             (*G, "timeouts", "first_token"),
             0,
-            "upstreams.gpus.timeouts.first_token: expected a positive number of seconds, got 0",
+            "upstreams.gpus.timeouts.first_token:"
+            " expected a positive, finite number of seconds, got 0",
         ),
         (
             (*G, "timeouts", "idel"),
@@ -1244,8 +1274,7 @@ def test_directory_instead_of_file(tmp_path: Path) -> None:
 def test_tls_paths_relative_to_the_config_file(tmp_path: Path, monkeypatch: Any) -> None:
     conf = tmp_path / "conf"
     conf.mkdir()
-    (conf / "cert.pem").write_text("c")
-    (conf / "key.pem").write_text("k")
+    write_tls_pair(conf)
     write(
         conf,
         '[[listeners]]\naddress = "127.0.0.1:8443"\ntls_cert = "cert.pem"\ntls_key = "key.pem"\n'
@@ -1268,9 +1297,8 @@ def test_quick_config_valid() -> None:
 
 
 def test_quick_config_with_tls(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path, "c.pem", "k.pem")
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    cert.write_text("c")
-    key.write_text("k")
     config = parse_quick_config(
         "127.0.0.1:8443", ["127.0.0.1:9001"], tls_cert=str(cert), tls_key=str(key)
     )
@@ -1295,3 +1323,123 @@ def test_quick_config_needs_an_upstream() -> None:
     with pytest.raises(ConfigError) as info:
         parse_quick_config("127.0.0.1:8080", [])
     assert info.value.problems == ['--upstream: missing; expected at least one "host:port"']
+
+
+# --- HTTP/2 settings, nesting, TLS files --------------------------------------------------------
+
+SETTING_MAX = 2**32 - 1
+
+
+@pytest.mark.parametrize(
+    ("key", "setting"),
+    [
+        ("max_concurrent_streams", "SETTINGS_MAX_CONCURRENT_STREAMS"),
+        ("max_request_head", "SETTINGS_MAX_HEADER_LIST_SIZE"),
+    ],
+)
+@pytest.mark.parametrize("value", [2**32, 2**63, 10**30])
+def test_limits_sent_as_http2_settings_fit_their_range(key: str, setting: str, value: int) -> None:
+    """RFC 9113 §6.5.1: a SETTINGS value is 32 bits; one beyond cannot even be encoded, and
+    every HTTP/2 connection would fail in its first frame."""
+    data = valid()
+    data["limits"] = {key: value}
+    assert problems_of(data) == [
+        f"limits.{key}: expected at most {SETTING_MAX} (2**32-1: it is sent to HTTP/2 clients"
+        f" as {setting}, a 32-bit value, RFC 9113 §6.5.2), got {value}; lower it"
+    ]
+    data["limits"] = {key: SETTING_MAX}
+    assert getattr(parse_config(data).limits, key) == SETTING_MAX
+
+
+@pytest.mark.parametrize("window", [2**31, 2**32 + 65_535])
+def test_connection_window_increment_fits_a_window_update(window: int) -> None:
+    data = valid()
+    data["limits"] = {"h2_connection_window": window}
+    assert problems_of(data) == [
+        f"limits.h2_connection_window: expected 65535 to {2**31 - 1} bytes (RFC 9113 §6.9.1),"
+        f" got {window}"
+    ]
+
+
+@pytest.mark.parametrize(("open_", "close"), [("[", "]"), ("{a = ", "}")])
+def test_toml_nested_past_the_recursion_limit_is_a_clean_error(
+    tmp_path: Path, open_: str, close: str
+) -> None:
+    path = write(tmp_path, MINIMAL + "x = " + open_ * 5000 + "1" + close * 5000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        f"{path}: invalid TOML: arrays or inline tables nested too deeply"
+    ]
+
+
+def tls_listener(cert: str, key: str) -> dict[str, Any]:
+    data = valid()
+    data["listeners"][0].update(tls_cert=cert, tls_key=key)
+    return data
+
+
+def test_swapped_tls_files_are_named(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path)
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    assert problems_of(tls_listener("key.pem", "cert.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_cert: "{key}" holds no certificate, but "{cert}" does: the two'
+        " files look swapped; give the certificate as tls_cert and the key as tls_key"
+    ]
+    with pytest.raises(ConfigError) as info:
+        parse_quick_config(
+            "127.0.0.1:8443", ["127.0.0.1:9001"], tls_cert=str(key), tls_key=str(cert)
+        )
+    assert info.value.problems == [
+        f'--tls-cert: "{key}" holds no certificate, but "{cert}" does: the two'
+        " files look swapped; give the certificate as --tls-cert and the key as --tls-key"
+    ]
+
+
+def test_tls_files_without_a_certificate_or_a_key(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path)
+    (tmp_path / "empty.pem").write_text("")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    assert problems_of(tls_listener("cert.pem", "cert.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_key: "{cert}" holds no PEM private key (-----BEGIN PRIVATE KEY-----);'
+        " found -----BEGIN CERTIFICATE-----"
+    ]
+    assert problems_of(tls_listener("key.pem", "key.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_cert: "{key}" holds no PEM certificate (-----BEGIN CERTIFICATE-----);'
+        " found -----BEGIN EC PRIVATE KEY-----"
+    ]
+    empty = tmp_path / "empty.pem"
+    assert problems_of(tls_listener("empty.pem", "empty.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_cert: "{empty}" holds no PEM certificate'
+        " (-----BEGIN CERTIFICATE-----); found no PEM block",
+        f'listeners[0].tls_key: "{empty}" holds no PEM private key'
+        " (-----BEGIN PRIVATE KEY-----); found no PEM block",
+    ]
+
+
+def test_tls_key_of_another_certificate(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path)
+    write_tls_pair(tmp_path, "other-cert.pem", "other-key.pem")
+    cert, other = tmp_path / "cert.pem", tmp_path / "other-key.pem"
+    assert problems_of(tls_listener("cert.pem", "other-key.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_key: the private key in "{other}" does not belong to the'
+        f' certificate in "{cert}"'
+    ]
+
+
+def test_encrypted_tls_key_is_refused_without_a_prompt(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    write_tls_pair(tmp_path)
+    key = serialization.load_pem_private_key((tmp_path / "key.pem").read_bytes(), None)
+    encrypted = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret"),
+    )
+    (tmp_path / "locked.pem").write_bytes(encrypted)
+    locked = tmp_path / "locked.pem"
+    assert problems_of(tls_listener("cert.pem", "locked.pem"), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_key: "{locked}" holds an encrypted private key; muxproxy needs it'
+        " unencrypted (openssl pkey -in KEY -out PLAIN.pem)"
+    ]

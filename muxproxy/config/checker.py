@@ -120,10 +120,14 @@ class Checker:
     # -- values --
 
     def seconds(self, value: Any, path: str) -> float | None:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            self.add(path, f"expected a positive number of seconds, got {describe(value)}")
+        """A positive, finite number of seconds. TOML's ``inf`` and ``nan`` (and ``1e400``,
+        which reads as ``inf``) are refused, as are integers too large for a float: every
+        duration becomes a timer deadline or a cookie's Max-Age, which need a finite one."""
+        seconds = _finite(value)
+        if seconds is None or not seconds > 0:
+            self.add(path, f"expected a positive, finite number of seconds, got {describe(value)}")
             return None
-        return float(value)
+        return seconds
 
     def positive_int(self, value: Any, path: str) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -199,6 +203,17 @@ class Checker:
             self.add(path, f"expected the name of an upstream group, got {describe(value)}")
             return None
         return value
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, a boolean, infinite, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        return None
+    return number if math.isfinite(number) else None
 
 
 def address_problem(value: object, *, allow_port_zero: bool = False) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .checker import Checker, Key, describe, join
 from .records import Api, Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
+from .tls import tls_pair_problems
 from .upstreams import upstream
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
@@ -71,6 +72,12 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except tomllib.TOMLDecodeError as exc:
         where, message = _toml_error_location(exc, text)
         raise ConfigError([f"{name}, {where}: invalid TOML: {message}"], source=name) from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively; no configuration
+        # nests more than a few levels.
+        raise ConfigError(
+            [f"{name}: invalid TOML: arrays or inline tables nested too deeply"], source=name
+        ) from None
     try:
         return parse_config(data, base_dir=os.path.dirname(name) or None)
     except ConfigError as exc:
@@ -133,10 +140,12 @@ def parse_quick_config(
         check.add("--upstream", 'missing; expected at least one "host:port"')
     for address in upstreams:
         check.address(address, "--upstream")
-    if tls_cert is not None:
-        check.file(tls_cert, "--tls-cert")
-    if tls_key is not None:
-        check.file(tls_key, "--tls-key")
+    cert = None if tls_cert is None else check.file(tls_cert, "--tls-cert")
+    key = None if tls_key is None else check.file(tls_key, "--tls-key")
+    if cert is not None and key is not None:
+        flags = ("--tls-cert", "--tls-key")
+        for which, message in tls_pair_problems(cert, key, flags):
+            check.add(flags[0] if which == "cert" else flags[1], message)
     if (tls_cert is None) != (tls_key is None):
         given, missing = (
             ("--tls-cert", "--tls-key") if tls_key is None else ("--tls-key", "--tls-cert")
@@ -178,14 +187,31 @@ _ROUTE_KEYS = {
 
 
 # RFC 9113 §6.9.1: a flow-control window is at most 2**31-1; the connection window starts at
-# 65,535 and can only be opened further.
+# 65,535 and can only be opened further (by a WINDOW_UPDATE increment of at most 2**31-1).
 _WINDOW_MIN = 65_535
 _WINDOW_MAX = 2**31 - 1
+# RFC 9113 §6.5.1: a SETTINGS value is an unsigned 32-bit integer; §6.5.2 gives no narrower
+# range for these two. A larger one cannot even be written into the SETTINGS frame.
+_SETTING_MAX = 2**32 - 1
+_H2_SETTINGS = {
+    "max_concurrent_streams": "SETTINGS_MAX_CONCURRENT_STREAMS",
+    "max_request_head": "SETTINGS_MAX_HEADER_LIST_SIZE",
+}
+"""The ``[limits]`` that each HTTP/2 client is sent as a SETTINGS value, and which one."""
 
 
 def _check_limits(check: Checker, limits: Limits) -> Limits | None:
     """The checks of ``[limits]`` that look beyond one positive integer."""
     valid = True
+    for key, setting in _H2_SETTINGS.items():
+        value = getattr(limits, key)
+        if value > _SETTING_MAX:
+            check.add(
+                f"limits.{key}",
+                f"expected at most {_SETTING_MAX} (2**32-1: it is sent to HTTP/2 clients as"
+                f" {setting}, a 32-bit value, RFC 9113 §6.5.2), got {value}; lower it",
+            )
+            valid = False
     window = limits.h2_connection_window
     if not _WINDOW_MIN <= window <= _WINDOW_MAX:
         check.add(
@@ -227,6 +253,13 @@ def _listeners(check: Checker, value: Any) -> tuple[Listener, ...] | None:
         if values is None:
             valid = False
             continue
+        if "tls_cert" in values:
+            problems = tls_pair_problems(values["tls_cert"], values["tls_key"])
+            for which, message in problems:
+                check.add(f"{path}.tls_{which}", message)
+            if problems:
+                valid = False
+                continue
         listener = Listener(**values)
         if listener.port != 0:
             key = (listener.host, listener.port)

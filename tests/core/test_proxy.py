@@ -8,13 +8,14 @@ import pathlib
 import attrs
 import h2.errors
 import h2.events
+import h2.settings
 import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
 
-from muxproxy.config import Limits, Timeouts
+from muxproxy.config import Limits, Timeouts, parse_config
 from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
@@ -523,3 +524,50 @@ def test_request_reset_in_the_same_read_is_answered_by_nothing(malformed: bool) 
     events = conn.receive_data(pb.take(1, pb.receive(1, conn.data_to_send())))
     (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
     assert dict(response.headers)[b":status"] == b"404"
+
+
+def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
+    """Every limit sent as an HTTP/2 SETTINGS value, at the largest value the configuration
+    loader accepts, still makes a valid first frame: an HTTP/2 client and, after it, an
+    HTTP/1.1 client are both served (a value past 32 bits used to fail in SETTINGS)."""
+    top = 2**32 - 1
+    document = {
+        "listeners": [{"address": "127.0.0.1:8080"}],
+        "upstreams": {"default": {"servers": [BACKEND]}},
+        "limits": {
+            "max_concurrent_streams": top,
+            "max_request_head": top,
+            "h2_connection_window": 2**31 - 1,
+        },
+    }
+    pb = Playbook(parse_config(document))
+    pb.accept(1)
+    client = H2ClientPeer()
+    _, data = client.request()
+    pb.receive(1, client.preface() + data)
+    settings = [
+        e for e in client.events(pb.take(1)) if isinstance(e, h2.events.RemoteSettingsChanged)
+    ]
+    advertised = {code: change.new_value for code, change in settings[0].changed_settings.items()}
+    assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == top
+    assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == top
+    (open_cmd,) = pb.opens()
+    pb.opened(open_cmd.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(open_cmd.conn))
+    reply = backend.sse_head() + backend.chunk(b"data: 1\n\n") + backend.end()
+    events = client.events(pb.take(1, pb.receive(open_cmd.conn, reply)))
+    assert [type(e) for e in events if not isinstance(e, h2.events.WindowUpdated)][-1:] == [
+        h2.events.StreamEnded
+    ]
+    backend.conn.start_next_cycle()
+    h1_client = H1ClientPeer()
+    pb.accept(2)
+    mark = len(pb.log)
+    pb.receive(2, h1_client.request())
+    assert len(pb.opens()) == 1  # the kept-alive backend connection carries it
+    backend.events(pb.take(open_cmd.conn, pb.log[mark:]))
+    head = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
+    pb.receive(open_cmd.conn, (head or b"") + backend.chunk(b"ok") + backend.end())
+    events = h1_client.events(pb.take(2))
+    assert events[0].status_code == 200 and type(events[-1]) is h11.EndOfMessage
