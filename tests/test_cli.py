@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+import trustme
 
 import muxproxy
 from muxproxy.cli import listening_lines, main
@@ -142,6 +144,15 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def write_tls_pair(directory: Path) -> tuple[Path, Path]:
+    """A real certificate and its key, PEM: ``directory/cert.pem``, ``directory/key.pem``."""
+    issued = trustme.CA().issue_cert("localhost")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    return cert, key
+
+
 # --- check, as a subprocess -------------------------------------------------------------------
 
 
@@ -153,7 +164,7 @@ def test_check_bad_file_exits_2_with_every_problem(tmp_path: Path) -> None:
     assert result.stderr.splitlines() == [
         "muxproxy: bad.toml: invalid configuration",
         '  timeouts.raed: unknown key; did you mean "read"?',
-        "  timeouts.read: expected a positive number of seconds, got -3",
+        "  timeouts.read: expected a positive, finite number of seconds, got -3",
         '  upstreams.gpus.servers[1]: expected "host:port", got "localhost"',
         '  routes[0].upstream: no upstream named "gpu"; define [upstreams.gpu] or use one of: gpus',
     ]
@@ -240,6 +251,121 @@ def test_check_toml_syntax_error(tmp_path: Path) -> None:
     assert head == "muxproxy: broken.toml: invalid configuration"
     assert problem.startswith("  broken.toml, line 3, column ")
     assert "invalid TOML" in problem
+
+
+LIMITS = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[limits]
+max_concurrent_streams = {streams}
+max_request_head = {head}
+
+[timeouts]
+read = {read}
+
+[upstreams.gpus]
+servers = ["127.0.0.1:9001"]
+"""
+
+
+def test_check_refuses_http2_settings_out_of_range_and_infinite_timeouts(tmp_path: Path) -> None:
+    (tmp_path / "big.toml").write_text(LIMITS.format(streams=2**32, head=2**40, read="inf"))
+    result = run_cli("check", "--config", "big.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "muxproxy: big.toml: invalid configuration",
+        "  timeouts.read: expected a positive, finite number of seconds, got inf",
+        f"  limits.max_concurrent_streams: expected at most {2**32 - 1} (2**32-1: it is sent"
+        " to HTTP/2 clients as SETTINGS_MAX_CONCURRENT_STREAMS, a 32-bit value, RFC 9113"
+        f" §6.5.2), got {2**32}; lower it",
+        f"  limits.max_request_head: expected at most {2**32 - 1} (2**32-1: it is sent to"
+        " HTTP/2 clients as SETTINGS_MAX_HEADER_LIST_SIZE, a 32-bit value, RFC 9113 §6.5.2),"
+        f" got {2**40}; lower it",
+    ]
+
+
+def test_check_accepts_the_largest_http2_settings(tmp_path: Path) -> None:
+    top = 2**32 - 1
+    (tmp_path / "top.toml").write_text(LIMITS.format(streams=top, head=top, read="1e300"))
+    result = run_cli("check", "--config", "top.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "muxproxy: top.toml: configuration is valid"
+
+
+@pytest.mark.parametrize("value", ["1e400", "nan", "-inf"])
+def test_check_refuses_non_finite_timeouts(tmp_path: Path, value: str) -> None:
+    (tmp_path / "t.toml").write_text(LIMITS.format(streams=100, head=65536, read=value))
+    result = run_cli("check", "--config", "t.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    shown = {"1e400": "inf"}.get(value, value)
+    assert result.stderr.splitlines()[1:] == [
+        f"  timeouts.read: expected a positive, finite number of seconds, got {shown}"
+    ]
+
+
+def test_check_deeply_nested_toml_is_one_clean_line(tmp_path: Path) -> None:
+    (tmp_path / "deep.toml").write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    result = run_cli("check", "--config", "deep.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "muxproxy: deep.toml: invalid configuration",
+        "  deep.toml: invalid TOML: arrays or inline tables nested too deeply",
+    ]
+
+
+def test_serve_swapped_tls_flags_exit_2_naming_the_flag_and_files(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path)
+    result = run_cli(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "127.0.0.1:9001",
+        "--tls-cert",
+        "key.pem",
+        "--tls-key",
+        "cert.pem",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "muxproxy: invalid configuration",
+        '  --tls-cert: "key.pem" holds no certificate, but "cert.pem" does: the two files look'
+        " swapped; give the certificate as --tls-cert and the key as --tls-key",
+    ]
+
+
+def test_serve_config_with_swapped_tls_files_exits_2(tmp_path: Path) -> None:
+    write_tls_pair(tmp_path)
+    (tmp_path / "tls.toml").write_text(
+        '[[listeners]]\naddress = "127.0.0.1:0"\ntls_cert = "key.pem"\ntls_key = "cert.pem"\n'
+        '[upstreams.a]\nservers = ["127.0.0.1:9001"]\n'
+    )
+    for command in ("serve", "check"):
+        result = run_cli(command, "--config", "tls.toml", cwd=tmp_path)
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [
+            "muxproxy: tls.toml: invalid configuration",
+            '  listeners[0].tls_cert: "key.pem" holds no certificate, but "cert.pem" does:'
+            " the two files look swapped; give the certificate as tls_cert and the key as"
+            " tls_key",
+        ]
+
+
+def test_fakellm_on_a_busy_port_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli("fakellm", "--port", str(port), cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"muxproxy fakellm: port {port} is in use (127.0.0.1:{port}); pick another --port,"
+        " or 0 for any"
+    ]
 
 
 def test_check_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
@@ -395,8 +521,7 @@ def test_serve_freezes_the_startup_heap_once_it_listens(
 def test_serve_config_file_with_tls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "cert.pem").write_text("c")
-    (tmp_path / "key.pem").write_text("k")
+    write_tls_pair(tmp_path)
     path = tmp_path / "tls.toml"
     path.write_text(
         '[[listeners]]\naddress = "127.0.0.1:8080"\n'

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -814,9 +815,30 @@ def run(args: argparse.Namespace) -> int:
             port = await nursery.start(partial(serve_fakellm, fake, host=args.host, port=args.port))
             print(f"fakellm {fake.backend_id} listening on {args.host}:{port}", flush=True)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(serve)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            trio.run(serve)
+    except (OSError, BaseExceptionGroup) as exc:
+        # Hypercorn binds inside nested nurseries: a busy port arrives as an OSError wrapped
+        # in exception groups. Anything else is a bug and keeps its traceback.
+        error = _listen_error(exc)
+        if error is None:
+            raise
+        where = f"{args.host}:{args.port}"
+        if error.errno == errno.EADDRINUSE:
+            message = f"port {args.port} is in use ({where}); pick another --port, or 0 for any"
+        else:
+            message = f"cannot listen on {where}: {error.strerror or error}"
+        print(f"muxproxy fakellm: {message}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _listen_error(exc: BaseException) -> OSError | None:
+    """The one ``OSError`` inside ``exc`` (nested exception groups), if that is all it is."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
 
 
 def main(argv: list[str] | None = None) -> int:
