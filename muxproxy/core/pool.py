@@ -5,6 +5,11 @@ the request and the response completed cleanly; anything else is closed. Idle co
 kept at most ``pool_max_idle`` per backend and ``pool_idle_timeout`` seconds; one that the
 backend closes while idle is simply dropped from the pool.
 
+A connect whose exchange stopped waiting (the client went away, a timeout) is closed at once,
+never kept for a later request: a client resetting requests as fast as it sends them must not
+leave backend connections behind that outlive them (RFC 9113 §10.5, rapid reset). A close
+reported for a connection still connecting is a failed connect.
+
 An ``UpstreamConn`` counts the bytes it handed to the driver and that were not yet written
 (``pending``), which is the request direction's share of the exchange's buffer, and it pauses
 and resumes its own reading for the response direction's backpressure.
@@ -153,7 +158,8 @@ class UpstreamConn:
     # -- events from the driver ------------------------------------------------------------
 
     def on_opened(self) -> None:
-        self.core.pool.opened(self)
+        if self.state is UpstreamState.CONNECTING:  # not a second report of the same connect
+            self.core.pool.opened(self)
 
     def on_open_failed(self, reason: str) -> None:
         self.core.pool.open_failed(self, reason)
@@ -196,6 +202,11 @@ class UpstreamConn:
 
     def on_closed(self, error: str | None) -> None:
         was = self.state
+        if was is UpstreamState.CONNECTING:
+            # An embedder may report a connect it gave up on as closed rather than (or
+            # before) OpenFailed: the same failure for whoever waits for it.
+            self.core.pool.open_failed(self, error or "connection closed while connecting")
+            return
         self.state = UpstreamState.CLOSED
         self.core.pool.discard(self)
         exchange = self.exchange
@@ -252,41 +263,35 @@ class Pool:
         exchange.upstream_ready(upstream)
 
     def opened(self, upstream: UpstreamConn) -> None:
-        exchange = self.waiting.pop(upstream.conn, None)
-        if exchange is None:
-            # Its exchange ended while we connected: keep the connection for the next one.
-            upstream.state = UpstreamState.BUSY
-            self.release(upstream, fresh=True)
-            return
-        self._assign(upstream, exchange)
+        # Someone waits for every connection still in ``core.upstreams`` while it connects:
+        # ``forget`` closes the connects no one waits for, and a closed one gets no events.
+        self._assign(upstream, self.waiting.pop(upstream.conn))
 
     def open_failed(self, upstream: UpstreamConn, reason: str) -> None:
         upstream.state = UpstreamState.CLOSED
-        self.core.upstreams.pop(upstream.conn, None)
         exchange = self.waiting.pop(upstream.conn, None)
+        self.discard(upstream)
         if exchange is not None:
             exchange.upstream_failed(f"connect to {upstream.origin} failed: {reason}")
 
     def forget(self, exchange: UpstreamUser) -> None:
-        """``exchange`` no longer waits for the connection being opened for it."""
+        """``exchange`` no longer waits for the connection being opened for it: close it."""
         self.h2.forget(exchange)
         for conn, waiting in list(self.waiting.items()):
             if waiting is exchange:
-                del self.waiting[conn]
-                # A connect that timed out is abandoned; one merely no longer needed is kept.
-                self.core.upstreams[conn].close()
+                upstream = self.core.upstreams[conn]
+                upstream.close()  # which drops the ``waiting`` entry (``discard``)
 
-    def release(self, upstream: UpstreamConn, *, fresh: bool = False) -> None:
+    def release(self, upstream: UpstreamConn) -> None:
         """Return a connection whose exchange is done; keep it if it can carry another."""
         core = self.core
         adapter = upstream.adapter
         if upstream.state is not UpstreamState.BUSY:
             return
-        if not fresh:
-            if not adapter.reusable:
-                upstream.close()
-                return
-            adapter.next_cycle()
+        if not adapter.reusable:
+            upstream.close()
+            return
+        adapter.next_cycle()
         group_idle = self.idle.setdefault(upstream.origin, [])
         if len(group_idle) >= upstream.max_idle:
             upstream.close()
@@ -298,9 +303,10 @@ class Pool:
         core.set_timer(("pool", upstream.conn), core.now + upstream.idle_timeout)
 
     def discard(self, upstream: UpstreamConn) -> None:
-        """Forget a connection that closed."""
+        """Forget a connection that closed (or never opened), and whoever waited for it."""
         core = self.core
         core.upstreams.pop(upstream.conn, None)
+        self.waiting.pop(upstream.conn, None)
         core.cancel_timer(("pool", upstream.conn))
         idle = self.idle.get(upstream.origin)
         if idle and upstream in idle:

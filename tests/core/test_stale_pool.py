@@ -16,7 +16,8 @@ import pytest
 from playbook import BACKEND, H1BackendPeer, H1ClientPeer, Playbook, default_config
 
 from muxproxy.config import NextUpstream
-from muxproxy.core.commands import Log
+from muxproxy.core.commands import CloseConnection, Log
+from muxproxy.core.events import OpenFailed
 
 
 def no_next_upstream() -> Playbook:
@@ -167,3 +168,76 @@ def test_first_request_on_a_new_connection_is_not_stale() -> None:
     (response, *_) = client.events(pb.take(1))
     assert response.status_code == 502
     assert not retries(pb)
+
+
+# -- connects whose exchange went away (Pool.forget, Pool.opened) --------------------------------
+
+
+def pending_connect(pb: Playbook) -> tuple[H1ClientPeer, int]:
+    """A client request whose backend connection is still being opened."""
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, client.request())
+    (open_cmd,) = pb.opens()
+    return client, open_cmd.conn
+
+
+def closes(pb: Playbook, conn: int, since: int = 0) -> list[CloseConnection]:
+    return [c for c in pb.log[since:] if isinstance(c, CloseConnection) and c.conn == conn]
+
+
+def test_connect_its_client_left_is_closed_at_once_and_never_pooled() -> None:
+    """A connect no one waits for any more is closed, not kept for a later request: resets
+    as fast as requests (rapid reset) must leave no backend connections behind."""
+    pb = Playbook()
+    _, up = pending_connect(pb)
+    mark = len(pb.log)
+    pb.closed(1)  # the client went away while we connected
+    assert closes(pb, up, mark)
+    pb.opened(up)  # the driver had the outcome queued already
+    assert pb.core.statistics().idle_upstream_connections == 0
+    client = H1ClientPeer()
+    pb.accept(2)
+    pb.receive(2, client.request())
+    (_, fresh) = pb.opens()
+    assert fresh.conn != up
+    pb.opened(fresh.conn)
+    pb.opened(fresh.conn)  # reported twice: the second report changes nothing
+    answer(pb, fresh.conn)
+    (response, *_) = client.events(pb.take(2))
+    assert response.status_code == 200
+
+
+def test_connect_timeout_closes_the_connect() -> None:
+    pb = no_next_upstream()
+    client, up = pending_connect(pb)
+    pb.now = pb.core.config.timeouts.connect
+    pb.wakeup("connect", 1)
+    assert closes(pb, up)
+    (response, *_) = client.events(pb.take(1))
+    assert response.status_code == 504
+
+
+def test_close_reported_for_a_pending_connect_fails_its_exchange() -> None:
+    """An embedder may report ConnectionClosed for a connect (before, or instead of,
+    OpenFailed): the exchange waiting for it fails over at once, and the OpenFailed that
+    may follow, or the client going away, finds nothing left to clean up."""
+    pb = no_next_upstream()
+    client, up = pending_connect(pb)
+    pb.closed(up, "Connection refused")
+    (response, *_) = client.events(pb.take(1))
+    assert response.status_code == 502
+    pb.feed(OpenFailed(now=pb.now, conn=up, reason="refused"))
+    pb.closed(1)
+    assert pb.core.statistics().upstream_connections == 0
+
+
+def test_client_leaving_after_a_close_of_its_pending_connect() -> None:
+    config = default_config()
+    pb = Playbook(config)
+    _, up = pending_connect(pb)
+    pb.closed(up)  # no OpenFailed follows
+    pb.closed(1)
+    pb.feed(OpenFailed(now=pb.now, conn=up, reason="refused"))
+    assert pb.core.statistics().upstream_connections == 0
+    assert not pb.core.exchanges
