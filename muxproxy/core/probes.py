@@ -25,6 +25,8 @@ class ProbeState(enum.Enum):
     IDLE = "idle"
     """Waiting for the next interval."""
     RUNNING = "running"
+    RETIRED = "retired"
+    """A new configuration replaced it (``retire``); it does nothing more."""
 
 
 class Probe:
@@ -43,6 +45,21 @@ class Probe:
 
     def schedule(self, delay: float) -> None:
         self.core.set_timer(("probe", self.ident), self.core.now + delay)
+
+    def retire(self) -> None:
+        """A new configuration replaces this probe: its timers go, a check in flight is
+        dropped, and no result of it reaches the group's router."""
+        core = self.core
+        core.cancel_timer(("probe", self.ident))
+        core.cancel_timer(("probe_timeout", self.ident))
+        if self.state is ProbeState.RUNNING:
+            if self.upstream is not None:
+                self.upstream.exchange = None
+                self.upstream.close()
+                self.upstream = None
+            else:
+                core.pool.forget(self)
+        self.state = ProbeState.RETIRED
 
     def timer_fired(self, kind: str) -> None:
         if kind == "probe" and self.state is ProbeState.IDLE:
@@ -89,6 +106,8 @@ class Probe:
     # -- result ----------------------------------------------------------------------------
 
     def _done(self, ok: bool, detail: str) -> None:
+        if self.state is not ProbeState.RUNNING:
+            return
         core = self.core
         core.cancel_timer(("probe_timeout", self.ident))
         if self.upstream is not None:

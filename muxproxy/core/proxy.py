@@ -244,10 +244,19 @@ class ProxyCore:
         self.exchanges.pop(exchange.ident, None)
 
     def router(self, group: Upstream) -> GroupRouter:
-        """The routing state of ``group``; kept while the group's servers stay the same."""
+        """The routing state of ``group``; kept while the group's servers stay the same.
+
+        ``ConfigChanged`` carries each group's router over to its new configuration
+        (``GroupRouter.reconfigure``). Only a group of the current configuration is
+        installed: one of an older configuration (an exchange or probe that began before a
+        reload) gets a router of its own, so it cannot replace the current state.
+        """
         router = self._routers.get(group.name)
-        if router is None or router.group != group:
-            router = self._routers[group.name] = GroupRouter(group)
+        if router is not None and (router.group is group or router.group == group):
+            return router
+        router = GroupRouter(group)
+        if self.config.upstreams.get(group.name) == group:
+            self._routers[group.name] = router
         return router
 
     # -- event handlers --------------------------------------------------------------------
@@ -358,8 +367,14 @@ class ProxyCore:
             self.date.set_wall(event.now, event.wall)
         self._apply_limits()
         for probe in self.probes.values():
-            self.cancel_timer(("probe", probe.ident))
+            probe.retire()
         self.probes.clear()
+        routers: dict[str, GroupRouter] = {}
+        for name, group in self.config.upstreams.items():
+            router = self._routers.get(name)
+            if router is not None:
+                routers[name] = router.reconfigure(group)
+        self._routers = routers
         for group in self.config.upstreams.values():
             if group.health_check is None:
                 continue

@@ -87,6 +87,11 @@ class ActiveHealth:
         self._streak = [0] * size
         """Consecutive results that argue for a change of state."""
 
+    def set_thresholds(self, check: HealthCheck) -> None:
+        """Use ``check``'s thresholds from now on; the servers' states and streaks stay."""
+        self._fails = max(1, check.fails)
+        self._passes = max(1, check.passes)
+
     def result(self, index: int, ok: bool) -> bool:
         """Record one probe result; True if the server's state changed."""
         up = self._up[index]

@@ -12,6 +12,11 @@ ids). The order it returns is the order the exchange tries on failure:
    other usable servers as fallbacks.
 
 Backup servers appear only when no primary is usable (``health.usable_servers``).
+
+A new configuration keeps a group's state while its servers stay the same — the same
+addresses in the same order, since all state is kept by position (``reconfigure``): health,
+the balancer's position, streams in flight, and runtime weights (a weight the operator changed
+stays until the configuration changes that server's weight itself).
 """
 
 from __future__ import annotations
@@ -35,6 +40,34 @@ class GroupRouter:
         self.balancer = SmoothWeightedRoundRobin(size)
         self.passive = PassiveHealth(size)
         self.probes = ActiveHealth(size, group.health_check) if group.health_check else None
+
+    def reconfigure(self, group: Upstream) -> GroupRouter:
+        """The router for ``group``, a new configuration of this router's group.
+
+        This router, updated, when ``group`` lists the same server addresses in the same
+        order: passive and active health, balancer state and streams in flight carry over,
+        so do runtime weights except where the configured weight changed; new health-check
+        thresholds apply to the current up/down state. Otherwise a new router: positions
+        name other servers now.
+        """
+        old = self.group
+        if [s.address for s in group.servers] != [s.address for s in old.servers]:
+            return GroupRouter(group)
+        self.group = group
+        secret = group.sticky.cookie.secret if group.sticky.cookie else ""
+        self.ids = [server_id(group.name, s.address, secret) for s in group.servers]
+        self.by_id = {sid: i for i, sid in enumerate(self.ids)}
+        for index, (before, after) in enumerate(zip(old.servers, group.servers, strict=True)):
+            if after.weight != before.weight:
+                self.weights[index] = after.weight
+        check = group.health_check
+        if check is None:
+            self.probes = None
+        elif self.probes is None:
+            self.probes = ActiveHealth(len(group.servers), check)
+        else:
+            self.probes.set_thresholds(check)
+        return self
 
     def candidates(self, key: bytes | None, pinned: bytes | None, now: float) -> list[int]:
         """Server indices to try, in order; empty when no server is usable."""

@@ -135,6 +135,17 @@ def test_active_passes_while_up_and_fails_while_down_change_nothing() -> None:
     assert health.up(0)
 
 
+def test_new_thresholds_keep_the_state_and_the_streak() -> None:
+    health = ActiveHealth(1, HealthCheck(fails=3, passes=3))
+    assert not health.result(0, False)
+    health.set_thresholds(HealthCheck(fails=2, passes=1))
+    assert health.up(0)
+    assert health.result(0, False)  # the streak of one went on: two of the new two
+    assert not health.up(0)
+    assert health.result(0, True)  # one pass is enough now
+    assert health.up(0)
+
+
 # -- usable servers ----------------------------------------------------------------------------
 
 

@@ -1,0 +1,104 @@
+"""A new configuration (``ConfigChanged``) while the proxy runs: what routing state it keeps.
+
+``ProxyCore._config_changed`` carries each group's router over (``GroupRouter.reconfigure``):
+while the group's servers are the same addresses in the same order, health, balancer state and
+runtime weights stay; the health probes of the old configuration are retired, timers and all.
+"""
+
+from __future__ import annotations
+
+import attrs
+import h11
+from test_routing_exchange import CHECK, A, B, C, Rig, fleet, origin, probe_a, start_probes
+
+from muxproxy.config import Config, Server
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection
+from muxproxy.core.events import ConfigChanged
+
+
+def edited(config: Config, **changes: object) -> Config:
+    """``config`` with its group ``default`` changed by ``changes``."""
+    group = attrs.evolve(config.upstreams["default"], **changes)
+    return attrs.evolve(config, upstreams={"default": group})
+
+
+def reload(rig: Rig, config: Config) -> list[object]:
+    rig.config = config
+    return list(rig.pb.feed(ConfigChanged(now=rig.pb.now, config=config)))
+
+
+def routed_to(rig: Rig, count: int = 4) -> set[str]:
+    mark = len(rig.pb.log)
+    for _ in range(count):
+        rig.request()
+    return {origin(o) for o in rig.opens(mark)}
+
+
+def running_probe(rig: Rig) -> int:
+    """Start server A's probe (ident 1) and let its request reach the backend; its conn."""
+    commands = rig.pb.wakeup("probe", 1)
+    (open_cmd,) = [c for c in commands if isinstance(c, OpenConnection)]
+    rig.open(open_cmd.conn)
+    request, _ = rig.received(open_cmd.conn)
+    assert isinstance(request, h11.Request) and request.target == b"/health"
+    return open_cmd.conn
+
+
+def test_reload_during_a_probe_keeps_the_new_configurations_router() -> None:
+    """The probe's answer arriving after the reload must not install a router for the old
+    group: the runtime weight set after the reload stays."""
+    rig = Rig(fleet(A, B, health_check=CHECK))
+    start_probes(rig)
+    up = running_probe(rig)
+    commands = reload(rig, edited(rig.config, pool_idle_timeout=30.0))
+    router = rig.router
+    router.weights[0] = 0  # the operator drains A
+    rig.answer(up, 200, b"")  # the old check's answer, after the reload
+    assert rig.router is router and router.weights[0] == 0
+    assert routed_to(rig) == {B}
+    assert CancelTimer(timer=("probe_timeout", 1)) in commands
+    assert CloseConnection(conn=up) in commands  # the old check was dropped
+
+
+def test_group_edit_with_the_same_servers_keeps_health_and_runtime_weights() -> None:
+    rig = Rig(fleet(A, B, C, health_check=CHECK))
+    reload(rig, rig.config)  # the driver's first event starts the probes
+    (down,) = probe_a(rig, 500)
+    assert down.fields["up"] is False
+    rig.router.weights[2] = 0  # the operator drains C
+    servers = (Server(address=A), Server(address=B, weight=3), Server(address=C))
+    commands = reload(rig, edited(rig.config, servers=servers, pool_idle_timeout=30.0))
+    assert not [c for c in commands if isinstance(c, OpenConnection)]
+    assert rig.router.weights == [1, 3, 0]  # B's configured weight changed; C stays drained
+    assert routed_to(rig) == {B}  # A is still down after the reload
+
+
+def test_group_edit_keeps_passive_health() -> None:
+    rig = Rig(fleet(A, B))
+    rig.request()
+    rig.refuse(rig.last_open().conn)  # A failed: out for fail_timeout
+    rig.serve()
+    servers = (Server(address=A, max_fails=1), Server(address=B, weight=2))
+    reload(rig, edited(rig.config, servers=servers))
+    assert routed_to(rig) == {B}
+
+
+def test_group_with_other_servers_starts_afresh() -> None:
+    rig = Rig(fleet(A, B, health_check=CHECK))
+    start_probes(rig)
+    probe_a(rig, 500)  # A down
+    reload(rig, edited(rig.config, servers=(Server(address=A), Server(address=C))))
+    assert routed_to(rig) == {A, C}  # other servers: positions name others, state is new
+
+
+def test_reload_retires_every_probe_timer() -> None:
+    rig = Rig(fleet(A, B, health_check=CHECK))
+    start_probes(rig)
+    running_probe(rig)
+    commands = reload(rig, rig.config)
+    cancelled = {c.timer for c in commands if isinstance(c, CancelTimer)}
+    assert {("probe_timeout", 1), ("probe", 2)} <= cancelled
+    # The retired probe's timers fire for nothing; the new probes (3 and 4) run.
+    rig.pb.now = 2.0
+    assert not rig.pb.wakeup("probe_timeout", 1)
+    assert [c for c in rig.pb.wakeup("probe", 3) if isinstance(c, OpenConnection)]
