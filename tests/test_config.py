@@ -1443,3 +1443,13 @@ def test_encrypted_tls_key_is_refused_without_a_prompt(tmp_path: Path) -> None:
         f'listeners[0].tls_key: "{locked}" holds an encrypted private key; muxproxy needs it'
         " unencrypted (openssl pkey -in KEY -out PLAIN.pem)"
     ]
+
+
+def test_unreadable_tls_file_is_named(tmp_path: Path) -> None:
+    """A file that exists but cannot be read (``/proc/self/mem`` fails every read from its
+    start, whoever the user is)."""
+    write_tls_pair(tmp_path)
+    unreadable = "/proc/self/mem"
+    assert problems_of(tls_listener("cert.pem", unreadable), base_dir=str(tmp_path)) == [
+        f'listeners[0].tls_key: cannot read "{unreadable}": Input/output error'
+    ]
