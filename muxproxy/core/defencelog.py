@@ -23,6 +23,7 @@ KINDS = (
     "smuggling_refused",
     "request_header_timeout",
     "request_body_timeout",
+    "stream_send_timeout",
 )
 """Each is a log event and a counter of the same name:
 
@@ -34,7 +35,9 @@ KINDS = (
 - ``request_header_timeout``: an HTTP/1.1 request head not complete within
   ``timeouts.client_header`` got 408 (slowloris, RFC 9110 §15.5.9);
 - ``request_body_timeout``: a request body that stopped coming for ``timeouts.client_header``
-  got 408 (HTTP/1.1) or RST_STREAM(CANCEL) (HTTP/2).
+  got 408 (HTTP/1.1) or RST_STREAM(CANCEL) (HTTP/2);
+- ``stream_send_timeout``: an HTTP/2 stream whose window the client kept closed for
+  ``timeouts.send`` got RST_STREAM(CANCEL) (the zero-window reader).
 """
 
 LOG_INTERVAL = 10.0

@@ -503,8 +503,9 @@ class Downstream:
 
     def _cut_window_wait(self, stream: int) -> None:
         assert self.h2 is not None
-        fields = {"conn": self.conn, "stream": stream}
-        self.core.emit(Log(event="stream_send_timeout", fields=fields))
+        self.core.defences.record(
+            "stream_send_timeout", self.peer_ip, conn=self.conn, stream=stream
+        )
         self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
         exchange = self.exchanges.get(stream)
         if exchange is not None:

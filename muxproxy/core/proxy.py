@@ -107,7 +107,8 @@ COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 
 - ``internal_errors``: connections ended by a bug in muxproxy (``faults.py``), core or driver;
 - one per defence (``defencelog.KINDS``): GOAWAY(ENHANCE_YOUR_CALM) to an abusive HTTP/2
-  client, refused request-smuggling shapes, request head and request body timeouts.
+  client, refused request-smuggling shapes, request head and request body timeouts, HTTP/2
+  streams whose window stayed closed.
 """
 
 
