@@ -10,6 +10,8 @@
    server shutting down) neither takes a stream nor stops the proxy: the request goes to
    another server, or the next request to a new connection.
 5. The empty DATA frame that ends a backend's stream is not sent on as an empty frame of its own.
+6. A backend that accepts the connection but never sends its SETTINGS is given up at the
+   connect timeout, and the next request gets a connection of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import attrs
 import h2.config
 import h2.connection
 import h2.events
+import pytest
 import trio
+import trio.testing
 from peers import H1Peer, open_h2, serve_raw
 from test_streaming import (
     CHAT,
@@ -35,7 +39,7 @@ from test_streaming import (
     wait_stats,
 )
 
-from muxproxy.config import Config, Limits, Upstream, quick_config
+from muxproxy.config import Config, Limits, Timeouts, Upstream, quick_config
 
 if TYPE_CHECKING:
     from conftest import StartBackend, StartProxy
@@ -234,3 +238,47 @@ async def test_no_empty_data_frame_before_end_stream(
     assert_complete_stream(state.body, 4)
     # Only the last DATA frame (the one with END_STREAM) may be empty.
     assert [f for f in state.frames[:-1] if not f.data] == []
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    # Virtual time for the tests that ask for it (pytest-trio runs them under this clock);
+    # 10 ms of real quiet before a jump, so loopback bytes in flight never fire a timeout.
+    return trio.testing.MockClock(autojump_threshold=0.01)
+
+
+class SilentBackend:
+    """Accepts connections, reads what comes, never answers (no SETTINGS); ``closed[i]`` is set
+    once the proxy closed the i-th connection."""
+
+    def __init__(self) -> None:
+        self.closed: list[trio.Event] = []
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        gone = trio.Event()
+        self.closed.append(gone)
+        async with stream:
+            with contextlib.suppress(trio.BrokenResourceError):
+                while await stream.receive_some(65536):
+                    pass
+        gone.set()
+
+
+async def test_backend_that_never_sends_settings_does_not_hold_later_requests(
+    nursery: trio.Nursery, start_proxy: StartProxy, clock: trio.testing.MockClock
+) -> None:
+    silent = SilentBackend()
+    port = await serve_raw(nursery, silent.handle)
+    config = attrs.evolve(h2_servers([port]), timeouts=Timeouts(connect=5.0))
+    proxy = await start_proxy(config=config)
+    with trio.fail_after(60):
+        for n in (1, 2):
+            peer = await H1Peer.connect(proxy.port)
+            start = trio.current_time()
+            await peer.send_request("POST", CHAT, [JSON], chat_body())
+            response = await peer.read_response()
+            assert response.status == 504
+            assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
+            # Each request had a connection of its own, which the proxy gave up and closed.
+            assert len(silent.closed) == n
+            await silent.closed[-1].wait()
