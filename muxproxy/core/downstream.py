@@ -2,8 +2,10 @@
 
 Obeys RFC 9113 §3.3 and §3.4 for choosing the protocol: over TLS the ALPN result decides; on a
 plain listener a connection that starts with the HTTP/2 connection preface speaks h2c (prior
-knowledge), anything else HTTP/1.1. The decision is made here, in the core, from the first
-bytes, so it is tested without sockets.
+knowledge), anything else HTTP/1.1. A connection that starts like the preface
+(``PRI * HTTP/2.0``, which no HTTP/1.1 request can be) but is not it is HTTP/2 with an invalid
+preface: GOAWAY(PROTOCOL_ERROR) (§3.4), not an HTTP/1.1 400. The decision is made here, in the
+core, from the first bytes, so it is tested without sockets.
 
 It is the sink of its exchanges' responses and the source of their requests. It counts the
 bytes handed to the driver and not yet written (``pending``): together with an HTTP/2
@@ -38,7 +40,7 @@ from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
 from .h2 import PREFACE, H2Server
 from .intake import MalformedRequest, check_request_limits
-from .messages import Abort, Body, End, Headers, Message, RequestHead, ResponseHead
+from .messages import Abort, Body, End, Headers, Message, Refused, RequestHead, ResponseHead
 from .paths import normalise_target
 
 if TYPE_CHECKING:
@@ -55,6 +57,10 @@ class Waiting(enum.Enum):
     """Between requests, nothing of the next one received: the ``idle`` timer runs."""
     BUSY = "busy"
     """Requests in progress: their exchanges' timers bound the connection."""
+
+
+# RFC 9113 §3.4: the preface's first line; no HTTP/1.1 request line reads so (RFC 9112 §2.3).
+_PREFACE_LINE = PREFACE[:14]
 
 
 class Protocol(enum.Enum):
@@ -165,7 +171,8 @@ class Downstream:
             self.sniffed = buf
             return
         self.sniffed = b""
-        self._choose(Protocol.HTTP2 if buf.startswith(PREFACE) else Protocol.HTTP1)
+        # h2 checks the rest of the preface and answers an invalid one with a GOAWAY.
+        self._choose(Protocol.HTTP2 if buf.startswith(_PREFACE_LINE) else Protocol.HTTP1)
         self.on_data(buf)
 
     def _receive_h1(self, data: bytes) -> None:
@@ -258,6 +265,14 @@ class Downstream:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
                     exchange.client_aborted(message.reason)
+            elif type(message) is Refused:
+                # The head was not decoded, so no route: a plain-text 431.
+                self._refuse_stream(message.stream, message.status, message.reason, None)
+                if not message.end_stream:
+                    assert self.h2 is not None
+                    # RFC 9113 §8.1: the response is complete; the body is not wanted.
+                    self.h2.cancel_request(message.stream)
+                    self._flush_h2()
 
     def _start_exchange(self, head: RequestHead) -> None:
         core = self.core
@@ -308,10 +323,7 @@ class Downstream:
             self._h1_protocol_error(PeerError(exc.reason, exc.status), api)
             return
         assert self.h2 is not None
-        self.core.emit(
-            Log(event="request_refused", fields={"conn": self.conn, "error": exc.reason})
-        )
-        self.send_error(head.stream, exc.status, exc.reason, api=api)
+        self._refuse_stream(head.stream, exc.status, exc.reason, api)
         if not head.end_stream:
             # RFC 9113 §8.1: the response is complete; the body it would send is not wanted.
             self.h2.cancel_request(head.stream)
@@ -325,6 +337,10 @@ class Downstream:
             return None
         route = self.core.config.route_for(target)
         return None if route is None else route.api
+
+    def _refuse_stream(self, stream: int, status: int, reason: str, api: Api | None) -> None:
+        self.core.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
+        self.send_error(stream, status, reason, api=api)
 
     def _body_too_large(self, exchange: Exchange, flow_len: int) -> None:
         """The request body grew past ``limits.max_request_body``: 413 while no response

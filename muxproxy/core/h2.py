@@ -11,18 +11,31 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
 - Malformed requests (RFC 9113 §8.1.1) are stream errors: RST_STREAM(PROTOCOL_ERROR) for that
   stream, the others go on. h2's own inbound header validation is off so that a bad header
   block does not become a connection error; ``intake.request_from_h2`` validates instead.
-- Frame-level violations are connection errors (RFC 9113 §5.4.1): GOAWAY with h2's error code,
-  after which ``closed`` is true. h2 itself refuses more than 64 CONTINUATION frames per
-  header block (PROTOCOL_ERROR) and a decoded header list over our
-  SETTINGS_MAX_HEADER_LIST_SIZE (an HPACK bomb: ENHANCE_YOUR_CALM).
-- Abuse that is legal frame by frame (rapid reset, control-frame floods) is counted by
-  ``h2guard.H2Guard`` and answered with GOAWAY(ENHANCE_YOUR_CALM) (RFC 9113 §10.5); a client
-  near the end of the stream-id space gets a graceful GOAWAY(NO_ERROR) (``drain``).
+  Trailers with pseudo-header fields (§8.1) and a body whose length disagrees with its
+  Content-Length (§8.1.1) are malformed too; h2 never sees Content-Length (``h2decode``), the
+  adapter counts the body against it.
+- A header list over ``limits.max_request_head`` gets 431 on its stream (``Refused``); the
+  HPACK decoder is ours (``h2decode.HeaderDecoder``), so this limit is the one it enforces.
+- Frame-level violations are connection errors (RFC 9113 §5.4.1): one GOAWAY with h2's error
+  code, and ``state`` CLOSED. h2 itself refuses more than 64 CONTINUATION frames per header
+  block (PROTOCOL_ERROR); an HPACK block that cannot be decoded is COMPRESSION_ERROR (§4.3);
+  an HPACK bomb ENHANCE_YOUR_CALM.
+- Abuse that is legal frame by frame (rapid reset, control-frame floods, streams refused past
+  MAX_CONCURRENT_STREAMS) is counted by ``h2guard.H2Guard`` and answered with
+  GOAWAY(ENHANCE_YOUR_CALM) (RFC 9113 §10.5); a client near the end of the stream-id space gets
+  a graceful GOAWAY(NO_ERROR) (``drain``).
+- A GOAWAY either way (ours from ``drain``, or the client's, whatever its code) only ends the
+  opening of streams (RFC 9113 §6.8): ``state`` DRAINING, and the open streams are served to
+  their end. h2 moves its state machine to CLOSED on any GOAWAY and then refuses every frame
+  and every send, so the adapter sets it back (``H2Connection.state_machine.state``, public
+  by name). Frames that come in the same read after a client's GOAWAY are still lost to h2's
+  error: a connection error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import attrs
 import h2.config
@@ -32,10 +45,12 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from .h2decode import OVERSIZED, HeaderBlockFlood, HeaderDecoder
 from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
+from .headers import header_value
 from .intake import MalformedRequest, request_from_h2
-from .messages import Abort, Body, End, Headers, Message, ResponseHead
+from .messages import Abort, Body, End, Headers, Message, Refused, ResponseHead
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -63,6 +78,26 @@ _CONTROL_EVENTS: dict[type[h2.events.Event], str] = {
 # read of at most 64 KiB can open (a HEADERS frame is at least 9 bytes plus its block).
 H2_ENFORCED_STREAMS = 2**31 - 1
 
+BLOCKS_PER_READ_FACTOR = 2
+"""Header blocks one read may carry, in multiples of MAX_CONCURRENT_STREAMS: the streams there
+is room for, as many again refused (a client that had not seen our SETTINGS yet) and the
+trailers of open streams. Past it, GOAWAY(ENHANCE_YOUR_CALM) inside the read
+(``h2decode.HeaderBlockFlood``)."""
+
+_HUGE_LENGTH = 10**18
+
+_OPEN_STATE = h2.connection.ConnectionState.SERVER_OPEN
+_CLOSED_STATE = h2.connection.ConnectionState.CLOSED
+
+
+class H2State(enum.Enum):
+    OPEN = "open"
+    DRAINING = "draining"
+    """A GOAWAY(NO_ERROR) was sent (``drain``) or a GOAWAY received: the streams up to
+    ``last_stream`` finish, later ones are refused (RFC 9113 §6.8)."""
+    CLOSED = "closed"
+    """A connection error or ENHANCE_YOUR_CALM: every stream aborted, nothing more is sent."""
+
 
 class H2Server:
     """HTTP/2 for one client connection."""
@@ -88,6 +123,13 @@ class H2Server:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
+        # h2 keeps hpack's 64 KiB default list size unless a SETTINGS change is acknowledged,
+        # and an initial value is not a change: the decoder is ours, with our limit
+        # (``h2decode``; ``decoder`` is h2's public attribute, read at every header block).
+        self.decoder = HeaderDecoder(
+            limit=max_header_list_size, blocks=BLOCKS_PER_READ_FACTOR * max_concurrent_streams
+        )
+        self.conn.decoder = self.decoder
         self.scheme = scheme
         self.max_streams = max_concurrent_streams
         settings = {
@@ -131,11 +173,17 @@ class H2Server:
         self.receiving: set[int] = set()
         """Streams whose response ended while their request side still goes to the owner
         (``keep_receiving``: a tunnel that relays a half-close, RFC 8441 §5)."""
-        self.closed = False
-        """A GOAWAY was sent or received; no new streams."""
+        self.body_left: dict[int, int] = {}
+        """Request body bytes still due by Content-Length, for streams that declared one."""
+        self.state = H2State.OPEN
         self.guard = H2Guard(reset_budget=reset_budget, control_budget=control_budget)
         self.last_stream: int | None = None
-        """Set by a graceful ``drain``: the last stream id served; later ones are refused."""
+        """DRAINING: the last stream id served; later ones are refused."""
+
+    @property
+    def closed(self) -> bool:
+        """A GOAWAY was sent or received: no new streams."""
+        return self.state is not H2State.OPEN
 
     def data_to_send(self) -> bytes:
         return self.conn.data_to_send()
@@ -160,6 +208,12 @@ class H2Server:
                     # RFC 9113 §10.5: an empty DATA frame costs a frame's work and moves
                     # nothing (the "empty frames" flood, CVE-2019-9518).
                     guard.control_frame("empty DATA")
+                left = self.body_left.get(sid) if self.body_left else None
+                if left is not None:
+                    left -= len(event.data)
+                    self.body_left[sid] = left
+                    if left < 0:
+                        out.extend(self._malformed(sid, "request body past its content-length"))
                 if sid in self.queues or sid in self.trailers or sid in self.receiving:
                     out.append(
                         Body(stream=sid, data=event.data, flow_len=event.flow_controlled_length)
@@ -172,15 +226,18 @@ class H2Server:
                 out.extend(self._request(event))
             elif isinstance(event, h2.events.StreamEnded):
                 sid = event.stream_id
-                if sid in self.queues:
+                if self.body_left and self.body_left.pop(sid, 0):
+                    out.extend(self._malformed(sid, "request body short of its content-length"))
+                elif sid in self.queues:
                     out.append(End(stream=sid, trailers=self.trailers.pop(sid, [])))
                 elif sid in self.receiving:
                     self.receiving.discard(sid)
                     out.append(End(stream=sid, trailers=self.trailers.pop(sid, [])))
             elif isinstance(event, h2.events.TrailersReceived):
-                self.trailers[event.stream_id] = list(event.headers)
+                out.extend(self._trailers(event))
             elif isinstance(event, h2.events.StreamReset):
                 sid = event.stream_id
+                self.body_left.pop(sid, None)
                 self.blocked.discard(sid)
                 if self.queues.pop(sid, None) is not None:
                     # The response was not complete: a backend request started for nothing.
@@ -198,53 +255,108 @@ class H2Server:
                 # stream, so any of them may have room now.
                 self.window_changed = True
             elif isinstance(event, h2.events.ConnectionTerminated):
-                self.closed = True
+                self._goaway_received()
         if guard.exhausted is not None:
             return out + self._calm(guard.exhausted)
         return out
 
     def _request(self, event: h2.events.RequestReceived) -> list[Message]:
         sid = event.stream_id
-        if self.closed and (self.last_stream is None or sid > self.last_stream):
-            # RFC 9113 §6.8: after our GOAWAY, streams above its last stream id are not
+        decoder = self.decoder
+        decoder.processed()
+        if self.state is not H2State.OPEN and (self.last_stream is None or sid > self.last_stream):
+            # RFC 9113 §6.8: after a GOAWAY, streams above its last stream id are not
             # processed; REFUSED_STREAM tells the client it may retry them elsewhere.
-            self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
-            return []
+            return self._refuse(sid)
         if len(self.queues) + len(self.receiving) >= self.max_streams:
-            self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
-            return []
+            return self._refuse(sid)
+        fields = decoder.restore(list(event.headers))
+        if fields and fields[0][0] == OVERSIZED:
+            # RFC 9113 §10.5.1, RFC 6585 §5: 431, on this stream alone.
+            self.queues[sid] = SendQueue()
+            limit = decoder.limit
+            reason = f"request header list of {fields[0][1].decode()} bytes, over {limit}"
+            return [
+                Refused(stream=sid, status=431, reason=reason, end_stream=bool(event.stream_ended))
+            ]
         try:
-            head = request_from_h2(sid, list(event.headers), scheme_default=self.scheme)
+            head = request_from_h2(sid, fields, scheme_default=self.scheme)
+            length = header_value(head.headers, b"content-length")
+            declared = None
+            if length is not None:
+                # Digits only (intake). Past 18 of them no body can match it, and int() of a
+                # few thousand digits raises: count it as the largest we track.
+                declared = int(length) if len(length) <= 18 else _HUGE_LENGTH
+            if declared and event.stream_ended is not None:
+                raise MalformedRequest("content-length of a request without a body")
         except MalformedRequest:
             # RFC 9113 §8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR.
             self._reset(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return []
         self.queues[sid] = SendQueue()
+        if declared is not None and event.stream_ended is None:
+            self.body_left[sid] = declared
         if sid >= STREAM_ID_DRAIN:
             self.drain(sid)
         if event.stream_ended is not None:
             return [attrs.evolve(head, end_stream=True), End(stream=sid)]
         return [head]
 
+    def _refuse(self, sid: int) -> list[Message]:
+        """RFC 9113 §5.1.2, §6.8: REFUSED_STREAM, charged to the client's budget."""
+        self.guard.refused_stream()
+        self._reset(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+        return []
+
+    def _trailers(self, event: h2.events.TrailersReceived) -> list[Message]:
+        sid = event.stream_id
+        self.decoder.processed()
+        fields = self.decoder.restore(list(event.headers))
+        if sid not in self.queues and sid not in self.receiving:
+            return []
+        if fields and fields[0][0] == OVERSIZED:
+            return self._malformed(sid, "request trailers over the header list limit")
+        for name, _ in fields:
+            if name[:1] == b":":
+                # RFC 9113 §8.1: trailers hold no pseudo-header fields; malformed (§8.1.1).
+                return self._malformed(sid, "pseudo-header field in the request trailers")
+        self.trailers[sid] = fields
+        return []
+
+    def _malformed(self, sid: int, reason: str) -> list[Message]:
+        """RFC 9113 §8.1.1: a request found malformed after it began (its body or trailers)
+        is a stream error of type PROTOCOL_ERROR; the exchange is aborted."""
+        self.body_left.pop(sid, None)
+        self.trailers.pop(sid, None)
+        self.blocked.discard(sid)
+        running = self.queues.pop(sid, None) is not None or sid in self.receiving
+        self._reset(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        if not running:
+            return []
+        return [Abort(stream=sid, reason=f"malformed request: {reason}")]
+
     def _calm(self, reason: str) -> list[Message]:
         """RFC 9113 §10.5: GOAWAY(ENHANCE_YOUR_CALM); every open stream is aborted, so their
         backend requests are cancelled."""
-        if self.closed and self.last_stream is None:
+        if self.state is H2State.CLOSED:
             return []  # already closed by a connection error or an earlier flood
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.conn.close_connection(
                 error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
                 additional_data=reason[:64].encode(),
             )
-        self.closed = True
+        return self._abort_all(f"HTTP/2 abuse: {reason}")
+
+    def _abort_all(self, reason: str) -> list[Message]:
+        self.state = H2State.CLOSED
         self.last_stream = None
         out: list[Message] = [
-            Abort(stream=sid, reason=f"HTTP/2 abuse: {reason}")
-            for sid in [*self.queues, *self.receiving]
+            Abort(stream=sid, reason=reason) for sid in [*self.queues, *self.receiving]
         ]
         self.queues.clear()
         self.receiving.clear()
         self.blocked.clear()
+        self.body_left.clear()
         return out
 
     def drain(self, last_stream: int | None = None) -> None:
@@ -254,30 +366,36 @@ class H2Server:
         or receive for the running streams, which RFC 9113 §6.8 lets finish; the state goes
         back to SERVER_OPEN (as ``H2Client`` does for a received GOAWAY) and ``_request``
         refuses the later streams itself. ``last_stream``: the last stream served (default:
-        the highest the client opened)."""
-        if self.closed:
+        the highest the client opened). Nothing to do once the client sent its own GOAWAY:
+        the connection is draining already."""
+        if self.state is not H2State.OPEN:
             return
         conn = self.conn
         if last_stream is None:
             last_stream = conn.highest_inbound_stream_id
         self.last_stream = last_stream
         conn.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR, last_stream_id=last_stream)
-        conn.state_machine.state = h2.connection.ConnectionState.SERVER_OPEN
-        self.closed = True
+        conn.state_machine.state = _OPEN_STATE
+        self.state = H2State.DRAINING
+
+    def _goaway_received(self) -> None:
+        """RFC 9113 §6.8: the client opens no more streams (whatever its error code says, a
+        client that is going away still reads); the responses to its open streams finish."""
+        self.conn.state_machine.state = _OPEN_STATE
+        if self.state is H2State.OPEN:
+            self.state = H2State.DRAINING
+            self.last_stream = self.conn.highest_inbound_stream_id
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> list[Message]:
-        code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.conn.close_connection(error_code=code, additional_data=str(exc)[:64].encode())
-        self.closed = True
-        out: list[Message] = [
-            Abort(stream=sid, reason=f"connection error: {exc}")
-            for sid in [*self.queues, *self.receiving]
-        ]
-        self.queues.clear()
-        self.receiving.clear()
-        self.blocked.clear()
-        return out
+        """RFC 9113 §5.4.1: one GOAWAY, with the error's code. h2 queued it already unless it
+        raised before its frame loop (an invalid preface: its state is not CLOSED then). No
+        debug data: h2's error text is about its own code, not for the client."""
+        if self.conn.state_machine.state is not _CLOSED_STATE:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.conn.close_connection(error_code=exc.error_code)
+        if isinstance(exc, (HeaderBlockFlood, h2.exceptions.DenialOfServiceError)):
+            self.guard.abuse(str(exc))
+        return self._abort_all(f"connection error: {exc}")
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -349,8 +467,8 @@ class H2Server:
 
     def acknowledge(self, stream: int, nbytes: int) -> None:
         """Give ``nbytes`` of receive window back to the client (RFC 9113 §6.9)."""
-        # After a graceful ``drain`` the running streams may still be uploading.
-        if nbytes and (not self.closed or self.last_stream is not None):
+        # While DRAINING the running streams may still be uploading.
+        if nbytes and self.state is not H2State.CLOSED:
             try:
                 self.conn.acknowledge_received_data(nbytes, stream)
             except h2.exceptions.ProtocolError:

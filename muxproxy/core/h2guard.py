@@ -10,9 +10,13 @@ type ENHANCE_YOUR_CALM"). This module keeps two budgets per connection:
   completed response gives one back (up to the budget). A client that cancels now and then
   never runs dry; one that opens and resets streams in a loop does after ``reset_budget``.
 - **control frames**: every SETTINGS, PING, PING ACK, SETTINGS ACK, PRIORITY, WINDOW_UPDATE,
-  unknown frame and DATA frame without payload or END_STREAM costs one; useful work gives
-  some back: a response chunk sent (a reading client answers DATA with WINDOW_UPDATEs) and a
-  completed response.
+  unknown frame and DATA frame without payload or END_STREAM costs one; a stream refused with
+  REFUSED_STREAM (past MAX_CONCURRENT_STREAMS, or after a GOAWAY: RFC 9113 §5.1.2, §6.8)
+  costs ``REFUSED_STREAM_COST``, since h2 decodes, sets up and tears down a stream for it;
+  useful work gives some back: a
+  response chunk sent (a reading client answers DATA with WINDOW_UPDATEs) and a completed
+  response. A client that opens a few streams too many before it saw our SETTINGS is paid
+  back as its responses complete; one that keeps opening streams it was refused is not.
 
 A token bucket refilled by work, rather than a rate per second, keeps the core free of
 clocks and scales with what the client actually uses the connection for. The owner
@@ -36,6 +40,11 @@ CONTROL_FRAME_BUDGET = 1000
 """Control frames a connection may send beyond what its useful work paid for. A client
 pinging every 10 s for a 2-minute reasoning pause sends 12; 1000 with nothing in return is a
 flood. Default of ``limits.h2_control_frame_budget``."""
+
+REFUSED_STREAM_COST = 10
+"""Control frames' worth of one refused stream: h2 counts its open streams, decodes the block,
+builds and resets a stream (about 110 µs with 100 streams open, a PING about a tenth). The
+default budget lets a connection have 100 streams refused; a completed response pays one."""
 
 CONTROL_REFILL_PER_CHUNK = 2
 """A response chunk sent pays for the stream and the connection WINDOW_UPDATE a client
@@ -77,6 +86,16 @@ class H2Guard:
         self.control_left -= 1
         if self.control_left < 0 and self.exhausted is None:
             self.exhausted = f"{kind} flood: over {self.control_budget} control frames"
+
+    def refused_stream(self) -> None:
+        """A stream was refused (REFUSED_STREAM) before any work was done for it."""
+        self.control_left -= REFUSED_STREAM_COST - 1
+        self.control_frame("refused stream")
+
+    def abuse(self, reason: str) -> None:
+        """Abuse found outside these budgets (an HPACK bomb, a HEADERS flood within a read)."""
+        if self.exhausted is None:
+            self.exhausted = reason
 
     def response_chunk(self) -> None:
         self.control_left = min(self.control_budget, self.control_left + CONTROL_REFILL_PER_CHUNK)

@@ -58,4 +58,16 @@ class Abort:
     reason: str
 
 
-Message = RequestHead | ResponseHead | Body | End | Abort
+@attrs.frozen(kw_only=True, slots=True)
+class Refused:
+    """A request refused by the adapter before it became an exchange, to be answered with
+    ``status`` (an HTTP/2 header list over the limit: 431)."""
+
+    stream: int
+    status: int
+    reason: str
+    end_stream: bool
+    """The request has no body (else the rest of it is declined once answered)."""
+
+
+Message = RequestHead | ResponseHead | Body | End | Abort | Refused

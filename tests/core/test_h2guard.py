@@ -10,6 +10,7 @@ import attrs
 import h2.errors
 import h2.events
 import h2.settings
+import h11
 import hpack
 import hyperframe.frame
 import pytest
@@ -189,14 +190,110 @@ def test_hpack_bomb_over_the_header_list_limit_gets_enhance_your_calm() -> None:
     pb = playbook()
     client = H2ClientPeer()
     pb.receive(1, client.preface())
-    # 20 references to one 4 KiB dynamic-table entry: ~4 KiB on the wire, 80 KiB decoded,
-    # over SETTINGS_MAX_HEADER_LIST_SIZE (64 KiB), which h2's HPACK decoder enforces.
-    _, data = client.request(headers=[(b"x-bomb", b"a" * 4000)] * 20)
+    # 80 references to one 4 KiB dynamic-table entry: ~4 KiB on the wire, 320 KiB decoded,
+    # past HARD_LIMIT_FACTOR times max_request_head (4 x 64 KiB), where decoding stops.
+    _, data = client.request(headers=[(b"x-bomb", b"a" * 4000)] * 80)
     assert len(data) < 8000
     pb.receive(1, data)
     end = goaway(client, pb)
     assert end is not None and end.error_code == CALM
     assert pb.opens() == []
+    assert any(isinstance(c, Log) and c.event == "client_h2_abuse" for c in pb.log)
+
+
+# -- refused streams ---------------------------------------------------------------------------
+
+
+def ignore_stream_limit(client: H2ClientPeer) -> None:
+    """Make the peer open streams past our MAX_CONCURRENT_STREAMS, as a client does before it
+    saw our SETTINGS (or as an attacker does)."""
+    client.conn.remote_settings.max_concurrent_streams = 2**31 - 1
+    client.conn.remote_settings.acknowledge()
+
+
+def open_streams(pb: Book, client: H2ClientPeer, n: int) -> None:
+    """Open ``n`` streams whose backends never answer (connections opened, nothing sent)."""
+    data = client.preface()
+    for i in range(n):
+        data += client.request(b"GET", f"/v1/stream/{i}".encode())[1]
+    pb.receive(1, data)
+
+
+def test_streams_refused_past_the_limit_spend_the_budget_then_goaway() -> None:
+    pb = playbook(max_concurrent_streams=2, h2_control_frame_budget=300)
+    client = H2ClientPeer()
+    open_streams(pb, client, 2)
+    client.events(pb.fresh())
+    ignore_stream_limit(client)
+    refused = []
+    for i in range(40):
+        # One stream too many per read: each is refused alone (RFC 9113 §5.1.2) ...
+        sid, data = client.request(b"GET", f"/v1/extra/{i}".encode())
+        pb.receive(1, data)
+        events = client.events(pb.fresh())
+        if any(isinstance(e, h2.events.ConnectionTerminated) for e in events):
+            end = next(e for e in events if isinstance(e, h2.events.ConnectionTerminated))
+            break
+        resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+        assert [(e.stream_id, e.error_code) for e in resets] == [
+            (sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+        ]
+        refused.append(sid)
+    else:
+        raise AssertionError("no GOAWAY after 40 refused streams")
+    # ... and costs ten of the control-frame budget: GOAWAY(ENHANCE_YOUR_CALM) once spent.
+    assert 25 <= len(refused) <= 30
+    assert end.error_code == CALM and b"refused stream" in (end.additional_data or b"")
+    assert len(pb.opens()) == 2
+    assert 1 in closed_conns(pb)
+
+
+def test_a_read_full_of_streams_past_the_limit_gets_goaway_inside_the_read() -> None:
+    pb = playbook(max_concurrent_streams=10)
+    client = H2ClientPeer()
+    open_streams(pb, client, 10)
+    client.events(pb.fresh())
+    ignore_stream_limit(client)
+    data = b""
+    for _ in range(5000):
+        data += client.request(b"GET", b"/v1/flood")[1]
+    pb.receive(1, data)
+    end = goaway(client, pb)
+    assert end is not None and end.error_code == CALM
+    # h2 stopped at the 20th header block of the read: it opened 20 streams, not 5,000.
+    assert end.last_stream_id is not None and end.last_stream_id <= 2 * (10 + 20)
+    assert len(pb.opens()) == 10
+    assert 1 in closed_conns(pb)
+
+
+def test_streams_refused_before_the_client_saw_our_settings_are_paid_back() -> None:
+    pb = playbook(max_concurrent_streams=4, h2_control_frame_budget=100)
+    client = H2ClientPeer()
+    for _ in range(5):
+        # Eight streams at once, four refused, four answered: the client retries the rest.
+        open_streams_and_answer(pb, client, 8)
+    assert goaway(client, pb) is None
+    assert 1 not in closed_conns(pb)
+
+
+def open_streams_and_answer(pb: Book, client: H2ClientPeer, n: int) -> None:
+    before = len(pb.opens())
+    data = client.preface() if not before else b""
+    for i in range(n):
+        data += client.request(b"GET", f"/v1/models/{i}".encode())[1]
+    pb.receive(1, data)
+    client.events(pb.fresh())
+    ignore_stream_limit(client)
+    for opened in pb.opens()[before:]:
+        pb.opened(opened.conn)
+        backend = H1BackendPeer()
+        backend.events(pb.take(opened.conn))
+        # "Connection: close": the next round opens new backend connections.
+        head = h11.Response(
+            status_code=200, headers=[("Content-Length", "2"), ("Connection", "close")]
+        )
+        pb.receive(opened.conn, backend.conn.send(head) + backend.chunk(b"ok") + backend.end())
+    client.events(pb.fresh())
 
 
 # -- stream-id exhaustion --------------------------------------------------------------------

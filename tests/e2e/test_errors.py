@@ -495,30 +495,26 @@ async def test_garbage_after_the_h2_preface_is_goaway(start_backend, start_proxy
 
 # RFC 9113 §8.1.1: "A request or response is also malformed if the value of a content-length
 # header field does not equal the sum of the DATA frame payload lengths", and malformed
-# requests are stream errors, not connection errors.
+# requests are stream errors, not connection errors. RFC 9110 §8.6: Content-Length = 1*DIGIT.
 CONTENT_LENGTH_MISMATCH = {
     "body-shorter": ([(b"content-length", b"10")], b"12345"),
     "body-longer": ([(b"content-length", b"3")], b"12345"),
     "not-a-number": ([(b"content-length", b"abc")], b"12345"),
+    "plus-sign": ([(b"content-length", b"+5")], b"12345"),
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="h2's H2Connection checks content-length itself and raises ProtocolError out of "
-    "receive_data after queuing GOAWAY, so H2Server.receive (muxproxy/core/h2.py) turns this "
-    "stream error (RFC 9113 §8.1.1) into a connection error that kills the other streams",
-)
 @pytest.mark.parametrize("kind", sorted(CONTENT_LENGTH_MISMATCH))
 async def test_h2_content_length_mismatch_resets_only_its_stream(start_backend, start_proxy, kind):
-    _, backend = await start_backend(tokens=4, delay=0.02)
+    # The healthy stream is an SSE stream still running when the bad request arrives.
+    _, backend = await start_backend(tokens=40, delay=0.01)
     proxy = await start_proxy([backend])
     fields, body = CONTENT_LENGTH_MISMATCH[kind]
     with trio.fail_after(10):
         client = await H2Client.connect(proxy.port)
         try:
             good = await start_chat(client)
-            await client.wait(lambda: client.streams[good].headers is not None)
+            await client.wait(lambda: b"tok0" in client.streams[good].body)
             bad = await client.request(
                 h2_request_headers(b"/v1/chat/completions", b"POST", fields), body
             )
@@ -531,11 +527,13 @@ async def test_h2_content_length_mismatch_resets_only_its_stream(start_backend, 
             )
             bad_state = client.streams[bad]
             assert client.goaway is None, "a stream error became a connection error"
+            assert not client.streams[good].ended, "the SSE stream was not running any more"
             good_state = await client.finish(good)
         finally:
             await client.aclose()
     assert bad_state.reset == h2.errors.ErrorCodes.PROTOCOL_ERROR
-    assert good_state.status == 200 and good_state.ended
+    assert good_state.status == 200 and good_state.ended and good_state.reset is None
+    assert all(f"tok{i}".encode() in good_state.body for i in range(40))
     assert good_state.body.endswith(b"data: [DONE]\n\n")
 
 
@@ -710,3 +708,40 @@ async def test_openai_errors_over_h2_and_plain_text_elsewhere(start_proxy):
     # No route: not bound to any route's API, so plain text.
     assert unrouted.status == 404
     assert_short_plain(unrouted.body, unrouted.headers.get(b"content-type"))
+
+
+async def test_h2_sse_stream_completes_after_the_clients_goaway(start_backend, start_proxy):
+    """RFC 9113 §6.8: a client's GOAWAY(NO_ERROR) only says it opens no more streams."""
+    _, backend = await start_backend(tokens=40, delay=0.01)
+    proxy = await start_proxy([backend])
+    with trio.fail_after(10):
+        client = await H2Client.connect(proxy.port)
+        try:
+            sid = await start_chat(client)
+            await client.wait(lambda: b"tok0" in client.streams[sid].body)
+            client.conn.close_connection()
+            # h2 would refuse to send the WINDOW_UPDATEs that keep the stream going.
+            client.conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
+            await client.flush()
+            state = await client.finish(sid)
+            await client.until_eof()  # then the proxy closes: nothing is left to serve
+        finally:
+            await client.aclose()
+    assert client.goaway is None
+    assert state.status == 200 and state.ended and state.reset is None
+    assert state.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_invalid_h2_preface_on_the_plain_port_is_goaway(start_backend, start_proxy):
+    _, backend = await start_backend()
+    proxy = await start_proxy([backend])
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            await stream.send_all(PREFACE[:16] + b"\r\nXX\r\n\r\n")
+            received = await read_until_eof(stream)
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    events = client.receive_data(received)
+    goaways = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert [g.error_code for g in goaways] == [h2.errors.ErrorCodes.PROTOCOL_ERROR]
