@@ -192,6 +192,18 @@ def test_body_that_matches_its_content_length_is_forwarded() -> None:
     assert client.resets == {} and client.goaways == []
 
 
+def test_content_length_of_thousands_of_digits_is_413_on_its_stream() -> None:
+    pb = playbook()
+    client = Client(pb)
+    sid = client.request(
+        b"/v1/chat/completions", b"POST", [(b"content-length", b"1" * 5000)], end_stream=False
+    )
+    client.send()  # the head alone: its body is not due yet
+    client.read()
+    assert client.status(sid) == 413
+    assert client.goaways == [] and pb.opens() == []
+
+
 # -- trailers (RFC 9113 §8.1) -----------------------------------------------------------------
 
 
