@@ -27,9 +27,9 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
 - A GOAWAY either way (ours from ``drain``, or the client's, whatever its code) only ends the
   opening of streams (RFC 9113 §6.8): ``state`` DRAINING, and the open streams are served to
   their end. h2 moves its state machine to CLOSED on any GOAWAY and then refuses every frame
-  and every send, so the adapter sets it back (``H2Connection.state_machine.state``, public
-  by name). Frames that come in the same read after a client's GOAWAY are still lost to h2's
-  error: a connection error.
+  and every send: after our own GOAWAY the adapter sets it back (``H2Connection.state_machine``
+  is public by name), and reads go through ``h2goaway``, whose machine stays open on a
+  client's GOAWAY, so the frames after it in the same read are processed too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import h2.exceptions
 import h2.settings
 
 from .h2decode import OVERSIZED, HeaderBlockFlood, HeaderDecoder
+from .h2goaway import GoawayTolerantReceiver
 from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
 from .headers import header_value
@@ -123,6 +124,7 @@ class H2Server:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
+        self.receiver = GoawayTolerantReceiver()
         # h2 keeps hpack's 64 KiB default list size unless a SETTINGS change is acknowledged,
         # and an initial value is not a change: the decoder is ours, with our limit
         # (``h2decode``; ``decoder`` is h2's public attribute, read at every header block).
@@ -192,7 +194,7 @@ class H2Server:
         """Feed bytes; return messages. On a connection error, GOAWAY is queued and every open
         stream gets an ``Abort``."""
         try:
-            events = self.conn.receive_data(data)
+            events = self.receiver.receive_data(self.conn, data)
         except h2.exceptions.ProtocolError as exc:
             return self._connection_error(exc)
         out: list[Message] = []
@@ -381,7 +383,6 @@ class H2Server:
     def _goaway_received(self) -> None:
         """RFC 9113 §6.8: the client opens no more streams (whatever its error code says, a
         client that is going away still reads); the responses to its open streams finish."""
-        self.conn.state_machine.state = _OPEN_STATE
         if self.state is H2State.OPEN:
             self.state = H2State.DRAINING
             self.last_stream = self.conn.highest_inbound_stream_id

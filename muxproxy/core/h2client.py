@@ -16,7 +16,7 @@ Obeys RFC 9113 through h2 and adds what h2 leaves to its user, mirroring ``h2.H2
 - GOAWAY (RFC 9113 §6.8): ``goaway_last_stream`` records the last stream the backend will
   process; streams above it were refused and are aborted (``refused`` says so: safe to retry,
   RFC 9113 §8.7, nothing was processed). Streams up to it may finish, so a received GOAWAY
-  leaves h2's connection state open (``_GoawayKeepsOpen``): the frames after it, in the same
+  leaves h2's connection state open (``h2goaway``): the frames after it, in the same
   read or later, are still processed. A GOAWAY with an error code aborts every stream.
 - An empty DATA frame (typically the one that carries END_STREAM) is no ``Body``: the client
   side would send it on as an empty DATA frame of its own (RFC 9113 §6.1 allows it, but it is
@@ -37,6 +37,7 @@ import h2.exceptions
 import h2.settings
 
 from .h2 import CONNECTION_WINDOW
+from .h2goaway import GoawayTolerantReceiver
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
 from .intake import valid_h2_fields
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
@@ -47,23 +48,6 @@ GRPC_STATUS_FIELDS = frozenset({b"grpc-status", b"grpc-message", b"grpc-status-d
 # RFC 9113 §5.1.1: stream ids are 31 bits and never reused; a client that used them all opens a
 # new connection.
 MAX_STREAM_ID = 2**31 - 1
-
-
-class _GoawayKeepsOpen(h2.connection.H2ConnectionStateMachine):
-    """h2's connection state machine, except that a GOAWAY received leaves it where it was.
-
-    python-h2 moves to CLOSED on any GOAWAY received and then refuses every frame, those in the
-    same read included, with a ``ProtocolError`` that loses the read's events. RFC 9113 §6.8
-    lets the streams up to last_stream_id finish, so the connection stays open for them; the
-    pool starts no new stream on it, and our own GOAWAY (``close_connection``) still closes it.
-    """
-
-    def process_input(self, input_: h2.connection.ConnectionInputs) -> list[h2.events.Event]:
-        before = self.state
-        events = super().process_input(input_)
-        if input_ is h2.connection.ConnectionInputs.RECV_GOAWAY:
-            self.state = before
-        return events
 
 
 class H2Client:
@@ -77,7 +61,6 @@ class H2Client:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
-        self.conn.state_machine = _GoawayKeepsOpen()
         self.conn.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -88,6 +71,7 @@ class H2Client:
         )
         self.conn.initiate_connection()
         self.conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self.receiver = GoawayTolerantReceiver()
         self.queues: dict[int, SendQueue] = {}
         self.blocked = BlockedStreams()
         self.trailers: dict[int, Headers] = {}
@@ -124,7 +108,7 @@ class H2Client:
 
     def receive(self, data: bytes) -> list[Message]:
         try:
-            events = self.conn.receive_data(data)
+            events = self.receiver.receive_data(self.conn, data)
         except h2.exceptions.ProtocolError as exc:
             return self.connection_error(f"bad HTTP/2 from backend: {exc}", exc)
         out: list[Message] = []

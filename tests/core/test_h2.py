@@ -266,6 +266,27 @@ def test_open_stream_finishes_after_the_clients_goaway() -> None:
     assert 1 in closed(pb)
 
 
+def test_frames_after_the_clients_goaway_in_the_same_read_are_processed() -> None:
+    pb = playbook()
+    client = Client(pb)
+    sse, backend = start_sse(pb, client)
+    # GOAWAY(NO_ERROR), then a WINDOW_UPDATE for the open stream and a PING, in one read.
+    client.conn.close_connection()
+    client.conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
+    client.conn.increment_flow_control_window(1024, stream_id=sse)
+    client.conn.ping(b"muxproxy")
+    client.send()
+    out = pb.take(1, pb.log[client.seen :])
+    assert any(
+        isinstance(event, h2.events.PingAckReceived) and event.ping_data == b"muxproxy"
+        for event in client.conn.receive_data(out)
+    )
+    client.seen = len(pb.log)
+    assert client.goaways == []
+    finish_sse(client, sse, backend)
+    assert client.goaways == []
+
+
 def test_grpc_deadline_after_the_clients_goaway_is_a_trailers_only_response() -> None:
     pb = playbook()
     client = Client(pb)
