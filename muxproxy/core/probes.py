@@ -53,13 +53,17 @@ class Probe:
         core.cancel_timer(("probe", self.ident))
         core.cancel_timer(("probe_timeout", self.ident))
         if self.state is ProbeState.RUNNING:
-            if self.upstream is not None:
-                self.upstream.exchange = None
-                self.upstream.close()
-                self.upstream = None
-            else:
-                core.pool.forget(self)
+            self._drop_check()
         self.state = ProbeState.RETIRED
+
+    def _drop_check(self) -> None:
+        """Close the check's backend connection, or give up waiting for one."""
+        if self.upstream is not None:
+            self.upstream.exchange = None
+            self.upstream.close()
+            self.upstream = None
+        else:
+            self.core.pool.forget(self)
 
     def timer_fired(self, kind: str) -> None:
         if kind == "probe" and self.state is ProbeState.IDLE:
@@ -110,12 +114,7 @@ class Probe:
             return
         core = self.core
         core.cancel_timer(("probe_timeout", self.ident))
-        if self.upstream is not None:
-            self.upstream.exchange = None
-            self.upstream.close()
-            self.upstream = None
-        else:
-            core.pool.forget(self)
+        self._drop_check()
         self.state = ProbeState.IDLE
         router = core.router(self.group)
         if router.probe_result(self.index, ok):

@@ -380,6 +380,19 @@ def ended(events: list[h2.events.Event], sid: int) -> bool:
     return any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
 
 
+def assert_served_by_the_other_server(
+    pb: Playbook, client: Client, sid: int, first: OpenConnection
+) -> None:
+    """The last connection opened goes to another server than ``first`` and serves ``sid``."""
+    second = pb.opens()[-1]
+    assert second.origin != first.origin
+    backend = connect_backend(pb, second.conn)
+    (req,) = requests(backend.read())
+    respond(backend, req.stream_id, end=True)
+    events = client.read()
+    assert status_of(events, sid) == 200 and ended(events, sid)
+
+
 @pytest.mark.parametrize(
     "code", [h2.errors.ErrorCodes.NO_ERROR, h2.errors.ErrorCodes.INTERNAL_ERROR]
 )
@@ -395,13 +408,7 @@ def test_goaway_with_the_first_settings_starts_no_stream_and_fails_over(
     assert CloseConnection(conn=first.conn) in pb.log
     assert any(isinstance(c, Log) and c.event == "upstream_goaway" for c in pb.log)
     # The request was never sent: it goes to the other server (next_upstream "error").
-    second = pb.opens()[-1]
-    assert second.origin != first.origin
-    backend = connect_backend(pb, second.conn)
-    (req,) = requests(backend.read())
-    respond(backend, req.stream_id, end=True)
-    events = client.read()
-    assert status_of(events, sid) == 200 and ended(events, sid)
+    assert_served_by_the_other_server(pb, client, sid, first)
 
 
 def test_goaway_before_the_first_request_leaves_the_next_request_a_new_connection() -> None:
@@ -504,13 +511,7 @@ def test_request_waiting_for_a_silent_backend_is_retried_on_the_next_server() ->
     assert CloseConnection(conn=first.conn) in pb.log
     retries = [c for c in pb.log if isinstance(c, Log) and c.event == "retry"]
     assert [r.fields["condition"] for r in retries] == ["timeout"]
-    second = pb.opens()[-1]
-    assert second.origin != first.origin
-    backend = connect_backend(pb, second.conn)
-    (req,) = requests(backend.read())
-    respond(backend, req.stream_id, end=True)
-    events = client.read()
-    assert status_of(events, sid) == 200 and ended(events, sid)
+    assert_served_by_the_other_server(pb, client, sid, first)
 
 
 def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -> None:
