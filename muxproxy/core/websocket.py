@@ -317,8 +317,12 @@ class WebSocketExchange(Exchange):
         self.first_byte_at = core.now
         early: list[bytes]
         if self.handshake is Handshake.H2_EXTENDED_CONNECT:
-            # RFC 8441 §5: a 2xx opens the tunnel.
+            # RFC 8441 §5: a 2xx opens the tunnel; RFC 9110 §6.6.1: a 2xx carries a Date
+            # (the headers above are those of a 101, which need none).
             self.status = 200
+            date = core.http_date()
+            if date is not None and header_value(headers, b"date") is None:
+                headers.append((b"date", date))
             client.send_head(ResponseHead(stream=self.stream, status=200, headers=headers))
             early, self.early, self.early_size = self.early, [], 0
         else:

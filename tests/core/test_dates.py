@@ -15,6 +15,7 @@ from muxproxy.config import Route
 from muxproxy.core.commands import Log
 from muxproxy.core.dates import HttpDate
 from muxproxy.core.events import OpenFailed
+from muxproxy.core.websocket import accept_for
 
 # RFC 9110 §5.6.7's example: 784111777 is "Sun, 06 Nov 1994 08:49:37 GMT".
 WALL = 784111777.0
@@ -132,3 +133,43 @@ def test_own_502_has_a_date() -> None:
     assert isinstance(response, h11.Response) and response.status_code == 502
     assert dict(response.headers)[b"date"] == DATE
     assert _access(pb).fields["bytes"] > 0
+
+
+def test_extended_connect_200_gets_a_date() -> None:
+    # RFC 8441 §5: the tunnel opens with a 2xx, which RFC 9110 §6.6.1 dates; the HTTP/1.1
+    # backend's 101 behind it (a 1xx) carries none.
+    pb = Playbook()
+    pb.accept(1, wall=WALL)
+    peer = H2ClientPeer()
+    pb.receive(1, peer.preface())
+    peer.events(pb.take(1))
+    sid = peer.conn.get_next_available_stream_id()
+    connect = [
+        (b":method", b"CONNECT"),
+        (b":protocol", b"websocket"),
+        (b":scheme", b"http"),
+        (b":path", b"/chat"),
+        (b":authority", b"proxy.example"),
+        (b"sec-websocket-version", b"13"),
+    ]
+    peer.conn.send_headers(sid, connect)
+    pb.receive(1, peer.conn.data_to_send())
+    (open_cmd,) = pb.opens()
+    up = open_cmd.conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    (request, _) = backend.events(pb.take(up))
+    key = dict(request.headers)[b"sec-websocket-key"]
+    switch = h11.InformationalResponse(
+        status_code=101,
+        headers=[
+            ("Upgrade", "websocket"),
+            ("Connection", "Upgrade"),
+            ("Sec-WebSocket-Accept", accept_for(key).decode()),
+        ],
+    )
+    commands = pb.receive(up, backend.conn.send(switch) or b"")
+    events = peer.events(pb.take(1, commands))
+    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert (b":status", b"200") in response.headers
+    assert [v for n, v in response.headers if n == b"date"] == [DATE]
