@@ -5,9 +5,9 @@ backend stream (``pool.UpstreamStream``: a whole HTTP/1.1 connection or one stre
 HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 - Routing: the route is chosen by the normalised path (``paths.py``: dot-segments resolved,
-  encoded unreserved characters decoded; an encoded slash is a 400), and that path is what
-  the backend gets; the group's ``GroupRouter`` orders the candidate servers (sticky pin,
-  session key, balancer); the exchange walks that list on failure.
+  encoded unreserved characters decoded; a dot-segment behind an encoded slash is a 400), and
+  that path is what the backend gets; the group's ``GroupRouter`` orders the candidate servers
+  (sticky pin, session key, balancer); the exchange walks that list on failure.
 - Retries (``next_upstream``) only while nothing reached the client: on a connection error, a
   timeout or a configured status, within ``tries`` and ``tries_timeout``, with the request
   body replayed from a bounded copy (RFC 9110 §9.2.2: the proxy decides; we never retry once a

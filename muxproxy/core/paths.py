@@ -12,11 +12,14 @@ the first ``?``, is never touched):
   percent-encoding is kept exactly as sent.
 * RFC 3986 §5.2.4 ``remove_dot_segments``: ``.`` and ``..`` segments are resolved (``..`` at
   the root stays at the root).
-* Refused with 400, because backends disagree on them and no single normalised form is safe
-  to forward: an encoded slash ``%2f`` (one decodes it into a separator, another keeps it in
-  the segment; ``..%2f`` is how a dot-segment hides), a backslash, raw or as ``%5c`` (a
-  separator to some servers; not a character RFC 3986 §3.3 allows in a path), and a ``%``
-  not followed by two hex digits (RFC 3986 §2.1).
+* An encoded slash or backslash (``%2f``, ``%5c``) is kept as sent, inside its segment (RFC
+  3986 §2.2: encoded, a reserved character is data): ``/v1/models/org%2Fmodel`` names a model
+  whose id holds a slash. Backends disagree on them (one decodes ``%2f`` into a separator,
+  another keeps it in the segment), which is harmless unless a dot-segment hides behind one:
+  a path that has a ``.`` or ``..`` segment once they are read as separators (``..%2f``) is
+  refused with 400, since no single normalised form of it is safe to forward.
+* Also refused with 400: a raw backslash (a separator to some servers; not a character RFC
+  3986 §3.3 allows in a path) and a ``%`` not followed by two hex digits (RFC 3986 §2.1).
 
 Run once per request, before routing; a path with no ``%``, no ``\\`` and no ``/.`` (nearly
 every path) costs three substring searches and is returned as it is. Targets that are not
@@ -35,8 +38,8 @@ __all__ = ["normalise_target"]
 _PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})?")
 # RFC 3986 §2.3 unreserved characters.
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
-# Encoded separators: "/" and "\".
-_SEPARATORS = frozenset(b"/\\")
+# Encoded separators: "/" and "\" (RFC 3986 §2.1: hex digits in either case).
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 
 
 def normalise_target(target: bytes) -> bytes:
@@ -53,6 +56,9 @@ def normalise_target(target: bytes) -> bytes:
         path = _PERCENT.sub(_decode_unreserved, path)
     if b"/." in path:
         path = remove_dot_segments(path)
+    # The plain dot-segments are gone: one that is left hides behind an encoded separator.
+    if b"%" in path and _ENCODED_SEPARATOR.search(path) is not None and _hides_dot_segment(path):
+        raise MalformedRequest("dot-segment behind an encoded slash in the request path")
     return path + question + query
 
 
@@ -63,9 +69,14 @@ def _decode_unreserved(match: re.Match[bytes]) -> bytes:
     byte = int(digits, 16)
     if byte in _UNRESERVED:
         return bytes((byte,))
-    if byte in _SEPARATORS:
-        raise MalformedRequest("encoded slash or backslash in the request path")
     return match[0]
+
+
+def _hides_dot_segment(path: bytes) -> bool:
+    """Whether ``path`` has a ``.`` or ``..`` segment once ``%2f`` and ``%5c`` are read as
+    separators (after the unreserved characters were decoded and ``remove_dot_segments``)."""
+    segments = _ENCODED_SEPARATOR.sub(b"/", path).split(b"/")
+    return any(segment in (b".", b"..") for segment in segments)
 
 
 def remove_dot_segments(path: bytes) -> bytes:

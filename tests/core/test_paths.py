@@ -51,6 +51,10 @@ def test_remove_dot_segments(path: bytes, expected: bytes) -> None:
         # Other encodings are kept as sent.
         (b"/v1/a%20b/./c", b"/v1/a%20b/c"),
         (b"/v1/%C3%A9", b"/v1/%C3%A9"),
+        # An encoded slash is data in its segment while no dot-segment hides behind it.
+        (b"/v1/models/org%2Fmodel", b"/v1/models/org%2Fmodel"),
+        (b"/v1/models/a%2f..b/./c", b"/v1/models/a%2f..b/c"),
+        (b"/v1/x%5Cy", b"/v1/x%5Cy"),
         # The query is never touched.
         (b"/v1/models?next=/../x&q=%2f%2e%2e", b"/v1/models?next=/../x&q=%2f%2e%2e"),
         (b"/v1/../models?a=%2e", b"/models?a=%2e"),
@@ -68,7 +72,9 @@ def test_normalise_target(target: bytes, expected: bytes) -> None:
     [
         b"/v1/..%2fflag",
         b"/v1/..%2Fflag",
-        b"/v1/models/org%2fmodel",
+        b"/v1/%2e%2e%2fflag",
+        b"/v1/x%2f..%2fflag",
+        b"/v1/x%2F.%2Fy",
         b"/v1/..%5cflag",
         b"/v1/..\\flag",
         b"/v1/%zz",

@@ -667,6 +667,7 @@ ESCAPES = [
     (b"/v1/..%2Fflag", 400),
     (b"/v1/..%5cflag", 400),
     (b"/v1/x/../../flag", 404),
+    (b"/v1/x%2f..%2f..%2fflag", 400),
 ]
 
 
@@ -698,7 +699,13 @@ async def test_backend_gets_the_normalised_path(nursery, start_proxy, http2):
     backend = PathBackend()
     port = await serve_raw(nursery, backend.serve)
     proxy = await start_proxy(config=v1_only_config(port))
-    sent = [b"/v1/./models", b"/v1/a/../models?next=/../x", b"/%76%31/models", b"/v1/a%20b"]
+    sent = [
+        b"/v1/./models",
+        b"/v1/a/../models?next=/../x",
+        b"/%76%31/models",
+        b"/v1/a%20b",
+        b"/v1/models/org%2Fmodel",
+    ]
     with trio.fail_after(10):
         for target in sent:
             if http2:
@@ -716,4 +723,5 @@ async def test_backend_gets_the_normalised_path(nursery, start_proxy, http2):
         b"/v1/models?next=/../x",
         b"/v1/models",
         b"/v1/a%20b",
+        b"/v1/models/org%2Fmodel",
     ]
