@@ -10,6 +10,7 @@ import h2.events
 import h11
 import pytest
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from test_tunnel import send_extended_connect
 
 from muxproxy.config import Route
 from muxproxy.core.commands import Log
@@ -139,24 +140,8 @@ def test_extended_connect_200_gets_a_date() -> None:
     # RFC 8441 §5: the tunnel opens with a 2xx, which RFC 9110 §6.6.1 dates; the HTTP/1.1
     # backend's 101 behind it (a 1xx) carries none.
     pb = Playbook()
-    pb.accept(1, wall=WALL)
     peer = H2ClientPeer()
-    pb.receive(1, peer.preface())
-    peer.events(pb.take(1))
-    sid = peer.conn.get_next_available_stream_id()
-    connect = [
-        (b":method", b"CONNECT"),
-        (b":protocol", b"websocket"),
-        (b":scheme", b"http"),
-        (b":path", b"/chat"),
-        (b":authority", b"proxy.example"),
-        (b"sec-websocket-version", b"13"),
-    ]
-    peer.conn.send_headers(sid, connect)
-    pb.receive(1, peer.conn.data_to_send())
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    _, up = send_extended_connect(pb, peer, wall=WALL)
     backend = H1BackendPeer()
     (request, _) = backend.events(pb.take(up))
     key = dict(request.headers)[b"sec-websocket-key"]

@@ -249,8 +249,17 @@ def test_refused_upgrade_is_an_ordinary_response() -> None:
 # -- RFC 8441 ---------------------------------------------------------------------------------
 
 
-def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1BackendPeer, bytes]:
-    pb.accept(1)
+def send_extended_connect(
+    pb: Playbook,
+    peer: H2ClientPeer,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    *,
+    wall: float | None = None,
+) -> tuple[int, int]:
+    """Accept an HTTP/2 client that sends an RFC 8441 extended CONNECT for /chat (after
+    checking that our SETTINGS allow it), and open the backend connection it asks for:
+    (the client's stream, the backend connection)."""
+    pb.accept(1, wall=wall)
     pb.receive(1, peer.preface())
     events = peer.events(pb.take(1))
     (settings,) = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
@@ -266,12 +275,18 @@ def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1Bac
             (b":path", b"/chat"),
             (b":authority", b"proxy.example"),
             (b"sec-websocket-version", b"13"),
+            *(extra or []),
         ],
     )
     pb.receive(1, peer.conn.data_to_send())
     (open_cmd,) = pb.opens()
     up = open_cmd.conn
     pb.opened(up)
+    return sid, up
+
+
+def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1BackendPeer, bytes]:
+    sid, up = send_extended_connect(pb, peer)
     backend = H1BackendPeer()
     (request, end) = backend.events(pb.take(up))
     assert isinstance(request, h11.Request) and isinstance(end, h11.EndOfMessage)
@@ -390,24 +405,7 @@ def test_internal_error_on_the_client_side_of_a_tunnel_closes_its_backend() -> N
 def test_extended_connect_with_a_client_key_gets_the_accept_for_that_key() -> None:
     pb = Playbook()
     peer = H2ClientPeer()
-    pb.accept(1)
-    pb.receive(1, peer.preface())
-    peer.events(pb.take(1))
-    sid = peer.conn.get_next_available_stream_id()
-    headers = [
-        (b":method", b"CONNECT"),
-        (b":protocol", b"websocket"),
-        (b":scheme", b"http"),
-        (b":path", b"/chat"),
-        (b":authority", b"proxy.example"),
-        (b"sec-websocket-version", b"13"),
-        (b"sec-websocket-key", KEY),
-    ]
-    peer.conn.send_headers(sid, headers)
-    pb.receive(1, peer.conn.data_to_send())
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    _, up = send_extended_connect(pb, peer, [(b"sec-websocket-key", KEY)])
     backend = H1BackendPeer()
     (request, _) = backend.events(pb.take(up))
     ours = dict(request.headers)[b"sec-websocket-key"]
@@ -558,25 +556,7 @@ def test_h2_backend_refusal_of_the_extended_connect_is_an_ordinary_response() ->
 def test_extended_connect_from_an_h2_client_to_an_h2_backend() -> None:
     pb = Playbook(_h2_backend_config())
     peer = H2ClientPeer()
-    pb.accept(1)
-    pb.receive(1, peer.preface())
-    peer.events(pb.take(1))
-    sid = peer.conn.get_next_available_stream_id()
-    peer.conn.send_headers(
-        sid,
-        [
-            (b":method", b"CONNECT"),
-            (b":protocol", b"websocket"),
-            (b":scheme", b"http"),
-            (b":path", b"/chat"),
-            (b":authority", b"proxy.example"),
-            (b"sec-websocket-version", b"13"),
-        ],
-    )
-    pb.receive(1, peer.conn.data_to_send())
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    sid, up = send_extended_connect(pb, peer)
     backend = H2BackendPeer(pb, up, connect=True)
     backend.read()
     backend.flush()
