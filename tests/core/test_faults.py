@@ -17,7 +17,7 @@ import pytest
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
 
 from muxproxy.config import HealthCheck
-from muxproxy.core.commands import CloseConnection, Log, SetTimer
+from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SetTimer
 from muxproxy.core.events import ConfigChanged
 from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
 from muxproxy.core.websocket import accept_for
@@ -50,6 +50,18 @@ def _h2_stream(pb: Playbook, conn: int) -> tuple[H2ClientPeer, int, int, H1Backe
     backend.events(pb.take(up))
     client.events(pb.take(conn, pb.receive(up, backend.sse_head() + backend.chunk(EVENTS[0]))))
     return client, sid, up, backend
+
+
+def _h1_request(pb: Playbook) -> tuple[H1ClientPeer, OpenConnection, H1BackendPeer]:
+    """An HTTP/1.1 client on connection 1 whose request reached its backend."""
+    pb.accept(1)
+    client = H1ClientPeer()
+    pb.receive(1, client.request("GET", CHAT.decode()))
+    (opened,) = pb.opens()
+    pb.opened(opened.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opened.conn))
+    return client, opened, backend
 
 
 def _internal_errors(pb: Playbook) -> list[Log]:
@@ -154,13 +166,7 @@ def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
 
 def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:
     pb = _isolating()
-    pb.accept(1)
-    client = H1ClientPeer()
-    pb.receive(1, client.request("GET", CHAT.decode()))
-    (opened,) = pb.opens()
-    pb.opened(opened.conn)
-    backend = H1BackendPeer()
-    backend.events(pb.take(opened.conn))
+    client, opened, backend = _h1_request(pb)
     monkeypatch.setattr(pb.core.upstreams[opened.conn].adapter, "receive", _boom)
     commands = pb.receive(opened.conn, backend.sse_head())
     (response, *_) = client.events(pb.take(1, commands))
@@ -170,13 +176,7 @@ def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch)
 
 def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     pb = _isolating()
-    pb.accept(1)
-    client = H1ClientPeer()
-    pb.receive(1, client.request("GET", CHAT.decode()))
-    (opened,) = pb.opens()
-    pb.opened(opened.conn)
-    backend = H1BackendPeer()
-    backend.events(pb.take(opened.conn))
+    client, opened, backend = _h1_request(pb)
     pb.receive(opened.conn, backend.sse_head() + backend.chunk(EVENTS[0]))
     # A bug on a timer of the exchange: it belongs to the client connection.
     exchange = next(iter(pb.core.exchanges.values()))
