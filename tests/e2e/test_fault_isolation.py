@@ -21,7 +21,8 @@ import trustme
 from peers import H1Peer, open_h2
 
 from muxproxy.config import quick_config
-from muxproxy.core.commands import Log
+from muxproxy.core.commands import Command, Log
+from muxproxy.core.events import ConnectionAccepted, Event
 from muxproxy.trio.driver import StreamConn
 from muxproxy.trio.reactor import SocketConn
 from muxproxy.trio.server import ProxyServer
@@ -139,11 +140,20 @@ async def test_driver_fault_closes_only_its_socket(
 async def _crash(server: ProxyServer, plant: Any) -> None:
     """Run ``server``; once a client is accepted plant a bug, then the client's request comes
     (through the reactor's round)."""
+    accepted = trio.Event()
+    handle = server.core.handle
+
+    def handle_and_watch(event: Event) -> list[Command]:
+        commands = handle(event)
+        if isinstance(event, ConnectionAccepted):
+            accepted.set()
+        return commands
+
+    server.core.handle = handle_and_watch  # type: ignore[method-assign]  # watch the accept
     async with trio.open_nursery() as nursery:
         addresses = await nursery.start(server.run)
         peer = await H1Peer.connect(addresses[0][1])
-        while not server.core.clients:
-            await trio.sleep(0.001)  # poll: the accept is not observable otherwise
+        await accepted.wait()
         plant()
         await peer.send(h11.Request(method="GET", target="/", headers=[("host", "a")]))
         await trio.sleep_forever()
