@@ -16,7 +16,9 @@ What it obeys:
   ``http.disconnect`` is watched for while a completion is being generated, so a client
   that goes away is noticed at once, not at the next token write.
 
-Every response the app makes carries ``x-backend-id: <id>``. Reply text is
+Every response the app makes carries ``x-backend-id: <id>``, and ``x-model-version: <v>``
+when the backend is given a model version (``--model-version``: a gray release moves traffic
+from one version to the next, and a client can tell which one answered). Reply text is
 ``tok0 tok1 ... tok<n-1> `` (see :func:`reply_text`).
 
 Knobs: each has a default on :class:`FakeLLM` (constructor / CLI option, and the instance
@@ -127,6 +129,7 @@ HEADER_STATUS = "x-fake-status"
 HEADER_ECHO = "x-fake-echo-headers"
 HEADER_SINK = "x-fake-sink"
 HEADER_BACKEND_ID = "x-backend-id"
+HEADER_MODEL_VERSION = "x-model-version"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _NO_DIE = frozenset({"", "none", "off", "-1"})
@@ -190,6 +193,8 @@ class FakeLLM:
     first_delay: float = 0.0
     die_after: int | None = None
     status: int = 200
+    model_version: str | None = None
+    """Sent as ``x-model-version`` on every response when set."""
 
     requests: int = attrs.field(default=0, init=False)
     """HTTP requests received (any path)."""
@@ -557,7 +562,10 @@ class FakeLLM:
     # ---- plain responses ---------------------------------------------------------------
 
     def _common_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(HEADER_BACKEND_ID.encode(), self.backend_id.encode("latin-1"))]
+        headers = [(HEADER_BACKEND_ID.encode(), self.backend_id.encode("latin-1"))]
+        if self.model_version is not None:
+            headers.append((HEADER_MODEL_VERSION.encode(), self.model_version.encode("latin-1")))
+        return headers
 
     def _json_head(
         self, status: int, length: int, extra: Sequence[tuple[bytes, bytes]] = ()
@@ -783,6 +791,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--id", dest="backend_id", default="fake", help="backend id, sent as x-backend-id"
     )
+    parser.add_argument(
+        "--model-version",
+        default=None,
+        metavar="V",
+        help="model version, sent as x-model-version on every response",
+    )
     parser.add_argument("--tokens", type=_non_negative_int, default=16, help="tokens per reply")
     parser.add_argument("--delay", type=_seconds, default=0.02, help="seconds between tokens")
     parser.add_argument(
@@ -808,6 +822,7 @@ def run(args: argparse.Namespace) -> int:
         first_delay=args.first_delay,
         die_after=args.die_after,
         status=args.status,
+        model_version=args.model_version,
     )
 
     async def serve() -> None:

@@ -320,6 +320,22 @@ async def test_streaming_completion_http11(start: Start) -> None:
     assert (fake.disconnects, fake.aborts) == (0, 0)
 
 
+async def test_model_version_names_the_version_on_every_response(start: Start) -> None:
+    _, port = await start(backend_id="gpu0", tokens=2, delay=0.001, model_version="v2")
+    _, plain = await start(backend_id="gpu1", tokens=2, delay=0.001)
+    with trio.fail_after(5):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            async with client.stream("POST", CHAT, content=chat_body(True)) as streamed:
+                await streamed.aread()
+            health = await client.get("/health")
+            missing = await client.get("/nowhere")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{plain}") as client:
+            unversioned = await client.get("/health")
+    for response in (streamed, health, missing):
+        assert response.headers["x-model-version"] == "v2"
+    assert "x-model-version" not in unversioned.headers
+
+
 async def test_non_streaming_completion_http11(start: Start) -> None:
     fake, port = await start(backend_id="gpu1", tokens=3, delay=0.001)
     with trio.fail_after(5):
