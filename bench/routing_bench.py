@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from muxproxy.config import Server, SessionSource
+from muxproxy.config import Server, SessionSource, Sticky, Upstream
 from muxproxy.routing.balancer import (
     SmoothWeightedRoundRobin,
     least_streams,
@@ -25,6 +25,7 @@ from muxproxy.routing.balancer import (
     server_id,
 )
 from muxproxy.routing.health import PassiveHealth, usable_servers
+from muxproxy.routing.router import GroupRouter
 from muxproxy.routing.sticky import session_key_from_head
 
 SIZES = (8, 64)
@@ -90,11 +91,25 @@ def cases(size: int) -> dict[str, Callable[[int], object]]:
             usable = usable_servers(servers, weights, passive, None, 5.0, for_new_sessions=True)
             rendezvous_order(key or b"", ids, weights, usable)
 
+    group = Upstream(name="gpus", servers=tuple(servers), sticky=Sticky(sources=tuple(sources)))
+    router = GroupRouter(group)
+    router.failed(1, 0.0)
+
+    def router_unkeyed(n: int) -> None:
+        for _ in range(n):
+            router.candidates(None, None, 5.0)
+
+    def router_keyed(n: int) -> None:
+        for k in range(n):
+            router.candidates(b"conv-%d" % (k & 1023), None, 5.0)
+
     return {
         "smooth weighted round-robin pick": rr_pick,
         "least_streams": least,
         "rendezvous_order (one key)": rendezvous,
         "full keyed decision (cookie key + usable_servers + rendezvous_order)": full,
+        "GroupRouter.candidates, no key": router_unkeyed,
+        "GroupRouter.candidates, 1,024 keys in turn": router_keyed,
     }
 
 

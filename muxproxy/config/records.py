@@ -154,6 +154,10 @@ class Sticky:
     body_limit: int = 64 * 1024
     """Most request-body bytes held to find a JSON body key; past it, no key."""
     cookie: StickyCookie | None = None
+    session_idle: float = 600.0
+    """Seconds a session key is remembered on the server it was last sent to: within them
+    its next request goes there again (while that server takes existing sessions), even if
+    a weight change moved the key's hash elsewhere (``routing/affinity.py``)."""
 
 
 CONDITIONS = frozenset({"error", "timeout", "http_429", "http_502", "http_503", "http_504"})

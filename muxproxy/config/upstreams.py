@@ -457,6 +457,7 @@ _STICKY_KEYS = {
     "sources": Key(sources),
     "body_limit": Key(Checker.positive_int),
     "cookie": Key(sticky_cookie),
+    "session_idle": Key(Checker.seconds),
 }
 _NEXT_UPSTREAM_KEYS = {
     "on": Key(conditions),

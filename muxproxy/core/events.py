@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from ..config.runtime import RuntimeState
+
 ConnId = int
 TimerId = tuple[str, int]
 
@@ -112,3 +114,16 @@ class ShutdownRequested(Event):
     """Stop taking new requests; let open streams finish until ``deadline``."""
 
     deadline: float
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class RuntimeChanged(Event):
+    """The operator's runtime server state (weights, drain, down) is now ``state``, whole.
+
+    It replaces the previous state (it is not a delta) and stays across ``ConfigChanged``:
+    the core re-applies it to each new configuration, ignoring servers no longer there.
+    It applies to routing decisions from the next request on; no stream in flight is moved
+    or cut (``routing/router.py``).
+    """
+
+    state: RuntimeState

@@ -210,7 +210,7 @@ class Exchange:
         assert self.group is not None and self.router is not None
         index = self.server = self.candidates[self.tries]
         self.tries += 1
-        self.router.active[index] += 1
+        self.router.stream_started(index, self.session_key, core.now)
         server = self.group.servers[index]
         self.origin = Origin.of(server)
         self.phase = Phase.CONNECTING
@@ -220,7 +220,7 @@ class Exchange:
 
     def _leave_server(self) -> None:
         if self.server is not None and self.router is not None:
-            self.router.active[self.server] -= 1
+            self.router.stream_ended(self.server)
             self.server = None
 
     def _may_retry(self, condition: str) -> bool:

@@ -181,7 +181,7 @@ class Isolation:
         for kind in self.exchange_timers:
             core.cancel_timer((kind, ex.ident))
         if ex.server is not None and ex.router is not None:
-            ex.router.active[ex.server] -= 1
+            ex.router.stream_ended(ex.server)
             ex.server = None
         ex.phase = Phase.DONE
         ex.outcome = "internal error"

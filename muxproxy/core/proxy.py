@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from ..config import Config, Upstream
+from ..config.runtime import RuntimeState
 from ..routing.router import GroupRouter
 from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
 from .dates import HttpDate
@@ -40,6 +41,7 @@ from .events import (
     Event,
     InputEnded,
     OpenFailed,
+    RuntimeChanged,
     ShutdownRequested,
     TimerId,
     Wakeup,
@@ -145,6 +147,9 @@ class ProxyCore:
         its 101, and every tunnel's backend connection (which leaves ``upstreams``)."""
         self.pool = Pool(self)
         self._routers: dict[str, GroupRouter] = {}
+        self.runtime = RuntimeState.empty()
+        """The operator's server overrides (``RuntimeChanged``), applied to every router,
+        also to those of a later configuration."""
         self._timers: set[TimerId] = set()
         self._out: list[Command] = []
         self._next_upstream = 0
@@ -165,6 +170,7 @@ class ProxyCore:
             Wakeup: self._wakeup,
             ConfigChanged: self._config_changed,
             ShutdownRequested: self._shutdown,
+            RuntimeChanged: self._runtime_changed,
         }
 
     def _apply_limits(self) -> None:
@@ -255,7 +261,7 @@ class ProxyCore:
         router = self._routers.get(group.name)
         if router is not None and (router.group is group or router.group == group):
             return router
-        router = GroupRouter(group)
+        router = GroupRouter(group, self.runtime)
         if self.config.upstreams.get(group.name) == group:
             self._routers[group.name] = router
         return router
@@ -374,7 +380,8 @@ class ProxyCore:
         for name, group in self.config.upstreams.items():
             router = self._routers.get(name)
             if router is not None:
-                routers[name] = router.reconfigure(group)
+                router = routers[name] = router.reconfigure(group)
+                router.apply_runtime(self.runtime)
         self._routers = routers
         for group in self.config.upstreams.values():
             if group.health_check is None:
@@ -384,6 +391,14 @@ class ProxyCore:
                 probe = self.probes[self._next_probe] = Probe(self, group, index, self._next_probe)
                 probe.schedule(0.0)
         self.emit(Log(event="config_changed", fields={}))
+
+    def _runtime_changed(self, event: RuntimeChanged) -> None:
+        """New runtime server state: the next decision of every group uses it; streams in
+        flight stay where they are (``routing/router.py``)."""
+        self.runtime = event.state
+        for router in self._routers.values():
+            router.apply_runtime(event.state)
+        self.emit(Log(event="runtime_changed", fields={"overrides": len(event.state.servers)}))
 
     def _shutdown(self, event: ShutdownRequested) -> None:
         self.shutting_down = True
@@ -399,6 +414,26 @@ class ProxyCore:
                 self.isolation.contain(fault)
 
     # -- introspection ---------------------------------------------------------------------
+
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        """The groups' servers as routing sees them now, and connection counts (JSON-able).
+
+        Per server: ``weight`` (the operator's or the configured one), ``configured_weight``,
+        ``state`` ("down": set down or unhealthy; "draining": drained or weight 0; else
+        "up"), ``health`` (passive and active), ``active`` (streams in flight there) and
+        ``failures`` (passive failures counted now); ``streams``: exchanges in flight.
+        ``now``: the driver's clock (default: the last event's ``now``). Reads only.
+        """
+        at = self.now if now is None else now
+        groups = {
+            name: self.router(group).status(at) for name, group in self.config.upstreams.items()
+        }
+        return {
+            "groups": groups,
+            "clients": len(self.clients),
+            "upstream_connections": len(self.upstreams),
+            "streams": len(self.exchanges),
+        }
 
     def statistics(self) -> ProxyStatistics:
         """A snapshot of connections and of every stream's buffered bytes."""

@@ -41,6 +41,13 @@ class SmoothWeightedRoundRobin:
     def size(self) -> int:
         return len(self._current)
 
+    def carry(self, old: SmoothWeightedRoundRobin, moves: Iterable[tuple[int, int]]) -> None:
+        """Take over ``old``'s current values of the servers that ``moves`` maps here
+        (``(old index, new index)`` pairs): a reload keeps the kept servers' positions in
+        the cycle; the values need not sum to 0 then, which the next picks even out."""
+        for before, after in moves:
+            self._current[after] = old._current[before]
+
     def pick(self, weights: Sequence[int], eligible: Iterable[int]) -> int | None:
         """The server to use now, or None if no eligible server has a weight above 0.
 

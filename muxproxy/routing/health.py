@@ -5,7 +5,9 @@ socket, ssl, select, time, random), no I/O; time is passed in as ``now`` (second
 monotonic clock). Why: the core decides with the same state every replica could rebuild,
 and tests drive time explicitly instead of sleeping or mocking a clock.
 
-Indices refer to positions in a group's ``servers`` tuple.
+Indices refer to positions in a group's ``servers`` tuple. A reload that changes the servers
+carries each kept server's state over by address: ``carry(old, moves)`` with ``moves`` the
+``(old index, new index)`` pairs.
 """
 
 from __future__ import annotations
@@ -65,6 +67,21 @@ class PassiveHealth:
     def usable(self, index: int, now: float) -> bool:
         return now >= self._down_until[index]
 
+    def failures(self, index: int, now: float, server: Server) -> int:
+        """Failures counted now: those of the current ``fail_timeout`` window, while the
+        server is out, or on probation; 0 once the window has passed without one."""
+        fails = self._fails[index]
+        if fails == 0 or fails >= server.max_fails or now < self._down_until[index]:
+            return fails
+        return fails if now - self._window_start[index] <= server.fail_timeout else 0
+
+    def carry(self, old: PassiveHealth, moves: Sequence[tuple[int, int]]) -> None:
+        """Take over ``old``'s state of the servers that ``moves`` maps to this one's."""
+        for before, after in moves:
+            self._fails[after] = old._fails[before]
+            self._window_start[after] = old._window_start[before]
+            self._down_until[after] = old._down_until[before]
+
     def out_until(self, index: int) -> float | None:
         """When a server that was taken out may be tried again; None if never taken out."""
         until = self._down_until[index]
@@ -109,6 +126,12 @@ class ActiveHealth:
     def up(self, index: int) -> bool:
         return self._up[index]
 
+    def carry(self, old: ActiveHealth, moves: Sequence[tuple[int, int]]) -> None:
+        """Take over ``old``'s states and streaks of the servers ``moves`` maps here."""
+        for before, after in moves:
+            self._up[after] = old._up[before]
+            self._streak[after] = old._streak[before]
+
 
 def usable_servers(
     servers: Sequence[Server],
@@ -118,18 +141,22 @@ def usable_servers(
     now: float,
     *,
     for_new_sessions: bool,
+    down: Sequence[bool] | None = None,
 ) -> list[int]:
     """Indices of the servers usable now, in index order.
 
-    A server is usable when passive health has not taken it out and active health (if any)
-    has it up. With ``for_new_sessions`` servers with weight <= 0 (draining) are left out as
-    well, before the next rule. Primaries come first: if any primary is usable the result is
+    A server is usable when the operator has not set it down (``down[i]``, if given),
+    passive health has not taken it out and active health (if any) has it up. With
+    ``for_new_sessions`` servers with weight <= 0 (draining) are left out as well, before
+    the next rule. Primaries come first: if any primary is usable the result is
     the usable primaries, otherwise the usable backups (possibly none).
     """
     primaries: list[int] = []
     backups: list[int] = []
     for index, server in enumerate(servers):
         if for_new_sessions and weights[index] <= 0:
+            continue
+        if down is not None and down[index]:
             continue
         if not passive.usable(index, now):
             continue

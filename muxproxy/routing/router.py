@@ -2,100 +2,211 @@
 what order, for this request?
 
 Pure: time comes in as ``now``, nothing here does I/O, and two processes built from the same
-configuration give the same answers for the same keys (rendezvous hashing over stable server
-ids). The order it returns is the order the exchange tries on failure:
+configuration and runtime state give the same answers for the same keys (rendezvous hashing
+over stable server ids). The order it returns is the order the exchange tries on failure:
 
-1. a pinned server (named by a sticky cookie) while it is up — also while it drains
-   (weight 0), so ongoing conversations stay where their KV cache is;
-2. with a session key: weighted rendezvous hashing over the usable servers with weight > 0;
-3. without one: the balancer's pick (smooth weighted round-robin or least streams), then the
+1. a pinned server (named by a sticky cookie) while it takes existing sessions (below) —
+   also while it drains, so ongoing conversations stay where their KV cache is;
+2. with a session key seen within ``sticky.session_idle`` seconds: the server it was last
+   sent to (``affinity.py``), while that server takes existing sessions;
+3. with a session key: weighted rendezvous hashing over the usable servers with weight > 0;
+4. without one: the balancer's pick (smooth weighted round-robin or least streams), then the
    other usable servers as fallbacks.
 
 Backup servers appear only when no primary is usable (``health.usable_servers``).
 
-A new configuration keeps a group's state while its servers stay the same — the same
-addresses in the same order, since all state is kept by position (``reconfigure``): health,
-the balancer's position, streams in flight, and runtime weights (a weight the operator changed
-stays until the configuration changes that server's weight itself).
+Runtime server state (``RuntimeChanged``, ``config/runtime.py``), applied by
+``apply_runtime`` to the very next decision; none of it moves or cuts a stream in flight,
+which finishes on the server it started on:
+
+- ``weight`` replaces the configured weight; 0 drains, as ``drain`` does;
+- ``drain``: no new sessions (keys not remembered) and no unkeyed requests; a remembered key
+  and a sticky cookie pinned to the server still go there while it is healthy;
+- ``down``: nothing new at all, pinned and remembered keys included, as if unhealthy; they
+  go where the hashing sends them and are remembered there.
+
+"Takes existing sessions" (pins and remembered keys) means: not down, passive and active
+health have it up, and it is not a backup while a primary is usable; a weight of 0 is fine.
+
+A new configuration (``reconfigure``) keeps the state of every server whose address stays,
+whatever is added, removed or reordered: passive and active health, the balancer's position,
+streams in flight and the affinity memory (runtime overrides are re-applied by the core,
+which holds them). Exchanges that began before it still hold the old router: their stream
+counts and health reports are passed on to its successor for the servers that stayed, so
+they finish without corrupting the new state; those of removed servers stay in the old one.
 """
 
 from __future__ import annotations
 
 from ..config import Balance, Upstream
+from ..config.runtime import RuntimeState, ServerOverride
+from .affinity import Affinity
 from .balancer import SmoothWeightedRoundRobin, least_streams, rendezvous_order, server_id
 from .health import ActiveHealth, PassiveHealth, usable_servers
 
+_NO_OVERRIDE = ServerOverride()
+
 
 class GroupRouter:
-    def __init__(self, group: Upstream) -> None:
+    def __init__(self, group: Upstream, runtime: RuntimeState | None = None) -> None:
         self.group = group
         size = len(group.servers)
-        secret = group.sticky.cookie.secret if group.sticky.cookie else ""
-        self.ids = [server_id(group.name, s.address, secret) for s in group.servers]
-        self.by_id = {sid: i for i, sid in enumerate(self.ids)}
+        self._index_servers(group)
+        self.overrides = [_NO_OVERRIDE] * size
+        """The operator's runtime overrides, per server (``apply_runtime``)."""
         self.weights = [s.weight for s in group.servers]
-        """Runtime weights: start from the configuration, changed by operators (drain: 0)."""
+        """Routing weights: the override's weight or the configured one, 0 while draining."""
+        self.down = [False] * size
+        """Set down by the operator: nothing new goes there."""
         self.active = [0] * size
-        """Streams in flight per server."""
+        """Streams in flight per server (``stream_started`` / ``stream_ended``)."""
         self.balancer = SmoothWeightedRoundRobin(size)
         self.passive = PassiveHealth(size)
         self.probes = ActiveHealth(size, group.health_check) if group.health_check else None
+        self.affinity = Affinity(group.sticky.session_idle)
+        self.successor: GroupRouter | None = None
+        """The router that replaced this one on a reload that changed the servers."""
+        self._moved: list[int | None] = []
+        """Per server here, its index in ``successor`` (None: removed)."""
+        if runtime is not None:
+            self.apply_runtime(runtime)
+
+    def _index_servers(self, group: Upstream) -> None:
+        secret = group.sticky.cookie.secret if group.sticky.cookie else ""
+        self.ids = [server_id(group.name, s.address, secret) for s in group.servers]
+        self.by_id = {sid: i for i, sid in enumerate(self.ids)}
+        self.by_address = {s.address: i for i, s in enumerate(group.servers)}
+
+    def apply_runtime(self, state: RuntimeState) -> None:
+        """Use ``state``'s overrides for this group's servers from the next decision on;
+        overrides of servers not in the group are ignored, servers without one get the
+        configured weight back."""
+        name = self.group.name
+        for index, server in enumerate(self.group.servers):
+            override = state.get(name, server.address)
+            self.overrides[index] = override
+            weight = server.weight if override.weight is None else override.weight
+            self.weights[index] = 0 if override.drain else weight
+            self.down[index] = override.down
 
     def reconfigure(self, group: Upstream) -> GroupRouter:
         """The router for ``group``, a new configuration of this router's group.
 
-        This router, updated, when ``group`` lists the same server addresses in the same
-        order: passive and active health, balancer state and streams in flight carry over,
-        so do runtime weights except where the configured weight changed; new health-check
-        thresholds apply to the current up/down state. Otherwise a new router: positions
-        name other servers now.
+        The state of each server whose address stays is kept (see the module header).
+        This router, updated, when the addresses are the same in the same order; otherwise
+        a new router, and this one passes the in-flight accounting of kept servers on to it.
+        Runtime overrides are dropped: the caller re-applies them (``apply_runtime``).
         """
         old = self.group
-        if [s.address for s in group.servers] != [s.address for s in old.servers]:
-            return GroupRouter(group)
-        self.group = group
-        secret = group.sticky.cookie.secret if group.sticky.cookie else ""
-        self.ids = [server_id(group.name, s.address, secret) for s in group.servers]
-        self.by_id = {sid: i for i, sid in enumerate(self.ids)}
-        for index, (before, after) in enumerate(zip(old.servers, group.servers, strict=True)):
-            if after.weight != before.weight:
-                self.weights[index] = after.weight
-        check = group.health_check
-        if check is None:
-            self.probes = None
-        elif self.probes is None:
-            self.probes = ActiveHealth(len(group.servers), check)
-        else:
-            self.probes.set_thresholds(check)
-        return self
+        self.affinity.idle = group.sticky.session_idle
+        if [s.address for s in group.servers] == [s.address for s in old.servers]:
+            self.group = group
+            self._index_servers(group)
+            self.apply_runtime(RuntimeState.empty())
+            check = group.health_check
+            if check is None:
+                self.probes = None
+            elif self.probes is None:
+                self.probes = ActiveHealth(len(group.servers), check)
+            else:
+                self.probes.set_thresholds(check)
+            return self
+        new = GroupRouter(group)
+        moved = [new.by_address.get(s.address) for s in old.servers]
+        moves = [(before, after) for before, after in enumerate(moved) if after is not None]
+        for before, after in moves:
+            new.active[after] = self.active[before]
+        new.passive.carry(self.passive, moves)
+        new.balancer.carry(self.balancer, moves)
+        if new.probes is not None and self.probes is not None:
+            new.probes.carry(self.probes, moves)
+        new.affinity = self.affinity  # keyed by address: still right for the kept servers
+        self.successor = new
+        self._moved = moved
+        return new
+
+    def _chain(self, index: int) -> list[tuple[GroupRouter, int]]:
+        """``(router, index)`` of this server here and in every successor that kept it."""
+        out = [(self, index)]
+        router: GroupRouter = self
+        while router.successor is not None:
+            after = router._moved[index]
+            if after is None:
+                break
+            router, index = router.successor, after
+            out.append((router, index))
+        return out
+
+    # -- decisions -------------------------------------------------------------------------
 
     def candidates(self, key: bytes | None, pinned: bytes | None, now: float) -> list[int]:
         """Server indices to try, in order; empty when no server is usable."""
         servers = self.group.servers
         out: list[int] = []
-        if pinned is not None:
-            index = self.by_id.get(pinned)
-            if index is not None and index in usable_servers(
-                servers, self.weights, self.passive, self.probes, now, for_new_sessions=False
-            ):
-                out.append(index)
+        pin = None if pinned is None else self.by_id.get(pinned)
+        known = None
+        if key is not None:
+            address = self.affinity.lookup(key, now)
+            if address is not None:
+                known = self.by_address.get(address)
+        if pin is not None or known is not None:
+            existing = usable_servers(
+                servers,
+                self.weights,
+                self.passive,
+                self.probes,
+                now,
+                for_new_sessions=False,
+                down=self.down,
+            )
+            if pin is not None and pin in existing:
+                out.append(pin)
+            if known is not None and known in existing and known != pin:
+                out.append(known)
         usable = usable_servers(
-            servers, self.weights, self.passive, self.probes, now, for_new_sessions=True
+            servers,
+            self.weights,
+            self.passive,
+            self.probes,
+            now,
+            for_new_sessions=True,
+            down=self.down,
         )
         if key is not None:
             ranked = rendezvous_order(key, self.ids, self.weights, usable)
         else:
             if self.group.balance is Balance.LEAST_STREAMS:
-                first = least_streams(self.weights, self.active, usable, self.balancer)
+                pick = least_streams(self.weights, self.active, usable, self.balancer)
             else:
-                first = self.balancer.pick(self.weights, usable)
+                pick = self.balancer.pick(self.weights, usable)
             ranked = []
-            if first is not None:
+            if pick is not None:
                 # Fallbacks: the others, in order after the pick, so retries spread too.
-                at = usable.index(first)
+                at = usable.index(pick)
                 ranked = usable[at:] + usable[:at]
         out.extend(i for i in ranked if i not in out)
         return out
+
+    # -- what happened ---------------------------------------------------------------------
+
+    def stream_started(self, index: int, key: bytes | None, now: float) -> None:
+        """A request is sent to ``index``: one more stream in flight there; with a session
+        key, remember that it went there."""
+        if self.successor is None:
+            self.active[index] += 1
+        else:
+            for router, at in self._chain(index):
+                router.active[at] += 1
+        if key is not None:
+            self.affinity.sent(key, self.group.servers[index].address, now)
+
+    def stream_ended(self, index: int) -> None:
+        """A stream ``stream_started`` counted has left ``index`` (done, failed, moved on)."""
+        if self.successor is None:
+            self.active[index] -= 1
+        else:
+            for router, at in self._chain(index):
+                router.active[at] -= 1
 
     def failed(self, index: int, now: float) -> bool:
         """A connection error or timeout on ``index``; True when it took the server out.
@@ -103,13 +214,51 @@ class GroupRouter:
         As in nginx, a group of one server never takes it out on failures: there is nothing
         to fail over to, and answering 503 instead of trying would only add errors.
         """
-        if len(self.group.servers) == 1:
-            return False
-        return self.passive.failure(index, now, self.group.servers[index])
+        took_out = False
+        for router, at in self._chain(index):
+            if len(router.group.servers) > 1:
+                took_out = router.passive.failure(at, now, router.group.servers[at]) or took_out
+        return took_out
 
     def succeeded(self, index: int) -> None:
-        self.passive.success(index)
+        for router, at in self._chain(index):
+            router.passive.success(at)
 
     def probe_result(self, index: int, ok: bool) -> bool:
         """An active health check's result; True when the server's state changed."""
         return self.probes.result(index, ok) if self.probes else False
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def healthy(self, index: int, now: float) -> bool:
+        """Passive and active health have the server up (the operator's ``down`` aside)."""
+        if not self.passive.usable(index, now):
+            return False
+        return self.probes is None or self.probes.up(index)
+
+    def status(self, now: float) -> dict[str, object]:
+        """This group's part of ``ProxyCore.status()`` (JSON-able)."""
+        servers = []
+        for index, server in enumerate(self.group.servers):
+            override = self.overrides[index]
+            weight = server.weight if override.weight is None else override.weight
+            healthy = self.healthy(index, now)
+            if override.down or not healthy:
+                state = "down"
+            elif override.drain or weight <= 0:
+                state = "draining"
+            else:
+                state = "up"
+            servers.append(
+                {
+                    "address": server.address,
+                    "id": self.ids[index].decode("ascii"),
+                    "weight": weight,
+                    "configured_weight": server.weight,
+                    "state": state,
+                    "health": "healthy" if healthy else "unhealthy",
+                    "active": self.active[index],
+                    "failures": self.passive.failures(index, now, server),
+                }
+            )
+        return {"balance": self.group.balance.value, "servers": servers}

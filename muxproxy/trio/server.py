@@ -21,7 +21,8 @@ import time
 import trio
 
 from ..config import Config, Listener
-from ..core.events import ConfigChanged, ConnectionAccepted
+from ..config.runtime import RuntimeState
+from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
 from .listeners import open_listeners
@@ -95,6 +96,16 @@ class ProxyServer:
                     self.addresses.append((host, port))
                     nursery.start_soon(self._accept_loop, tcp, listener, context)
             task_status.started(list(self.addresses))
+
+    def apply_runtime(self, state: RuntimeState) -> None:
+        """Use the operator's runtime server state ``state`` (whole, not a delta) from the
+        next request on (``RuntimeChanged``); streams in flight are not moved. Before
+        ``run`` the core takes it at once and keeps it for the configuration to come."""
+        if self.driver is None:
+            # Nothing runs yet (maybe no Trio either): the core keeps it; its Log is dropped.
+            self.core.handle(RuntimeChanged(now=self.core.now, state=state))
+        else:
+            self.driver.feed(RuntimeChanged(now=trio.current_time(), state=state))
 
     async def _accept_loop(
         self,

@@ -1,8 +1,9 @@
 """A new configuration (``ConfigChanged``) while the proxy runs: what routing state it keeps.
 
 ``ProxyCore._config_changed`` carries each group's router over (``GroupRouter.reconfigure``):
-while the group's servers are the same addresses in the same order, health, balancer state and
-runtime weights stay; the health probes of the old configuration are retired, timers and all.
+each server whose address stays keeps its health, balancer state and streams in flight, and
+the operator's runtime state (``RuntimeChanged``) is applied again; the health probes of the
+old configuration are retired, timers and all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from test_routing_exchange import CHECK, A, B, C, Rig, fleet, origin, probe_a, s
 
 from muxproxy.config import Config, Server
 from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection
-from muxproxy.core.events import ConfigChanged
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.events import ConfigChanged, RuntimeChanged
 
 
 def edited(config: Config, **changes: object) -> Config:
@@ -25,6 +27,10 @@ def edited(config: Config, **changes: object) -> Config:
 def reload(rig: Rig, config: Config) -> list[object]:
     rig.config = config
     return list(rig.pb.feed(ConfigChanged(now=rig.pb.now, config=config)))
+
+
+def set_runtime(rig: Rig, state: RuntimeState) -> None:
+    rig.pb.feed(RuntimeChanged(now=rig.pb.now, state=state))
 
 
 def routed_to(rig: Rig, count: int = 4) -> set[str]:
@@ -52,7 +58,7 @@ def test_reload_during_a_probe_keeps_the_new_configurations_router() -> None:
     up = running_probe(rig)
     commands = reload(rig, edited(rig.config, pool_idle_timeout=30.0))
     router = rig.router
-    router.weights[0] = 0  # the operator drains A
+    set_runtime(rig, RuntimeState.empty().changed("default", A, weight=0))  # drain A
     rig.answer(up, 200, b"")  # the old check's answer, after the reload
     assert rig.router is router and router.weights[0] == 0
     assert routed_to(rig) == {B}
@@ -65,12 +71,14 @@ def test_group_edit_with_the_same_servers_keeps_health_and_runtime_weights() -> 
     reload(rig, rig.config)  # the driver's first event starts the probes
     (down,) = probe_a(rig, 500)
     assert down.fields["up"] is False
-    rig.router.weights[2] = 0  # the operator drains C
-    servers = (Server(address=A), Server(address=B, weight=3), Server(address=C))
+    set_runtime(rig, RuntimeState.empty().changed("default", C, drain=True))
+    servers = (Server(address=A), Server(address=B, weight=3), Server(address=C, weight=2))
     commands = reload(rig, edited(rig.config, servers=servers, pool_idle_timeout=30.0))
     assert not [c for c in commands if isinstance(c, OpenConnection)]
-    assert rig.router.weights == [1, 3, 0]  # B's configured weight changed; C stays drained
+    assert rig.router.weights == [1, 3, 0]  # B's configured weight applies; C stays drained
     assert routed_to(rig) == {B}  # A is still down after the reload
+    set_runtime(rig, RuntimeState.empty())  # the operator undoes the drain
+    assert rig.router.weights == [1, 3, 2]  # C's new configured weight
 
 
 def test_group_edit_keeps_passive_health() -> None:
@@ -83,12 +91,12 @@ def test_group_edit_keeps_passive_health() -> None:
     assert routed_to(rig) == {B}
 
 
-def test_group_with_other_servers_starts_afresh() -> None:
+def test_group_with_other_servers_keeps_the_state_of_those_that_stay() -> None:
     rig = Rig(fleet(A, B, health_check=CHECK))
     start_probes(rig)
     probe_a(rig, 500)  # A down
-    reload(rig, edited(rig.config, servers=(Server(address=A), Server(address=C))))
-    assert routed_to(rig) == {A, C}  # other servers: positions name others, state is new
+    reload(rig, edited(rig.config, servers=(Server(address=C), Server(address=A))))
+    assert routed_to(rig) == {C}  # A stays down though it moved; C is new and up
 
 
 def test_reload_retires_every_probe_timer() -> None:
