@@ -641,6 +641,7 @@ Via-Edge = "mux $remote_addr"
 [upstreams.gpus.sticky]
 sources = ["cookie:chat_session", "header:X-Chat-ID", "query:session", "body:metadata.session_id"]
 body_limit = 65536
+session_idle = 900
 
 [upstreams.gpus.sticky.cookie]
 name = "mux_srv"
@@ -707,6 +708,7 @@ def test_routing_file(tmp_path: Path) -> None:
                 SessionSource(kind="body", name="metadata.session_id"),
             ),
             body_limit=65536,
+            session_idle=900.0,
             cookie=StickyCookie(
                 name="mux_srv",
                 expires=3600.0,
@@ -940,6 +942,12 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
             (*G, "sticky", "body_limit"),
             0,
             "upstreams.gpus.sticky.body_limit: expected a positive integer, got 0",
+        ),
+        (
+            (*G, "sticky", "session_idle"),
+            0,
+            "upstreams.gpus.sticky.session_idle: expected a positive, finite number of"
+            " seconds, got 0",
         ),
         # sticky cookie
         (

@@ -45,15 +45,15 @@ def test_changed_sets_fields_and_a_reset_to_defaults_removes_the_entry() -> None
 
 def test_changed_refuses_unknown_fields_and_bad_values_by_name() -> None:
     state = RuntimeState.empty()
-    with pytest.raises(ValueError, match="^wieght: unknown field; expected one of weight"):
+    with pytest.raises(ValueError, match=r"^wieght: unknown field; expected one of weight"):
         state.changed("gpus", A, wieght=1)
-    with pytest.raises(ValueError, match="^weight: expected an integer >= 0 or null, got -1"):
+    with pytest.raises(ValueError, match=r"^weight: expected an integer >= 0 or null, got -1"):
         state.changed("gpus", A, weight=-1)
-    with pytest.raises(ValueError, match="^weight: .* got True"):
+    with pytest.raises(ValueError, match=r"^weight: .* got True"):
         state.changed("gpus", A, weight=True)
-    with pytest.raises(ValueError, match="^drain: expected true or false, got 'yes'"):
+    with pytest.raises(ValueError, match=r"^drain: expected true or false, got 'yes'"):
         state.changed("gpus", A, drain="yes")
-    with pytest.raises(ValueError, match="^down: expected true or false, got 1"):
+    with pytest.raises(ValueError, match=r"^down: expected true or false, got 1"):
         state.changed("gpus", A, down=1)
 
 

@@ -13,8 +13,8 @@ import h11
 from test_routing_exchange import CHECK, A, B, C, Rig, fleet, origin, probe_a, start_probes
 
 from muxproxy.config import Config, Server
-from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection
 from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection
 from muxproxy.core.events import ConfigChanged, RuntimeChanged
 
 

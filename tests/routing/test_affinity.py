@@ -1,0 +1,61 @@
+"""The session affinity memory (``muxproxy.routing.affinity``): bounded, expiring, hashed."""
+
+from __future__ import annotations
+
+from muxproxy.routing.affinity import Affinity, key_hash
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def test_a_key_goes_back_to_where_it_was_last_sent() -> None:
+    memory = Affinity(idle=600.0)
+    assert memory.lookup(b"conv-1", 0.0) is None
+    memory.sent(b"conv-1", A, 0.0)
+    memory.sent(b"conv-2", B, 1.0)
+    assert memory.lookup(b"conv-1", 5.0) == A
+    memory.sent(b"conv-1", B, 6.0)  # failed over, say: the last server counts
+    assert memory.lookup(b"conv-1", 7.0) == B
+    assert len(memory) == 2
+
+
+def test_a_key_is_forgotten_after_idle_seconds_since_its_last_request() -> None:
+    memory = Affinity(idle=10.0)
+    memory.sent(b"k", A, 0.0)
+    assert memory.lookup(b"k", 10.0) == A
+    memory.sent(b"k", A, 10.0)  # each request renews it
+    assert memory.lookup(b"k", 20.0) == A
+    assert memory.lookup(b"k", 20.5) is None
+
+
+def test_expired_keys_are_swept_by_later_requests() -> None:
+    memory = Affinity(idle=10.0)
+    for n in range(5):
+        memory.sent(b"old-%d" % n, A, 0.0)
+    memory.sent(b"new", B, 11.0)
+    assert len(memory) == 1
+    assert memory.lookup(b"new", 11.0) == B
+
+
+def test_the_memory_is_bounded_and_drops_the_least_recently_sent_key() -> None:
+    memory = Affinity(idle=600.0, limit=3)
+    for n in range(3):
+        memory.sent(b"k%d" % n, A, float(n))
+    memory.sent(b"k0", B, 3.0)  # k0 is now the most recent, k1 the least
+    memory.sent(b"k3", A, 4.0)
+    assert len(memory) == 3
+    assert memory.lookup(b"k1", 4.0) is None
+    assert [memory.lookup(b"k%d" % n, 4.0) for n in (0, 2, 3)] == [B, A, A]
+    for n in range(4, 1000):
+        memory.sent(b"k%d" % n, A, 5.0)
+    assert len(memory) == 3
+
+
+def test_keys_are_kept_as_hashes_never_as_sent() -> None:
+    memory = Affinity(idle=600.0)
+    secret = b"user-4711-session-abcdef"
+    memory.sent(secret, A, 0.0)
+    (stored,) = memory._entries
+    assert stored == key_hash(secret) and isinstance(stored, int)
+    assert secret not in repr(memory._entries).encode()
+    assert key_hash(secret) == key_hash(bytes(secret))  # stable: no per-process salt
+    assert key_hash(b"a") != key_hash(b"b")
