@@ -32,6 +32,7 @@ from muxproxy.config import (
     Timeouts,
     Upstream,
 )
+from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.commands import (
     CloseConnection,
     Command,
@@ -40,7 +41,7 @@ from muxproxy.core.commands import (
     SendData,
     SetTimer,
 )
-from muxproxy.core.events import ConfigChanged, OpenFailed
+from muxproxy.core.events import ConfigChanged, OpenFailed, RuntimeChanged
 from muxproxy.routing.balancer import rendezvous_order
 
 A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
@@ -703,7 +704,8 @@ def test_sticky_cookie_pins_the_server_even_while_it_drains() -> None:
     assert b"127.0.0.1" not in value and b"900" not in value
     index = [s.address for s in rig.group.servers].index(first)
     assert value == rig.router.ids[index]
-    rig.router.weights[index] = 0  # drain: no new sessions, pinned ones stay
+    drain = RuntimeState.empty().changed("default", first, weight=0)
+    rig.pb.feed(RuntimeChanged(now=rig.pb.now, state=drain))  # no new sessions, pins stay
     for _ in range(4):
         head, served = cookie_request(rig, value)
         assert served == first
