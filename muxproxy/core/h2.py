@@ -26,10 +26,15 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
   a graceful GOAWAY(NO_ERROR) (``drain``).
 - A GOAWAY either way (ours from ``drain``, or the client's, whatever its code) only ends the
   opening of streams (RFC 9113 §6.8): ``state`` DRAINING, and the open streams are served to
-  their end. h2 moves its state machine to CLOSED on any GOAWAY and then refuses every frame
-  and every send: after our own GOAWAY the adapter sets it back (``H2Connection.state_machine``
-  is public by name), and reads go through ``h2goaway``, whose machine stays open on a
-  client's GOAWAY, so the frames after it in the same read are processed too.
+  their end. A graceful stop takes two steps (§6.8, ``announce_shutdown``): GOAWAY(NO_ERROR)
+  with last-stream-id 2^31-1 and a PING (``GOING_AWAY``: streams are still taken, since
+  the client may have sent some before it saw the GOAWAY), then, once the PING's ACK shows
+  that every stream the client sent before it has arrived, the GOAWAY with the real last
+  stream id (``drain``; DRAINING). h2 moves its state machine to CLOSED on any GOAWAY and then
+  refuses every frame and every send: after our own GOAWAY the adapter sets it back
+  (``H2Connection.state_machine`` is public by name), and reads go through ``h2goaway``, whose
+  machine stays open on a client's GOAWAY, so the frames after it in the same read are
+  processed too.
 """
 
 from __future__ import annotations
@@ -87,12 +92,23 @@ trailers of open streams. Past it, GOAWAY(ENHANCE_YOUR_CALM) inside the read
 
 _HUGE_LENGTH = 10**18
 
+SHUTDOWN_PING = b"muxstop\x00"
+"""The opaque data of the PING that follows the first GOAWAY of a graceful stop; its ACK
+means the client has seen that GOAWAY (RFC 9113 §6.7: the ACK echoes the data)."""
+
+MAX_STREAM_ID = 2**31 - 1
+"""RFC 9113 §5.1.1: the largest stream id; the first GOAWAY of a graceful stop names it."""
+
 _OPEN_STATE = h2.connection.ConnectionState.SERVER_OPEN
 _CLOSED_STATE = h2.connection.ConnectionState.CLOSED
 
 
 class H2State(enum.Enum):
     OPEN = "open"
+    GOING_AWAY = "going_away"
+    """The first GOAWAY of a graceful stop (last-stream-id 2^31-1) and a PING were sent: new
+    streams are still served until the PING's ACK, then ``drain`` sends the final GOAWAY
+    (RFC 9113 §6.8)."""
     DRAINING = "draining"
     """A GOAWAY(NO_ERROR) was sent (``drain``) or a GOAWAY received: the streams up to
     ``last_stream`` finish, later ones are refused (RFC 9113 §6.8)."""
@@ -184,8 +200,9 @@ class H2Server:
 
     @property
     def closed(self) -> bool:
-        """A GOAWAY was sent or received: no new streams."""
-        return self.state is not H2State.OPEN
+        """A final GOAWAY was sent or received: no new streams."""
+        state = self.state
+        return state is H2State.DRAINING or state is H2State.CLOSED
 
     def data_to_send(self) -> bytes:
         return self.conn.data_to_send()
@@ -204,6 +221,15 @@ class H2Server:
                 return out + self._calm(guard.exhausted)
             if type(event) in _CONTROL_EVENTS:
                 guard.control_frame(_CONTROL_EVENTS[type(event)])
+                if (
+                    type(event) is h2.events.PingAckReceived
+                    and event.ping_data == SHUTDOWN_PING
+                    and self.state is H2State.GOING_AWAY
+                ):
+                    # RFC 9113 §6.8: the client saw the first GOAWAY; the streams it opened
+                    # before that are all here (the frames before this ACK), so the final
+                    # GOAWAY can name the real last stream.
+                    self.drain()
             if isinstance(event, h2.events.DataReceived):
                 sid = event.stream_id
                 if not event.flow_controlled_length and event.stream_ended is None:
@@ -266,7 +292,7 @@ class H2Server:
         sid = event.stream_id
         decoder = self.decoder
         decoder.processed()
-        if self.state is not H2State.OPEN and (self.last_stream is None or sid > self.last_stream):
+        if self.closed and (self.last_stream is None or sid > self.last_stream):
             # RFC 9113 §6.8: after a GOAWAY, streams above its last stream id are not
             # processed; REFUSED_STREAM tells the client it may retry them elsewhere.
             return self._refuse(sid)
@@ -369,8 +395,9 @@ class H2Server:
         back to SERVER_OPEN (as ``H2Client`` does for a received GOAWAY) and ``_request``
         refuses the later streams itself. ``last_stream``: the last stream served (default:
         the highest the client opened). Nothing to do once the client sent its own GOAWAY:
-        the connection is draining already."""
-        if self.state is not H2State.OPEN:
+        the connection is draining already. After ``announce_shutdown`` this is the second,
+        final GOAWAY."""
+        if self.state is not H2State.OPEN and self.state is not H2State.GOING_AWAY:
             return
         conn = self.conn
         if last_stream is None:
@@ -380,10 +407,26 @@ class H2Server:
         conn.state_machine.state = _OPEN_STATE
         self.state = H2State.DRAINING
 
+    def announce_shutdown(self) -> None:
+        """The first step of a graceful stop (RFC 9113 §6.8): GOAWAY(NO_ERROR) with
+        last-stream-id 2^31-1, so the client opens no more streams, then a PING whose ACK
+        tells when the streams it sent before it saw the GOAWAY have all arrived (the ACK
+        follows them on the wire). Streams keep being taken meanwhile (``GOING_AWAY``); the
+        owner bounds the wait for the ACK and then calls ``drain`` itself."""
+        if self.state is not H2State.OPEN:
+            return
+        conn = self.conn
+        conn.close_connection(
+            error_code=h2.errors.ErrorCodes.NO_ERROR, last_stream_id=MAX_STREAM_ID
+        )
+        conn.state_machine.state = _OPEN_STATE  # as in ``drain``: the streams go on
+        conn.ping(SHUTDOWN_PING)
+        self.state = H2State.GOING_AWAY
+
     def _goaway_received(self) -> None:
         """RFC 9113 §6.8: the client opens no more streams (whatever its error code says, a
         client that is going away still reads); the responses to its open streams finish."""
-        if self.state is H2State.OPEN:
+        if self.state is H2State.OPEN or self.state is H2State.GOING_AWAY:
             self.state = H2State.DRAINING
             self.last_stream = self.conn.highest_inbound_stream_id
 
