@@ -22,6 +22,10 @@ HTTP/2 stream-window timer:
   for ``timeouts.send`` is reset with CANCEL, its backend request aborted, the other streams
   untouched (``window`` timer, lazy: armed when a stream starts to wait, moved only when it
   fires).
+
+A graceful stop (``shutdown.py`` decides it) sets ``going_away``: on HTTP/1.1 the response
+whose head has not gone out yet says ``Connection: close`` and the connection closes when the
+exchange ends (RFC 9112 §9.6); HTTP/2's two GOAWAYs are ``shutdown.py``'s (RFC 9113 §6.8).
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class Downstream:
         self.window_waits: dict[int, float] = {}
         """HTTP/2 streams whose response waits for a window, and since when it has not moved
         (``_window_timeout``)."""
+        self.going_away = False
+        """A graceful stop began: no request after those running (``shutdown.py``)."""
 
     @property
     def is_h2(self) -> bool:
@@ -133,6 +139,10 @@ class Downstream:
         the start of its HTTP/2 preface."""
         h1 = self.h1
         if h1 is None or h1.h2c is None or self.protocol is not Protocol.HTTP1:
+            return
+        if self.going_away:
+            # Stopping: the request is served over HTTP/1.1, with ``Connection: close``.
+            self._dispatch(h1.decline_h2c())
             return
         head = h1.h2c.head
         try:
@@ -410,6 +420,12 @@ class Downstream:
         assert self.h2 is not None
         self._send(self.h2.data_to_send())
 
+    def flush(self) -> None:
+        """Hand what the HTTP/2 connection queued (frames of its own: GOAWAY, PING, resets)
+        to the driver."""
+        if self.h2 is not None:
+            self._flush_h2()
+
     def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
         """Send the response head; ``end_stream``: the response is complete without a body
         (a gRPC Trailers-Only response: one HEADERS frame with END_STREAM on HTTP/2)."""
@@ -417,6 +433,10 @@ class Downstream:
             self.h2.send_head(head, end_stream=end_stream)
             self._flush_h2()
         elif self.h1 is not None:
+            if self.going_away:
+                # RFC 9112 §9.6: a server that is stopping says so on the response it still
+                # sends, and closes after it.
+                head = attrs.evolve(head, headers=[*head.headers, (b"connection", b"close")])
             self._send(self.h1.send_head(head))
             if end_stream:
                 self._send(self.h1.send_end([]))
@@ -555,9 +575,11 @@ class Downstream:
         if self.protocol is Protocol.CLOSED:
             return
         if self.h1 is not None:
-            if not self.h1.reusable:
+            if not self.h1.reusable or self.going_away:
                 # "Connection: close", or the response ended before the request (an early
                 # error, a half-read upload): RFC 9112 §9.6, close rather than resynchronise.
+                # Stopping: no next request is read (a pipelined one is retried elsewhere by
+                # its client, RFC 9112 §9.3.2).
                 self.close()
                 return
             try:
@@ -619,7 +641,7 @@ class Downstream:
             exchange.client_aborted(error or "client closed the connection")
         self.exchanges.clear()
         core = self.core
-        for kind in ("header", "idle", "send", "window"):
+        for kind in ("header", "idle", "send", "window", "goaway"):
             core.cancel_timer((kind, self.conn))
         core.clients.pop(self.conn, None)
         if was_open:
@@ -667,14 +689,6 @@ class Downstream:
                 # RFC 9110 §15.5.9: the client did not complete its request in time.
                 self.core.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
                 self._h1_error(408, "request header timeout")
-            self.close()
-
-    def shutdown(self) -> None:
-        """Graceful stop: no new requests; close when the running ones are done."""
-        if self.h2 is not None:
-            self.h2.goaway()
-            self._flush_h2()
-        if not self.exchanges:
             self.close()
 
 

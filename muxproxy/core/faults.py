@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .proxy import ProxyCore
 
 # Timer kinds keyed by something else than a client connection id, besides the exchanges'.
-_OTHER_TIMERS = frozenset({"pool", "probe", "probe_timeout"})
+_OTHER_TIMERS = frozenset({"pool", "probe", "probe_timeout", "shutdown"})
 # Commands addressed to a connection that a failed call may have queued for it.
 _CONN_COMMANDS = (SendData, PauseReading, ResumeReading, ShutdownWrite, CloseConnection)
 

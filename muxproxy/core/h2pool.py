@@ -391,12 +391,24 @@ class H2Pool:
         core.set_timer(("pool", upstream.conn), upstream.start_deadline)
 
     def ready(self, upstream: H2Upstream) -> None:
-        """``upstream`` may have free streams: give them to the waiting requests."""
+        """``upstream`` may have free streams: give them to the waiting requests. While
+        stopping (shutdown.py), one left without a stream closes instead of idling."""
         origin = upstream.origin
         queue = self.waiting.get(origin)
         while queue and upstream.free_streams > 0:
             upstream.take(queue.popleft())
+        if self.core.shutting_down and not upstream.streams:
+            upstream.close()  # which opens another if requests still wait (``discard``)
+            return
         self._maybe_open(origin)
+
+    def shutdown(self) -> None:
+        """A graceful stop began: every connection without a stream closes now; one still
+        connecting closes when it is ready (``ready``) unless requests wait for it."""
+        for conns in self.conns.values():
+            for upstream in list(conns):
+                if not upstream.streams and upstream.state in (H2State.READY, H2State.DRAINING):
+                    upstream.close()
 
     def draining(self, upstream: H2Upstream) -> None:
         self._maybe_open(upstream.origin)

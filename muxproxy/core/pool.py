@@ -288,7 +288,8 @@ class Pool:
         adapter = upstream.adapter
         if upstream.state is not UpstreamState.BUSY:
             return
-        if not adapter.reusable:
+        if not adapter.reusable or core.shutting_down:
+            # Stopping (shutdown.py): a connection whose exchange ended is not kept.
             upstream.close()
             return
         adapter.next_cycle()
@@ -301,6 +302,14 @@ class Pool:
         upstream.resume()
         group_idle.append(upstream)
         core.set_timer(("pool", upstream.conn), core.now + upstream.idle_timeout)
+
+    def shutdown(self) -> None:
+        """A graceful stop began: idle connections close now, busy ones when their exchange
+        ends (``release``); HTTP/2 ones when their last stream ends (``H2Pool.ready``)."""
+        for idle in self.idle.values():
+            for upstream in list(idle):
+                upstream.close()  # which takes it out of ``idle`` (``discard``)
+        self.h2.shutdown()
 
     def discard(self, upstream: UpstreamConn) -> None:
         """Forget a connection that closed (or never opened), and whoever waited for it."""

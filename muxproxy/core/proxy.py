@@ -51,6 +51,7 @@ from .faults import Fault, Isolation
 from .h2pool import H2Stream
 from .pool import BackendConnection, Pool, UpstreamConn
 from .probes import Probe
+from .shutdown import Shutdown, refuse_client
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
 
@@ -157,6 +158,8 @@ class ProxyCore:
         self.probes: dict[int, Probe] = {}
         self._next_probe = 0
         self.shutting_down = False
+        """A graceful stop began (``shutdown.py``): no new requests are taken."""
+        self.stop = Shutdown(self)
         self.date = HttpDate()
         """The ``Date`` of responses, from the wall time the driver gives (``dates.py``)."""
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
@@ -191,6 +194,8 @@ class ProxyCore:
             if fault is None:
                 raise
             self.isolation.contain(fault)
+        if self.shutting_down:
+            self.stop.settle()
         out = self._out
         self._out = []
         return out
@@ -303,7 +308,7 @@ class ProxyCore:
         client = Downstream(self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn)
         self.clients[event.conn] = client
         if self.shutting_down:
-            client.shutdown()
+            refuse_client(client)
 
     def _opened(self, event: ConnectionOpened) -> None:
         upstream = self.upstreams.get(event.conn)
@@ -356,6 +361,13 @@ class ProxyCore:
         elif kind == "pool":
             self._waking = ident
             self.pool.idle_timeout(ident)
+        elif kind == "shutdown":
+            self.stop.cut()
+        elif kind == "goaway":
+            client = self.clients.get(ident)
+            if client is not None:
+                self._waking = ident
+                self.stop.goaway_due(client)
         elif kind in ("probe", "probe_timeout"):
             probe = self.probes.get(ident)
             if probe is not None:
@@ -383,6 +395,11 @@ class ProxyCore:
                 router = routers[name] = router.reconfigure(group)
                 router.apply_runtime(self.runtime)
         self._routers = routers
+        if not self.shutting_down:  # a stopping proxy checks no health (shutdown.py)
+            self._start_probes()
+        self.emit(Log(event="config_changed", fields={}))
+
+    def _start_probes(self) -> None:
         for group in self.config.upstreams.values():
             if group.health_check is None:
                 continue
@@ -390,7 +407,6 @@ class ProxyCore:
                 self._next_probe += 1
                 probe = self.probes[self._next_probe] = Probe(self, group, index, self._next_probe)
                 probe.schedule(0.0)
-        self.emit(Log(event="config_changed", fields={}))
 
     def _runtime_changed(self, event: RuntimeChanged) -> None:
         """New runtime server state: the next decision of every group uses it; streams in
@@ -401,17 +417,15 @@ class ProxyCore:
         self.emit(Log(event="runtime_changed", fields={"overrides": len(event.state.servers)}))
 
     def _shutdown(self, event: ShutdownRequested) -> None:
-        self.shutting_down = True
-        for client in list(self.clients.values()):
-            if self.clients.get(client.conn) is not client:
-                continue  # isolated meanwhile
-            try:
-                client.shutdown()
-            except Exception as exc:
-                if self.raise_errors:
-                    raise
-                fault = Fault(conn=client.conn, event=type(event).__name__, error=exc)
-                self.isolation.contain(fault)
+        """Graceful stop until ``event.deadline`` (``shutdown.py``); an earlier deadline in a
+        later request moves it, one at or before ``now`` cuts at once."""
+        self.stop.request(event.deadline)
+
+    @property
+    def drained(self) -> bool:
+        """Stopping, and no client connection, backend connection or tunnel is left: the
+        driver may exit."""
+        return self.shutting_down and not self.clients and not self.upstreams and not self.tunnels
 
     # -- introspection ---------------------------------------------------------------------
 

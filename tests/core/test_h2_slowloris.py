@@ -16,6 +16,7 @@ from test_h2guard import Book, closed_conns, parse, start_streaming
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import PauseReading, ResumeReading
 from muxproxy.core.events import ShutdownRequested
+from muxproxy.core.h2 import SHUTDOWN_PING
 
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 CANCEL = h2.errors.ErrorCodes.CANCEL
@@ -57,9 +58,15 @@ def test_shutdown_goaway_lets_the_running_stream_finish_and_refuses_new_ones() -
     pb.receive(up, sse_chunk(b"data: one\n\n"))
     assert data_of(parse(pb.fresh()), sid) == b"data: one\n\n"
     pb.feed(ShutdownRequested(now=pb.now, deadline=pb.now + 30))
+    (first,) = [f for f in parse(pb.fresh()) if isinstance(f, hyperframe.frame.GoAwayFrame)]
+    assert first.error_code == NO_ERROR and first.last_stream_id == 2**31 - 1
+    # The client answers the PING that came with it: the final GOAWAY names the real last.
+    ack = hyperframe.frame.PingFrame(0, flags=["ACK"])
+    ack.opaque_data = SHUTDOWN_PING
+    pb.receive(1, ack.serialize())
     (end,) = [f for f in parse(pb.fresh()) if isinstance(f, hyperframe.frame.GoAwayFrame)]
     assert end.error_code == NO_ERROR and end.last_stream_id == sid
-    # A stream the client opened before it saw the GOAWAY is refused, reaching no backend.
+    # A stream opened after that is refused, reaching no backend.
     late, data = client.request(b"GET", b"/v1/late")
     pb.receive(1, data)
     assert resets(parse(pb.fresh())) == {late: h2.errors.ErrorCodes.REFUSED_STREAM}
