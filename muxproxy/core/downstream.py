@@ -216,10 +216,14 @@ class Downstream:
         self._h1_error(exc.status, exc.reason, api)
         self.close()
 
-    def _h1_error(self, status: int, text: str, api: Api | None = None) -> int:
+    def _h1_error(
+        self, status: int, text: str, api: Api | None = None, request_id: bytes | None = None
+    ) -> int:
         """The proxy's own response on HTTP/1.1; returns the body bytes it carried."""
         assert self.h1 is not None
         headers, body = error_response(status, text, api=api, date=self.core.http_date())
+        if request_id is not None:
+            headers.append((b"x-request-id", request_id))
         out = self.h1.send_whole(status, headers, body)
         self._send(out)
         return len(body) if out and not self.h1.head_only else 0
@@ -317,7 +321,9 @@ class Downstream:
             exchange.status = 408
             # The 408 first: the abort below ends in a close, which flushes it (RFC 9112 §9.6).
             api = exchange.route.api if exchange.route is not None else None
-            exchange.bytes_out += self._h1_error(408, "request body timeout", api)
+            exchange.bytes_out += self._h1_error(
+                408, "request body timeout", api, exchange.request_id
+            )
             exchange.client_aborted(reason)
             self.close()
             return
@@ -470,12 +476,16 @@ class Downstream:
         *,
         api: Api | None = None,
         head_only: bool = False,
+        request_id: bytes | None = None,
     ) -> int:
         """The proxy's own short response (``errors.error_response``; ``api``: the route's);
-        ``head_only``: the request was a HEAD (RFC 9110 §9.3.2: no body). Returns the body
-        bytes sent, for the access log."""
+        ``head_only``: the request was a HEAD (RFC 9110 §9.3.2: no body); ``request_id``:
+        the exchange's X-Request-ID, sent with it. Returns the body bytes sent, for the
+        access log."""
         if self.h2 is not None:
             headers, body = error_response(status, text, api=api, date=self.core.http_date())
+            if request_id is not None:
+                headers.append((b"x-request-id", request_id))
             self.h2.send_head(ResponseHead(stream=stream, status=status, headers=headers))
             if not head_only:
                 self.h2.send_body(stream, body)
@@ -483,7 +493,7 @@ class Downstream:
             self._flush_h2()
             return 0 if head_only else len(body)
         if self.h1 is not None:
-            return self._h1_error(status, text, api)
+            return self._h1_error(status, text, api, request_id)
         return 0
 
     def abort(self, stream: int) -> None:

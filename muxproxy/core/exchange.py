@@ -54,6 +54,7 @@ from ..routing.sticky import (
     set_cookie_header,
 )
 from . import grpc
+from .access import access_fields, with_request_id
 from .body import RequestBody
 from .commands import Log, Origin
 from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
@@ -65,6 +66,7 @@ from .headers import (
     upstream_h1_headers,
 )
 from .intake import MalformedRequest
+from .measure import SseMeter
 from .messages import Headers, RequestHead, ResponseHead
 from .paths import normalise_target
 from .sse import HEARTBEAT, EventBoundary
@@ -139,7 +141,19 @@ class Exchange:
         self.first_byte_at: float | None = None
         self.status = 0
         self.bytes_out = 0
+        self.bytes_in = 0
+        """Request body bytes taken from the client."""
         self.outcome = ""
+        self.request_id = core.request_ids.for_request(head.headers)
+        """``X-Request-ID``: the client's when sane, else ours (``access.py``)."""
+        self.server_address = ""
+        """The configured address of the last server tried ("" before the first attempt)."""
+        self.server_id: str | None = None
+        self.head_at: float | None = None
+        """When the backend's response head came (that of the attempt that answered)."""
+        self.upstream_version: str | None = None
+        self.meter: SseMeter | None = None
+        """Events and first token of an SSE response (``measure.py``)."""
         self.sse: EventBoundary | None = None
         """Event boundaries of an SSE response that gets heartbeats (``route.sse_heartbeat``)."""
         self.heartbeat_at = 0.0
@@ -212,6 +226,8 @@ class Exchange:
         self.tries += 1
         self.router.stream_started(index, self.session_key, core.now)
         server = self.group.servers[index]
+        self.server_address = server.address
+        self.server_id = self.router.ids[index].decode("ascii")
         self.origin = Origin.of(server)
         self.phase = Phase.CONNECTING
         timeout = self.group.timeouts.connect or core.config.timeouts.connect
@@ -273,16 +289,7 @@ class Exchange:
         self.stale_retried = True
         self._cancel_attempt_timers()
         self._release_upstream(close=True)
-        core.emit(
-            Log(
-                event="retry",
-                fields={
-                    "upstream": str(self.origin),
-                    "condition": "stale_connection",
-                    "reason": reason,
-                },
-            )
-        )
+        self._count_retry("stale_connection", reason)
         self.phase = Phase.CONNECTING
         timeout = self.group.timeouts.connect or core.config.timeouts.connect
         core.set_timer(("connect", self.ident), core.now + timeout)
@@ -291,24 +298,55 @@ class Exchange:
     def _retry_or_fail(self, condition: str, reason: str) -> None:
         """The current attempt failed before anything reached the client."""
         assert self.router is not None and self.server is not None
-        self.router.failed(self.server, self.core.now)
-        self._cancel_attempt_timers()
-        self._release_upstream(close=True)
-        failed_origin = str(self.origin)
-        if self._may_retry(condition):
-            self._leave_server()
-            self.core.emit(
+        core = self.core
+        group = self.group
+        assert group is not None
+        core.measurements.failure(group.name, self.server_address, condition)
+        if self.router.failed(self.server, core.now):
+            core.emit(
                 Log(
-                    event="retry",
-                    fields={"upstream": failed_origin, "condition": condition, "reason": reason},
+                    event="health",
+                    fields={
+                        "upstream": group.name,
+                        "server": self.server_address,
+                        "up": False,
+                        "detail": f"passive: {reason}; out for"
+                        f" {group.servers[self.server].fail_timeout:g}s",
+                    },
                 )
             )
+        self._cancel_attempt_timers()
+        self._release_upstream(close=True)
+        if self._may_retry(condition):
+            self._leave_server()
+            self._count_retry(condition, reason)
             self._attempt()
             return
         if condition == "timeout":
             self.fail(504, "upstream timed out", reason)
         else:
             self.fail(502, "upstream unavailable", reason)
+
+    def _count_retry(self, condition: str, reason: str) -> None:
+        """Another attempt follows (``_attempt`` or ``_retry_stale``): log and count it."""
+        core = self.core
+        group = self.group.name if self.group is not None else ""
+        if condition == "stale_connection":
+            core.measurements.failure(group, self.server_address, condition)
+        core.measurements.retry(group, condition)
+        core.emit(
+            Log(
+                event="retry",
+                fields={
+                    "request_id": self.request_id.decode("ascii"),
+                    "group": group,
+                    "server": self.server_address,
+                    "upstream": str(self.origin),
+                    "condition": condition,
+                    "reason": reason,
+                },
+            )
+        )
 
     # -- request direction -----------------------------------------------------------------
 
@@ -335,6 +373,7 @@ class Exchange:
         )
         if group.set_headers:
             headers = self._apply_header_rules(headers)
+        headers = with_request_id(headers, self.request_id)
         upstream.send_head(self.stream, head.method, head.target, headers)
         for chunk in self.body.take_unsent():
             upstream.send_body(chunk)
@@ -374,6 +413,7 @@ class Exchange:
             return
         self.unacked += flow_len
         self.last_request_activity = self.core.now
+        self.bytes_in += len(data)
         self.body.add(data)
         upstream = self.upstream
         if upstream is not None:
@@ -475,14 +515,21 @@ class Exchange:
             return
         self.router.succeeded(self.server)
         self.status = status
+        self.head_at = core.now
+        group = self.group
+        assert group is not None
+        core.measurements.group(group.name).response_head.observe(core.now - self.started)
+        version = self.upstream.http_version if self.upstream else b"1.1"
+        self.upstream_version = version.decode("ascii")
         headers = response_headers(
             status,
             head.headers,
             via=VIA,
-            upstream_version=self.upstream.http_version if self.upstream else b"1.1",
+            upstream_version=version,
             to_h2=self.client.is_h2,
             date=core.http_date(),
         )
+        headers = with_request_id(headers, self.request_id)
         cookie = self.group.sticky.cookie if self.group else None
         if cookie is not None:
             server_id = self.router.ids[self.server]
@@ -513,12 +560,17 @@ class Exchange:
         self.client.send_head(self.response)
         idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
         core.set_timer(("read", self.ident), self.last_upstream_activity + idle)
+        sse = (
+            200 <= self.status < 300
+            and self.head.method != b"HEAD"
+            and is_event_stream(self.response.headers)
+        )
+        if sse and self.group is not None:
+            self.meter = SseMeter(core.measurements.group(self.group.name), self.started)
         heartbeat = self.route.sse_heartbeat if self.route else None
         if (
             heartbeat
-            and 200 <= self.status < 300
-            and self.head.method != b"HEAD"
-            and is_event_stream(self.response.headers)
+            and sse
             # A sized body cannot take extra bytes (RFC 9112 §6.3); SSE backends stream
             # without Content-Length anyway.
             and header_value(self.response.headers, b"content-length") is None
@@ -541,6 +593,9 @@ class Exchange:
             self.first_byte_at = now
             self.core.cancel_timer(("first_token", self.ident))
         self.bytes_out += len(data)
+        meter = self.meter
+        if meter is not None:
+            meter.feed(data, now)
         if self.sse is not None:
             self.sse.feed(data)
         client = self.client
@@ -581,6 +636,8 @@ class Exchange:
         if self.phase in UNCOMMITTED:
             self._retry_or_fail("timeout" if timeout else "error", reason)
         elif self.phase is Phase.STREAMING:
+            if self.group is not None:
+                self.core.measurements.failure(self.group.name, self.server_address, "mid_stream")
             self._release_upstream(close=True)
             # DONE before the abort: on HTTP/1.1 the abort closes the client connection, which
             # calls ``client_aborted`` on this exchange; without this it would finish (and log)
@@ -693,12 +750,18 @@ class Exchange:
             date = self.core.http_date()
             if date is not None:
                 fields.append((b"date", date))
+            fields.append((b"x-request-id", self.request_id))
             head = ResponseHead(stream=self.stream, status=200, headers=fields)
             self.client.send_head(head, end_stream=True)
         else:
             api = self.route.api if self.route is not None else None
             self.bytes_out += self.client.send_error(
-                self.stream, status, text, api=api, head_only=self.head.method == b"HEAD"
+                self.stream,
+                status,
+                text,
+                api=api,
+                head_only=self.head.method == b"HEAD",
+                request_id=self.request_id,
             )
         self._finish(reason or text)
 
@@ -735,24 +798,22 @@ class Exchange:
             self.client.resume_source(self)
         core.exchange_finished(self)
         self.client.exchange_finished(self)
-        head = self.head
-        core.emit(
-            Log(
-                event="access",
-                fields={
-                    "client": self.client.peer_ip,
-                    "method": head.method.decode("latin-1"),
-                    "target": head.target.decode("latin-1"),
-                    "version": head.http_version.decode("latin-1"),
-                    "status": self.status,
-                    "upstream": str(self.origin) if self.origin else None,
-                    "tries": self.tries,
-                    "bytes": self.bytes_out,
-                    "duration": round(core.now - self.started, 6),
-                    "ttfb": None
-                    if self.first_byte_at is None
-                    else round(self.first_byte_at - self.started, 6),
-                    "outcome": outcome,
-                },
-            )
-        )
+        self._measure()
+        core.emit(Log(event="access", fields=access_fields(self, outcome)))
+
+    def _measure(self) -> None:
+        """Add what this exchange measured to the totals (``measure.py``)."""
+        core = self.core
+        measurements = core.measurements
+        group = self.group.name if self.group is not None else ""
+        version = self.head.http_version.decode("latin-1")
+        measurements.request(group, self.server_address, self.status, version)
+        stats = measurements.group(group)
+        stats.bytes_sent += self.bytes_out
+        stats.bytes_received += self.bytes_in
+        meter = self.meter
+        if meter is not None:
+            stats.sse_events += meter.events
+            if meter.first_token_at is None:
+                stats.streams_without_token += 1
+            stats.stream_duration.observe(core.now - self.started)

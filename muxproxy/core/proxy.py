@@ -26,6 +26,7 @@ import attrs
 from ..config import Config, Upstream
 from ..config.runtime import RuntimeState
 from ..routing.router import GroupRouter
+from .access import RequestIds
 from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
 from .dates import HttpDate
 from .defencelog import KINDS as DEFENCE_KINDS
@@ -49,6 +50,7 @@ from .events import (
 from .exchange import Exchange
 from .faults import Fault, Isolation
 from .h2pool import H2Stream
+from .measure import Measurements
 from .pool import BackendConnection, Pool, UpstreamConn
 from .probes import Probe
 from .shutdown import Shutdown, refuse_client
@@ -132,6 +134,11 @@ class ProxyCore:
         self.raise_errors = raise_errors
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         """Plain counters, name -> int (``COUNTERS``), for an embedder to export as metrics."""
+        self.measurements = Measurements(self)
+        """Counters and histograms (``measure.py``); ``measurements.snapshot()`` exports
+        them as data the driver renders (``muxproxy.trio.metrics``)."""
+        self.request_ids = RequestIds()
+        """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
         self.defences = DefenceLog(self)
         """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""

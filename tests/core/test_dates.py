@@ -101,7 +101,7 @@ def test_h1_own_404_has_a_date_and_logs_its_bytes(method: str) -> None:
     headers = dict(response.headers)
     assert headers[b"date"] == DATE
     body = b"".join(e.data for e in events if isinstance(e, h11.Data))
-    assert _access(pb).fields["bytes"] == len(body)
+    assert _access(pb).fields["bytes_out"] == len(body)
     if method == "GET":
         assert len(body) == int(headers[b"content-length"]) > 0
     else:
@@ -120,7 +120,7 @@ def test_h2_own_404_has_a_date_and_logs_its_bytes() -> None:
     assert headers[b"date"] == DATE
     body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
     assert len(body) == int(headers[b"content-length"]) > 0
-    assert _access(pb).fields["bytes"] == len(body)
+    assert _access(pb).fields["bytes_out"] == len(body)
 
 
 def test_own_502_has_a_date() -> None:
@@ -133,7 +133,7 @@ def test_own_502_has_a_date() -> None:
     response = client.events(pb.take(1, commands))[0]
     assert isinstance(response, h11.Response) and response.status_code == 502
     assert dict(response.headers)[b"date"] == DATE
-    assert _access(pb).fields["bytes"] > 0
+    assert _access(pb).fields["bytes_out"] > 0
 
 
 def test_extended_connect_200_gets_a_date() -> None:

@@ -263,7 +263,7 @@ def test_refused_connect_fails_over_to_the_next_server() -> None:
     assert body == b"from the second backend"
     (access,) = rig.logs("access")
     assert access.fields["tries"] == 2
-    assert access.fields["upstream"] == origin(second)
+    assert access.fields["server"] == origin(second)
 
 
 def test_tries_bounds_the_attempts_then_502() -> None:

@@ -621,7 +621,7 @@ async def test_access_log_counts_the_bytes_of_own_responses(start_proxy):
     proxy = await start_proxy(config=route_config(await closed_port()))
     records = capture_logs(proxy)
     missing, refused, refused_h2 = await own_responses(proxy)
-    logged = [r.fields["bytes"] for r in records if r.event == "access"]
+    logged = [r.fields["bytes_out"] for r in records if r.event == "access"]
     assert logged == [len(missing.body), len(refused.body), len(refused_h2.body)]
     assert all(logged)
 

@@ -1,0 +1,145 @@
+"""The access record of an exchange, request ids, and the session hash.
+
+Request ids (the ``X-Request-ID`` field, a de facto standard shared by nginx, Heroku and most
+tracing setups): a client's id is kept when it is sane — one field, 1 to ``MAX_REQUEST_ID``
+bytes of visible ASCII (RFC 5234 VCHAR, %x21-7E: no space, no control byte, nothing a log
+line or a header could be split by) — and replaced otherwise; a request without one gets
+one. Generated ids are ``<prefix>-<counter>``: the prefix is 12 hex digits from
+``os.urandom`` read once when the ``ProxyCore`` is built (the core reads no clock and uses no
+``random``; this is its one read of the OS, at construction), the counter counts the
+process's requests. So ids are unique within a process, and across workers and restarts
+with the probability of two 48-bit random prefixes differing. The id goes to the backend and
+back to the client in ``X-Request-ID``, and into every log record of the exchange.
+
+The session field is a short hash of the session key (``blake2b``, 8 bytes, as 16 hex
+digits), personalised for muxproxy: logs can correlate the requests of one conversation
+without holding the cookie, header or body value the key came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from .headers import header_value
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+    from .messages import Headers
+
+MAX_REQUEST_ID = 200
+"""Longest client request id kept: UUIDs (36), trace ids (32-55) and nginx's $request_id
+(32) fit with room to spare; a longer one is replaced, not truncated (a truncated id would
+match nothing upstream)."""
+
+REQUEST_ID = b"x-request-id"
+
+
+class RequestIds:
+    """Request ids for one process (see the module)."""
+
+    __slots__ = ("count", "prefix")
+
+    def __init__(self, prefix: bytes | None = None) -> None:
+        """``prefix``: the random part (tests); default 12 hex digits from ``os.urandom``."""
+        self.prefix = prefix if prefix is not None else os.urandom(6).hex().encode("ascii")
+        self.count = 0
+
+    def new(self) -> bytes:
+        self.count += 1
+        return b"%s-%d" % (self.prefix, self.count)
+
+    def for_request(self, headers: Headers) -> bytes:
+        """The client's id if it sent exactly one sane one, otherwise a new one."""
+        value = header_value(headers, REQUEST_ID)
+        if (
+            value is not None
+            and is_sane_id(value)
+            and sum(1 for name, _ in headers if name == REQUEST_ID) == 1
+        ):
+            return value
+        return self.new()
+
+
+def is_sane_id(value: bytes) -> bool:
+    """1 to ``MAX_REQUEST_ID`` bytes, each visible ASCII (%x21-7E)."""
+    if not 0 < len(value) <= MAX_REQUEST_ID:
+        return False
+    # Only VCHAR survives: deleting every allowed byte leaves nothing.
+    return not value.translate(None, _VCHAR)
+
+
+_VCHAR = bytes(range(0x21, 0x7F))
+
+
+def with_request_id(headers: Headers, request_id: bytes) -> Headers:
+    """``headers`` with ``request_id`` as its one X-Request-ID."""
+    out = [field for field in headers if field[0] != REQUEST_ID]
+    out.append((REQUEST_ID, request_id))
+    return out
+
+
+def session_hash(key: bytes | None) -> str | None:
+    """The session field of the access record: 16 hex digits, None without a key."""
+    if key is None:
+        return None
+    return hashlib.blake2b(key, digest_size=8, person=b"muxproxy-sess").hexdigest()
+
+
+def _seconds(at: float | None, start: float) -> float | None:
+    return None if at is None else round(at - start, 6)
+
+
+def access_fields(exchange: Exchange, outcome: str) -> dict[str, Any]:
+    """The fields of the ``access`` record of a finished exchange (``docs/architecture.md``
+    lists them)."""
+    head = exchange.head
+    now = exchange.core.now
+    meter = exchange.meter
+    group = exchange.group
+    return {
+        "request_id": exchange.request_id.decode("ascii"),
+        "client": exchange.client.peer_ip,
+        "method": head.method.decode("latin-1"),
+        "target": head.target.decode("latin-1"),
+        "version": head.http_version.decode("latin-1"),
+        "upstream_version": exchange.upstream_version,
+        "status": exchange.status,
+        "group": group.name if group is not None else None,
+        "server": exchange.server_address or None,
+        "server_id": exchange.server_id,
+        "tries": exchange.tries,
+        "ttfh": _seconds(exchange.head_at, exchange.started),
+        "ttft": None if meter is None else _seconds(meter.first_token_at, exchange.started),
+        "duration": round(now - exchange.started, 6),
+        "events": None if meter is None else meter.events,
+        "bytes_in": exchange.bytes_in,
+        "bytes_out": exchange.bytes_out,
+        "outcome": outcome,
+        "session": session_hash(exchange.session_key),
+    }
+
+
+FIELDS = (
+    "request_id",
+    "client",
+    "method",
+    "target",
+    "version",
+    "upstream_version",
+    "status",
+    "group",
+    "server",
+    "server_id",
+    "tries",
+    "ttfh",
+    "ttft",
+    "duration",
+    "events",
+    "bytes_in",
+    "bytes_out",
+    "outcome",
+    "session",
+)
+"""The access record's fields, in the order the text log writes them."""

@@ -1,0 +1,320 @@
+"""Measurements (``muxproxy.core.measure``): SSE events, first tokens, gaps, snapshots.
+
+The meter is fed bytes as a backend would send them; the proxy-level tests drive a whole
+SSE exchange through ``ProxyCore`` with h11 peers and read ``core.measurements.snapshot()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import attrs
+import h11
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from playbook import H1BackendPeer, H1ClientPeer, Playbook, default_config
+
+from muxproxy.config import NextUpstream, Route, Server, Upstream
+from muxproxy.core.commands import Log
+from muxproxy.core.events import OpenFailed
+from muxproxy.core.measure import (
+    DURATION_BUCKETS,
+    HEAD_BUCKETS,
+    INSPECT_LIMIT,
+    INTER_TOKEN_BUCKETS,
+    GroupStats,
+    SseMeter,
+    is_token_event,
+    merge,
+)
+
+ROLE_ONLY = (
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
+)
+ROLE_ONLY_SPACED = (  # Python's json.dumps: a space after every colon
+    b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]}'
+)
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}'
+FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+DONE = b"data: [DONE]"
+
+
+def meter() -> SseMeter:
+    return SseMeter(GroupStats(), started=0.0)
+
+
+def events(*bodies: bytes, sep: bytes = b"\n") -> bytes:
+    return b"".join(body + sep + sep for body in bodies)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        TOKEN,
+        b'data: {"choices": [{"delta": {"content": "x"}}]}',
+        b'data: {"choices":[{"delta":{"reasoning_content":"thinking"}}]}',
+        b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{}}]}}]}',
+        b'data: {"choices":[{"text":"tok","index":0}]}',
+        b'data:{"token":{"id":12,"text":"a"}}',
+        b'event: content_block_delta\ndata: {"delta":{"type":"text_delta","text":"Hi"}}',
+        b'data: {"choices":[{"delta":{"content":"\\n"}}]}',
+        b"data: plain text token",
+        b"id: 7\r\ndata: x",
+    ],
+)
+def test_events_that_carry_a_token(event: bytes) -> None:
+    assert is_token_event(event)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ROLE_ONLY,
+        ROLE_ONLY_SPACED,
+        FINISH,
+        USAGE,
+        DONE,
+        b"data:[DONE]",
+        b": keep-alive",
+        b"event: ping",
+        b"retry: 1000",
+        b'data: {"choices":[{"delta":{"content":null}}]}',
+        b'data: {"type":"message_start","message":{"content":[]}}',
+        b'data: {"error":{"message":"overloaded"}}',
+        # A field name inside a string value has its quotes escaped: not a field.
+        b'data: {"choices":[{"delta":{"role":"assistant","note":"\\"content\\":\\"x\\""}}]}',
+    ],
+)
+def test_events_that_carry_no_token(event: bytes) -> None:
+    assert not is_token_event(event)
+
+
+def test_first_token_skips_the_role_only_chunk() -> None:
+    m = meter()
+    m.feed(events(ROLE_ONLY), 0.1)
+    assert m.first_token_at is None and m.events == 1
+    m.feed(events(TOKEN), 0.25)
+    assert m.first_token_at == 0.25
+    assert m.stats.ttft.counts[HEAD_BUCKETS.index(0.25)] == 1
+    assert m.events == 2
+
+
+@pytest.mark.parametrize("sep", [b"\n", b"\r\n", b"\r"])
+def test_events_are_counted_across_chunk_boundaries(sep: bytes) -> None:
+    stream = events(ROLE_ONLY, TOKEN, TOKEN, FINISH, DONE, sep=sep)
+    m = meter()
+    for i, byte in enumerate(stream):  # one byte per chunk: every terminator is split
+        m.feed(bytes([byte]), float(i))
+    assert m.events == 5
+    assert m.first_token_at is not None
+
+
+@given(
+    sep=st.sampled_from([b"\n", b"\r\n", b"\r"]),
+    tokens=st.integers(min_value=0, max_value=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=40),
+    role_first=st.booleans(),
+)
+def test_event_count_does_not_depend_on_chunking(
+    sep: bytes, tokens: int, cuts: list[int], role_first: bool
+) -> None:
+    bodies = ([ROLE_ONLY] if role_first else []) + [TOKEN] * tokens + [FINISH, DONE]
+    stream = events(*bodies, sep=sep)
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    m = meter()
+    for at, (start, end) in enumerate(itertools.pairwise(points)):
+        m.feed(stream[start:end], float(at))
+    assert m.events == len(bodies)
+    assert (m.first_token_at is not None) == (tokens > 0)
+
+
+def test_stream_with_no_line_end_in_the_inspect_limit_counts_as_a_token() -> None:
+    m = meter()
+    m.feed(b"data: " + b"x" * INSPECT_LIMIT, 1.0)
+    assert m.first_token_at == 1.0
+    m.feed(b"\n\n" + events(TOKEN), 2.0)
+    assert m.events == 2
+
+
+def test_inter_token_gaps_are_observed_per_chunk_that_completed_events() -> None:
+    m = meter()
+    m.feed(events(ROLE_ONLY), 0.0)
+    m.feed(events(TOKEN), 0.1)  # the first token: no gap yet
+    m.feed(events(TOKEN, TOKEN), 0.13)  # two events in one read: one observation, 30 ms
+    m.feed(TOKEN[:10], 0.14)  # half an event: nothing completed, nothing observed
+    m.feed(TOKEN[10:] + b"\n\n", 0.2)  # completed 70 ms after the last
+    hist = m.stats.inter_token
+    assert sum(hist.counts) == 2
+    assert hist.counts[INTER_TOKEN_BUCKETS.index(0.035)] == 1
+    assert hist.counts[INTER_TOKEN_BUCKETS.index(0.075)] == 1
+    assert hist.sum == pytest.approx(0.1)
+    assert m.events == 5
+
+
+# -- through the core ------------------------------------------------------------------------
+
+
+def start(pb: Playbook, client: H1ClientPeer, **request: Any) -> tuple[int, H1BackendPeer]:
+    pb.accept(1)
+    pb.receive(1, client.request("POST", "/v1/chat/completions", body=b"{}", **request))
+    up = pb.opens()[-1].conn
+    pb.opened(up)
+    pb.sent(up, len(pb.take(up)))
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    return up, backend
+
+
+def snapshot(pb: Playbook) -> dict[str, Any]:
+    data = pb.core.measurements.snapshot()
+    json.dumps(data)  # JSON-able
+    return {name: metric for name, metric in data["metrics"].items()}
+
+
+def value(snap: dict[str, Any], name: str, *labels: str) -> Any:
+    for sample in snap[name]["samples"]:
+        if tuple(sample[0]) == labels:
+            return sample[1]
+    return None
+
+
+def test_an_sse_exchange_is_measured_and_logged() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = start(pb, client)
+    pb.now = 0.05
+    pb.receive(up, backend.sse_head())
+    pb.now = 0.06
+    pb.receive(up, backend.chunk(events(ROLE_ONLY)))
+    pb.now = 0.2
+    pb.receive(up, backend.chunk(events(TOKEN)))
+    live = snapshot(pb)
+    assert value(live, "muxproxy_sse_events_total", "default") == 2  # a running stream's
+    assert value(live, "muxproxy_active_streams", "default", "127.0.0.1:9001") == 1
+    pb.now = 0.22
+    pb.receive(up, backend.chunk(events(TOKEN, FINISH, DONE)))
+    pb.now = 0.3
+    pb.receive(up, backend.end())
+
+    snap = snapshot(pb)
+    assert value(snap, "muxproxy_requests_total", "default", "127.0.0.1:9001", "200", "1.1") == 1
+    assert value(snap, "muxproxy_sse_events_total", "default") == 5
+    assert value(snap, "muxproxy_streams_without_token_total", "default") == 0
+    assert value(snap, "muxproxy_bytes_received_total", "default") == 2
+    head_counts = value(snap, "muxproxy_response_head_seconds", "default")
+    assert head_counts[HEAD_BUCKETS.index(0.05)] == 1
+    ttft = value(snap, "muxproxy_time_to_first_token_seconds", "default")
+    # 0.2 s: measured to the token, not to the role-only chunk at 0.06
+    assert ttft[HEAD_BUCKETS.index(0.25)] == 1
+    gaps = value(snap, "muxproxy_inter_token_seconds", "default")
+    assert sum(gaps) == 1  # one read after the first token
+    duration = value(snap, "muxproxy_stream_duration_seconds", "default")
+    assert duration[DURATION_BUCKETS.index(0.5)] == 1
+    assert value(snap, "muxproxy_active_streams", "default", "127.0.0.1:9001") == 0
+    assert value(snap, "muxproxy_server_up", "default", "127.0.0.1:9001") == 1
+    assert value(snap, "muxproxy_server_weight", "default", "127.0.0.1:9001") == 1
+
+    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
+    fields = access.fields
+    body = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
+    assert fields["events"] == 5
+    assert fields["ttfh"] == pytest.approx(0.05)
+    assert fields["ttft"] == pytest.approx(0.2)
+    assert fields["duration"] == pytest.approx(0.3)
+    assert fields["bytes_in"] == 2
+    assert fields["bytes_out"] == len(body) == value(snap, "muxproxy_bytes_sent_total", "default")
+    assert fields["version"] == "1.1" and fields["upstream_version"] == "1.1"
+    assert fields["group"] == "default" and fields["server"] == "127.0.0.1:9001"
+    assert fields["server_id"] is not None and len(fields["server_id"]) == 16
+    assert fields["outcome"] == "ok" and fields["status"] == 200 and fields["tries"] == 1
+    assert fields["session"] is None
+
+
+def test_a_stream_that_ends_without_a_token_is_counted() -> None:
+    pb = Playbook()
+    client = H1ClientPeer()
+    up, backend = start(pb, client)
+    pb.receive(up, backend.sse_head())
+    pb.receive(up, backend.chunk(events(ROLE_ONLY, FINISH, DONE)))
+    pb.receive(up, backend.end())
+    snap = snapshot(pb)
+    assert value(snap, "muxproxy_streams_without_token_total", "default") == 1
+    assert value(snap, "muxproxy_sse_events_total", "default") == 3
+    assert sum(value(snap, "muxproxy_time_to_first_token_seconds", "default")) == 0
+    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
+    assert access.fields["ttft"] is None and access.fields["events"] == 3
+
+
+def test_retries_and_failures_are_counted_by_reason() -> None:
+    group = Upstream(
+        name="gpus",
+        servers=(Server(address="127.0.0.1:9001"), Server(address="127.0.0.1:9002")),
+        next_upstream=NextUpstream(tries=2),
+    )
+    config = default_config(upstreams={"gpus": group})
+    config = attrs.evolve(config, routes=(attrs.evolve(config.routes[0], upstream="gpus"),))
+    pb = Playbook(config)
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, client.request("GET", "/v1/models"))
+    first = pb.opens()[-1]
+    pb.feed(OpenFailed(now=pb.now, conn=first.conn, reason="connection refused"))
+    snap = snapshot(pb)
+    failed = f"{first.origin.host}:{first.origin.port}"
+    assert value(snap, "muxproxy_upstream_failures_total", "gpus", failed, "error") == 1
+    assert value(snap, "muxproxy_retries_total", "gpus", "error") == 1
+    assert value(snap, "muxproxy_server_up", "gpus", failed) == 0  # max_fails = 1: out
+    (retry,) = [c for c in pb.log if isinstance(c, Log) and c.event == "retry"]
+    assert retry.fields["group"] == "gpus" and retry.fields["server"] == failed
+    assert retry.fields["condition"] == "error"
+    (health,) = [c for c in pb.log if isinstance(c, Log) and c.event == "health"]
+    assert health.fields["server"] == failed and health.fields["up"] is False
+
+
+def test_a_request_without_a_route_is_counted_without_group_or_server() -> None:
+    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    pb.accept(1)
+    pb.receive(1, H1ClientPeer().request("GET", "/nothing"))
+    snap = snapshot(pb)
+    assert value(snap, "muxproxy_requests_total", "", "", "404", "1.1") == 1
+
+
+# -- merge -----------------------------------------------------------------------------------
+
+
+def test_merge_sums_counters_and_histograms_and_keeps_gauge_rules() -> None:
+    a = Playbook()
+    b = Playbook()
+    for pb in (a, b):
+        client = H1ClientPeer()
+        up, backend = start(pb, client)
+        pb.now = 0.01
+        pb.receive(up, backend.sse_head())
+        pb.receive(up, backend.chunk(events(TOKEN, DONE)))
+        pb.receive(up, backend.end())
+    b.core.router(b.core.config.upstreams["default"]).weights[0] = 5
+    merged = merge([a.core.measurements.snapshot(), b.core.measurements.snapshot()])
+    metrics = merged["metrics"]
+    assert value(metrics, "muxproxy_sse_events_total", "default") == 4
+    assert value(metrics, "muxproxy_requests_total", "default", "127.0.0.1:9001", "200", "1.1") == 2
+    assert (
+        value(metrics, "muxproxy_response_head_seconds", "default")[HEAD_BUCKETS.index(0.01)] == 2
+    )
+    assert value(metrics, "muxproxy_server_weight", "default", "127.0.0.1:9001") == 5  # max
+    assert value(metrics, "muxproxy_client_connections") == 2  # summed
+    json.dumps(merged)
+
+
+def test_merge_refuses_snapshots_that_disagree() -> None:
+    snap = Playbook().core.measurements.snapshot()
+    other = json.loads(json.dumps(snap))
+    other["metrics"]["muxproxy_inter_token_seconds"]["buckets"] = [1.0]
+    with pytest.raises(ValueError, match="muxproxy_inter_token_seconds: buckets"):
+        merge([snap, other])
+    with pytest.raises(ValueError, match="format"):
+        merge([{"format": 99, "metrics": {}}])
