@@ -814,6 +814,7 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             stats.sse_events += meter.events
+            stats.inter_token.sum += meter.gap_sum
             if meter.first_token_at is None:
                 stats.streams_without_token += 1
             stats.stream_duration.observe(core.now - self.started)

@@ -163,10 +163,12 @@ class SseMeter:
     """One SSE response's events, first token and gaps (see the module's rules)."""
 
     __slots__ = (
+        "bounds",
         "buffer",
         "carry",
         "events",
         "first_token_at",
+        "gaps",
         "last_event_at",
         "partials",
         "sep",
@@ -176,6 +178,12 @@ class SseMeter:
 
     def __init__(self, stats: GroupStats, started: float) -> None:
         self.stats = stats
+        hist = stats.inter_token
+        self.bounds = hist.bounds
+        self.gaps = hist.counts
+        """The group's inter-token bucket counts, fed in place. Their sum is not added per
+        chunk: a stream's gaps add up to ``last_event_at - first_token_at``, which
+        ``gap_sum`` gives when the stream ends (and ``snapshot`` while it runs)."""
         self.started = started
         """When the request head came: time to first token counts from here."""
         self.sep = b""
@@ -195,23 +203,26 @@ class SseMeter:
         if self.first_token_at is None:
             self._inspect(data, now)
             return
-        # The counting path, once per chunk: keep it to C calls.
-        carry = self.carry
-        if carry:
-            data = self.partials[carry] + data  # rare: the last chunk ended mid-terminator
+        # The counting path, once per chunk: a few C calls and no allocation (but for a
+        # chunk after one that ended mid-terminator, which is rare).
+        if self.carry:
+            data = self.partials[self.carry] + data
+            self.carry = 0
         sep = self.sep
         n = data.count(sep)
-        if data.endswith(sep) or (data and data[-1] != _LF and data[-1] != _CR):
-            self.carry = 0
-        else:
+        if not data.endswith(sep):
             self.carry = _carry(data, self.partials)
         if n:
             self.events += n
-            gap = now - self.last_event_at
+            self.gaps[bisect_left(self.bounds, now - self.last_event_at)] += 1
             self.last_event_at = now
-            hist = self.stats.inter_token
-            hist.counts[bisect_left(hist.bounds, gap)] += 1
-            hist.sum += gap
+
+    @property
+    def gap_sum(self) -> float:
+        """The sum of the inter-token gaps observed so far."""
+        if self.first_token_at is None:
+            return 0.0
+        return self.last_event_at - self.first_token_at
 
     def _inspect(self, data: bytes, now: float) -> None:
         """Before the first token: split the events out and classify each."""
@@ -273,6 +284,8 @@ def _terminator(data: bytes) -> bytes | None:
 
 def _carry(data: bytes, partials: tuple[bytes, ...]) -> int:
     """The longest proper prefix of the terminator that ``data`` ends with (its length)."""
+    if not data or (data[-1] != _LF and data[-1] != _CR):
+        return 0
     for k in range(len(partials) - 1, 0, -1):
         if data.endswith(partials[k]):
             return k
@@ -386,12 +399,14 @@ class Measurements:
         events: dict[str, int] = {}
         sent: dict[str, int] = {}
         received: dict[str, int] = {}
+        gap_sums: dict[str, float] = {}
         for exchange in core.exchanges.values():
             # Still running: their counts so far (added to the totals when they end).
             name = exchange.group.name if exchange.group is not None else ""
             meter = exchange.meter
             if meter is not None:
                 events[name] = events.get(name, 0) + meter.events
+                gap_sums[name] = gap_sums.get(name, 0.0) + meter.gap_sum
             sent[name] = sent.get(name, 0) + exchange.bytes_out
             received[name] = received.get(name, 0) + exchange.bytes_in
         groups = self.groups
@@ -409,7 +424,8 @@ class Measurements:
             out = []
             for g in sorted(groups):
                 hist: Histogram = getattr(groups[g], attr)
-                out.append([[g], list(hist.counts), hist.sum])
+                total = hist.sum + (gap_sums.get(g, 0.0) if attr == "inter_token" else 0.0)
+                out.append([[g], list(hist.counts), total])
             return out
 
         counters: dict[str, list[Any]] = {

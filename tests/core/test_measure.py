@@ -152,7 +152,7 @@ def test_inter_token_gaps_are_observed_per_chunk_that_completed_events() -> None
     assert sum(hist.counts) == 2
     assert hist.counts[INTER_TOKEN_BUCKETS.index(0.035)] == 1
     assert hist.counts[INTER_TOKEN_BUCKETS.index(0.075)] == 1
-    assert hist.sum == pytest.approx(0.1)
+    assert m.gap_sum == pytest.approx(0.1)
     assert m.events == 5
 
 
