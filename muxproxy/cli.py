@@ -23,6 +23,7 @@ import attrs
 
 from muxproxy import __version__
 from muxproxy.config import (
+    LOG_LEVELS,
     Config,
     ConfigError,
     GroupTimeouts,
@@ -112,6 +113,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
         metavar="N",
         help="worker processes sharing the listeners (SO_REUSEPORT; default 1, Linux for more)",
     )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help=f"error log level, overriding [log] level ({', '.join(LOG_LEVELS)})",
+    )
     serve.set_defaults(handler=_serve)
     subparsers["serve"] = serve
 
@@ -172,6 +179,9 @@ def describe_config(config: Config) -> list[str]:
     for route in config.routes:
         extra = " (retry until first event)" if route.retry_until_first_event else ""
         lines.append(f"route {route.prefix} -> {route.upstream}{extra}")
+    log = config.log
+    access = "off" if log.access == "off" else f"{log.access} ({log.format})"
+    lines.append(f"log: access {access}, error log level {log.level}")
     return lines
 
 
@@ -280,6 +290,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc, args.config)
         return EXIT_USAGE
+    if args.log_level is not None:
+        config = attrs.evolve(config, log=attrs.evolve(config.log, level=args.log_level))
     if args.workers > 1:
         from muxproxy.workers import supervise
 

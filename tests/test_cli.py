@@ -184,6 +184,7 @@ def test_check_good_file_exits_0_with_a_summary(tmp_path: Path) -> None:
         "    balance round_robin; retry on error, timeout: 3 tries within 10s, bodies up to 1 MiB",
         "  route /v1/ -> gpus",
         "  route / -> cpus",
+        "  log: access stderr (text), error log level info",
     ]
 
 
@@ -205,6 +206,7 @@ def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
         "    set headers x-chat-id, authorization",
         "    timeouts first_token 120s, idle 300s",
         "  route /v1/ -> gpus (retry until first event)",
+        "  log: access stderr (text), error log level info",
     ]
     assert "sk-live" not in result.stdout  # header values are not shown
     assert "s3cret" not in result.stdout

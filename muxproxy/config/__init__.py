@@ -15,8 +15,9 @@ The records themselves carry no validators: code may build them directly (tests 
 port 0 and tiny timeouts); validation is the job of the loading functions.
 
 Modules: :mod:`.records` (the records and :func:`quick_config`), :mod:`.loading` (files,
-top-level sections, ``serve`` flags), :mod:`.upstreams` (one ``[upstreams.NAME]`` group) and
-:mod:`.checker` (the problem-collecting machinery and value checks). Import from here.
+top-level sections, ``serve`` flags), :mod:`.upstreams` (one ``[upstreams.NAME]`` group),
+:mod:`.logs` (``[log]``) and :mod:`.checker` (the problem-collecting machinery and value
+checks). Import from here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .checker import address_problem
 from .loading import ConfigError, load_config, parse_config, parse_quick_config
 from .records import (
     CONDITIONS,
+    LOG_FORMATS,
+    LOG_LEVELS,
     SOURCE_KINDS,
     Api,
     Balance,
@@ -34,6 +37,7 @@ from .records import (
     HealthCheck,
     Limits,
     Listener,
+    LogSettings,
     NextUpstream,
     Route,
     Server,
@@ -47,6 +51,8 @@ from .records import (
 
 __all__ = [
     "CONDITIONS",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
     "SOURCE_KINDS",
     "Api",
     "Balance",
@@ -57,6 +63,7 @@ __all__ = [
     "HealthCheck",
     "Limits",
     "Listener",
+    "LogSettings",
     "NextUpstream",
     "Route",
     "Server",

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .checker import Checker, Key, describe, join
+from .logs import log_settings
 from .records import Api, Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
 from .tls import tls_pair_problems
 from .upstreams import upstream
@@ -109,17 +110,19 @@ def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Con
     elif "upstreams" not in suggested:
         check.add("upstreams", "missing; " + _EXPECTED_UPSTREAMS)
     routes = _routes(check, data.get("routes"), names)
+    log = log_settings(check, data.get("log", {}))
 
     if check.problems:
         raise ConfigError(check.problems)
     assert listeners is not None and upstreams is not None and routes is not None
-    assert timeouts is not None and limits is not None
+    assert timeouts is not None and limits is not None and log is not None
     return Config(
         listeners=listeners,
         upstreams=upstreams,
         routes=routes,
         timeouts=timeouts,
         limits=limits,
+        log=log,
     )
 
 
@@ -158,7 +161,7 @@ def parse_quick_config(
     return quick_config(listen, upstreams, tls_cert=tls_cert, tls_key=tls_key)
 
 
-_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes")
+_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes", "log")
 _EXPECTED_LISTENERS = 'expected at least one [[listeners]] table with address = "host:port"'
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

@@ -280,6 +280,23 @@ class Listener:
         return int(self.address.rsplit(":", 1)[1])
 
 
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@attrs.frozen(kw_only=True)
+class LogSettings:
+    """The ``[log]`` section (``muxproxy.trio.logs`` carries it out)."""
+
+    access: str = "stderr"
+    """Where access lines go: ``"stderr"``, ``"off"``, or a file path (appended to)."""
+    format: str = "text"
+    """One of :data:`LOG_FORMATS`: ``key=value`` fields after a timestamp, or one JSON object
+    per line."""
+    level: str = "info"
+    """One of :data:`LOG_LEVELS`: the error log's level (``muxproxy serve --log-level`` wins)."""
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     listeners: tuple[Listener, ...]
@@ -287,6 +304,7 @@ class Config:
     routes: tuple[Route, ...]
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
+    log: LogSettings = LogSettings()
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.

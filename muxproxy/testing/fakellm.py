@@ -44,6 +44,12 @@ header                   attribute / CLI option         meaning
 ``x-fake-status``        ``status`` / ``--status``      answer every request with status S
                                                         and a small OpenAI-style JSON error
                                                         body (200: normal behaviour)
+``x-fake-role-chunk``    ``role_chunk`` /               ``1``: a stream starts at once, before
+                         ``--role-chunk``               ``first_delay``, with a role-only
+                                                        chunk (``"delta": {"role":
+                                                        "assistant", "content": ""}``), as
+                                                        vLLM and OpenAI send; the first token
+                                                        chunk then carries no role (False)
 ``x-fake-echo-headers``  (per request only)             ``1``: add ``request_headers``
                                                         (lower-case name -> value, repeats
                                                         joined ", ") to the JSON body / the
@@ -127,6 +133,7 @@ HEADER_FIRST_DELAY = "x-fake-first-delay"
 HEADER_DIE_AFTER = "x-fake-die-after"
 HEADER_STATUS = "x-fake-status"
 HEADER_ECHO = "x-fake-echo-headers"
+HEADER_ROLE_CHUNK = "x-fake-role-chunk"
 HEADER_SINK = "x-fake-sink"
 HEADER_BACKEND_ID = "x-backend-id"
 HEADER_MODEL_VERSION = "x-model-version"
@@ -171,6 +178,7 @@ class _Knobs:
     first_delay: float
     die_after: int | None
     status: int
+    role_chunk: bool
 
 
 @attrs.define
@@ -195,6 +203,8 @@ class FakeLLM:
     status: int = 200
     model_version: str | None = None
     """Sent as ``x-model-version`` on every response when set."""
+    role_chunk: bool = False
+    """Start every stream with a role-only chunk (``x-fake-role-chunk``)."""
 
     requests: int = attrs.field(default=0, init=False)
     """HTTP requests received (any path)."""
@@ -328,6 +338,11 @@ class FakeLLM:
             ),
             die_after=die_after,
             status=_header_int(HEADER_STATUS, raw_status, 200, 599, self.status),
+            role_chunk=(
+                headers[HEADER_ROLE_CHUNK].strip().lower() in _TRUE
+                if HEADER_ROLE_CHUNK in headers
+                else self.role_chunk
+            ),
         )
 
     # ---- chat completions --------------------------------------------------------------
@@ -479,23 +494,30 @@ class FakeLLM:
                 "more_body": more_body,
             }
 
+        role_only = knobs.role_chunk
+        if role_only:
+            role = {"role": "assistant", "content": ""}
+            if not await self._send_or_gone(send, event(chunk(role, None, True)), progress):
+                return False
         for i in range(n_tokens):
             if die_after is not None and i >= die_after:
                 progress.finished = True
                 return True
             await trio.sleep_until(start + knobs.first_delay + i * knobs.delay)
             delta = {"content": _token(i)}
-            if i == 0:
+            first = i == 0 and not role_only
+            if first:
                 delta = {"role": "assistant", **delta}
-            if not await self._send_or_gone(send, event(chunk(delta, None, i == 0)), progress):
+            if not await self._send_or_gone(send, event(chunk(delta, None, first)), progress):
                 return False
         if die_after is not None:  # die_after == n_tokens: die before the finish chunk
             progress.finished = True
             return True
         await trio.sleep_until(start + knobs.first_delay)  # no tokens: still wait the first delay
-        last_delta: dict[str, Any] = {} if n_tokens else {"role": "assistant", "content": ""}
+        no_role_yet = n_tokens == 0 and not role_only
+        last_delta: dict[str, Any] = {"role": "assistant", "content": ""} if no_role_yet else {}
         if not await self._send_or_gone(
-            send, event(chunk(last_delta, "stop", n_tokens == 0)), progress
+            send, event(chunk(last_delta, "stop", no_role_yet)), progress
         ):
             return False
         if usage is not None:
@@ -811,6 +833,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--status", type=_status, default=200, help="answer every request with this status"
     )
+    parser.add_argument(
+        "--role-chunk",
+        action="store_true",
+        help="start every stream with a role-only chunk, as vLLM does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -823,6 +850,7 @@ def run(args: argparse.Namespace) -> int:
         die_after=args.die_after,
         status=args.status,
         model_version=args.model_version,
+        role_chunk=args.role_chunk,
     )
 
     async def serve() -> None:

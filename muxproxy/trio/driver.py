@@ -25,10 +25,9 @@ from __future__ import annotations
 import contextlib
 import heapq
 import ipaddress
-import json
-import logging
 import socket
 import ssl
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -62,10 +61,8 @@ from ..core.events import (
 )
 from ..core.proxy import ProxyCore
 from . import reactor
+from .logs import drop_access
 from .reactor import Reactor, SocketConn, from_core
-
-log = logging.getLogger("muxproxy")
-access_log = logging.getLogger("muxproxy.access")
 
 
 def set_nodelay(stream: trio.abc.Stream) -> None:
@@ -163,6 +160,9 @@ class Driver:
         """Connections closed or failed to open, not yet reported."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
+        self.sink: Callable[[Log, float], None] = drop_access
+        """Where ``Log`` commands go, with the wall-clock time: ``ProxyServer`` installs a
+        ``logs.LogSink`` (the access and error logs)."""
         self.raise_errors = core.raise_errors
         """Let a bug in per-connection code crash the driver instead of closing the one
         connection (``ProxyCore.raise_errors``)."""
@@ -570,6 +570,4 @@ class Driver:
     def _log(self, command: Log) -> None:
         if self.on_log is not None:
             self.on_log(command)
-        logger = access_log if command.event == "access" else log
-        if logger.isEnabledFor(logging.INFO):
-            logger.info(json.dumps({"event": command.event, **command.fields}, default=str))
+        self.sink(command, time.time())

@@ -26,6 +26,7 @@ from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
 from .listeners import open_listeners
+from .logs import LogSink, configure_error_log
 from .reactor import tune
 
 
@@ -75,12 +76,23 @@ class ProxyServer:
         self.addresses: list[tuple[str, int]] = []
         self.connection_slots = trio.Semaphore(config.limits.max_client_connections)
         """One token per client connection being served (``limits.max_client_connections``)."""
+        self.logs = LogSink(config.log)
+        """The access and error logs (``[log]``); raises ``OSError`` for an access file that
+        cannot be opened."""
 
     async def run(
         self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        configure_error_log(self.config.log.level)
+        try:
+            await self._run(task_status)
+        finally:
+            self.logs.close()
+
+    async def _run(self, task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
         async with trio.open_nursery() as nursery:
             driver = self.driver = Driver(self.core, nursery)
+            driver.sink = self.logs
             driver.start()
             # The core's first event: it arms what runs by itself (health checks).
             driver.feed(

@@ -436,6 +436,30 @@ async def test_zero_tokens_stream(start: Start) -> None:
     assert events[0]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_role_chunk_starts_the_stream_with_a_role_only_delta(start: Start) -> None:
+    fake, port = await start(tokens=2, delay=0, role_chunk=True)
+    with trio.fail_after(5):
+        result = await h11_exchange(port, CHAT, body=chat_body(True))
+        # The header turns it off again for one request.
+        plain = await h11_exchange(
+            port, CHAT, body=chat_body(True), headers=[("x-fake-role-chunk", "0")]
+        )
+    chunks = parse_sse(result.body)[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [
+        {"role": "assistant", "content": ""},
+        {"content": "tok0 "},
+        {"content": "tok1 "},
+        {},
+    ]
+    assert contents(chunks) == reply_text(2)
+    assert parse_sse(plain.body)[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "tok0 ",
+    }
+    assert fake.streams_completed == 2
+
+
 async def test_delays(start: Start) -> None:
     # Default delays too slow to finish under fail_after: the headers must override them.
     _, port = await start(tokens=3, delay=10, first_delay=10)

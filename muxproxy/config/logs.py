@@ -1,0 +1,57 @@
+"""The ``[log]`` section: where the access log goes, its format, the error log's level.
+
+Internal to :mod:`muxproxy.config`, like :mod:`.upstreams`: one section's checks, each
+problem named by its key (``log.format``) with what is expected.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .checker import Checker, Key, describe
+from .records import LOG_FORMATS, LOG_LEVELS, LogSettings
+
+__all__ = ["log_settings"]
+
+
+def _access(check: Checker, value: Any, path: str) -> str | None:
+    """``"stderr"``, ``"off"``, or a file path whose directory exists (the file is created,
+    appended to, when the proxy starts)."""
+    if not isinstance(value, str) or not value:
+        check.add(path, f'expected "stderr", "off" or a file path, got {describe(value)}')
+        return None
+    if value in ("stderr", "off"):
+        return value
+    resolved = value
+    if check.base_dir is not None and not os.path.isabs(value):
+        resolved = os.path.join(check.base_dir, value)
+    if os.path.isdir(resolved):
+        check.add(path, f"expected a file path, got the directory {describe(resolved)}")
+        return None
+    directory = os.path.dirname(resolved) or "."
+    if not os.path.isdir(directory):
+        check.add(
+            path,
+            f"the directory {describe(directory)} does not exist; create it or choose another"
+            ' path ("stderr" and "off" are the alternatives)',
+        )
+        return None
+    return resolved
+
+
+def _format(check: Checker, value: Any, path: str) -> str | None:
+    return check.one_of(value, path, LOG_FORMATS)
+
+
+def _level(check: Checker, value: Any, path: str) -> str | None:
+    return check.one_of(value, path, LOG_LEVELS)
+
+
+_LOG_KEYS = {"access": Key(_access), "format": Key(_format), "level": Key(_level)}
+
+
+def log_settings(check: Checker, value: Any) -> LogSettings | None:
+    """The ``[log]`` table (absent: the defaults)."""
+    values = check.table(value, "log", _LOG_KEYS)
+    return None if values is None else LogSettings(**values)
