@@ -60,7 +60,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from .proxy import ProxyCore
@@ -339,7 +339,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "active_streams": (GAUGE, ("group", "server"), "Requests in flight per server"),
     "client_connections": (GAUGE, (), "Open client connections"),
     "upstream_connections": (GAUGE, (), "Open backend connections"),
-    "server_up": (GAUGE, ("group", "server"), "1 if the server is usable, else 0"),
+    "server_up": (
+        GAUGE,
+        ("group", "server"),
+        "1 unless the server is unhealthy or set down (a draining server is up)",
+    ),
     "server_weight": (GAUGE, ("group", "server"), "The server's current weight"),
 }
 """Name (without ``PREFIX``) -> (type, label names, help)."""
@@ -447,16 +451,15 @@ class Measurements:
         up: list[Any] = []
         weight: list[Any] = []
         for name, group in sorted(core.config.upstreams.items()):
-            router = core.router(group)
-            probes = router.probes
-            for index, server in enumerate(group.servers):
-                labels = [name, server.address]
-                active.append([labels, router.active[index]])
-                usable = router.passive.usable(index, core.now) and (
-                    probes is None or probes.up(index)
-                )
-                up.append([labels, 1 if usable else 0])
-                weight.append([labels, router.weights[index]])
+            # What routing reports (``GroupRouter.status``): up unless unhealthy or set down
+            # by the operator; the weight in force (the operator's or the configured one).
+            status = core.router(group).status(core.now)
+            servers = cast("list[dict[str, Any]]", status["servers"])
+            for server in servers:
+                labels = [name, server["address"]]
+                active.append([labels, server["active"]])
+                up.append([labels, 0 if server["state"] == "down" else 1])
+                weight.append([labels, server["weight"]])
         gauges: dict[str, list[Any]] = {
             "active_streams": active,
             "client_connections": [[[], len(core.clients)]],

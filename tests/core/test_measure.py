@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from playbook import H1BackendPeer, H1ClientPeer, Playbook, default_config
 
 from muxproxy.config import NextUpstream, Route, Server, Upstream
+from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.commands import Log
-from muxproxy.core.events import OpenFailed
+from muxproxy.core.events import OpenFailed, RuntimeChanged
 from muxproxy.core.measure import (
     DURATION_BUCKETS,
     HEAD_BUCKETS,
@@ -297,7 +298,8 @@ def test_merge_sums_counters_and_histograms_and_keeps_gauge_rules() -> None:
         pb.receive(up, backend.sse_head())
         pb.receive(up, backend.chunk(events(TOKEN, DONE)))
         pb.receive(up, backend.end())
-    b.core.router(b.core.config.upstreams["default"]).weights[0] = 5
+    state = RuntimeState.empty().changed("default", "127.0.0.1:9001", weight=5)
+    b.feed(RuntimeChanged(now=b.now, state=state))
     merged = merge([a.core.measurements.snapshot(), b.core.measurements.snapshot()])
     metrics = merged["metrics"]
     assert value(metrics, "muxproxy_sse_events_total", "default") == 4
@@ -318,3 +320,11 @@ def test_merge_refuses_snapshots_that_disagree() -> None:
         merge([snap, other])
     with pytest.raises(ValueError, match="format"):
         merge([{"format": 99, "metrics": {}}])
+
+
+def test_a_server_set_down_by_the_operator_is_not_up() -> None:
+    pb = Playbook()
+    state = RuntimeState.empty().changed("default", "127.0.0.1:9001", down=True)
+    pb.feed(RuntimeChanged(now=pb.now, state=state))
+    snap = snapshot(pb)
+    assert value(snap, "muxproxy_server_up", "default", "127.0.0.1:9001") == 0
