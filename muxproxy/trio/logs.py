@@ -52,7 +52,7 @@ LEVELS: dict[str, int] = {
     "retry_skipped": logging.INFO,
     "reload_refused": logging.ERROR,
     "reload": logging.INFO,
-    "config_changed": logging.INFO,
+    "config_changed": logging.DEBUG,  # also the first event at start; "reload" says more
     "admin_change": logging.INFO,
     "upstream_goaway": logging.INFO,
     "upstream_start_timeout": logging.WARNING,

@@ -113,7 +113,7 @@ def test_runtime_change_mid_stream_leaves_the_stream_and_moves_the_next_request(
     rig.end(backend)
     assert client_data(rig, conn, client) == b"data: two\n\n"
     access = rig.logs("access")[-1]  # the stream's, which ended last
-    assert access.fields["upstream"] == A and access.fields["status"] == 200
+    assert access.fields["server"] == A and access.fields["status"] == 200
     assert rig.router.active == [0, 0]
 
 

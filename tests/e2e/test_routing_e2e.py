@@ -344,7 +344,7 @@ async def test_backend_killed_under_load_costs_only_its_running_streams(nursery,
     assert len(access) == total, "an exchange was logged more than once"
     cut = [a for a in access if a["outcome"].startswith("upstream failed mid-stream")]
     assert len(cut) == len(truncated)
-    assert {a["upstream"] for a in cut} == {victim.address}
+    assert {a["server"] for a in cut} == {victim.address}
     assert all(a["status"] == 200 and a["tries"] <= 3 for a in access)
     # New requests that found the victim dead were retried elsewhere (nothing had gone out).
     assert any(a["tries"] >= 2 for a in access)
@@ -530,7 +530,7 @@ async def test_death_before_the_first_event_is_retried_when_held(
         assert clean
         assert sse_text(data) == (reply_text(tokens), True)
         assert access["tries"] == 2
-        assert access["upstream"] == healthy.address
+        assert access["server"] == healthy.address
         assert access["outcome"] == "ok"
     else:
         # The control: without holding, the head went out and the death shows as truncation.
@@ -615,7 +615,7 @@ async def test_group_without_usable_server_answers_503_at_once(nursery, start_pr
     assert data == b"no backend available\n"
     assert content_type == "text/plain; charset=utf-8"
     # At once: no backend was tried, none even connected to.
-    assert access["tries"] == 0 and access["upstream"] is None
+    assert access["tries"] == 0 and access["server"] is None
     assert all(b.fake.requests == 0 for b in backends)
 
 
