@@ -59,6 +59,7 @@ read = 120
 send = 10
 client_header = 5
 keepalive_idle = 20
+shutdown_grace = 90
 
 [limits]
 stream_buffer = 131072
@@ -146,6 +147,7 @@ def test_full_file(tmp_path: Path) -> None:
         send=10.0,
         client_header=5.0,
         keepalive_idle=20.0,
+        shutdown_grace=90.0,
     )
     assert isinstance(config.timeouts.read, float)
     assert config.limits == Limits(
@@ -393,6 +395,21 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("timeouts", "send"),
             float("nan"),
             "timeouts.send: expected a positive, finite number of seconds, got nan",
+        ),
+        (
+            ("timeouts", "shutdown_grace"),
+            0,
+            "timeouts.shutdown_grace: expected a positive, finite number of seconds, got 0",
+        ),
+        (
+            ("timeouts", "shutdown_grace"),
+            "30s",
+            'timeouts.shutdown_grace: expected a positive, finite number of seconds, got "30s"',
+        ),
+        (
+            ("timeouts", "shutdown_grac"),
+            3,
+            'timeouts.shutdown_grac: unknown key; did you mean "shutdown_grace"?',
         ),
         (("timeouts", "raed"), 3, 'timeouts.raed: unknown key; did you mean "read"?'),
         (("timeouts",), 30, "timeouts: expected a table, got 30"),
@@ -1238,6 +1255,27 @@ def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     (problem,) = info.value.problems
     assert problem.startswith(f"{path}, line 3, column ")
     assert "invalid TOML: " in problem
+
+
+def test_toml_syntax_error_gives_the_exact_line_and_column(tmp_path: Path) -> None:
+    """The line and column tomllib reports, and its message without the location suffix."""
+    path = write(tmp_path, MINIMAL + "\n[timeouts]\nread = 30 s\n")
+    line = (MINIMAL + "\n[timeouts]\n").count("\n") + 1
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        f"{path}, line {line}, column 11: invalid TOML:"
+        " Expected newline or end of document after a statement"
+    ]
+
+
+def test_toml_error_at_end_of_file_names_the_last_line(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[listeners]]\naddress = "127.0.0.1:8080')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        f"{path}, line 2 (end of file): invalid TOML: Unterminated string"
+    ]
 
 
 def test_toml_error_at_end_of_file(tmp_path: Path) -> None:

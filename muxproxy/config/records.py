@@ -32,6 +32,10 @@ class Timeouts:
     """Seconds an idle client connection is kept open between requests."""
     tunnel_idle: float = 3600.0
     """Seconds a WebSocket tunnel may carry no byte either way before both sides are closed."""
+    shutdown_grace: float = 30.0
+    """Seconds a graceful stop (SIGTERM, SIGINT, SIGQUIT) lets running streams finish, once
+    new connections and requests are refused; what still runs then is cut. A token stream
+    of a reasoning model runs for minutes: raise it where deploys must cut none."""
 
 
 @attrs.frozen(kw_only=True)
