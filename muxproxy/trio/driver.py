@@ -158,6 +158,9 @@ class Driver:
         """Bytes the kernel took, per connection, not yet reported."""
         self._later: deque[Event] = deque()
         """Connections closed or failed to open, not yet reported."""
+        self.on_settled: Callable[[float], None] | None = None
+        """Called with the batch's time after each batch of commands is settled (while the
+        server stops: it watches for ``ProxyCore.drained`` without polling)."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
         self.sink: Callable[[Log, float], None] = drop_access
@@ -208,6 +211,8 @@ class Driver:
             elif later_events:
                 later = later_events.popleft()
             else:
+                if self.on_settled is not None:
+                    self.on_settled(now)
                 return
             for command in handle(later):
                 try:

@@ -1,4 +1,4 @@
-"""Listeners and the proxy's top-level task: accept, TLS with ALPN, run the driver.
+"""The proxy's top level: listeners, TLS with ALPN, the driver, a graceful stop and a reload.
 
 Obeys RFC 9113 §3.2 (h2 over TLS is chosen by ALPN "h2", RFC 7301) and leaves the plain
 listener's h1/h2c choice to the core, which sees the connection preface. Every accepted socket
@@ -9,25 +9,52 @@ at the bound the accept loops stop calling ``accept`` until a connection ends. T
 backlog holds the next ones, which costs us no memory, and a client waits instead of getting a
 refusal it would retry at once (before its first bytes we could not even tell h1 from h2 to
 answer it properly).
+
+Theory of operation of the lifecycle (:class:`Phase`; nginx's semantics, which operators of
+LLM fleets expect):
+
+* ``SERVING``: every configured listener accepts. :meth:`ProxyServer.reload` swaps the
+  configuration: new listeners are bound first, all or none (a port in use leaves everything
+  as it was), then removed ones stop and close (the connections they accepted run on), and the
+  core gets ``ConfigChanged`` (new requests see the new groups and routes).
+* ``DRAINING``: after the first :meth:`ProxyServer.request_shutdown`. The accept loops stop at
+  once and the sockets this process bound are closed, so new connections are refused by the
+  kernel; sockets it adopted (``listen_sockets``, handed over by a supervisor that gives the
+  same socket to the next process) are only no longer accepted on. The core gets
+  ``ShutdownRequested(deadline=now + timeouts.shutdown_grace)``: it takes no new request and
+  lets the running streams finish. The driver reports after each batch of commands, so the
+  moment the core is ``drained`` is seen without polling.
+* ``CUTTING``: the deadline passed, or a second ``request_shutdown``: the core gets
+  ``ShutdownRequested(deadline=now)`` and cuts what is left.
+* Either way, once drained (or ``FLUSH_TIME`` after the cut), the last client sockets get
+  ``FLUSH_TIME`` to flush and close (lingering, see ``reactor.py``); then every task of the
+  server is cancelled and :meth:`ProxyServer.run` returns: ``STOPPED``. Timers and health
+  probes never keep it alive.
 """
 
 from __future__ import annotations
 
-import os
+import enum
 import socket
 import ssl
 import time
+from collections.abc import Mapping, Sequence
 
+import attrs
 import trio
 
 from ..config import Config, Listener
 from ..config.runtime import RuntimeState
-from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged
+from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, ShutdownRequested
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
-from .listeners import open_listeners
+from .listeners import ConnectionSlots, bind_listeners, open_listeners
 from .logs import LogSink, configure_error_log
 from .reactor import tune
+
+Address = tuple[str, int]
+ListenSockets = Mapping[str, Sequence[socket.socket]]
+"""A listener's configured address -> already-listening sockets to adopt instead of binding."""
 
 
 def server_ssl_context(listener: Listener) -> ssl.SSLContext:
@@ -58,13 +85,68 @@ def _no_password() -> str:
 
 ACCEPT_BATCH = 256
 """Connections an accept loop takes per wake-up, at most, before letting other tasks run."""
+FLUSH_TIME = 2.0
+"""Seconds, after the core is drained (or cut), for the last client sockets to flush their
+output and close (the reactor's linger is as long): bounded, so a client that never reads
+cannot hold the stop."""
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    """``run`` has not bound the listeners yet."""
+    SERVING = "serving"
+    DRAINING = "draining"
+    """Stopping: no new connection or request; the running streams finish."""
+    CUTTING = "cutting"
+    """Stopping: what still runs is being cut (deadline passed, or asked twice)."""
+    STOPPED = "stopped"
+
+
+@attrs.define(eq=False)
+class Listening:
+    """One configured listener and the sockets it accepts on."""
+
+    listener: Listener
+    context: ssl.SSLContext | None
+    """Given to connections accepted from now on (a reload may replace it)."""
+    sockets: list[socket.socket]
+    owned: bool
+    """Bound by this process (closed when it stops), not adopted from ``listen_sockets``."""
+    stopped: bool = False
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def addresses(self) -> list[Address]:
+        return [_address_of(sock) for sock in self.sockets]
+
+
+@attrs.frozen(kw_only=True)
+class StopSummary:
+    """How a stop went (``ProxyServer.stop_summary`` once ``run`` returned)."""
+
+    in_flight: int
+    """Streams running when the stop began."""
+    cut: int
+    """Streams still running when they were cut (at the deadline or on the second request)."""
+    seconds: float
+    """From the first ``request_shutdown`` to the end of ``run``."""
+    forced: bool
+    """A second ``request_shutdown`` cut the streams before the deadline."""
 
 
 class ProxyServer:
-    """The proxy on its listeners. ``core`` is the live ``ProxyCore`` (for ``statistics()``)."""
+    """The proxy on its listeners. ``core`` is the live ``ProxyCore`` (for ``statistics()``).
+
+    ``listen_sockets`` maps a listener's configured address to already-listening sockets to
+    adopt instead of binding (a supervisor hands them over); they are never closed here.
+    """
 
     def __init__(
-        self, config: Config, *, reuse_port: bool = False, raise_errors: bool | None = None
+        self,
+        config: Config,
+        *,
+        reuse_port: bool = False,
+        raise_errors: bool | None = None,
+        listen_sockets: ListenSockets | None = None,
     ) -> None:
         """``raise_errors``: an internal error escapes and stops the server instead of ending
         the one connection it concerns (None: ``MUXPROXY_RAISE_ERRORS``, see ``ProxyCore``)."""
@@ -73,41 +155,160 @@ class ProxyServer:
         """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
         self.core = ProxyCore(config, raise_errors=raise_errors)
         self.driver: Driver | None = None
-        self.addresses: list[tuple[str, int]] = []
-        self.connection_slots = trio.Semaphore(config.limits.max_client_connections)
-        """One token per client connection being served (``limits.max_client_connections``)."""
+        self.phase = Phase.NEW
+        self.generation = 1
+        """1 at start, +1 per applied reload."""
+        self.addresses: list[Address] = []
+        """The bound (host, port) of every listening socket, in the configuration's order."""
+        self.connection_slots = ConnectionSlots(config.limits.max_client_connections)
+        """One slot per client connection being served (``limits.max_client_connections``)."""
         self.logs = LogSink(config.log)
         """The access and error logs (``[log]``); raises ``OSError`` for an access file that
         cannot be opened."""
+        self.stop_summary: StopSummary | None = None
+        self._listen_sockets = listen_sockets or {}
+        self._listening: list[Listening] = []
+        self._nursery: trio.Nursery | None = None
+        self._stop_requests = 0
+        self._stop_begun = trio.Event()
+        self._drained = trio.Event()
+        self._stop_began = 0.0
+        self._deadline = float("inf")
+        self._grace_scope: trio.CancelScope | None = None
+        self._in_flight_at_stop = 0
+        self._in_flight = 0
+        """Streams running at the last batch before the deadline (what a cut at it ends)."""
+        self._cut: int | None = None
+        self._forced = False
+
+    # -- the public lifecycle ------------------------------------------------------------------
 
     async def run(
-        self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+        self, *, task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Serve until stopped: returns once a stop (:meth:`request_shutdown`) is complete.
+
+        ``started`` gets the bound addresses. Raises ``OSError`` when a listener cannot be
+        bound or its TLS pair loaded (nothing is left listening). Cancelling it stops at
+        once, cutting every connection.
+        """
+        if self.phase is not Phase.NEW:
+            raise RuntimeError("ProxyServer.run can be called once")
         configure_error_log(self.config.log.level)
         try:
-            await self._run(task_status)
-        finally:
-            self.logs.close()
-
-    async def _run(self, task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
-        async with trio.open_nursery() as nursery:
-            driver = self.driver = Driver(self.core, nursery)
-            driver.sink = self.logs
-            driver.start()
-            # The core's first event: it arms what runs by itself (health checks).
-            driver.feed(
-                ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())
-            )
-            for listener in self.config.listeners:
-                tcp_listeners = await open_listeners(
-                    listener.host, listener.port, reuse_port=self.reuse_port
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                driver = self.driver = Driver(self.core, nursery)
+                driver.sink = self.logs
+                driver.start()
+                # The core's first event: it arms what runs by itself (health checks).
+                driver.feed(
+                    ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())
                 )
-                context = server_ssl_context(listener) if listener.tls else None
-                for tcp in tcp_listeners:
-                    host, port = tcp.socket.getsockname()[:2]
-                    self.addresses.append((host, port))
-                    nursery.start_soon(self._accept_loop, tcp, listener, context)
-            task_status.started(list(self.addresses))
+                self._listening = await self._open(self.config.listeners)
+                for listening in self._listening:
+                    nursery.start_soon(self._serve_listening, listening)
+                self.addresses = self._bound_addresses()
+                self.phase = Phase.SERVING
+                task_status.started(list(self.addresses))
+                if self._stop_requests:  # asked before the listeners were bound
+                    requests, self._stop_requests = self._stop_requests, 0
+                    for _ in range(requests):
+                        self.request_shutdown()
+                await self._stop_begun.wait()
+                await self._drain()
+                nursery.cancel_scope.cancel()
+        finally:
+            for listening in self._listening:
+                self._stop_listening(listening, close=listening.owned)
+            self.logs.close()
+            self.phase = Phase.STOPPED
+
+    def request_shutdown(self) -> None:
+        """Stop: the first call gracefully within ``timeouts.shutdown_grace``, a later one
+        cuts every stream now. ``run`` returns once the stop is complete. Never raises."""
+        now = trio.current_time()
+        match self.phase:
+            case Phase.NEW:
+                self._stop_requests += 1
+            case Phase.SERVING:
+                self.phase = Phase.DRAINING
+                for listening in self._listening:
+                    self._stop_listening(listening, close=listening.owned)
+                self._stop_began = now
+                self._deadline = now + self.config.timeouts.shutdown_grace
+                self._in_flight_at_stop = self._in_flight = len(self.core.exchanges)
+                driver = self.driver
+                assert driver is not None
+                # Before the event: feeding it may drain the core at once (nothing running).
+                driver.on_settled = self._settled
+                driver.feed(ShutdownRequested(now=now, deadline=self._deadline))
+                self._stop_begun.set()
+            case Phase.DRAINING:
+                self._cut_now(now, forced=True)
+            case Phase.CUTTING | Phase.STOPPED:
+                pass
+
+    def reload(
+        self, config: Config, listen_sockets: ListenSockets | None = None
+    ) -> list[tuple[Listener, Address]]:
+        """Apply ``config`` (already validated); returns the listeners newly listened on.
+
+        New listeners are bound (or adopted from ``listen_sockets``) first, all or none:
+        raises ``OSError`` naming the listener, changing nothing, if one cannot be bound, a
+        TLS pair cannot be loaded or the access log file cannot be opened. Then the TLS contexts of kept listeners are replaced (a
+        renewed certificate at the same path is read again) for new connections, removed
+        listeners stop and close (their connections run on), the core gets
+        ``ConfigChanged`` and ``generation`` grows by one. Raises ``RuntimeError`` when the
+        server is not serving (not started, or stopping).
+        """
+        if self.phase is not Phase.SERVING:
+            raise RuntimeError(f"cannot reload: the server is {self.phase.value}")
+        nursery, driver = self._nursery, self.driver
+        assert nursery is not None and driver is not None
+        current = dict(zip(_keys(self._listening), self._listening, strict=True))
+        wanted = dict(zip(_keys(config.listeners), config.listeners, strict=True))
+        contexts: dict[_Key, ssl.SSLContext | None] = {}
+        added: dict[_Key, Listening] = {}
+        try:
+            for key, listener in wanted.items():
+                if key in current:
+                    contexts[key] = server_ssl_context(listener) if listener.tls else None
+                else:
+                    added[key] = self._open_now(listener, listen_sockets or {})
+            # A new access log file (or the same path again, after log rotation).
+            self.logs.reconfigure(config.log)
+        except BaseException:
+            for listening in added.values():
+                self._stop_listening(listening, close=listening.owned)
+            raise
+        # Nothing can fail from here on.
+        listenings: list[Listening] = []
+        for key, listener in wanted.items():
+            if key in added:
+                listening = added[key]
+                nursery.start_soon(self._serve_listening, listening)
+            else:
+                listening = current[key]
+                listening.listener = listener
+                listening.context = contexts[key]
+            listenings.append(listening)
+        for key, listening in current.items():
+            if key not in wanted:
+                # Closed even when adopted: nothing may queue connections nobody accepts.
+                self._stop_listening(listening, close=True)
+        self._listening = listenings
+        self.addresses = self._bound_addresses()
+        self.config = config
+        self.connection_slots.resize(config.limits.max_client_connections)
+        configure_error_log(config.log.level)
+        driver.feed(ConfigChanged(now=trio.current_time(), config=config, wall=time.time()))
+        self.generation += 1
+        return [
+            (listening.listener, address)
+            for listening in added.values()
+            for address in listening.addresses()
+        ]
 
     def apply_runtime(self, state: RuntimeState) -> None:
         """Use the operator's runtime server state ``state`` (whole, not a delta) from the
@@ -119,50 +320,160 @@ class ProxyServer:
         else:
             self.driver.feed(RuntimeChanged(now=trio.current_time(), state=state))
 
-    async def _accept_loop(
-        self,
-        tcp: trio.SocketListener,
-        listener: Listener,
-        context: ssl.SSLContext | None,
-    ) -> None:
+    def streams_in_flight(self) -> int:
+        """Streams (exchanges) running now."""
+        return len(self.core.exchanges)
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        with trio.move_on_at(self._deadline) as grace:
+            self._grace_scope = grace
+            await self._drained.wait()
+        self._grace_scope = None
+        if not self._drained.is_set() and self.phase is Phase.DRAINING:
+            self._cut_now(trio.current_time(), forced=False)
+        # The core closed every connection (or was told to cut them): what is left is the
+        # kernel taking the last bytes, and lingering client sockets.
+        with trio.move_on_after(FLUSH_TIME):
+            await self._drained.wait()
+            await self.connection_slots.wait_idle()
+        cut = self._cut if self._cut is not None else 0
+        self.stop_summary = StopSummary(
+            in_flight=self._in_flight_at_stop,
+            cut=cut,
+            seconds=trio.current_time() - self._stop_began,
+            forced=self._forced,
+        )
+
+    def _cut_now(self, now: float, *, forced: bool) -> None:
+        self.phase = Phase.CUTTING
+        self._forced = forced
+        # A forced cut counts exactly; at the deadline, the last count before it (the core
+        # may have cut by its own deadline timer already).
+        self._cut = len(self.core.exchanges) if forced else self._in_flight
+        if self._grace_scope is not None:
+            self._grace_scope.deadline = now
+        driver = self.driver
+        assert driver is not None
+        driver.feed(ShutdownRequested(now=now, deadline=now))
+
+    def _settled(self, now: float) -> None:
+        """After each batch of commands while stopping (``Driver.on_settled``)."""
+        core = self.core
+        if core.drained:
+            self._drained.set()
+            assert self.driver is not None
+            self.driver.on_settled = None
+        elif now < self._deadline:
+            self._in_flight = len(core.exchanges)
+
+    # -- listening -----------------------------------------------------------------------------
+
+    async def _open(self, listeners: Sequence[Listener]) -> list[Listening]:
+        """Bind or adopt every listener, or raise ``OSError`` leaving none bound."""
+        opened: list[Listening] = []
+        try:
+            for listener in listeners:
+                adopted = self._listen_sockets.get(listener.address)
+                context = server_ssl_context(listener) if listener.tls else None
+                if adopted:
+                    opened.append(_adopt(listener, context, adopted))
+                    continue
+                sockets = await open_listeners(
+                    listener.host, listener.port, reuse_port=self.reuse_port
+                )
+                opened.append(
+                    Listening(listener=listener, context=context, sockets=sockets, owned=True)
+                )
+        except BaseException:
+            for listening in opened:
+                self._stop_listening(listening, close=listening.owned)
+            raise
+        return opened
+
+    def _open_now(self, listener: Listener, listen_sockets: ListenSockets) -> Listening:
+        context = server_ssl_context(listener) if listener.tls else None
+        adopted = listen_sockets.get(listener.address)
+        if adopted:
+            return _adopt(listener, context, adopted)
+        try:
+            sockets = bind_listeners(listener.host, listener.port, reuse_port=self.reuse_port)
+        except OSError as exc:
+            error = OSError(f"cannot listen on {listener.address}: {exc.strerror or exc}")
+            error.errno = exc.errno
+            raise error from exc
+        return Listening(listener=listener, context=context, sockets=sockets, owned=True)
+
+    def _stop_listening(self, listening: Listening, *, close: bool) -> None:
+        """Accept no more on ``listening``; ``close``: close its sockets too (the kernel
+        refuses new connections from this instant)."""
+        if listening.stopped:
+            return
+        listening.stopped = True
+        listening.scope.cancel()
+        if close:
+            for sock in listening.sockets:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+
+    def _bound_addresses(self) -> list[Address]:
+        return [address for listening in self._listening for address in listening.addresses()]
+
+    async def _serve_listening(self, listening: Listening) -> None:
+        with listening.scope:
+            async with trio.open_nursery() as nursery:
+                for sock in listening.sockets:
+                    nursery.start_soon(self._accept_loop, sock, listening)
+
+    async def _accept_loop(self, sock: socket.socket, listening: Listening) -> None:
         """Accept every connection that is waiting, up to ``ACCEPT_BATCH`` per wake-up.
 
         Like nginx's ``multi_accept``: under load this task runs once per round of the
         reactor, and one ``accept`` per round let new clients wait for seconds while the
-        streams already open were served.
+        streams already open were served. ``listening.stopped`` is checked after every wait:
+        a stop (which cancels this task) may come while it is already scheduled to run, and
+        then must not take a connection a supervisor meant for another process.
         """
         slots = self.connection_slots
-        sock = tcp.socket
-        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
-        raw.setblocking(False)
-        async with tcp:
-            with raw:
+        batch = 0
+        while True:
+            try:
+                slots.acquire_nowait()
+            except trio.WouldBlock:
+                await slots.acquire()
+                if listening.stopped:
+                    slots.release()
+                    return
+            try:
+                client, _ = sock.accept()
+            except BlockingIOError:
+                slots.release()
                 batch = 0
-                while True:
-                    try:
-                        slots.acquire_nowait()
-                    except trio.WouldBlock:
-                        await slots.acquire()
-                    try:
-                        client, _ = raw.accept()
-                    except BlockingIOError:
-                        slots.release()
-                        batch = 0
-                        await trio.lowlevel.wait_readable(raw)
-                        continue
-                    except OSError:
-                        # EMFILE and friends: back off a little instead of spinning.
-                        slots.release()
-                        await trio.sleep(0.1)
-                        continue
-                    except BaseException:
-                        slots.release()
-                        raise
-                    self._serve_accepted(client, listener, context)
-                    batch += 1
-                    if batch >= ACCEPT_BATCH:
-                        batch = 0
-                        await trio.lowlevel.checkpoint()
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    return
+                if listening.stopped:
+                    return
+                continue
+            except OSError:
+                slots.release()
+                if listening.stopped:
+                    return
+                # EMFILE and friends: back off a little instead of spinning.
+                await trio.sleep(0.1)
+                continue
+            except BaseException:
+                slots.release()
+                raise
+            self._serve_accepted(client, listening.listener, listening.context)
+            batch += 1
+            if batch >= ACCEPT_BATCH:
+                batch = 0
+                await trio.lowlevel.checkpoint()
+                if listening.stopped:
+                    return
 
     def _serve_accepted(
         self, client: socket.socket, listener: Listener, context: ssl.SSLContext | None
@@ -254,11 +565,39 @@ class ProxyServer:
         )
 
 
+_Key = tuple[str, int]
+
+
+def _keys(listeners: Sequence[Listener | Listening]) -> list[_Key]:
+    """Each listener's identity across a reload: its configured address, and how many
+    listeners before it have the same one (several may listen on ``127.0.0.1:0``)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for item in listeners:
+        address = item.listener.address if isinstance(item, Listening) else item.address
+        keys.append((address, seen.get(address, 0)))
+        seen[address] = seen.get(address, 0) + 1
+    return keys
+
+
+def _adopt(
+    listener: Listener, context: ssl.SSLContext | None, sockets: Sequence[socket.socket]
+) -> Listening:
+    for sock in sockets:
+        sock.setblocking(False)
+    return Listening(listener=listener, context=context, sockets=list(sockets), owned=False)
+
+
+def _address_of(sock: socket.socket) -> Address:
+    host, port = sock.getsockname()[:2]
+    return (host, port)
+
+
 async def serve(
     config: Config,
     *,
     reuse_port: bool = False,
-    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy for ``config`` until cancelled; ``started`` gets the bound addresses.
 
