@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import attrs
 
@@ -32,6 +35,8 @@ from muxproxy.config import (
     load_config,
     parse_quick_config,
 )
+
+log = logging.getLogger("muxproxy")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -162,7 +167,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def describe_config(config: Config) -> list[str]:
-    """A short summary of ``config``: its listeners, upstream groups and routes.
+    """A short summary of ``config``: its listeners, upstream groups, routes and stop grace.
 
     A group's settings follow it on indented lines: balancing and retries always, stickiness,
     health checks, set headers (names only: values may hold credentials) and timeouts when
@@ -182,6 +187,8 @@ def describe_config(config: Config) -> list[str]:
     log = config.log
     access = "off" if log.access == "off" else f"{log.access} ({log.format})"
     lines.append(f"log: access {access}, error log level {log.level}")
+    grace = _seconds(config.timeouts.shutdown_grace)
+    lines.append(f"graceful stop: streams get {grace} to finish (timeouts.shutdown_grace)")
     return lines
 
 
@@ -296,32 +303,51 @@ def _serve(args: argparse.Namespace) -> int:
         from muxproxy.workers import supervise
 
         return supervise(config, args.workers)
-    return run_server(config)
+    return run_server(config, config_path=args.config, log_level=args.log_level)
 
 
-def run_server(config: Config) -> int:
-    """Run :func:`muxproxy.trio.server.serve` until interrupted; returns the exit status.
+def run_server(
+    config: Config, *, config_path: str | None = None, log_level: str | None = None
+) -> int:
+    """Run the proxy in this process until a signal stops it; returns the exit status.
 
     Prints ``muxproxy listening on http://H:P`` for each bound listener once they are bound.
-    Ctrl-C ends it quietly (status 0); failing to listen prints why (status 1).
+    Signals, as nginx's: SIGTERM, SIGINT (Ctrl-C) and SIGQUIT stop gracefully (no new
+    connection or request; running streams get ``timeouts.shutdown_grace`` to finish); a
+    second SIGTERM or SIGINT cuts them at once. Either way the exit status is 0. SIGHUP
+    reloads ``config_path`` (``None``: configured by flags, nothing to reload); an invalid
+    file or a listener that cannot be bound leaves the running configuration as it is;
+    ``log_level`` (``--log-level``) overrides ``[log] level`` of every file read. Each stop,
+    reload and refused reload is logged (logger ``muxproxy``, stderr). Failing to listen at
+    the start prints why (status 1).
     """
     import trio
 
     try:
-        serve = importlib.import_module("muxproxy.trio.server").serve
+        server_module = importlib.import_module("muxproxy.trio.server")
     except ImportError as exc:
         print(f"muxproxy: serve is not available: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 
-    async def announce_and_serve() -> None:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(serve, config)
-            freeze_startup_heap()
-            for line in listening_lines(config, bound):
-                print(line, flush=True)
+    async def serve_until_stopped() -> None:
+        with trio.open_signal_receiver(*_STOP_SIGNALS, signal.SIGHUP) as signals:
+            server = server_module.ProxyServer(config)
+            async with trio.open_nursery() as nursery:
+
+                async def run(task_status: trio.TaskStatus[Any]) -> None:
+                    await server.run(task_status=task_status)
+                    nursery.cancel_scope.cancel()  # stopped: no more signals to handle
+
+                bound = await nursery.start(run)
+                freeze_startup_heap()
+                for line in listening_lines(config, bound):
+                    print(line, flush=True)
+                async for signum in signals:
+                    _on_signal(server, signal.Signals(signum), config_path, log_level)
+            _log_stopped(server)
 
     try:
-        trio.run(announce_and_serve)
+        trio.run(serve_until_stopped)
     except (KeyboardInterrupt, OSError, BaseExceptionGroup) as exc:
         errors = leaves(exc)
         if all(isinstance(leaf, KeyboardInterrupt) for leaf in errors):
@@ -333,6 +359,102 @@ def run_server(config: Config) -> int:
             return EXIT_FAILURE
         raise
     return EXIT_OK
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+_CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Stop signals that, repeated during a graceful stop, cut what still runs (as a second
+Ctrl-C does); a repeated SIGQUIT, nginx's graceful stop, stays graceful."""
+
+
+def _on_signal(
+    server: Any, signum: signal.Signals, config_path: str | None, log_level: str | None
+) -> None:
+    """Act on one signal received by :func:`run_server` (``server`` is its ``ProxyServer``)."""
+    phase = server.phase.value
+    if signum == signal.SIGHUP:
+        reload_server(server, config_path, log_level=log_level)
+    elif phase == "serving":
+        grace = _seconds(server.config.timeouts.shutdown_grace)
+        count = server.streams_in_flight()
+        server.request_shutdown()  # first: the line below means new connections are refused
+        log.info(
+            "muxproxy: stopping: %d stream%s in flight, grace %s (%s)",
+            count,
+            "" if count == 1 else "s",
+            grace,
+            signum.name,
+        )
+    elif phase == "draining" and signum in _CUT_SIGNALS:
+        count = server.streams_in_flight()
+        server.request_shutdown()
+        log.info(
+            "muxproxy: %s again: cutting %d stream%s now (exit status stays 0)",
+            signum.name,
+            count,
+            "" if count == 1 else "s",
+        )
+    elif phase == "draining":
+        log.info(
+            "muxproxy: %s: already stopping gracefully (SIGTERM or SIGINT cuts now)", signum.name
+        )
+
+
+def reload_server(server: Any, config_path: str | None, *, log_level: str | None = None) -> bool:
+    """Re-read ``config_path`` and apply it to ``server`` (a running ``ProxyServer``);
+    ``log_level`` overrides the file's ``[log] level`` (``--log-level``).
+
+    Logs ``muxproxy: reloaded FILE (generation N)``, or one line per problem, each naming
+    the file, and keeps the running configuration; returns whether it was applied.
+    """
+    if config_path is None:
+        log.info("muxproxy: SIGHUP: nothing to reload (configured by --listen, not --config)")
+        return False
+    if server.phase.value != "serving":
+        log.info(
+            "muxproxy: reload of %s ignored: the server is %s", config_path, server.phase.value
+        )
+        return False
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            log.error("muxproxy: reload refused: %s", _naming_file(problem, config_path))
+        _log_kept(server, config_path)
+        return False
+    if log_level is not None:
+        config = attrs.evolve(config, log=attrs.evolve(config.log, level=log_level))
+    try:
+        added = server.reload(config)
+    except OSError as exc:
+        log.error("muxproxy: reload refused: %s: %s", config_path, exc)
+        _log_kept(server, config_path)
+        return False
+    for listener, (host, port) in added:
+        print(_listening_line(listener.tls, host, port), flush=True)
+    log.info("muxproxy: reloaded %s (generation %d)", config_path, server.generation)
+    return True
+
+
+def _naming_file(problem: str, path: str) -> str:
+    """``problem`` with the file it is in: a TOML syntax error names it already."""
+    return problem if problem.startswith(path) else f"{path}: {problem}"
+
+
+def _log_kept(server: Any, path: str) -> None:
+    log.error("muxproxy: %s not applied; still running generation %d", path, server.generation)
+
+
+def _log_stopped(server: Any) -> None:
+    summary = server.stop_summary
+    if summary is None:
+        return
+    if summary.cut:
+        why = "on a second signal" if summary.forced else "at the end of the shutdown grace"
+        outcome = f"{summary.cut} of {summary.in_flight} streams cut {why}"
+    else:
+        outcome = f"all {summary.in_flight} streams finished, none cut"
+    log.info("muxproxy: stopped after %.1fs: %s", summary.seconds, outcome)
 
 
 def freeze_startup_heap() -> None:
@@ -360,11 +482,14 @@ def listening_lines(config: Config, bound: Sequence[tuple[str, int]]) -> list[st
         by_port = {listener.port: listener.tls for listener in listeners}
         every = all(listener.tls for listener in listeners)
         tls = [by_port.get(port, every) for _, port in bound]
-    lines = []
-    for (host, port), secure in zip(bound, tls, strict=True):
-        shown = f"[{host}]" if ":" in host else host
-        lines.append(f"muxproxy listening on {_scheme(secure)}://{shown}:{port}")
-    return lines
+    return [
+        _listening_line(secure, host, port) for (host, port), secure in zip(bound, tls, strict=True)
+    ]
+
+
+def _listening_line(tls: bool, host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"muxproxy listening on {_scheme(tls)}://{shown}:{port}"
 
 
 def _scheme(tls: bool) -> str:

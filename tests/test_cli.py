@@ -98,6 +98,9 @@ idle = 300
 prefix = "/v1/"
 upstream = "gpus"
 retry_until_first_event = true
+
+[timeouts]
+shutdown_grace = 600
 """
 
 BAD_ROUTING = """\
@@ -185,6 +188,7 @@ def test_check_good_file_exits_0_with_a_summary(tmp_path: Path) -> None:
         "  route /v1/ -> gpus",
         "  route / -> cpus",
         "  log: access stderr (text), error log level info",
+        "  graceful stop: streams get 30s to finish (timeouts.shutdown_grace)",
     ]
 
 
@@ -207,6 +211,7 @@ def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
         "    timeouts first_token 120s, idle 300s",
         "  route /v1/ -> gpus (retry until first event)",
         "  log: access stderr (text), error log level info",
+        "  graceful stop: streams get 600s to finish (timeouts.shutdown_grace)",
     ]
     assert "sk-live" not in result.stdout  # header values are not shown
     assert "s3cret" not in result.stdout
@@ -459,26 +464,34 @@ def fake_server(monkeypatch: pytest.MonkeyPatch, behaviour: str) -> list[Any]:
     """Install a stand-in ``muxproxy.trio.server``; returns the configs it was run with."""
     seen: list[Any] = []
 
-    async def serve(
-        config: Any,
-        *,
-        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        seen.append(config)
-        if behaviour == "oserror":
-            raise OSError(98, "Address already in use")
-        task_status.started(
-            [(listener.host, listener.port or 40000) for listener in config.listeners]
-        )
-        if behaviour == "interrupt":
-            raise KeyboardInterrupt
-        if behaviour == "crash":
-            raise RuntimeError("boom")
+    class ProxyServer:
+        def __init__(self, config: Any) -> None:
+            seen.append(config)
+            self.config = config
+            self.stop_summary = None
 
-    module = types.ModuleType("muxproxy.trio.server")
-    module.serve = serve  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "muxproxy.trio.server", module)
+        async def run(
+            self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+        ) -> None:
+            config = self.config
+            if behaviour == "oserror":
+                raise OSError(98, "Address already in use")
+            task_status.started(
+                [(listener.host, listener.port or 40000) for listener in config.listeners]
+            )
+            if behaviour == "interrupt":
+                raise KeyboardInterrupt
+            if behaviour == "crash":
+                raise RuntimeError("boom")
+
+    install_server(monkeypatch, ProxyServer)
     return seen
+
+
+def install_server(monkeypatch: pytest.MonkeyPatch, server: type) -> None:
+    module = types.ModuleType("muxproxy.trio.server")
+    module.ProxyServer = server  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "muxproxy.trio.server", module)
 
 
 def test_serve_quick_prints_listening_lines(
@@ -497,19 +510,20 @@ def test_serve_freezes_the_startup_heap_once_it_listens(
     listens, not before: a full collection would walk it all, a pause of every stream."""
     frozen: list[int] = []
 
-    async def serve(
-        config: Any,
-        *,
-        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        frozen.append(gc.get_freeze_count())
-        task_status.started([(config.listeners[0].host, 40000)])
-        await trio.testing.wait_all_tasks_blocked()  # the caller has gone on
-        frozen.append(gc.get_freeze_count())
+    class ProxyServer:
+        def __init__(self, config: Any) -> None:
+            self.config = config
+            self.stop_summary = None
 
-    module = types.ModuleType("muxproxy.trio.server")
-    module.serve = serve  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "muxproxy.trio.server", module)
+        async def run(
+            self, *, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+        ) -> None:
+            frozen.append(gc.get_freeze_count())
+            task_status.started([(self.config.listeners[0].host, 40000)])
+            await trio.testing.wait_all_tasks_blocked()  # the caller has gone on
+            frozen.append(gc.get_freeze_count())
+
+    install_server(monkeypatch, ProxyServer)
     gc.unfreeze()
     try:
         assert main(["serve", "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:9001"]) == 0

@@ -256,9 +256,10 @@ class ProxyServer:
 
         New listeners are bound (or adopted from ``listen_sockets``) first, all or none:
         raises ``OSError`` naming the listener, changing nothing, if one cannot be bound, a
-        TLS pair cannot be loaded or the access log file cannot be opened. Then the TLS contexts of kept listeners are replaced (a
-        renewed certificate at the same path is read again) for new connections, removed
-        listeners stop and close (their connections run on), the core gets
+        TLS pair cannot be loaded or the access log file cannot be opened. Then the TLS
+        contexts of kept listeners are replaced (a renewed certificate at the same path is
+        read again) for new connections, removed listeners stop and close (their
+        connections run on), the core gets
         ``ConfigChanged`` and ``generation`` grows by one. Raises ``RuntimeError`` when the
         server is not serving (not started, or stopping).
         """
