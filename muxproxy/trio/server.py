@@ -339,7 +339,9 @@ class ProxyServer:
         with trio.move_on_after(FLUSH_TIME):
             await self._drained.wait()
             await self.connection_slots.wait_idle()
-        cut = self._cut if self._cut is not None else 0
+        # Not forced: what ran at the last batch before the deadline (0 when the core drained
+        # before it; the core's own timer may have cut the rest before ``_cut_now``).
+        cut = self._cut if self._cut is not None else self._in_flight
         self.stop_summary = StopSummary(
             in_flight=self._in_flight_at_stop,
             cut=cut,
@@ -350,9 +352,8 @@ class ProxyServer:
     def _cut_now(self, now: float, *, forced: bool) -> None:
         self.phase = Phase.CUTTING
         self._forced = forced
-        # A forced cut counts exactly; at the deadline, the last count before it (the core
-        # may have cut by its own deadline timer already).
-        self._cut = len(self.core.exchanges) if forced else self._in_flight
+        if forced:
+            self._cut = len(self.core.exchanges)
         if self._grace_scope is not None:
             self._grace_scope.deadline = now
         driver = self.driver
@@ -362,12 +363,12 @@ class ProxyServer:
     def _settled(self, now: float) -> None:
         """After each batch of commands while stopping (``Driver.on_settled``)."""
         core = self.core
+        if now < self._deadline:
+            self._in_flight = len(core.exchanges)
         if core.drained:
             self._drained.set()
             assert self.driver is not None
             self.driver.on_settled = None
-        elif now < self._deadline:
-            self._in_flight = len(core.exchanges)
 
     # -- listening -----------------------------------------------------------------------------
 
