@@ -177,7 +177,9 @@ class Streams:
     streams: list[Stream] = attrs.Factory(list)
     by_id: dict[str, Stream] = attrs.Factory(dict)
     curl_status: int | None = None
-    """curl's exit status once it exited (non-zero: a transfer failed)."""
+    """curl's exit status once it exited."""
+    curl_exits: list[int] = attrs.Factory(list)
+    """Each HTTP/2 transfer's own curl exit code (``%{exitcode}``; 0: it ended cleanly)."""
     curl_errors: list[str] = attrs.Factory(list)
     _changed: trio.Event = attrs.Factory(trio.Event)
 
@@ -220,7 +222,8 @@ class Streams:
         return sum(1 for s in self.all() if s.done and s.tokens == self.tokens)
 
     def summary(self) -> str:
-        return f"{self.all()!r}, curl exit {self.curl_status}: {self.curl_errors}"
+        exits = f"curl exit {self.curl_status}, transfers {self.curl_exits}"
+        return f"{self.all()!r}, {exits}: {self.curl_errors}"
 
     def backends(self) -> set[str | None]:
         return {s.backend for s in self.all()}
@@ -273,12 +276,13 @@ class Streams:
         body = json.dumps({"model": "fake-llm", "stream": True, "messages": []})
         transfer = [f"{name}: {value}" for name, value in self._headers().items()]
         transfer = [arg for header in transfer for arg in ("--header", header)]
-        transfer += ["--data-binary", body, f"{url}/v1/chat/completions"]
+        transfer += ["--data-binary", body, "--write-out", "\ncurl-exit %{exitcode}\n"]
+        transfer.append(f"{url}/v1/chat/completions")
         args = list(transfer)
         for _ in range(STREAMS_PER_PROTOCOL - 1):
             args += ["--next", *transfer]
         command = [
-            *("curl", "--silent", "--show-error", "--no-buffer", "--http2-prior-knowledge"),
+            *("curl", "--no-progress-meter", "--no-buffer", "--http2-prior-knowledge"),
             *("--parallel", "--parallel-max", str(STREAMS_PER_PROTOCOL), *args),
         ]
         process = await trio.lowlevel.open_process(
@@ -309,6 +313,8 @@ class Streams:
             self._notify()
 
     def _curl_line(self, line: str) -> None:
+        if line.startswith("curl-exit "):
+            self.curl_exits.append(int(line.split()[1]))
         if not line.startswith("data: {"):
             return
         ident = json.loads(line[6:])["id"]
@@ -381,7 +387,7 @@ async def test_stop_signal_lets_every_stream_finish(
                 exited = trio.current_time() - signalled
             CUTS[f"graceful {signum.name}"] = streams.cut()
             assert streams.complete() == streams.count(), streams.summary()
-            assert streams.curl_status == 0, streams.summary()
+            assert streams.curl_exits == [0] * STREAMS_PER_PROTOCOL, streams.summary()
             assert status == 0, proxy.stderr.text()
             assert exited < 30.0  # well before shutdown_grace: the exit follows the streams
             in_flight = int(line.split("stopping: ")[1].split()[0])
@@ -398,7 +404,7 @@ async def test_stop_with_nothing_running_exits_at_once(
     """An idle proxy (an idle keep-alive client, health checks running) exits at once."""
     _, backend = await start_backend(backend_id="one")
     path = tmp_path / "muxproxy.toml"
-    checks = '[upstreams.llm.health_check]\npath = "/health"\ninterval = 0.2\n'
+    checks = '[upstreams.llm.health_check]\npath = "/health"\ninterval = 0.2\ntimeout = 0.1\n'
     path.write_text(config_text([backend], grace=30.0) + checks)
     with trio.fail_after(60):
         async with proxy_process(nursery, config=path) as proxy:
@@ -445,7 +451,9 @@ async def test_streams_longer_than_the_grace_are_cut_at_its_end(
         assert 0 < stream.tokens < streams.tokens
         # An incomplete body (httpx) or a reset stream (curl fails), never a clean end.
         assert stream.error is not None or stream.http2, stream
-    assert streams.curl_status not in (None, 0), streams.summary()
+    # curl names each reset stream (RST_STREAM CANCEL): not one transfer ended cleanly.
+    assert len(streams.curl_exits) == STREAMS_PER_PROTOCOL, streams.summary()
+    assert 0 not in streams.curl_exits, streams.summary()
     stopped = await proxy.wait_log("muxproxy: stopped after ")
     total = streams.count()
     assert stopped.endswith(f"{total} of {total} streams cut at the end of the shutdown grace")
@@ -477,7 +485,9 @@ async def test_second_sigint_cuts_at_once(
     assert status == 0, proxy.stderr.text()
     assert exited < 5.0, exited
     assert streams.cut() == streams.count(), streams.summary()
-    assert streams.curl_status not in (None, 0), streams.summary()
+    # curl names each reset stream (RST_STREAM CANCEL): not one transfer ended cleanly.
+    assert len(streams.curl_exits) == STREAMS_PER_PROTOCOL, streams.summary()
+    assert 0 not in streams.curl_exits, streams.summary()
     total = streams.count()
     line = await proxy.wait_log("muxproxy: SIGINT again: ")
     assert line == f"muxproxy: SIGINT again: cutting {total} streams now (exit status stays 0)"
