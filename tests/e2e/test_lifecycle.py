@@ -96,7 +96,19 @@ class ProxyProcess:
         return await self.process.wait()
 
     async def wait_log(self, text: str, start: int = 0) -> str:
-        return await self.stderr.wait_for(lambda line: text in line, start)
+        """The message of the first error-log line holding ``text``."""
+        return log_message(await self.stderr.wait_for(lambda line: text in line, start))
+
+    def log_messages(self, text: str) -> list[str]:
+        """The messages of the error-log lines so far holding ``text``."""
+        return [log_message(line) for line in self.stderr.lines if text in line]
+
+
+def log_message(line: str) -> str:
+    """An error-log line without its ``<timestamp> <LEVEL> `` prefix."""
+    stamp, level, message = line.split(" ", 2)
+    assert stamp.endswith("Z") and level.isupper(), line
+    return message
 
 
 @asynccontextmanager
@@ -582,7 +594,7 @@ async def test_sighup_with_an_invalid_file_keeps_the_running_configuration(
                 proxy.send(signal.SIGHUP)
                 kept = await proxy.wait_log("not applied; still running generation 1")
                 assert kept == f"muxproxy: {path} not applied; still running generation 1"
-                refused = [line for line in proxy.stderr.lines if "reload refused" in line]
+                refused = proxy.log_messages("reload refused")
                 assert refused, proxy.stderr.text()
                 for line in refused:
                     assert line.startswith(f"muxproxy: reload refused: {path}"), line
@@ -617,7 +629,7 @@ async def test_sighup_with_a_listener_that_cannot_bind_changes_nothing(
             )
             proxy.send(signal.SIGHUP)
             await proxy.wait_log("not applied; still running generation 1")
-            (refused,) = [line for line in proxy.stderr.lines if "reload refused" in line]
+            (refused,) = proxy.log_messages("reload refused")
             assert refused.startswith(
                 f"muxproxy: reload refused: {path}: cannot listen on 127.0.0.1:{taken}: "
             ), refused
