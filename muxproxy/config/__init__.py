@@ -25,10 +25,12 @@ from __future__ import annotations
 from .checker import address_problem
 from .loading import ConfigError, load_config, parse_config, parse_quick_config
 from .records import (
+    ADMIN_TOKEN_ENV,
     CONDITIONS,
     LOG_FORMATS,
     LOG_LEVELS,
     SOURCE_KINDS,
+    AdminSettings,
     Api,
     Balance,
     Config,
@@ -50,10 +52,12 @@ from .records import (
 )
 
 __all__ = [
+    "ADMIN_TOKEN_ENV",
     "CONDITIONS",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "SOURCE_KINDS",
+    "AdminSettings",
     "Api",
     "Balance",
     "Config",

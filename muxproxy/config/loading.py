@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .admin import admin_settings, quick_admin
 from .checker import Checker, Key, describe, join
 from .logs import log_settings
 from .records import Api, Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
@@ -85,11 +86,17 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(exc.problems, source=name) from None
 
 
-def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Config:
+def parse_config(
+    data: Mapping[str, Any],
+    *,
+    base_dir: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
     """Validate an already parsed TOML document (a ``dict``) and build the :class:`Config`.
 
-    ``base_dir`` is where relative TLS file paths start (default: the working directory).
-    Raises :class:`ConfigError` listing every problem found.
+    ``base_dir`` is where relative TLS file and state file paths start (default: the working
+    directory). ``environ`` (default ``os.environ``) may hold ``MUXPROXY_ADMIN_TOKEN``, which
+    wins over ``[admin] token``. Raises :class:`ConfigError` listing every problem found.
     """
     check = Checker(base_dir)
     suggested = check.unknown_keys(data, _TOP_KEYS, "")
@@ -111,6 +118,10 @@ def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Con
         check.add("upstreams", "missing; " + _EXPECTED_UPSTREAMS)
     routes = _routes(check, data.get("routes"), names)
     log = log_settings(check, data.get("log", {}))
+    admin = None
+    if "admin" in data:
+        environ = os.environ if environ is None else environ
+        admin = admin_settings(check, data["admin"], "admin", environ)
 
     if check.problems:
         raise ConfigError(check.problems)
@@ -123,6 +134,7 @@ def parse_config(data: Mapping[str, Any], *, base_dir: str | None = None) -> Con
         timeouts=timeouts,
         limits=limits,
         log=log,
+        admin=admin,
     )
 
 
@@ -132,10 +144,14 @@ def parse_quick_config(
     *,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    admin: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Config:
     """:func:`quick_config` with validation; problems are named by their flag (``--listen``).
 
-    The flag form of ``muxproxy serve``. Raises :class:`ConfigError`.
+    The flag form of ``muxproxy serve``; ``admin`` is ``--admin ADDRESS``, its token taken
+    from ``MUXPROXY_ADMIN_TOKEN`` in ``environ`` (default ``os.environ``). Raises
+    :class:`ConfigError`.
     """
     check = Checker(None)
     check.address(listen, "--listen", allow_port_zero=True)
@@ -156,12 +172,15 @@ def parse_quick_config(
         check.add(
             missing, f"missing; {given} is given, and TLS needs both --tls-cert and --tls-key"
         )
+    settings = None
+    if admin is not None:
+        settings = quick_admin(check, admin, os.environ if environ is None else environ)
     if check.problems:
         raise ConfigError(check.problems)
-    return quick_config(listen, upstreams, tls_cert=tls_cert, tls_key=tls_key)
+    return quick_config(listen, upstreams, tls_cert=tls_cert, tls_key=tls_key, admin=settings)
 
 
-_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes", "log")
+_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes", "log", "admin")
 _EXPECTED_LISTENERS = 'expected at least one [[listeners]] table with address = "host:port"'
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

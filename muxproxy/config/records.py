@@ -301,6 +301,31 @@ class LogSettings:
     """One of :data:`LOG_LEVELS`: the error log's level (``muxproxy serve --log-level`` wins)."""
 
 
+ADMIN_TOKEN_ENV = "MUXPROXY_ADMIN_TOKEN"
+"""The environment variable whose value, when set, is the admin token (it wins over
+``[admin] token``: a secret kept out of the file)."""
+
+
+@attrs.frozen(kw_only=True)
+class AdminSettings:
+    """The ``[admin]`` section: the admin API's listener (``muxproxy.trio.admin``)."""
+
+    address: str = "127.0.0.1:9901"
+    """``host:port`` of the admin listener; loopback unless a token guards it."""
+    token: str | None = None
+    """The bearer token every change must carry; None: changes are refused."""
+    state_file: str | None = None
+    """Where runtime server overrides (weight, drain, down) are kept across restarts."""
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     listeners: tuple[Listener, ...]
@@ -309,6 +334,8 @@ class Config:
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     log: LogSettings = LogSettings()
+    admin: AdminSettings | None = None
+    """None: no admin listener."""
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.
@@ -332,6 +359,7 @@ def quick_config(
     *,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    admin: AdminSettings | None = None,
 ) -> Config:
     """The configuration of ``muxproxy serve --listen A --upstream B ...``: one route, one group."""
     group = Upstream(name="default", servers=tuple(Server(address=a) for a in upstreams))
@@ -339,4 +367,5 @@ def quick_config(
         listeners=(Listener(address=listen, tls_cert=tls_cert, tls_key=tls_key),),
         upstreams={"default": group},
         routes=(Route(prefix="/", upstream="default"),),
+        admin=admin,
     )

@@ -1,0 +1,122 @@
+"""Validation of the ``[admin]`` section: the admin API's address, token and state file.
+
+Internal to :mod:`muxproxy.config`; :func:`admin_settings` is what :mod:`.loading` calls for
+a file, :func:`quick_admin` for ``muxproxy serve --admin ADDRESS``.
+
+The one rule beyond types: an admin address that is not loopback needs a token. Whoever can
+reach the admin listener can drain every server or reload the configuration, so muxproxy
+refuses to open it to a network unguarded rather than trusting a firewall to exist. The token
+is a bearer token (RFC 6750 §2.1), so it must have the ``b64token`` syntax to be sent in an
+``Authorization`` header at all. ``MUXPROXY_ADMIN_TOKEN``, when set, wins over the file's
+``token``: the secret can stay out of a file that is checked in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .checker import Checker, Key, describe
+from .records import ADMIN_TOKEN_ENV, AdminSettings
+
+__all__ = ["admin_settings", "is_loopback", "quick_admin"]
+
+_B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")
+"""RFC 6750 §2.1: the syntax of a bearer token."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address's host, brackets removed) names this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _token(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not _B64TOKEN.match(value):
+        check.add(
+            path,
+            "expected a bearer token: letters, digits and -._~+/ (RFC 6750 §2.1), got"
+            f" {'a string of other characters' if isinstance(value, str) else describe(value)}",
+        )
+        return None
+    return value
+
+
+def _state_file(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not value:
+        check.add(path, f"expected a file path, got {describe(value)}")
+        return None
+    resolved = value
+    if check.base_dir is not None and not os.path.isabs(value):
+        resolved = os.path.join(check.base_dir, value)
+    directory = os.path.dirname(resolved) or "."
+    if os.path.isdir(resolved):
+        check.add(path, f"expected a file, got the directory {describe(resolved)}")
+        return None
+    if not os.path.isdir(directory):
+        check.add(
+            path,
+            f"the directory {describe(directory)} does not exist; create it (the state file"
+            " is written there, through a temporary file beside it)",
+        )
+        return None
+    return resolved
+
+
+_ADMIN_KEYS = {
+    "address": Key(Checker.listen_address),
+    "token": Key(_token),
+    "state_file": Key(_state_file),
+}
+
+
+def admin_settings(
+    check: Checker, value: Any, path: str, environ: Mapping[str, str]
+) -> AdminSettings | None:
+    """The ``[admin]`` table at ``path``, its token taken from ``environ`` when set there."""
+    values = check.table(value, path, _ADMIN_KEYS)
+    token = _environment_token(check, environ)
+    if values is None or token is False:
+        return None
+    if token is not None:
+        values["token"] = token
+    settings = AdminSettings(**values)
+    return settings if _guarded(check, settings, f"{path}.token") else None
+
+
+def quick_admin(check: Checker, address: str, environ: Mapping[str, str]) -> AdminSettings | None:
+    """The admin settings of ``muxproxy serve --admin ADDRESS`` (the token from ``environ``)."""
+    valid = check.address(address, "--admin", allow_port_zero=True) is not None
+    token = _environment_token(check, environ)
+    if not valid or token is False:
+        return None
+    settings = AdminSettings(address=address, token=token)
+    return settings if _guarded(check, settings, "--admin") else None
+
+
+def _environment_token(check: Checker, environ: Mapping[str, str]) -> str | bool | None:
+    """The token in ``environ``: None when unset or empty, False after reporting it invalid."""
+    value = environ.get(ADMIN_TOKEN_ENV)
+    if not value:
+        return None
+    return _token(check, value, ADMIN_TOKEN_ENV) or False
+
+
+def _guarded(check: Checker, settings: AdminSettings, path: str) -> bool:
+    if settings.token is not None or is_loopback(settings.host):
+        return True
+    check.add(
+        path,
+        f"missing; the admin address {describe(settings.address)} is not loopback, and"
+        " without a token anyone who reaches it could change weights and reload: set"
+        f" [admin] token (or the environment variable {ADMIN_TOKEN_ENV}), or listen on"
+        ' "127.0.0.1:PORT"',
+    )
+    return False
