@@ -1,7 +1,9 @@
 """Validation of the ``[admin]`` section: the admin API's address, token and state file.
 
 Internal to :mod:`muxproxy.config`; :func:`admin_settings` is what :mod:`.loading` calls for
-a file, :func:`quick_admin` for ``muxproxy serve --admin ADDRESS``.
+a file, :func:`quick_admin` for ``muxproxy serve --admin ADDRESS``. A state file that exists
+is read and checked too (:mod:`.runtime`), so ``muxproxy check`` finds a corrupt one before a
+start or a reload would.
 
 The one rule beyond types: an admin address that is not loopback needs a token. Whoever can
 reach the admin listener can drain every server or reload the configuration, so muxproxy
@@ -21,6 +23,7 @@ from typing import Any
 
 from .checker import Checker, Key, describe
 from .records import ADMIN_TOKEN_ENV, AdminSettings
+from .runtime import load_state
 
 __all__ = ["admin_settings", "is_loopback", "quick_admin"]
 
@@ -67,6 +70,15 @@ def _state_file(check: Checker, value: Any, path: str) -> str | None:
             " is written there, through a temporary file beside it)",
         )
         return None
+    try:
+        load_state(resolved)  # a missing file is fine: nothing was changed yet
+    except (OSError, ValueError) as exc:
+        check.add(
+            path,
+            f"{exc}; fix or remove the file (without it every server starts at its"
+            " configured weight, neither drained nor down)",
+        )
+        return None
     return resolved
 
 
@@ -82,8 +94,8 @@ def admin_settings(
 ) -> AdminSettings | None:
     """The ``[admin]`` table at ``path``, its token taken from ``environ`` when set there."""
     values = check.table(value, path, _ADMIN_KEYS)
-    token = _environment_token(check, environ)
-    if values is None or token is False:
+    valid, token = _environment_token(check, environ)
+    if values is None or not valid:
         return None
     if token is not None:
         values["token"] = token
@@ -94,29 +106,36 @@ def admin_settings(
 def quick_admin(check: Checker, address: str, environ: Mapping[str, str]) -> AdminSettings | None:
     """The admin settings of ``muxproxy serve --admin ADDRESS`` (the token from ``environ``)."""
     valid = check.address(address, "--admin", allow_port_zero=True) is not None
-    token = _environment_token(check, environ)
-    if not valid or token is False:
+    token_valid, token = _environment_token(check, environ)
+    if not valid or not token_valid:
         return None
     settings = AdminSettings(address=address, token=token)
     return settings if _guarded(check, settings, "--admin") else None
 
 
-def _environment_token(check: Checker, environ: Mapping[str, str]) -> str | bool | None:
-    """The token in ``environ``: None when unset or empty, False after reporting it invalid."""
+def _environment_token(check: Checker, environ: Mapping[str, str]) -> tuple[bool, str | None]:
+    """(valid, the token in ``environ``): None when it is unset or empty."""
     value = environ.get(ADMIN_TOKEN_ENV)
     if not value:
-        return None
-    return _token(check, value, ADMIN_TOKEN_ENV) or False
+        return True, None
+    token = _token(check, value, ADMIN_TOKEN_ENV)
+    return token is not None, token
 
 
 def _guarded(check: Checker, settings: AdminSettings, path: str) -> bool:
     if settings.token is not None or is_loopback(settings.host):
         return True
+    flag = path.startswith("--")
+    where = (
+        ADMIN_TOKEN_ENV
+        if flag
+        else f"[admin] token (or the environment variable {ADMIN_TOKEN_ENV})"
+    )
     check.add(
         path,
-        f"missing; the admin address {describe(settings.address)} is not loopback, and"
-        " without a token anyone who reaches it could change weights and reload: set"
-        f" [admin] token (or the environment variable {ADMIN_TOKEN_ENV}), or listen on"
-        ' "127.0.0.1:PORT"',
+        ("" if flag else "missing; ")
+        + f"the admin address {describe(settings.address)} is not loopback, and without a"
+        f" token anyone who reaches it could change weights and reload: set {where}, or"
+        ' listen on "127.0.0.1:PORT"',
     )
     return False
