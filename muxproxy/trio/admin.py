@@ -1,0 +1,346 @@
+"""The admin API: an HTTP/1.1 listener over a :class:`~muxproxy.trio.control.Control`.
+
+Endpoints (JSON in and out, but ``/metrics``)::
+
+    GET   /status                                 groups, servers, listeners, workers
+    GET   /metrics                                Prometheus text format 0.0.4
+    PATCH /upstreams/{group}/servers/{server}     {"weight": N|null, "drain": B, "down": B}
+    POST  /reload[?restart=1]                     re-read the configuration file
+
+Served by Hypercorn (its HTTP/1.1 parsing, head-size limit and timeouts answer malformed and
+slow requests) with the small ASGI application below, which knows nothing of the proxy: a
+single process and a supervisor of workers hand it their own ``Control``.
+
+Security rules. Every change (PATCH, POST) needs ``Authorization: Bearer <token>`` (RFC 6750
+§2.1); the comparison is constant-time (``hmac.compare_digest``) so the token cannot be
+guessed byte by byte from response times. A missing or wrong token is a 401 with
+``WWW-Authenticate: Bearer`` (RFC 6750 §3) and changes nothing. With no token configured,
+changes are refused (403) rather than open. Reads (GET) are open only on a loopback address;
+elsewhere they need the token as well, since status names every backend. Request bodies are
+bounded (``MAX_BODY``) and must arrive within ``BODY_TIMEOUT``. Every change, and every
+refused attempt, is logged to ``muxproxy.admin`` with the client's address.
+
+Nothing a client sends may stop the proxy: the application answers every request it
+understands with a status and a message, and Hypercorn answers the rest (a 500 for a bug,
+logged) without leaving its connection task.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from ..config.admin import is_loopback
+from ..config.records import ADMIN_TOKEN_ENV
+from .control import AdminError, Control
+
+__all__ = ["BODY_TIMEOUT", "MAX_BODY", "AdminApp", "parse_change", "serve_admin"]
+
+log = logging.getLogger("muxproxy.admin")
+_http_log = logging.getLogger("muxproxy.admin.http")
+
+MAX_BODY = 16 * 1024
+"""Largest request body accepted. A change is a few dozen bytes of JSON; anything near this
+is not one, and holding more would let a client make the proxy keep it."""
+BODY_TIMEOUT = 10.0
+"""Seconds a client has to send its whole request body once the head has arrived."""
+_MAX_HEAD = 16 * 1024
+"""Largest request head (Hypercorn answers a larger one with 400)."""
+_IDLE_TIMEOUT = 5.0
+"""Seconds an idle keep-alive connection to the admin listener is kept open."""
+_READ_TIMEOUT = 30.0
+"""Seconds Hypercorn waits on a read from a connection before closing it."""
+
+_CHANGE_FIELDS = ("weight", "drain", "down")
+_JSON = "application/json"
+_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no", "")
+
+
+@attrs.frozen(kw_only=True)
+class _Response:
+    status: int
+    body: bytes
+    content_type: str = _JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def _json(status: int, document: Any) -> _Response:
+    return _Response(status=status, body=json.dumps(document, indent=2).encode() + b"\n")
+
+
+def _error(status: int, message: str, *headers: tuple[bytes, bytes]) -> _Response:
+    response = _json(status, {"ok": False, "error": message})
+    return attrs.evolve(response, headers=headers)
+
+
+def parse_change(body: bytes) -> dict[str, Any]:
+    """The change a PATCH body asks for: ``weight`` (int >= 0, or null for the configured
+    weight again), ``drain`` and ``down`` (bool).
+
+    Raises :class:`AdminError` (400) with a message naming the field at fault.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise AdminError(
+            400, f'body: not JSON ({exc}); expected an object such as {{"weight": 2}}'
+        ) from None
+    if not isinstance(data, dict):
+        raise AdminError(
+            400, f"body: expected a JSON object with weight, drain or down, got {_kind(data)}"
+        )
+    if not data:
+        raise AdminError(400, "body: empty object; set at least one of weight, drain, down")
+    change: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in _CHANGE_FIELDS:
+            raise AdminError(400, f"{key}: unknown field; expected weight, drain or down")
+        if key == "weight":
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise AdminError(
+                    400,
+                    "weight: expected an integer >= 0 (0 drains the server) or null (the"
+                    f" configured weight), got {_shown(value)}",
+                )
+        elif not isinstance(value, bool):
+            raise AdminError(400, f"{key}: expected true or false, got {_shown(value)}")
+        change[key] = value
+    return change
+
+
+def _kind(value: Any) -> str:
+    return {list: "an array", str: "a string", type(None): "null"}.get(type(value), "a number")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class AdminApp:
+    """The ASGI application of the admin API over ``control``.
+
+    ``token``: the bearer token changes need (None: changes refused). ``open_reads``: GETs
+    need no token (for a loopback listener).
+    """
+
+    def __init__(self, control: Control, token: str | None, *, open_reads: bool) -> None:
+        self.control = control
+        self.token = token
+        self.open_reads = open_reads
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] == "http":
+            response = await self._respond(scope, receive)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": [
+                        (b"content-type", response.content_type.encode()),
+                        (b"content-length", str(len(response.body)).encode()),
+                        (b"cache-control", b"no-store"),
+                        *response.headers,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": response.body})
+
+    async def _respond(self, scope: Mapping[str, Any], receive: Any) -> _Response:
+        method: str = scope["method"]
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        path = raw_path.split(b"?", 1)[0].decode("latin-1")
+        # Split before decoding: a group name may hold an encoded "/" (%2F).
+        segments = [unquote(segment) for segment in path.split("/")[1:]]
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "unknown client"
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
+        try:
+            return await self._route(method, segments, scope, headers, receive, who)
+        except AdminError as exc:
+            if exc.status in (401, 403):
+                log.warning("%s %s %s refused: %s", who, method, path, exc.message)
+                extra = [(b"www-authenticate", b'Bearer realm="muxproxy"')] * (exc.status == 401)
+                return _error(exc.status, exc.message, *extra)
+            if isinstance(exc, _MethodNotAllowed):
+                # RFC 9110 §15.5.6: a 405 lists the methods the resource takes.
+                return _error(405, exc.message, (b"allow", exc.allowed.encode()))
+            return _error(exc.status, exc.message)
+
+    async def _route(
+        self,
+        method: str,
+        segments: list[str],
+        scope: Mapping[str, Any],
+        headers: Mapping[str, str],
+        receive: Any,
+        who: str,
+    ) -> _Response:
+        match segments:
+            case ["status"]:
+                _allow(method, "GET")
+                self._authorize(headers, change=False)
+                return _json(200, await self.control.status())
+            case ["metrics"]:
+                _allow(method, "GET")
+                self._authorize(headers, change=False)
+                text = await self.control.metrics()
+                return _Response(status=200, body=text, content_type=_PROMETHEUS)
+            case ["upstreams", group, "servers", server] if group and server:
+                _allow(method, "PATCH")
+                self._authorize(headers, change=True)
+                change = parse_change(await _read_body(receive, headers))
+                try:
+                    entry = await self.control.change_server(group, server, change)
+                except AdminError as exc:
+                    log.info("%s: %s/%s %s refused: %s", who, group, server, change, exc.message)
+                    raise
+                log.info("%s: upstream %s server %s: %s", who, group, entry["address"], change)
+                return _json(200, entry)
+            case ["reload"]:
+                _allow(method, "POST")
+                self._authorize(headers, change=True)
+                restart = _flag(scope.get("query_string", b""), "restart")
+                await _read_body(receive, headers)  # nothing expected; read within bounds
+                what = "rolling restart" if restart else "reload"
+                result = await self.control.reload(restart=restart)
+                if result.ok:
+                    log.info("%s: %s: generation %d", who, what, result.generation)
+                    return _json(200, {"ok": True, "generation": result.generation})
+                log.warning("%s: %s refused: %s", who, what, "; ".join(result.errors))
+                return _json(
+                    422, {"ok": False, "errors": result.errors, "generation": result.generation}
+                )
+        raise AdminError(
+            404,
+            f"no such endpoint: /{'/'.join(segments)}; expected GET /status, GET /metrics,"
+            " PATCH /upstreams/GROUP/servers/SERVER or POST /reload",
+        )
+
+    def _authorize(self, headers: Mapping[str, str], *, change: bool) -> None:
+        if not change and self.open_reads:
+            return
+        token = self.token
+        if token is None:
+            raise AdminError(
+                403,
+                ("changes" if change else "reads on a non-loopback address")
+                + f" need a token: set [admin] token in the configuration or {ADMIN_TOKEN_ENV},"
+                " and send it as Authorization: Bearer TOKEN",
+            )
+        # RFC 9110 §11.1: the auth-scheme is case-insensitive.
+        scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise AdminError(401, "missing token; send Authorization: Bearer TOKEN")
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise AdminError(401, "wrong token")
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise _MethodNotAllowed(allowed)
+
+
+class _MethodNotAllowed(AdminError):
+    def __init__(self, allowed: str) -> None:
+        super().__init__(405, f"method not allowed; this endpoint takes {allowed}")
+        self.allowed = allowed
+
+
+def _flag(query_string: bytes, name: str) -> bool:
+    values = parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get(name, ["0"])
+    value = values[-1].lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise AdminError(400, f"{name}: expected 1 or 0, got {_shown(value)}")
+
+
+async def _read_body(receive: Any, headers: Mapping[str, str]) -> bytes:
+    """The request body, at most ``MAX_BODY`` bytes, within ``BODY_TIMEOUT`` seconds."""
+    too_large = f"body: larger than {MAX_BODY} bytes; a change is a small JSON object"
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY:
+        raise AdminError(413, too_large)
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(BODY_TIMEOUT) as scope:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise AdminError(400, "body: the client went away before sending all of it")
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise AdminError(413, too_large)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    if scope.cancelled_caught:
+        raise AdminError(408, f"body: not received within {BODY_TIMEOUT:g} seconds")
+    return b"".join(chunks)
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _hypercorn_config(address: str) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [address]
+    config.accesslog = None
+    config.errorlog = _http_log
+    config.keep_alive_timeout = _IDLE_TIMEOUT
+    config.read_timeout = int(_READ_TIMEOUT)
+    config.h11_max_incomplete_size = _MAX_HEAD
+    config.graceful_timeout = 1.0
+    return config
+
+
+async def serve_admin(
+    address: str,
+    control: Control,
+    token: str | None,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin API for ``control`` on ``address`` (``host:port``) until cancelled.
+
+    ``token`` guards changes (None: changes are refused); reads are open when ``address``
+    is loopback. ``task_status.started((host, port))`` reports the address bound (port 0:
+    any free port). Raises ``OSError`` when the address cannot be bound.
+    """
+    host = address.rsplit(":", 1)[0].strip("[]")
+    app: Any = AdminApp(control, token, open_reads=is_loopback(host))
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(hypercorn_serve, app, _hypercorn_config(address))
+        )
+        bound_host, _, port = binds[0].removeprefix("http://").rpartition(":")
+        task_status.started((bound_host.strip("[]"), int(port)))

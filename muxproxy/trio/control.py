@@ -1,0 +1,282 @@
+"""What the admin API controls: the :class:`Control` protocol, and :class:`LocalControl`.
+
+The admin listener (:mod:`muxproxy.trio.admin`) speaks HTTP and knows nothing of the proxy;
+it calls a ``Control``. One process serving alone is controlled by :class:`LocalControl`,
+over its :class:`~muxproxy.trio.server.ProxyServer`; a supervisor of worker processes
+implements the same protocol by asking its workers, so the admin API is the same either way.
+
+Runtime changes (weight, drain, down) obey three rules. They are applied to the core as a
+whole :class:`~muxproxy.config.runtime.RuntimeState`, never as a delta, so every process
+that receives the state agrees on it. They are saved to the state file *before* they are
+applied: a change the API answered with 200 survives a crash that follows. And they are
+serialised by one lock, so two concurrent requests cannot save one state and apply another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from ..config import Config, ConfigError, load_config
+from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
+
+if TYPE_CHECKING:
+    from .server import ProxyServer
+
+__all__ = [
+    "AdminError",
+    "Control",
+    "LocalControl",
+    "ReloadResult",
+    "apply_saved_state",
+    "load_runtime_state",
+    "serve_control",
+    "serve_local",
+]
+
+log = logging.getLogger("muxproxy.admin")
+
+
+class AdminError(Exception):
+    """A request the control plane refuses: ``status`` is the HTTP status to answer with
+    (400 bad request, 404 unknown group or server, 409 not possible now), ``message`` says
+    what is wrong and how to fix it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@attrs.frozen(kw_only=True)
+class ReloadResult:
+    """The outcome of a reload: ``ok`` with the ``generation`` now running, or the
+    ``errors`` that kept the file from being applied (the old configuration still runs)."""
+
+    ok: bool
+    errors: list[str] = attrs.field(factory=list)
+    generation: int
+
+
+class Control(Protocol):
+    """The operations of the admin API, for one process or for a fleet of workers."""
+
+    async def status(self) -> dict[str, Any]:
+        """JSON-able status: ``groups`` (``ProxyCore.status()``'s), ``listeners``,
+        ``generation`` and ``workers`` (``[{"pid", "generation"}]``)."""
+        ...
+
+    async def change_server(
+        self, group: str, server: str, change: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Set ``change`` (validated ``weight``, ``drain``, ``down``) on one server, given by
+        its configured address or opaque id; returns the server's new status entry.
+        Raises :class:`AdminError` (404 for an unknown group or server)."""
+        ...
+
+    async def reload(self, restart: bool = False) -> ReloadResult:
+        """Re-read the configuration file and apply it (``restart``: and restart the workers
+        onto the installed code). Raises :class:`AdminError` when it cannot be attempted."""
+        ...
+
+    async def metrics(self) -> bytes:
+        """The Prometheus text exposition of every process's measurements."""
+        ...
+
+
+def load_runtime_state(config: Config) -> RuntimeState:
+    """The runtime state saved in ``config.admin.state_file``; empty when there is none.
+
+    Raises ``ValueError`` for a state file that is not valid and ``OSError`` for one that
+    cannot be read: starting with every weight silently reset would be worse than not
+    starting.
+    """
+    if config.admin is None or config.admin.state_file is None:
+        return RuntimeState.empty()
+    return load_state(config.admin.state_file)
+
+
+class LocalControl:
+    """:class:`Control` over the :class:`ProxyServer` of this process.
+
+    ``config_path`` is the file ``reload`` reads again (None: started from flags, so there
+    is nothing to reload). ``state`` is the runtime state the server started with.
+    """
+
+    def __init__(
+        self,
+        server: ProxyServer,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+        state: RuntimeState | None = None,
+    ) -> None:
+        self.server = server
+        self.config_path = config_path
+        self.state = RuntimeState.empty() if state is None else state
+        self._lock = trio.Lock()
+
+    @property
+    def state_file(self) -> str | None:
+        admin = self.server.config.admin
+        return None if admin is None else admin.state_file
+
+    async def status(self) -> dict[str, Any]:
+        server = self.server
+        status = dict(server.core.status())
+        status["generation"] = server.generation
+        status["listeners"] = _listeners(server)
+        status["workers"] = [{"pid": os.getpid(), "generation": server.generation}]
+        return status
+
+    async def change_server(
+        self, group: str, server: str, change: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        async with self._lock:
+            try:
+                address = resolve_server(self.server.config, group, server)
+            except KeyError as exc:
+                raise AdminError(404, str(exc.args[0])) from None
+            try:
+                state = self.state.changed(group, address, **change)
+            except ValueError as exc:
+                raise AdminError(400, str(exc)) from None
+            path = self.state_file
+            if path is not None:
+                try:
+                    await trio.to_thread.run_sync(save_state, path, state)
+                except OSError as exc:
+                    # Not applied either: a change that would be lost at the next start is
+                    # refused rather than half made.
+                    raise AdminError(
+                        500, f"cannot write the state file {path!r}: {exc}; nothing changed"
+                    ) from None
+            self.server.apply_runtime(state)
+            self.state = state
+        return server_status(await self.status(), group, address)
+
+    async def reload(self, restart: bool = False) -> ReloadResult:
+        if restart:
+            raise AdminError(
+                400,
+                "a rolling restart needs worker processes (muxproxy serve --workers N); a"
+                " single process is restarted by restarting it",
+            )
+        if self.config_path is None:
+            raise AdminError(
+                400,
+                "nothing to reload: muxproxy serve was started from flags, not --config FILE",
+            )
+        async with self._lock:
+            server = self.server
+            try:
+                config = await trio.to_thread.run_sync(load_config, self.config_path)
+            except ConfigError as exc:
+                return ReloadResult(ok=False, errors=exc.problems, generation=server.generation)
+            try:
+                await server.reload(config)
+            except OSError as exc:
+                return ReloadResult(ok=False, errors=[str(exc)], generation=server.generation)
+            return ReloadResult(ok=True, generation=server.generation)
+
+    async def metrics(self) -> bytes:
+        from .metrics import render
+
+        return render([self.server.core.measurements.snapshot()])
+
+
+def apply_saved_state(server: ProxyServer) -> RuntimeState:
+    """Load ``server.config.admin.state_file`` (if any) and apply it to ``server``: call it
+    before ``server.run``, so the first connection accepted already sees the saved weights.
+
+    Returns the state applied. Raises ``OSError`` naming ``admin.state_file`` when the file
+    cannot be read or is not valid: starting with every weight silently reset would be worse
+    than not starting.
+    """
+    try:
+        state = load_runtime_state(server.config)
+    except ValueError as exc:
+        raise OSError(f"admin.state_file: {exc}") from None
+    except OSError as exc:
+        raise OSError(f"admin.state_file: cannot read it: {exc}") from None
+    if state.servers:
+        server.apply_runtime(state)
+    return state
+
+
+async def serve_control(
+    server: ProxyServer,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+    state: RuntimeState | None = None,
+    task_status: trio.TaskStatus[tuple[str, int] | None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin API of ``server`` (a :class:`LocalControl`) until cancelled, when its
+    configuration has an ``[admin]`` section; otherwise return at once.
+
+    ``state``: what :func:`apply_saved_state` applied. ``task_status.started`` gets the
+    admin address bound, or None. Raises ``OSError`` when the address cannot be bound.
+    """
+    from .admin import serve_admin
+
+    settings = server.config.admin
+    if settings is None:
+        task_status.started(None)
+        return
+    control = LocalControl(server, config_path=config_path, state=state)
+    await serve_admin(settings.address, control, settings.token, task_status=task_status)
+
+
+async def serve_local(
+    config: Config,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+    task_status: trio.TaskStatus[
+        tuple[list[tuple[str, int]], tuple[str, int] | None]
+    ] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run one proxy process for ``config`` with its admin listener (when ``config.admin``
+    is set) until cancelled or the server stops; the state file is applied first.
+
+    ``task_status.started((proxy addresses, admin address or None))``. Raises ``OSError``
+    when a listener cannot be bound or the state file cannot be used.
+    """
+    from .server import ProxyServer
+
+    server = ProxyServer(config)
+    state = apply_saved_state(server)
+    async with trio.open_nursery() as nursery:
+
+        async def run_proxy(task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
+            await server.run(task_status=task_status)
+            # The proxy has stopped and drained: its admin listener goes with it.
+            nursery.cancel_scope.cancel()
+
+        bound: list[tuple[str, int]] = await nursery.start(run_proxy)
+        admin = await nursery.start(
+            partial(serve_control, server, config_path=config_path, state=state)
+        )
+        task_status.started((bound, admin))
+
+
+def server_status(status: Mapping[str, Any], group: str, address: str) -> dict[str, Any]:
+    """The entry of the server at ``address`` in ``group`` of a ``status()`` document."""
+    for entry in status["groups"][group]["servers"]:
+        if entry["address"] == address:
+            return dict(entry)
+    raise AdminError(404, f"upstream group {group!r} has no server {address!r}")
+
+
+def _listeners(server: ProxyServer) -> dict[str, Any]:
+    return {
+        "configured": [
+            {"address": listener.address, "tls": listener.tls}
+            for listener in server.config.listeners
+        ],
+        "bound": [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in server.addresses],
+    }
