@@ -1,9 +1,9 @@
-"""The ``muxproxy`` command line: ``check``, ``serve``, ``fakellm`` and ``demo``.
+"""The ``muxproxy`` command line: ``check``, ``serve``, ``admin``, ``fakellm`` and ``demo``.
 
 ``muxproxy check --config FILE`` validates a configuration file and prints a summary, or every
 problem found (exit status 2). ``muxproxy serve`` runs the proxy from a file or from flags
-(``--listen HOST:PORT --upstream HOST:PORT ...``). ``fakellm`` and ``demo`` delegate to
-:mod:`muxproxy.testing.fakellm` and :mod:`muxproxy.demo`.
+(``--listen HOST:PORT --upstream HOST:PORT ...``). ``admin``, ``fakellm`` and ``demo`` delegate
+to :mod:`muxproxy.admin_cli`, :mod:`muxproxy.testing.fakellm` and :mod:`muxproxy.demo`.
 
 Everything past configuration is imported lazily, inside the command that needs it: ``check``
 loads neither Trio nor the proxy, and a subcommand's module is imported only when that
@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -44,6 +45,10 @@ EXIT_USAGE = 2
 """Bad usage or an invalid configuration."""
 
 _DELEGATED = {
+    "admin": (
+        "muxproxy.admin_cli",
+        "show and change a running proxy through its admin API (status, weight, drain, reload)",
+    ),
     "fakellm": (
         "muxproxy.testing.fakellm",
         "run a fake OpenAI-compatible LLM server (token streaming, for tests and demos)",
@@ -111,6 +116,11 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     )
     serve.add_argument("--tls-cert", metavar="FILE", help="TLS certificate chain (PEM)")
     serve.add_argument("--tls-key", metavar="FILE", help="TLS private key (PEM)")
+    serve.add_argument(
+        "--admin",
+        metavar="HOST:PORT",
+        help="admin API address, with --listen (token: MUXPROXY_ADMIN_TOKEN)",
+    )
     serve.add_argument(
         "--workers",
         type=_worker_count,
@@ -189,6 +199,12 @@ def describe_config(config: Config) -> list[str]:
     lines.append(f"log: access {access}, error log level {log.level}")
     grace = _seconds(config.timeouts.shutdown_grace)
     lines.append(f"graceful stop: streams get {grace} to finish (timeouts.shutdown_grace)")
+    admin = config.admin
+    if admin is not None:
+        # Never the token itself: the summary may be pasted into a ticket.
+        guard = "token set" if admin.token is not None else "no token: read-only"
+        state = f", state file {admin.state_file}" if admin.state_file is not None else ""
+        lines.append(f"admin http://{admin.address} ({guard}{state})")
     return lines
 
 
@@ -277,6 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
                 ("--upstream", args.upstream),
                 ("--tls-cert", args.tls_cert),
                 ("--tls-key", args.tls_key),
+                ("--admin", args.admin),
             )
             if value
         ]
@@ -292,7 +309,11 @@ def _serve(args: argparse.Namespace) -> int:
             config = load_config(args.config)
         else:
             config = parse_quick_config(
-                args.listen, args.upstream, tls_cert=args.tls_cert, tls_key=args.tls_key
+                args.listen,
+                args.upstream,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                admin=args.admin,
             )
     except ConfigError as exc:
         _print_problems(exc, args.config)
@@ -311,7 +332,9 @@ def run_server(
 ) -> int:
     """Run the proxy in this process until a signal stops it; returns the exit status.
 
-    Prints ``muxproxy listening on http://H:P`` for each bound listener once they are bound.
+    Prints ``muxproxy listening on http://H:P`` for each bound listener once they are bound,
+    then ``muxproxy admin on http://H:P`` when ``config.admin`` is set: the admin API, whose
+    reload reads ``config_path`` too; the state file is applied before the first accept.
     Signals, as nginx's: SIGTERM, SIGINT (Ctrl-C) and SIGQUIT stop gracefully (no new
     connection or request; running streams get ``timeouts.shutdown_grace`` to finish); a
     second SIGTERM or SIGINT cuts them at once. Either way the exit status is 0. SIGHUP
@@ -332,6 +355,10 @@ def run_server(
     async def serve_until_stopped() -> None:
         with trio.open_signal_receiver(*_STOP_SIGNALS, signal.SIGHUP) as signals:
             server = server_module.ProxyServer(config)
+            control, state = None, None
+            if config.admin is not None:
+                control = importlib.import_module("muxproxy.trio.control")
+                state = control.apply_saved_state(server)  # before the first accept
             async with trio.open_nursery() as nursery:
 
                 async def run(task_status: trio.TaskStatus[Any]) -> None:
@@ -339,9 +366,16 @@ def run_server(
                     nursery.cancel_scope.cancel()  # stopped: no more signals to handle
 
                 bound = await nursery.start(run)
+                admin = None
+                if control is not None:
+                    admin = await nursery.start(
+                        partial(control.serve_control, server, config_path=config_path, state=state)
+                    )
                 freeze_startup_heap()
                 for line in listening_lines(config, bound):
                     print(line, flush=True)
+                if admin is not None:
+                    print(f"muxproxy admin on http://{_host_port(*admin)}", flush=True)
                 async for signum in signals:
                     _on_signal(server, signal.Signals(signum), config_path, log_level)
             _log_stopped(server)
@@ -488,8 +522,11 @@ def listening_lines(config: Config, bound: Sequence[tuple[str, int]]) -> list[st
 
 
 def _listening_line(tls: bool, host: str, port: int) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return f"muxproxy listening on {_scheme(tls)}://{shown}:{port}"
+    return f"muxproxy listening on {_scheme(tls)}://{_host_port(host, port)}"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _scheme(tls: bool) -> str:

@@ -1,0 +1,223 @@
+"""The admin API of a real ``python -m muxproxy serve`` process, and ``muxproxy admin``.
+
+The proxy runs as a user runs it, from a configuration file with an ``[admin]`` section on
+127.0.0.1 port 0 (its ``muxproxy admin on http://...`` line gives the port), in front of real
+``FakeLLM`` backends in this process. ``muxproxy admin`` runs as a subprocess too, so its
+output and exit status are what a user sees. A restarted process must keep the weights set
+before (the state file).
+
+Every wait is on an output line or a process exit under ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import httpx
+import trio
+from peers import closed_port
+
+from muxproxy.config import ADMIN_TOKEN_ENV
+
+if TYPE_CHECKING:
+    from conftest import StartBackend
+
+TOKEN = "process-token"
+START_TIMEOUT = 15
+"""Seconds for ``python -m muxproxy serve`` to import, bind and print its lines."""
+TEST_TIMEOUT = 90
+"""Seconds for a whole test: a few processes started, each within ``START_TIMEOUT``."""
+
+
+def write_config(path: Path, ports: list[int]) -> Path:
+    servers = ", ".join(f'"127.0.0.1:{port}"' for port in ports)
+    path.write_text(
+        "[[listeners]]\n"
+        'address = "127.0.0.1:0"\n'
+        "[upstreams.llm]\n"
+        f"servers = [{servers}]\n"
+        "[admin]\n"
+        'address = "127.0.0.1:0"\n'
+        f'token = "{TOKEN}"\n'
+        'state_file = "state.json"\n'
+    )
+    return path
+
+
+@attrs.define
+class Served:
+    process: trio.Process
+    url: str
+    admin: str
+
+
+@asynccontextmanager
+async def serve(config: Path) -> AsyncIterator[Served]:
+    """``python -m muxproxy serve --config CONFIG``, once it printed both of its lines."""
+    env = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
+    stderr = config.with_suffix(".stderr")
+    with stderr.open("ab") as err:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "muxproxy", "serve", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+        )
+    try:
+        assert process.stdout is not None
+        out = b""
+        with trio.fail_after(START_TIMEOUT):
+            while out.count(b"\n") < 2:
+                chunk = await process.stdout.receive_some(4096)
+                assert chunk, f"exited before listening: {stderr.read_text()}"
+                out += chunk
+        listening, admin = out.decode().splitlines()[:2]
+        assert listening.startswith("muxproxy listening on http://127.0.0.1:"), listening
+        assert admin.startswith("muxproxy admin on http://127.0.0.1:"), admin
+        yield Served(
+            process=process, url=listening.rsplit(" ", 1)[1], admin=admin.rsplit(" ", 1)[1]
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGINT)
+                with trio.move_on_after(10):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+
+
+@attrs.frozen
+class Ran:
+    status: int
+    out: str
+    err: str
+
+
+async def admin(url: str, *args: str, token: str | None = TOKEN) -> Ran:
+    """``python -m muxproxy admin --url URL ARGS`` (the token from the environment)."""
+    env = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
+    if token is not None:
+        env[ADMIN_TOKEN_ENV] = token
+    with trio.fail_after(START_TIMEOUT):
+        done = await trio.run_process(
+            [sys.executable, "-m", "muxproxy", "admin", "--url", url, *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=env,
+        )
+    return Ran(done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+async def backends_seen(url: str, n: int = 4) -> set[str]:
+    async with httpx.AsyncClient(timeout=5) as client:
+        responses = [await client.get(f"{url}/health") for _ in range(n)]
+    assert all(response.status_code == 200 for response in responses)
+    return {response.headers["x-backend-id"] for response in responses}
+
+
+async def test_admin_status_prints_a_table_of_the_servers(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        _, p1 = await start_backend(backend_id="gpu1")
+        async with serve(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as served:
+            ran = await admin(served.admin, "status", token=None)
+        assert ran.status == 0, ran.err
+        lines = ran.out.splitlines()
+        assert lines[0].startswith(f"generation 1; workers: {served.process.pid} (generation 1)")
+        assert f"listening on {served.url.removeprefix('http://')}" in lines
+        header = lines.index("upstream llm (round_robin)")
+        assert lines[header + 1].split() == [
+            "SERVER",
+            "ID",
+            "WEIGHT",
+            "STATE",
+            "HEALTH",
+            "ACTIVE",
+            "FAILURES",
+        ]
+        rows = [line.split() for line in lines[header + 2 : header + 4]]
+        assert [(row[0], row[2], row[3], row[4], row[5]) for row in rows] == [
+            (f"127.0.0.1:{p0}", "1", "up", "healthy", "0"),
+            (f"127.0.0.1:{p1}", "1", "up", "healthy", "0"),
+        ]
+
+
+async def test_admin_weight_and_drain_change_routing_and_a_restart_keeps_them(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        _, p1 = await start_backend(backend_id="gpu1")
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with serve(config) as served:
+            assert await backends_seen(served.url) == {"gpu0", "gpu1"}
+            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "0")
+            assert ran.status == 0, ran.err
+            assert ran.out.strip() == (
+                f"upstream llm: server 127.0.0.1:{p0}: weight 0 (configured 1), draining,"
+                " healthy, 0 active"
+            )
+            assert await backends_seen(served.url) == {"gpu1"}
+            ran = await admin(served.admin, "status")
+            assert f"127.0.0.1:{p0}" in ran.out
+            row = next(line.split() for line in ran.out.splitlines() if f":{p0} " in line)
+            assert row[2:5] == ["0", "(1)", "draining"]
+        async with serve(config) as served:
+            # A new process: the state file brought the weight back before the first request.
+            assert await backends_seen(served.url) == {"gpu1"}
+            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "2")
+            assert ran.status == 0, ran.err
+            ran = await admin(served.admin, "drain", "llm", f"127.0.0.1:{p1}")
+            assert ran.status == 0, ran.err
+            assert "draining" in ran.out
+            assert await backends_seen(served.url) == {"gpu0"}
+            ran = await admin(served.admin, "undrain", "llm", f"127.0.0.1:{p1}")
+            assert ran.status == 0, ran.err
+            ran = await admin(served.admin, "down", "llm", f"127.0.0.1:{p0}")
+            assert (ran.status, "down" in ran.out) == (0, True), ran.err
+            assert await backends_seen(served.url) == {"gpu1"}
+            ran = await admin(served.admin, "up", "llm", f"127.0.0.1:{p0}")
+            assert (ran.status, " up," in ran.out) == (0, True), ran.err
+            assert await backends_seen(served.url) == {"gpu0", "gpu1"}
+
+
+async def test_admin_refusals_print_the_message_and_exit_non_zero(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        async with serve(write_config(tmp_path / "muxproxy.toml", [p0])) as served:
+            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "3", token=None)
+            assert ran.status == 1
+            assert "401 Unauthorized: missing token" in ran.err
+            assert ADMIN_TOKEN_ENV in ran.err
+            ran = await admin(served.admin, "drain", "llm", f"127.0.0.1:{p0}", token="nope")
+            assert ran.status == 1
+            assert "401 Unauthorized: wrong token" in ran.err
+            ran = await admin(served.admin, "down", "llm", "10.9.9.9:80")
+            assert ran.status == 1
+            assert "404 Not Found: upstream group 'llm' has no server '10.9.9.9:80'" in ran.err
+            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "-1")
+            assert ran.status == 2
+            assert "expected an integer >= 0" in ran.err
+            ran = await admin(served.admin, "status")
+            assert " 1 " in next(line for line in ran.out.splitlines() if f":{p0} " in line)
+        ran = await admin(f"http://127.0.0.1:{await closed_port()}", "status")
+        assert ran.status == 1
+        assert "connection refused" in ran.err
+        ran = await admin("ftp://127.0.0.1:1", "status")
+        assert ran.status == 2
+        assert "--url" in ran.err
