@@ -55,13 +55,15 @@ is not one, and holding more would let a client make the proxy keep it."""
 BODY_TIMEOUT = 10.0
 """Seconds a client has to send its whole request body once the head has arrived."""
 _MAX_HEAD = 16 * 1024
-"""Largest request head (Hypercorn answers a larger one with 400)."""
+"""Largest request head: past it, 431 (RFC 6585 §5), from h11 while the head is incomplete,
+from here once it is complete (Hypercorn reads 64 KiB at once)."""
 _IDLE_TIMEOUT = 5.0
 """Seconds an idle keep-alive connection to the admin listener is kept open."""
 _READ_TIMEOUT = 30.0
 """Seconds Hypercorn waits on a read from a connection before closing it."""
 
 _CHANGE_FIELDS = ("weight", "drain", "down")
+_CLOSE = (b"connection", b"close")
 _JSON = "application/json"
 _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 _TRUE = ("1", "true", "yes")
@@ -170,9 +172,12 @@ class AdminApp:
         segments = [unquote(segment) for segment in path.split("/")[1:]]
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "unknown client"
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if sum(len(name) + len(value) + 4 for name, value in raw_headers) > _MAX_HEAD:
+            # Hypercorn bounds a head only while it is incomplete, and reads 64 KiB at once.
+            return _error(431, f"request head larger than {_MAX_HEAD} bytes (RFC 6585 §5)", _CLOSE)
         headers = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in scope["headers"]
+            name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw_headers
         }
         try:
             return await self._route(method, segments, scope, headers, receive, who)
@@ -181,6 +186,9 @@ class AdminApp:
                 log.warning("%s %s %s refused: %s", who, method, path, exc.message)
                 extra = [(b"www-authenticate", b'Bearer realm="muxproxy"')] * (exc.status == 401)
                 return _error(exc.status, exc.message, *extra)
+            if exc.status in (408, 413):
+                # What is left of the body is not read: the connection cannot be reused.
+                return _error(exc.status, exc.message, _CLOSE)
             if isinstance(exc, _MethodNotAllowed):
                 # RFC 9110 §15.5.6: a 405 lists the methods the resource takes.
                 return _error(405, exc.message, (b"allow", exc.allowed.encode()))

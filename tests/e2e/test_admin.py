@@ -25,9 +25,10 @@ import h11
 import httpx
 import pytest
 import trio
-from peers import serve_raw
+from peers import open_tcp, read_until_eof, serve_raw
+from prometheus_client.parser import text_string_to_metric_families
 
-from muxproxy.config import load_config
+from muxproxy.config import ADMIN_TOKEN_ENV, load_config, parse_quick_config
 from muxproxy.config.runtime import RuntimeState, load_state
 from muxproxy.routing.balancer import server_id
 from muxproxy.testing.fakellm import FakeLLM
@@ -419,3 +420,104 @@ async def test_a_state_file_that_went_bad_stops_the_start_naming_it(
     (tmp_path / "state.json").write_text('{"version": 1, "servers": [{"group": 1}]}')
     with trio.fail_after(10), pytest.raises(OSError, match=r"admin\.state_file: .*servers\[0\]"):
         await serve_local(config, config_path=config_file)
+
+
+async def test_malformed_requests_are_answered_and_the_proxy_goes_on(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    (_, p0), (_, p1) = await start_fleet(start_backend)
+    with trio.fail_after(10):
+        async with (
+            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            port = int(proxy.admin.rsplit(":", 1)[1])
+            head = b"GET /status HTTP/1.1\r\nhost: a\r\nx-pad: "
+            for garbage, statuses in (
+                (b"NOT HTTP AT ALL\r\n\r\n", (400,)),
+                (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n", (400,)),  # TLS
+                (head + b"a" * 20_000 + b"\r\n\r\n", (431,)),
+                (head + b"a" * 30_000, (431,)),  # still incomplete past the bound
+            ):
+                async with await open_tcp(port) as stream:
+                    await stream.send_all(garbage)
+                    answer = await read_until_eof(stream)
+                assert int(answer.split(b" ", 2)[1]) in statuses, answer[:80]
+            assert await backend_of(client, proxy) in {"gpu0", "gpu1"}
+            assert (await client.get(f"{proxy.admin}/status")).status_code == 200
+
+
+async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_invalid_one(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    (_, p0), (_, p1), (_, p2) = await start_fleet(start_backend, 3)
+    config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+    with trio.fail_after(15):
+        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+            response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 0})
+            assert response.status_code == 200, response.text
+            write_config(config, [p0, p1, p2])
+            response = await client.post(f"{proxy.admin}/reload", headers=AUTH)
+            assert (response.status_code, response.json()) == (200, {"ok": True, "generation": 2})
+            document = await status(client, proxy)
+            assert document["generation"] == 2
+            assert document["workers"] == [{"pid": os.getpid(), "generation": 2}]
+            # The runtime weight outlives the reload; the new server takes requests.
+            assert server_entry(document, p0)["weight"] == 0
+            assert server_entry(document, p2)["state"] == "up"
+            assert {await backend_of(client, proxy) for _ in range(6)} == {"gpu1", "gpu2"}
+
+            config.write_text(config.read_text().replace('address = "127.0.0.1:0"', "adress = 1"))
+            response = await client.post(f"{proxy.admin}/reload", headers=AUTH)
+            assert response.status_code == 422
+            assert response.json()["ok"] is False
+            assert response.json()["generation"] == 2
+            assert any("adress: unknown key" in e for e in response.json()["errors"])
+            assert await status(client, proxy) == document
+            assert {await backend_of(client, proxy) for _ in range(6)} == {"gpu1", "gpu2"}
+
+            response = await client.post(f"{proxy.admin}/reload?restart=1", headers=AUTH)
+            assert response.status_code == 400
+            assert "--workers" in response.json()["error"]
+            response = await client.post(f"{proxy.admin}/reload?restart=maybe", headers=AUTH)
+            assert response.status_code == 400
+            assert response.json()["error"].startswith("restart: expected 1 or 0")
+
+
+async def test_a_proxy_started_from_flags_has_nothing_to_reload(
+    start_backend: StartBackend,
+) -> None:
+    _, p0 = await start_backend(backend_id="gpu0")
+    config = parse_quick_config(
+        "127.0.0.1:0", [f"127.0.0.1:{p0}"], admin="127.0.0.1:0", environ={ADMIN_TOKEN_ENV: TOKEN}
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            _, admin = await nursery.start(serve_local, config)
+            async with httpx.AsyncClient(timeout=5) as client:
+                response = await client.post(f"http://127.0.0.1:{admin[1]}/reload", headers=AUTH)
+                assert response.status_code == 400
+                assert "--config FILE" in response.json()["error"]
+                response = await client.patch(
+                    f"http://127.0.0.1:{admin[1]}/upstreams/default/servers/127.0.0.1:{p0}",
+                    json={"weight": 3},
+                    headers=AUTH,
+                )
+                assert (response.status_code, response.json()["weight"]) == (200, 3)
+            nursery.cancel_scope.cancel()
+
+
+async def test_metrics_are_prometheus_text(start_backend: StartBackend, tmp_path: Path) -> None:
+    (_, p0), (_, p1) = await start_fleet(start_backend)
+    with trio.fail_after(10):
+        async with (
+            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            for _ in range(3):
+                await backend_of(client, proxy)
+            response = await client.get(f"{proxy.admin}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    assert families, response.text
