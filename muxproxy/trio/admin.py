@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -44,7 +44,7 @@ from ..config.admin import is_loopback
 from ..config.records import ADMIN_TOKEN_ENV
 from .control import AdminError, Control
 
-__all__ = ["BODY_TIMEOUT", "MAX_BODY", "AdminApp", "parse_change", "serve_admin"]
+__all__ = ["BODY_TIMEOUT", "MAX_BODY", "AdminApp", "TokenSource", "parse_change", "serve_admin"]
 
 log = logging.getLogger("muxproxy.admin")
 _http_log = logging.getLogger("muxproxy.admin.http")
@@ -133,17 +133,26 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+TokenSource = str | Callable[[], str | None] | None
+"""A token, or a function returning the current one (None: no token)."""
+
+
 class AdminApp:
     """The ASGI application of the admin API over ``control``.
 
-    ``token``: the bearer token changes need (None: changes refused). ``open_reads``: GETs
-    need no token (for a loopback listener).
+    ``token``: the bearer token changes need (None: changes refused), or a function that
+    returns it, asked on every request (a reload may change it). ``open_reads``: GETs need no
+    token (for a loopback listener).
     """
 
-    def __init__(self, control: Control, token: str | None, *, open_reads: bool) -> None:
+    def __init__(self, control: Control, token: TokenSource, *, open_reads: bool) -> None:
         self.control = control
-        self.token = token
+        self._token = token
         self.open_reads = open_reads
+
+    @property
+    def token(self) -> str | None:
+        return self._token() if callable(self._token) else self._token
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -334,13 +343,14 @@ def _hypercorn_config(address: str) -> HypercornConfig:
 async def serve_admin(
     address: str,
     control: Control,
-    token: str | None,
+    token: TokenSource,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API for ``control`` on ``address`` (``host:port``) until cancelled.
 
-    ``token`` guards changes (None: changes are refused); reads are open when ``address``
+    ``token`` guards changes (None: changes are refused; a function: asked on every request,
+    so a reload can change it); reads are open when ``address``
     is loopback. ``task_status.started((host, port))`` reports the address bound (port 0:
     any free port). Raises ``OSError`` when the address cannot be bound.
     """

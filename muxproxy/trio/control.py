@@ -121,6 +121,12 @@ class LocalControl:
         self.state = RuntimeState.empty() if state is None else state
         self._lock = trio.Lock()
 
+    def token(self) -> str | None:
+        """The admin token of the configuration running now (a reload may change it; the
+        admin address stays the one the process started with)."""
+        admin = self.server.config.admin
+        return None if admin is None else admin.token
+
     @property
     def state_file(self) -> str | None:
         admin = self.server.config.admin
@@ -229,7 +235,7 @@ async def serve_control(
         task_status.started(None)
         return
     control = LocalControl(server, config_path=config_path, state=state)
-    await serve_admin(settings.address, control, settings.token, task_status=task_status)
+    await serve_admin(settings.address, control, control.token, task_status=task_status)
 
 
 async def serve_local(

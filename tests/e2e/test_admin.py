@@ -456,9 +456,13 @@ async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_inva
         async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
             response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 0})
             assert response.status_code == 200, response.text
-            write_config(config, [p0, p1, p2])
+            write_config(config, [p0, p1, p2], token="rotated-token")
             response = await client.post(f"{proxy.admin}/reload", headers=AUTH)
             assert (response.status_code, response.json()) == (200, {"ok": True, "generation": 2})
+            # The token of the new file guards the changes from now on.
+            rotated = {"Authorization": "Bearer rotated-token"}
+            response = await patch(client, proxy, f"127.0.0.1:{p1}", {"weight": 2})
+            assert response.status_code == 401
             document = await status(client, proxy)
             assert document["generation"] == 2
             assert document["workers"] == [{"pid": os.getpid(), "generation": 2}]
@@ -468,7 +472,7 @@ async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_inva
             assert {await backend_of(client, proxy) for _ in range(6)} == {"gpu1", "gpu2"}
 
             config.write_text(config.read_text().replace('address = "127.0.0.1:0"', "adress = 1"))
-            response = await client.post(f"{proxy.admin}/reload", headers=AUTH)
+            response = await client.post(f"{proxy.admin}/reload", headers=rotated)
             assert response.status_code == 422
             assert response.json()["ok"] is False
             assert response.json()["generation"] == 2
@@ -476,10 +480,10 @@ async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_inva
             assert await status(client, proxy) == document
             assert {await backend_of(client, proxy) for _ in range(6)} == {"gpu1", "gpu2"}
 
-            response = await client.post(f"{proxy.admin}/reload?restart=1", headers=AUTH)
+            response = await client.post(f"{proxy.admin}/reload?restart=1", headers=rotated)
             assert response.status_code == 400
             assert "--workers" in response.json()["error"]
-            response = await client.post(f"{proxy.admin}/reload?restart=maybe", headers=AUTH)
+            response = await client.post(f"{proxy.admin}/reload?restart=maybe", headers=rotated)
             assert response.status_code == 400
             assert response.json()["error"].startswith("restart: expected 1 or 0")
 
