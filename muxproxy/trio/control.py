@@ -25,6 +25,7 @@ import trio
 
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
+from .server import Phase
 
 if TYPE_CHECKING:
     from .server import ProxyServer
@@ -184,10 +185,16 @@ class LocalControl:
                 config = await trio.to_thread.run_sync(load_config, self.config_path)
             except ConfigError as exc:
                 return ReloadResult(ok=False, errors=exc.problems, generation=server.generation)
+            # Checked after the file was read (in a thread): a stop may have begun meanwhile.
+            if server.phase is not Phase.SERVING:
+                raise AdminError(409, f"cannot reload: the server is {server.phase.value}")
             try:
-                await server.reload(config)
+                added = server.reload(config)
             except OSError as exc:
                 return ReloadResult(ok=False, errors=[str(exc)], generation=server.generation)
+            for listener, (host, port) in added:
+                shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                log.info("listening on %s (%s, reloaded)", shown, listener.address)
             return ReloadResult(ok=True, generation=server.generation)
 
     async def metrics(self) -> bytes:

@@ -477,7 +477,8 @@ async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_inva
             assert response.json()["ok"] is False
             assert response.json()["generation"] == 2
             assert any("adress: unknown key" in e for e in response.json()["errors"])
-            assert await status(client, proxy) == document
+            after = await status(client, proxy)
+            assert (after["generation"], after["groups"]) == (2, document["groups"])
             assert {await backend_of(client, proxy) for _ in range(6)} == {"gpu1", "gpu2"}
 
             response = await client.post(f"{proxy.admin}/reload?restart=1", headers=rotated)

@@ -221,3 +221,30 @@ async def test_admin_refusals_print_the_message_and_exit_non_zero(
         ran = await admin("ftp://127.0.0.1:1", "status")
         assert ran.status == 2
         assert "--url" in ran.err
+
+
+async def test_admin_reload_applies_the_file_or_prints_its_problems(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        _, p1 = await start_backend(backend_id="gpu1")
+        config = write_config(tmp_path / "muxproxy.toml", [p0])
+        async with serve(config) as served:
+            assert await backends_seen(served.url) == {"gpu0"}
+            write_config(config, [p0, p1])
+            ran = await admin(served.admin, "reload")
+            assert (ran.status, ran.out) == (0, "reloaded: generation 2\n"), ran.err
+            assert await backends_seen(served.url) == {"gpu0", "gpu1"}
+            config.write_text(config.read_text().replace("servers = [", "servers = 3 #["))
+            ran = await admin(served.admin, "reload")
+            assert ran.status == 1
+            assert "POST /reload: 422 Unprocessable" in ran.err
+            assert "the running configuration stays" in ran.err
+            assert "upstreams.llm.servers: expected" in ran.err
+            ran = await admin(served.admin, "reload", "--restart")
+            assert ran.status == 1
+            assert "400 Bad Request: a rolling restart needs worker processes" in ran.err
+            ran = await admin(served.admin, "status")
+            assert ran.out.startswith("generation 2;")
+            assert await backends_seen(served.url) == {"gpu0", "gpu1"}
