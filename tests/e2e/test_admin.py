@@ -14,6 +14,7 @@ Every wait is on a condition (the backends' counters) under ``trio.fail_after``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -238,8 +239,9 @@ async def test_a_change_moves_new_requests_but_not_a_stream_in_flight(
 
 
 async def test_a_server_is_named_by_address_encoded_or_not_or_by_its_id(
-    start_backend: StartBackend, tmp_path: Path
+    start_backend: StartBackend, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="muxproxy.admin")
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
         async with (
@@ -254,6 +256,11 @@ async def test_a_server_is_named_by_address_encoded_or_not_or_by_its_id(
     assert server_entry(document, p0)["weight"] == 4
     assert server_entry(document, p0)["configured_weight"] == 1
     assert server_entry(document, p1)["weight"] == 5
+    # Each change is logged with who made it (the client's address) and what it was.
+    changes = [r.getMessage() for r in caplog.records if r.name == "muxproxy.admin"]
+    assert len(changes) == 3
+    assert all(message.startswith("127.0.0.1:") for message in changes)
+    assert changes[2].endswith(f": upstream llm server 127.0.0.1:{p1}: {{'weight': 5}}")
 
 
 @pytest.mark.parametrize(
@@ -267,7 +274,10 @@ async def test_a_server_is_named_by_address_encoded_or_not_or_by_its_id(
     ],
 )
 async def test_a_missing_or_wrong_token_is_401_and_changes_nothing(
-    start_backend: StartBackend, tmp_path: Path, headers: dict[str, str]
+    start_backend: StartBackend,
+    tmp_path: Path,
+    headers: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
@@ -287,6 +297,10 @@ async def test_a_missing_or_wrong_token_is_401_and_changes_nothing(
             assert await status(client, proxy) == before
             assert {await backend_of(client, proxy) for _ in range(4)} == {"gpu0", "gpu1"}
     assert not (tmp_path / "state.json").exists()
+    refused = [r for r in caplog.records if r.name == "muxproxy.admin"]
+    assert [r.levelname for r in refused] == ["WARNING", "WARNING"]
+    assert "PATCH /upstreams/llm/servers/" in refused[0].getMessage()
+    assert "POST /reload refused" in refused[1].getMessage()
 
 
 async def test_without_a_token_changes_are_refused_and_reads_stay_open_on_loopback(
