@@ -142,13 +142,21 @@ class AdminApp:
 
     ``token``: the bearer token changes need (None: changes refused), or a function that
     returns it, asked on every request (a reload may change it). ``open_reads``: GETs need no
-    token (for a loopback listener).
+    token (for a loopback listener). ``body_timeout``: seconds a request body may take.
     """
 
-    def __init__(self, control: Control, token: TokenSource, *, open_reads: bool) -> None:
+    def __init__(
+        self,
+        control: Control,
+        token: TokenSource,
+        *,
+        open_reads: bool,
+        body_timeout: float = BODY_TIMEOUT,
+    ) -> None:
         self.control = control
         self._token = token
         self.open_reads = open_reads
+        self.body_timeout = body_timeout
 
     @property
     def token(self) -> str | None:
@@ -225,7 +233,7 @@ class AdminApp:
             case ["upstreams", group, "servers", server] if group and server:
                 _allow(method, "PATCH")
                 self._authorize(headers, change=True)
-                change = parse_change(await _read_body(receive, headers))
+                change = parse_change(await _read_body(receive, headers, self.body_timeout))
                 try:
                     entry = await self.control.change_server(group, server, change)
                 except AdminError as exc:
@@ -237,7 +245,7 @@ class AdminApp:
                 _allow(method, "POST")
                 self._authorize(headers, change=True)
                 restart = _flag(scope.get("query_string", b""), "restart")
-                await _read_body(receive, headers)  # nothing expected; read within bounds
+                await _read_body(receive, headers, self.body_timeout)  # read within bounds
                 what = "rolling restart" if restart else "reload"
                 result = await self.control.reload(restart=restart)
                 if result.ok:
@@ -293,15 +301,15 @@ def _flag(query_string: bytes, name: str) -> bool:
     raise AdminError(400, f"{name}: expected 1 or 0, got {_shown(value)}")
 
 
-async def _read_body(receive: Any, headers: Mapping[str, str]) -> bytes:
-    """The request body, at most ``MAX_BODY`` bytes, within ``BODY_TIMEOUT`` seconds."""
+async def _read_body(receive: Any, headers: Mapping[str, str], timeout: float) -> bytes:
+    """The request body, at most ``MAX_BODY`` bytes, within ``timeout`` seconds."""
     too_large = f"body: larger than {MAX_BODY} bytes; a change is a small JSON object"
     length = headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY:
         raise AdminError(413, too_large)
     chunks: list[bytes] = []
     size = 0
-    with trio.move_on_after(BODY_TIMEOUT) as scope:
+    with trio.move_on_after(timeout) as scope:
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -314,7 +322,7 @@ async def _read_body(receive: Any, headers: Mapping[str, str]) -> bytes:
             if not message.get("more_body", False):
                 break
     if scope.cancelled_caught:
-        raise AdminError(408, f"body: not received within {BODY_TIMEOUT:g} seconds")
+        raise AdminError(408, f"body: not received within {timeout:g} seconds")
     return b"".join(chunks)
 
 
@@ -345,6 +353,7 @@ async def serve_admin(
     control: Control,
     token: TokenSource,
     *,
+    body_timeout: float = BODY_TIMEOUT,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API for ``control`` on ``address`` (``host:port``) until cancelled.
@@ -352,10 +361,11 @@ async def serve_admin(
     ``token`` guards changes (None: changes are refused; a function: asked on every request,
     so a reload can change it); reads are open when ``address``
     is loopback. ``task_status.started((host, port))`` reports the address bound (port 0:
-    any free port). Raises ``OSError`` when the address cannot be bound.
+    any free port). ``body_timeout``: seconds a request body may take to arrive. Raises
+    ``OSError`` when the address cannot be bound.
     """
     host = address.rsplit(":", 1)[0].strip("[]")
-    app: Any = AdminApp(control, token, open_reads=is_loopback(host))
+    app: Any = AdminApp(control, token, open_reads=is_loopback(host), body_timeout=body_timeout)
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(
             partial(hypercorn_serve, app, _hypercorn_config(address))

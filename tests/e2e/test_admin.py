@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,9 @@ from muxproxy.config import ADMIN_TOKEN_ENV, load_config, parse_quick_config
 from muxproxy.config.runtime import RuntimeState, load_state
 from muxproxy.routing.balancer import server_id
 from muxproxy.testing.fakellm import FakeLLM
-from muxproxy.trio.control import serve_local
+from muxproxy.trio.admin import serve_admin
+from muxproxy.trio.control import LocalControl, serve_local
+from muxproxy.trio.server import ProxyServer
 
 if TYPE_CHECKING:
     from conftest import StartBackend
@@ -540,3 +543,27 @@ async def test_metrics_are_prometheus_text(start_backend: StartBackend, tmp_path
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     families = {family.name: family for family in text_string_to_metric_families(response.text)}
     assert families, response.text
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_changes_nothing(
+    start_backend: StartBackend, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    (_, p0), (_, p1) = await start_fleet(start_backend)
+    # serve_admin over a Control, on its own: how a supervisor of workers serves it too.
+    server = ProxyServer(load_config(write_config(tmp_path / "muxproxy.toml", [p0, p1])))
+    await nursery.start(server.run)
+    control = LocalControl(server)
+    _, port = await nursery.start(
+        partial(serve_admin, "127.0.0.1:0", control, TOKEN, body_timeout=0.2)
+    )
+    head = (
+        f"PATCH /upstreams/llm/servers/127.0.0.1:{p0} HTTP/1.1\r\nhost: admin\r\n"
+        f"authorization: Bearer {TOKEN}\r\ncontent-length: 20\r\n\r\n"
+    )
+    with trio.fail_after(5):
+        async with await open_tcp(port) as stream:
+            await stream.send_all(head.encode() + b'{"wei')
+            answer = await read_until_eof(stream)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    assert b"body: not received within 0.2 seconds" in answer
+    assert server_entry(await control.status(), p0)["weight"] == 1
