@@ -25,6 +25,7 @@ import trio
 
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
+from .metrics import render
 from .server import Phase
 
 if TYPE_CHECKING:
@@ -198,8 +199,6 @@ class LocalControl:
             return ReloadResult(ok=True, generation=server.generation)
 
     async def metrics(self) -> bytes:
-        from .metrics import render
-
         return render([self.server.core.measurements.snapshot()])
 
 

@@ -536,13 +536,25 @@ async def test_metrics_are_prometheus_text(start_backend: StartBackend, tmp_path
             running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
             httpx.AsyncClient(timeout=5) as client,
         ):
-            for _ in range(3):
+            for _ in range(4):
                 await backend_of(client, proxy)
+            response = await patch(client, proxy, f"127.0.0.1:{p1}", {"weight": 3})
+            assert response.status_code == 200, response.text
             response = await client.get(f"{proxy.admin}/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    families = {family.name: family for family in text_string_to_metric_families(response.text)}
-    assert families, response.text
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+    requests = sum(
+        value for (name, _), value in samples.items() if name == "muxproxy_requests_total"
+    )
+    assert requests == 4
+    # The operator's weight shows in the exposition too.
+    labels = (("group", "llm"), ("server", f"127.0.0.1:{p1}"))
+    assert samples[("muxproxy_server_weight", labels)] == 3
 
 
 async def test_a_body_that_does_not_arrive_in_time_is_408_and_changes_nothing(
