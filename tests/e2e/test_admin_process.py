@@ -60,13 +60,17 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(config: Path) -> AsyncIterator[Served]:
-    """``python -m muxproxy serve --config CONFIG``, once it printed both of its lines."""
+async def serve(config: Path, *flags: str, token: str | None = None) -> AsyncIterator[Served]:
+    """``python -m muxproxy serve --config CONFIG`` (or ``serve FLAGS`` with ``config`` naming
+    where its stderr goes), once it printed both of its lines; ``token``: in the environment."""
     env = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
+    if token is not None:
+        env[ADMIN_TOKEN_ENV] = token
+    arguments = list(flags) if flags else ["--config", str(config)]
     stderr = config.with_suffix(".stderr")
     with stderr.open("ab") as err:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "muxproxy", "serve", "--config", str(config)],
+            [sys.executable, "-m", "muxproxy", "serve", *arguments],
             stdout=subprocess.PIPE,
             stderr=err,
             env=env,
@@ -248,3 +252,20 @@ async def test_admin_reload_applies_the_file_or_prints_its_problems(
             ran = await admin(served.admin, "status")
             assert ran.out.startswith("generation 2;")
             assert await backends_seen(served.url) == {"gpu0", "gpu1"}
+
+
+async def test_serve_admin_flag_opens_the_admin_api_of_a_quick_proxy(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        _, p1 = await start_backend(backend_id="gpu1")
+        flags = ["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
+        flags += ["--upstream", f"127.0.0.1:{p0}", "--upstream", f"127.0.0.1:{p1}"]
+        async with serve(tmp_path / "quick", *flags, token=TOKEN) as served:
+            ran = await admin(served.admin, "down", "default", f"127.0.0.1:{p1}")
+            assert ran.status == 0, ran.err
+            assert await backends_seen(served.url) == {"gpu0"}
+            ran = await admin(served.admin, "reload")
+            assert ran.status == 1
+            assert "nothing to reload" in ran.err
