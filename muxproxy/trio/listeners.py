@@ -1,5 +1,6 @@
-"""Listening sockets, optionally shared between processes with ``SO_REUSEPORT``, and the bound
-on the client connections served at once.
+"""Listening sockets, optionally shared between processes with ``SO_REUSEPORT``; the listeners
+a server accepts on (:class:`Listening`, bound here or adopted from another process); and the
+bound on the client connections served at once (:class:`ConnectionSlots`).
 
 :func:`open_listeners` and :func:`bind_listeners` are ``trio.open_tcp_listeners`` with one
 addition, ``reuse_port``, and plain ``socket.socket`` results (the accept loops call
@@ -19,16 +20,24 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Sequence
+import ssl
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import trio
+
+from ..config import Listener
 
 BACKLOG = max(4096, socket.SOMAXCONN)
 """Listen backlog: a burst of connects queues in the kernel, which costs us nothing, rather
 than being refused (the kernel silently caps it at ``net.core.somaxconn``)."""
 
 _AddrInfo = tuple[Any, Any, int, str, Any]
+
+Address = tuple[str, int]
+ListenSockets = Mapping[str, Sequence[socket.socket]]
+"""A listener's configured address -> already-listening sockets to adopt instead of binding."""
 
 
 async def open_listeners(host: str, port: int, *, reuse_port: bool) -> list[socket.socket]:
@@ -134,3 +143,47 @@ class ConnectionSlots:
         """Return once no slot is taken."""
         while self.used:
             await self._idle.park()
+
+
+@attrs.define(eq=False)
+class Listening:
+    """One configured listener and the sockets it accepts on."""
+
+    listener: Listener
+    context: ssl.SSLContext | None
+    """Given to connections accepted from now on (a reload may replace it)."""
+    sockets: list[socket.socket]
+    owned: bool
+    """Bound by this process (closed when it stops), not adopted from ``listen_sockets``."""
+    stopped: bool = False
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def addresses(self) -> list[Address]:
+        return [address_of(sock) for sock in self.sockets]
+
+
+def listener_keys(listeners: Sequence[Listener | Listening]) -> list[tuple[str, int]]:
+    """Each listener's identity across a reload: its configured address, and how many
+    listeners before it have the same one (several may listen on ``127.0.0.1:0``)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for item in listeners:
+        address = item.listener.address if isinstance(item, Listening) else item.address
+        keys.append((address, seen.get(address, 0)))
+        seen[address] = seen.get(address, 0) + 1
+    return keys
+
+
+def adopt(
+    listener: Listener, context: ssl.SSLContext | None, sockets: Sequence[socket.socket]
+) -> Listening:
+    """``listener`` on already-listening ``sockets`` handed over by another process (a
+    supervisor's): made non-blocking, never closed by this one at a stop."""
+    for sock in sockets:
+        sock.setblocking(False)
+    return Listening(listener=listener, context=context, sockets=list(sockets), owned=False)
+
+
+def address_of(sock: socket.socket) -> Address:
+    host, port = sock.getsockname()[:2]
+    return (host, port)

@@ -38,7 +38,7 @@ import enum
 import socket
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
 import trio
@@ -48,13 +48,18 @@ from ..config.runtime import RuntimeState
 from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, ShutdownRequested
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
-from .listeners import ConnectionSlots, bind_listeners, open_listeners
+from .listeners import (
+    Address,
+    ConnectionSlots,
+    Listening,
+    ListenSockets,
+    adopt,
+    bind_listeners,
+    listener_keys,
+    open_listeners,
+)
 from .logs import LogSink, configure_error_log
 from .reactor import tune
-
-Address = tuple[str, int]
-ListenSockets = Mapping[str, Sequence[socket.socket]]
-"""A listener's configured address -> already-listening sockets to adopt instead of binding."""
 
 
 def server_ssl_context(listener: Listener) -> ssl.SSLContext:
@@ -100,23 +105,6 @@ class Phase(enum.Enum):
     CUTTING = "cutting"
     """Stopping: what still runs is being cut (deadline passed, or asked twice)."""
     STOPPED = "stopped"
-
-
-@attrs.define(eq=False)
-class Listening:
-    """One configured listener and the sockets it accepts on."""
-
-    listener: Listener
-    context: ssl.SSLContext | None
-    """Given to connections accepted from now on (a reload may replace it)."""
-    sockets: list[socket.socket]
-    owned: bool
-    """Bound by this process (closed when it stops), not adopted from ``listen_sockets``."""
-    stopped: bool = False
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-
-    def addresses(self) -> list[Address]:
-        return [_address_of(sock) for sock in self.sockets]
 
 
 @attrs.frozen(kw_only=True)
@@ -267,10 +255,10 @@ class ProxyServer:
             raise RuntimeError(f"cannot reload: the server is {self.phase.value}")
         nursery, driver = self._nursery, self.driver
         assert nursery is not None and driver is not None
-        current = dict(zip(_keys(self._listening), self._listening, strict=True))
-        wanted = dict(zip(_keys(config.listeners), config.listeners, strict=True))
-        contexts: dict[_Key, ssl.SSLContext | None] = {}
-        added: dict[_Key, Listening] = {}
+        current = dict(zip(listener_keys(self._listening), self._listening, strict=True))
+        wanted = dict(zip(listener_keys(config.listeners), config.listeners, strict=True))
+        contexts: dict[tuple[str, int], ssl.SSLContext | None] = {}
+        added: dict[tuple[str, int], Listening] = {}
         try:
             for key, listener in wanted.items():
                 if key in current:
@@ -380,7 +368,7 @@ class ProxyServer:
                 adopted = self._listen_sockets.get(listener.address)
                 context = server_ssl_context(listener) if listener.tls else None
                 if adopted:
-                    opened.append(_adopt(listener, context, adopted))
+                    opened.append(adopt(listener, context, adopted))
                     continue
                 sockets = await open_listeners(
                     listener.host, listener.port, reuse_port=self.reuse_port
@@ -398,7 +386,7 @@ class ProxyServer:
         context = server_ssl_context(listener) if listener.tls else None
         adopted = listen_sockets.get(listener.address)
         if adopted:
-            return _adopt(listener, context, adopted)
+            return adopt(listener, context, adopted)
         try:
             sockets = bind_listeners(listener.host, listener.port, reuse_port=self.reuse_port)
         except OSError as exc:
@@ -565,34 +553,6 @@ class ProxyServer:
                 wall=time.time(),
             )
         )
-
-
-_Key = tuple[str, int]
-
-
-def _keys(listeners: Sequence[Listener | Listening]) -> list[_Key]:
-    """Each listener's identity across a reload: its configured address, and how many
-    listeners before it have the same one (several may listen on ``127.0.0.1:0``)."""
-    seen: dict[str, int] = {}
-    keys = []
-    for item in listeners:
-        address = item.listener.address if isinstance(item, Listening) else item.address
-        keys.append((address, seen.get(address, 0)))
-        seen[address] = seen.get(address, 0) + 1
-    return keys
-
-
-def _adopt(
-    listener: Listener, context: ssl.SSLContext | None, sockets: Sequence[socket.socket]
-) -> Listening:
-    for sock in sockets:
-        sock.setblocking(False)
-    return Listening(listener=listener, context=context, sockets=list(sockets), owned=False)
-
-
-def _address_of(sock: socket.socket) -> Address:
-    host, port = sock.getsockname()[:2]
-    return (host, port)
 
 
 async def serve(
