@@ -15,9 +15,11 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
 import trustme
 
 from muxproxy.config import Config, Listener, Timeouts, quick_config
+from muxproxy.trio.listeners import ConnectionSlots
 from muxproxy.trio.server import Phase, ProxyServer
 
 if TYPE_CHECKING:
@@ -284,3 +286,58 @@ async def test_grace_comes_from_the_config(start_backend: StartBackend) -> None:
     assert summary is not None
     assert (summary.in_flight, summary.cut, summary.forced) == (1, 1, False)
     assert fake.streams_completed == 0
+
+
+async def test_reload_adopts_handed_over_sockets_and_closes_removed_ones(
+    start_backend: StartBackend,
+) -> None:
+    """A supervisor binds a new listener itself and hands it over with the reload; a listener
+    the reload removes is closed even when adopted, so no connection queues unanswered."""
+    _, backend = await start_backend(backend_id="one")
+    kept, new = Listener(address="127.0.0.1:0"), Listener(address="127.0.0.3:0")
+    handed = socket.create_server(("127.0.0.3", 0))
+    server = ProxyServer(config_for(backend, kept))
+    with handed, trio.fail_after(10):
+        async with running(server):
+            ((_, address),) = server.reload(
+                config_for(backend, kept, new), listen_sockets={"127.0.0.3:0": [handed]}
+            )
+            assert address == handed.getsockname()
+            assert await backend_of(f"http://{address[0]}:{address[1]}") == "one"
+            server.reload(config_for(backend, kept))
+            assert handed.fileno() == -1
+            assert refuses(address)
+            server.request_shutdown()
+
+
+async def test_connection_slots_resize_and_wait_idle() -> None:
+    slots = ConnectionSlots(1)
+    slots.acquire_nowait()
+    with pytest.raises(trio.WouldBlock):
+        slots.acquire_nowait()
+    taken = trio.Event()
+    idle = trio.Event()
+
+    async def take() -> None:
+        await slots.acquire()
+        taken.set()
+
+    async def wait_idle() -> None:
+        await slots.wait_idle()
+        idle.set()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take)
+            nursery.start_soon(wait_idle)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not taken.is_set()
+            slots.resize(2)  # a reload raised max_client_connections
+            await taken.wait()
+            assert slots.used == 2
+            slots.release()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not idle.is_set()
+            slots.release()
+            await idle.wait()
+    assert slots.used == 0
