@@ -1,8 +1,10 @@
 """Cost of one routing decision, in microseconds per request (CPU only, no I/O).
 
 Measures, for groups of 8 and 64 servers: the smooth weighted round-robin pick,
-least_streams, rendezvous_order for one key, and the full decision for a keyed request
-(session key from a cookie header + usable_servers + rendezvous_order). Each figure is the
+least_streams, rendezvous_order for one key, the full decision for a keyed request
+(session key from a cookie header + usable_servers + rendezvous_order), and
+``GroupRouter.candidates`` itself: unkeyed, keyed, and keyed with the stream accounting that
+fills the affinity memory. Each figure is the
 median over ``--repeat`` runs of about ``--seconds`` each, timed with ``time.perf_counter_ns``.
 
     . .venv/bin/activate
@@ -103,6 +105,18 @@ def cases(size: int) -> dict[str, Callable[[int], object]]:
         for k in range(n):
             router.candidates(b"conv-%d" % (k & 1023), None, 5.0)
 
+    remembering = GroupRouter(group)
+    remembering.failed(1, 0.0)
+
+    def router_remembered(n: int) -> None:
+        # A request's whole routing work: the decision, then the stream's accounting, which
+        # remembers the key (from the second round on, every key is found in the memory).
+        for k in range(n):
+            key = b"conv-%d" % (k & 1023)
+            index = remembering.candidates(key, None, 5.0)[0]
+            remembering.stream_started(index, key, 5.0)
+            remembering.stream_ended(index)
+
     return {
         "smooth weighted round-robin pick": rr_pick,
         "least_streams": least,
@@ -110,6 +124,7 @@ def cases(size: int) -> dict[str, Callable[[int], object]]:
         "full keyed decision (cookie key + usable_servers + rendezvous_order)": full,
         "GroupRouter.candidates, no key": router_unkeyed,
         "GroupRouter.candidates, 1,024 keys in turn": router_keyed,
+        "candidates + stream_started/ended, 1,024 remembered keys": router_remembered,
     }
 
 

@@ -11,10 +11,14 @@ Invariants:
 - Bounded: at most ``limit`` keys (least recently sent first out) and none older than
   ``idle`` seconds survives a ``sent`` (expired keys are swept from the old end, a few per
   call, so no call does unbounded work).
-- Keys are kept as a 64-bit blake2b hash, never as sent: the memory holds no session
-  identifiers, and each entry costs the same whatever the client sends. Two keys with the
-  same hash (about 1 in 10**8 pairs among 100,000 keys) share an entry, which can only send
-  one of them to the other's server.
+- Keys are kept as their hash, never as sent: the memory holds no session identifiers, and
+  each entry costs the same whatever the client sends. The hash is Python's ``hash()`` of
+  the bytes (SipHash, 64 bits, salted per process), unlike the rendezvous hashing's blake2b:
+  this memory is per process, never shared or stored, so it need not agree across processes;
+  the salt keeps clients from aiming collisions at it; and CPython caches a bytes object's
+  hash, so a request's lookup and its ``sent`` hash the key once. Two keys with the same hash
+  (about 1 in 10**9 pairs among 100,000 keys) share an entry, which can only send one of
+  them to the other's server.
 - Servers are named by address, not by position: a reload that adds, removes or reorders
   servers keeps every entry meaningful, and one memory can serve the routers before and
   after it. A key of a server no longer in the group is ignored by the router and replaced
@@ -22,8 +26,6 @@ Invariants:
 """
 
 from __future__ import annotations
-
-import hashlib
 
 __all__ = ["DEFAULT_LIMIT", "Affinity"]
 
@@ -38,8 +40,8 @@ _SWEEP = 8
 
 
 def key_hash(key: bytes) -> int:
-    """The 64-bit hash a key is remembered by (blake2b: the same in every process)."""
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+    """The hash a key is remembered by (the same for equal keys within one process)."""
+    return hash(key)
 
 
 class Affinity:
@@ -62,7 +64,7 @@ class Affinity:
 
     def lookup(self, key: bytes, now: float) -> str | None:
         """The address ``key`` was last sent to, if that was at most ``idle`` seconds ago."""
-        entry = self._entries.get(key_hash(key))
+        entry = self._entries.get(hash(key))
         if entry is None or now - entry[1] > self.idle:
             return None
         return entry[0]
@@ -70,7 +72,7 @@ class Affinity:
     def sent(self, key: bytes, address: str, now: float) -> None:
         """Remember that ``key`` was sent to ``address`` at ``now``."""
         entries = self._entries
-        digest = key_hash(key)
+        digest = hash(key)
         entries.pop(digest, None)
         entries[digest] = (address, now)
         for _ in range(_SWEEP):

@@ -149,20 +149,10 @@ class GroupRouter:
             address = self.affinity.lookup(key, now)
             if address is not None:
                 known = self.by_address.get(address)
-        if pin is not None or known is not None:
-            existing = usable_servers(
-                servers,
-                self.weights,
-                self.passive,
-                self.probes,
-                now,
-                for_new_sessions=False,
-                down=self.down,
-            )
-            if pin is not None and pin in existing:
-                out.append(pin)
-            if known is not None and known in existing and known != pin:
-                out.append(known)
+        if pin is not None and self._takes_existing(pin, now):
+            out.append(pin)
+        if known is not None and known != pin and self._takes_existing(known, now):
+            out.append(known)
         usable = usable_servers(
             servers,
             self.weights,
@@ -186,6 +176,25 @@ class GroupRouter:
                 ranked = usable[at:] + usable[:at]
         out.extend(i for i in ranked if i not in out)
         return out
+
+    def _takes_existing(self, index: int, now: float) -> bool:
+        """Whether pins and remembered keys may go to ``index`` now: not down, healthy, and
+        not a backup while a primary is usable (``usable_servers(for_new_sessions=False)``,
+        without building the list for a primary)."""
+        if self.down[index] or not self.healthy(index, now):
+            return False
+        if not self.group.servers[index].backup:
+            return True
+        existing = usable_servers(
+            self.group.servers,
+            self.weights,
+            self.passive,
+            self.probes,
+            now,
+            for_new_sessions=False,
+            down=self.down,
+        )
+        return index in existing
 
     # -- what happened ---------------------------------------------------------------------
 
