@@ -187,3 +187,16 @@ def test_resolve_server_names_what_is_unknown() -> None:
     message = server_error.value.args[0]
     assert message.startswith("upstream group 'gpus' has no server '10.0.0.9:8000'")
     assert f"({A}, {B})" in message
+
+
+def test_state_is_a_read_only_value_and_its_entries_are_checked() -> None:
+    source = {("gpus", A): ServerOverride(down=True)}
+    state = RuntimeState(servers=source)
+    source.clear()  # the state took a copy
+    assert state.get("gpus", A).down
+    with pytest.raises(TypeError):
+        state.servers[("gpus", B)] = ServerOverride()  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"^servers: keys are \(group, address\) pairs"):
+        RuntimeState(servers={"gpus": ServerOverride()})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"^servers\[\('gpus', '10.0.0.1:8000'\)\]: expected"):
+        RuntimeState(servers={("gpus", A): {"down": True}})  # type: ignore[dict-item]

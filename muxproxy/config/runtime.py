@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -79,6 +80,18 @@ class ServerOverride:
 _DEFAULT = ServerOverride()
 
 
+def _read_only(
+    servers: Mapping[tuple[str, str], ServerOverride],
+) -> Mapping[tuple[str, str], ServerOverride]:
+    """A read-only copy (the state is a value: a change makes a new one), checked."""
+    for key, override in servers.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
+            raise ValueError(f"servers: keys are (group, address) pairs of strings, got {key!r}")
+        if not isinstance(override, ServerOverride):
+            raise ValueError(f"servers[{key!r}]: expected a ServerOverride, got {override!r}")
+    return MappingProxyType(dict(servers))
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeState:
     """Overrides keyed by (group name, server address as written in the configuration).
@@ -87,7 +100,9 @@ class RuntimeState:
     removes its entry, so an untouched proxy's state is ``empty()``.
     """
 
-    servers: Mapping[tuple[str, str], ServerOverride] = attrs.field(factory=dict)
+    servers: Mapping[tuple[str, str], ServerOverride] = attrs.field(
+        factory=dict, converter=_read_only
+    )
 
     @classmethod
     def empty(cls) -> RuntimeState:
