@@ -1,0 +1,212 @@
+"""A worker process of ``muxproxy serve --workers N``, steered by its supervisor.
+
+The supervisor (:mod:`muxproxy.workers`) starts it as ``python -c`` (:data:`WORKER_CODE`) with
+a pickled :class:`~muxproxy.trio.handover.WorkerPayload` on stdin: the configuration, the
+listening sockets of its slot (already bound and listening; the worker never binds) and its
+end of the control channel (:mod:`muxproxy.trio.channel`). It serves them with one
+:class:`~muxproxy.trio.server.ProxyServer` and talks to the supervisor in JSON lines:
+
+=============== ================================== ===========================================
+from            message                            meaning
+=============== ================================== ===========================================
+worker          ``listening`` bound, generation    serving; sent once, after the sockets
+                                                   are adopted
+supervisor      ``stop``                           drain: ``request_shutdown()`` (graceful)
+supervisor      ``cut``                            cut every stream now
+supervisor      ``reload`` id, config, listeners   apply a validated Config (base64 pickle);
+                                                   new listeners' sockets come as descriptors,
+                                                   ``listeners`` naming how many per address;
+                                                   answered ``reloaded`` id, ok, generation,
+                                                   error
+supervisor      ``runtime`` id, state              ``RuntimeState`` JSON; answered ``applied``
+supervisor      ``status?`` / ``metrics?`` id      answered ``status`` / ``metrics`` with
+                                                   ``ProxyCore.status()`` / a measurements
+                                                   snapshot
+worker          ``exited`` snapshot                drained and about to exit: the final
+                                                   measurements, kept by the supervisor
+=============== ================================== ===========================================
+
+SIGTERM and SIGINT to a worker, and the end of the channel (the supervisor died; the kernel
+also sends SIGTERM then, ``PR_SET_PDEATHSIG``) stop it gracefully as ``stop`` does; a second
+one cuts. A worker runs in a process group of its own, so a terminal's Ctrl-C reaches the
+supervisor alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from ..cli import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves
+from ..config import Config
+from ..config.runtime import RuntimeState
+from .channel import Channel, ChannelError, Message
+from .handover import WorkerPayload
+from .server import ProxyServer
+
+WORKER_CODE = "from muxproxy.trio.worker import worker_main; raise SystemExit(worker_main())"
+"""A worker's ``python -c`` program; its one argument is the supervisor's pid."""
+_PR_SET_PDEATHSIG = 1
+"""From ``<linux/prctl.h>``."""
+
+
+def worker_main() -> int:
+    """A worker process: ``sys.argv[1]`` is the supervisor's pid; the payload is on stdin.
+
+    Returns the exit status: 0 once stopped and drained, 1 when it cannot serve.
+    """
+    _exit_with(int(sys.argv[1]))
+    payload = WorkerPayload.loads(sys.stdin.buffer.read())
+    sockets = {
+        address: [socket.socket(fileno=fd) for fd in fds]
+        for address, fds in payload.listeners.items()
+    }
+    control = socket.socket(fileno=payload.control)
+    try:
+        trio.run(WorkerProcess(payload, sockets, control).run)
+    except* OSError as group:
+        for exc in leaves(group):
+            print(f"muxproxy: worker {os.getpid()}: cannot serve: {exc}", file=sys.stderr)
+    else:
+        return EXIT_OK
+    return EXIT_FAILURE
+
+
+class WorkerProcess:
+    """One worker's server and its side of the control channel."""
+
+    def __init__(
+        self,
+        payload: WorkerPayload,
+        sockets: dict[str, list[socket.socket]],
+        control: socket.socket,
+    ) -> None:
+        self.payload = payload
+        self.server = ProxyServer(payload.config, reuse_port=True, listen_sockets=sockets)
+        self.channel = Channel(control)
+        self.stops = 0
+        """``request_shutdown()`` calls so far: 1 drains, 2 cuts."""
+
+    async def run(self) -> None:
+        """Serve until stopped and drained."""
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals, signals)
+                bound = await nursery.start(self._serve, nursery.cancel_scope)
+                if self.payload.runtime is not None:
+                    self.server.apply_runtime(RuntimeState.from_json(self.payload.runtime))
+                freeze_startup_heap()
+                await self._send(
+                    {
+                        "type": "listening",
+                        "bound": bound,
+                        "generation": self.server.generation,
+                        "pid": os.getpid(),
+                    }
+                )
+                nursery.start_soon(self._commands)
+
+    async def _serve(
+        self, done: trio.CancelScope, *, task_status: trio.TaskStatus[list[tuple[str, int]]]
+    ) -> None:
+        await self.server.run(task_status=task_status)
+        # Stopped and drained: the last word is the measurements, which the supervisor keeps
+        # so that its counters never go backwards once this process is gone.
+        await self._send({"type": "exited", "snapshot": self._snapshot()})
+        done.cancel()
+
+    async def _signals(self, signals: AsyncIterator[int]) -> None:
+        async for _ in signals:
+            self._stop(cut=self.stops > 0)
+
+    async def _commands(self) -> None:
+        while (received := await self.channel.receive()) is not None:
+            message, fds = received
+            kind = message["type"]
+            if fds and kind != "reload":
+                for fd in fds:
+                    os.close(fd)
+                raise ChannelError(f"a {kind!r} message carries descriptors")
+            if kind == "stop":
+                self._stop(cut=False)
+            elif kind == "cut":
+                self._stop(cut=True)
+            elif kind == "reload":
+                await self._send(self._reload(message, fds))
+            elif kind == "runtime":
+                self.server.apply_runtime(RuntimeState.from_json(message["state"]))
+                await self._send({"type": "applied", "id": message["id"]})
+            elif kind == "status?":
+                await self._send({"type": "status", "id": message["id"], **self._status()})
+            elif kind == "metrics?":
+                snapshot = self._snapshot()
+                await self._send({"type": "metrics", "id": message["id"], "snapshot": snapshot})
+            else:
+                raise ChannelError(f"unknown control message {kind!r}")
+        # The supervisor is gone: nobody will ever tell us to stop. Drain and exit.
+        self._stop(cut=False)
+
+    def _stop(self, *, cut: bool) -> None:
+        wanted = 2 if cut else 1
+        while self.stops < wanted:
+            self.stops += 1
+            self.server.request_shutdown()
+
+    def _reload(self, message: Message, fds: list[int]) -> Message:
+        reply: Message = {"type": "reloaded", "id": message["id"]}
+        sockets: dict[str, list[socket.socket]] = {}
+        start = 0
+        for address, count in message["listeners"].items():
+            sockets[address] = [socket.socket(fileno=fd) for fd in fds[start : start + count]]
+            start += count
+        try:
+            config = pickle.loads(base64.b64decode(message["config"]))
+            assert isinstance(config, Config)
+            self.server.reload(config, listen_sockets=sockets)
+        except OSError as exc:
+            for adopted in sockets.values():
+                for sock in adopted:
+                    sock.close()
+            return {**reply, "ok": False, "error": str(exc), "generation": self.server.generation}
+        return {**reply, "ok": True, "generation": self.server.generation}
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "slot": self.payload.slot,
+            "generation": self.server.generation,
+            "status": self.server.core.status(),
+        }
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.server.core.measurements.snapshot()
+
+    async def _send(self, message: Message) -> None:
+        try:
+            await self.channel.send(message)
+        except trio.BrokenResourceError:
+            pass  # The supervisor is gone; the end of file says so to _commands too.
+
+
+def encode_config(config: Config) -> str:
+    """``config`` as the ``reload`` message carries it: a base64 pickle."""
+    return base64.b64encode(pickle.dumps(config)).decode("ascii")
+
+
+def _exit_with(supervisor: int) -> None:
+    """Have the kernel send this process SIGTERM when the supervisor exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    if os.getppid() != supervisor:  # It exited before the prctl: no signal will come.
+        raise SystemExit(EXIT_FAILURE)
