@@ -1,209 +1,373 @@
-"""``muxproxy serve --workers N``: N worker processes sharing the listeners with SO_REUSEPORT.
+"""``muxproxy serve --workers N``: a supervisor and N worker processes on handed-over sockets.
 
 Each worker is a whole, independent proxy: its own Trio loop, ``ProxyCore``, connection pools
-and health state. Nothing is shared or synchronised between workers, which is why this is
-simple: the Linux kernel spreads new connections over the workers' listening sockets (by a hash
-of the 4-tuple, ``SO_REUSEPORT``), and sticky routing still agrees across workers because it is
-rendezvous hashing over the same configuration. Passive and active health are per worker: each
-learns for itself that a backend is down.
+and health state. Nothing is shared or synchronised between workers: sticky routing agrees
+across them because it is rendezvous hashing over the same configuration, and passive and
+active health are per worker (each learns for itself that a backend is down).
 
-Theory of operation. The supervisor (the process the user started) never serves a request:
+Theory of operation. The supervisor (the process the user started) never serves a request. It
+owns the listening sockets, the workers' lives and the signals, and it never drops a stream
+or a connection waiting to be accepted:
 
-* It reserves ports first. A listener configured with port 0 gets one socket bound with
-  ``SO_REUSEADDR`` + ``SO_REUSEPORT`` and kept bound, not listening, until the supervisor exits:
-  every worker, replacements included, binds that same concrete port, and no other program can
-  take it while a worker restarts. A bound socket that does not listen is never handed a
-  connection.
-* It starts each worker as ``python -c`` (:data:`_WORKER_CODE`) with the configuration pickled on
-  its stdin, in a process group of its own (a terminal's Ctrl-C reaches the supervisor alone,
-  which forwards it: one signal per worker). A worker reports its bound addresses as one JSON
-  line on a status pipe once it listens; end of file on that pipe means it has exited.
-* Once every worker listens it prints ``muxproxy listening on ...`` (as one process would).
-* SIGINT and SIGTERM are forwarded to the workers, which get :data:`SHUTDOWN_GRACE` seconds to
-  exit before SIGKILL; the supervisor then exits 0, as Ctrl-C of one process does.
-* A worker that dies is reported on stderr and replaced, at most N times within
-  :data:`RESTART_WINDOW` seconds: past that the workers stop and the supervisor exits 1, rather
-  than spin on a crash loop. A worker that dies before every worker listens (a port in use, a
-  bad certificate) fails the start: exit 1, after the worker's own message saying why.
+* Sockets. It binds every listening socket itself (:mod:`muxproxy.trio.handover`): per
+  listener, one ``SO_REUSEPORT`` socket per worker slot, so the kernel spreads connections
+  over the slots as it did when each worker bound its own, and each connection wakes one
+  process. A worker adopts its slot's sockets (``ProxyServer(listen_sockets=...)``) and never
+  binds. Because the supervisor keeps every socket open, a worker that stops or dies takes no
+  accept queue with it: what waits there is accepted by the worker that takes the slot over.
+* Workers. Each is ``python -c`` (:data:`~muxproxy.trio.worker.WORKER_CODE`, so it imports the
+  code installed at the time it starts) in a process group of its own (a terminal's Ctrl-C
+  reaches the supervisor alone), reading a pickled ``WorkerPayload`` on stdin that names its
+  descriptors (``pass_fds``). A Unix socketpair per worker is its control channel
+  (:mod:`muxproxy.trio.channel`; the messages are listed in :mod:`muxproxy.trio.worker`):
+  "listening", "stop", "cut", "reload", "runtime", "status?", "metrics?", and the worker's
+  final measurements as it exits; end of file means the worker has gone.
+* Start. Once every worker reports that it listens, the supervisor prints ``muxproxy
+  listening on ...`` (as one process would). A worker that exits before that fails the
+  start: exit 1, after the worker's own message saying why.
+* SIGTERM, SIGINT, SIGQUIT: every worker is told "stop" (``request_shutdown()``: it stops
+  accepting and lets its streams finish); the supervisor waits until each has drained and
+  exited, up to ``timeouts.shutdown_grace`` plus :data:`KILL_MARGIN` seconds, kills what is
+  left, and exits 0. A second SIGTERM or SIGINT tells every worker "cut".
+* SIGHUP: the configuration file is read again with ``load_config`` (the checker of ``muxproxy
+  check``). An invalid file is refused, every problem logged, and the old configuration
+  keeps running. Otherwise sockets are bound for new listeners and sent with "reload" to
+  every worker; a removed listener's sockets are closed once every worker has applied the new
+  configuration (and so closed its own copies).
+* SIGUSR2: a rolling restart onto the installed code. Slot by slot, a new worker starts on the
+  slot's sockets, and once it reports that it listens the old one is told "stop" and drains
+  in the background; both accept from the same queue meanwhile, so no connection is refused.
+  A new worker that fails to listen aborts the restart: the old one keeps its slot, and why is
+  logged.
+* A worker that dies is reported on stderr and replaced on its slot, at most N times within
+  :data:`RESTART_WINDOW` seconds: past that the workers stop and the supervisor exits 1,
+  rather than spin on a crash loop.
+* Control (:class:`~muxproxy.supervision.SupervisorControl`): the status, runtime server
+  overrides, reloads and metrics of the admin interface, merged over the workers.
 
-A worker asks the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``), so no
-worker outlives it, even one killed with SIGKILL. Both are Linux-only; so is ``--workers N``.
+A worker asks the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``) and
+drains; so no worker outlives the supervisor, even one killed with SIGKILL. Both that and
+``SO_REUSEPORT``'s spreading are Linux-only; so is ``--workers N``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import enum
-import json
+import itertools
+import math
 import os
-import pickle
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import assert_never
+from typing import Any
 
 import attrs
 import trio
 
-from muxproxy.cli import (
-    EXIT_FAILURE,
-    EXIT_OK,
-    EXIT_USAGE,
-    freeze_startup_heap,
-    leaves,
-    listening_lines,
+from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
+from muxproxy.config import Config, ConfigError, load_config
+from muxproxy.config.runtime import RuntimeState, load_state
+from muxproxy.trio.channel import Channel, ChannelError, Message
+from muxproxy.trio.control import ReloadResult
+from muxproxy.trio.handover import (
+    SlotSockets,
+    WorkerPayload,
+    bind_listeners,
+    close_listeners,
+    slot_fds,
 )
-from muxproxy.config import Config, Listener
-from muxproxy.trio.server import serve
+from muxproxy.trio.worker import WORKER_CODE, encode_config
 
-SHUTDOWN_GRACE = 5.0
-"""Seconds a worker has to exit after a forwarded signal before it is killed."""
 STARTUP_TIMEOUT = 30.0
-"""Seconds every worker has to start listening; a start that hangs fails instead."""
+"""Seconds a worker has to start listening; a start that hangs fails instead."""
 RESTART_WINDOW = 10.0
 """Seconds over which replacements are counted: N workers may be replaced N times in it."""
+KILL_MARGIN = 5.0
+"""Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
+REPLY_TIMEOUT = 5.0
+"""Seconds a worker has to answer a request on its control channel."""
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-_WORKER_CODE = "from muxproxy.workers import worker_main; raise SystemExit(worker_main())"
-"""A worker's ``python -c`` program; its arguments are the supervisor's pid and the status fd."""
-_PR_SET_PDEATHSIG = 1
-"""From ``<linux/prctl.h>``."""
-
-Address = tuple[str, int]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Stop signals that, arriving while the workers drain, cut instead."""
+HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2)
 
 
-class _Phase(enum.Enum):
+class Phase(enum.Enum):
     STARTING = "starting"
     """Not every worker has reported that it listens; a death fails the start."""
     SERVING = "serving"
     """Every worker has listened once; a death is replaced."""
+    STOPPING = "stopping"
+    """The workers were told to stop; the supervisor exits once they have."""
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    """Told to stop (a shutdown, or replaced by a rolling restart): draining."""
+    EXITED = "exited"
+
+
+@attrs.define(eq=False)
+class Worker:
+    """One worker process, as the supervisor sees it."""
+
+    slot: int
+    process: trio.Process
+    channel: Channel
+    generation: int
+    """The supervisor's configuration generation this worker runs."""
+    state: WorkerState = WorkerState.STARTING
+    bound: list[tuple[str, int]] = attrs.field(factory=list)
+    listening: trio.Event = attrs.field(factory=trio.Event)
+    exited: trio.Event = attrs.field(factory=trio.Event)
+    returncode: int | None = None
+    final: dict[str, Any] | None = None
+    """The measurements it sent as it exited."""
+    replies: dict[int, _Pending] = attrs.field(factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def live(self) -> bool:
+        return self.state is not WorkerState.EXITED
+
+    async def request(self, message: Message, ident: int, fds: Sequence[int] = ()) -> Message:
+        """Send ``message`` (given ``ident``, carrying ``fds``); the answer with the same id.
+
+        Raises ``trio.BrokenResourceError`` when the worker exits first, ``trio.TooSlowError``
+        after :data:`REPLY_TIMEOUT`.
+        """
+        pending = self.replies[ident] = _Pending()
+        try:
+            with trio.fail_after(REPLY_TIMEOUT):
+                await self.channel.send({**message, "id": ident}, fds)
+                await pending.done.wait()
+        finally:
+            del self.replies[ident]
+        if pending.reply is None:
+            raise trio.BrokenResourceError(f"worker {self.pid} exited")
+        return pending.reply
 
 
 @attrs.define
-class _Worker:
-    process: subprocess.Popen[bytes]
-    status: int
-    """Read end of the worker's status pipe: its bound addresses, then end of file at exit."""
-    received: bytes = b""
-    bound: list[Address] | None = None
-    """What the worker reported once it listened; None before."""
+class _Pending:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    reply: Message | None = None
 
 
-@attrs.frozen(kw_only=True)
-class _Listening:
-    worker: _Worker
-
-
-@attrs.frozen(kw_only=True)
-class _Died:
-    worker: _Worker
-    returncode: int
-
-
-@attrs.frozen(kw_only=True)
-class _Signalled:
-    signum: int
-
-
-_Event = _Listening | _Died | _Signalled
-
-
-def supervise(config: Config, count: int) -> int:
+def supervise(config: Config, count: int, config_path: str | None = None) -> int:
     """Serve ``config`` with ``count`` worker processes until a signal; returns the exit status.
 
-    0 after SIGINT or SIGTERM; 1 when the workers cannot start or keep dying; 2 off Linux.
+    ``config_path``: the file ``config`` was loaded from, read again on SIGHUP (None when
+    it came from flags: a SIGHUP is then refused). 0 after SIGTERM, SIGINT or SIGQUIT; 1 when
+    the workers cannot start or keep dying; 2 off Linux.
     """
     if sys.platform != "linux":
         print("muxproxy serve: --workers above 1 needs Linux (SO_REUSEPORT)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        with contextlib.ExitStack() as stack:
-            concrete = stack.enter_context(_reserved_ports(config))
-            wakeup = stack.enter_context(_signal_wakeup())
-            supervisor = _Supervisor(concrete, count, wakeup)
-            stack.callback(supervisor.selector.close)
-            stack.callback(supervisor.stop_all, signal.SIGTERM)
-            return supervisor.run()
-    except OSError as exc:
-        print(f"muxproxy: cannot serve: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return trio.run(partial(_supervise, config, count, config_path))
+    except* OSError as group:
+        for exc in leaves(group):
+            print(f"muxproxy: cannot serve: {exc}", file=sys.stderr)
+    return EXIT_FAILURE
 
 
-class _Supervisor:
-    def __init__(self, config: Config, count: int, wakeup: socket.socket) -> None:
+async def _supervise(config: Config, count: int, config_path: str | None) -> int:
+    with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
+        supervisor = Supervisor(config, count, config_path, bind_listeners(config.listeners, count))
+        try:
+            async with trio.open_nursery() as nursery:
+                supervisor.nursery = nursery
+                await supervisor.start()
+                nursery.start_soon(supervisor.handle_signals, signals)
+                await supervisor.done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            close_listeners(supervisor.sockets)
+    return supervisor.exit_status
+
+
+class Supervisor:
+    """The workers of one ``serve --workers N``, and what the signals do to them."""
+
+    def __init__(
+        self,
+        config: Config,
+        count: int,
+        config_path: str | None,
+        sockets: dict[str, SlotSockets],
+    ) -> None:
         self.config = config
         self.count = count
-        self.payload = pickle.dumps(config)
-        self.wakeup = wakeup
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(wakeup, selectors.EVENT_READ, None)
-        self.workers: list[_Worker] = []
-        self.phase = _Phase.STARTING
+        self.config_path = config_path
+        self.sockets = sockets
+        """Listener address -> per slot, its listening sockets (kept open while serving)."""
+        self.nursery: trio.Nursery
+        """Where the workers' watchers run (set before :meth:`start`)."""
+        self.generation = 1
+        """1 at start, +1 per configuration applied by a reload."""
+        self.phase = Phase.STARTING
+        self.slots: list[Worker | None] = [None] * count
+        """The worker that owns each slot (a rolling restart's old one drains beside it)."""
+        self.workers: list[Worker] = []
+        """Every worker process not yet exited, draining ones included."""
+        self.finals: list[dict[str, Any]] = []
+        """Measurements of exited workers, so merged counters never go backwards."""
+        state_file = self.state_file
+        self.runtime = load_state(state_file) if state_file else RuntimeState.empty()
         self.restarts: deque[float] = deque()
         """When each recent replacement started (within :data:`RESTART_WINDOW`)."""
+        self.lock = trio.Lock()
+        """Held by a reload, a rolling restart and a replacement: one change at a time."""
+        self.exit_status = EXIT_OK
+        self.done = trio.Event()
+        self._ids = itertools.count(1)
+        self._kill_at = math.inf
 
-    def run(self) -> int:
-        """Start the workers and look after them until a signal; returns the exit status."""
-        self.workers = [self._spawn() for _ in range(self.count)]
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            timeout = None
-            if self.phase is _Phase.STARTING:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    print(
-                        f"muxproxy: workers did not all listen within {STARTUP_TIMEOUT:g}s",
-                        file=sys.stderr,
-                    )
-                    return EXIT_FAILURE
-            for event in self._wait(timeout):
-                status = self._handle(event)
-                if status is not None:
-                    return status
+    @property
+    def state_file(self) -> str | None:
+        admin = getattr(self.config, "admin", None)
+        return None if admin is None else admin.state_file
 
-    def _handle(self, event: _Event) -> int | None:
-        """Act on ``event``; returns the exit status once the supervisor is done."""
-        match event:
-            case _Signalled(signum=signum):
-                self.stop_all(signal.Signals(signum))
-                return EXIT_OK
-            case _Listening():
-                bound = event.worker.bound
-                assert bound is not None
-                if self.phase is _Phase.STARTING and all(w.bound for w in self.workers):
-                    # Every worker bound the same addresses: print them once, as one process.
-                    self.phase = _Phase.SERVING
-                    for line in listening_lines(self.config, bound):
-                        print(line, flush=True)
-                return None
-            case _Died(worker=worker, returncode=returncode):
-                what = f"muxproxy: worker {worker.process.pid} {_describe_exit(returncode)}"
-                if self.phase is _Phase.STARTING:
-                    print(f"{what} while starting", file=sys.stderr)
-                    return EXIT_FAILURE
-                if not self._may_restart():
-                    print(
-                        f"{what}; {len(self.restarts)} workers replaced within"
-                        f" {RESTART_WINDOW:g}s, giving up",
-                        file=sys.stderr,
+    # ---- starting -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every worker and wait until all listen; on failure, set ``done`` (exit 1)."""
+        started = [await self._spawn(slot) for slot in range(self.count)]
+        for worker in started:
+            self.slots[worker.slot] = worker
+        failure: str | None = None
+        with trio.move_on_after(STARTUP_TIMEOUT):
+            for worker in started:
+                await _first(worker.listening.wait, worker.exited.wait)
+                if not worker.listening.is_set():
+                    failure = (
+                        f"worker {worker.pid} {_describe_exit(worker.returncode)} while starting"
                     )
-                    return EXIT_FAILURE
-                print(f"{what}; starting another", file=sys.stderr)
-                self.workers.append(self._spawn())
-                return None
-            case _:
-                assert_never(event)
+                    break
+            else:
+                self.phase = Phase.SERVING
+                for line in listening_lines(self.config, started[0].bound):
+                    print(line, flush=True)
+                return
+        self._log(failure or f"workers did not all listen within {STARTUP_TIMEOUT:g}s")
+        self.exit_status = EXIT_FAILURE
+        await self.stop(cut=True)
+
+    async def _spawn(self, slot: int) -> Worker:
+        """Start a worker on ``slot``'s sockets (not yet owning the slot)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        listeners = slot_fds(self.sockets, slot)
+        payload = WorkerPayload(
+            config=self.config,
+            slot=slot,
+            control=theirs.fileno(),
+            listeners=listeners,
+            runtime=self.runtime.to_json() if self.runtime.servers else None,
+        )
+        try:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-c", WORKER_CODE, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                pass_fds=(theirs.fileno(), *(fd for fds in listeners.values() for fd in fds)),
+                process_group=0,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # The worker's now: end of file on ours means it has exited.
+        assert process.stdin is not None
+        try:
+            async with process.stdin:
+                await process.stdin.send_all(payload.dumps())
+        except trio.BrokenResourceError:
+            pass  # It died at once; its channel will say so.
+        worker = Worker(
+            slot=slot, process=process, channel=Channel(ours), generation=self.generation
+        )
+        self.workers.append(worker)
+        self.nursery.start_soon(self._watch, worker)
+        return worker
+
+    # ---- each worker's channel ------------------------------------------------------------
+
+    async def _watch(self, worker: Worker) -> None:
+        """Read ``worker``'s messages until it exits; then replace it if it died."""
+        try:
+            while (received := await worker.channel.receive()) is not None:
+                message, fds = received
+                for fd in fds:
+                    os.close(fd)
+                self._received(worker, message)
+        except ChannelError as exc:
+            self._log(f"worker {worker.pid}: {exc}; killing it")
+            worker.process.kill()
+        finally:
+            worker.channel.close()
+            for pending in worker.replies.values():
+                pending.done.set()
+        with trio.move_on_after(KILL_MARGIN) as waited:
+            worker.returncode = await worker.process.wait()
+        if waited.cancelled_caught:  # It closed its channel but lives on: a bug.
+            worker.process.kill()
+            worker.returncode = await worker.process.wait()
+        was = worker.state
+        worker.state = WorkerState.EXITED
+        self.workers.remove(worker)
+        if worker.final is not None:
+            self.finals.append(worker.final)
+        worker.exited.set()
+        if self.phase is Phase.STOPPING:
+            if not self.workers:
+                self.done.set()
+        elif was is not WorkerState.STOPPING and self.slots[worker.slot] is worker:
+            await self._replace(worker)
+
+    def _received(self, worker: Worker, message: Message) -> None:
+        kind = message["type"]
+        if kind == "listening":
+            worker.bound = [(host, port) for host, port in message["bound"]]
+            if worker.state is WorkerState.STARTING:
+                worker.state = WorkerState.SERVING
+            worker.listening.set()
+        elif kind == "exited":
+            worker.final = message["snapshot"]
+        elif (pending := worker.replies.get(message.get("id", -1))) is not None:
+            pending.reply = message
+            pending.done.set()
+        else:
+            raise ChannelError(f"unexpected {kind!r} message")
+
+    async def _replace(self, dead: Worker) -> None:
+        what = f"worker {dead.pid} {_describe_exit(dead.returncode)}"
+        if self.phase is Phase.STARTING:
+            return  # start() reports it
+        if not self._may_restart():
+            self._log(
+                f"{what}; {len(self.restarts)} workers replaced within"
+                f" {RESTART_WINDOW:g}s, giving up"
+            )
+            self.exit_status = EXIT_FAILURE
+            await self.stop(cut=False)
+            return
+        self._log(f"{what}; starting another")
+        async with self.lock:
+            if self.phase is Phase.SERVING and self.slots[dead.slot] is dead:
+                self.slots[dead.slot] = await self._spawn(dead.slot)
 
     def _may_restart(self) -> bool:
-        now = time.monotonic()
+        now = trio.current_time()
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW:
             self.restarts.popleft()
         if len(self.restarts) >= self.count:
@@ -211,81 +375,191 @@ class _Supervisor:
         self.restarts.append(now)
         return True
 
-    def _spawn(self) -> _Worker:
-        status, status_out = os.pipe()
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, str(os.getpid()), str(status_out)],
-                stdin=subprocess.PIPE,
-                pass_fds=(status_out,),
-                process_group=0,
-            )
-        except BaseException:
-            os.close(status)
-            raise
-        finally:
-            # Only the worker holds the write end now: end of file means it has exited.
-            os.close(status_out)
-        assert process.stdin is not None
-        try:
-            with process.stdin:
-                process.stdin.write(self.payload)
-        except BrokenPipeError:
-            pass  # It died at once; its status pipe will say so.
-        worker = _Worker(process=process, status=status)
-        self.selector.register(status, selectors.EVENT_READ, worker)
-        return worker
+    # ---- signals --------------------------------------------------------------------------
 
-    def _wait(self, timeout: float | None) -> list[_Event]:
-        events: list[_Event] = []
-        for key, _ in self.selector.select(timeout):
-            worker = key.data
-            if worker is None:
-                with contextlib.suppress(BlockingIOError):
-                    events.extend(_Signalled(signum=n) for n in self.wakeup.recv(64))
-                continue
-            assert isinstance(worker, _Worker)
-            data = os.read(worker.status, 4096)
-            if not data:
-                events.append(_Died(worker=worker, returncode=self._reap(worker)))
-                continue
-            worker.received += data
-            if worker.bound is None and b"\n" in worker.received:
-                line, _, worker.received = worker.received.partition(b"\n")
-                worker.bound = [(host, port) for host, port in json.loads(line)]
-                events.append(_Listening(worker=worker))
-        return events
+    async def handle_signals(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            if signum in STOP_SIGNALS:
+                stopping = self.phase is Phase.STOPPING
+                if not stopping or signum in CUT_SIGNALS:
+                    await self.stop(cut=stopping)
+            elif self.phase is Phase.STOPPING:
+                self._log(f"{signal.Signals(signum).name} ignored: stopping")
+            elif signum == signal.SIGHUP:
+                self.nursery.start_soon(self.reload)
+            elif signum == signal.SIGUSR2:
+                self.nursery.start_soon(self.restart)
 
-    def _reap(self, worker: _Worker) -> int:
-        """Forget ``worker``, whose status pipe has ended; returns its exit status."""
-        self._forget(worker)
-        try:
-            return worker.process.wait(timeout=SHUTDOWN_GRACE)
-        except subprocess.TimeoutExpired:  # It closed the pipe but lives on: a bug.
-            worker.process.kill()
-            return worker.process.wait()
-
-    def _forget(self, worker: _Worker) -> None:
-        self.workers.remove(worker)
-        self.selector.unregister(worker.status)
-        os.close(worker.status)
-
-    def stop_all(self, signum: signal.Signals) -> None:
-        """Send ``signum`` to every worker; kill those still running after the grace period."""
-        for worker in self.workers:
-            worker.process.send_signal(signum)
-        deadline = time.monotonic() + SHUTDOWN_GRACE
+    async def stop(self, *, cut: bool) -> None:
+        """Tell every worker to stop (drain, or ``cut``); kill those left at the deadline."""
+        if self.phase is not Phase.STOPPING:
+            self.phase = Phase.STOPPING
+            grace: float = self.config.timeouts.shutdown_grace
+            self._kill_at = trio.current_time() + grace + KILL_MARGIN
+            self.nursery.start_soon(self._kill_stragglers)
+            if not self.workers:
+                self.done.set()
         for worker in list(self.workers):
+            worker.state = WorkerState.STOPPING
+            await self._tell(worker, {"type": "cut" if cut else "stop"})
+
+    async def _kill_stragglers(self) -> None:
+        await trio.sleep_until(self._kill_at)
+        for worker in list(self.workers):
+            self._log(f"worker {worker.pid} had not drained; killed")
+            worker.process.kill()
+
+    async def _tell(self, worker: Worker, message: Message) -> None:
+        try:
+            await worker.channel.send(message)
+        except trio.BrokenResourceError:
+            pass  # It is exiting; _watch sees to it.
+
+    # ---- reload and rolling restart -------------------------------------------------------
+
+    async def reload(self) -> ReloadResult:
+        """Apply the configuration file again (SIGHUP); an invalid one changes nothing."""
+        async with self.lock:
+            if self.config_path is None:
+                return self._refused(["serve was started with flags: no file to reload"])
             try:
-                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"muxproxy: worker {worker.process.pid} killed", file=sys.stderr)
-                worker.process.kill()
-                worker.process.wait()
-            self._forget(worker)
+                config = load_config(self.config_path)
+            except ConfigError as exc:
+                return self._refused([f"{self.config_path}: invalid configuration", *exc.problems])
+            current = {listener.address for listener in config.listeners}
+            added = [item for item in config.listeners if item.address not in self.sockets]
+            try:
+                new = bind_listeners(added, self.count)
+            except OSError as exc:
+                return self._refused([str(exc)])
+            generation = self.generation + 1
+            encoded = encode_config(config)
+            targets = [w for w in self.workers if w.state is not WorkerState.STOPPING]
+            errors: list[str] = []
+
+            async def reload_one(worker: Worker) -> None:
+                fds = slot_fds(new, worker.slot)
+                message = {
+                    "type": "reload",
+                    "config": encoded,
+                    "listeners": {address: len(f) for address, f in fds.items()},
+                }
+                flat = [fd for f in fds.values() for fd in f]
+                try:
+                    reply = await worker.request(message, next(self._ids), flat)
+                except trio.BrokenResourceError:
+                    errors.append(f"worker {worker.pid} exited during the reload")
+                except trio.TooSlowError:
+                    errors.append(f"worker {worker.pid} did not answer within {REPLY_TIMEOUT:g}s")
+                else:
+                    if reply["ok"]:
+                        worker.generation = generation
+                    else:
+                        errors.append(f"worker {worker.pid}: {reply['error']}")
+
+            await _gather(*(partial(reload_one, worker) for worker in targets))
+            if errors and not any(w.generation == generation for w in targets):
+                close_listeners(new)
+                return self._refused(errors)
+            removed = {a: s for a, s in self.sockets.items() if a not in current}
+            self.sockets = {
+                **{a: s for a, s in self.sockets.items() if a in current},
+                **new,
+            }
+            # Every worker has closed its copies of a removed listener's sockets.
+            close_listeners(removed)
+            self.config, self.generation = config, generation
+            for line in listening_lines(
+                attrs.evolve(config, listeners=tuple(added)),
+                [s.getsockname()[:2] for item in added for s in new[item.address][0]],
+            ):
+                print(line, flush=True)
+            for error in errors:
+                self._log(f"reload: {error}")
+            pids = ", ".join(str(w.pid) for w in targets if w.generation == generation)
+            self._log(f"reloaded {self.config_path}: generation {generation} (workers {pids})")
+            return ReloadResult(ok=not errors, errors=errors, generation=generation)
+
+    def _refused(self, errors: list[str]) -> ReloadResult:
+        self._log("reload refused; the running configuration is unchanged:")
+        for error in errors:
+            print(f"  {error}", file=sys.stderr, flush=True)
+        return ReloadResult(ok=False, errors=errors, generation=self.generation)
+
+    async def restart(self) -> ReloadResult:
+        """Replace every worker, slot by slot, with one running the installed code (SIGUSR2)."""
+        async with self.lock:
+            started: list[int] = []
+            for slot in range(self.count):
+                if self.phase is not Phase.SERVING:
+                    return ReloadResult(ok=False, errors=["stopping"], generation=self.generation)
+                old = self.slots[slot]
+                new = await self._spawn(slot)
+                with trio.move_on_after(STARTUP_TIMEOUT):
+                    await _first(new.listening.wait, new.exited.wait)
+                if not new.listening.is_set():
+                    why = (
+                        f"did not listen within {STARTUP_TIMEOUT:g}s"
+                        if new.live
+                        else _describe_exit(new.returncode)
+                    )
+                    new.state = WorkerState.STOPPING
+                    new.process.kill()
+                    keeps = f"worker {old.pid} keeps" if old is not None else "nobody holds"
+                    error = f"rolling restart aborted: the new worker {new.pid} {why}"
+                    self._log(f"{error}; {keeps} slot {slot}")
+                    return ReloadResult(ok=False, errors=[error], generation=self.generation)
+                self.slots[slot] = new
+                started.append(new.pid)
+                if old is not None and old.live:
+                    old.state = WorkerState.STOPPING
+                    await self._tell(old, {"type": "stop"})
+            self._log(f"rolling restart done: workers {', '.join(map(str, started))}")
+            return ReloadResult(ok=True, errors=[], generation=self.generation)
+
+    # ---- requests to every worker ---------------------------------------------------------
+
+    async def ask_all(
+        self, message: Message, workers: list[Worker] | None = None
+    ) -> list[tuple[Worker, Message | None]]:
+        """``message`` to each live worker; each worker's answer, None for one that gave none."""
+        targets = list(self.workers) if workers is None else workers
+        answers: dict[int, Message | None] = {}
+
+        async def ask(worker: Worker) -> None:
+            try:
+                answers[id(worker)] = await worker.request(message, next(self._ids))
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                answers[id(worker)] = None
+
+        await _gather(*(partial(ask, worker) for worker in targets))
+        return [(worker, answers[id(worker)]) for worker in targets]
+
+    def _log(self, text: str) -> None:
+        print(f"muxproxy: {text}", file=sys.stderr, flush=True)
 
 
-def _describe_exit(returncode: int) -> str:
+async def _gather(*tasks: Callable[[], Awaitable[None]]) -> None:
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(task)
+
+
+async def _first(*waits: Callable[[], Awaitable[None]]) -> None:
+    """Return as soon as one of ``waits`` returns."""
+    async with trio.open_nursery() as nursery:
+
+        async def run(wait: Callable[[], Awaitable[None]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        for wait in waits:
+            nursery.start_soon(run, wait)
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -293,108 +567,3 @@ def _describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
-
-
-@contextlib.contextmanager
-def _reserved_ports(config: Config) -> Iterator[Config]:
-    """``config`` with each port 0 replaced by a port reserved until the context exits."""
-    with contextlib.ExitStack() as stack:
-        listeners: list[Listener] = []
-        for listener in config.listeners:
-            if listener.port == 0:
-                sock = stack.enter_context(_reserve_port(listener.host))
-                host_part = listener.address.rsplit(":", 1)[0]
-                port = sock.getsockname()[1]
-                listener = attrs.evolve(listener, address=f"{host_part}:{port}")
-            listeners.append(listener)
-        yield attrs.evolve(config, listeners=tuple(listeners))
-
-
-def _reserve_port(host: str) -> socket.socket:
-    """A socket bound to a free port of ``host``'s first address, in a SO_REUSEPORT group."""
-    family, type_, proto, _, sockaddr = socket.getaddrinfo(
-        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        # The same options as the workers' listeners (muxproxy.trio.listeners), which the
-        # kernel requires of every socket sharing the port.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(sockaddr)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-@contextlib.contextmanager
-def _signal_wakeup() -> Iterator[socket.socket]:
-    """A socket that turns readable when SIGINT or SIGTERM arrives; reads give the numbers.
-
-    The handlers do nothing: Python's C-level handler writes the signal number to the wakeup
-    fd, so the supervisor's ``select`` sees a signal like any other event, with no exception
-    raised at an arbitrary point (halfway through starting a worker).
-    """
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
-    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    previous = {signum: signal.signal(signum, _note_signal) for signum in FORWARDED_SIGNALS}
-    try:
-        yield reader
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        signal.set_wakeup_fd(previous_fd)
-        reader.close()
-        writer.close()
-
-
-def _note_signal(signum: int, frame: object) -> None:
-    """Nothing to do: the wakeup fd carries the signal to the supervisor's loop."""
-
-
-# ---- the worker ---------------------------------------------------------------------------
-
-
-def worker_main() -> int:
-    """A worker process: ``sys.argv[1:]`` are the supervisor's pid and the status fd.
-
-    Reads the pickled configuration from stdin, serves it with SO_REUSEPORT, and writes its
-    bound addresses to the status fd once listening. Returns the exit status: 0 after SIGINT,
-    1 when it cannot listen.
-    """
-    supervisor, status = int(sys.argv[1]), int(sys.argv[2])
-    _exit_with(supervisor)
-
-    async def serve_and_report(config: Config) -> None:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(serve, config, reuse_port=True))
-            freeze_startup_heap()
-            os.write(status, json.dumps(bound).encode() + b"\n")
-
-    exit_status = EXIT_OK
-    try:
-        config = pickle.load(sys.stdin.buffer)
-        assert isinstance(config, Config)
-        trio.run(serve_and_report, config)
-    except* KeyboardInterrupt:
-        pass
-    except* OSError as group:
-        for exc in leaves(group):
-            print(f"muxproxy: worker {os.getpid()}: cannot serve: {exc}", file=sys.stderr)
-        exit_status = EXIT_FAILURE
-    return exit_status
-
-
-def _exit_with(supervisor: int) -> None:
-    """Have the kernel send this process SIGTERM when the supervisor exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-    if os.getppid() != supervisor:  # It exited before the prctl: no signal will come.
-        raise SystemExit(EXIT_FAILURE)
