@@ -223,8 +223,13 @@ class Supervisor:
         """Every worker process not yet exited, draining ones included."""
         self.finals: list[dict[str, Any]] = []
         """Measurements of exited workers, so merged counters never go backwards."""
-        state_file = self.state_file
-        self.runtime = load_state(state_file) if state_file else RuntimeState.empty()
+        self.runtime = RuntimeState.empty()
+        """The operator's server overrides, as every worker has them."""
+        if (state_file := self.state_file) is not None:
+            try:
+                self.runtime = load_state(state_file)
+            except ValueError as exc:  # starting with every weight reset would be worse
+                raise OSError(f"admin.state_file {state_file!r}: {exc}") from None
         self.restarts: deque[float] = deque()
         """When each recent replacement started (within :data:`RESTART_WINDOW`)."""
         self.lock = trio.Lock()
@@ -268,12 +273,13 @@ class Supervisor:
         """Start a worker on ``slot``'s sockets (not yet owning the slot)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         listeners = slot_fds(self.sockets, slot)
+        runtime = self.runtime
         payload = WorkerPayload(
             config=self.config,
             slot=slot,
             control=theirs.fileno(),
             listeners=listeners,
-            runtime=self.runtime.to_json() if self.runtime.servers else None,
+            runtime=runtime.to_json() if runtime.servers else None,
         )
         try:
             process = await trio.lowlevel.open_process(
@@ -298,6 +304,8 @@ class Supervisor:
         )
         self.workers.append(worker)
         self.nursery.start_soon(self._watch, worker)
+        if self.runtime is not runtime:  # changed while it started: it missed the broadcast
+            await self._tell(worker, self._runtime_message())
         return worker
 
     # ---- each worker's channel ------------------------------------------------------------
@@ -343,9 +351,11 @@ class Supervisor:
             worker.listening.set()
         elif kind == "exited":
             worker.final = message["snapshot"]
-        elif (pending := worker.replies.get(message.get("id", -1))) is not None:
-            pending.reply = message
-            pending.done.set()
+        elif "id" in message:
+            # An answer; one that comes after its request timed out is dropped.
+            if (pending := worker.replies.get(message["id"])) is not None:
+                pending.reply = message
+                pending.done.set()
         else:
             raise ChannelError(f"unexpected {kind!r} message")
 
@@ -396,9 +406,16 @@ class Supervisor:
             self.phase = Phase.STOPPING
             grace: float = self.config.timeouts.shutdown_grace
             self._kill_at = trio.current_time() + grace + KILL_MARGIN
+            if not cut:
+                self._log(
+                    f"stopping: {len(self.workers)} workers drain their streams"
+                    f" (up to {grace:g}s; a second SIGTERM or SIGINT cuts them)"
+                )
             self.nursery.start_soon(self._kill_stragglers)
             if not self.workers:
                 self.done.set()
+        elif cut:
+            self._log(f"cutting the streams of {len(self.workers)} workers")
         for worker in list(self.workers):
             worker.state = WorkerState.STOPPING
             await self._tell(worker, {"type": "cut" if cut else "stop"})
@@ -534,6 +551,35 @@ class Supervisor:
 
         await _gather(*(partial(ask, worker) for worker in targets))
         return [(worker, answers[id(worker)]) for worker in targets]
+
+    async def apply_runtime(self, state: RuntimeState, *, timeout: float) -> None:
+        """Make ``state`` the runtime state of every worker, and of the ones to come."""
+        self.runtime = state
+        with trio.move_on_after(timeout):
+            await self.ask_all(self._runtime_message())
+
+    def _runtime_message(self) -> Message:
+        return {"type": "runtime", "state": self.runtime.to_json(), "id": next(self._ids)}
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        """Measurements of every worker: the live ones' now, the exited ones' last."""
+        retained = list(self.finals)
+        answers = await self.ask_all({"type": "metrics?"})
+        for worker, answer in answers:
+            # A worker that exited meanwhile answers with its final snapshot (not yet in
+            # ``retained``); one that answered and then exited is counted by its answer.
+            snapshot = answer["snapshot"] if answer is not None else worker.final
+            if snapshot is not None:
+                retained.append(snapshot)
+        return retained
+
+    def bound_addresses(self) -> list[tuple[str, int]]:
+        """Every listening socket's (host, port), one per address, in the configuration's order."""
+        return [
+            (sock.getsockname()[0], sock.getsockname()[1])
+            for listener in self.config.listeners
+            for sock in self.sockets[listener.address][0]
+        ]
 
     def _log(self, text: str) -> None:
         print(f"muxproxy: {text}", file=sys.stderr, flush=True)

@@ -172,7 +172,7 @@ class WorkerProcess:
             config = pickle.loads(base64.b64decode(message["config"]))
             assert isinstance(config, Config)
             self.server.reload(config, listen_sockets=sockets)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:  # cannot bind / load TLS; or stopping
             for adopted in sockets.values():
                 for sock in adopted:
                     sock.close()

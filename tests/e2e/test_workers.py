@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+import h11
 import pytest
 import trio
-from peers import h1_read_response, h1_request_bytes, open_tcp
+from peers import h1_read_response, h1_request_bytes, open_tcp, sse_events
 
 from muxproxy.cli import main
+from muxproxy.testing.fakellm import FakeLLM
 
 if TYPE_CHECKING:
     from conftest import StartBackend
@@ -124,6 +126,8 @@ class Supervisor:
     """What it printed to stdout so far: its listening line, and more once it exited."""
     stderr: Path
     seen_workers: set[int] = attrs.field(factory=set)
+    unread: bytes = b""
+    """Stdout past the first line, not yet returned by :meth:`read_line`."""
 
     def workers(self) -> set[int]:
         current = children_of(self.process.pid)
@@ -159,6 +163,28 @@ class Supervisor:
                     return count
         raise AssertionError(f"{MAX_CONNECTIONS} connections, served by {served} of {workers}")
 
+    async def read_line(self) -> str:
+        """The next line the supervisor prints on stdout (past its first listening line)."""
+        assert self.process.stdout is not None
+        with trio.fail_after(10):
+            while b"\n" not in self.unread:
+                chunk = await self.process.stdout.receive_some(4096)
+                assert chunk, f"stdout ended: {self.errors()}"
+                self.stdout += chunk
+                self.unread += chunk
+        line, _, self.unread = self.unread.partition(b"\n")
+        return line.decode()
+
+    async def wait_logged(self, text: str, timeout: float = 15) -> str:
+        """Poll stderr until a line holds ``text``; returns that line."""
+        with trio.move_on_after(timeout):
+            while True:
+                for line in self.errors().splitlines():
+                    if text in line:
+                        return line
+                await trio.sleep(POLL)
+        raise AssertionError(f"no {text!r} on stderr within {timeout}s: {self.errors()}")
+
     async def wait_exit(self, timeout: float = 10) -> int:
         with trio.fail_after(timeout):
             assert self.process.stdout is not None
@@ -189,7 +215,11 @@ async def supervisor(tmp_path: Path, *args: str) -> AsyncIterator[Supervisor]:
         line = out.split(b"\n", 1)[0].decode()
         assert line.startswith("muxproxy listening on http://127.0.0.1:"), line
         running = Supervisor(
-            process=process, port=int(line.rsplit(":", 1)[1]), stdout=out, stderr=stderr
+            process=process,
+            port=int(line.rsplit(":", 1)[1]),
+            stdout=out,
+            stderr=stderr,
+            unread=out.split(b"\n", 1)[1],
         )
         running.workers()
         yield running
@@ -225,7 +255,10 @@ async def test_workers_share_the_port_and_each_serves_connections(
         assert await proxy.wait_exit() == 0
     lines = proxy.stdout.decode().splitlines()
     assert lines == [f"muxproxy listening on http://127.0.0.1:{proxy.port}"]
-    assert proxy.errors_besides_access() == []
+    assert proxy.errors_besides_access() == [
+        "muxproxy: stopping: 2 workers drain their streams (up to 30s; a second SIGTERM or"
+        " SIGINT cuts them)"
+    ]
 
 
 async def test_a_killed_worker_is_replaced(tmp_path: Path, start_backend: StartBackend) -> None:
@@ -314,3 +347,180 @@ def test_workers_must_be_a_positive_number(count: str, capsys: pytest.CaptureFix
     assert main(["serve", "--workers", count, "--listen", "127.0.0.1:0", "--upstream", "a:1"]) == 2
     err = capsys.readouterr().err
     assert "--workers" in err and repr(count) in err
+
+
+# ---- draining, reloading and restarting under load -------------------------------------------
+
+STREAMS = 30
+"""Streams in flight when a signal arrives."""
+STREAM_TOKENS = 20
+TOKEN_DELAY = 0.05
+"""Seconds between tokens: a stream lasts about a second, long past each signal."""
+
+
+def config_text(backend_port: int, *listeners: str) -> str:
+    heads = "".join(f'[[listeners]]\naddress = "{address}"\n\n' for address in listeners)
+    return (
+        f'{heads}[upstreams.gpus]\nservers = ["127.0.0.1:{backend_port}"]\n\n'
+        '[[routes]]\nprefix = "/"\nupstream = "gpus"\n'
+    )
+
+
+@attrs.define
+class Tally:
+    """What the clients saw."""
+
+    completed: int = 0
+    cut: list[str] = attrs.field(factory=list)
+    """Streams that ended short of ``[DONE]``, and why."""
+    tried: int = 0
+    failed: list[str] = attrs.field(factory=list)
+    """Fresh connections whose request did not get its 200, and why."""
+
+
+async def one_stream(port: int, tally: Tally) -> None:
+    """A streamed completion on a connection of its own; counted complete or cut."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    headers = [(b"host", b"proxy.test"), (b"content-type", b"application/json")]
+    try:
+        async with await open_tcp(port) as stream:
+            conn, data = h1_request_bytes(b"/v1/chat/completions", b"POST", body, headers)
+            await stream.send_all(data)
+            response, received = await h1_read_response(stream, conn)
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError, AssertionError) as exc:
+        tally.cut.append(repr(exc))
+        return
+    events = [e for e in sse_events(received) if e != "[DONE]"]
+    if response.status_code == 200 and received.endswith(b"data: [DONE]\n\n"):
+        assert len(events) == STREAM_TOKENS + 1  # the tokens and the finish chunk
+        tally.completed += 1
+    else:
+        tally.cut.append(f"{response.status_code}: {received[-200:]!r}")
+
+
+async def keep_connecting(port: int, tally: Tally, until: trio.Event) -> None:
+    """Fresh connections, one request each, back to back until ``until`` is set."""
+    while not until.is_set():
+        tally.tried += 1
+        try:
+            async with await open_tcp(port) as stream:
+                conn, data = h1_request_bytes(b"/v1/models")
+                await stream.send_all(data)
+                response, _ = await h1_read_response(stream, conn)
+        except (OSError, trio.BrokenResourceError, h11.ProtocolError, AssertionError) as exc:
+            tally.failed.append(repr(exc))
+            continue
+        if response.status_code != 200:
+            tally.failed.append(f"status {response.status_code}")
+
+
+async def streams_in_flight(
+    nursery: trio.Nursery, fake: FakeLLM, port: int, tally: Tally, count: int = STREAMS
+) -> None:
+    """Start ``count`` streams and return once the backend has sent every response head."""
+    already = fake.streams_started
+    for _ in range(count):
+        nursery.start_soon(one_stream, port, tally)
+    with trio.fail_after(10):
+        await fake.wait_streams_started(already + count)
+
+
+async def test_sigterm_lets_every_stream_in_flight_finish(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
+    tally = Tally()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        workers = proxy.workers()
+        async with trio.open_nursery() as nursery:
+            await streams_in_flight(nursery, fake, proxy.port, tally)
+            proxy.process.send_signal(signal.SIGTERM)
+            assert await proxy.wait_exit(timeout=20) == 0
+        assert not any(is_alive(pid) for pid in workers)
+    print(f"SIGTERM: {STREAMS} streams in flight, {len(tally.cut)} cut")
+    assert tally.cut == []
+    assert tally.completed == STREAMS
+    assert fake.disconnects == 0
+
+
+async def test_a_second_sigterm_cuts_the_streams(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    fake, backend_port = await start_backend(tokens=1000, delay=TOKEN_DELAY)
+    tally = Tally()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy, trio.open_nursery() as n:
+        await streams_in_flight(n, fake, proxy.port, tally, count=4)
+        proxy.process.send_signal(signal.SIGTERM)
+        # Trio may coalesce two signals not yet received: the second waits for the first.
+        await proxy.wait_logged("stopping: 2 workers drain")
+        proxy.process.send_signal(signal.SIGTERM)
+        await proxy.wait_logged("cutting the streams of 2 workers")
+        # Streams of 50 s end long before the 30 s grace: cut, not drained.
+        assert await proxy.wait_exit(timeout=10) == 0
+    assert tally.completed == 0 and len(tally.cut) == 4
+
+
+async def test_sighup_reloads_the_file_without_cutting_streams(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
+    config = tmp_path / "muxproxy.toml"
+    config.write_text(config_text(backend_port, "127.0.0.1:0"))
+    tally = Tally()
+    async with supervisor(tmp_path, "--workers", "2", "--config", str(config)) as proxy:
+        workers = proxy.workers()
+        async with trio.open_nursery() as nursery:
+            await streams_in_flight(nursery, fake, proxy.port, tally)
+            # An invalid file is refused; the running configuration goes on.
+            config.write_text(config_text(backend_port, "127.0.0.1:0") + "bogus = 1\n")
+            proxy.process.send_signal(signal.SIGHUP)
+            await proxy.wait_logged("reload refused")
+            assert "bogus" in proxy.errors()
+            await proxy.request()
+            # A valid one with a new listener is applied by both workers.
+            config.write_text(config_text(backend_port, "127.0.0.1:0", "127.0.0.2:0"))
+            proxy.process.send_signal(signal.SIGHUP)
+            line = await proxy.wait_logged("generation 2")
+        assert tally.cut == [] and tally.completed == STREAMS
+        assert set(map(int, line.rsplit("(workers ", 1)[1].rstrip(")").split(", "))) == workers
+        new_line = await proxy.read_line()
+        assert new_line.startswith("muxproxy listening on http://127.0.0.2:"), new_line
+        new_port = int(new_line.rsplit(":", 1)[1])
+        with trio.fail_after(5):
+            async with await open_tcp(new_port, host="127.0.0.2") as stream:
+                conn, data = h1_request_bytes(b"/v1/models")
+                await stream.send_all(data)
+                response, _ = await h1_read_response(stream, conn)
+        assert response.status_code == 200
+        assert proxy.workers() == workers  # a reload restarts nothing
+    print(f"SIGHUP: {STREAMS} streams in flight, {len(tally.cut)} cut")
+
+
+async def test_sigusr2_restarts_every_worker_without_refusing_a_connection(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
+    tally = Tally()
+    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+        old = proxy.workers()
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(keep_connecting, proxy.port, tally, done)
+            await streams_in_flight(nursery, fake, proxy.port, tally)
+            proxy.process.send_signal(signal.SIGUSR2)
+            await proxy.wait_logged("rolling restart done")
+            # The old workers drain their streams and exit while the clients keep coming.
+            await wait_for("the old workers exit", lambda: not any(map(is_alive, old)))
+            before = tally.tried
+            await wait_for("more connections after", lambda: tally.tried >= before + 20)
+            done.set()
+        new = proxy.workers()
+        assert len(new) == 2 and not new & old
+        await proxy.wait_served_by(new)
+    print(
+        f"SIGUSR2: {tally.tried} connections tried, {len(tally.failed)} failed;"
+        f" {STREAMS} streams in flight, {len(tally.cut)} cut"
+    )
+    assert tally.failed == []
+    assert tally.cut == [] and tally.completed == STREAMS
