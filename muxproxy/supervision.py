@@ -1,0 +1,165 @@
+"""The admin interface's :class:`~muxproxy.trio.control.Control` for ``serve --workers N``.
+
+The admin listener speaks to one ``Control`` whether one process serves or a supervisor runs
+workers (:mod:`muxproxy.workers`); this one answers by asking every worker over its control
+channel and merging the answers:
+
+* ``status()``: each worker's ``ProxyCore.status()``, merged per server: the counts
+  (``active`` streams, ``failures``, and the top-level ``clients``, ``upstream_connections``,
+  ``streams``) are summed; ``health`` and ``state`` are the worst any worker reports (each
+  worker learns a backend's health for itself, and one that sees it down routes around it);
+  ``workers`` lists every live process with its pid, slot, the configuration generation it
+  runs and whether it serves or drains.
+* ``change_server()``: the same rules as one process (``LocalControl``): resolved with
+  ``resolve_server``, saved to the state file before it is applied, one change at a time;
+  then the whole ``RuntimeState`` goes to every worker as "runtime" and each has applied it
+  (or :data:`RUNTIME_TIMEOUT` passed) before the answer. A worker that starts later gets it in
+  its payload.
+* ``reload(restart)``: SIGHUP's and SIGUSR2's work, as they do it.
+* ``metrics()``: ``muxproxy.trio.metrics.render`` over the live workers' snapshots and the
+  final snapshots of the workers that exited, so no counter goes backwards across a rolling
+  restart (a worker that answers and then exits is counted once: by its answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .config.runtime import resolve_server, save_state
+from .trio.control import AdminError, ReloadResult
+
+if TYPE_CHECKING:
+    from .workers import Supervisor
+
+RUNTIME_TIMEOUT = 1.0
+"""Seconds within which every worker applies a runtime change."""
+
+_WORST_STATE = ("down", "draining", "up")
+_WORST_HEALTH = ("unhealthy", "healthy")
+_SUMMED = ("active", "failures")
+
+
+class SupervisorControl:
+    """:class:`~muxproxy.trio.control.Control` over the workers of ``supervisor``."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self._lock = trio.Lock()
+        """One runtime change at a time: saved and applied in the same order."""
+
+    async def status(self) -> dict[str, Any]:
+        supervisor = self.supervisor
+        answers = await supervisor.ask_all({"type": "status?"})
+        merged = merge_statuses([answer["status"] for _, answer in answers if answer])
+        merged["generation"] = supervisor.generation
+        merged["listeners"] = {
+            "configured": [
+                {"address": listener.address, "tls": listener.tls}
+                for listener in supervisor.config.listeners
+            ],
+            "bound": [_shown(address) for address in supervisor.bound_addresses()],
+        }
+        merged["workers"] = [
+            {
+                "pid": worker.pid,
+                "slot": worker.slot,
+                "generation": worker.generation,
+                "state": worker.state.value,
+                "answered": answer is not None,
+            }
+            for worker, answer in answers
+        ]
+        return merged
+
+    async def change_server(
+        self, group: str, server: str, change: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        supervisor = self.supervisor
+        async with self._lock:
+            try:
+                address = resolve_server(supervisor.config, group, server)
+            except KeyError as exc:
+                raise AdminError(404, str(exc.args[0])) from None
+            try:
+                state = supervisor.runtime.changed(group, address, **change)
+            except ValueError as exc:
+                raise AdminError(400, str(exc)) from None
+            path = supervisor.state_file
+            if path is not None:
+                try:
+                    await trio.to_thread.run_sync(save_state, path, state)
+                except OSError as exc:
+                    raise AdminError(
+                        500, f"cannot write the state file {path!r}: {exc}; nothing changed"
+                    ) from None
+            await supervisor.apply_runtime(state, timeout=RUNTIME_TIMEOUT)
+        status = await self.status()
+        for entry in status["groups"].get(group, {}).get("servers", []):
+            if entry["address"] == address:
+                return dict(entry)
+        raise AdminError(404, f"upstream group {group!r} has no server {address!r}")
+
+    async def reload(self, restart: bool = False) -> ReloadResult:
+        supervisor = self.supervisor
+        if restart:
+            return await supervisor.restart()
+        if supervisor.config_path is None:
+            raise AdminError(
+                400,
+                "nothing to reload: muxproxy serve was started from flags, not --config FILE",
+            )
+        return await supervisor.reload()
+
+    async def metrics(self) -> bytes:
+        from .trio.metrics import render
+
+        return render(await self.supervisor.snapshots())
+
+
+def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One ``ProxyCore.status()`` document for several workers' (see the module header)."""
+    if not statuses:
+        return {"groups": {}}
+    merged: dict[str, Any] = {}
+    for key, value in statuses[0].items():
+        if key == "groups":
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            merged[key] = sum(status.get(key, 0) for status in statuses)
+        else:
+            merged[key] = value
+    groups: dict[str, Any] = {}
+    for name, group in statuses[0].get("groups", {}).items():
+        servers = []
+        for entry in group.get("servers", []):
+            same = [
+                other
+                for status in statuses
+                for other in status.get("groups", {}).get(name, {}).get("servers", [])
+                if other.get("address") == entry.get("address")
+            ]
+            combined = dict(entry)
+            for key in _SUMMED:
+                if key in entry:
+                    combined[key] = sum(other.get(key, 0) for other in same)
+            combined["state"] = _worst(_WORST_STATE, [o.get("state") for o in same])
+            combined["health"] = _worst(_WORST_HEALTH, [o.get("health") for o in same])
+            servers.append(combined)
+        groups[name] = {**group, "servers": servers}
+    merged["groups"] = groups
+    return merged
+
+
+def _worst(order: tuple[str, ...], values: Sequence[object]) -> object:
+    for candidate in order:
+        if candidate in values:
+            return candidate
+    return values[0] if values else None
+
+
+def _shown(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
