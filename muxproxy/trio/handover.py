@@ -11,17 +11,22 @@ slots by a hash of the 4-tuple, as when each worker bound its own, and a connect
 process, not all N. A worker listens on its slot's sockets; a rolling restart runs the old and
 the new worker on the same slot's sockets for a moment, both accepting from one queue.
 
-The cost: connections the kernel hashed to a worker that *died* wait in its slot's queue until
-the replacement listens (about 1 s on a busy 2-core machine: 984 and 1,032 ms measured), where
-one socket shared by every worker would have had them taken by another at once. A shared socket
-was not chosen for what it does the rest of the time: every worker is woken for every
-connection (Trio's epoll has no ``EPOLLEXCLUSIVE``) and whichever wakes first takes up to a
-whole accept batch, so streams pile up on one worker, the imbalance that made nginx add
-``reuseport``. A graceful stop or a rolling restart has no such gap: the old worker leaves only
-once the new one on its slot listens. The options are those of
-:func:`muxproxy.trio.listeners.open_listeners` (``SO_REUSEADDR``, ``IPV6_V6ONLY`` on IPv6, the
-same backlog). Port 0 is bound once, by slot 0, and the other slots bind the port the kernel
-chose.
+Why per slot rather than one socket shared by every worker: with a shared socket every worker
+is woken for every connection (Trio's epoll has no ``EPOLLEXCLUSIVE``) and whichever loop gets
+there first takes the connection, up to a whole accept batch; how the load spreads then depends
+on which loop wakes first, which on Linux tends to pile connections on a few workers
+(Cloudflare, "Why does one NGINX worker take all the load?", 2017), while the kernel's 4-tuple
+hash does not depend on it, and the figures in ``docs/performance.md`` were measured with it.
+Measured here with 2 workers and 200 streams held open, the two spread alike (per slot 90/110,
+shared 85/115). The cost of per-slot sockets: connections the kernel hashes to a worker that
+*died* wait in its slot's queue until the replacement listens (984 and 1,032 ms measured on a
+busy 2-core machine), where a shared socket would have had another worker take them at once.
+They wait; none is lost. A graceful stop or a rolling restart has no such gap: the old worker
+leaves only once the new one on its slot listens.
+
+The options are those of :func:`muxproxy.trio.listeners.open_listeners` (``SO_REUSEADDR``,
+``IPV6_V6ONLY`` on IPv6, the same backlog). Port 0 is bound once, by slot 0, and the other
+slots bind the port the kernel chose.
 
 The payload a worker reads on stdin is a pickle of :class:`WorkerPayload`: the configuration,
 the worker's slot, the number of its control-channel descriptor and, per listener address,
