@@ -70,7 +70,7 @@ async def open_stream(port: int) -> trio.SocketStream:
 async def test_status_lists_every_worker_and_sums_their_streams(
     start_backend: StartBackend,
 ) -> None:
-    fake, backend_port = await start_backend(tokens=1000, delay=0.05)
+    _, backend_port = await start_backend(tokens=1000, delay=0.05)
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{backend_port}"])
     async with supervising(config) as supervisor:
         control = SupervisorControl(supervisor)

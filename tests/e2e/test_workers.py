@@ -265,7 +265,23 @@ async def test_a_killed_worker_is_replaced(tmp_path: Path, start_backend: StartB
     _, backend_port = await start_backend()
     async with supervisor(tmp_path, *quick(backend_port)) as proxy:
         victim, survivor = sorted(proxy.workers())
-        os.kill(victim, signal.SIGKILL)
+        # Stopped, it accepts nothing: the connections the kernel gives its socket queue there.
+        os.kill(victim, signal.SIGSTOP)
+        await wait_for("the worker is stopped", lambda: process_state(victim) == "T")
+        queued = []
+        with trio.fail_after(START_TIMEOUT):
+            for _ in range(20):
+                stream = await open_tcp(proxy.port)
+                conn, data = h1_request_bytes(b"/v1/models")
+                await stream.send_all(data)
+                queued.append((stream, conn))
+            os.kill(victim, signal.SIGKILL)
+            # The supervisor keeps the dead worker's socket: its queue waits for the
+            # replacement, and every connection in it is answered, none reset.
+            for stream, conn in queued:
+                async with stream:
+                    response, _ = await h1_read_response(stream, conn)
+                assert response.status_code == 200
         await wait_for("the worker is replaced", lambda: len(proxy.workers() - {victim}) == 2)
         workers = proxy.workers()
         assert survivor in workers and victim not in workers
