@@ -438,17 +438,22 @@ class Supervisor:
         """Apply the configuration file again (SIGHUP); an invalid one changes nothing."""
         async with self.lock:
             if self.config_path is None:
-                return self._refused(["serve was started with flags: no file to reload"])
+                self._log("SIGHUP: nothing to reload (configured by --listen, not --config)")
+                why = "nothing to reload: configured by --listen, not --config"
+                return ReloadResult(ok=False, errors=[why], generation=self.generation)
             try:
                 config = load_config(self.config_path)
             except ConfigError as exc:
-                return self._refused([f"{self.config_path}: invalid configuration", *exc.problems])
+                path = self.config_path
+                return self._refused(
+                    [p if p.startswith(path) else f"{path}: {p}" for p in exc.problems]
+                )
             current = {listener.address for listener in config.listeners}
             added = [item for item in config.listeners if item.address not in self.sockets]
             try:
                 new = bind_listeners(added, self.count)
             except OSError as exc:
-                return self._refused([str(exc)])
+                return self._refused([f"{self.config_path}: {exc}"])
             generation = self.generation + 1
             encoded = encode_config(config)
             targets = [w for w in self.workers if w.state is not WorkerState.STOPPING]
@@ -494,13 +499,13 @@ class Supervisor:
             for error in errors:
                 self._log(f"reload: {error}")
             pids = ", ".join(str(w.pid) for w in targets if w.generation == generation)
-            self._log(f"reloaded {self.config_path}: generation {generation} (workers {pids})")
+            self._log(f"reloaded {self.config_path} (generation {generation}; workers {pids})")
             return ReloadResult(ok=not errors, errors=errors, generation=generation)
 
     def _refused(self, errors: list[str]) -> ReloadResult:
-        self._log("reload refused; the running configuration is unchanged:")
         for error in errors:
-            print(f"  {error}", file=sys.stderr, flush=True)
+            self._log(f"reload refused: {error}")
+        self._log(f"{self.config_path} not applied; still running generation {self.generation}")
         return ReloadResult(ok=False, errors=errors, generation=self.generation)
 
     async def restart(self) -> ReloadResult:

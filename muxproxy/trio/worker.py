@@ -44,6 +44,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import trio
 
 from ..cli import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves
@@ -66,6 +67,17 @@ def worker_main() -> int:
     """
     _exit_with(int(sys.argv[1]))
     payload = WorkerPayload.loads(sys.stdin.buffer.read())
+    try:
+        # Every field, recursively: a supervisor of an older version (a rolling restart onto
+        # newly installed code) may have pickled records that lack a field this one has.
+        attrs.asdict(payload.config)
+    except AttributeError as exc:
+        print(
+            f"muxproxy: worker {os.getpid()}: the supervisor's configuration does not fit this"
+            f" version of muxproxy ({exc}); restart muxproxy itself to upgrade",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     sockets = {
         address: [socket.socket(fileno=fd) for fd in fds]
         for address, fds in payload.listeners.items()

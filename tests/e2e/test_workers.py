@@ -498,7 +498,7 @@ async def test_sighup_reloads_the_file_without_cutting_streams(
             proxy.process.send_signal(signal.SIGHUP)
             line = await proxy.wait_logged("generation 2")
         assert tally.cut == [] and tally.completed == STREAMS
-        assert set(map(int, line.rsplit("(workers ", 1)[1].rstrip(")").split(", "))) == workers
+        assert set(map(int, line.rsplit("workers ", 1)[1].rstrip(")").split(", "))) == workers
         new_line = await proxy.read_line()
         assert new_line.startswith("muxproxy listening on http://127.0.0.2:"), new_line
         new_port = int(new_line.rsplit(":", 1)[1])
