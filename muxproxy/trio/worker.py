@@ -71,10 +71,10 @@ def worker_main() -> int:
         # Every field, recursively: a supervisor of an older version (a rolling restart onto
         # newly installed code) may have pickled records that lack a field this one has.
         attrs.asdict(payload.config)
-    except AttributeError as exc:
+    except AttributeError as missing:
         print(
             f"muxproxy: worker {os.getpid()}: the supervisor's configuration does not fit this"
-            f" version of muxproxy ({exc}); restart muxproxy itself to upgrade",
+            f" version of muxproxy ({missing}); restart muxproxy itself to upgrade",
             file=sys.stderr,
         )
         return EXIT_FAILURE
