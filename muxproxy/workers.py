@@ -374,7 +374,12 @@ class Supervisor:
         self._log(f"{what}; starting another")
         async with self.lock:
             if self.phase is Phase.SERVING and self.slots[dead.slot] is dead:
-                self.slots[dead.slot] = await self._spawn(dead.slot)
+                try:
+                    self.slots[dead.slot] = await self._spawn(dead.slot)
+                except OSError as exc:  # EMFILE, ENOMEM, EAGAIN from fork
+                    self._log(f"cannot start a worker: {exc}; stopping")
+                    self.exit_status = EXIT_FAILURE
+                    await self.stop(cut=False)
 
     def _may_restart(self) -> bool:
         now = trio.current_time()
@@ -516,7 +521,12 @@ class Supervisor:
                 if self.phase is not Phase.SERVING:
                     return ReloadResult(ok=False, errors=["stopping"], generation=self.generation)
                 old = self.slots[slot]
-                new = await self._spawn(slot)
+                try:
+                    new = await self._spawn(slot)
+                except OSError as exc:
+                    error = f"rolling restart aborted: cannot start a worker: {exc}"
+                    self._log(f"{error}; the old workers keep serving")
+                    return ReloadResult(ok=False, errors=[error], generation=self.generation)
                 with trio.move_on_after(STARTUP_TIMEOUT):
                     await _first(new.listening.wait, new.exited.wait)
                 if not new.listening.is_set():
