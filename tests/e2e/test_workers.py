@@ -441,8 +441,9 @@ async def streams_in_flight(
         await fake.wait_streams_started(already + count)
 
 
-async def test_sigterm_lets_every_stream_in_flight_finish(
-    tmp_path: Path, start_backend: StartBackend
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGQUIT])
+async def test_a_stop_signal_lets_every_stream_in_flight_finish(
+    tmp_path: Path, start_backend: StartBackend, signum: signal.Signals
 ) -> None:
     fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
     tally = Tally()
@@ -450,10 +451,10 @@ async def test_sigterm_lets_every_stream_in_flight_finish(
         workers = proxy.workers()
         async with trio.open_nursery() as nursery:
             await streams_in_flight(nursery, fake, proxy.port, tally)
-            proxy.process.send_signal(signal.SIGTERM)
+            proxy.process.send_signal(signum)
             assert await proxy.wait_exit(timeout=20) == 0
         assert not any(is_alive(pid) for pid in workers)
-    print(f"SIGTERM: {STREAMS} streams in flight, {len(tally.cut)} cut")
+    print(f"{signum.name}: {STREAMS} streams in flight, {len(tally.cut)} cut")
     assert tally.cut == []
     assert tally.completed == STREAMS
     assert fake.disconnects == 0
@@ -509,6 +510,13 @@ async def test_sighup_reloads_the_file_without_cutting_streams(
                 response, _ = await h1_read_response(stream, conn)
         assert response.status_code == 200
         assert proxy.workers() == workers  # a reload restarts nothing
+        # Removed again: its sockets are closed, so the kernel refuses connections.
+        config.write_text(config_text(backend_port, "127.0.0.1:0"))
+        proxy.process.send_signal(signal.SIGHUP)
+        await proxy.wait_logged("generation 3")
+        with pytest.raises(ConnectionRefusedError), trio.fail_after(5):
+            await open_tcp(new_port, host="127.0.0.2")
+        await proxy.request()
     print(f"SIGHUP: {STREAMS} streams in flight, {len(tally.cut)} cut")
 
 
