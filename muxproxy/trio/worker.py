@@ -113,9 +113,10 @@ class WorkerProcess:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, signals)
-                bound = await nursery.start(self._serve, nursery.cancel_scope)
                 if self.payload.runtime is not None:
+                    # Before the first connection: no request is routed without it.
                     self.server.apply_runtime(RuntimeState.from_json(self.payload.runtime))
+                bound = await nursery.start(self._serve, nursery.cancel_scope)
                 freeze_startup_heap()
                 await self._send(
                     {
