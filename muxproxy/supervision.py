@@ -17,8 +17,9 @@ channel and merging the answers:
   its payload.
 * ``reload(restart)``: SIGHUP's and SIGUSR2's work, as they do it.
 * ``metrics()``: ``muxproxy.trio.metrics.render`` over the live workers' snapshots and the
-  final snapshots of the workers that exited, so no counter goes backwards across a rolling
-  restart (a worker that answers and then exits is counted once: by its answer).
+  counters and histograms of the workers that exited (merged into one as each exits: its
+  gauges, such as streams in flight, went with it), so no counter goes backwards across a
+  rolling restart (a worker that answers and then exits is counted once: by its answer).
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ import trio
 from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState, load_state
+from muxproxy.core.measure import GAUGE, merge
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import ReloadResult
 from muxproxy.trio.handover import (
@@ -221,8 +222,9 @@ class Supervisor:
         """The worker that owns each slot (a rolling restart's old one drains beside it)."""
         self.workers: list[Worker] = []
         """Every worker process not yet exited, draining ones included."""
-        self.finals: list[dict[str, Any]] = []
-        """Measurements of exited workers, so merged counters never go backwards."""
+        self.retired: dict[str, Any] | None = None
+        """The counters and histograms of every exited worker, merged into one snapshot, so
+        the fleet's never go backwards (their gauges went with them)."""
         self.runtime = RuntimeState.empty()
         """The operator's server overrides, as every worker has them."""
         if (state_file := self.state_file) is not None:
@@ -334,7 +336,7 @@ class Supervisor:
         worker.state = WorkerState.EXITED
         self.workers.remove(worker)
         if worker.final is not None:
-            self.finals.append(worker.final)
+            self._retire(worker)
         worker.exited.set()
         if self.phase is Phase.STOPPING:
             if not self.workers:
@@ -578,15 +580,25 @@ class Supervisor:
 
     async def snapshots(self) -> list[dict[str, Any]]:
         """Measurements of every worker: the live ones' now, the exited ones' last."""
-        retained = list(self.finals)
+        retired = self.retired
+        snapshots = [] if retired is None else [retired]
         answers = await self.ask_all({"type": "metrics?"})
         for worker, answer in answers:
             # A worker that exited meanwhile answers with its final snapshot (not yet in
-            # ``retained``); one that answered and then exited is counted by its answer.
-            snapshot = answer["snapshot"] if answer is not None else worker.final
-            if snapshot is not None:
-                retained.append(snapshot)
-        return retained
+            # ``retired``); one that answered and then exited is counted by its answer.
+            if answer is not None:
+                snapshots.append(answer["snapshot"])
+            elif worker.final is not None:
+                snapshots.append(without_gauges(worker.final))
+        return snapshots
+
+    def _retire(self, worker: Worker) -> None:
+        assert worker.final is not None
+        final = without_gauges(worker.final)
+        try:
+            self.retired = final if self.retired is None else merge([self.retired, final])
+        except ValueError as exc:  # another version's metrics (a rolling restart)
+            self._log(f"worker {worker.pid}: its last measurements are not counted: {exc}")
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), one per address, in the configuration's order."""
@@ -616,6 +628,13 @@ async def _first(*waits: Callable[[], Awaitable[None]]) -> None:
 
         for wait in waits:
             nursery.start_soon(run, wait)
+
+
+def without_gauges(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """``snapshot`` with its counters and histograms only: what an exited worker leaves."""
+    metrics = snapshot.get("metrics", {})
+    kept = {name: m for name, m in metrics.items() if m.get("type") != GAUGE}
+    return {**snapshot, "metrics": kept}
 
 
 def _describe_exit(returncode: int | None) -> str:

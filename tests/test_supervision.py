@@ -195,3 +195,49 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
     assert entry["state"] == "down" and entry["health"] == "unhealthy"
     assert merged["groups"]["g"]["balance"] == "least_conn"
     assert merge_statuses([]) == {"groups": {}}
+
+
+async def get_models(port: int) -> None:
+    """GET /v1/models on a fresh connection, read to the end (``Connection: close``)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            b"GET /v1/models HTTP/1.1\r\nhost: proxy.test\r\nconnection: close\r\n\r\n"
+        )
+        response = b""
+        while chunk := await stream.receive_some(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 200"), response[:200]
+
+
+def requests_total(exposition: bytes) -> float:
+    """The sum of every ``muxproxy_requests_total`` sample of a Prometheus text exposition."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition.decode().splitlines()
+        if line.startswith("muxproxy_requests_total{")
+    )
+
+
+async def test_metrics_count_every_request_across_a_rolling_restart(
+    start_backend: StartBackend,
+) -> None:
+    _, backend_port = await start_backend()
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{backend_port}"])
+    async with supervising(config) as supervisor:
+        control = SupervisorControl(supervisor)
+        port = supervisor.bound_addresses()[0][1]
+        with trio.fail_after(10):
+            for _ in range(10):
+                await get_models(port)
+            assert requests_total(await control.metrics()) == 10
+        before = {w.pid for w in supervisor.workers}
+        with trio.fail_after(START_TIMEOUT):
+            assert (await control.reload(restart=True)).ok
+            while any(w.pid in before for w in supervisor.workers):
+                await trio.sleep(0.01)
+        with trio.fail_after(10):
+            # The old workers' counts live on in the supervisor; the new ones add to them.
+            assert requests_total(await control.metrics()) == 10
+            await get_models(port)
+            assert requests_total(await control.metrics()) == 11
