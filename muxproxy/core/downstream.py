@@ -95,6 +95,8 @@ class Downstream:
         self.h2: H2Server | None = None
         self.sniffed = b""
         self.protocol = Protocol.SNIFFING
+        self.going_away = False
+        """A graceful stop began: no request after those running (``shutdown.py``)."""
         if tls:
             self._choose(Protocol.HTTP2 if alpn == "h2" else Protocol.HTTP1)
         timeouts = core.config.timeouts
@@ -103,12 +105,18 @@ class Downstream:
         self.window_waits: dict[int, float] = {}
         """HTTP/2 streams whose response waits for a window, and since when it has not moved
         (``_window_timeout``)."""
-        self.going_away = False
-        """A graceful stop began: no request after those running (``shutdown.py``)."""
 
     @property
     def is_h2(self) -> bool:
         return self.protocol is Protocol.HTTP2
+
+    @property
+    def fresh(self) -> bool:
+        """Not a byte of a request has arrived yet: a connection accepted an instant ago
+        (plain, not yet sniffed; or HTTP/1.1 by ALPN, before its first request)."""
+        if self.protocol is Protocol.SNIFFING:
+            return not self.sniffed
+        return self.h1 is not None and self.h1.stream == 0 and self.h1.idle
 
     def _choose(self, protocol: Protocol) -> None:
         self.protocol = protocol
@@ -116,6 +124,12 @@ class Downstream:
         if protocol is Protocol.HTTP2:
             self.h2 = self._new_h2()
             self._flush_h2()
+            if self.going_away:
+                # The preface came after the stop began (a fresh connection was left its
+                # first request): the two GOAWAYs now, as for every HTTP/2 client.
+                from .shutdown import stop_client
+
+                stop_client(self)
         else:
             self.h1 = H1Server(scheme=self.scheme, max_head=limits.max_request_head)
 

@@ -19,7 +19,7 @@ from muxproxy.core.commands import CloseConnection, Command, Log, SetTimer
 from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.h2 import SHUTDOWN_PING
 from muxproxy.core.h2goaway import GoawayTolerantReceiver
-from muxproxy.core.shutdown import GOAWAY_ACK_WAIT
+from muxproxy.core.shutdown import FIRST_REQUEST_WAIT, GOAWAY_ACK_WAIT
 
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 CANCEL = h2.errors.ErrorCodes.CANCEL
@@ -243,18 +243,86 @@ def test_h1_response_already_streaming_completes_then_the_connection_closes() ->
     assert set(pb.closed_conns()) == {1, up}
 
 
-def test_h1_idle_keepalive_and_silent_connections_close_at_once() -> None:
+def test_h1_idle_keepalive_connections_close_at_once_silent_new_ones_after_a_wait() -> None:
     pb = Book()
     pb.accept(1)
     pb.accept(2)  # connected, not a byte sent
+    pb.accept(3, tls=True, alpn="http/1.1")  # HTTP/1.1 by ALPN, no request yet
     client = H1ClientPeer()
     up, backend = h1_request(pb, client)
     ok = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
     pb.receive(up, (ok or b"") + backend.chunk(b"ok") + backend.end())
     assert pb.closed_conns() == []  # kept alive: the client and its pooled backend
     pb.stop(pb.now + 30)
-    assert set(pb.closed_conns()) == {1, 2, up}
+    assert set(pb.closed_conns()) == {1, up}
     assert pb.logs("shutdown_started")[0].fields["streams"] == 0
+    # The new connections' clients have had their chance to send the request they
+    # connected for; silent, they close.
+    for conn in (2, 3):
+        timers = [c for c in pb.log if isinstance(c, SetTimer) and c.timer == ("header", conn)]
+        assert timers[-1].at == pb.now + FIRST_REQUEST_WAIT
+    for conn in (1, up):
+        pb.closed(conn)
+    assert not pb.core.drained  # the new connections hold the stop, for that long only
+    pb.now += FIRST_REQUEST_WAIT
+    pb.wakeup("header", 2)
+    pb.wakeup("header", 3)
+    assert set(pb.closed_conns()) == {1, 2, 3, up}
+    pb.closed(2)
+    pb.closed(3)
+    assert pb.core.drained
+
+
+def test_h1_request_arriving_just_after_the_stop_on_a_new_connection_is_served() -> None:
+    # Accepted an instant before the stop; the request was on the wire, read after it.
+    pb = Book()
+    pb.accept(1)
+    pb.stop(pb.now + 30)
+    assert pb.closed_conns() == []
+    client = H1ClientPeer()
+    up, backend = h1_request(pb, client)
+    pb.receive(up, backend.sse_head() + backend.chunk(SSE[0]) + backend.end())
+    events = client.events(pb.fresh())
+    (head,) = [e for e in events if isinstance(e, h11.Response)]
+    assert head.status_code == 200
+    assert (b"connection", b"close") in head.headers
+    assert isinstance(events[-1], h11.EndOfMessage)
+    assert set(pb.closed_conns()) == {1, up}
+
+
+def test_h2_preface_arriving_just_after_the_stop_gets_the_two_goaways_and_is_served() -> None:
+    pb = Book()
+    pb.accept(1)  # plain: h2 with prior knowledge, not known until the preface
+    pb.stop(pb.now + 30)
+    client = TolerantClient()
+    pb.receive(1, client.conn.data_to_send())
+    client.events(pb.fresh())
+    assert [g.last_stream_id for g in client.goaways] == [2**31 - 1]
+    assert client.pings == [SHUTDOWN_PING]
+    # A stream sent before the PING's ACK is served.
+    sid = client.conn.get_next_available_stream_id()
+    client.conn.send_headers(
+        sid,
+        [
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            (":scheme", "http"),
+            (":authority", "proxy.test"),
+        ],
+        end_stream=True,
+    )
+    pb.receive(1, client.conn.data_to_send())
+    (open_cmd,) = pb.opens()
+    pb.opened(open_cmd.conn)
+    backend = H1BackendPeer()
+    backend.events(pb.take(open_cmd.conn))
+    ok = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
+    pb.receive(open_cmd.conn, (ok or b"") + backend.chunk(b"ok") + backend.end())
+    client.events(pb.fresh())
+    assert sid in client.ended and client.data[sid] == b"ok"
+    # The ACK went with the stream: the final GOAWAY names it; its end closed the connection.
+    assert [g.last_stream_id for g in client.goaways] == [2**31 - 1, sid]
+    assert 1 in pb.closed_conns()
 
 
 def test_h1_request_head_begun_before_the_stop_is_served_with_connection_close() -> None:
