@@ -255,10 +255,14 @@ async def test_workers_share_the_port_and_each_serves_connections(
         assert await proxy.wait_exit() == 0
     lines = proxy.stdout.decode().splitlines()
     assert lines == [f"muxproxy listening on http://127.0.0.1:{proxy.port}"]
-    assert proxy.errors_besides_access() == [
+    first, *rest = proxy.errors_besides_access()
+    assert first == (
         "muxproxy: stopping: 2 workers drain their streams (up to 30s; a second SIGTERM or"
         " SIGINT cuts them)"
-    ]
+    )
+    # Then each worker's own account of its stop, and no warning or error.
+    assert sum(" INFO drained " in line for line in rest) == 2
+    assert all(" INFO " in line for line in rest), rest
 
 
 async def test_a_killed_worker_is_replaced(tmp_path: Path, start_backend: StartBackend) -> None:
