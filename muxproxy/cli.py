@@ -323,7 +323,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1:
         from muxproxy.workers import supervise
 
-        return supervise(config, args.workers, args.config)
+        return supervise(config, args.workers, args.config, args.log_level)
     return run_server(config, config_path=args.config, log_level=args.log_level)
 
 

@@ -165,27 +165,33 @@ class _Pending:
     reply: Message | None = None
 
 
-def supervise(config: Config, count: int, config_path: str | None = None) -> int:
+def supervise(
+    config: Config, count: int, config_path: str | None = None, log_level: str | None = None
+) -> int:
     """Serve ``config`` with ``count`` worker processes until a signal; returns the exit status.
 
     ``config_path``: the file ``config`` was loaded from, read again on SIGHUP (None when
-    it came from flags: a SIGHUP is then refused). 0 after SIGTERM, SIGINT or SIGQUIT; 1 when
+    it came from flags: a SIGHUP is then refused); ``log_level`` (``--log-level``) overrides
+    ``[log] level`` of every file read. 0 after SIGTERM, SIGINT or SIGQUIT; 1 when
     the workers cannot start or keep dying; 2 off Linux.
     """
     if sys.platform != "linux":
         print("muxproxy serve: --workers above 1 needs Linux (SO_REUSEPORT)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return trio.run(partial(_supervise, config, count, config_path))
+        return trio.run(partial(_supervise, config, count, config_path, log_level))
     except* OSError as group:
         for exc in leaves(group):
             print(f"muxproxy: cannot serve: {exc}", file=sys.stderr)
     return EXIT_FAILURE
 
 
-async def _supervise(config: Config, count: int, config_path: str | None) -> int:
+async def _supervise(
+    config: Config, count: int, config_path: str | None, log_level: str | None
+) -> int:
     with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
         supervisor = Supervisor(config, count, config_path, bind_listeners(config.listeners, count))
+        supervisor.log_level = log_level
         try:
             async with trio.open_nursery() as nursery:
                 supervisor.nursery = nursery
@@ -211,6 +217,8 @@ class Supervisor:
         self.config = config
         self.count = count
         self.config_path = config_path
+        self.log_level: str | None = None
+        """``--log-level``: it overrides ``[log] level`` of every file read again."""
         self.sockets = sockets
         """Listener address -> per slot, its listening sockets (kept open while serving)."""
         self.nursery: trio.Nursery
@@ -450,6 +458,10 @@ class Supervisor:
                 return ReloadResult(ok=False, errors=[why], generation=self.generation)
             try:
                 config = load_config(self.config_path)
+                if self.log_level is not None:
+                    config = attrs.evolve(
+                        config, log=attrs.evolve(config.log, level=self.log_level)
+                    )
             except ConfigError as exc:
                 path = self.config_path
                 return self._refused(
