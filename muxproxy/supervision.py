@@ -51,6 +51,11 @@ class SupervisorControl:
         self._lock = trio.Lock()
         """One runtime change at a time: saved and applied in the same order."""
 
+    def token(self) -> str | None:
+        """The admin token of the configuration running now (a reload may change it)."""
+        admin = self.supervisor.config.admin
+        return None if admin is None else admin.token
+
     async def status(self) -> dict[str, Any]:
         supervisor = self.supervisor
         answers = await supervisor.ask_all({"type": "status?"})

@@ -42,8 +42,10 @@ or a connection waiting to be accepted:
 * A worker that dies is reported on stderr and replaced on its slot, at most N times within
   :data:`RESTART_WINDOW` seconds: past that the workers stop and the supervisor exits 1,
   rather than spin on a crash loop.
-* Control (:class:`~muxproxy.supervision.SupervisorControl`): the status, runtime server
-  overrides, reloads and metrics of the admin interface, merged over the workers.
+* Admin API (``[admin]``): the supervisor runs it (:mod:`muxproxy.trio.admin`) over
+  :class:`~muxproxy.supervision.SupervisorControl`: status, runtime server overrides, reloads
+  and metrics, merged over the workers; ``muxproxy admin on ...`` follows the listening lines.
+  The admin address is the one the supervisor started with; a reload rotates the token.
 
 A worker asks the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``) and
 drains; so no worker outlives the supervisor, even one killed with SIGKILL. Both that and
@@ -70,10 +72,10 @@ import trio
 
 from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
 from muxproxy.config import Config, ConfigError, load_config
-from muxproxy.config.runtime import RuntimeState, load_state
+from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.measure import GAUGE, merge
 from muxproxy.trio.channel import Channel, ChannelError, Message
-from muxproxy.trio.control import ReloadResult
+from muxproxy.trio.control import ReloadResult, load_runtime_state
 from muxproxy.trio.handover import (
     SlotSockets,
     WorkerPayload,
@@ -196,6 +198,8 @@ async def _supervise(
             async with trio.open_nursery() as nursery:
                 supervisor.nursery = nursery
                 await supervisor.start()
+                if supervisor.phase is Phase.SERVING and config.admin is not None:
+                    await supervisor.serve_admin(config.admin.address)
                 nursery.start_soon(supervisor.handle_signals, signals)
                 await supervisor.done.wait()
                 nursery.cancel_scope.cancel()
@@ -235,11 +239,13 @@ class Supervisor:
         the fleet's never go backwards (their gauges went with them)."""
         self.runtime = RuntimeState.empty()
         """The operator's server overrides, as every worker has them."""
-        if (state_file := self.state_file) is not None:
-            try:
-                self.runtime = load_state(state_file)
-            except ValueError as exc:  # starting with every weight reset would be worse
-                raise OSError(f"admin.state_file {state_file!r}: {exc}") from None
+        try:
+            # Starting with every weight silently reset would be worse than not starting.
+            self.runtime = load_runtime_state(config)
+        except ValueError as exc:
+            raise OSError(f"admin.state_file: {exc}") from None
+        except OSError as exc:
+            raise OSError(f"admin.state_file: cannot read it: {exc}") from None
         self.restarts: deque[float] = deque()
         """When each recent replacement started (within :data:`RESTART_WINDOW`)."""
         self.lock = trio.Lock()
@@ -251,7 +257,7 @@ class Supervisor:
 
     @property
     def state_file(self) -> str | None:
-        admin = getattr(self.config, "admin", None)
+        admin = self.config.admin
         return None if admin is None else admin.state_file
 
     # ---- starting -------------------------------------------------------------------------
@@ -317,6 +323,23 @@ class Supervisor:
         if self.runtime is not runtime:  # changed while it started: it missed the broadcast
             await self._tell(worker, self._runtime_message())
         return worker
+
+    async def serve_admin(self, address: str) -> None:
+        """Run the admin API (``[admin]``) on ``address`` over :class:`SupervisorControl`;
+        an address that cannot be bound stops the workers (exit 1), as a listener would."""
+        from muxproxy.supervision import SupervisorControl
+        from muxproxy.trio.admin import serve_admin
+
+        control = SupervisorControl(self)
+        try:
+            host, port = await self.nursery.start(serve_admin, address, control, control.token)
+        except OSError as exc:
+            self._log(f"cannot serve: the admin API on {address}: {exc}")
+            self.exit_status = EXIT_FAILURE
+            await self.stop(cut=True)
+            return
+        shown = f"[{host}]" if ":" in host else host
+        print(f"muxproxy admin on http://{shown}:{port}", flush=True)
 
     # ---- each worker's channel ------------------------------------------------------------
 

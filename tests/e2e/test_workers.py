@@ -11,6 +11,7 @@ Every wait is on a condition with a deadline; the ``/proc`` polls step by a few 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 import h11
+import httpx
 import pytest
 import trio
 from peers import h1_read_response, h1_request_bytes, open_tcp, sse_events
@@ -552,3 +554,49 @@ async def test_sigusr2_restarts_every_worker_without_refusing_a_connection(
     )
     assert tally.failed == []
     assert tally.cut == [] and tally.completed == STREAMS
+
+
+async def test_the_admin_api_of_the_supervisor_answers_for_every_worker(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    fake, backend_port = await start_backend(tokens=1000, delay=TOKEN_DELAY)
+    config = tmp_path / "muxproxy.toml"
+    config.write_text(
+        config_text(backend_port, "127.0.0.1:0")
+        + '\n[admin]\naddress = "127.0.0.1:0"\ntoken = "t0ken"\nstate_file = "state.json"\n'
+    )
+    auth = {"authorization": "Bearer t0ken"}
+    server_url = f"upstreams/gpus/servers/127.0.0.1:{backend_port}"
+    async with supervisor(tmp_path, "--workers", "2", "--config", str(config)) as proxy:
+        line = await proxy.read_line()
+        assert line.startswith("muxproxy admin on http://127.0.0.1:"), line
+        admin = line.rsplit(" ", 1)[1]
+        workers = proxy.workers()
+        async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    await streams_in_flight(nursery, fake, proxy.port, Tally(), count=4)
+                    status = (await client.get("/status")).json()
+                    nursery.cancel_scope.cancel()
+            assert {w["pid"] for w in status["workers"]} == workers
+            assert [w["generation"] for w in status["workers"]] == [1, 1]
+            assert status["streams"] == 4  # summed over the workers
+            (entry,) = status["groups"]["gpus"]["servers"]
+            assert entry["active"] == 4
+            with trio.fail_after(10):
+                changed = await client.patch(f"/{server_url}", json={"weight": 5}, headers=auth)
+            assert changed.status_code == 200 and changed.json()["weight"] == 5
+            saved = json.loads((tmp_path / "state.json").read_text())
+            assert [s["weight"] for s in saved["servers"]] == [5]
+            with trio.fail_after(START_TIMEOUT):
+                restarted = await client.post("/reload?restart=1", headers=auth)
+            assert restarted.status_code == 200, restarted.text
+            await wait_for("the old workers exit", lambda: not any(map(is_alive, workers)))
+            with trio.fail_after(10):
+                status = (await client.get("/status")).json()
+                metrics = await client.get("/metrics")
+            # New workers, which started with the operator's weight.
+            assert not {w["pid"] for w in status["workers"]} & workers
+            assert status["groups"]["gpus"]["servers"][0]["weight"] == 5
+            assert metrics.status_code == 200
+            assert "muxproxy_requests_total{" in metrics.text  # the old workers' streams
