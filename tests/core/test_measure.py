@@ -49,8 +49,12 @@ def meter() -> SseMeter:
     return SseMeter(GroupStats(), started=0.0)
 
 
+MULTI_LINE = b'event: delta\nid: 7\ndata: {"choices":[{"delta":{"content":"x"}}]}'
+
+
 def events(*bodies: bytes, sep: bytes = b"\n") -> bytes:
-    return b"".join(body + sep + sep for body in bodies)
+    """The events of ``bodies``, their lines (and the empty line after each) ending in ``sep``."""
+    return b"".join(body.replace(b"\n", sep) + sep + sep for body in bodies)
 
 
 @pytest.mark.parametrize(
@@ -120,18 +124,20 @@ def test_events_are_counted_across_chunk_boundaries(sep: bytes) -> None:
     tokens=st.integers(min_value=0, max_value=12),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=40),
     role_first=st.booleans(),
+    multi_line=st.integers(min_value=0, max_value=3),
 )
 def test_event_count_does_not_depend_on_chunking(
-    sep: bytes, tokens: int, cuts: list[int], role_first: bool
+    sep: bytes, tokens: int, cuts: list[int], role_first: bool, multi_line: int
 ) -> None:
-    bodies = ([ROLE_ONLY] if role_first else []) + [TOKEN] * tokens + [FINISH, DONE]
+    bodies = ([ROLE_ONLY] if role_first else []) + [TOKEN] * tokens
+    bodies += [MULTI_LINE] * multi_line + [FINISH, DONE]
     stream = events(*bodies, sep=sep)
     points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
     m = meter()
     for at, (start, end) in enumerate(itertools.pairwise(points)):
         m.feed(stream[start:end], float(at))
     assert m.events == len(bodies)
-    assert (m.first_token_at is not None) == (tokens > 0)
+    assert (m.first_token_at is not None) == (tokens + multi_line > 0)
 
 
 def test_stream_with_no_line_end_in_the_inspect_limit_counts_as_a_token() -> None:
