@@ -48,6 +48,9 @@ __all__ = ["BODY_TIMEOUT", "MAX_BODY", "AdminApp", "TokenSource", "parse_change"
 
 log = logging.getLogger("muxproxy.admin")
 _http_log = logging.getLogger("muxproxy.admin.http")
+# Hypercorn's own lines: its errors (a bug in the app, a 500) matter; its "Running on ...
+# (CTRL + C to quit)" does not, muxproxy prints its own.
+_http_log.setLevel(logging.WARNING)
 
 MAX_BODY = 16 * 1024
 """Largest request body accepted. A change is a few dozen bytes of JSON; anything near this
@@ -122,6 +125,11 @@ def parse_change(body: bytes) -> dict[str, Any]:
             raise AdminError(400, f"{key}: expected true or false, got {_shown(value)}")
         change[key] = value
     return change
+
+
+def _fields(change: Mapping[str, Any]) -> str:
+    """``weight=0 drain=true``: a change as the log shows it."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in change.items())
 
 
 def _kind(value: Any) -> str:
@@ -200,7 +208,7 @@ class AdminApp:
             return await self._route(method, segments, scope, headers, receive, who)
         except AdminError as exc:
             if exc.status in (401, 403):
-                log.warning("%s %s %s refused: %s", who, method, path, exc.message)
+                log.warning("admin: %s: %s %s refused: %s", who, method, path, exc.message)
                 extra = [(b"www-authenticate", b'Bearer realm="muxproxy"')] * (exc.status == 401)
                 return _error(exc.status, exc.message, *extra)
             if exc.status in (408, 413):
@@ -237,9 +245,22 @@ class AdminApp:
                 try:
                     entry = await self.control.change_server(group, server, change)
                 except AdminError as exc:
-                    log.info("%s: %s/%s %s refused: %s", who, group, server, change, exc.message)
+                    log.info(
+                        "admin: %s: upstream %s server %s: %s refused: %s",
+                        who,
+                        group,
+                        server,
+                        _fields(change),
+                        exc.message,
+                    )
                     raise
-                log.info("%s: upstream %s server %s: %s", who, group, entry["address"], change)
+                log.info(
+                    "admin: %s: upstream %s server %s: %s",
+                    who,
+                    group,
+                    entry["address"],
+                    _fields(change),
+                )
                 return _json(200, entry)
             case ["reload"]:
                 _allow(method, "POST")
@@ -249,9 +270,9 @@ class AdminApp:
                 what = "rolling restart" if restart else "reload"
                 result = await self.control.reload(restart=restart)
                 if result.ok:
-                    log.info("%s: %s: generation %d", who, what, result.generation)
+                    log.info("admin: %s: %s: generation %d", who, what, result.generation)
                     return _json(200, {"ok": True, "generation": result.generation})
-                log.warning("%s: %s refused: %s", who, what, "; ".join(result.errors))
+                log.warning("admin: %s: %s refused: %s", who, what, "; ".join(result.errors))
                 return _json(
                     422, {"ok": False, "errors": result.errors, "generation": result.generation}
                 )

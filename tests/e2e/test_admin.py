@@ -1,14 +1,15 @@
 """The admin API on a real proxy in this process: status, runtime changes, tokens, state file.
 
-A ``serve_local`` proxy (the one ``muxproxy serve`` runs) from a TOML file, with its admin
-listener on 127.0.0.1 port 0, in front of real ``FakeLLM`` backends that name themselves in
-``x-backend-id``; httpx speaks to both listeners. What is checked from the outside: the status
-document, that a weight, drain or down moves new requests but not a stream in flight, that a
-missing or wrong token changes nothing, the messages of refused bodies, the state file, and
-reloads. The command line and a real ``python -m muxproxy serve`` are in
-``test_admin_process.py``.
+A ``serve_local`` proxy (the pieces ``muxproxy serve`` runs: a ``ProxyServer``, its saved
+state, its admin listener) from a TOML file, the admin listener on 127.0.0.1 port 0, in front
+of real backends that name themselves in ``x-backend-id`` (``FakeLLM``, and a raw HTTP/1.1
+one that holds its stream open until told); httpx speaks to both listeners. What is checked
+from the outside: the status document, that a weight, drain or down moves new requests but
+not a stream in flight, that a missing or wrong token changes nothing, the messages of refused
+bodies and requests, the state file, reloads and metrics. The command line and a real
+``python -m muxproxy serve`` are in ``test_admin_process.py``.
 
-Every wait is on a condition (the backends' counters) under ``trio.fail_after``.
+Every wait is on a condition (an event, a response) under ``trio.fail_after``.
 """
 
 from __future__ import annotations
@@ -262,8 +263,8 @@ async def test_a_server_is_named_by_address_encoded_or_not_or_by_its_id(
     # Each change is logged with who made it (the client's address) and what it was.
     changes = [r.getMessage() for r in caplog.records if r.name == "muxproxy.admin"]
     assert len(changes) == 3
-    assert all(message.startswith("127.0.0.1:") for message in changes)
-    assert changes[2].endswith(f": upstream llm server 127.0.0.1:{p1}: {{'weight': 5}}")
+    assert all(message.startswith("admin: 127.0.0.1:") for message in changes)
+    assert changes[2].endswith(f": upstream llm server 127.0.0.1:{p1}: weight=5")
 
 
 @pytest.mark.parametrize(
