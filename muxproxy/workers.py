@@ -63,7 +63,7 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -73,7 +73,7 @@ import trio
 from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.measure import GAUGE, merge
+from muxproxy.core.measure import merge
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import ReloadResult, load_runtime_state
 from muxproxy.trio.handover import (
@@ -84,6 +84,15 @@ from muxproxy.trio.handover import (
     slot_fds,
 )
 from muxproxy.trio.worker import WORKER_CODE, encode_config
+from muxproxy.trio.workerproc import (
+    REPLY_TIMEOUT,
+    Worker,
+    WorkerState,
+    describe_exit,
+    first_of,
+    gather,
+    without_gauges,
+)
 
 STARTUP_TIMEOUT = 30.0
 """Seconds a worker has to start listening; a start that hangs fails instead."""
@@ -91,8 +100,6 @@ RESTART_WINDOW = 10.0
 """Seconds over which replacements are counted: N workers may be replaced N times in it."""
 KILL_MARGIN = 5.0
 """Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
-REPLY_TIMEOUT = 5.0
-"""Seconds a worker has to answer a request on its control channel."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -107,64 +114,6 @@ class Phase(enum.Enum):
     """Every worker has listened once; a death is replaced."""
     STOPPING = "stopping"
     """The workers were told to stop; the supervisor exits once they have."""
-
-
-class WorkerState(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    STOPPING = "stopping"
-    """Told to stop (a shutdown, or replaced by a rolling restart): draining."""
-    EXITED = "exited"
-
-
-@attrs.define(eq=False)
-class Worker:
-    """One worker process, as the supervisor sees it."""
-
-    slot: int
-    process: trio.Process
-    channel: Channel
-    generation: int
-    """The supervisor's configuration generation this worker runs."""
-    state: WorkerState = WorkerState.STARTING
-    bound: list[tuple[str, int]] = attrs.field(factory=list)
-    listening: trio.Event = attrs.field(factory=trio.Event)
-    exited: trio.Event = attrs.field(factory=trio.Event)
-    returncode: int | None = None
-    final: dict[str, Any] | None = None
-    """The measurements it sent as it exited."""
-    replies: dict[int, _Pending] = attrs.field(factory=dict)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def live(self) -> bool:
-        return self.state is not WorkerState.EXITED
-
-    async def request(self, message: Message, ident: int, fds: Sequence[int] = ()) -> Message:
-        """Send ``message`` (given ``ident``, carrying ``fds``); the answer with the same id.
-
-        Raises ``trio.BrokenResourceError`` when the worker exits first, ``trio.TooSlowError``
-        after :data:`REPLY_TIMEOUT`.
-        """
-        pending = self.replies[ident] = _Pending()
-        try:
-            with trio.fail_after(REPLY_TIMEOUT):
-                await self.channel.send({**message, "id": ident}, fds)
-                await pending.done.wait()
-        finally:
-            del self.replies[ident]
-        if pending.reply is None:
-            raise trio.BrokenResourceError(f"worker {self.pid} exited")
-        return pending.reply
-
-
-@attrs.define
-class _Pending:
-    done: trio.Event = attrs.field(factory=trio.Event)
-    reply: Message | None = None
 
 
 def supervise(
@@ -270,10 +219,10 @@ class Supervisor:
         failure: str | None = None
         with trio.move_on_after(STARTUP_TIMEOUT):
             for worker in started:
-                await _first(worker.listening.wait, worker.exited.wait)
+                await first_of(worker.listening.wait, worker.exited.wait)
                 if not worker.listening.is_set():
                     failure = (
-                        f"worker {worker.pid} {_describe_exit(worker.returncode)} while starting"
+                        f"worker {worker.pid} {describe_exit(worker.returncode)} while starting"
                     )
                     break
             else:
@@ -393,7 +342,7 @@ class Supervisor:
             raise ChannelError(f"unexpected {kind!r} message")
 
     async def _replace(self, dead: Worker) -> None:
-        what = f"worker {dead.pid} {_describe_exit(dead.returncode)}"
+        what = f"worker {dead.pid} {describe_exit(dead.returncode)}"
         if self.phase is Phase.STARTING:
             return  # start() reports it
         if not self._may_restart():
@@ -521,7 +470,7 @@ class Supervisor:
                     else:
                         errors.append(f"worker {worker.pid}: {reply['error']}")
 
-            await _gather(*(partial(reload_one, worker) for worker in targets))
+            await gather(*(partial(reload_one, worker) for worker in targets))
             if errors and not any(w.generation == generation for w in targets):
                 close_listeners(new)
                 return self._refused(errors)
@@ -565,12 +514,12 @@ class Supervisor:
                     self._log(f"{error}; the old workers keep serving")
                     return ReloadResult(ok=False, errors=[error], generation=self.generation)
                 with trio.move_on_after(STARTUP_TIMEOUT):
-                    await _first(new.listening.wait, new.exited.wait)
+                    await first_of(new.listening.wait, new.exited.wait)
                 if not new.listening.is_set():
                     why = (
                         f"did not listen within {STARTUP_TIMEOUT:g}s"
                         if new.live
-                        else _describe_exit(new.returncode)
+                        else describe_exit(new.returncode)
                     )
                     new.state = WorkerState.STOPPING
                     new.process.kill()
@@ -601,7 +550,7 @@ class Supervisor:
             except (trio.BrokenResourceError, trio.TooSlowError):
                 answers[id(worker)] = None
 
-        await _gather(*(partial(ask, worker) for worker in targets))
+        await gather(*(partial(ask, worker) for worker in targets))
         return [(worker, answers[id(worker)]) for worker in targets]
 
     async def apply_runtime(self, state: RuntimeState, *, timeout: float) -> None:
@@ -645,40 +594,3 @@ class Supervisor:
 
     def _log(self, text: str) -> None:
         print(f"muxproxy: {text}", file=sys.stderr, flush=True)
-
-
-async def _gather(*tasks: Callable[[], Awaitable[None]]) -> None:
-    async with trio.open_nursery() as nursery:
-        for task in tasks:
-            nursery.start_soon(task)
-
-
-async def _first(*waits: Callable[[], Awaitable[None]]) -> None:
-    """Return as soon as one of ``waits`` returns."""
-    async with trio.open_nursery() as nursery:
-
-        async def run(wait: Callable[[], Awaitable[None]]) -> None:
-            await wait()
-            nursery.cancel_scope.cancel()
-
-        for wait in waits:
-            nursery.start_soon(run, wait)
-
-
-def without_gauges(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """``snapshot`` with its counters and histograms only: what an exited worker leaves."""
-    metrics = snapshot.get("metrics", {})
-    kept = {name: m for name, m in metrics.items() if m.get("type") != GAUGE}
-    return {**snapshot, "metrics": kept}
-
-
-def _describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:  # a real-time signal has no name of its own
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
