@@ -6,6 +6,12 @@ port is the client's, and the worker holding that socket's inode among its fds a
 SO_REUSEPORT spreads connections by a hash of the 4-tuple, so a test keeps opening fresh
 connections until every worker has served one (bounded by a count and a deadline).
 
+The signal tests put load on the supervisor first: 30 streams of about a second each from a
+slow fake backend, each on a connection of its own, all in flight (the backend has sent every
+head) before the signal; a rolling restart also has two clients opening fresh connections
+back to back throughout. A :class:`Tally` counts what the clients saw: streams completed or
+cut, connections tried and failed; the tests print the figures (``pytest -s``).
+
 Every wait is on a condition with a deadline; the ``/proc`` polls step by a few milliseconds.
 """
 
