@@ -76,6 +76,12 @@ class Affinity:
         digest = hash(key)
         entries.pop(digest, None)
         entries[digest] = (address, now)
+        oldest = entries[next(iter(entries))]
+        if len(entries) > self.limit or now - oldest[1] > self.idle:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        entries = self._entries
         for _ in range(_SWEEP):
             oldest = next(iter(entries))
             if now - entries[oldest][1] <= self.idle and len(entries) <= self.limit:

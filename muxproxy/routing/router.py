@@ -181,7 +181,9 @@ class GroupRouter:
         """Whether pins and remembered keys may go to ``index`` now: not down, healthy, and
         not a backup while a primary is usable (``usable_servers(for_new_sessions=False)``,
         without building the list for a primary)."""
-        if self.down[index] or not self.healthy(index, now):
+        if self.down[index] or not self.passive.usable(index, now):
+            return False
+        if self.probes is not None and not self.probes.up(index):
             return False
         if not self.group.servers[index].backup:
             return True
