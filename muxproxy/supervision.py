@@ -25,12 +25,12 @@ channel and merging the answers:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .config.runtime import resolve_server, save_state
-from .trio.control import AdminError, ReloadResult
+from .trio.control import AdminError, ReloadResult, change_runtime, server_status
 
 if TYPE_CHECKING:
     from .workers import Supervisor
@@ -85,28 +85,16 @@ class SupervisorControl:
     ) -> dict[str, Any]:
         supervisor = self.supervisor
         async with self._lock:
-            try:
-                address = resolve_server(supervisor.config, group, server)
-            except KeyError as exc:
-                raise AdminError(404, str(exc.args[0])) from None
-            try:
-                state = supervisor.runtime.changed(group, address, **change)
-            except ValueError as exc:
-                raise AdminError(400, str(exc)) from None
-            path = supervisor.state_file
-            if path is not None:
-                try:
-                    await trio.to_thread.run_sync(save_state, path, state)
-                except OSError as exc:
-                    raise AdminError(
-                        500, f"cannot write the state file {path!r}: {exc}; nothing changed"
-                    ) from None
-            await supervisor.apply_runtime(state, timeout=RUNTIME_TIMEOUT)
-        status = await self.status()
-        for entry in status["groups"].get(group, {}).get("servers", []):
-            if entry["address"] == address:
-                return dict(entry)
-        raise AdminError(404, f"upstream group {group!r} has no server {address!r}")
+            address = await change_runtime(
+                supervisor.config,
+                supervisor.runtime,
+                supervisor.state_file,
+                group,
+                server,
+                change,
+                apply=partial(supervisor.apply_runtime, timeout=RUNTIME_TIMEOUT),
+            )
+        return server_status(await self.status(), group, address)
 
     async def reload(self, restart: bool = False) -> ReloadResult:
         supervisor = self.supervisor

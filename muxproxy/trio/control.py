@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,9 +37,11 @@ __all__ = [
     "LocalControl",
     "ReloadResult",
     "apply_saved_state",
+    "change_runtime",
     "load_runtime_state",
     "serve_control",
     "serve_local",
+    "server_status",
 ]
 
 log = logging.getLogger("muxproxy.admin")
@@ -146,27 +148,20 @@ class LocalControl:
         self, group: str, server: str, change: Mapping[str, Any]
     ) -> dict[str, Any]:
         async with self._lock:
-            try:
-                address = resolve_server(self.server.config, group, server)
-            except KeyError as exc:
-                raise AdminError(404, str(exc.args[0])) from None
-            try:
-                state = self.state.changed(group, address, **change)
-            except ValueError as exc:
-                raise AdminError(400, str(exc)) from None
-            path = self.state_file
-            if path is not None:
-                try:
-                    await trio.to_thread.run_sync(save_state, path, state)
-                except OSError as exc:
-                    # Not applied either: a change that would be lost at the next start is
-                    # refused rather than half made.
-                    raise AdminError(
-                        500, f"cannot write the state file {path!r}: {exc}; nothing changed"
-                    ) from None
-            self.server.apply_runtime(state)
-            self.state = state
+            address = await change_runtime(
+                self.server.config,
+                self.state,
+                self.state_file,
+                group,
+                server,
+                change,
+                apply=self._apply_runtime,
+            )
         return server_status(await self.status(), group, address)
+
+    async def _apply_runtime(self, state: RuntimeState) -> None:
+        self.server.apply_runtime(state)
+        self.state = state
 
     async def reload(self, restart: bool = False) -> ReloadResult:
         if restart:
@@ -276,9 +271,49 @@ async def serve_local(
         task_status.started((bound, admin))
 
 
+async def change_runtime(
+    config: Config,
+    state: RuntimeState,
+    state_file: str | None,
+    group: str,
+    server: str,
+    change: Mapping[str, Any],
+    *,
+    apply: Callable[[RuntimeState], Awaitable[None]],
+) -> str:
+    """``Control.change_server``'s rules (see the module header), for one process or many.
+
+    Resolves ``server`` in ``group`` of ``config``, sets ``change`` on it in ``state``, saves
+    the new state to ``state_file`` (when there is one) and then hands it to ``apply``;
+    returns the server's configured address. The caller holds its lock around the call.
+    Raises :class:`AdminError`: 404 for an unknown group or server, 400 for a change that
+    is not valid, 500 when the state file cannot be written (then nothing is applied).
+    """
+    try:
+        address = resolve_server(config, group, server)
+    except KeyError as exc:
+        raise AdminError(404, str(exc.args[0])) from None
+    try:
+        changed = state.changed(group, address, **change)
+    except ValueError as exc:
+        raise AdminError(400, str(exc)) from None
+    if state_file is not None:
+        try:
+            await trio.to_thread.run_sync(save_state, state_file, changed)
+        except OSError as exc:
+            # Not applied either: a change that would be lost at the next start is refused
+            # rather than half made.
+            raise AdminError(
+                500, f"cannot write the state file {state_file!r}: {exc}; nothing changed"
+            ) from None
+    await apply(changed)
+    return address
+
+
 def server_status(status: Mapping[str, Any], group: str, address: str) -> dict[str, Any]:
-    """The entry of the server at ``address`` in ``group`` of a ``status()`` document."""
-    for entry in status["groups"][group]["servers"]:
+    """The entry of the server at ``address`` in ``group`` of a ``status()`` document (404
+    when it has none: no worker answered for it, say)."""
+    for entry in status["groups"].get(group, {}).get("servers", []):
         if entry["address"] == address:
             return dict(entry)
     raise AdminError(404, f"upstream group {group!r} has no server {address!r}")
