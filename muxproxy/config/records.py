@@ -14,6 +14,22 @@ import enum
 import attrs
 
 
+class _HostPort:
+    """``host`` and ``port`` of a record's ``address`` (``"host:port"``, ``"[::1]:port"``),
+    as validated by the loader (:func:`muxproxy.config.checker.address_problem`)."""
+
+    __slots__ = ()
+    address: str
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
 @attrs.frozen(kw_only=True)
 class Timeouts:
     connect: float = 5.0
@@ -81,7 +97,7 @@ class Limits:
 
 
 @attrs.frozen(kw_only=True)
-class Server:
+class Server(_HostPort):
     address: str
     """``host:port`` of the backend."""
     weight: int = 1
@@ -103,14 +119,6 @@ class Server:
     """CA bundle that verifies the backend's certificate; None: the system's trust store."""
     tls_server_name: str | None = None
     """Name checked against the certificate and sent as SNI; None: the host of ``address``."""
-
-    @property
-    def host(self) -> str:
-        return self.address.rsplit(":", 1)[0].strip("[]")
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
 
 
 class Balance(enum.Enum):
@@ -266,7 +274,7 @@ class Route:
 
 
 @attrs.frozen(kw_only=True)
-class Listener:
+class Listener(_HostPort):
     address: str
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -274,14 +282,6 @@ class Listener:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
-
-    @property
-    def host(self) -> str:
-        return self.address.rsplit(":", 1)[0].strip("[]")
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
 
 
 LOG_FORMATS = ("text", "json")
@@ -307,7 +307,7 @@ ADMIN_TOKEN_ENV = "MUXPROXY_ADMIN_TOKEN"
 
 
 @attrs.frozen(kw_only=True)
-class AdminSettings:
+class AdminSettings(_HostPort):
     """The ``[admin]`` section: the admin API's listener (``muxproxy.trio.admin``)."""
 
     address: str = "127.0.0.1:9901"
@@ -316,14 +316,6 @@ class AdminSettings:
     """The bearer token every change must carry; None: changes are refused."""
     state_file: str | None = None
     """Where runtime server overrides (weight, drain, down) are kept across restarts."""
-
-    @property
-    def host(self) -> str:
-        return self.address.rsplit(":", 1)[0].strip("[]")
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
 
 
 @attrs.frozen(kw_only=True)
