@@ -108,6 +108,12 @@ def test_a_state_file_that_is_not_valid_is_named(tmp_path: Path) -> None:
     assert "fix or remove the file" in found[0]
 
 
+def test_a_directory_as_the_state_file_is_refused(tmp_path: Path) -> None:
+    assert problems({"state_file": str(tmp_path)}) == [
+        f'admin.state_file: expected a file, got the directory "{tmp_path}"'
+    ]
+
+
 def test_a_valid_state_file_or_none_yet_is_accepted(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     assert parsed({"state_file": str(state)}).admin.state_file == str(state)

@@ -73,6 +73,12 @@ def test_an_access_file_in_a_missing_directory_is_refused(tmp_path: Path) -> Non
     assert problem.startswith(f'log.access: the directory "{tmp_path / "nowhere"}" does not exist')
 
 
+def test_a_directory_as_the_access_file_is_refused(tmp_path: Path) -> None:
+    assert problems_of(valid(access=str(tmp_path))) == [
+        f'log.access: expected a file, got the directory "{tmp_path}"'
+    ]
+
+
 def test_the_log_section_must_be_a_table() -> None:
     data = valid()
     data["log"] = "stderr"

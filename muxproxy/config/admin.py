@@ -16,7 +16,6 @@ is a bearer token (RFC 6750 §2.1), so it must have the ``b64token`` syntax to b
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -56,19 +55,13 @@ def _state_file(check: Checker, value: Any, path: str) -> str | None:
     if not isinstance(value, str) or not value:
         check.add(path, f"expected a file path, got {describe(value)}")
         return None
-    resolved = value
-    if check.base_dir is not None and not os.path.isabs(value):
-        resolved = os.path.join(check.base_dir, value)
-    directory = os.path.dirname(resolved) or "."
-    if os.path.isdir(resolved):
-        check.add(path, f"expected a file, got the directory {describe(resolved)}")
-        return None
-    if not os.path.isdir(directory):
-        check.add(
-            path,
-            f"the directory {describe(directory)} does not exist; create it (the state file"
-            " is written there, through a temporary file beside it)",
-        )
+    resolved = check.file_to_write(
+        value,
+        path,
+        missing_directory="create it (the state file is written there, through a temporary"
+        " file beside it)",
+    )
+    if resolved is None:
         return None
     try:
         load_state(resolved)  # a missing file is fine: nothing was changed yet

@@ -177,13 +177,34 @@ class Checker:
     def listen_address(self, value: Any, path: str) -> str | None:
         return self.address(value, path, allow_port_zero=True)
 
+    def resolved(self, value: str) -> str:
+        """The file path ``value`` relative to the configuration file's directory (an
+        absolute one, or any without a file, as it is)."""
+        if self.base_dir is not None and not os.path.isabs(value):
+            return os.path.join(self.base_dir, value)
+        return value
+
+    def file_to_write(self, value: str, path: str, *, missing_directory: str) -> str | None:
+        """``value`` :meth:`resolved`, as a file muxproxy creates or writes: not a directory,
+        in a directory that exists (``missing_directory`` ends the message when it does not:
+        what to do)."""
+        resolved = self.resolved(value)
+        if os.path.isdir(resolved):
+            self.add(path, f"expected a file, got the directory {describe(resolved)}")
+            return None
+        directory = os.path.dirname(resolved) or "."
+        if not os.path.isdir(directory):
+            self.add(
+                path, f"the directory {describe(directory)} does not exist; {missing_directory}"
+            )
+            return None
+        return resolved
+
     def file(self, value: Any, path: str) -> str | None:
         if not isinstance(value, str) or not value:
             self.add(path, f"expected a file path, got {describe(value)}")
             return None
-        resolved = value
-        if self.base_dir is not None and not os.path.isabs(value):
-            resolved = os.path.join(self.base_dir, value)
+        resolved = self.resolved(value)
         if os.path.isdir(resolved):
             self.add(path, f"expected a file, got the directory {describe(resolved)}")
             return None

@@ -6,7 +6,6 @@ problem named by its key (``log.format``) with what is expected.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .checker import Checker, Key, describe
@@ -23,21 +22,12 @@ def _access(check: Checker, value: Any, path: str) -> str | None:
         return None
     if value in ("stderr", "off"):
         return value
-    resolved = value
-    if check.base_dir is not None and not os.path.isabs(value):
-        resolved = os.path.join(check.base_dir, value)
-    if os.path.isdir(resolved):
-        check.add(path, f"expected a file path, got the directory {describe(resolved)}")
-        return None
-    directory = os.path.dirname(resolved) or "."
-    if not os.path.isdir(directory):
-        check.add(
-            path,
-            f"the directory {describe(directory)} does not exist; create it or choose another"
-            ' path ("stderr" and "off" are the alternatives)',
-        )
-        return None
-    return resolved
+    return check.file_to_write(
+        value,
+        path,
+        missing_directory='create it or choose another path ("stderr" and "off" are the'
+        " alternatives)",
+    )
 
 
 def _format(check: Checker, value: Any, path: str) -> str | None:
