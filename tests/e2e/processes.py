@@ -1,8 +1,8 @@
 """A ``python -m muxproxy serve`` process as a user runs it, for end-to-end tests.
 
-:func:`proxy_process` starts one and yields once it printed its listening lines; its stdout
-and stderr are collected line by line as they come (:class:`Output`), so a test waits for a
-line, never for a while.
+:func:`proxy_process` starts one and yields once it printed its listening lines (and its
+``muxproxy admin on ...`` line, when asked); its stdout and stderr are collected line by line
+as they come (:class:`Output`), so a test waits for a line, never for a while.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -19,6 +19,8 @@ import trio
 
 START_TIMEOUT = 30.0
 """Seconds for a ``python -m muxproxy`` process to start listening (imports on a busy box)."""
+LISTENING = "muxproxy listening on "
+ADMIN = "muxproxy admin on "
 
 
 @attrs.define
@@ -65,11 +67,21 @@ class ProxyProcess:
 
     def ports(self) -> list[int]:
         """Each listening line's port, in the order printed."""
-        return [
-            int(line.rsplit(":", 1)[1])
-            for line in self.stdout.lines
-            if line.startswith("muxproxy listening on ")
-        ]
+        return [int(url.rsplit(":", 1)[1]) for url in self.urls(LISTENING)]
+
+    def urls(self, prefix: str = LISTENING) -> list[str]:
+        """The URL of each stdout line starting with ``prefix``, in the order printed."""
+        return [line.removeprefix(prefix) for line in self.stdout.lines if line.startswith(prefix)]
+
+    @property
+    def url(self) -> str:
+        """The first listener's URL (``http://127.0.0.1:PORT``)."""
+        return self.urls(LISTENING)[0]
+
+    @property
+    def admin_url(self) -> str:
+        """The admin API's URL, from the ``muxproxy admin on ...`` line."""
+        return self.urls(ADMIN)[0]
 
     def send(self, signum: signal.Signals) -> None:
         self.process.send_signal(signum)
@@ -95,15 +107,24 @@ def log_message(line: str) -> str:
 
 @asynccontextmanager
 async def proxy_process(
-    nursery: trio.Nursery, *args: str, config: Path | None = None, listeners: int = 1
+    nursery: trio.Nursery,
+    *args: str,
+    config: Path | None = None,
+    listeners: int = 1,
+    admin: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[ProxyProcess]:
     """``python -m muxproxy serve`` (``--config`` when given), once its ``listeners`` listening
-    lines are printed; killed at the end if it is still running."""
+    lines are printed (and, with ``admin``, its admin line); ``env``: its whole environment
+    (default: this process's). Killed at the end if it is still running."""
     command = [sys.executable, "-m", "muxproxy", "serve", *args]
     if config is not None:
         command += ["--config", str(config)]
     process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=None if env is None else dict(env),
     )
     assert process.stdout is not None and process.stderr is not None
     running = ProxyProcess(
@@ -115,9 +136,10 @@ async def proxy_process(
         with trio.fail_after(START_TIMEOUT):
             while len(running.ports()) < listeners:
                 await running.stdout.wait_for(
-                    lambda line: line.startswith("muxproxy listening on "),
-                    start=len(running.stdout.lines),
+                    lambda line: line.startswith(LISTENING), start=len(running.stdout.lines)
                 )
+            if admin:
+                await running.stdout.wait_for(lambda line: line.startswith(ADMIN))
         yield running
     finally:
         with trio.CancelScope(shield=True):

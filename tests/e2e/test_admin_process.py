@@ -12,8 +12,6 @@ Every wait is on an output line or a process exit under ``trio.fail_after``.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +22,7 @@ import attrs
 import httpx
 import trio
 from peers import closed_port
+from processes import ProxyProcess, proxy_process
 
 from muxproxy.config import ADMIN_TOKEN_ENV
 
@@ -32,9 +31,9 @@ if TYPE_CHECKING:
 
 TOKEN = "process-token"
 START_TIMEOUT = 15
-"""Seconds for ``python -m muxproxy serve`` to import, bind and print its lines."""
+"""Seconds for ``python -m muxproxy admin`` to run."""
 TEST_TIMEOUT = 90
-"""Seconds for a whole test: a few processes started, each within ``START_TIMEOUT``."""
+"""Seconds for a whole test: a few processes started and a few ``muxproxy admin`` runs."""
 
 
 def write_config(path: Path, ports: list[int]) -> Path:
@@ -52,52 +51,27 @@ def write_config(path: Path, ports: list[int]) -> Path:
     return path
 
 
-@attrs.define
-class Served:
-    process: trio.Process
-    url: str
-    admin: str
-
-
-@asynccontextmanager
-async def serve(config: Path, *flags: str, token: str | None = None) -> AsyncIterator[Served]:
-    """``python -m muxproxy serve --config CONFIG`` (or ``serve FLAGS`` with ``config`` naming
-    where its stderr goes), once it printed both of its lines; ``token``: in the environment."""
+def environment(token: str | None) -> dict[str, str]:
+    """This process's environment with ``token`` as the admin token (None: without one)."""
     env = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
     if token is not None:
         env[ADMIN_TOKEN_ENV] = token
-    arguments = list(flags) if flags else ["--config", str(config)]
-    stderr = config.with_suffix(".stderr")
-    with stderr.open("ab") as err:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "muxproxy", "serve", *arguments],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=env,
-        )
-    try:
-        assert process.stdout is not None
-        out = b""
-        with trio.fail_after(START_TIMEOUT):
-            while out.count(b"\n") < 2:
-                chunk = await process.stdout.receive_some(4096)
-                assert chunk, f"exited before listening: {stderr.read_text()}"
-                out += chunk
-        listening, admin = out.decode().splitlines()[:2]
-        assert listening.startswith("muxproxy listening on http://127.0.0.1:"), listening
-        assert admin.startswith("muxproxy admin on http://127.0.0.1:"), admin
-        yield Served(
-            process=process, url=listening.rsplit(" ", 1)[1], admin=admin.rsplit(" ", 1)[1]
-        )
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGINT)
-                with trio.move_on_after(10):
-                    await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+    return env
+
+
+@asynccontextmanager
+async def serve(
+    config: Path | None, *flags: str, token: str | None = None
+) -> AsyncIterator[ProxyProcess]:
+    """``python -m muxproxy serve --config CONFIG`` (or ``serve FLAGS``, ``config`` None),
+    once it printed its listening and admin lines; ``token``: in the environment."""
+    async with (
+        trio.open_nursery() as nursery,
+        proxy_process(nursery, *flags, config=config, admin=True, env=environment(token)) as served,
+    ):
+        assert served.url.startswith("http://127.0.0.1:"), served.stdout.lines
+        assert served.admin_url.startswith("http://127.0.0.1:"), served.stdout.lines
+        yield served
 
 
 @attrs.frozen
@@ -109,16 +83,13 @@ class Ran:
 
 async def admin(url: str, *args: str, token: str | None = TOKEN) -> Ran:
     """``python -m muxproxy admin --url URL ARGS`` (the token from the environment)."""
-    env = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
-    if token is not None:
-        env[ADMIN_TOKEN_ENV] = token
     with trio.fail_after(START_TIMEOUT):
         done = await trio.run_process(
             [sys.executable, "-m", "muxproxy", "admin", "--url", url, *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,
-            env=env,
+            env=environment(token),
         )
     return Ran(done.returncode, done.stdout.decode(), done.stderr.decode())
 
@@ -137,7 +108,7 @@ async def test_admin_status_prints_a_table_of_the_servers(
         _, p0 = await start_backend(backend_id="gpu0")
         _, p1 = await start_backend(backend_id="gpu1")
         async with serve(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as served:
-            ran = await admin(served.admin, "status", token=None)
+            ran = await admin(served.admin_url, "status", token=None)
         assert ran.status == 0, ran.err
         lines = ran.out.splitlines()
         assert lines[0].startswith(f"generation 1; workers: {served.process.pid} (generation 1)")
@@ -168,32 +139,32 @@ async def test_admin_weight_and_drain_change_routing_and_a_restart_keeps_them(
         config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
         async with serve(config) as served:
             assert await backends_seen(served.url) == {"gpu0", "gpu1"}
-            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "0")
+            ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", "0")
             assert ran.status == 0, ran.err
             assert ran.out.strip() == (
                 f"upstream llm: server 127.0.0.1:{p0}: weight 0 (configured 1), draining,"
                 " healthy, 0 active"
             )
             assert await backends_seen(served.url) == {"gpu1"}
-            ran = await admin(served.admin, "status")
+            ran = await admin(served.admin_url, "status")
             assert f"127.0.0.1:{p0}" in ran.out
             row = next(line.split() for line in ran.out.splitlines() if f":{p0} " in line)
             assert row[2:5] == ["0", "(1)", "draining"]
         async with serve(config) as served:
             # A new process: the state file brought the weight back before the first request.
             assert await backends_seen(served.url) == {"gpu1"}
-            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "2")
+            ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", "2")
             assert ran.status == 0, ran.err
-            ran = await admin(served.admin, "drain", "llm", f"127.0.0.1:{p1}")
+            ran = await admin(served.admin_url, "drain", "llm", f"127.0.0.1:{p1}")
             assert ran.status == 0, ran.err
             assert "draining" in ran.out
             assert await backends_seen(served.url) == {"gpu0"}
-            ran = await admin(served.admin, "undrain", "llm", f"127.0.0.1:{p1}")
+            ran = await admin(served.admin_url, "undrain", "llm", f"127.0.0.1:{p1}")
             assert ran.status == 0, ran.err
-            ran = await admin(served.admin, "down", "llm", f"127.0.0.1:{p0}")
+            ran = await admin(served.admin_url, "down", "llm", f"127.0.0.1:{p0}")
             assert (ran.status, "down" in ran.out) == (0, True), ran.err
             assert await backends_seen(served.url) == {"gpu1"}
-            ran = await admin(served.admin, "up", "llm", f"127.0.0.1:{p0}")
+            ran = await admin(served.admin_url, "up", "llm", f"127.0.0.1:{p0}")
             assert (ran.status, " up," in ran.out) == (0, True), ran.err
             assert await backends_seen(served.url) == {"gpu0", "gpu1"}
 
@@ -204,20 +175,20 @@ async def test_admin_refusals_print_the_message_and_exit_non_zero(
     with trio.fail_after(TEST_TIMEOUT):
         _, p0 = await start_backend(backend_id="gpu0")
         async with serve(write_config(tmp_path / "muxproxy.toml", [p0])) as served:
-            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "3", token=None)
+            ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", "3", token=None)
             assert ran.status == 1
             assert "401 Unauthorized: missing token" in ran.err
             assert ADMIN_TOKEN_ENV in ran.err
-            ran = await admin(served.admin, "drain", "llm", f"127.0.0.1:{p0}", token="nope")
+            ran = await admin(served.admin_url, "drain", "llm", f"127.0.0.1:{p0}", token="nope")
             assert ran.status == 1
             assert "401 Unauthorized: wrong token" in ran.err
-            ran = await admin(served.admin, "down", "llm", "10.9.9.9:80")
+            ran = await admin(served.admin_url, "down", "llm", "10.9.9.9:80")
             assert ran.status == 1
             assert "404 Not Found: upstream group 'llm' has no server '10.9.9.9:80'" in ran.err
-            ran = await admin(served.admin, "weight", "llm", f"127.0.0.1:{p0}", "-1")
+            ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", "-1")
             assert ran.status == 2
             assert "expected an integer >= 0" in ran.err
-            ran = await admin(served.admin, "status")
+            ran = await admin(served.admin_url, "status")
             assert " 1 " in next(line for line in ran.out.splitlines() if f":{p0} " in line)
         ran = await admin(f"http://127.0.0.1:{await closed_port()}", "status")
         assert ran.status == 1
@@ -237,19 +208,19 @@ async def test_admin_reload_applies_the_file_or_prints_its_problems(
         async with serve(config) as served:
             assert await backends_seen(served.url) == {"gpu0"}
             write_config(config, [p0, p1])
-            ran = await admin(served.admin, "reload")
+            ran = await admin(served.admin_url, "reload")
             assert (ran.status, ran.out) == (0, "reloaded: generation 2\n"), ran.err
             assert await backends_seen(served.url) == {"gpu0", "gpu1"}
             config.write_text(config.read_text().replace("servers = [", "servers = 3 #["))
-            ran = await admin(served.admin, "reload")
+            ran = await admin(served.admin_url, "reload")
             assert ran.status == 1
             assert "POST /reload: 422 Unprocessable" in ran.err
             assert "the running configuration stays" in ran.err
             assert "upstreams.llm.servers: expected" in ran.err
-            ran = await admin(served.admin, "reload", "--restart")
+            ran = await admin(served.admin_url, "reload", "--restart")
             assert ran.status == 1
             assert "400 Bad Request: a rolling restart needs worker processes" in ran.err
-            ran = await admin(served.admin, "status")
+            ran = await admin(served.admin_url, "status")
             assert ran.out.startswith("generation 2;")
             assert await backends_seen(served.url) == {"gpu0", "gpu1"}
 
@@ -262,10 +233,10 @@ async def test_serve_admin_flag_opens_the_admin_api_of_a_quick_proxy(
         _, p1 = await start_backend(backend_id="gpu1")
         flags = ["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
         flags += ["--upstream", f"127.0.0.1:{p0}", "--upstream", f"127.0.0.1:{p1}"]
-        async with serve(tmp_path / "quick", *flags, token=TOKEN) as served:
-            ran = await admin(served.admin, "down", "default", f"127.0.0.1:{p1}")
+        async with serve(None, *flags, token=TOKEN) as served:
+            ran = await admin(served.admin_url, "down", "default", f"127.0.0.1:{p1}")
             assert ran.status == 0, ran.err
             assert await backends_seen(served.url) == {"gpu0"}
-            ran = await admin(served.admin, "reload")
+            ran = await admin(served.admin_url, "reload")
             assert ran.status == 1
             assert "nothing to reload" in ran.err
