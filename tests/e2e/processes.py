@@ -19,6 +19,8 @@ import trio
 
 START_TIMEOUT = 30.0
 """Seconds for a ``python -m muxproxy`` process to start listening (imports on a busy box)."""
+STOP_TIMEOUT = 10.0
+"""Seconds for a process sent its stop signal at the end of a test to exit."""
 LISTENING = "muxproxy listening on "
 ADMIN = "muxproxy admin on "
 
@@ -52,6 +54,11 @@ class Output:
                 if predicate(line):
                     return line
             assert not self.closed, f"closed without the line; got {self.lines}"
+            await self._changed.wait()
+
+    async def wait_closed(self) -> None:
+        """Until the pipe is closed (every line is in ``lines``)."""
+        while not self.closed:
             await self._changed.wait()
 
     def text(self) -> str:
@@ -113,10 +120,12 @@ async def proxy_process(
     listeners: int = 1,
     admin: bool = False,
     env: Mapping[str, str] | None = None,
+    stop: signal.Signals | None = None,
 ) -> AsyncIterator[ProxyProcess]:
     """``python -m muxproxy serve`` (``--config`` when given), once its ``listeners`` listening
     lines are printed (and, with ``admin``, its admin line); ``env``: its whole environment
-    (default: this process's). Killed at the end if it is still running."""
+    (default: this process's). At the end, if it is still running, it is sent ``stop`` and
+    given ``STOP_TIMEOUT`` seconds to exit (no ``stop``: none), then killed."""
     command = [sys.executable, "-m", "muxproxy", "serve", *args]
     if config is not None:
         command += ["--config", str(config)]
@@ -143,6 +152,10 @@ async def proxy_process(
         yield running
     finally:
         with trio.CancelScope(shield=True):
+            if process.returncode is None and stop is not None:
+                process.send_signal(stop)
+                with trio.move_on_after(STOP_TIMEOUT):
+                    await process.wait()
             if process.returncode is None:
                 process.kill()
             await process.wait()

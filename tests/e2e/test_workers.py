@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ import httpx
 import pytest
 import trio
 from peers import h1_read_response, h1_request_bytes, open_tcp, sse_events
+from processes import ProxyProcess, proxy_process
 
 from muxproxy.cli import main
 from muxproxy.testing.fakellm import FakeLLM
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 START_TIMEOUT = 15
-"""Seconds for a supervisor to print its listening line: N interpreters start and import."""
+"""Seconds for worker interpreters to start and import (a replacement, a rolling restart)."""
 MAX_CONNECTIONS = 200
 """Fresh connections tried before concluding that some worker is never handed one."""
 POLL = 0.005
@@ -128,14 +128,23 @@ def quick(backend_port: int, *, workers: int = 2, port: int = 0) -> list[str]:
 
 @attrs.define
 class Supervisor:
-    process: trio.Process
-    port: int
-    stdout: bytes
-    """What it printed to stdout so far: its listening line, and more once it exited."""
-    stderr: Path
+    proxy: ProxyProcess
     seen_workers: set[int] = attrs.field(factory=set)
-    unread: bytes = b""
-    """Stdout past the first line, not yet returned by :meth:`read_line`."""
+    read: int = 1
+    """Stdout lines returned so far (its listening line, then by :meth:`read_line`)."""
+
+    @property
+    def process(self) -> trio.Process:
+        return self.proxy.process
+
+    @property
+    def port(self) -> int:
+        return self.proxy.ports()[0]
+
+    @property
+    def stdout(self) -> list[str]:
+        """The lines it printed to stdout so far: its listening line, more once it exited."""
+        return self.proxy.stdout.lines
 
     def workers(self) -> set[int]:
         current = children_of(self.process.pid)
@@ -143,11 +152,11 @@ class Supervisor:
         return current
 
     def errors(self) -> str:
-        return self.stderr.read_text()
+        return self.proxy.stderr.text()
 
     def errors_besides_access(self) -> list[str]:
         """stderr without the access log's lines (on stderr by default: ``[log] access``)."""
-        return [line for line in self.errors().splitlines() if " request_id=" not in line]
+        return [line for line in self.proxy.stderr.lines if " request_id=" not in line]
 
     async def request(self) -> int | None:
         """GET /v1/models on a fresh connection (must answer 200); the worker that served it."""
@@ -173,73 +182,37 @@ class Supervisor:
 
     async def read_line(self) -> str:
         """The next line the supervisor prints on stdout (past its first listening line)."""
-        assert self.process.stdout is not None
         with trio.fail_after(10):
-            while b"\n" not in self.unread:
-                chunk = await self.process.stdout.receive_some(4096)
-                assert chunk, f"stdout ended: {self.errors()}"
-                self.stdout += chunk
-                self.unread += chunk
-        line, _, self.unread = self.unread.partition(b"\n")
-        return line.decode()
+            line = await self.proxy.stdout.wait_for(lambda _: True, start=self.read)
+        self.read += 1
+        return line
 
     async def wait_logged(self, text: str, timeout: float = 15) -> str:
-        """Poll stderr until a line holds ``text``; returns that line."""
+        """The first stderr line holding ``text``, once there is one."""
         with trio.move_on_after(timeout):
-            while True:
-                for line in self.errors().splitlines():
-                    if text in line:
-                        return line
-                await trio.sleep(POLL)
+            return await self.proxy.stderr.wait_for(lambda line: text in line)
         raise AssertionError(f"no {text!r} on stderr within {timeout}s: {self.errors()}")
 
     async def wait_exit(self, timeout: float = 10) -> int:
+        """Its exit status, once it exited and closed its stdout (every line read)."""
         with trio.fail_after(timeout):
-            assert self.process.stdout is not None
-            while chunk := await self.process.stdout.receive_some(4096):
-                self.stdout += chunk
+            await self.proxy.stdout.wait_closed()
             return await self.process.wait()
 
 
 @asynccontextmanager
-async def supervisor(tmp_path: Path, *args: str) -> AsyncIterator[Supervisor]:
-    """``python -m muxproxy serve ARGS`` with its listening line read; stopped at the end."""
-    stderr = tmp_path / "supervisor.stderr"
-    with stderr.open("wb") as err:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "muxproxy", "serve", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
+async def supervisor(*args: str) -> AsyncIterator[Supervisor]:
+    """``python -m muxproxy serve ARGS`` with its listening line read; stopped (SIGTERM) at
+    the end."""
     running: Supervisor | None = None
-    try:
-        assert process.stdout is not None
-        out = b""
-        with trio.fail_after(START_TIMEOUT):
-            while b"\n" not in out:
-                chunk = await process.stdout.receive_some(4096)
-                assert chunk, f"exited before listening: {stderr.read_text()}"
-                out += chunk
-        line = out.split(b"\n", 1)[0].decode()
-        assert line.startswith("muxproxy listening on http://127.0.0.1:"), line
-        running = Supervisor(
-            process=process,
-            port=int(line.rsplit(":", 1)[1]),
-            stdout=out,
-            stderr=stderr,
-            unread=out.split(b"\n", 1)[1],
-        )
-        running.workers()
-        yield running
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with trio.move_on_after(10):
-                    await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+    async with trio.open_nursery() as nursery:
+        try:
+            async with proxy_process(nursery, *args, stop=signal.SIGTERM) as proxy:
+                assert proxy.url.startswith("http://127.0.0.1:"), proxy.stdout.lines
+                running = Supervisor(proxy)
+                running.workers()
+                yield running
+        finally:
             # Our own workers only, should the supervisor have failed to stop them.
             for pid in running.seen_workers if running is not None else ():
                 if is_alive(pid):
@@ -253,7 +226,7 @@ async def test_workers_share_the_port_and_each_serves_connections(
     tmp_path: Path, start_backend: StartBackend
 ) -> None:
     _, backend_port = await start_backend()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         workers = proxy.workers()
         assert len(workers) == 2
         for _ in range(40):
@@ -261,8 +234,7 @@ async def test_workers_share_the_port_and_each_serves_connections(
         await proxy.wait_served_by(workers)
         proxy.process.send_signal(signal.SIGINT)
         assert await proxy.wait_exit() == 0
-    lines = proxy.stdout.decode().splitlines()
-    assert lines == [f"muxproxy listening on http://127.0.0.1:{proxy.port}"]
+    assert proxy.stdout == [f"muxproxy listening on http://127.0.0.1:{proxy.port}"]
     first, *rest = proxy.errors_besides_access()
     assert first == (
         "muxproxy: stopping: 2 workers drain their streams (up to 30s; a second SIGTERM or"
@@ -275,7 +247,7 @@ async def test_workers_share_the_port_and_each_serves_connections(
 
 async def test_a_killed_worker_is_replaced(tmp_path: Path, start_backend: StartBackend) -> None:
     _, backend_port = await start_backend()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         victim, survivor = sorted(proxy.workers())
         # Stopped, it accepts nothing: the connections the kernel gives its socket queue there.
         os.kill(victim, signal.SIGSTOP)
@@ -312,7 +284,7 @@ async def test_sigterm_stops_every_worker_and_exits_zero(
         f'[upstreams.gpus]\nservers = ["127.0.0.1:{backend_port}"]\n\n'
         '[[routes]]\nprefix = "/"\nupstream = "gpus"\n'
     )
-    async with supervisor(tmp_path, "--workers", "3", "--config", str(config)) as proxy:
+    async with supervisor("--workers", "3", "--config", str(config)) as proxy:
         workers = proxy.workers()
         assert len(workers) == 3
         await proxy.request()
@@ -325,7 +297,7 @@ async def test_workers_do_not_outlive_a_killed_supervisor(
     tmp_path: Path, start_backend: StartBackend
 ) -> None:
     _, backend_port = await start_backend()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         workers = proxy.workers()
         proxy.process.kill()
         await proxy.process.wait()
@@ -336,7 +308,7 @@ async def test_a_crash_loop_gives_up_with_status_1(
     tmp_path: Path, start_backend: StartBackend
 ) -> None:
     _, backend_port = await start_backend()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         # Two replacements within the window are allowed for two workers; the third is not.
         for _ in range(2):
             before = proxy.workers()
@@ -459,7 +431,7 @@ async def test_a_stop_signal_lets_every_stream_in_flight_finish(
 ) -> None:
     fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
     tally = Tally()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         workers = proxy.workers()
         async with trio.open_nursery() as nursery:
             await streams_in_flight(nursery, fake, proxy.port, tally)
@@ -477,7 +449,7 @@ async def test_a_second_sigterm_cuts_the_streams(
 ) -> None:
     fake, backend_port = await start_backend(tokens=1000, delay=TOKEN_DELAY)
     tally = Tally()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy, trio.open_nursery() as n:
+    async with supervisor(*quick(backend_port)) as proxy, trio.open_nursery() as n:
         await streams_in_flight(n, fake, proxy.port, tally, count=4)
         proxy.process.send_signal(signal.SIGTERM)
         # Trio may coalesce two signals not yet received: the second waits for the first.
@@ -496,7 +468,7 @@ async def test_sighup_reloads_the_file_without_cutting_streams(
     config = tmp_path / "muxproxy.toml"
     config.write_text(config_text(backend_port, "127.0.0.1:0"))
     tally = Tally()
-    async with supervisor(tmp_path, "--workers", "2", "--config", str(config)) as proxy:
+    async with supervisor("--workers", "2", "--config", str(config)) as proxy:
         workers = proxy.workers()
         async with trio.open_nursery() as nursery:
             await streams_in_flight(nursery, fake, proxy.port, tally)
@@ -537,7 +509,7 @@ async def test_sigusr2_restarts_every_worker_without_refusing_a_connection(
 ) -> None:
     fake, backend_port = await start_backend(tokens=STREAM_TOKENS, delay=TOKEN_DELAY)
     tally = Tally()
-    async with supervisor(tmp_path, *quick(backend_port)) as proxy:
+    async with supervisor(*quick(backend_port)) as proxy:
         old = proxy.workers()
         done = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -573,7 +545,7 @@ async def test_the_admin_api_of_the_supervisor_answers_for_every_worker(
     )
     auth = {"authorization": "Bearer t0ken"}
     server_url = f"upstreams/gpus/servers/127.0.0.1:{backend_port}"
-    async with supervisor(tmp_path, "--workers", "2", "--config", str(config)) as proxy:
+    async with supervisor("--workers", "2", "--config", str(config)) as proxy:
         line = await proxy.read_line()
         assert line.startswith("muxproxy admin on http://127.0.0.1:"), line
         admin = line.rsplit(" ", 1)[1]
