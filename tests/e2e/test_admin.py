@@ -96,6 +96,15 @@ async def running(config_path: Path) -> AsyncIterator[Proxy]:
         scope.cancel()
 
 
+@asynccontextmanager
+async def admin_client(
+    config_path: Path, timeout: float = 5
+) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient]]:
+    """:func:`running`, with an httpx client (``timeout`` seconds) for both of its listeners."""
+    async with running(config_path) as proxy, httpx.AsyncClient(timeout=timeout) as client:
+        yield proxy, client
+
+
 async def start_fleet(start_backend: StartBackend, n: int = 2) -> list[tuple[FakeLLM, int]]:
     return [await start_backend(backend_id=f"gpu{i}", tokens=3, delay=0.0) for i in range(n)]
 
@@ -142,10 +151,8 @@ async def test_status_lists_groups_servers_listeners_and_workers(
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             document = await status(client, proxy)
     group = document["groups"]["llm"]
     assert group["balance"] == "round_robin"
@@ -215,10 +222,8 @@ async def test_a_change_moves_new_requests_but_not_a_stream_in_flight(
     p0 = await serve_raw(nursery, gated.handle)
     _, p1 = await start_backend(backend_id="gpu1", tokens=3, delay=0.0)
     with trio.fail_after(15):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=10) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config, timeout=10) as (proxy, client):
             # While gpu1 is down the stream goes to the gated backend, which holds it open.
             response = await patch(client, proxy, f"127.0.0.1:{p1}", {"down": True})
             assert response.status_code == 200, response.text
@@ -248,10 +253,8 @@ async def test_a_server_is_named_by_address_encoded_or_not_or_by_its_id(
     caplog.set_level(logging.INFO, logger="muxproxy.admin")
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             ident = server_id("llm", f"127.0.0.1:{p1}").decode()
             for server, weight in ((f"127.0.0.1%3A{p0}", 3), (f"127.0.0.1:{p0}", 4), (ident, 5)):
                 response = await patch(client, proxy, server, {"weight": weight})
@@ -285,10 +288,8 @@ async def test_a_missing_or_wrong_token_is_401_and_changes_nothing(
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             before = await status(client, proxy)
             response = await patch(
                 client, proxy, f"127.0.0.1:{p0}", {"down": True}, headers=headers
@@ -313,7 +314,7 @@ async def test_without_a_token_changes_are_refused_and_reads_stay_open_on_loopba
     (_, p0), (_, p1) = await start_fleet(start_backend)
     config = write_config(tmp_path / "muxproxy.toml", [p0, p1], token=None)
     with trio.fail_after(10):
-        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+        async with admin_client(config) as (proxy, client):
             before = await status(client, proxy)
             response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 0})
             assert response.status_code == 403
@@ -328,7 +329,7 @@ async def test_reads_on_a_non_loopback_address_need_the_token(
     (_, p0), (_, p1) = await start_fleet(start_backend)
     config = write_config(tmp_path / "muxproxy.toml", [p0, p1], admin_address="0.0.0.0:0")
     with trio.fail_after(10):
-        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+        async with admin_client(config) as (proxy, client):
             for path in ("/status", "/metrics"):
                 refused = await client.get(f"{proxy.admin}{path}")
                 assert refused.status_code == 401, path
@@ -359,10 +360,8 @@ async def test_a_bad_body_is_refused_naming_the_field(
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             before = await status(client, proxy)
             response = await patch(client, proxy, f"127.0.0.1:{p0}", body)
             assert response.status_code == (413 if "larger" in message else 400)
@@ -375,10 +374,8 @@ async def test_an_unknown_group_or_server_is_404_naming_it(
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 2}, group="gpus")
             assert response.status_code == 404
             assert "unknown upstream group 'gpus'" in response.json()["error"]
@@ -401,7 +398,7 @@ async def test_the_state_file_is_replaced_whole_and_read_at_the_next_start(
     config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
     state_file = tmp_path / "state.json"
     with trio.fail_after(15):
-        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+        async with admin_client(config) as (proxy, client):
             response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 0})
             assert response.status_code == 200, response.text
             response = await patch(client, proxy, f"127.0.0.1:{p1}", {"weight": 7, "drain": False})
@@ -416,7 +413,7 @@ async def test_the_state_file_is_replaced_whole_and_read_at_the_next_start(
             )
             # Written through a temporary file that is renamed: none is left behind.
             assert sorted(os.listdir(tmp_path)) == ["muxproxy.toml", "state.json"]
-        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+        async with admin_client(config) as (proxy, client):
             document = await status(client, proxy)
             assert server_entry(document, p0)["weight"] == 0
             assert server_entry(document, p1)["weight"] == 7
@@ -445,10 +442,8 @@ async def test_malformed_requests_are_answered_and_the_proxy_goes_on(
 ) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             port = int(proxy.admin.rsplit(":", 1)[1])
             head = b"GET /status HTTP/1.1\r\nhost: a\r\nx-pad: "
             for garbage, statuses in (
@@ -471,7 +466,7 @@ async def test_reload_applies_a_valid_file_and_keeps_the_running_one_for_an_inva
     (_, p0), (_, p1), (_, p2) = await start_fleet(start_backend, 3)
     config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
     with trio.fail_after(15):
-        async with running(config) as proxy, httpx.AsyncClient(timeout=5) as client:
+        async with admin_client(config) as (proxy, client):
             response = await patch(client, proxy, f"127.0.0.1:{p0}", {"weight": 0})
             assert response.status_code == 200, response.text
             write_config(config, [p0, p1, p2], token="rotated-token")
@@ -533,10 +528,8 @@ async def test_a_proxy_started_from_flags_has_nothing_to_reload(
 async def test_metrics_are_prometheus_text(start_backend: StartBackend, tmp_path: Path) -> None:
     (_, p0), (_, p1) = await start_fleet(start_backend)
     with trio.fail_after(10):
-        async with (
-            running(write_config(tmp_path / "muxproxy.toml", [p0, p1])) as proxy,
-            httpx.AsyncClient(timeout=5) as client,
-        ):
+        config = write_config(tmp_path / "muxproxy.toml", [p0, p1])
+        async with admin_client(config) as (proxy, client):
             for _ in range(4):
                 await backend_of(client, proxy)
             response = await patch(client, proxy, f"127.0.0.1:{p1}", {"weight": 3})
