@@ -52,6 +52,31 @@ async def running(server: ProxyServer) -> AsyncIterator[trio.Event]:
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def first_token(
+    client: httpx.AsyncClient, server: ProxyServer
+) -> AsyncIterator[AsyncIterator[str]]:
+    """A streamed chat completion through ``server``'s listener, read up to its first token;
+    yields the rest of its lines."""
+    ((host, port),) = server.addresses
+    url = f"http://{host}:{port}/v1/chat/completions"
+    async with client.stream("POST", url, json=CHAT) as response:
+        lines = response.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        else:
+            raise AssertionError("the stream ended before its first token")
+        yield lines
+
+
+async def read_cut(lines: AsyncIterator[str]) -> None:
+    """The rest of a stream, which the proxy cuts (no terminating chunk)."""
+    with pytest.raises(httpx.RemoteProtocolError):
+        async for _ in lines:
+            pass
+
+
 def refuses(address: tuple[str, int]) -> bool:
     with socket.socket() as sock:
         try:
@@ -102,20 +127,12 @@ async def test_a_second_request_cuts_the_running_streams_at_once(
     server = ProxyServer(config_for(backend, grace=60.0))
     with trio.fail_after(15):
         async with running(server) as returned, httpx.AsyncClient(timeout=10) as client:
-            ((host, port),) = server.addresses
-            url = f"http://{host}:{port}/v1/chat/completions"
-            async with client.stream("POST", url, json=CHAT) as response:
-                lines = response.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break  # the first token
+            async with first_token(client, server) as lines:
                 server.request_shutdown()
                 assert server.streams_in_flight() == 1
                 server.request_shutdown()
                 assert server.phase is Phase.CUTTING
-                with pytest.raises(httpx.RemoteProtocolError):
-                    async for _ in lines:
-                        pass
+                await read_cut(lines)
             await returned.wait()
     summary = server.stop_summary
     assert summary is not None
@@ -268,18 +285,10 @@ async def test_grace_comes_from_the_config(start_backend: StartBackend) -> None:
     assert server.config.timeouts == attrs.evolve(Timeouts(), shutdown_grace=0.5)
     with trio.fail_after(10):
         async with running(server) as returned, httpx.AsyncClient(timeout=10) as client:
-            ((host, port),) = server.addresses
-            url = f"http://{host}:{port}/v1/chat/completions"
-            async with client.stream("POST", url, json=CHAT) as response:
-                lines = response.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break
+            async with first_token(client, server) as lines:
                 stopped = trio.current_time()
                 server.request_shutdown()
-                with pytest.raises(httpx.RemoteProtocolError):
-                    async for _ in lines:
-                        pass
+                await read_cut(lines)
                 assert trio.current_time() - stopped >= 0.5
             await returned.wait()
     summary = server.stop_summary
