@@ -205,3 +205,19 @@ class H2ClientPeer:
             if isinstance(event, h2.events.DataReceived):
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         return events
+
+
+def h2_sse_stream(
+    pb: Playbook, client: H2ClientPeer, path: bytes = b"/v1/stream", *, data: bytes = b""
+) -> tuple[int, int]:
+    """Open a stream of ``client`` on connection 1 (``data`` sent before it: the preface, say)
+    whose HTTP/1.1 backend answered with an SSE head; return (stream id, backend conn)."""
+    before = len(pb.opens())
+    sid, request = client.request(b"GET", path)
+    pb.receive(1, data + request)
+    up = pb.opens()[before].conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    pb.receive(up, backend.sse_head())
+    return sid, up

@@ -9,9 +9,9 @@ import h2.errors
 import h2.events
 import h2.settings
 import h11
-from playbook import H1ClientPeer, H2ClientPeer, default_config
+from playbook import H1ClientPeer, H2ClientPeer, default_config, h2_sse_stream
 from test_h2_slowloris import data_of, open_upload, resets, sse_chunk
-from test_h2guard import Book, closed_conns, parse, start_streaming
+from test_h2guard import Book, closed_conns, parse
 from test_routing_exchange import BODY_KEY, Rig, fleet
 
 from muxproxy.config import Limits, Timeouts
@@ -58,8 +58,8 @@ CHUNK = sse_chunk(b"data: " + b"y" * 4000 + b"\n\n")
 
 def test_zero_window_reader_is_reset_after_the_send_timeout_and_others_go_on() -> None:
     pb, client = zero_window_book(send=60.0, read=30.0)
-    stuck, stuck_up = start_streaming(pb, client, client.preface())
-    good, good_up = start_streaming(pb, client)
+    stuck, stuck_up = h2_sse_stream(pb, client, data=client.preface())
+    good, good_up = h2_sse_stream(pb, client)
     open_window(pb, client, good, 1 << 20)
     client.events(pb.fresh())
     # The stuck stream's bytes wait for a window until the backend is paused at high water.
@@ -95,7 +95,7 @@ def test_zero_window_reader_is_reset_after_the_send_timeout_and_others_go_on() -
 
 def test_stream_whose_window_moves_is_not_cut() -> None:
     pb, client = zero_window_book(send=60.0)
-    sid, up = start_streaming(pb, client, client.preface())
+    sid, up = h2_sse_stream(pb, client, data=client.preface())
     pb.receive(up, CHUNK)
     client.events(pb.fresh())
     for step in range(1, 6):
@@ -114,7 +114,7 @@ def test_response_complete_upstream_but_unread_is_reset_too() -> None:
     """The backend finished, the client never opened the window: the queued rest (and the
     END_STREAM behind it) is given up with a reset, so the truncation stays visible."""
     pb, client = zero_window_book(send=60.0)
-    sid, up = start_streaming(pb, client, client.preface())
+    sid, up = h2_sse_stream(pb, client, data=client.preface())
     pb.receive(up, CHUNK + b"0\r\n\r\n")
     assert not pb.core.exchanges  # the exchange is done, its bytes wait in the stream queue
     pb.now = 60.0

@@ -10,8 +10,8 @@ import attrs
 import h2.errors
 import h2.settings
 import hyperframe.frame
-from playbook import H2ClientPeer, default_config
-from test_h2guard import Book, closed_conns, parse, start_streaming
+from playbook import H2ClientPeer, default_config, h2_sse_stream
+from test_h2guard import Book, closed_conns, parse
 
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import PauseReading, ResumeReading
@@ -54,7 +54,7 @@ def resets(frames: list[hyperframe.frame.Frame]) -> dict[int, int]:
 def test_shutdown_goaway_lets_the_running_stream_finish_and_refuses_new_ones() -> None:
     pb = book()
     client = H2ClientPeer()
-    sid, up = start_streaming(pb, client, client.preface())
+    sid, up = h2_sse_stream(pb, client, data=client.preface())
     pb.receive(up, sse_chunk(b"data: one\n\n"))
     assert data_of(parse(pb.fresh()), sid) == b"data: one\n\n"
     pb.feed(ShutdownRequested(now=pb.now, deadline=pb.now + 30))
@@ -106,7 +106,7 @@ def tick(pb: Book, now: float) -> None:
 def test_idle_upload_is_reset_after_the_deadline_and_others_go_on() -> None:
     pb = book(client_header=5.0)
     client = H2ClientPeer()
-    other, other_up = start_streaming(pb, client, client.preface())
+    other, other_up = h2_sse_stream(pb, client, data=client.preface())
     idle, idle_up = open_upload(pb, client)
     pb.fresh()
     tick(pb, 4.9)
@@ -181,7 +181,7 @@ def streams_on_wide_windows(bound: int, streams: int) -> tuple[Any, list[int]]:
     client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
     client.conn.increment_flow_control_window(2**31 - 1 - 65535)
     preface = client.preface()
-    ups = [start_streaming(pb, client, preface if i == 0 else b"")[1] for i in range(streams)]
+    ups = [h2_sse_stream(pb, client, data=preface if i == 0 else b"")[1] for i in range(streams)]
     client.events(pb.fresh())
     return pb, ups
 

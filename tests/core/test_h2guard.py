@@ -14,7 +14,7 @@ import h11
 import hpack
 import hyperframe.frame
 import pytest
-from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config
+from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config, h2_sse_stream
 
 from muxproxy.config import Limits
 from muxproxy.core.commands import CloseConnection, Log, PauseReading
@@ -48,26 +48,13 @@ def closed_conns(pb: Book) -> set[int]:
     return {c.conn for c in pb.log if isinstance(c, CloseConnection)}
 
 
-def start_streaming(pb: Book, client: H2ClientPeer, data: bytes = b"") -> tuple[int, int]:
-    """Open a stream whose backend answered with an SSE head; return (stream, backend conn)."""
-    before = len(pb.opens())
-    sid, request = client.request(b"GET", b"/v1/stream")
-    pb.receive(1, data + request)
-    up = pb.opens()[before].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    backend.events(pb.take(up))
-    pb.receive(up, backend.sse_head())
-    return sid, up
-
-
 # -- rapid reset (CVE-2023-44487) ------------------------------------------------------------
 
 
 def test_rapid_reset_cancels_each_backend_then_gets_goaway_enhance_your_calm() -> None:
     pb = playbook(h2_reset_budget=5)
     client = H2ClientPeer()
-    _, victim_up = start_streaming(pb, client, client.preface())
+    _, victim_up = h2_sse_stream(pb, client, data=client.preface())
     for i in range(6):
         sid, data = client.request(b"GET", f"/v1/models/{i}".encode())
         client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
@@ -93,7 +80,7 @@ def test_cancels_paid_back_by_completed_responses_never_trip_the_budget() -> Non
         sid, data = client.request(b"GET", f"/cancel/{i}".encode())
         client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
         pb.receive(1, data + client.conn.data_to_send())
-        sid, up = start_streaming(pb, client)
+        sid, up = h2_sse_stream(pb, client)
         pb.receive(up, b"0\r\n\r\n")  # the last chunk of the chunked SSE response
     assert goaway(client, pb) is None
     assert 1 not in closed_conns(pb)
@@ -115,7 +102,7 @@ FLOODS: dict[str, Callable[[H2ClientPeer, int], None]] = {
 def test_control_frame_flood_gets_goaway_and_cancels_running_streams(kind: str) -> None:
     pb = playbook(h2_control_frame_budget=50)
     client = H2ClientPeer()
-    sid, up = start_streaming(pb, client, client.preface())
+    sid, up = h2_sse_stream(pb, client, data=client.preface())
     assert sid == 1
     # Deliver the response head; the client's own SETTINGS ACK etc. are within budget.
     client.events(pb.fresh())
@@ -141,7 +128,7 @@ def test_control_frame_flood_gets_goaway_and_cancels_running_streams(kind: str) 
 def test_pings_are_paid_back_by_a_streaming_response() -> None:
     pb = playbook(h2_control_frame_budget=20)
     client = H2ClientPeer()
-    _, up = start_streaming(pb, client, client.preface())
+    _, up = h2_sse_stream(pb, client, data=client.preface())
     for i in range(200):
         # One token event and one keep-alive PING per token: never a flood.
         pb.receive(up, b"%x\r\ndata: tok\n\n\r\n" % len(b"data: tok\n\n"))
@@ -349,7 +336,7 @@ def test_zero_window_reader_keeps_its_stream_at_bounded_memory() -> None:
     pb.accept(1)
     client = H2ClientPeer()
     client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
-    _, up = start_streaming(pb, client, client.preface())
+    _, up = h2_sse_stream(pb, client, data=client.preface())
     chunk = b"data: " + b"y" * 4000 + b"\n\n"
     wire = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
     paused = False

@@ -11,7 +11,7 @@ import h2.errors
 import h2.events
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
+from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, h2_sse_stream
 from test_h2client import Client, connect_backend, h2_config, requests, respond
 from test_tunnel import _open_h1, _switch
 
@@ -93,19 +93,6 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def h2_stream(pb: Book, client: TolerantClient, path: bytes = b"/v1/stream") -> tuple[int, int]:
-    """Open a stream whose HTTP/1.1 backend answered with an SSE head: (stream, backend)."""
-    before = len(pb.opens())
-    sid, data = client.request(b"GET", path)
-    pb.receive(1, data)
-    up = pb.opens()[before].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    backend.events(pb.take(up))
-    pb.receive(up, backend.sse_head())
-    return sid, up
-
-
 def h2_book() -> tuple[Book, TolerantClient]:
     pb = Book()
     pb.accept(1)
@@ -119,7 +106,7 @@ def h2_book() -> tuple[Book, TolerantClient]:
 
 def test_h2_two_goaways_serve_streams_opened_before_the_ping_ack_and_refuse_later_ones() -> None:
     pb, client = h2_book()
-    first, first_up = h2_stream(pb, client)
+    first, first_up = h2_sse_stream(pb, client)
     client.events(pb.fresh())
     pb.stop(pb.now + 30)
     (started,) = pb.logs("shutdown_started")
@@ -129,7 +116,7 @@ def test_h2_two_goaways_serve_streams_opened_before_the_ping_ack_and_refuse_late
     assert [(g.error_code, g.last_stream_id) for g in client.goaways] == [(NO_ERROR, 2**31 - 1)]
     assert client.pings == [SHUTDOWN_PING]
     # A stream the client sent before it saw the GOAWAY is still taken and served.
-    racing, racing_up = h2_stream(pb, client, b"/v1/racing")
+    racing, racing_up = h2_sse_stream(pb, client, b"/v1/racing")
     assert racing > first and len(pb.opens()) == 2
     # The PING's ACK (h2 queued it on receipt) brings the final GOAWAY with the real last id.
     pb.receive(1, client.conn.data_to_send())
@@ -163,7 +150,7 @@ def test_h2_two_goaways_serve_streams_opened_before_the_ping_ack_and_refuse_late
 
 def test_h2_final_goaway_goes_out_after_the_ack_wait_and_an_idle_connection_closes() -> None:
     pb, client = h2_book()
-    sid, up = h2_stream(pb, client)
+    sid, up = h2_sse_stream(pb, client)
     pb.receive(up, b"0\r\n\r\n")
     client.events(pb.fresh())
     assert sid in client.ended
@@ -407,7 +394,7 @@ def test_h2_backend_connection_without_streams_closes_when_the_stop_begins() -> 
 
 def test_deadline_resets_h2_streams_with_cancel_then_goaway_and_closes_their_backends() -> None:
     pb, client = h2_book()
-    sid, up = h2_stream(pb, client)
+    sid, up = h2_sse_stream(pb, client)
     pb.receive(up, chunk(SSE[0]))
     pb.stop(pb.now + 5)
     (timer,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer == ("shutdown", 0)]
@@ -473,7 +460,7 @@ def test_a_second_request_moves_the_deadline_earlier_never_later() -> None:
 
 def test_deadline_already_past_cuts_at_once() -> None:
     pb, client = h2_book()
-    sid, up = h2_stream(pb, client)
+    sid, up = h2_sse_stream(pb, client)
     pb.stop(pb.now)
     client.events(pb.fresh())
     assert client.resets == {sid: CANCEL}
