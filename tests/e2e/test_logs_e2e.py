@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,13 +15,13 @@ import attrs
 import httpx
 import trio
 from peers import closed_port
+from processes import ProxyProcess, proxy_process
 
 from muxproxy.testing.fakellm import FakeLLM
 
 if TYPE_CHECKING:
     from conftest import StartBackend
 
-START_TIMEOUT = 20
 STAMP = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
@@ -30,63 +29,38 @@ BODY = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "
 
 @attrs.define
 class Serving:
-    process: trio.Process
-    port: int
-    err: bytes = b""
+    proxy: ProxyProcess
+
+    @property
+    def port(self) -> int:
+        return self.proxy.ports()[0]
 
     async def line_with(self, text: str, timeout: float = 10) -> str:
-        """The first stderr line containing ``text`` (reading on as needed)."""
-        assert self.process.stderr is not None
+        """The first stderr line containing ``text``, once there is one."""
         with trio.fail_after(timeout):
-            while True:
-                for line in self.err.decode(errors="replace").splitlines():
-                    if text in line:
-                        return line
-                chunk = await self.process.stderr.receive_some(65536)
-                assert chunk, f"stderr ended without {text!r}: {self.err.decode()}"
-                self.err += chunk
+            return await self.proxy.stderr.wait_for(lambda line: text in line)
 
     async def stop(self) -> str:
         """SIGTERM, then everything it wrote to stderr."""
-        assert self.process.stderr is not None
-        self.process.terminate()
+        self.proxy.send(signal.SIGTERM)
         with trio.fail_after(10):
-            while chunk := await self.process.stderr.receive_some(65536):
-                self.err += chunk
-            await self.process.wait()
-        return self.err.decode(errors="replace")
+            await self.proxy.stderr.wait_closed()
+            await self.proxy.wait_exit()
+        return self.proxy.stderr.text()
 
 
 @asynccontextmanager
 async def serve(tmp_path: Path, config: str, *flags: str) -> AsyncIterator[Serving]:
-    """``python -m muxproxy serve --config FILE FLAGS``, its listening line read."""
+    """``python -m muxproxy serve --config FILE FLAGS``, its listening line read; stopped
+    (SIGTERM) at the end."""
     path = tmp_path / "muxproxy.toml"
     path.write_text(config)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "muxproxy", "serve", "--config", str(path), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert process.stdout is not None
-        out = b""
-        with trio.fail_after(START_TIMEOUT):
-            while b"\n" not in out:
-                chunk = await process.stdout.receive_some(4096)
-                assert chunk, "exited before listening"
-                out += chunk
-        line = out.split(b"\n", 1)[0].decode()
-        assert line.startswith("muxproxy listening on http://127.0.0.1:"), line
-        yield Serving(process=process, port=int(line.rsplit(":", 1)[1]))
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.terminate()
-                with trio.move_on_after(10):
-                    await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+    async with (
+        trio.open_nursery() as nursery,
+        proxy_process(nursery, *flags, config=path, stop=signal.SIGTERM) as proxy,
+    ):
+        assert proxy.url.startswith("http://127.0.0.1:"), proxy.stdout.lines
+        yield Serving(proxy)
 
 
 def config(servers: list[int], log: str) -> str:
