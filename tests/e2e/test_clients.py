@@ -26,6 +26,21 @@ from muxproxy.testing.fakellm import MODEL, reply_text
 TOKENS = 6
 
 
+def record_accepted(driver: Any) -> list[ConnectionAccepted]:
+    """Every ``ConnectionAccepted`` the ``driver`` feeds its core from now on, as it comes."""
+    assert driver is not None
+    accepted: list[ConnectionAccepted] = []
+    feed = driver.feed
+
+    def counting_feed(event: Any) -> None:
+        if isinstance(event, ConnectionAccepted):
+            accepted.append(event)
+        feed(event)
+
+    driver.feed = counting_feed
+    return accepted
+
+
 def chat_request(tokens: int = TOKENS) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -117,17 +132,7 @@ async def test_httpx_plain(start_backend, start_proxy, http1, http2, version):
 async def test_httpx_h2_multiplexed_streams(start_backend, start_proxy):
     fake, backend = await start_backend(delay=0.01)
     proxy = await start_proxy([backend])
-    driver = proxy.server.driver
-    assert driver is not None
-    accepted: list[ConnectionAccepted] = []
-    feed = driver.feed
-
-    def counting_feed(event: Any) -> None:
-        if isinstance(event, ConnectionAccepted):
-            accepted.append(event)
-        feed(event)
-
-    driver.feed = counting_feed  # type: ignore[method-assign]
+    accepted = record_accepted(proxy.server.driver)
     results: list[tuple[str, str, int, bool]] = []
     with trio.fail_after(20):
         async with httpx.AsyncClient(http1=False, http2=True, timeout=10) as client:

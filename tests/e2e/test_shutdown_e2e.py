@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_clients import chat_request, sse_text
+from test_clients import chat_request, record_accepted, sse_text
 
 from muxproxy.core.commands import Log
-from muxproxy.core.events import ConnectionAccepted, ShutdownRequested
+from muxproxy.core.events import ShutdownRequested
 from muxproxy.testing.fakellm import reply_text
 
 TOKENS = 60
@@ -41,15 +41,7 @@ async def test_graceful_stop_lets_every_stream_in_flight_finish(
     assert driver is not None
     logs: list[Log] = []
     driver.on_log = logs.append
-    accepted: list[ConnectionAccepted] = []
-    feed = driver.feed
-
-    def counting_feed(event: Any) -> None:
-        if isinstance(event, ConnectionAccepted):
-            accepted.append(event)
-        feed(event)
-
-    driver.feed = counting_feed  # type: ignore[method-assign]
+    accepted = record_accepted(driver)
     request = chat_request(TOKENS)
     h1_results: list[tuple[str, int, bool]] = []
     curls: list[trio.CompletedProcess[bytes]] = []
