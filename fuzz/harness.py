@@ -1,12 +1,17 @@
 """The shared fuzz harness: drive one ``ProxyCore`` like the Trio driver would, assert invariants.
 
-``run_case(kind, data, splits)`` plays one conversation:
+``run_case(kind, data, splits, stop=None)`` plays one conversation:
 
 - ``client_h1`` / ``client_h2``: ``data`` is what a client sends on a plain listener, delivered
   in pieces cut at ``splits``; a well-behaved HTTP/1.1 backend (an h11 server) answers every
   request the proxy forwards with ``200 ok``.
 - ``backend_h1`` / ``backend_h2``: a well-formed HTTP/1.1 client request, then ``data`` is what
   the backend (HTTP/1.1, or h2c with prior knowledge) answers, cut at ``splits``.
+
+With ``stop`` (seconds, from the input's first byte: ``stop_of``), a graceful stop
+(``ShutdownRequested`` with its deadline ``stop`` seconds on; 0 cuts at once) comes after the
+first read of the fuzzed bytes, so the fuzzer also drives the stop through every state a
+connection can be in.
 
 A peer's end is fed as the Trio driver feeds it: ``InputEnded`` (its EOF), then
 ``ConnectionClosed`` once the core closes the connection. Then every timer fires in time order
@@ -21,7 +26,8 @@ not hide it):
 3. every exchange that started ends exactly once: one ``Log(event="access")`` each, and none
    is left in ``core.exchanges`` once all connections are closed;
 4. the driver contract holds: reads are at most ``core.read_size``, a paused connection is not
-   read, and the conversation settles (no endless event loop).
+   read, and the conversation settles (no endless event loop);
+5. after a stop, once every connection is closed, ``core.drained`` holds.
 
 Only the standard library, h11, h2 and muxproxy: the test suite replays the seed corpus through
 this module without atheris.
@@ -57,6 +63,7 @@ from muxproxy.core.events import (
     DataSent,
     Event,
     InputEnded,
+    ShutdownRequested,
     Wakeup,
 )
 from muxproxy.core.proxy import ProxyCore
@@ -88,10 +95,26 @@ def decode(buf: bytes) -> tuple[bytes, list[int]]:
     return data, splits
 
 
-def encode(data: bytes, splits: list[int] = []) -> bytes:  # noqa: B006 - never mutated
-    """The inverse of ``decode`` (for the seed corpus)."""
+def stop_of(buf: bytes) -> float | None:
+    """The graceful stop an atheris input asks for: bit 3 of byte 0 set means a stop, whose
+    grace is bits 4-5 (0 to 3 seconds; 0 cuts at once); None: no stop."""
+    if not buf or not buf[0] & STOP_BIT:
+        return None
+    return float((buf[0] >> 4) & 3)
+
+
+STOP_BIT = 0x08
+
+
+def encode(
+    data: bytes,
+    splits: list[int] = [],  # noqa: B006 - never mutated
+    stop: int | None = None,
+) -> bytes:
+    """The inverse of ``decode`` and ``stop_of`` (for the seed corpus)."""
     splits = splits[:7]
-    return bytes([len(splits)]) + b"".join(s.to_bytes(2, "big") for s in splits) + data
+    first = len(splits) if stop is None else len(splits) | STOP_BIT | (stop & 3) << 4
+    return bytes([first]) + b"".join(s.to_bytes(2, "big") for s in splits) + data
 
 
 def config_for(kind: str) -> Config:
@@ -127,6 +150,8 @@ class Driver:
         self.backends: list[int] = []
         self.responders: dict[int, h11.Connection] = {}
         self.events = 0
+        self.stop: float | None = None
+        """The graceful stop still to request during the next ``deliver`` (its grace)."""
 
     # -- the core's side ------------------------------------------------------------------
 
@@ -208,9 +233,13 @@ class Driver:
     def deliver(self, conn: int, data: bytes, splits: list[int]) -> None:
         """``data`` from the peer on ``conn``, in reads cut at ``splits`` (and ``read_size``)."""
         cuts = sorted({s % (len(data) + 1) for s in splits} | {0, len(data)})
+        reads = 0
         for start, end in itertools.pairwise(cuts):
             for i in range(start, end, self.core.read_size):
                 self.settle()
+                if reads == 1:
+                    self.request_stop()
+                reads += 1
                 if (
                     conn in self.paused
                     or conn in self.gone
@@ -221,6 +250,14 @@ class Driver:
                 piece = data[i : min(end, i + self.core.read_size)]
                 self.feed(DataReceived(now=self.now, conn=conn, data=piece))
         self.settle()
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        """Feed the pending graceful stop, if any (once)."""
+        if self.stop is not None:
+            grace, self.stop = self.stop, None
+            self.feed(ShutdownRequested(now=self.now, deadline=self.now + grace))
+            self.settle()
 
     def fire_timers(self) -> None:
         for _ in range(MAX_TIMER_ROUNDS):
@@ -250,25 +287,30 @@ class Driver:
         self.settle()
 
 
-def run_case(kind: str, data: bytes, splits: list[int]) -> None:
+def run_case(kind: str, data: bytes, splits: list[int], stop: float | None = None) -> None:
     """Play one conversation (see the module docstring); raise AssertionError on a broken
     invariant."""
     assert kind in KINDS, kind
     driver = Driver(kind)
     driver.feed(ConnectionAccepted(now=0.0, conn=CLIENT, listener="l", peer=("10.0.0.7", 5555)))
     if kind.startswith("client"):
+        driver.stop = stop
         driver.deliver(CLIENT, data, splits)
     else:
         driver.deliver(CLIENT, CLIENT_REQUEST, [])
+        driver.stop = stop
         if driver.backends:
             driver.deliver(driver.backends[0], data, splits)
             # The backend ends: h11's read-until-close framing, a truncation, or (in a
             # tunnel) one direction's end.
             driver.end_input(driver.backends[0])
+    driver.request_stop()  # no backend was reached: the stop comes all the same
     driver.fire_timers()
     driver.close_everything()
     driver.fire_timers()
     check_endings(driver)
+    if stop is not None:
+        assert driver.core.drained, "stopped, every connection closed, yet not drained"
 
 
 def check_endings(driver: Driver) -> None:

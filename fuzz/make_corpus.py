@@ -20,7 +20,7 @@ from hyperframe.frame import GoAwayFrame
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fuzz.harness import encode
+from fuzz.harness import STOP_BIT, encode
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 SSE = [b'data: {"tok":"a"}\n\n', b'data: {"tok":"b"}\n\n', b"data: [DONE]\n\n"]
@@ -207,6 +207,16 @@ def backend_h2() -> list[bytes]:
     return seeds
 
 
+def with_stops(seeds: list[bytes]) -> list[bytes]:
+    """``seeds``, and the first two again with a graceful stop after their first read: one cut
+    at once (grace 0), one with 2 seconds of grace (``harness.stop_of``)."""
+    stopped = [
+        bytes([seed[0] | STOP_BIT | grace << 4]) + seed[1:]
+        for seed, grace in zip(seeds, (0, 2), strict=False)
+    ]
+    return seeds + stopped
+
+
 def main() -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
     for name, seeds in [
@@ -217,7 +227,7 @@ def main() -> None:
     ]:
         folder = os.path.join(root, name)
         os.makedirs(folder, exist_ok=True)
-        for seed in seeds:
+        for seed in with_stops(seeds):
             path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
             with open(path, "wb") as f:
                 f.write(seed)

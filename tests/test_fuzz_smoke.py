@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz.harness import KINDS, decode, run_case
+from fuzz.harness import KINDS, decode, run_case, stop_of
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -17,8 +17,9 @@ SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdi
 
 @pytest.mark.parametrize(("kind", "path"), SEEDS, ids=[f"{k}/{p.name}" for k, p in SEEDS])
 def test_seed_corpus_keeps_every_invariant(kind: str, path: pathlib.Path) -> None:
-    data, splits = decode(path.read_bytes())
-    run_case(kind, data, splits)
+    raw = path.read_bytes()
+    data, splits = decode(raw)
+    run_case(kind, data, splits, stop=stop_of(raw))
 
 
 def test_every_target_has_seeds() -> None:
@@ -45,7 +46,8 @@ def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> N
         else:
             mutated[at:at] = data.draw(st.binary(max_size=16))
     splits = data.draw(st.lists(st.integers(0, len(mutated)), max_size=6))
-    run_case(kind, bytes(mutated), splits)
+    stop = data.draw(st.sampled_from([None, 0.0, 1.0, 3.0]))
+    run_case(kind, bytes(mutated), splits, stop=stop)
 
 
 @settings(max_examples=25, deadline=None)
