@@ -67,9 +67,16 @@ class OpenConnection(Command):
 
 @attrs.frozen(kw_only=True, slots=True)
 class CloseConnection(Command):
-    """Send what is pending, then close. The driver answers with ``ConnectionClosed``."""
+    """Stop reading, send what is pending, then close. The driver answers with
+    ``ConnectionClosed`` (exactly once, also when the connection broke meanwhile)."""
 
     conn: ConnId
+    flush_timeout: float | None = attrs.field(default=None, eq=False)
+    """Seconds the flush of pending output may go without progress (the kernel taking none
+    of it) before the driver closes the connection anyway; None: no bound. The core fills
+    it with ``timeouts.send``: a close issued *because* a peer stopped reading must not wait
+    for it forever. Not part of equality: a close is identified by its connection, so
+    ``CloseConnection(conn=c) in commands`` asks whether ``c`` is being closed."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -38,7 +38,7 @@ import h2.errors
 import h2.exceptions
 
 from ..config import Api
-from .commands import CloseConnection, Log, PauseReading, ResumeReading
+from .commands import Log, PauseReading, ResumeReading
 from .errors import error_response
 from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
@@ -683,7 +683,7 @@ class Downstream:
             # must be sent).
             self._flush_h2()
         self.protocol = Protocol.CLOSED
-        self.core.emit(CloseConnection(conn=self.conn))
+        self.core.close(self.conn)
         for exchange in list(self.exchanges.values()):
             exchange.client_aborted("client connection closed")
 

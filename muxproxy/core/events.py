@@ -8,10 +8,9 @@ client connections are chosen by the driver (positive), ids of upstream connecti
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
+from ..config import Config
 from ..config.runtime import RuntimeState
 
 ConnId = int
@@ -104,7 +103,10 @@ class Wakeup(Event):
 
 @attrs.frozen(kw_only=True, slots=True)
 class ConfigChanged(Event):
-    config: Any
+    """The configuration is now ``config`` (validated). Also the driver's first event: it
+    starts what the core runs by itself (health checks)."""
+
+    config: Config
     wall: float | None = None
     """The wall-clock time at ``now``, as on ``ConnectionAccepted``."""
 

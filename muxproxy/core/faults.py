@@ -172,7 +172,7 @@ class Isolation:
                 core.cancel_timer(timer)
         if goaway:
             core.emit(SendData(conn=conn, data=goaway))
-        core.emit(CloseConnection(conn=conn))
+        core.close(conn)
 
     def _drop_exchange(self, ex: Exchange) -> None:
         """Forget ``ex`` without calling into it: its client is gone."""
@@ -222,7 +222,7 @@ class Isolation:
             return
         backend = tunnel.backend
         if isinstance(backend, RawBackend):
-            core.emit(CloseConnection(conn=backend.conn))
+            core.close(backend.conn)
         elif isinstance(backend, StreamBackend):
             # RFC 9113 §8.7: the stream on the shared backend connection is cancelled.
             stream = backend.stream
@@ -260,7 +260,7 @@ class Isolation:
                 self._drop_tunnel(user.tunnel, close_backend=False)
         core.upstreams.pop(conn, None)
         core.cancel_timer(("pool", conn))
-        core.emit(CloseConnection(conn=conn))
+        core.close(conn)
         for user in users:
             if isinstance(user, Exchange):
                 self._fail_exchange(user, backend)

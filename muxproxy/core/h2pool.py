@@ -30,7 +30,7 @@ import enum
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .commands import CloseConnection, Log, OpenConnection, Origin
+from .commands import Log, OpenConnection, Origin
 from .h2client import H2Client
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
@@ -316,7 +316,7 @@ class H2Upstream:
             self.client.goaway()
             self.flush()
         self.state = H2State.CLOSED
-        self.core.emit(CloseConnection(conn=self.conn))
+        self.core.close(self.conn)
         self.pool.discard(self, reason, timeout=timeout)
 
     def __str__(self) -> str:

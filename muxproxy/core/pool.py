@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Protocol
 
-from .commands import CloseConnection, OpenConnection, Origin, PauseReading, ResumeReading
+from .commands import OpenConnection, Origin, PauseReading, ResumeReading
 from .h1 import H1Client
 from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
@@ -149,7 +149,7 @@ class UpstreamConn:
     def close(self) -> None:
         if self.state is not UpstreamState.CLOSED:
             self.state = UpstreamState.CLOSED
-            self.core.emit(CloseConnection(conn=self.conn))
+            self.core.close(self.conn)
             self.core.pool.discard(self)
 
     def release(self) -> None:

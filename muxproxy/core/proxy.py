@@ -234,6 +234,11 @@ class ProxyCore:
     def send(self, conn: int, data: bytes) -> None:
         self._out.append(SendData(conn=conn, data=data))
 
+    def close(self, conn: int) -> None:
+        """Close ``conn`` once its pending output is flushed, the flush bounded by
+        ``timeouts.send`` (``CloseConnection.flush_timeout``)."""
+        self._out.append(CloseConnection(conn=conn, flush_timeout=self.config.timeouts.send))
+
     def set_timer(self, timer: TimerId, at: float) -> None:
         self._timers.add(timer)
         self._out.append(SetTimer(timer=timer, at=at))
@@ -350,7 +355,7 @@ class ProxyCore:
         # Not a tunnel: the peer's EOF ends the connection as it always has (its exchanges
         # end as for a close). The driver's ``ConnectionClosed`` that follows finds it
         # forgotten already.
-        self.emit(CloseConnection(conn=conn))
+        self.close(conn)
         self._closed(ConnectionClosed(now=event.now, conn=conn))
 
     def _wakeup(self, event: Wakeup) -> None:

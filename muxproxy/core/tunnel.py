@@ -39,7 +39,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from .commands import CloseConnection, Log, PauseReading, ResumeReading, ShutdownWrite
+from .commands import Log, PauseReading, ResumeReading, ShutdownWrite
 from .events import TimerId
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class RawBackend:
     def close(self, how: BackendEnd) -> None:
         if how is not BackendEnd.KEEP:
             # Flushes first (``CloseConnection``).
-            self.core.emit(CloseConnection(conn=self.conn))
+            self.core.close(self.conn)
 
     def pause(self) -> None:
         self.core.emit(PauseReading(conn=self.conn))

@@ -427,17 +427,18 @@ class Driver:
         conn = self.conns.get(command.conn)
         if type(conn) is SocketConn:
             assert self.reactor is not None
-            self.reactor.close(conn)
+            self.reactor.close(conn, command.flush_timeout)
         elif type(conn) is StreamConn and not conn.closing:
             conn.closing = True
-            # The flush before the close is bounded like any write: a peer that takes none
-            # of the pending bytes for ``timeouts.send`` (counted from the start of the send
+            # The flush before the close is bounded by the command: a peer that takes none
+            # of the pending bytes for ``flush_timeout`` (counted from the start of the send
             # in flight, if any) is cut off. Without this bound a close issued *because* of
             # a send timeout (the client stopped reading) would wait in ``send_all`` forever.
-            started = conn.send_started
-            if started is None:
-                started = trio.current_time()
-            conn.scope.deadline = started + self.core.config.timeouts.send
+            if command.flush_timeout is not None:
+                started = conn.send_started
+                if started is None:
+                    started = trio.current_time()
+                conn.scope.deadline = started + command.flush_timeout
             conn.writer_lot.unpark()
 
     def _shutdown_write(self, command: ShutdownWrite) -> None:

@@ -21,8 +21,9 @@ Semantics kept from the task-based driver (the core relies on them):
   kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
   own commands: the driver queues them and feeds them after the batch (``Driver.settle``);
-- ``CloseConnection`` stops reading and flushes what is pending, bounded by ``timeouts.send``
-  counted from the last progress of the flush; ``ConnectionClosed`` comes exactly once;
+- ``CloseConnection`` stops reading and flushes what is pending, bounded by the command's
+  ``flush_timeout`` counted from the last progress of the flush; ``ConnectionClosed`` comes
+  exactly once;
 - a paused connection is not read: with no output pending it leaves the epoll set, so even a
   peer that hangs up cannot wake us until reading resumes;
 - an EOF read is fed as ``InputEnded`` and that connection is read no more (it stays paused
@@ -127,6 +128,7 @@ class SocketConn:
         "fd",
         "fed_by",
         "flush_deadline",
+        "flush_timeout",
         "ident",
         "input_ended",
         "linger_budget",
@@ -175,6 +177,8 @@ class SocketConn:
         self.blocked_since: float | None = None
         """When the kernel last took bytes while some are still pending (None: none pending)."""
         self.flush_deadline = math.inf
+        self.flush_timeout = math.inf
+        """While closing: how long the flush may go without progress (``CloseConnection``)."""
         self.on_closed = on_closed
         """Called once when the socket is closed (the server frees a connection slot)."""
 
@@ -405,8 +409,9 @@ class Reactor:
         else:
             self._shutdown_write(conn)
 
-    def close(self, conn: SocketConn) -> None:
-        """Stop reading; close once what is pending is written (or the flush times out)."""
+    def close(self, conn: SocketConn, flush_timeout: float | None = None) -> None:
+        """Stop reading; close once what is pending is written, or once the flush made no
+        progress for ``flush_timeout`` seconds (None: no bound)."""
         if conn.closing or conn.closed:
             return
         if conn.connecting:
@@ -418,11 +423,12 @@ class Reactor:
         if not conn.pending:
             self._finish(conn, None)
             return
-        # A peer that takes none of the pending bytes for ``timeouts.send`` is cut off:
+        # A peer that takes none of the pending bytes for ``flush_timeout`` is cut off:
         # without this bound a close issued *because* the client stopped reading would
         # wait for it forever.
+        conn.flush_timeout = math.inf if flush_timeout is None else flush_timeout
         started = conn.blocked_since if conn.blocked_since is not None else trio.current_time()
-        self._set_deadline(conn, started + self.driver.core.config.timeouts.send)
+        self._set_deadline(conn, started + conn.flush_timeout)
         self._watch(conn)
 
     # -- readiness ---------------------------------------------------------------------------
@@ -473,7 +479,7 @@ class Reactor:
             now = trio.current_time()
             conn.blocked_since = now
             if conn.closing:
-                self._set_deadline(conn, now + self.driver.core.config.timeouts.send)
+                self._set_deadline(conn, now + conn.flush_timeout)
         self._watch(conn)
 
     def _connected(self, conn: SocketConn) -> None:

@@ -26,6 +26,7 @@ from muxproxy.core.commands import (
     SendData,
     SetTimer,
 )
+from muxproxy.core.events import ConfigChanged, InputEnded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "muxproxy"
 FORBIDDEN = {"trio", "asyncio", "socket", "ssl", "select", "selectors", "time"}
@@ -571,3 +572,26 @@ def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
     pb.receive(open_cmd.conn, (head or b"") + backend.chunk(b"ok") + backend.end())
     events = h1_client.events(pb.take(2))
     assert events[0].status_code == 200 and type(events[-1]) is h11.EndOfMessage
+
+
+def test_every_close_carries_the_send_timeout_as_its_flush_bound() -> None:
+    # The driver bounds the flush before a close by the command, not by its own copy of
+    # the configuration: clients and backends alike get ``timeouts.send``.
+    pb = Playbook(default_config(timeouts=Timeouts(send=7.5)))
+    client = H1ClientPeer()
+    up, _ = _start_h1(pb, client.request("POST", "/v1/chat/completions", [], b"{}"))
+    pb.feed(InputEnded(now=pb.now, conn=1))  # the client goes away mid-exchange
+    closes = [c for c in pb.log if isinstance(c, CloseConnection)]
+    assert {c.conn for c in closes} == {1, up}
+    assert [c.flush_timeout for c in closes] == [7.5, 7.5]
+    # The bound is no part of a close's identity (``CloseConnection.flush_timeout``).
+    assert CloseConnection(conn=1) in closes
+
+
+def test_config_changed_moves_the_flush_bound_of_later_closes() -> None:
+    pb = Playbook()
+    pb.feed(ConfigChanged(now=pb.now, config=default_config(timeouts=Timeouts(send=0.25))))
+    pb.accept(1)
+    commands = pb.receive(1, b"NOT HTTP\r\n\r\n")  # answered 400, then closed
+    (close,) = [c for c in commands if isinstance(c, CloseConnection)]
+    assert close.conn == 1 and close.flush_timeout == 0.25
