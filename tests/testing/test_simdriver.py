@@ -1,0 +1,60 @@
+"""``muxproxy.testing.simdriver``: the simulated driver plays whole conversations correctly."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+
+from muxproxy.config import quick_config
+from muxproxy.core.events import ConnectionClosed
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.testing.simdriver import SimDriver
+
+REQUEST = b"GET /v1/models HTTP/1.1\r\nhost: proxy.example\r\n\r\n"
+
+
+def sim() -> SimDriver:
+    core = ProxyCore(quick_config("127.0.0.1:8080", ["127.0.0.1:9001"]), raise_errors=True)
+    return SimDriver(core, answer_backends=True)
+
+
+def test_a_request_is_answered_by_the_simulated_backend() -> None:
+    driver = sim()
+    driver.accept(1)
+    driver.deliver(1, REQUEST, [5, 17])
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/v1/models", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(bytes(driver.sent[1]))
+    response = client.next_event()
+    assert isinstance(response, h11.Response) and response.status_code == 200
+    data = client.next_event()
+    assert isinstance(data, h11.Data) and data.data == b"ok"
+    assert len(driver.backends) == 1
+    assert [log.event for log in driver.logs].count("access") == 1
+
+
+def test_every_connection_is_reported_closed_exactly_once() -> None:
+    driver = sim()
+    closes: list[int] = []
+    handle = driver.core.handle
+
+    def recording(event):  # type: ignore[no-untyped-def]
+        if isinstance(event, ConnectionClosed):
+            closes.append(event.conn)
+        return handle(event)
+
+    driver.core.handle = recording  # type: ignore[method-assign]
+    driver.accept(1)
+    driver.deliver(1, REQUEST)
+    driver.close_everything()
+    assert sorted(closes) == sorted({1, *driver.backends})
+    assert driver.core.statistics().client_connections == 0
+
+
+def test_a_conversation_that_never_settles_is_an_error() -> None:
+    driver = sim()
+    driver.max_events = 3
+    driver.accept(1)
+    with pytest.raises(AssertionError, match="does not settle"):
+        driver.deliver(1, REQUEST)
