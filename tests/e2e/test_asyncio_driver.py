@@ -25,8 +25,6 @@ import trio
 from peers import open_h2
 from processes import LISTENING, Output
 
-from muxproxy.testing.fakellm import FakeLLM
-
 if TYPE_CHECKING:
     from conftest import StartBackend
 
@@ -188,7 +186,6 @@ async def test_h2_stream_reset_disconnects_the_backend_and_the_other_stream_goes
 async def test_sigterm_lets_the_running_stream_finish_then_exits(
     nursery: trio.Nursery, start_backend: StartBackend
 ) -> None:
-    fake: FakeLLM
     fake, port = await start_backend(tokens=20, delay=0.02)
     lines: list[str] = []
     async with asyncio_driver(nursery, port) as proxy:
