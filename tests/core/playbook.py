@@ -1,21 +1,44 @@
-"""A Playbook for the sans-IO core: feed events, collect commands, decode bytes with real peers.
+"""A Playbook for the sans-IO core: feed events, assert commands, decode bytes with real peers.
 
 Tests build every input with real h11/h2 peer objects and decode every output with them too,
 so no test hand-writes HTTP/2 frames or HPACK.
+
+Conversations (after mitmproxy's ``test/mitmproxy/proxy/tutils.py``) are checked in order::
+
+    pb >> data(1, request)            # feed an event; its commands join a queue
+    pb << OpenConnection(conn=up.slot, origin=ANY)   # the next command must match
+    pb << Sends(up.value, backend)    # the next run of SendData to it, decoded by a peer
+    pb.done()                         # nothing else came out
+
+The rules:
+
+- ``pb << expected`` takes the next command of the queue. A ``Command`` must equal it field
+  by field, where a field may hold ``ANY``, a ``Capture``'s ``slot`` (which takes the value
+  on first match and must equal it afterwards) or ``subset({...})`` (a dict holding these
+  items). A ``Matcher`` (``Sends``, ``Where``) decides for itself.
+- Commands of the types in ``ignore`` never enter the queue; they stay in ``pb.log``. The
+  default ignores ``Log``: a test that asserts log records passes ``ignore=()``.
+- ``pb >> event`` first asserts that the queue is empty: every command an event caused is
+  asserted before the next event, so a conversation cannot skip an unexpected command.
+  ``pb.rest()`` takes what is left without asserting it, for a test that checks it apart.
+- The older helpers (``accept``, ``receive``, ``opened``, ...) feed events without queueing
+  their commands; a test may set up with them and then converse.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
+import attrs
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import h11
 
 from muxproxy.config import Config, quick_config
-from muxproxy.core.commands import Command, OpenConnection, SendData
+from muxproxy.core.commands import Command, Log, OpenConnection, SendData
 from muxproxy.core.events import (
     ConnectionAccepted,
     ConnectionClosed,
@@ -23,6 +46,7 @@ from muxproxy.core.events import (
     DataReceived,
     DataSent,
     Event,
+    OpenFailed,
     Wakeup,
 )
 from muxproxy.core.proxy import ProxyCore
@@ -31,20 +55,240 @@ BACKEND = "127.0.0.1:9001"
 
 
 def default_config(**changes: Any) -> Config:
-    import attrs
-
     return attrs.evolve(quick_config("127.0.0.1:8080", [BACKEND]), **changes)
+
+
+T = TypeVar("T")
+
+
+# -- matching --------------------------------------------------------------------------------
+
+
+class _Anything:
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Any = _Anything()
+"""A field value that matches any value."""
+
+
+class Capture(Generic[T]):
+    """A value the core chooses (a connection id, a request id): ``slot`` in an expected
+    command takes it on the first match; later matches must see the same value."""
+
+    def __init__(self, name: str = "capture") -> None:
+        self.name = name
+        self._value: T | None = None
+        self.bound = False
+
+    @property
+    def slot(self) -> Any:
+        return _Slot(self)
+
+    @property
+    def value(self) -> T:
+        assert self.bound, f"{self.name} was never matched"
+        return self._value  # type: ignore[return-value]  # bound: set by a match
+
+    def offer(self, value: Any) -> bool:
+        if not self.bound:
+            self._value, self.bound = value, True
+            return True
+        return bool(self._value == value)
+
+
+@attrs.frozen
+class _Slot:
+    capture: Capture[Any]
+
+    def __repr__(self) -> str:
+        shown = repr(self.capture._value) if self.capture.bound else "?"
+        return f"<{self.capture.name}={shown}>"
+
+
+@attrs.frozen
+class _Subset:
+    items: dict[str, Any]
+
+    def __repr__(self) -> str:
+        return f"subset({self.items!r})"
+
+
+def subset(items: dict[str, Any]) -> Any:
+    """A dict field (``Log.fields``) that holds at least these items (values may be ``ANY``)."""
+    return _Subset(items)
+
+
+def _field_matches(expected: Any, actual: Any) -> bool:
+    if isinstance(expected, _Slot):
+        return expected.capture.offer(actual)
+    if isinstance(expected, _Subset):
+        return isinstance(actual, dict) and all(
+            key in actual and _field_matches(value, actual[key])
+            for key, value in expected.items.items()
+        )
+    return bool(expected == actual)
+
+
+def _command_matches(expected: Command, actual: Command) -> bool:
+    if type(expected) is not type(actual):
+        return False
+    return all(
+        _field_matches(getattr(expected, f.name), getattr(actual, f.name))
+        for f in attrs.fields(type(expected))
+    )
+
+
+class Matcher(Protocol):
+    """Takes what it matches from the front of ``queue``; raises AssertionError if it cannot."""
+
+    def take(self, queue: list[Command]) -> None: ...
+
+
+class Decoder(Protocol):
+    def events(self, data: bytes) -> Sequence[Any]: ...
+
+
+class Sends:
+    """The next run of ``SendData`` to ``conn`` (one command or several in a row), decoded
+    by ``peer``; ``check`` gets the decoded events and asserts (or returns False).
+    The events are kept in ``self.events`` for later assertions."""
+
+    def __init__(
+        self,
+        conn: int,
+        peer: Decoder,
+        check: Callable[[Sequence[Any]], bool | None] | None = None,
+    ) -> None:
+        self.conn = conn
+        self.peer = peer
+        self.check = check
+        self.events: Sequence[Any] = ()
+        self.data = b""
+
+    def take(self, queue: list[Command]) -> None:
+        run = 0
+        while (
+            run < len(queue) and isinstance(cmd := queue[run], SendData) and cmd.conn == self.conn
+        ):
+            run += 1
+        assert run, f"expected SendData to {self.conn}, got {queue[:1] or 'nothing'}"
+        sends = queue[:run]
+        del queue[:run]
+        self.data = b"".join(c.data for c in sends if isinstance(c, SendData))
+        self.events = self.peer.events(self.data)
+        if self.check is not None:
+            assert self.check(self.events) is not False, f"{self!r} rejected {self.events}"
+
+    def __repr__(self) -> str:
+        return f"Sends(conn={self.conn})"
+
+
+class Where:
+    """The next command, if it is a ``kind`` and ``check`` accepts it (asserts or returns
+    a bool)."""
+
+    def __init__(self, kind: type[Command], check: Callable[[Any], bool | None]) -> None:
+        self.kind = kind
+        self.check = check
+
+    def take(self, queue: list[Command]) -> None:
+        assert queue, f"expected a {self.kind.__name__}, got nothing"
+        cmd = queue[0]
+        assert isinstance(cmd, self.kind), f"expected a {self.kind.__name__}, got {cmd}"
+        assert self.check(cmd) is not False, f"{cmd} rejected"
+        del queue[0]
+
+
+# -- events in shorthand: each takes the playbook's clock when fed ---------------------------
+
+Step = Callable[[float], Event]
+
+
+def accepted(conn: int = 1, *, tls: bool = False, alpn: str | None = None) -> Step:
+    return lambda now: ConnectionAccepted(
+        now=now, conn=conn, listener="l", peer=("10.0.0.7", 5555), tls=tls, alpn=alpn
+    )
+
+
+def data(conn: int, payload: bytes) -> Step:
+    return lambda now: DataReceived(now=now, conn=conn, data=payload)
+
+
+def opened(conn: int) -> Step:
+    return lambda now: ConnectionOpened(now=now, conn=conn)
+
+
+def open_failed(conn: int, reason: str = "refused") -> Step:
+    return lambda now: OpenFailed(now=now, conn=conn, reason=reason)
+
+
+def sent(conn: int, nbytes: int) -> Step:
+    return lambda now: DataSent(now=now, conn=conn, nbytes=nbytes)
+
+
+def closed(conn: int, error: str | None = None) -> Step:
+    return lambda now: ConnectionClosed(now=now, conn=conn, error=error)
+
+
+def wakeup(kind: str, ident: int) -> Step:
+    return lambda now: Wakeup(now=now, timer=(kind, ident))
 
 
 class Playbook:
     """Drives one ``ProxyCore``; remembers every command; time moves only when told."""
 
-    def __init__(self, config: Config | None = None, *, split: int = 0) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        split: int = 0,
+        ignore: tuple[type[Command], ...] = (Log,),
+    ) -> None:
         self.core = ProxyCore(config or default_config())
         self.now = 0.0
         self.log: list[Command] = []
         self.split = split
         """Feed DataReceived in pieces of this many bytes (0: whole)."""
+        self.ignore = ignore
+        self.queue: list[Command] = []
+        """Commands of ``>>`` events not yet asserted by ``<<``."""
+
+    def __rshift__(self, event: Event | Step) -> Playbook:
+        self.done()
+        if not isinstance(event, Event):
+            event = event(self.now)
+        if isinstance(event, DataReceived) and self.split:
+            commands = self.receive(event.conn, event.data)
+        else:
+            commands = self.feed(event)
+        self.queue += [c for c in commands if not isinstance(c, self.ignore)]
+        return self
+
+    def __lshift__(self, expected: Command | Matcher) -> Playbook:
+        if isinstance(expected, Command):
+            assert self.queue, f"expected {expected}, got nothing"
+            actual = self.queue[0]
+            assert _command_matches(expected, actual), (
+                f"expected {expected}\n     got {actual}\n    then {self.queue[1:]}"
+            )
+            del self.queue[0]
+        else:
+            expected.take(self.queue)
+        return self
+
+    def done(self) -> None:
+        """Assert that every queued command was asserted."""
+        assert not self.queue, f"commands not asserted: {self.queue}"
+
+    def rest(self) -> list[Command]:
+        """Take the queued commands without asserting them."""
+        rest, self.queue = self.queue, []
+        return rest
 
     def feed(self, event: Event) -> list[Command]:
         commands = self.core.handle(event)
@@ -205,6 +449,68 @@ class H2ClientPeer:
             if isinstance(event, h2.events.DataReceived):
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         return events
+
+
+class H2BackendPeer:
+    """An h2 server peer playing the GPU backend on backend connection ``conn``.
+
+    ``max_streams``, ``connect`` (RFC 8441 §3 extended CONNECT) and ``window`` go into its
+    SETTINGS when given; ``ack``: whether ``read`` acknowledges received DATA at once (the
+    flow-control tests leave it to the test).
+    """
+
+    def __init__(
+        self,
+        pb: Playbook,
+        conn: int,
+        *,
+        max_streams: int | None = None,
+        connect: bool | None = None,
+        window: int | None = None,
+        ack: bool = True,
+    ) -> None:
+        self.pb = pb
+        self.conn_id = conn
+        self.ack = ack
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        codes = h2.settings.SettingCodes
+        values = {
+            codes.MAX_CONCURRENT_STREAMS: max_streams,
+            codes.ENABLE_CONNECT_PROTOCOL: None if connect is None else int(connect),
+            codes.INITIAL_WINDOW_SIZE: window,
+        }
+        self.conn.local_settings = h2.settings.Settings(
+            client=False, initial_values={k: v for k, v in values.items() if v is not None}
+        )
+        self.conn.initiate_connection()
+        self.seen = 0
+
+    def read(self) -> list[h2.events.Event]:
+        """Decode what the proxy sent to this backend since the last read."""
+        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
+        data = b"".join(c.data for c in sends[self.seen :])
+        self.seen = len(sends)
+        return self.events(data) if data else []
+
+    def events(self, data: bytes) -> list[h2.events.Event]:
+        """Decode ``data`` (for ``Sends``; ``read`` is for tests that look at ``pb.log``)."""
+        events = self.conn.receive_data(data)
+        if self.ack:
+            for event in events:
+                if isinstance(event, h2.events.DataReceived):
+                    self.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+        return events
+
+    def output(self) -> bytes:
+        """What this peer has to send: feed it with ``pb >> data(conn, backend.output())``."""
+        return self.conn.data_to_send()
+
+    def flush(self) -> list[Command]:
+        data = self.conn.data_to_send()
+        return self.pb.receive(self.conn_id, data) if data else []
 
 
 def h2_sse_stream(

@@ -16,7 +16,14 @@ import h2.events
 import h2.settings
 import pytest
 from hyperframe.frame import GoAwayFrame
-from playbook import BACKEND, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from playbook import (
+    BACKEND,
+    H1ClientPeer,
+    H2BackendPeer,
+    H2ClientPeer,
+    Playbook,
+    default_config,
+)
 
 from muxproxy.config import Config, Limits, Server, Upstream
 from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer
@@ -30,34 +37,6 @@ def h2_config(**limits: Any) -> Config:
     )
     config = default_config(upstreams={"default": group})
     return attrs.evolve(config, limits=Limits(**limits)) if limits else config
-
-
-class Backend:
-    """An h2 server peer on backend connection ``conn`` of the playbook."""
-
-    def __init__(self, pb: Playbook, conn: int, *, max_streams: int = 100) -> None:
-        self.pb = pb
-        self.conn_id = conn
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
-        self.conn = h2.connection.H2Connection(config=config)
-        self.conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams},
-        )
-        self.conn.initiate_connection()
-        self.seen = 0
-
-    def read(self) -> list[h2.events.Event]:
-        """Decode what the proxy sent to this backend since the last read."""
-        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
-        data = b"".join(c.data for c in sends[self.seen :])
-        self.seen = len(sends)
-        return self.conn.receive_data(data) if data else []
-
-    def flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data:
-            self.pb.receive(self.conn_id, data)
 
 
 class Client:
@@ -92,10 +71,10 @@ class Client:
             self.pb.receive(self.conn_id, data)
 
 
-def connect_backend(pb: Playbook, conn: int, *, max_streams: int = 100) -> Backend:
+def connect_backend(pb: Playbook, conn: int, *, max_streams: int = 100) -> H2BackendPeer:
     assert OpenConnection in {type(c) for c in pb.log}
     pb.opened(conn)
-    backend = Backend(pb, conn, max_streams=max_streams)
+    backend = H2BackendPeer(pb, conn, max_streams=max_streams, ack=False)
     backend.read()  # our preface and SETTINGS
     backend.flush()  # its SETTINGS: streams may start now
     return backend
@@ -105,7 +84,7 @@ def requests(events: list[h2.events.Event]) -> list[h2.events.RequestReceived]:
     return [e for e in events if isinstance(e, h2.events.RequestReceived)]
 
 
-def respond(backend: Backend, sid: int, *, end: bool = False) -> None:
+def respond(backend: H2BackendPeer, sid: int, *, end: bool = False) -> None:
     backend.conn.send_headers(
         sid, [(b":status", b"200"), (b"content-type", b"text/event-stream")], end_stream=end
     )
@@ -288,7 +267,7 @@ def test_trailers_reach_h2_and_h1_clients() -> None:
     assert out[-1].headers == [(b"x-done", b"yes")]
 
 
-def _finish_one_stream(pb: Playbook) -> Backend:
+def _finish_one_stream(pb: Playbook) -> H2BackendPeer:
     client = Client(pb, 1)
     sid = client.request()
     backend = connect_backend(pb, -1)
@@ -360,10 +339,10 @@ def goaway_frame(last_stream_id: int, code: h2.errors.ErrorCodes) -> bytes:
     return frame.serialize()
 
 
-def settings_then_goaway(pb: Playbook, conn: int, code: h2.errors.ErrorCodes) -> Backend:
+def settings_then_goaway(pb: Playbook, conn: int, code: h2.errors.ErrorCodes) -> H2BackendPeer:
     """A backend shutting down: its SETTINGS and a GOAWAY(last_stream_id 0) in one write."""
     pb.opened(conn)
-    backend = Backend(pb, conn)
+    backend = H2BackendPeer(pb, conn, max_streams=100, ack=False)
     backend.read()
     pb.receive(conn, backend.conn.data_to_send() + goaway_frame(0, code))
     return backend

@@ -13,7 +13,15 @@ import h2.connection
 import h2.events
 import h2.settings
 import h11
-from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from playbook import (
+    BACKEND,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2BackendPeer,
+    H2ClientPeer,
+    Playbook,
+    default_config,
+)
 
 from muxproxy.config import Config, Limits, Server, Timeouts, Upstream, parse_config
 from muxproxy.core.commands import (
@@ -423,40 +431,6 @@ def test_extended_connect_with_a_client_key_gets_the_accept_for_that_key() -> No
 def _h2_backend_config() -> Config:
     group = Upstream(name="default", servers=(Server(address=BACKEND, protocol="h2"),))
     return default_config(upstreams={"default": group})
-
-
-class H2BackendPeer:
-    """An h2 server peer for backend connection ``conn``; ``connect``: whether its SETTINGS
-    allow extended CONNECT (RFC 8441 §3)."""
-
-    def __init__(self, pb: Playbook, conn: int, *, connect: bool, window: int = 65535) -> None:
-        self.pb = pb
-        self.conn_id = conn
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
-        self.conn = h2.connection.H2Connection(config=config)
-        codes = h2.settings.SettingCodes
-        self.conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                codes.ENABLE_CONNECT_PROTOCOL: int(connect),
-                codes.INITIAL_WINDOW_SIZE: window,
-            },
-        )
-        self.conn.initiate_connection()
-        self.seen = 0
-
-    def read(self) -> list[h2.events.Event]:
-        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
-        data = b"".join(c.data for c in sends[self.seen :])
-        self.seen = len(sends)
-        events = self.conn.receive_data(data) if data else []
-        for event in events:
-            if isinstance(event, h2.events.DataReceived):
-                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        return events
-
-    def flush(self) -> list[Command]:
-        return self.pb.receive(self.conn_id, self.conn.data_to_send())
 
 
 def _upgrade_to_h2_backend(
