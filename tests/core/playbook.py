@@ -456,7 +456,8 @@ class H2BackendPeer:
 
     ``max_streams``, ``connect`` (RFC 8441 §3 extended CONNECT) and ``window`` go into its
     SETTINGS when given; ``ack``: whether ``read`` acknowledges received DATA at once (the
-    flow-control tests leave it to the test).
+    flow-control tests leave it to the test). A test decodes with ``read`` (what
+    ``pb.log`` holds) or with ``Sends`` (which calls ``events``), not both.
     """
 
     def __init__(
