@@ -409,8 +409,28 @@ class H1BackendPeer:
     def chunk(self, data: bytes) -> bytes:
         return self.conn.send(h11.Data(data=data)) or b""
 
+    def reply(self, body: bytes, *, close: bool = False) -> bytes:
+        """A whole 200 response with a Content-Length (and ``Connection: close``)."""
+        headers = [("Content-Length", str(len(body)))]
+        if close:
+            headers.append(("Connection", "close"))
+        out = self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+        out += self.conn.send(h11.Data(data=body)) or b""
+        return out + (self.conn.send(h11.EndOfMessage()) or b"")
+
     def end(self) -> bytes:
         return self.conn.send(h11.EndOfMessage()) or b""
+
+
+def is_request(target: bytes) -> Callable[[Sequence[Any]], None]:
+    """A ``Sends`` check for an ``H1BackendPeer``: one whole request for ``target``."""
+
+    def check(events: Sequence[Any]) -> None:
+        assert isinstance(events[0], h11.Request)
+        assert events[0].target == target
+        assert isinstance(events[-1], h11.EndOfMessage)
+
+    return check
 
 
 class H2ClientPeer:

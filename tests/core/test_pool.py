@@ -9,9 +9,6 @@ kept; a connect no exchange waits for any more is closed at once (RFC 9113 §10.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import attrs
 import h11
 from playbook import (
@@ -22,6 +19,7 @@ from playbook import (
     closed,
     data,
     default_config,
+    is_request,
     opened,
     sent,
     wakeup,
@@ -36,25 +34,6 @@ from muxproxy.core.commands import (
 )
 
 ORIGIN = Origin(host="127.0.0.1", port=9001)
-
-
-def reply(backend: H1BackendPeer, body: bytes, *, close: bool = False) -> bytes:
-    headers = [("Content-Length", str(len(body)))]
-    if close:
-        headers.append(("Connection", "close"))
-    conn = backend.conn
-    out = conn.send(h11.Response(status_code=200, headers=headers)) or b""
-    out += conn.send(h11.Data(data=body)) or b""
-    return out + (conn.send(h11.EndOfMessage()) or b"")
-
-
-def is_request(target: bytes) -> Any:
-    def check(events: Sequence[Any]) -> None:
-        assert isinstance(events[0], h11.Request)
-        assert events[0].target == target
-        assert isinstance(events[-1], h11.EndOfMessage)
-
-    return check
 
 
 def served(
@@ -72,7 +51,7 @@ def served(
     """The backend's whole response to the request in flight (exchange ``exchange``, by
     default numbered like the client connection), relayed to the client."""
     ex = conn if exchange is None else exchange
-    pb >> data(up, reply(backend, body, close=close))
+    pb >> data(up, backend.reply(body, close=close))
     pb << CancelTimer(timer=("head", ex))
     if send_timer:  # else still armed: it is checked lazily when it fires
         pb << SetTimer(timer=("send", conn), at=pb.now + 60.0)
