@@ -13,7 +13,19 @@ import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from playbook import (
+    BACKEND,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    closed,
+    data,
+    default_config,
+    sent,
+    wakeup,
+)
 
 from muxproxy.config import Limits, Timeouts, parse_config
 from muxproxy.core.commands import (
@@ -182,10 +194,13 @@ def test_slow_h1_client_pauses_the_backend_and_resumes_it() -> None:
     backend.events(pb.take(up))
     pb.receive(up, backend.sse_head())
     chunk = b"data: " + b"x" * 4000 + b"\n\n"
+    framed = backend.chunk(chunk)
     paused_at = None
     for i in range(40):
-        commands = pb.receive(up, backend.chunk(chunk))
-        if PauseReading(conn=up) in commands:
+        pb >> data(up, framed)
+        pb << SendData(conn=1, data=framed)  # h11 frames it as the backend did
+        if pb.queue == [PauseReading(conn=up)]:
+            pb << PauseReading(conn=up)
             paused_at = i
             break
     assert paused_at is not None
@@ -193,8 +208,9 @@ def test_slow_h1_client_pauses_the_backend_and_resumes_it() -> None:
     assert stats.upstream_paused
     assert stats.response_buffered <= limits.stream_buffer
     # The client's socket drains: reading resumes once below low water.
-    commands = pb.sent(1, stats.response_buffered)
-    assert ResumeReading(conn=up) in commands
+    pb >> sent(1, stats.response_buffered)
+    pb << ResumeReading(conn=up)
+    pb.done()
 
 
 def test_stalled_h2_stream_does_not_stall_its_neighbour() -> None:
@@ -262,16 +278,19 @@ def test_client_reset_closes_the_backend_connection_at_once() -> None:
     pb = Playbook()
     pb.accept(1)
     client = H2ClientPeer()
-    sid, data = client.request()
-    pb.receive(1, client.preface() + data)
+    sid, request = client.request()
+    pb.receive(1, client.preface() + request)
     (open_cmd,) = pb.opens()
     pb.opened(open_cmd.conn)
     backend = H1BackendPeer()
     backend.events(pb.take(open_cmd.conn))
     pb.receive(open_cmd.conn, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
     client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-    commands = pb.receive(1, client.conn.data_to_send())
-    assert CloseConnection(conn=open_cmd.conn) in commands
+    pb >> data(1, client.conn.data_to_send())
+    pb << CloseConnection(conn=open_cmd.conn)  # the GPU stops at once
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # the connection goes on, streamless
+    pb.done()
 
 
 def test_h1_client_disconnect_closes_the_backend_connection() -> None:
@@ -280,7 +299,11 @@ def test_h1_client_disconnect_closes_the_backend_connection() -> None:
     up, backend = _start_h1(pb, client.request())
     backend.events(pb.take(up))
     pb.receive(up, backend.sse_head())
-    assert CloseConnection(conn=up) in pb.closed(1)
+    pb >> closed(1)
+    pb << CloseConnection(conn=up)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("send", 1))
+    pb.done()
 
 
 def test_backend_death_mid_stream_resets_the_h2_stream() -> None:
@@ -309,8 +332,10 @@ def test_backend_death_mid_stream_closes_h1_without_last_chunk() -> None:
     up, backend = _start_h1(pb, client.request())
     backend.events(pb.take(up))
     pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
-    commands = pb.closed(up)
-    assert CloseConnection(conn=1) in commands
+    pb >> closed(up)
+    pb << CloseConnection(conn=1)  # no final chunk first
+    pb << CancelTimer(timer=("read", 1))
+    pb.done()
     events = client.events(pb.take(1))
     assert not any(isinstance(e, h11.EndOfMessage) for e in events)
     with pytest.raises(h11.RemoteProtocolError):
@@ -341,18 +366,24 @@ def test_read_timeout_is_lazy_and_moves_with_every_chunk() -> None:
     client = H1ClientPeer()
     up, backend = _start_h1(pb, client.request())
     backend.events(pb.take(up))
-    pb.receive(up, backend.sse_head())
-    (armed,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == "read"]
+    pb >> data(up, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, lambda events: events[0].status_code == 200)
+    pb << SetTimer(timer=("read", 1), at=10.0)
     pb.now = 6.0
-    commands = pb.receive(up, backend.chunk(SSE_EVENTS[0]))
-    assert not any(isinstance(c, SetTimer) for c in commands)  # relaying costs no timer
+    pb >> data(up, backend.chunk(SSE_EVENTS[0]))
+    pb << SendData(conn=1, data=b"14\r\n" + SSE_EVENTS[0] + b"\r\n")
+    pb.done()  # relaying costs no timer
     pb.now = 10.0
-    commands = pb.wakeup("read", armed.timer[1])
-    assert SetTimer(timer=armed.timer, at=16.0) in commands
+    pb >> wakeup("read", 1)
+    pb << SetTimer(timer=("read", 1), at=16.0)  # 10 s after the chunk, not after the head
+    pb.done()
     pb.now = 16.0
-    commands = pb.wakeup("read", armed.timer[1])
-    assert CloseConnection(conn=up) in commands
-    assert CloseConnection(conn=1) in commands  # truncated, never a clean end
+    pb >> wakeup("read", 1)
+    pb << CloseConnection(conn=up)
+    pb << CloseConnection(conn=1)  # truncated, never a clean end
+    pb.done()
 
 
 def test_refused_backend_answers_502() -> None:
@@ -373,10 +404,15 @@ def test_refused_backend_answers_502() -> None:
 def test_malformed_h1_request_gets_400_and_close() -> None:
     pb = Playbook()
     pb.accept(1)
-    commands = pb.receive(1, b"GET / HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n")
-    assert b"400" in pb.take(1, commands).split(b"\r\n")[0]
-    assert CloseConnection(conn=1) in commands
-    assert not pb.opens()
+    pb >> data(1, b"GET / HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    answer = Sends(1, H1ClientPeer())
+    pb << answer
+    pb << CloseConnection(conn=1)
+    pb.done()  # no backend connection
+    (response, *_) = answer.events
+    assert response.status_code == 400
+    assert (b"connection", b"close") in response.headers
 
 
 def test_malformed_h2_request_resets_only_its_stream() -> None:
