@@ -20,11 +20,17 @@ from playbook import (
     H2BackendPeer,
     H2ClientPeer,
     Playbook,
+    closed,
+    data,
     default_config,
+    sent,
+    subset,
+    wakeup,
 )
 
 from muxproxy.config import Config, Limits, Server, Timeouts, Upstream, parse_config
 from muxproxy.core.commands import (
+    CancelTimer,
     CloseConnection,
     Command,
     Log,
@@ -38,6 +44,7 @@ from muxproxy.core.events import InputEnded
 from muxproxy.core.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
+TUNNEL = ("tunnel", 1)
 HANDSHAKE = [
     ("Upgrade", "websocket"),
     ("Connection", "Upgrade"),
@@ -121,28 +128,37 @@ def test_101_switches_both_connections_to_raw_bytes() -> None:
 
 
 def test_backend_close_closes_the_client_after_flushing() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
-    pb.receive(up, b"last-frame")
-    commands = pb.closed(up)
+    pb >> data(up, b"last-frame")
+    pb << SendData(conn=1, data=b"last-frame")
+    pb >> closed(up)
     # The last frame was handed over before; the close (which the driver flushes) follows.
-    assert CloseConnection(conn=1) in commands
-    assert pb.take(1, commands) == b""
-    assert _closed_log(pb).fields["reason"] == "backend closed"
-    access = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
-    assert access[-1].fields["status"] == 101
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=1)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "backend closed"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb.done()
     # The client's own close report afterwards changes nothing.
-    assert not [c for c in pb.closed(1) if isinstance(c, CloseConnection)]
+    pb >> closed(1)
+    pb << CancelTimer(timer=("send", 1))
+    pb.done()
 
 
 def test_client_close_closes_the_backend() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
-    commands = pb.closed(1)
-    assert CloseConnection(conn=up) in commands
-    assert _closed_log(pb).fields["reason"].startswith("client closed")
+    pb >> closed(1)
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=up)
+    reason = "client closed: client closed the connection"
+    pb << Log(event="tunnel_closed", fields=subset({"reason": reason}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CancelTimer(timer=("send", 1))
+    pb << Log(event="client_closed", fields={"conn": 1, "error": None})
+    pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
 
 
@@ -151,38 +167,48 @@ def _eof(pb: Playbook, conn: int) -> list[Command]:
 
 
 def test_client_eof_is_relayed_and_the_backend_reply_still_reaches_the_client() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
     # The client sends its Close frame and shuts its side down (SHUT_WR).
-    commands = pb.receive(1, b"client-close") + _eof(pb, 1)
-    assert pb.take(up, commands) == b"client-close"
+    pb >> data(1, b"client-close")
+    pb << SendData(conn=up, data=b"client-close")
+    pb >> InputEnded(now=pb.now, conn=1)
     # RFC 9293 §3.6: the FIN goes on to the backend after the frame; nothing is closed.
-    assert commands[-1] == ShutdownWrite(conn=up)
-    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    pb << ShutdownWrite(conn=up)
+    pb.done()
     # The backend's Close reply still reaches the client.
-    commands = pb.receive(up, b"backend-close")
-    assert pb.take(1, commands) == b"backend-close"
+    pb >> data(up, b"backend-close")
+    pb << SendData(conn=1, data=b"backend-close")
     # Then the backend ends too: both directions are over, both connections close.
-    commands = _eof(pb, up)
-    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> InputEnded(now=pb.now, conn=up)
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=1)
+    pb << CloseConnection(conn=up)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
 
 
 def test_backend_eof_is_relayed_and_the_client_reply_still_reaches_the_backend() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
-    commands = pb.receive(up, b"backend-close") + _eof(pb, up)
-    assert pb.take(1, commands) == b"backend-close"
-    assert commands[-1] == ShutdownWrite(conn=1)
-    assert not [c for c in commands if isinstance(c, CloseConnection)]
-    commands = pb.receive(1, b"client-close")
-    assert pb.take(up, commands) == b"client-close"
-    commands = _eof(pb, 1)
-    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> data(up, b"backend-close")
+    pb << SendData(conn=1, data=b"backend-close")
+    pb >> InputEnded(now=pb.now, conn=up)
+    pb << ShutdownWrite(conn=1)
+    pb.done()
+    pb >> data(1, b"client-close")
+    pb << SendData(conn=up, data=b"client-close")
+    pb >> InputEnded(now=pb.now, conn=1)
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=1)
+    pb << CloseConnection(conn=up)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb.done()
 
 
 def test_eof_on_a_connection_that_is_no_tunnel_closes_it() -> None:
@@ -194,11 +220,15 @@ def test_eof_on_a_connection_that_is_no_tunnel_closes_it() -> None:
     pb.opened(up)
     # Before the 101 the client's EOF ends the connection as a close does: the handshake
     # is abandoned and the backend connection closed.
-    commands = _eof(pb, 1)
-    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+    pb >> InputEnded(now=pb.now, conn=1)
+    pb << CloseConnection(conn=1)
+    pb << CloseConnection(conn=up)
+    pb << CancelTimer(timer=("head", 1))
+    pb.done()
     assert not pb.core.clients and not pb.core.exchanges
     # The driver's ConnectionClosed that follows changes nothing.
-    assert pb.closed(1) == []
+    pb >> closed(1)
+    pb.done()
 
 
 def test_tunnel_backpressure_pauses_the_reading_side_both_ways() -> None:
@@ -208,33 +238,41 @@ def test_tunnel_backpressure_pauses_the_reading_side_both_ways() -> None:
     pb.receive(up, _switch(backend))
     pb.sent(1, len(pb.take(1)))  # the 101 went out
     # Backend to client: the client socket takes nothing, the backend is stopped.
-    commands = pb.receive(up, b"x" * high)
-    assert PauseReading(conn=up) in commands
-    commands = pb.sent(1, high)
-    assert ResumeReading(conn=up) in commands
+    pb >> data(up, b"x" * (high - 1))
+    pb << SendData(conn=1, data=b"x" * (high - 1))
+    pb >> data(up, b"x")  # at high water exactly
+    pb << SendData(conn=1, data=b"x")
+    pb << PauseReading(conn=up)
+    pb >> sent(1, high)
+    pb << ResumeReading(conn=up)
     # Client to backend: the backend socket takes nothing, the client is stopped.
     pb.sent(up, len(pb.take(up)))  # the handshake went out
-    commands = pb.receive(1, b"y" * high)
-    assert PauseReading(conn=1) in commands
-    commands = pb.sent(up, high)
-    assert ResumeReading(conn=1) in commands
+    pb >> data(1, b"y" * high)
+    pb << SendData(conn=up, data=b"y" * high)
+    pb << PauseReading(conn=1)
+    pb >> sent(up, high)
+    pb << ResumeReading(conn=1)
+    pb.done()
 
 
 def test_idle_tunnel_is_closed_on_both_sides_by_a_lazy_timer() -> None:
-    pb = Playbook(default_config(timeouts=Timeouts(tunnel_idle=10.0)))
+    pb = Playbook(default_config(timeouts=Timeouts(tunnel_idle=10.0)), ignore=())
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
-    timer = _tunnel_timer(pb)
+    assert _tunnel_timer(pb) == TUNNEL
     pb.now = 6.0
-    pb.receive(1, b"ping")  # activity: the deadline moves, no timer command for it
+    pb >> data(1, b"ping")
+    pb << SendData(conn=up, data=b"ping")  # activity: the deadline moves, no timer command
     pb.now = 10.0
-    commands = pb.wakeup(*timer)
-    assert SetTimer(timer=timer, at=16.0) in commands
+    pb >> wakeup(*TUNNEL)
+    pb << SetTimer(timer=TUNNEL, at=16.0)
     pb.now = 16.0
-    commands = pb.wakeup(*timer)
-    assert CloseConnection(conn=1) in commands
-    assert CloseConnection(conn=up) in commands
-    assert _closed_log(pb).fields["reason"] == "idle timeout"
+    pb >> wakeup(*TUNNEL)
+    pb << CloseConnection(conn=1)
+    pb << CloseConnection(conn=up)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "idle timeout"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb.done()
 
 
 def test_refused_upgrade_is_an_ordinary_response() -> None:
