@@ -425,6 +425,13 @@ class H2Stream:
         """The frames that carried data (not an empty DATA frame holding only END_STREAM)."""
         return [f for f in self.frames if f.data]
 
+    def field(self, name: bytes) -> bytes | None:
+        """The first response field ``name`` (lower case), as received."""
+        for key, value in self.headers or ():
+            if key == name:
+                return value
+        return None
+
     def header(self, name: str) -> str | None:
         wanted = name.lower().encode()
         for key, value in self.headers or ():

@@ -14,7 +14,6 @@ import email.utils
 import json
 import struct
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,6 +27,7 @@ import openai
 import pytest
 import trio
 from peers import (
+    H2Stream,
     closed_port,
     h1_read_response,
     h1_request_bytes,
@@ -36,6 +36,7 @@ from peers import (
     read_until_eof,
     serve_raw,
 )
+from stepped import H2Client, h2_request_headers
 
 from muxproxy.config import Api, Config, Limits, Listener, Route, Server, Timeouts, Upstream
 from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer
@@ -88,125 +89,6 @@ async def h1_request(
         )
 
 
-@attrs.define
-class H2Stream:
-    headers: list[tuple[bytes, bytes]] | None = None
-    body: bytes = b""
-    ended: bool = False
-    reset: h2.errors.ErrorCodes | int | None = None
-
-    @property
-    def status(self) -> int | None:
-        for name, value in self.headers or []:
-            if name == b":status":
-                return int(value)
-        return None
-
-    def field(self, name: bytes) -> bytes | None:
-        for field, value in self.headers or []:
-            if field == name:
-                return value
-        return None
-
-
-class H2Client:
-    """A minimal h2c (prior knowledge) client that may send what h2 would refuse to."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        config = h2.config.H2Configuration(
-            client_side=True,
-            header_encoding=None,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-            validate_inbound_headers=False,
-        )
-        self.conn = h2.connection.H2Connection(config=config)
-        self.streams: dict[int, H2Stream] = {}
-        self.goaway: h2.events.ConnectionTerminated | None = None
-        self.eof = False
-
-    @classmethod
-    async def connect(cls, port: int) -> H2Client:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port))
-        client.conn.initiate_connection()
-        await client.flush()
-        return client
-
-    async def flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data and not self.eof:
-            try:
-                await self.stream.send_all(data)
-            except trio.BrokenResourceError:
-                self.eof = True
-
-    async def request(self, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> int:
-        sid = self.conn.get_next_available_stream_id()
-        self.streams[sid] = H2Stream()
-        self.conn.send_headers(sid, headers, end_stream=not body)
-        if body:
-            self.conn.send_data(sid, body, end_stream=True)
-        await self.flush()
-        return sid
-
-    async def pump(self) -> None:
-        """Read once and process what came."""
-        try:
-            data = await self.stream.receive_some(65536)
-        except trio.BrokenResourceError:
-            # ECONNRESET: our last write (a SETTINGS ACK, a WINDOW_UPDATE) reached a socket
-            # the proxy had already closed. What it sent before has been read.
-            data = b""
-        if not data:
-            self.eof = True
-            return
-        for event in self.conn.receive_data(data):
-            sid = getattr(event, "stream_id", None)
-            state = self.streams.get(sid) if sid is not None else None
-            if isinstance(event, h2.events.ResponseReceived) and state is not None:
-                state.headers = list(event.headers)
-            elif isinstance(event, h2.events.DataReceived) and state is not None:
-                state.body += event.data
-                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            elif isinstance(event, h2.events.StreamEnded) and state is not None:
-                state.ended = True
-            elif isinstance(event, h2.events.StreamReset) and state is not None:
-                state.reset = event.error_code
-            elif isinstance(event, h2.events.ConnectionTerminated):
-                self.goaway = event
-        await self.flush()
-
-    async def wait(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            assert not self.eof, "connection closed"
-            await self.pump()
-
-    async def until_eof(self) -> None:
-        while not self.eof:
-            await self.pump()
-
-    async def finish(self, sid: int) -> H2Stream:
-        state = self.streams[sid]
-        await self.wait(lambda: state.ended or state.reset is not None)
-        return state
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-def h2_request_headers(
-    path: bytes = b"/v1/models", method: bytes = b"GET", extra: list[tuple[bytes, bytes]] = ()
-) -> list[tuple[bytes, bytes]]:
-    return [
-        (b":method", method),
-        (b":scheme", b"http"),
-        (b":authority", b"proxy.test"),
-        (b":path", path),
-        *extra,
-    ]
-
-
 async def start_chat(client: H2Client) -> int:
     """A streaming chat request (with its content-length) on a new stream of ``client``."""
     return await client.request(
@@ -216,7 +98,7 @@ async def start_chat(client: H2Client) -> int:
 
 
 async def h2_get(port: int, path: bytes = b"/v1/models") -> H2Stream:
-    client = await H2Client.connect(port)
+    client = await H2Client.connect(port, lenient=True)
     try:
         sid = await client.request(h2_request_headers(path))
         return await client.finish(sid)
@@ -407,7 +289,7 @@ async def test_malformed_h2_request_resets_only_its_stream(start_backend, start_
     fake, backend = await start_backend(tokens=4, delay=0.02)
     proxy = await start_proxy([backend])
     with trio.fail_after(10):
-        client = await H2Client.connect(proxy.port)
+        client = await H2Client.connect(proxy.port, lenient=True)
         try:
             good = await start_chat(client)
             # The good stream is under way before the bad one arrives.
@@ -448,7 +330,7 @@ async def test_frame_level_violation_is_goaway_protocol_error(start_backend, sta
     _, backend = await start_backend()
     proxy = await start_proxy([backend])
     with trio.fail_after(10):
-        client = await H2Client.connect(proxy.port)
+        client = await H2Client.connect(proxy.port, lenient=True)
         try:
             await client.stream.send_all(FRAME_VIOLATIONS[kind])
             await client.until_eof()
@@ -464,7 +346,7 @@ async def test_frame_level_violation_with_open_streams_is_goaway(start_backend, 
     fake, backend = await start_backend(tokens=50, delay=0.05)
     proxy = await start_proxy([backend])
     with trio.fail_after(10):
-        client = await H2Client.connect(proxy.port)
+        client = await H2Client.connect(proxy.port, lenient=True)
         try:
             sid = await start_chat(client)
             await client.wait(lambda: b"tok0" in client.streams[sid].body)
@@ -511,7 +393,7 @@ async def test_h2_content_length_mismatch_resets_only_its_stream(start_backend, 
     proxy = await start_proxy([backend])
     fields, body = CONTENT_LENGTH_MISMATCH[kind]
     with trio.fail_after(10):
-        client = await H2Client.connect(proxy.port)
+        client = await H2Client.connect(proxy.port, lenient=True)
         try:
             good = await start_chat(client)
             await client.wait(lambda: b"tok0" in client.streams[good].body)
@@ -715,7 +597,7 @@ async def test_h2_sse_stream_completes_after_the_clients_goaway(start_backend, s
     _, backend = await start_backend(tokens=40, delay=0.01)
     proxy = await start_proxy([backend])
     with trio.fail_after(10):
-        client = await H2Client.connect(proxy.port)
+        client = await H2Client.connect(proxy.port, lenient=True)
         try:
             sid = await start_chat(client)
             await client.wait(lambda: b"tok0" in client.streams[sid].body)

@@ -18,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import attrs
 import h2.errors
 import h2.settings
 import pytest
 import trio
 from peers import H1Peer, H2Peer, H2Stream, open_h2, serve_raw
+from stepped import RecordingBackend
 
 from muxproxy.config import Limits
 
@@ -32,29 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 # ---- a recording backend --------------------------------------------------------------------
 
 
-@attrs.define
-class RecordingBackend:
-    """Counts connections and bytes; reads whatever comes and never answers."""
-
-    connections: int = 0
-    received: bytearray = attrs.field(factory=bytearray)
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        async with stream:
-            try:
-                while data := await stream.receive_some(65536):
-                    self.received += data
-            except trio.BrokenResourceError:
-                pass
-
-    @property
-    def heads(self) -> int:
-        return bytes(self.received).count(b"\r\n\r\n")
-
-
 async def recording_proxy(start_proxy, nursery, **limits):
-    backend = RecordingBackend()
+    backend = RecordingBackend(answer=None)
     port = await serve_raw(nursery, backend.handle)
     proxy = await start_proxy([port], limits=Limits(**limits))
     return backend, proxy

@@ -10,9 +10,6 @@ orders the check: by the time it arrived, a forwarded bad request would have too
 
 from __future__ import annotations
 
-import re
-
-import attrs
 import h2.errors
 import h11
 import pytest
@@ -26,41 +23,7 @@ from peers import (
     read_until_eof,
     serve_raw,
 )
-
-OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-
-
-@attrs.define
-class RecordingBackend:
-    """Answers every request head (no body expected) with 200 "ok"; records all it got."""
-
-    connections: int = 0
-    received: bytearray = attrs.field(factory=bytearray)
-    arrived: trio.Event = attrs.field(factory=trio.Event)
-
-    async def handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        buffer = bytearray()
-        async with stream:
-            try:
-                while data := await stream.receive_some(65536):
-                    self.received += data
-                    buffer += data
-                    self.arrived.set()
-                    self.arrived = trio.Event()
-                    while b"\r\n\r\n" in buffer:
-                        del buffer[: buffer.index(b"\r\n\r\n") + 4]
-                        await stream.send_all(OK)
-            except trio.BrokenResourceError:
-                pass
-
-    @property
-    def targets(self) -> list[bytes]:
-        return re.findall(rb"(?:^|\r\n\r\n)[A-Z]+ (\S+) HTTP/1\.1\r\n", bytes(self.received))
-
-    async def wait_for(self, target: bytes) -> None:
-        while target not in self.targets:
-            await self.arrived.wait()
+from stepped import RecordingBackend
 
 
 @pytest.fixture

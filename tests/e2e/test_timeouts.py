@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -52,6 +51,7 @@ from peers import (
     read_until_eof,
     serve_raw,
 )
+from stepped import H2Client
 
 from muxproxy.config import Timeouts, quick_config
 from muxproxy.core.commands import Log
@@ -79,84 +79,6 @@ def clock() -> trio.testing.MockClock:
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-class H2Client:
-    """A minimal h2c client: requests out, per-stream results and GOAWAY in."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
-        self.conn = h2.connection.H2Connection(config=config)
-        self.status: dict[int, int] = {}
-        self.body: dict[int, bytes] = {}
-        self.ended: set[int] = set()
-        self.reset: dict[int, int] = {}
-        self.goaway: h2.events.ConnectionTerminated | None = None
-        self.goaway_at: float | None = None
-        self.eof = False
-
-    @classmethod
-    async def connect(cls, port: int) -> H2Client:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port))
-        client.conn.initiate_connection()
-        await client.flush()
-        return client
-
-    async def flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data:
-            await self.stream.send_all(data)
-
-    async def request(self, path: bytes, body: bytes = b"") -> int:
-        sid = self.conn.get_next_available_stream_id()
-        headers = [
-            (b":method", b"POST" if body else b"GET"),
-            (b":scheme", b"http"),
-            (b":authority", b"proxy.test"),
-            (b":path", path),
-        ]
-        if body:
-            headers.append((b"content-length", str(len(body)).encode()))
-        self.body[sid] = b""
-        self.conn.send_headers(sid, headers, end_stream=not body)
-        if body:
-            self.conn.send_data(sid, body, end_stream=True)
-        await self.flush()
-        return sid
-
-    async def pump(self) -> None:
-        data = await self.stream.receive_some(65536)
-        if not data:
-            self.eof = True
-            return
-        for event in self.conn.receive_data(data):
-            if isinstance(event, h2.events.ResponseReceived):
-                self.status[event.stream_id] = int(dict(event.headers)[b":status"])
-            elif isinstance(event, h2.events.DataReceived):
-                self.body[event.stream_id] += event.data
-                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            elif isinstance(event, h2.events.StreamEnded):
-                self.ended.add(event.stream_id)
-            elif isinstance(event, h2.events.StreamReset):
-                self.reset[event.stream_id] = event.error_code
-            elif isinstance(event, h2.events.ConnectionTerminated):
-                self.goaway = event
-                self.goaway_at = trio.current_time()
-        if not self.goaway:
-            await self.flush()
-
-    async def wait(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            assert not self.eof, "connection closed"
-            await self.pump()
-
-    async def finish(self, sid: int) -> None:
-        await self.wait(lambda: sid in self.ended or sid in self.reset)
-
-    async def until_eof(self) -> None:
-        while not self.eof:
-            await self.pump()
 
 
 def close_to(elapsed: float, timeout: float) -> bool:
@@ -246,9 +168,9 @@ async def test_connect_timeout(start_proxy, clock):
             client = await H2Client.connect(proxy.port)
             async with client.stream:
                 start = trio.current_time()
-                sid = await client.request(b"/v1/models")
+                sid = await client.send(b"/v1/models")
                 await client.finish(sid)
-                assert client.status[sid] == 504 and sid in client.ended
+                assert client.streams[sid].status == 504 and client.streams[sid].ended
                 assert close_to(trio.current_time() - start, 7.0)
         assert proxy.server.core.statistics().upstream_connections == 0
 
@@ -297,9 +219,9 @@ async def test_response_head_timeout(start_proxy, nursery, clock):
         client = await H2Client.connect(proxy.port)
         async with client.stream:
             start = trio.current_time()
-            sid = await client.request(CHAT, chat_body())
+            sid = await client.send(CHAT, chat_body())
             await client.finish(sid)
-            assert client.status[sid] == 504 and sid in client.ended
+            assert client.streams[sid].status == 504 and client.streams[sid].ended
             assert close_to(trio.current_time() - start, 20.0)
 
 
@@ -313,16 +235,16 @@ async def test_read_timeout_truncates_h2_stream(start_backend, start_proxy, cloc
     with trio.fail_after(100):
         client = await H2Client.connect(proxy.port)
         async with client.stream:
-            sid = await client.request(CHAT, chat_body())
-            await client.wait(lambda: b"tok0" in client.body.get(sid, b""))
+            sid = await client.send(CHAT, chat_body())
+            await client.wait(lambda: b"tok0" in client.streams[sid].body)
             first_token_at = trio.current_time()
             await client.finish(sid)
             assert close_to(trio.current_time() - first_token_at, 15.0)
             await fake.wait_disconnect()  # the backend was told to stop generating
-    assert client.status[sid] == 200
-    assert client.reset[sid] == h2.errors.ErrorCodes.INTERNAL_ERROR
-    assert sid not in client.ended
-    assert b"[DONE]" not in client.body[sid]
+    assert client.streams[sid].status == 200
+    assert client.streams[sid].reset == h2.errors.ErrorCodes.INTERNAL_ERROR
+    assert not client.streams[sid].ended
+    assert b"[DONE]" not in client.streams[sid].body
 
 
 async def test_read_timeout_truncates_h1_response(start_backend, start_proxy, clock):
@@ -365,12 +287,12 @@ async def test_slow_but_steady_stream_is_not_cut(start_backend, start_proxy, clo
         client = await H2Client.connect(proxy.port)
         async with client.stream:
             start = trio.current_time()
-            sid = await client.request(CHAT, chat_body())
+            sid = await client.send(CHAT, chat_body())
             await client.finish(sid)
             assert trio.current_time() - start >= 24.0
-    assert sid in client.ended and sid not in client.reset
-    assert client.body[sid].endswith(b"data: [DONE]\n\n")
-    assert reply_text(4).split()[-1].encode() in client.body[sid]
+    assert client.streams[sid].ended and client.streams[sid].reset is None
+    assert client.streams[sid].body.endswith(b"data: [DONE]\n\n")
+    assert reply_text(4).split()[-1].encode() in client.streams[sid].body
 
 
 # -- send ------------------------------------------------------------------------------------
@@ -449,16 +371,21 @@ async def test_zero_window_stream_is_reset_after_send_and_others_go_on(
             client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
             await client.flush()
             start = trio.current_time()
-            stuck = await client.request(CHAT, chat_body(2000))
-            good = await client.request(CHAT, chat_body(3))
+            stuck = await client.send(CHAT, chat_body(2000))
+            good = await client.send(CHAT, chat_body(3))
             client.conn.increment_flow_control_window(1 << 20, stream_id=good)
             await client.flush()
-            await client.wait(lambda: stuck in client.reset and good in client.ended)
+            await client.wait(
+                lambda: client.streams[stuck].reset is not None and client.streams[good].ended
+            )
             assert 20.0 <= trio.current_time() - start < 22.0
             await fake.wait_disconnect()
-    assert client.reset[stuck] == h2.errors.ErrorCodes.CANCEL
-    assert client.body[stuck] == b""
-    assert client.body[good].endswith(b"data: [DONE]\n\n") and good not in client.reset
+    assert client.streams[stuck].reset == h2.errors.ErrorCodes.CANCEL
+    assert client.streams[stuck].body == b""
+    assert (
+        client.streams[good].body.endswith(b"data: [DONE]\n\n")
+        and client.streams[good].reset is None
+    )
     assert client.goaway is None
 
 
@@ -595,9 +522,9 @@ async def test_idle_h2_connection_gets_goaway_then_close(start_backend, start_pr
     with trio.fail_after(100):
         client = await H2Client.connect(proxy.port)
         async with client.stream:
-            sid = await client.request(b"/v1/models")
+            sid = await client.send(b"/v1/models")
             await client.finish(sid)
-            assert client.status[sid] == 200
+            assert client.streams[sid].status == 200
             idle_since = trio.current_time()
             await client.until_eof()
     assert client.goaway is not None and client.goaway_at is not None
@@ -614,14 +541,14 @@ async def test_long_response_is_not_idle(start_backend, start_proxy, clock):
     with trio.fail_after(200):
         client = await H2Client.connect(proxy.port)
         async with client.stream:
-            sid = await client.request(CHAT, chat_body())
+            sid = await client.send(CHAT, chat_body())
             await client.finish(sid)
         stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
         async with stream:
             conn, request = h1_request_bytes(CHAT, b"POST", chat_body())
             await stream.send_all(request)
             response, body = await h1_read_response(stream, conn)
-    assert sid in client.ended and client.body[sid].endswith(b"data: [DONE]\n\n")
+    assert client.streams[sid].ended and client.streams[sid].body.endswith(b"data: [DONE]\n\n")
     assert client.goaway is None
     assert response.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
 
