@@ -52,6 +52,7 @@ from muxproxy.core.events import (
 from muxproxy.core.proxy import ProxyCore
 
 BACKEND = "127.0.0.1:9001"
+CHAT = b"/v1/chat/completions"
 
 
 def default_config(**changes: Any) -> Config:
@@ -532,6 +533,47 @@ class H2BackendPeer:
     def flush(self) -> list[Command]:
         data = self.conn.data_to_send()
         return self.pb.receive(self.conn_id, data) if data else []
+
+
+class H2Client:
+    """An h2 client peer on client connection ``conn`` of the playbook (accepted here),
+    reading what the proxy sent it with ``read``; ``peer`` may be a subclass of
+    ``H2ClientPeer`` (one that reads past a GOAWAY, say)."""
+
+    def __init__(self, pb: Playbook, conn: int, peer: H2ClientPeer | None = None) -> None:
+        self.pb = pb
+        self.conn_id = conn
+        self.peer = peer or H2ClientPeer()
+        self.seen = 0
+        pb.accept(conn)
+        pb.receive(conn, self.peer.preface())
+
+    def request(
+        self,
+        path: bytes = b"/v1/chat/completions",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> int:
+        """A POST of ``{}`` to ``path``; returns its stream id."""
+        sid, data = self.peer.request(b"POST", path, headers=headers, body=b"{}")
+        self.pb.receive(self.conn_id, data)
+        return sid
+
+    def read(self, *, ack: bool = True) -> list[h2.events.Event]:
+        """Decode what the proxy sent to this client since the last read; ``ack``: give the
+        window back for received DATA."""
+        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
+        data = b"".join(c.data for c in sends[self.seen :])
+        self.seen = len(sends)
+        if not data:
+            return []
+        if ack:
+            return self.peer.events(data)
+        return self.peer.conn.receive_data(data)
+
+    def send(self) -> None:
+        data = self.peer.conn.data_to_send()
+        if data:
+            self.pb.receive(self.conn_id, data)
 
 
 def h2_sse_stream(

@@ -20,7 +20,7 @@ from playbook import (
     BACKEND,
     H1ClientPeer,
     H2BackendPeer,
-    H2ClientPeer,
+    H2Client,
     Playbook,
     default_config,
 )
@@ -37,38 +37,6 @@ def h2_config(**limits: Any) -> Config:
     )
     config = default_config(upstreams={"default": group})
     return attrs.evolve(config, limits=Limits(**limits)) if limits else config
-
-
-class Client:
-    """An h2 client peer on client connection ``conn``."""
-
-    def __init__(self, pb: Playbook, conn: int) -> None:
-        self.pb = pb
-        self.conn_id = conn
-        self.peer = H2ClientPeer()
-        self.seen = 0
-        pb.accept(conn)
-        pb.receive(conn, self.peer.preface())
-
-    def request(self, path: bytes = CHAT, headers: list[tuple[bytes, bytes]] | None = None) -> int:
-        sid, data = self.peer.request(b"POST", path, headers=headers, body=b"{}")
-        self.pb.receive(self.conn_id, data)
-        return sid
-
-    def read(self, *, ack: bool = True) -> list[h2.events.Event]:
-        sends = [c for c in self.pb.log if isinstance(c, SendData) and c.conn == self.conn_id]
-        data = b"".join(c.data for c in sends[self.seen :])
-        self.seen = len(sends)
-        if not data:
-            return []
-        if ack:
-            return self.peer.events(data)
-        return self.peer.conn.receive_data(data)
-
-    def send(self) -> None:
-        data = self.peer.conn.data_to_send()
-        if data:
-            self.pb.receive(self.conn_id, data)
 
 
 def connect_backend(pb: Playbook, conn: int, *, max_streams: int = 100) -> H2BackendPeer:
@@ -93,7 +61,7 @@ def respond(backend: H2BackendPeer, sid: int, *, end: bool = False) -> None:
 
 def test_two_client_connections_share_one_backend_connection() -> None:
     pb = Playbook(h2_config())
-    one, two = Client(pb, 1), Client(pb, 2)
+    one, two = H2Client(pb, 1), H2Client(pb, 2)
     a = one.request()
     b = two.request()
     assert [o.conn for o in pb.opens()] == [-1], "the second stream waits for the first conn"
@@ -119,7 +87,7 @@ def test_two_client_connections_share_one_backend_connection() -> None:
 
 def test_max_concurrent_streams_opens_a_second_connection() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     client.request()
     first = connect_backend(pb, -1, max_streams=1)
     assert len(requests(first.read())) == 1
@@ -137,7 +105,7 @@ def test_max_concurrent_streams_opens_a_second_connection() -> None:
 
 def test_goaway_lets_in_flight_streams_finish_and_new_ones_go_elsewhere() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     a = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -160,7 +128,7 @@ def test_goaway_lets_in_flight_streams_finish_and_new_ones_go_elsewhere() -> Non
 def test_backend_data_acknowledged_only_as_the_client_takes_it() -> None:
     # stream_buffer 32 KiB: reads of 16 KiB, high water 16 KiB, a 16 KiB stream window.
     pb = Playbook(h2_config(stream_buffer=32 * 1024))
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -198,7 +166,7 @@ def test_backend_data_acknowledged_only_as_the_client_takes_it() -> None:
 
 def test_client_reset_cancels_the_backend_stream_only() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     a = client.request()
     b = client.request()
     backend = connect_backend(pb, -1)
@@ -220,7 +188,7 @@ def test_client_reset_cancels_the_backend_stream_only() -> None:
 
 def test_backend_reset_mid_stream_resets_the_client_stream() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     a = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -236,7 +204,7 @@ def test_backend_reset_mid_stream_resets_the_client_stream() -> None:
 
 def test_trailers_reach_h2_and_h1_clients() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     a = client.request(headers=[(b"content-type", b"application/grpc"), (b"te", b"trailers")])
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -268,7 +236,7 @@ def test_trailers_reach_h2_and_h1_clients() -> None:
 
 
 def _finish_one_stream(pb: Playbook) -> H2BackendPeer:
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -360,7 +328,7 @@ def ended(events: list[h2.events.Event], sid: int) -> bool:
 
 
 def assert_served_by_the_other_server(
-    pb: Playbook, client: Client, sid: int, first: OpenConnection
+    pb: Playbook, client: H2Client, sid: int, first: OpenConnection
 ) -> None:
     """The last connection opened goes to another server than ``first`` and serves ``sid``."""
     second = pb.opens()[-1]
@@ -379,7 +347,7 @@ def test_goaway_with_the_first_settings_starts_no_stream_and_fails_over(
     code: h2.errors.ErrorCodes,
 ) -> None:
     pb = Playbook(two_server_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()
     (first,) = pb.opens()
     gone = settings_then_goaway(pb, first.conn, code)
@@ -392,7 +360,7 @@ def test_goaway_with_the_first_settings_starts_no_stream_and_fails_over(
 
 def test_goaway_before_the_first_request_leaves_the_next_request_a_new_connection() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     first = client.request()
     settings_then_goaway(pb, -1, h2.errors.ErrorCodes.NO_ERROR)
     # One server, nothing to fail over to: the request that waited for it gets a 502 ...
@@ -410,7 +378,7 @@ def test_goaway_before_the_first_request_leaves_the_next_request_a_new_connectio
 
 def test_stream_refused_by_goaway_is_retried_on_a_new_connection() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()  # a POST: not idempotent, but never processed (RFC 9113 §8.7)
     old = connect_backend(pb, -1)
     (refused,) = requests(old.read())
@@ -432,7 +400,7 @@ def test_stream_refused_by_goaway_is_retried_on_a_new_connection() -> None:
 
 def test_frames_after_goaway_in_the_same_read_still_reach_the_stream() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -460,7 +428,7 @@ def fire_due_timer(pb: Playbook, timer: tuple[str, int]) -> list[Any]:
 
 def test_backend_silent_after_connect_is_closed_and_a_later_request_gets_a_new_one() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     first = client.request()
     pb.opened(-1)  # up at TCP; the backend never sends its SETTINGS (RFC 9113 §3.4)
     assert CloseConnection(conn=-1) in fire_due_timer(pb, ("pool", -1))
@@ -482,7 +450,7 @@ def test_backend_silent_after_connect_is_closed_and_a_later_request_gets_a_new_o
 
 def test_request_waiting_for_a_silent_backend_is_retried_on_the_next_server() -> None:
     pb = Playbook(two_server_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()
     (first,) = pb.opens()
     pb.opened(first.conn)
@@ -495,7 +463,7 @@ def test_request_waiting_for_a_silent_backend_is_retried_on_the_next_server() ->
 
 def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -514,7 +482,7 @@ def test_empty_data_frame_ending_the_stream_is_not_sent_on_as_an_empty_frame() -
 
 def test_connection_that_used_every_stream_id_drains_and_the_next_request_opens_another() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     a = client.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())

@@ -11,8 +11,8 @@ import h2.errors
 import h2.events
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, h2_sse_stream
-from test_h2client import Client, connect_backend, h2_config, requests, respond
+from playbook import H1BackendPeer, H1ClientPeer, H2Client, H2ClientPeer, Playbook, h2_sse_stream
+from test_h2client import connect_backend, h2_config, requests, respond
 from test_tunnel import _open_h1, _switch
 
 from muxproxy.core.commands import CloseConnection, Command, Log, SetTimer
@@ -75,18 +75,6 @@ class TolerantClient(H2ClientPeer):
             elif isinstance(event, h2.events.PingReceived):
                 self.pings.append(event.ping_data)
         return events
-
-
-class H2Client(Client):
-    """``test_h2client.Client`` with a client that reads past a GOAWAY."""
-
-    def __init__(self, pb: Playbook, conn: int) -> None:
-        self.pb = pb
-        self.conn_id = conn
-        self.peer = TolerantClient()
-        self.seen = 0
-        pb.accept(conn)
-        pb.receive(conn, self.peer.preface())
 
 
 def chunk(data: bytes) -> bytes:
@@ -353,7 +341,7 @@ def test_connections_accepted_after_the_stop_are_closed_at_once() -> None:
 
 def test_h2_backend_connection_with_a_stream_closes_when_that_stream_ends() -> None:
     pb = Book(h2_config())
-    one = H2Client(pb, 1)
+    one = H2Client(pb, 1, TolerantClient())
     first = one.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -361,7 +349,7 @@ def test_h2_backend_connection_with_a_stream_closes_when_that_stream_ends() -> N
     backend.conn.send_data(req.stream_id, b"data: tok\n\n", end_stream=True)
     backend.flush()
     # The connection, idle now, takes a stream of another client.
-    two = H2Client(pb, 2)
+    two = H2Client(pb, 2, TolerantClient())
     two.request()
     assert [o.conn for o in pb.opens()] == [-1]  # the first connection takes it
     (busy_req,) = requests(backend.read())
@@ -379,7 +367,7 @@ def test_h2_backend_connection_with_a_stream_closes_when_that_stream_ends() -> N
 
 def test_h2_backend_connection_without_streams_closes_when_the_stop_begins() -> None:
     pb = Book(h2_config())
-    one = H2Client(pb, 1)
+    one = H2Client(pb, 1, TolerantClient())
     one.request()
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import h2.events
 import h11
 import pytest
-from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
-from test_h2client import Client, connect_backend, h2_config, requests
+from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2Client, H2ClientPeer, Playbook
+from test_h2client import connect_backend, h2_config, requests
 
 from muxproxy.core.headers import trailer_fields
 
@@ -105,7 +105,7 @@ def test_trailers_are_dropped_for_an_http10_client() -> None:
 
 def test_h2_backend_trailers_reach_h2_and_h1_clients_filtered() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.request(headers=[(b"te", b"trailers")])
     backend = connect_backend(pb, -1)
     (req,) = requests(backend.read())
@@ -197,7 +197,7 @@ def test_h2_client_request_trailers_reach_an_h1_backend_filtered(content_length:
 
 def test_h2_client_request_trailers_reach_an_h2_backend_filtered() -> None:
     pb = Playbook(h2_config())
-    client = Client(pb, 1)
+    client = H2Client(pb, 1)
     sid = client.peer.conn.get_next_available_stream_id()
     head = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"proxy.example")]
     client.peer.conn.send_headers(sid, [*head, (b":path", b"/v1/chat/completions")])
