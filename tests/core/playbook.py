@@ -15,7 +15,7 @@ The rules:
 - ``pb << expected`` takes the next command of the queue. A ``Command`` must equal it field
   by field, where a field may hold ``ANY``, a ``Capture``'s ``slot`` (which takes the value
   on first match and must equal it afterwards) or ``subset({...})`` (a dict holding these
-  items). A ``Matcher`` (``Sends``, ``Where``) decides for itself.
+  items); a field outside the command's equality (``eq=False``) is not compared. A ``Matcher`` (``Sends``, ``Where``) decides for itself.
 - Commands of the types in ``ignore`` never enter the queue; they stay in ``pb.log``. The
   default ignores ``Log``: a test that asserts log records passes ``ignore=()``.
 - ``pb >> event`` first asserts that the queue is empty: every command an event caused is
@@ -138,9 +138,11 @@ def _field_matches(expected: Any, actual: Any) -> bool:
 def _command_matches(expected: Command, actual: Command) -> bool:
     if type(expected) is not type(actual):
         return False
+    # Fields the command keeps out of its equality (``eq=False``) are left out here too.
     return all(
         _field_matches(getattr(expected, f.name), getattr(actual, f.name))
         for f in attrs.fields(type(expected))
+        if f.eq
     )
 
 
