@@ -15,7 +15,8 @@ The rules:
 - ``pb << expected`` takes the next command of the queue. A ``Command`` must equal it field
   by field, where a field may hold ``ANY``, a ``Capture``'s ``slot`` (which takes the value
   on first match and must equal it afterwards) or ``subset({...})`` (a dict holding these
-  items); a field outside the command's equality (``eq=False``) is not compared. A ``Matcher`` (``Sends``, ``Where``) decides for itself.
+  items); a field outside the command's equality (``eq=False``) is not compared. A
+  ``Matcher`` (``Sends``, ``Where``) decides for itself.
 - Commands of the types in ``ignore`` never enter the queue; they stay in ``pb.log``. The
   default ignores ``Log``: a test that asserts log records passes ``ignore=()``.
 - ``pb >> event`` first asserts that the queue is empty: every command an event caused is
