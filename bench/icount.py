@@ -15,6 +15,9 @@ Modes:
   last): the paced case, one token per round of the reactor;
 - ``batch``: 32 streams, one event each per round; per event (the harness waits once per
   round for all 32 clients);
+- ``token-h2``: ``token`` for an h2c client (prior knowledge, its windows opened to 2**31-1
+  first so that it never needs to send a WINDOW_UPDATE): each event reaches it as one DATA
+  frame, counted by its length, never parsed;
 - ``request``: sequential ``GET /sse`` requests on one kept-alive connection (2 request fields,
   4 response fields), each answered with a head, one event and the last chunk; per request;
 - ``openai``: the same with the request of the OpenAI Python SDK (15 fields, a JSON body) and
@@ -44,8 +47,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("token", "batch", "request", "openai", "h11-floor", "h11-floor-get")
-SIZES = {"token": (200, 1200), "batch": (20, 120), "request": (50, 250)}
+MODES = ("token", "token-h2", "batch", "request", "openai", "h11-floor", "h11-floor-get")
+SIZES = {"token": (200, 1200), "token-h2": (200, 1200), "batch": (20, 120), "request": (50, 250)}
 BATCH = 32
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
@@ -117,7 +120,7 @@ async def serve_through_proxy(mode: str, n: int) -> None:
             client = socket.create_connection(addresses[0])
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
             client.setblocking(False)
-            client.send(request)
+            client.send(h2_request() if mode == "token-h2" else request)
             await trio.lowlevel.wait_readable(listener)
             backend, _ = listener.accept()
             backend.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
@@ -135,6 +138,16 @@ async def serve_through_proxy(mode: str, n: int) -> None:
                 await read_until(backend, request_end)
                 backend.send(response + CHUNK + LAST)
                 await read_until(client, LAST)
+        elif mode == "token-h2":
+            client, backend = pairs[0]
+            frame = 9 + len(EVENT)  # RFC 9113 §4.1: a 9-byte frame header, then the event
+            for _ in range(n):
+                backend.send(CHUNK)
+                got = 0
+                while got < frame:
+                    await trio.lowlevel.wait_readable(client)
+                    got += len(client.recv(65536))
+                assert got == frame, got
         else:
             # The clients' sockets in an epoll set of their own: the harness waits once per
             # round, not once per client, so the count is mostly the proxy's.
@@ -154,6 +167,22 @@ async def serve_through_proxy(mode: str, n: int) -> None:
                         got += 1
             clients.close()
         nursery.cancel_scope.cancel()
+
+
+def h2_request() -> bytes:
+    """An h2c client's preface, SETTINGS (the largest initial window), a connection
+    WINDOW_UPDATE to 2**31-1 and the HEADERS of ``GET /sse``, made by the h2 library."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    conn.increment_flow_control_window(2**31 - 1 - 65535)
+    headers = [(":method", "GET"), (":path", "/sse"), (":scheme", "http"), (":authority", "x")]
+    conn.send_headers(1, [*headers, ("accept", "text/event-stream")], end_stream=True)
+    return conn.data_to_send()
 
 
 def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:
@@ -227,7 +256,7 @@ def main() -> None:
     print(f"muxproxy from {args.src.resolve()}, Python {sys.version.split()[0]}\n")
     print("| mode | unit | instructions per unit |\n|---|---|---:|")
     for mode in modes:
-        unit = {"token": "token", "batch": "token"}.get(mode, "request")
+        unit = {"token": "token", "token-h2": "token", "batch": "token"}.get(mode, "request")
         print(f"| {mode} | {unit} | {per_unit(valgrind, args.src, mode):,.0f} |", flush=True)
 
 
