@@ -49,6 +49,7 @@ from .events import (
 )
 from .exchange import Exchange
 from .faults import Fault, Isolation
+from .flow import BufferLimits
 from .h2pool import H2Stream
 from .measure import Measurements
 from .pool import BackendConnection, Pool, UpstreamConn
@@ -56,24 +57,6 @@ from .probes import Probe
 from .shutdown import Shutdown, refuse_client
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
-
-
-@attrs.frozen(kw_only=True)
-class BufferLimits:
-    """Per-stream buffer bounds derived from ``limits.stream_buffer``.
-
-    A source is stopped at ``high_water``. It can still deliver what one read already brought
-    (the driver reads at most ``read_size`` bytes at a time), so a stream never holds more than
-    ``high_water + read_size`` = ``stream_buffer`` bytes.
-    """
-
-    high_water: int
-    low_water: int
-
-    @classmethod
-    def for_stream_buffer(cls, stream_buffer: int, read_size: int) -> BufferLimits:
-        high = stream_buffer - read_size
-        return cls(high_water=high, low_water=high // 2)
 
 
 @attrs.frozen(kw_only=True)
