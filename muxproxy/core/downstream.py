@@ -9,7 +9,9 @@ core, from the first bytes, so it is tested without sockets.
 
 It is the sink of its exchanges' responses and the source of their requests. It counts the
 bytes handed to the driver and not yet written (``pending``): together with an HTTP/2
-stream's send queue that is what the exchange measures for backpressure. It owns the
+stream's send queue that is what the exchange measures for backpressure (its ``Flow``s,
+``flow.py``). Above ``limits.connection_buffer`` it stops every backend feeding it, and none
+resumes while its output is above half of that (``congested``). It owns the
 connection-level timers: send (no write progress), keep-alive idle, client header, and the
 HTTP/2 stream-window timer:
 
@@ -85,7 +87,8 @@ class Downstream:
         self.scheme = b"https" if tls else b"http"
         self.exchanges: dict[int, Exchange] = {}
         self.stalled: set[Exchange] = set()
-        """Exchanges whose backend reading is paused because this side is behind."""
+        """Exchanges whose backend reading is paused because this side is behind: those whose
+        ``response_flow`` (or tunnel's ``backend_flow``) is stopped (``flow.py``)."""
         self.pending = 0
         self.last_progress = core.now
         self.send_timer_armed = False
@@ -426,7 +429,8 @@ class Downstream:
         queued stream data meanwhile (``_after_h2_receive`` defers ``flush_blocked``)."""
         for exchange in self.exchanges.values():
             upstream = exchange.upstream
-            if upstream is not None and not upstream.paused:
+            # Each resumes by its own flow (``Exchange.client_drained``), not while congested.
+            if upstream is not None and exchange.response_flow.stop():
                 upstream.pause()
                 self.stalled.add(exchange)
 

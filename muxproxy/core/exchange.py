@@ -18,7 +18,7 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 - Bounded buffers: bytes accepted from one side and not yet written to the other are counted;
   at ``high_water`` the source is stopped (backend: PauseReading; HTTP/1.1 client:
   PauseReading; HTTP/2 client: its WINDOW_UPDATEs are withheld), below ``low_water`` it
-  resumes.
+  resumes: a ``Flow`` per direction (``flow.py``), ``request_flow`` and ``response_flow``.
 - Cancellation propagates: a client that goes away closes the backend connection at once,
   which is what stops a GPU generating tokens nobody reads.
 - Truncation is visible: a backend that fails after the response head went out makes the
@@ -57,6 +57,7 @@ from . import grpc
 from .access import access_fields, with_request_id
 from .body import RequestBody
 from .commands import Log, Origin
+from .flow import Flow
 from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
 from .headers import (
     header_value,
@@ -128,8 +129,12 @@ class Exchange:
         self.server: int | None = None
         """Index of the server of the current attempt in its group."""
         self.response: ResponseHead | None = None
-        self.unacked = 0
-        self.source_paused = False
+        self.request_flow = Flow()
+        """The client as the request body's source; its credit: HTTP/2 bytes not yet
+        acknowledged."""
+        self.response_flow = Flow()
+        """The backend as the response's source: stopped while the client is behind (this
+        stream's bytes, or ``Downstream._stall_all``); then ``client.stalled`` holds us."""
         self.started = core.now
         self.first_attempt_at = core.now
         self.last_upstream_activity = core.now
@@ -411,7 +416,7 @@ class Exchange:
         if self.phase is Phase.DONE:
             self.client.acknowledge(self.stream, flow_len)
             return
-        self.unacked += flow_len
+        self.request_flow.hold(flow_len)
         self.last_request_activity = self.core.now
         self.bytes_in += len(data)
         self.body.add(data)
@@ -444,22 +449,19 @@ class Exchange:
     def _check_request_flow(self) -> None:
         if self.phase is Phase.DONE:
             return
+        flow = self.request_flow
         buffered = self.request_buffered()
         limits = self.core.limits
-        if buffered >= limits.high_water:
-            if not self.source_paused:
-                self.source_paused = True
-                self.client.pause_source(self)
-        elif buffered <= limits.low_water or not self.source_paused:
-            if self.source_paused:
-                self.source_paused = False
-                # The client could not send while we withheld its window: its idle time
-                # starts now (``watch_request_body``).
-                self.last_request_activity = self.core.now
-                self.client.resume_source(self)
-            if self.unacked:
-                self.client.acknowledge(self.stream, self.unacked)
-                self.unacked = 0
+        if flow.filled(buffered, limits):
+            self.client.pause_source(self)
+        elif flow.drained(buffered, limits):
+            # The client could not send while we withheld its window: its idle time starts
+            # now (``watch_request_body``).
+            self.last_request_activity = self.core.now
+            self.client.resume_source(self)
+        credit = flow.release()
+        if credit:
+            self.client.acknowledge(self.stream, credit)
 
     def watch_request_body(self) -> None:
         """Slow request bodies (slowloris on HTTP/2, a stalled upload on HTTP/1.1, also one
@@ -480,7 +482,7 @@ class Exchange:
         ):
             return
         core = self.core
-        if self.source_paused:
+        if self.request_flow.stopped:
             self.last_request_activity = core.now  # backpressure: the client is not at fault
         due = self.last_request_activity + core.config.timeouts.client_header
         if core.now < due:
@@ -490,7 +492,8 @@ class Exchange:
 
     def upstream_drained(self) -> None:
         """The backend connection wrote some of its pending bytes."""
-        if self.source_paused or self.unacked:
+        flow = self.request_flow
+        if flow.stopped or flow.withheld:
             self._check_request_flow()
 
     def client_aborted(self, reason: str) -> None:
@@ -600,23 +603,26 @@ class Exchange:
             self.sse.feed(data)
         client = self.client
         client.send_body(self.stream, data)
-        if client.buffered(self.stream) >= self.core.limits.high_water:
-            upstream = self.upstream
-            if upstream is not None:
-                upstream.pause()
-                client.stalled.add(self)
+        upstream = self.upstream
+        if upstream is not None and self.response_flow.filled(
+            client.buffered(self.stream), self.core.limits
+        ):
+            upstream.pause()
+            client.stalled.add(self)
 
     def client_drained(self) -> None:
         """The client side wrote some of this stream's bytes; maybe read the backend again."""
         upstream = self.upstream
+        client = self.client
         if (
             upstream is not None
-            and upstream.paused
-            and self.client.buffered(self.stream) <= self.core.limits.low_water
-            and not self.client.congested
+            and self.response_flow.stopped
+            # The connection's gate first: ``drained`` resumes the flow when it says yes.
+            and not client.congested
+            and self.response_flow.drained(client.buffered(self.stream), self.core.limits)
         ):
             upstream.resume()
-            self.client.stalled.discard(self)
+            client.stalled.discard(self)
 
     def response_end(self, trailers: Headers) -> None:
         if self.phase is Phase.HOLDING:
@@ -693,7 +699,7 @@ class Exchange:
         the ``body`` timer's to judge (RFC 9110 §15.5.9: 408, not a 504). Then the clock
         runs from the end of the request; the timer is re-armed, so a body chunk costs none."""
         core = self.core
-        if self.request is RequestPhase.BODY and not self.source_paused:
+        if self.request is RequestPhase.BODY and not self.request_flow.stopped:
             core.set_timer((kind, self.ident), core.now + timeout)
             return False
         due = self.request_done_at + timeout
@@ -774,6 +780,9 @@ class Exchange:
         self.upstream = None
         if upstream is not None:
             upstream.exchange = None
+            # Whoever stopped it, its reading is not ours to resume any more (released to the
+            # pool it is resumed there); a next attempt's backend starts running.
+            self.response_flow.resume()
             self.client.stalled.discard(self)
             if close or self.request is not RequestPhase.COMPLETE:
                 upstream.close()
@@ -790,11 +799,11 @@ class Exchange:
         core.cancel_timer(("deadline", self.ident))
         core.cancel_timer(("body", self.ident))
         self._leave_server()
-        if self.unacked:
-            self.client.acknowledge(self.stream, self.unacked)
-            self.unacked = 0
-        if self.source_paused:
-            self.source_paused = False
+        flow = self.request_flow
+        credit = flow.take()
+        if credit:
+            self.client.acknowledge(self.stream, credit)
+        if flow.resume():
             self.client.resume_source(self)
         core.exchange_finished(self)
         self.client.exchange_finished(self)

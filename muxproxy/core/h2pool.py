@@ -31,6 +31,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .commands import Log, OpenConnection, Origin
+from .flow import Flow
 from .h2client import H2Client
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
@@ -66,9 +67,9 @@ class H2Stream:
         self.upstream = upstream
         self.exchange: UpstreamUser | None = exchange
         self.sid = 0
-        self.paused = False
-        self.unacked = 0
-        """Response flow-controlled bytes withheld from the backend while paused."""
+        self.flow = Flow()
+        """Stopped by the exchange (``pause`` / ``resume``, its ``response_flow`` decides);
+        its credit: response flow-controlled bytes withheld from the backend meanwhile."""
         self.done = False
         self.refused = False
         """The backend's GOAWAY said it will not process this stream (RFC 9113 §6.8)."""
@@ -116,24 +117,27 @@ class H2Stream:
             self.upstream.client.send_end(self.sid, fields)
             self.upstream.flush()
 
+    @property
+    def paused(self) -> bool:
+        return self.flow.stopped
+
     def pause(self) -> None:
-        self.paused = True
+        self.flow.stop()
 
     def resume(self) -> None:
-        if self.paused:
-            self.paused = False
+        if self.flow.resume():
             self._ack()
 
     def took(self, flow_len: int) -> None:
         """The exchange handed a DATA frame's bytes on: acknowledge unless paused."""
-        self.unacked += flow_len
-        if not self.paused:
+        flow = self.flow
+        flow.hold(flow_len)
+        if not flow.stopped:
             self._ack()
 
     def _ack(self) -> None:
-        if self.unacked and self.sid:
-            self.upstream.client.acknowledge(self.sid, self.unacked)
-            self.unacked = 0
+        if self.flow.withheld and self.sid:
+            self.upstream.client.acknowledge(self.sid, self.flow.release())
             self.upstream.flush()
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ Invariants, the same as for an exchange (design §4):
   client to backend ``backend.pending`` (what the backend connection has not written),
   backend to client ``client.buffered(stream)``. At ``high_water`` the reading side stops
   (HTTP/1.1 client and backend: PauseReading; HTTP/2 client or backend stream: its
-  WINDOW_UPDATEs are withheld); at ``low_water`` it resumes.
+  WINDOW_UPDATEs are withheld); at ``low_water`` it resumes: a ``Flow`` per direction
+  (``flow.py``), ``client_flow`` and ``backend_flow``.
 - ``state`` says which directions still flow. Once both ended, both sides are closed; a
   failure or reset of either side (or a client that goes away) closes both at once, the
   other side after what is pending for it is written (``CloseConnection`` flushes; on
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .commands import Log, PauseReading, ResumeReading, ShutdownWrite
 from .events import TimerId
+from .flow import Flow
 
 if TYPE_CHECKING:
     from .downstream import Downstream
@@ -187,10 +189,10 @@ class Tunnel:
         self.timer = timer
         self.ended = ended
         self.state = TunnelState.OPEN
-        self.unacked = 0
-        """HTTP/2 flow-controlled bytes of the client's DATA not yet given back."""
-        self.client_paused = False
-        self.backend_paused = False
+        self.client_flow = Flow()
+        """The client as the source; its credit: HTTP/2 flow-controlled bytes of the
+        client's DATA not yet given back."""
+        self.backend_flow = Flow()
         self.bytes_up = 0
         self.bytes_down = 0
         self.last_activity = core.now
@@ -224,7 +226,7 @@ class Tunnel:
                 self.client.acknowledge(self.stream, flow_len)
             return
         self.last_activity = self.core.now
-        self.unacked += flow_len
+        self.client_flow.hold(flow_len)
         if data:
             self.bytes_up += len(data)
             self.backend.send(data)
@@ -239,27 +241,25 @@ class Tunnel:
 
     def backend_drained(self) -> None:
         """The backend side wrote some of its pending bytes."""
-        if self.client_paused or self.unacked:
+        flow = self.client_flow
+        if flow.stopped or flow.withheld:
             self._check_client_flow()
 
     def _check_client_flow(self) -> None:
         if self.state is TunnelState.CLOSED:
             return
+        flow = self.client_flow
         limits = self.core.limits
         pending = self.backend.pending
         client = self.client
-        if pending >= limits.high_water:
-            if not self.client_paused:
-                self.client_paused = True
-                client.pause_source(self.exchange)
-        elif pending <= limits.low_water or not self.client_paused:
-            if self.client_paused:
-                self.client_paused = False
-                client.resume_source(self.exchange)
-            if self.unacked:
-                # RFC 9113 §6.9: the window opens again only once the bytes moved on.
-                client.acknowledge(self.stream, self.unacked)
-                self.unacked = 0
+        if flow.filled(pending, limits):
+            client.pause_source(self.exchange)
+        elif flow.drained(pending, limits):
+            client.resume_source(self.exchange)
+        # RFC 9113 §6.9: the window opens again only once the bytes moved on.
+        credit = flow.release()
+        if credit:
+            client.acknowledge(self.stream, credit)
 
     # -- backend to client -----------------------------------------------------------------
 
@@ -276,19 +276,19 @@ class Tunnel:
             client._send(data)
         else:
             client.send_body(self.stream, data)
-        if not self.backend_paused and client.buffered(self.stream) >= self.core.limits.high_water:
-            self.backend_paused = True
+        flow = self.backend_flow
+        if not flow.stopped and flow.filled(client.buffered(self.stream), self.core.limits):
             self.backend.pause()
             client.stalled.add(self.exchange)
 
     def client_drained(self) -> None:
         """The client side wrote some of its pending bytes; maybe read the backend again."""
+        flow = self.backend_flow
         if (
-            self.backend_paused
+            flow.stopped
             and self.state is not TunnelState.CLOSED
-            and self.client.buffered(self.stream) <= self.core.limits.low_water
+            and flow.drained(self.client.buffered(self.stream), self.core.limits)
         ):
-            self.backend_paused = False
             self.backend.resume()
             self.client.stalled.discard(self.exchange)
 
@@ -355,9 +355,9 @@ class Tunnel:
         if self.kind is ClientKind.RAW:
             core.tunnels.pop(downstream.conn, None)
         downstream.stalled.discard(self.exchange)
-        if self.unacked:
-            downstream.acknowledge(self.stream, self.unacked)
-            self.unacked = 0
+        credit = self.client_flow.take()
+        if credit:
+            downstream.acknowledge(self.stream, credit)
         if client is not ClientEnd.KEEP:
             if self.kind is ClientKind.RAW:
                 # Flushes first: the last frames (a Close frame) still reach the client.

@@ -176,7 +176,7 @@ class WebSocketExchange(Exchange):
             # held, and bounded like any request body (acknowledged only below low water).
             self.early.append(data)
             self.early_size += len(data)
-            self.unacked += flow_len
+            self.request_flow.hold(flow_len)
             self._check_request_flow()
         else:
             super().request_body(data, flow_len)
@@ -338,7 +338,8 @@ class WebSocketExchange(Exchange):
         tunnel = self.tunnel = Tunnel(
             core, self, backend=backend, timer=("tunnel", self.ident), ended=self._tunnel_ended
         )
-        tunnel.unacked, self.unacked = self.unacked, 0
+        # The credit of the DATA held so far is the tunnel's to give back.
+        tunnel.client_flow.hold(self.request_flow.take())
         core.emit(
             Log(
                 event="tunnel_opened",
