@@ -4,9 +4,14 @@ reported once, so a sink holds at most ``high_water + read_size`` = ``stream_buf
 
 from __future__ import annotations
 
+import attrs
+import h2.settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from playbook import BACKEND, H1BackendPeer, H2ClientPeer, Playbook, h2_sse_stream
 
+from muxproxy.config import Limits, quick_config
+from muxproxy.core.commands import PauseReading, ResumeReading
 from muxproxy.core.flow import BufferLimits, Flow
 
 LIMITS = BufferLimits(high_water=1000, low_water=500)
@@ -164,3 +169,44 @@ def test_any_relay_holds_at_most_one_read_above_high_water(
     # Stop and resume alternate, beginning with a stop; the state is the last edge.
     assert edges == ["stop", "resume"] * (len(edges) // 2) + ["stop"] * (len(edges) % 2)
     assert flow.stopped == (edges[-1:] == ["stop"])
+
+
+# -- through the core ----------------------------------------------------------------------
+
+
+def test_retry_after_connection_stall_pauses_the_new_backend() -> None:
+    """A backend stopped by the client connection's bound (``Downstream._stall_all``) while it
+    owed its response head fails; the retry's backend starts running, and is stopped like any
+    other while the connection is still over its bound, then resumed with the rest."""
+    bound = 64 * 1024
+    config = attrs.evolve(
+        quick_config("127.0.0.1:8080", [BACKEND, "127.0.0.1:9002"]),
+        limits=attrs.evolve(Limits(), connection_buffer=bound),
+    )
+    pb = Playbook(config)
+    pb.accept(1)
+    client = H2ClientPeer()
+    # Wide windows: every byte goes to the socket at once, none waits in a stream queue.
+    client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    _, streaming = h2_sse_stream(pb, client, data=client.preface())
+    _, request = client.request(b"GET", b"/v1/stream")
+    pb.receive(1, request)
+    waiting = pb.opens()[-1].conn
+    pb.opened(waiting)
+    chunk = b"%x\r\n%s\r\n" % (16008, b"data: " + b"z" * 16000 + b"\n\n")
+    down = pb.core.clients[1]
+    paused: set[int] = set()
+    while down.pending <= bound:
+        paused |= {c.conn for c in pb.receive(streaming, chunk) if isinstance(c, PauseReading)}
+    assert paused == {streaming, waiting}
+    pb.closed(waiting, "connection reset")
+    retry = pb.opens()[-1].conn
+    assert retry != waiting
+    pb.opened(retry)
+    backend = H1BackendPeer()
+    backend.events(pb.take(retry))
+    commands = pb.receive(retry, backend.sse_head() + backend.chunk(b"data: one\n\n"))
+    assert [c.conn for c in commands if isinstance(c, PauseReading)] == [retry]
+    commands = pb.sent(1, down.pending)
+    assert {c.conn for c in commands if isinstance(c, ResumeReading)} == {streaming, retry}
