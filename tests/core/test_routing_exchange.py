@@ -15,7 +15,7 @@ import h2.errors
 import h2.events
 import h11
 import pytest
-from playbook import H1ClientPeer, H2ClientPeer, Playbook, default_config
+from playbook import H1ClientPeer, H2ClientPeer, Playbook, Where, data, default_config, wakeup
 
 from muxproxy.config import (
     Balance,
@@ -34,6 +34,7 @@ from muxproxy.config import (
 )
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.commands import (
+    CancelTimer,
     CloseConnection,
     Command,
     Log,
@@ -176,6 +177,16 @@ class Rig:
         headers: list[tuple[str, str]] | None = None,
     ) -> list[Command]:
         """The backend on ``conn`` sends a whole response with a Content-Length."""
+        return self.pb.receive(conn, self.response_bytes(conn, status, body, headers))
+
+    def response_bytes(
+        self,
+        conn: int,
+        status: int = 200,
+        body: bytes = b"ok",
+        headers: list[tuple[str, str]] | None = None,
+    ) -> bytes:
+        """What ``answer`` feeds: a whole response of the backend on ``conn``."""
         backend = self.backends[conn]
         hdrs = [("Content-Length", str(len(body))), *(headers or [])]
         wire = backend.send(h11.Response(status_code=status, headers=hdrs)) or b""
@@ -183,7 +194,7 @@ class Rig:
         wire += backend.send(h11.EndOfMessage()) or b""
         if backend.our_state is h11.DONE and backend.their_state is h11.DONE:
             backend.start_next_cycle()  # ready for the next request on a kept-alive connection
-        return self.pb.receive(conn, wire)
+        return wire
 
     def sse_head(self, conn: int, backend_id: str) -> list[Command]:
         headers = [("Content-Type", "text/event-stream"), ("X-Backend-Id", backend_id)]
@@ -292,15 +303,19 @@ def test_timeout_fails_over_to_the_next_server(timer: str) -> None:
     if timer == "head":
         rig.open(first.conn)
         rig.received(first.conn)
-    assert rig.timer(timer).at == (2 if timer == "connect" else 3)
-    mark = len(rig.pb.log)
-    commands = rig.fire(timer)
-    assert CloseConnection(conn=first.conn) in commands  # the slow attempt is abandoned
-    (second,) = rig.opens(mark)
-    assert origin(second) != origin(first)
-    assert rig.logs("retry")[0].fields["condition"] == "timeout"
+    armed = rig.timer(timer)
+    assert armed.at == (2 if timer == "connect" else 3)
+    pb = rig.pb
+    pb.now = armed.at
+    mark = len(pb.log)
+    pb >> wakeup(*armed.timer)
+    pb << CloseConnection(conn=first.conn)  # the slow attempt is abandoned
     # The next attempt has its own deadline, counted from its own start.
-    assert rig.timer("connect").at == rig.pb.now + 2
+    pb << SetTimer(timer=("connect", 1), at=pb.now + 2)
+    pb << Where(OpenConnection, lambda c: origin(c) != origin(first))
+    pb.done()
+    (second,) = rig.opens(mark)
+    assert rig.logs("retry")[0].fields["condition"] == "timeout"
     rig.open(second.conn)
     rig.received(second.conn)
     rig.answer(second.conn, body=b"second")
@@ -335,11 +350,13 @@ def test_configured_status_is_retried_on_another_server() -> None:
     rig.open(first.conn)
     rig.received(first.conn)
     mark = len(rig.pb.log)
-    commands = rig.answer(first.conn, 503, b"overloaded")
-    assert CloseConnection(conn=first.conn) in commands
+    rig.pb >> data(first.conn, rig.response_bytes(first.conn, 503, b"overloaded"))
+    rig.pb << CancelTimer(timer=("head", 1))
+    rig.pb << CloseConnection(conn=first.conn)
+    rig.pb << SetTimer(timer=("connect", 1), at=5.0)
+    rig.pb << Where(OpenConnection, lambda c: origin(c) != origin(first))
+    rig.pb.done()  # the 503 never reached the client
     (second,) = rig.opens(mark)
-    assert origin(second) != origin(first)
-    assert not rig.take(conn)  # the 503 never reached the client
     assert rig.logs("retry")[0].fields["condition"] == "http_503"
     rig.open(second.conn)
     rig.received(second.conn)
