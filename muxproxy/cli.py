@@ -13,7 +13,6 @@ subcommand runs (or its ``--help`` is asked for).
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import signal
@@ -36,13 +35,21 @@ from muxproxy.config import (
     load_config,
     parse_quick_config,
 )
+from muxproxy.process import (
+    CUT_SIGNALS,
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    STOP_SIGNALS,
+    freeze_startup_heap,
+    host_port,
+    leaves,
+    listening_line,
+    listening_lines,
+    scheme,
+)
 
 log = logging.getLogger("muxproxy")
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-"""Bad usage or an invalid configuration."""
 
 _DELEGATED = {
     "admin": (
@@ -184,7 +191,7 @@ def describe_config(config: Config) -> list[str]:
     configured.
     """
     lines = [
-        f"listener {_scheme(listener.tls)}://{listener.address}" for listener in config.listeners
+        f"listener {scheme(listener.tls)}://{listener.address}" for listener in config.listeners
     ]
     for name, group in config.upstreams.items():
         count = len(group.servers)
@@ -353,7 +360,7 @@ def run_server(
         return EXIT_FAILURE
 
     async def serve_until_stopped() -> None:
-        with trio.open_signal_receiver(*_STOP_SIGNALS, signal.SIGHUP) as signals:
+        with trio.open_signal_receiver(*STOP_SIGNALS, signal.SIGHUP) as signals:
             server = server_module.ProxyServer(config)
             control, state = None, None
             if config.admin is not None:
@@ -375,7 +382,7 @@ def run_server(
                 for line in listening_lines(config, bound):
                     print(line, flush=True)
                 if admin is not None:
-                    print(f"muxproxy admin on http://{_host_port(*admin)}", flush=True)
+                    print(f"muxproxy admin on http://{host_port(*admin)}", flush=True)
                 async for signum in signals:
                     _on_signal(server, signal.Signals(signum), config_path, log_level)
             _log_stopped(server)
@@ -393,12 +400,6 @@ def run_server(
             return EXIT_FAILURE
         raise
     return EXIT_OK
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
-_CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""Stop signals that, repeated during a graceful stop, cut what still runs (as a second
-Ctrl-C does); a repeated SIGQUIT, nginx's graceful stop, stays graceful."""
 
 
 def _on_signal(
@@ -419,7 +420,7 @@ def _on_signal(
             grace,
             signum.name,
         )
-    elif phase == "draining" and signum in _CUT_SIGNALS:
+    elif phase == "draining" and signum in CUT_SIGNALS:
         count = server.streams_in_flight()
         server.request_shutdown()
         log.info(
@@ -465,7 +466,7 @@ def reload_server(server: Any, config_path: str | None, *, log_level: str | None
         _log_kept(server, config_path)
         return False
     for listener, (host, port) in added:
-        print(_listening_line(listener.tls, host, port), flush=True)
+        print(listening_line(listener.tls, host, port), flush=True)
     log.info("muxproxy: reloaded %s (generation %d)", config_path, server.generation)
     return True
 
@@ -489,52 +490,3 @@ def _log_stopped(server: Any) -> None:
     else:
         outcome = f"all {summary.in_flight} streams finished, none cut"
     log.info("muxproxy: stopped after %.1fs: %s", summary.seconds, outcome)
-
-
-def freeze_startup_heap() -> None:
-    """Take what start-up allocated out of the cyclic garbage collector's view (``gc.freeze``).
-
-    For a serving process, once it listens: the modules, the configuration and Trio's runtime
-    (about 29,000 objects) are never garbage, yet every full collection walked all of them, a
-    pause of 27-34 ms for every stream at once, every few seconds at 100 streams; after it the
-    full collections take 1.6-3.7 ms (``docs/performance.md``). What serving allocates is
-    collected as before.
-    """
-    gc.freeze()
-
-
-def listening_lines(config: Config, bound: Sequence[tuple[str, int]]) -> list[str]:
-    """``muxproxy listening on SCHEME://HOST:PORT`` for each bound (host, port).
-
-    ``bound`` is what ``serve`` reports: one address per listener, in order, when the counts
-    match; otherwise each address is matched to a listener by port.
-    """
-    listeners = config.listeners
-    if len(bound) == len(listeners):
-        tls = [listener.tls for listener in listeners]
-    else:
-        by_port = {listener.port: listener.tls for listener in listeners}
-        every = all(listener.tls for listener in listeners)
-        tls = [by_port.get(port, every) for _, port in bound]
-    return [
-        _listening_line(secure, host, port) for (host, port), secure in zip(bound, tls, strict=True)
-    ]
-
-
-def _listening_line(tls: bool, host: str, port: int) -> str:
-    return f"muxproxy listening on {_scheme(tls)}://{_host_port(host, port)}"
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _scheme(tls: bool) -> str:
-    return "https" if tls else "http"
-
-
-def leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, or ``[exc]``."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
-    return [exc]

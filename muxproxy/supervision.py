@@ -26,14 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from .process import host_port
 from .trio.control import AdminError, ReloadResult, change_runtime, server_status
 
 if TYPE_CHECKING:
-    from .workers import Supervisor
+    from .config import Config
+    from .config.runtime import RuntimeState
+    from .trio.channel import Message
+    from .trio.workerproc import Worker
 
 RUNTIME_TIMEOUT = 1.0
 """Seconds within which every worker applies a runtime change."""
@@ -43,10 +47,55 @@ _WORST_HEALTH = ("unhealthy", "healthy")
 _SUMMED = ("active", "failures")
 
 
+class Supervised(Protocol):
+    """What :class:`SupervisorControl` asks of the supervisor (``muxproxy.workers.Supervisor``):
+    the supervisor imports this module, and this one knows it by these names alone."""
+
+    @property
+    def config(self) -> Config:
+        """The configuration running now."""
+
+    @property
+    def config_path(self) -> str | None:
+        """The file a reload reads (None: started from flags)."""
+
+    @property
+    def generation(self) -> int:
+        """1 at start, +1 per configuration applied by a reload."""
+
+    @property
+    def runtime(self) -> RuntimeState:
+        """The operator's server overrides, as every worker has them."""
+
+    @property
+    def state_file(self) -> str | None:
+        """Where runtime overrides are saved (``admin.state_file``)."""
+
+    def bound_addresses(self) -> list[tuple[str, int]]:
+        """Every listening socket's (host, port), in the configuration's order."""
+
+    async def ask_all(
+        self, message: Message, workers: list[Worker] | None = None
+    ) -> list[tuple[Worker, Message | None]]:
+        """``message`` to each live worker; each worker's answer, None for one that gave none."""
+
+    async def apply_runtime(self, state: RuntimeState, *, timeout: float) -> None:
+        """Make ``state`` the runtime state of every worker, and of the ones to come."""
+
+    async def reload(self) -> ReloadResult:
+        """SIGHUP's work: read the configuration file again and apply it to every worker."""
+
+    async def restart(self) -> ReloadResult:
+        """SIGUSR2's work: a rolling restart onto the installed code."""
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        """Measurements of every worker: the live ones' now, the exited ones' last."""
+
+
 class SupervisorControl:
     """:class:`~muxproxy.trio.control.Control` over the workers of ``supervisor``."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervised) -> None:
         self.supervisor = supervisor
         self._lock = trio.Lock()
         """One runtime change at a time: saved and applied in the same order."""
@@ -66,7 +115,7 @@ class SupervisorControl:
                 {"address": listener.address, "tls": listener.tls}
                 for listener in supervisor.config.listeners
             ],
-            "bound": [_shown(address) for address in supervisor.bound_addresses()],
+            "bound": [host_port(*address) for address in supervisor.bound_addresses()],
         }
         merged["workers"] = [
             {
@@ -152,8 +201,3 @@ def _worst(order: tuple[str, ...], values: Sequence[object]) -> object:
         if candidate in values:
             return candidate
     return values[0] if values else None
-
-
-def _shown(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -70,10 +70,21 @@ from typing import Any
 import attrs
 import trio
 
-from muxproxy.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, leaves, listening_lines
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.measure import merge
+from muxproxy.process import (
+    CUT_SIGNALS,
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    STOP_SIGNALS,
+    describe_exit,
+    host_port,
+    leaves,
+    listening_lines,
+)
+from muxproxy.supervision import SupervisorControl
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import ReloadResult, load_runtime_state
 from muxproxy.trio.handover import (
@@ -88,7 +99,6 @@ from muxproxy.trio.workerproc import (
     REPLY_TIMEOUT,
     Worker,
     WorkerState,
-    describe_exit,
     first_of,
     gather,
     without_gauges,
@@ -101,9 +111,6 @@ RESTART_WINDOW = 10.0
 KILL_MARGIN = 5.0
 """Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
-CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""Stop signals that, arriving while the workers drain, cut instead."""
 HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2)
 
 
@@ -276,7 +283,6 @@ class Supervisor:
     async def serve_admin(self, address: str) -> None:
         """Run the admin API (``[admin]``) on ``address`` over :class:`SupervisorControl`;
         an address that cannot be bound stops the workers (exit 1), as a listener would."""
-        from muxproxy.supervision import SupervisorControl
         from muxproxy.trio.admin import serve_admin
 
         control = SupervisorControl(self)
@@ -287,8 +293,7 @@ class Supervisor:
             self.exit_status = EXIT_FAILURE
             await self.stop(cut=True)
             return
-        shown = f"[{host}]" if ":" in host else host
-        print(f"muxproxy admin on http://{shown}:{port}", flush=True)
+        print(f"muxproxy admin on http://{host_port(host, port)}", flush=True)
 
     # ---- each worker's channel ------------------------------------------------------------
 

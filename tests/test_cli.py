@@ -18,8 +18,9 @@ import trio.testing
 import trustme
 
 import muxproxy
-from muxproxy.cli import listening_lines, main
+from muxproxy.cli import main
 from muxproxy.config import quick_config
+from muxproxy.process import listening_lines
 
 REPO = Path(muxproxy.__file__).resolve().parent.parent
 

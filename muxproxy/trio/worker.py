@@ -47,9 +47,9 @@ from typing import Any
 import attrs
 import trio
 
-from ..cli import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves
 from ..config import Config
 from ..config.runtime import RuntimeState
+from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves
 from .channel import Channel, ChannelError, Message
 from .handover import WorkerPayload
 from .server import ProxyServer

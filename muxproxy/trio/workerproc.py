@@ -4,14 +4,12 @@
 slot, its control channel (:mod:`muxproxy.trio.channel`), the state it is in and its
 answers. A request to a worker carries an ``id`` that its answer repeats; an answer that
 comes after its request gave up waiting is dropped by the supervisor. Below: the small Trio
-helpers the supervisor waits with, how it words an exit, and what an exited worker leaves of
-its measurements.
+helpers the supervisor waits with, and what an exited worker leaves of its measurements.
 """
 
 from __future__ import annotations
 
 import enum
-import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -106,15 +104,3 @@ def without_gauges(snapshot: dict[str, Any]) -> dict[str, Any]:
     metrics = snapshot.get("metrics", {})
     kept = {name: m for name, m in metrics.items() if m.get("type") != GAUGE}
     return {**snapshot, "metrics": kept}
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:  # a real-time signal has no name of its own
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
