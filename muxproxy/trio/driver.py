@@ -65,6 +65,10 @@ from .logs import drop_access
 from .reactor import Reactor, SocketConn, from_core
 
 
+def _nothing() -> None:
+    """``settle``'s writer of queued reactor output where there is no reactor."""
+
+
 def set_nodelay(stream: trio.abc.Stream) -> None:
     """TCP_NODELAY on the socket under ``stream``: a token must not wait for Nagle."""
     while isinstance(stream, trio.SSLStream):
@@ -151,8 +155,15 @@ class Driver:
             Log: self._log,
         }
         self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
-        self.reactor = Reactor(self) if reactor.available() else None
-        self.batching = False
+        self.reactor = Reactor(self, core) if reactor.available() else None
+        self._write_queued: Callable[[], None] = (
+            self.reactor.write_queued if self.reactor is not None else _nothing
+        )
+        """Bound once: ``settle`` calls it."""
+        self._gave_output = False
+        """The reactor was given output (``SendData``) since ``settle`` last wrote what it
+        queued: ``settle`` calls ``write_queued`` after an event only then, not per event."""
+        self._in_round = False
         """While the reactor handles a round of ready sockets: ``feed`` leaves ``settle`` to it."""
         self._sent_now: dict[int, int] = {}
         """Bytes the kernel took, per connection, not yet reported."""
@@ -184,8 +195,16 @@ class Driver:
                 execute[type(command)](command)
             except Exception as exc:
                 self.command_failed(command, exc)
-        if not self.batching:
+        if not self._in_round:
             self.settle(event.now)
+
+    # -- the reactor's :class:`~muxproxy.trio.reactor.Sink` ----------------------------------
+
+    def begin_round(self) -> None:
+        self._in_round = True
+
+    def end_round(self) -> None:
+        self._in_round = False
 
     def settle(self, now: float) -> None:
         """Write what the commands queued and feed what that caused, until nothing is left.
@@ -194,16 +213,18 @@ class Driver:
         the kernel took and connections closed are reported here, after the batch, bytes
         first (a connection's DataSent precedes its ConnectionClosed). The reactor writes
         each connection's queued output in one ``send`` here, however many commands queued it.
-        ``now``: the time of the batch, which the DataSent events carry.
+        ``now``: the time of the batch, which the DataSent events carry. Ends the reactor's
+        round, if one is under way.
         """
+        self._in_round = False
         execute = self._execute
         handle = self.core.handle
-        reactor = self.reactor
+        write_queued = self._write_queued
         sent_now = self._sent_now
         later_events = self._later
+        self._gave_output = False
+        write_queued()
         while True:
-            if reactor is not None and (reactor.outbox or reactor.end_of_round):
-                reactor.write_outbox()
             later: Event
             if sent_now:
                 ident, nbytes = sent_now.popitem()
@@ -219,6 +240,9 @@ class Driver:
                     execute[type(command)](command)
                 except Exception as exc:
                     self.command_failed(command, exc)
+            if self._gave_output:
+                self._gave_output = False
+                write_queued()
 
     # -- fault isolation -------------------------------------------------------------------
 
@@ -268,6 +292,10 @@ class Driver:
     def closed_now(self, ident: int, error: str | None) -> None:
         """``ident`` is closed (reported by ``settle``)."""
         self._later.append(ConnectionClosed(now=trio.current_time(), conn=ident, error=error))
+
+    def forget(self, ident: int) -> None:
+        """``ident`` takes no more commands (the reactor closed it, or it lingers)."""
+        self.conns.pop(ident, None)
 
     def new_client_id(self) -> int:
         self._next_client += 1
@@ -397,6 +425,7 @@ class Driver:
         if type(conn) is SocketConn:
             assert self.reactor is not None
             self.reactor.send(conn, command.data)
+            self._gave_output = True
         elif type(conn) is StreamConn and not conn.closed:
             conn.pending += command.data
             conn.writer_lot.unpark()

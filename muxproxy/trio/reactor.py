@@ -20,7 +20,7 @@ Semantics kept from the task-based driver (the core relies on them):
   cause. What the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is
   kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
-  own commands: the driver queues them and feeds them after the batch (``Driver.settle``);
+  own commands: the driver queues them and feeds them after the batch (``Sink.settle``);
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by the command's
   ``flush_timeout`` counted from the last progress of the flush; ``ConnectionClosed`` comes
   exactly once;
@@ -41,6 +41,13 @@ An exception in the handling of one ready socket that is the driver's own (not o
 ``ProxyCore.handle``) abandons that socket (``Driver.connection_failed``); the round goes on
 with the next one. A bug in the round itself (polling, deadlines, ``settle``) still crashes.
 
+The reactor and the driver (``driver.py``) are one component in two files, joined by two
+narrow interfaces and nothing else: the reactor reaches the driver through :class:`Sink`
+(feed an event, hold ``settle`` for a round, report bytes sent and connections closed) and the
+driver reaches the reactor through its public methods (the core's commands, and
+``write_queued`` from ``settle``); neither touches the other's attributes. The reactor imports
+nothing from ``driver.py``.
+
 Linux only (epoll), like the deployments this proxy is for; elsewhere the driver falls back to
 tasks per socket.
 """
@@ -54,16 +61,12 @@ import os
 import select
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
-from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
+from ..core.events import ConnectionOpened, DataReceived, Event, InputEnded, OpenFailed
 from ..core.proxy import ProxyCore
-
-if TYPE_CHECKING:
-    from .driver import Driver
-
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)
@@ -116,6 +119,47 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, lowat, NOTSENT_LOWAT)
 
 
+class Sink(Protocol):
+    """What the reactor needs of its driver (``driver.Driver``): where the events go.
+
+    Every call is made from the reactor's round, between :meth:`begin_round` and
+    :meth:`settle` (``close`` and ``abandon`` also from inside the execution of a command).
+    """
+
+    @property
+    def raise_errors(self) -> bool:
+        """A bug in per-connection code raises instead of closing the one connection."""
+
+    def begin_round(self) -> None:
+        """A round of ready sockets starts: :meth:`feed` leaves settling to :meth:`settle`."""
+
+    def end_round(self) -> None:
+        """The round ended without :meth:`settle` (an exception escaped it)."""
+
+    def settle(self, now: float) -> None:
+        """End the round: write what it queued (``Reactor.write_queued``) and feed what that
+        caused, until nothing is left; ``now`` is the round's time."""
+
+    def feed(self, event: Event) -> None:
+        """Hand one event to the core and carry out its commands."""
+
+    def sent_now(self, ident: int, nbytes: int) -> None:
+        """The kernel took ``nbytes`` of ``ident``'s output (fed as ``DataSent`` by settle)."""
+
+    def closed_now(self, ident: int, error: str | None) -> None:
+        """``ident`` is closed (fed as ``ConnectionClosed`` by settle)."""
+
+    def open_failed_now(self, ident: int, reason: str) -> None:
+        """The connect of ``ident`` failed (fed as ``OpenFailed`` by settle)."""
+
+    def forget(self, ident: int) -> None:
+        """``ident`` takes no more commands: it is closed, or lingering (see the module
+        docstring) after the core heard it closed."""
+
+    def connection_failed(self, ident: int, exc: BaseException, *, where: str) -> None:
+        """A bug in the driver's code for ``ident``: log and count it, close the connection."""
+
+
 class SocketConn:
     """One plain TCP connection in the reactor: no task of its own."""
 
@@ -156,7 +200,7 @@ class SocketConn:
         """The reactor's round this connection was added in (see ``Reactor.run``)."""
         self.pending = bytearray()
         self.queued = False
-        """In one of the reactor's outboxes: ``pending`` is written by ``write_outbox``."""
+        """In one of the reactor's outboxes: ``pending`` is written by ``_write_outbox``."""
         self.fed_by = 0
         """The connection whose handling last queued output here (0: none, or not a socket's)."""
         self.paused = False
@@ -189,8 +233,10 @@ class SocketConn:
 class Reactor:
     """The epoll set of the driver's plain TCP connections and the task that serves it."""
 
-    def __init__(self, driver: Driver) -> None:
-        self.driver = driver
+    def __init__(self, sink: Sink, core: ProxyCore) -> None:
+        self.sink = sink
+        self.core = core
+        """Asked for ``read_size`` at each read; the sink, not the reactor, feeds it events."""
         self._epoll = select.epoll()
         self._by_fd: dict[int, SocketConn] = {}
         self._ending: set[SocketConn] = set()
@@ -201,13 +247,13 @@ class Reactor:
         """The connection whose ready events the round is handling (0: none)."""
         self.now = 0.0
         """The time of the current round's wake-up (Trio's clock)."""
-        self.outbox: list[SocketConn] = []
+        self._outbox: list[SocketConn] = []
         """Connections whose new output is written once the ready socket that fed them is
-        handled (``write_outbox(end_of_round=False)``), or at the end of the batch."""
-        self.end_of_round: list[SocketConn] = []
+        handled (``_write_outbox(end_of_round=False)``), or at the end of the batch."""
+        self._end_of_round: list[SocketConn] = []
         """Connections that another socket than last time fed: several feed them (the streams
         of an HTTP/2 client), so their output waits for the end of the batch, one send for
-        all (``write_outbox()``, from ``Driver.settle``)."""
+        all (:meth:`write_queued`, from ``Sink.settle``)."""
 
     def add(
         self,
@@ -257,7 +303,7 @@ class Reactor:
         fileno = epoll.fileno()
         wait_readable = trio.lowlevel.wait_readable
         by_fd = self._by_fd
-        driver = self.driver
+        sink = self.sink
         try:
             while True:
                 # One cancel scope for as many rounds as its deadline (the earliest flush or
@@ -271,22 +317,20 @@ class Reactor:
                         # a trip through Trio's scheduler, a few rounds at most before the
                         # other tasks (timers, accepts, TLS) get their turn.
                         rounds = 1
-                        while self._serve_round(epoll, by_fd, driver) and rounds < MAX_ROUNDS:
+                        while self._serve_round(epoll, by_fd, sink) and rounds < MAX_ROUNDS:
                             rounds += 1
                         deadline = self._next_deadline()
                         if deadline != scope.deadline:
                             scope.deadline = deadline
                 # The deadline passed: the round expires what is due.
                 self._wait_scope = None
-                self._serve_round(epoll, by_fd, driver)
+                self._serve_round(epoll, by_fd, sink)
         finally:
             for conn in list(by_fd.values()):
                 self._release(conn)
             epoll.close()
 
-    def _serve_round(
-        self, epoll: select.epoll, by_fd: dict[int, SocketConn], driver: Driver
-    ) -> int:
+    def _serve_round(self, epoll: select.epoll, by_fd: dict[int, SocketConn], sink: Sink) -> int:
         """One round: every ready socket, each followed by the output it caused (except for
         connections several sockets feed, written at the end); returns the number of ready
         sockets.
@@ -297,7 +341,7 @@ class Reactor:
         self._round += 1
         this_round = self._round
         self.now = now = trio.current_time()
-        driver.batching = True
+        sink.begin_round()
         try:
             if self._ending:
                 self._expire_flushes(now)
@@ -319,25 +363,27 @@ class Reactor:
                             self._read(conn)
                         elif conn.lingering:
                             self._drop_input(conn)
-                    if self.outbox:
+                    if self._outbox:
                         # What this socket's events caused leaves before the next socket is
                         # read: a token does not wait for the other streams' work of the round.
-                        self.write_outbox(end_of_round=False)
+                        self._write_outbox(end_of_round=False)
                 except Exception as exc:
                     self._failed(conn, exc)
+        except BaseException:
+            sink.end_round()
+            raise
         finally:
             self._serving = 0
-            driver.batching = False
-        driver.settle(now)
+        sink.settle(now)
         return len(ready)
 
     def _failed(self, conn: SocketConn, exc: Exception) -> None:
         """Handling ``conn``'s readiness raised: a bug of ours, in the driver's code for it
         (re-raised if it came out of the core, or with ``raise_errors``)."""
-        driver = self.driver
-        if driver.raise_errors or from_core(exc):
+        sink = self.sink
+        if sink.raise_errors or from_core(exc):
             raise exc
-        driver.connection_failed(conn.ident, exc, where="reactor")
+        sink.connection_failed(conn.ident, exc, where="reactor")
 
     def abandon(self, conn: SocketConn, reason: str) -> None:
         """Close ``conn`` now, whatever is pending (it failed); the core hears of it."""
@@ -346,9 +392,9 @@ class Reactor:
         connecting = conn.connecting
         self._release(conn)
         if connecting:
-            self.driver.open_failed_now(conn.ident, reason)
+            self.sink.open_failed_now(conn.ident, reason)
         else:
-            self.driver.closed_now(conn.ident, reason)
+            self.sink.closed_now(conn.ident, reason)
 
     def _next_deadline(self) -> float:
         """The earliest flush or linger deadline (``math.inf``: none)."""
@@ -368,23 +414,29 @@ class Reactor:
             # and their output shares one send at the end of the round.
             conn.queued = True
             if conn.fed_by == self._serving:
-                self.outbox.append(conn)
+                self._outbox.append(conn)
             else:
-                self.end_of_round.append(conn)
+                self._end_of_round.append(conn)
         conn.fed_by = self._serving
         conn.pending += data
 
-    def write_outbox(self, *, end_of_round: bool = True) -> None:
+    def write_queued(self) -> None:
+        """Write what the batch queued, one ``send`` per connection (``Sink.settle`` calls it;
+        with nothing queued it returns at once)."""
+        if self._outbox or self._end_of_round:
+            self._write_outbox()
+
+    def _write_outbox(self, *, end_of_round: bool = True) -> None:
         """Write what the batch queued, one ``send`` per connection.
 
         ``end_of_round=False`` (after each ready socket) leaves the connections several
         sockets feed for the end of the round.
         """
-        outbox = self.outbox
-        self.outbox = []
-        if end_of_round and self.end_of_round:
-            outbox += self.end_of_round
-            self.end_of_round = []
+        outbox = self._outbox
+        self._outbox = []
+        if end_of_round and self._end_of_round:
+            outbox += self._end_of_round
+            self._end_of_round = []
         for conn in outbox:
             conn.queued = False
             if not (conn.closed or conn.connecting):
@@ -417,7 +469,7 @@ class Reactor:
         if conn.connecting:
             # The core gave up on the connect (connect timeout, client gone).
             self._release(conn)
-            self.driver.closed_now(conn.ident, "cancelled")
+            self.sink.closed_now(conn.ident, "cancelled")
             return
         conn.closing = True
         if not conn.pending:
@@ -435,7 +487,7 @@ class Reactor:
 
     def _read(self, conn: SocketConn) -> None:
         try:
-            data = conn.sock.recv(self.driver.core.read_size)
+            data = conn.sock.recv(self.core.read_size)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -444,14 +496,14 @@ class Reactor:
         if not data:
             self._input_ended(conn)
             return
-        self.driver.feed(DataReceived(now=self.now, conn=conn.ident, data=data))
+        self.sink.feed(DataReceived(now=self.now, conn=conn.ident, data=data))
 
     def _input_ended(self, conn: SocketConn) -> None:
         """The peer ended its sending side: read no more, tell the core (which closes the
         connection, or relays the end if it is a tunnel's)."""
         conn.input_ended = True
         self.pause(conn)
-        self.driver.feed(InputEnded(now=self.now, conn=conn.ident))
+        self.sink.feed(InputEnded(now=self.now, conn=conn.ident))
 
     def _flush(self, conn: SocketConn) -> None:
         """Write as much of ``pending`` as the kernel takes; wait for EPOLLOUT for the rest."""
@@ -465,7 +517,7 @@ class Reactor:
             return
         if sent:
             del pending[:sent]
-            self.driver.sent_now(conn.ident, sent)
+            self.sink.sent_now(conn.ident, sent)
         if not pending:
             conn.blocked_since = None
             if conn.closing:
@@ -489,14 +541,14 @@ class Reactor:
         if error:
             self._release(conn)
             reason = f"connect failed: {os.strerror(error)}"
-            self.driver.feed(OpenFailed(now=now, conn=conn.ident, reason=reason))
+            self.sink.feed(OpenFailed(now=now, conn=conn.ident, reason=reason))
             return
         conn.connecting = False
         self._watch(conn)
         if conn.pending and not conn.queued:
             conn.queued = True
-            self.outbox.append(conn)
-        self.driver.feed(ConnectionOpened(now=now, conn=conn.ident))
+            self._outbox.append(conn)
+        self.sink.feed(ConnectionOpened(now=now, conn=conn.ident))
 
     def _drop_input(self, conn: SocketConn) -> None:
         try:
@@ -550,7 +602,7 @@ class Reactor:
             self._linger(conn)
         else:
             self._release(conn)
-        self.driver.closed_now(conn.ident, error)
+        self.sink.closed_now(conn.ident, error)
 
     def _shutdown_write(self, conn: SocketConn) -> None:
         conn.shutdown_wanted = False
@@ -567,7 +619,7 @@ class Reactor:
             self._release(conn)
             return
         conn.lingering = True
-        self.driver.conns.pop(conn.ident, None)
+        self.sink.forget(conn.ident)
         self._set_deadline(conn, trio.current_time() + LINGER)
         self._watch(conn)
 
@@ -583,7 +635,7 @@ class Reactor:
         conn.closed = True
         self._ending.discard(conn)
         self._by_fd.pop(conn.fd, None)
-        self.driver.conns.pop(conn.ident, None)
+        self.sink.forget(conn.ident)
         if conn.mask:
             self._epoll.unregister(conn.fd)
             conn.mask = 0
