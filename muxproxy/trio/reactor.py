@@ -42,7 +42,7 @@ An exception in the handling of one ready socket that is the driver's own (not o
 with the next one. A bug in the round itself (polling, deadlines, ``settle``) still crashes.
 
 The reactor and the driver (``driver.py``) are one component in two files, joined by two
-narrow interfaces and nothing else: the reactor reaches the driver through :class:`Sink`
+narrow interfaces and nothing else: the reactor reaches the driver through a ``sink.Sink``
 (feed an event, hold ``settle`` for a round, report bytes sent and connections closed) and the
 driver reaches the reactor through its public methods (the core's commands, and
 ``write_queued`` from ``settle``); neither touches the other's attributes. The reactor imports
@@ -61,12 +61,12 @@ import os
 import select
 import socket
 from collections.abc import Callable
-from typing import Protocol
 
 import trio
 
-from ..core.events import ConnectionOpened, DataReceived, Event, InputEnded, OpenFailed
+from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
 from ..core.proxy import ProxyCore
+from .sink import Sink
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)
@@ -117,47 +117,6 @@ def tune(sock: socket.socket) -> None:
     if lowat is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, lowat, NOTSENT_LOWAT)
-
-
-class Sink(Protocol):
-    """What the reactor needs of its driver (``driver.Driver``): where the events go.
-
-    Every call is made from the reactor's round, between :meth:`begin_round` and
-    :meth:`settle` (``close`` and ``abandon`` also from inside the execution of a command).
-    """
-
-    @property
-    def raise_errors(self) -> bool:
-        """A bug in per-connection code raises instead of closing the one connection."""
-
-    def begin_round(self) -> None:
-        """A round of ready sockets starts: :meth:`feed` leaves settling to :meth:`settle`."""
-
-    def end_round(self) -> None:
-        """The round ended without :meth:`settle` (an exception escaped it)."""
-
-    def settle(self, now: float) -> None:
-        """End the round: write what it queued (``Reactor.write_queued``) and feed what that
-        caused, until nothing is left; ``now`` is the round's time."""
-
-    def feed(self, event: Event) -> None:
-        """Hand one event to the core and carry out its commands."""
-
-    def sent_now(self, ident: int, nbytes: int) -> None:
-        """The kernel took ``nbytes`` of ``ident``'s output (fed as ``DataSent`` by settle)."""
-
-    def closed_now(self, ident: int, error: str | None) -> None:
-        """``ident`` is closed (fed as ``ConnectionClosed`` by settle)."""
-
-    def open_failed_now(self, ident: int, reason: str) -> None:
-        """The connect of ``ident`` failed (fed as ``OpenFailed`` by settle)."""
-
-    def forget(self, ident: int) -> None:
-        """``ident`` takes no more commands: it is closed, or lingering (see the module
-        docstring) after the core heard it closed."""
-
-    def connection_failed(self, ident: int, exc: BaseException, *, where: str) -> None:
-        """A bug in the driver's code for ``ident``: log and count it, close the connection."""
 
 
 class SocketConn:
