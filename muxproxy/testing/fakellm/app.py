@@ -1,8 +1,8 @@
-"""A fake OpenAI-compatible LLM backend, for muxproxy's tests, ``muxproxy demo`` and benchmarks.
+"""The fake LLM backend's ASGI application: :class:`FakeLLM` and what it answers.
 
-What it is: a plain ASGI 3 application (:attr:`FakeLLM.app`, no framework) served by
-Hypercorn's Trio worker (:func:`serve_fakellm`). On one plain-TCP port it speaks HTTP/1.1
-and h2c with prior knowledge (Hypercorn detects the HTTP/2 preface itself).
+A plain ASGI 3 application (:attr:`FakeLLM.app`, no framework), served by
+:func:`~muxproxy.testing.fakellm.serve_fakellm` (``server.py``); it knows nothing of the
+server under it.
 
 What it obeys:
 
@@ -21,103 +21,45 @@ when the backend is given a model version (``--model-version``: a gray release m
 from one version to the next, and a client can tell which one answered). Reply text is
 ``tok0 tok1 ... tok<n-1> `` (see :func:`reply_text`).
 
-Knobs: each has a default on :class:`FakeLLM` (constructor / CLI option, and the instance
-is mutable, so a test may change one between requests) and a per-request header override:
-
-=======================  =============================  ====================================
-header                   attribute / CLI option         meaning
-=======================  =============================  ====================================
-``x-fake-tokens``        ``tokens`` / ``--tokens``      tokens per reply (16); without the
-                                                        header the request's ``max_tokens``
-                                                        (or ``max_completion_tokens``) is
-                                                        used if given
-``x-fake-delay``         ``delay`` / ``--delay``        seconds between tokens (0.02)
-``x-fake-first-delay``   ``first_delay`` /              seconds before the first token (0)
-                         ``--first-delay``
-``x-fake-die-after``     ``die_after`` /                after N token events, abort: HTTP/1.1
-                         ``--die-after``                closes the connection (no last
-                                                        chunk), HTTP/2 resets the stream
-                                                        (RST_STREAM INTERNAL_ERROR). N ==
-                                                        tokens: dies before the finish chunk;
-                                                        N > tokens: no abort; ``none`` (or
-                                                        ``-1``) disables a default
-``x-fake-status``        ``status`` / ``--status``      answer every request with status S
-                                                        and a small OpenAI-style JSON error
-                                                        body (200: normal behaviour)
-``x-fake-role-chunk``    ``role_chunk`` /               ``1``: a stream starts at once, before
-                         ``--role-chunk``               ``first_delay``, with a role-only
-                                                        chunk (``"delta": {"role":
-                                                        "assistant", "content": ""}``), as
-                                                        vLLM and OpenAI send; the first token
-                                                        chunk then carries no role (False)
-``x-fake-echo-headers``  (per request only)             ``1``: add ``request_headers``
-                                                        (lower-case name -> value, repeats
-                                                        joined ", ") to the JSON body / the
-                                                        first SSE chunk
-``x-fake-sink``          (per request only)             ``1`` on a POST to any path: answer
-                                                        ``{"received_bytes": n,
-                                                        "sha256": hex}``
-=======================  =============================  ====================================
-
-Precedence, after the request body is read: a malformed knob header answers 400, then a
-status other than 200 answers that status, then ``x-fake-sink``, then routing (404/405).
+The knobs (``knobs.py``: token count, delays, die-after, status, ...) come from the
+:class:`FakeLLM` attributes, overridden per request by ``x-fake-*`` headers. Precedence, after
+the request body is read: a malformed knob header answers 400, then a status other than 200
+answers that status, then ``x-fake-sink``, then routing (404/405).
 
 A non-streaming completion waits as long as streaming it would have taken
 (``first_delay + (n - 1) * delay``); with die-after it sends the head (with the full
-``content-length``) and half the body, then aborts. Malformed knob headers or JSON answer 400.
+``content-length``) and half the body, then aborts by raising :class:`FakeBackendDied`
+(which, served over h2, ``server.py`` turns into a reset of the stream). Malformed knob
+headers or JSON answer 400.
 
 Observability: :class:`FakeLLM` counts ``requests``, ``streams_started``,
 ``streams_completed``, ``aborts`` (die-after fired) and ``disconnects`` (completions,
 streamed or not, whose client went away before the end), keeps ``last_request_headers``,
 and offers :meth:`FakeLLM.wait_disconnect` / :meth:`FakeLLM.wait_until` to await them.
-
-Hypercorn quirks this module works around:
-
-* An ASGI app that raises after ``http.response.start`` makes Hypercorn close an HTTP/1.1
-  connection without the terminating chunk, but on HTTP/2 it leaves the stream open for
-  ever (neither END_STREAM nor RST_STREAM). Die-after therefore resets the h2 stream
-  itself, reaching Hypercorn's H2Protocol through the ``send`` callable (best effort; on
-  any other server the exception alone is the abort).
-* A lifespan-less app (one that returns from the ``lifespan`` scope) crashes Hypercorn's
-  Trio worker at startup, so the app implements lifespan.
-* ``keep_alive_max_requests`` (default 1000) would make Hypercorn GOAWAY an h2 connection
-  after 1000 streams; it is set very high here so long benchmarks keep their connections.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import errno
 import hashlib
 import itertools
 import json
-import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from functools import partial
 from typing import Any
 
 import attrs
-import h2.connection
-import h2.errors
-import h2.exceptions
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
-__all__ = [
-    "MODEL",
-    "FakeBackendDied",
-    "FakeLLM",
-    "add_arguments",
-    "hypercorn_config",
-    "main",
-    "reply_text",
-    "run",
-    "serve_fakellm",
-]
+from .knobs import (
+    HEADER_ECHO,
+    HEADER_SINK,
+    BadKnob,
+    Knobs,
+    collect_headers,
+    is_true,
+    read_knobs,
+)
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""
@@ -126,35 +68,20 @@ Message = Mapping[str, Any]
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-HEADER_TOKENS = "x-fake-tokens"
-HEADER_DELAY = "x-fake-delay"
-HEADER_FIRST_DELAY = "x-fake-first-delay"
-HEADER_DIE_AFTER = "x-fake-die-after"
-HEADER_STATUS = "x-fake-status"
-HEADER_ECHO = "x-fake-echo-headers"
-HEADER_ROLE_CHUNK = "x-fake-role-chunk"
-HEADER_SINK = "x-fake-sink"
 HEADER_BACKEND_ID = "x-backend-id"
 HEADER_MODEL_VERSION = "x-model-version"
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_NO_DIE = frozenset({"", "none", "off", "-1"})
 _ROUTES: dict[str, tuple[str, ...]] = {
     "/health": ("GET", "HEAD"),
     "/v1/models": ("GET", "HEAD"),
     "/v1/chat/completions": ("POST",),
 }
-_ABORT_DRAIN_TIMEOUT = 1.0
-"""Longest wait for queued h2 DATA to leave before the RST_STREAM of a die-after."""
 
 
 class FakeBackendDied(Exception):
     """Raised by the app to abort a response on purpose (die-after)."""
-
-
-class _BadKnob(ValueError):
-    """A malformed ``x-fake-*`` header (answered with 400)."""
 
 
 def reply_text(n_tokens: int) -> str:
@@ -168,17 +95,6 @@ def _token(i: int) -> str:
 
 def _dumps(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
-
-
-@attrs.frozen
-class _Knobs:
-    tokens: int
-    tokens_from_header: bool
-    delay: float
-    first_delay: float
-    die_after: int | None
-    status: int
-    role_chunk: bool
 
 
 @attrs.define
@@ -254,12 +170,12 @@ class FakeLLM:
             return
         method: str = scope["method"]
         path: str = scope["path"]
-        headers = _collect_headers(scope["headers"])
+        headers = collect_headers(scope["headers"])
         self.requests += 1
         self.last_request_headers = headers
         self._notify()
 
-        sink = method == "POST" and headers.get(HEADER_SINK, "").strip().lower() in _TRUE
+        sink = method == "POST" and is_true(headers.get(HEADER_SINK, ""))
         digest = hashlib.sha256()
         size = 0
         chunks: list[bytes] = []
@@ -277,10 +193,10 @@ class FakeLLM:
                 break
         body = b"".join(chunks)
 
-        echo = headers if headers.get(HEADER_ECHO, "").strip().lower() in _TRUE else None
+        echo = headers if is_true(headers.get(HEADER_ECHO, "")) else None
         try:
-            knobs = self._knobs(headers)
-        except _BadKnob as exc:
+            knobs = read_knobs(headers, self)
+        except BadKnob as exc:
             await self._send_error(send, 400, str(exc), "invalid_request_error", echo)
             return
         if knobs.status != 200:
@@ -320,38 +236,13 @@ class FakeLLM:
         else:
             await self._chat(receive, send, knobs, body, echo)
 
-    def _knobs(self, headers: Mapping[str, str]) -> _Knobs:
-        raw_die = headers.get(HEADER_DIE_AFTER)
-        if raw_die is None:
-            die_after = self.die_after
-        elif raw_die.strip().lower() in _NO_DIE:
-            die_after = None
-        else:
-            die_after = _header_int(HEADER_DIE_AFTER, raw_die, 0, None)
-        raw_status = headers.get(HEADER_STATUS)
-        return _Knobs(
-            tokens=_header_int(HEADER_TOKENS, headers.get(HEADER_TOKENS), 0, None, self.tokens),
-            tokens_from_header=HEADER_TOKENS in headers,
-            delay=_header_float(HEADER_DELAY, headers.get(HEADER_DELAY), self.delay),
-            first_delay=_header_float(
-                HEADER_FIRST_DELAY, headers.get(HEADER_FIRST_DELAY), self.first_delay
-            ),
-            die_after=die_after,
-            status=_header_int(HEADER_STATUS, raw_status, 200, 599, self.status),
-            role_chunk=(
-                headers[HEADER_ROLE_CHUNK].strip().lower() in _TRUE
-                if HEADER_ROLE_CHUNK in headers
-                else self.role_chunk
-            ),
-        )
-
     # ---- chat completions --------------------------------------------------------------
 
     async def _chat(
         self,
         receive: Receive,
         send: Send,
-        knobs: _Knobs,
+        knobs: Knobs,
         body: bytes,
         echo: dict[str, str] | None,
     ) -> None:
@@ -419,7 +310,6 @@ class FakeLLM:
         if died:
             self.aborts += 1
             self._notify()
-            await _reset_h2_stream(send)
             raise FakeBackendDied(f"{self.backend_id}: die-after {die_after} tokens")
 
     async def _watch_disconnect(
@@ -451,7 +341,7 @@ class FakeLLM:
     async def _produce_stream(
         self,
         send: Send,
-        knobs: _Knobs,
+        knobs: Knobs,
         n_tokens: int,
         die_after: int | None,
         base: dict[str, Any],
@@ -536,7 +426,7 @@ class FakeLLM:
     async def _produce_whole(
         self,
         send: Send,
-        knobs: _Knobs,
+        knobs: Knobs,
         n_tokens: int,
         die_after: int | None,
         base: dict[str, Any],
@@ -660,40 +550,6 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-def _collect_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for raw_name, raw_value in raw:
-        name = raw_name.decode("latin-1").lower()
-        value = raw_value.decode("latin-1")
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return headers
-
-
-def _header_int(name: str, raw: str | None, low: int, high: int | None, default: int = 0) -> int:
-    if raw is None:
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise _BadKnob(f"{name}: expected an integer, got {raw!r}") from None
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in {low}..{high}"
-        raise _BadKnob(f"{name}: expected an integer {bounds}, got {value}")
-    return value
-
-
-def _header_float(name: str, raw: str | None, default: float) -> float:
-    if raw is None:
-        return default
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise _BadKnob(f"{name}: expected seconds, got {raw!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise _BadKnob(f"{name}: expected finite seconds >= 0, got {raw!r}")
-    return value
-
-
 def _prompt_tokens(messages: object) -> int:
     """A crude prompt size: whitespace-separated words of the string contents."""
     if not isinstance(messages, list):
@@ -704,194 +560,3 @@ def _prompt_tokens(messages: object) -> int:
         if isinstance(content, str):
             total += len(content.split())
     return total
-
-
-async def _reset_h2_stream(send: Send) -> None:
-    """Reset the HTTP/2 stream behind ``send`` if Hypercorn serves it over h2, else no-op.
-
-    Hypercorn, when an app raises mid-response, closes an HTTP/1.1 connection but leaves an
-    h2 stream open. Here ``send`` is Hypercorn's ``HTTPStream.app_send``; its stream's
-    ``send`` is ``H2Protocol.stream_send``. Queued DATA is let out first (so the client
-    gets exactly the tokens sent), then RST_STREAM(INTERNAL_ERROR) is written, and the
-    stream's buffer is marked complete so Hypercorn's sender drops it.
-    """
-    stream: Any = getattr(send, "__self__", None)
-    protocol: Any = getattr(getattr(stream, "send", None), "__self__", None)
-    connection = getattr(protocol, "connection", None)
-    if not isinstance(connection, h2.connection.H2Connection):
-        return
-    stream_id: int = stream.stream_id
-    buffer: Any = getattr(protocol, "stream_buffers", {}).get(stream_id)
-    if buffer is not None and len(buffer.buffer) > 0:
-        with trio.move_on_after(_ABORT_DRAIN_TIMEOUT):
-            await buffer.drain()
-    try:
-        connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.INTERNAL_ERROR)
-    except h2.exceptions.ProtocolError:
-        return  # the stream or connection is already closed
-    await protocol._flush()
-    if buffer is not None:
-        buffer.set_complete()
-        protocol.priority.unblock(stream_id)
-        await protocol.has_data.set()
-
-
-class _DropDeliberateAborts(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], FakeBackendDied))
-
-
-_server_log = logging.getLogger("muxproxy.testing.fakellm.server")
-_server_log.setLevel(logging.WARNING)
-_server_log.addFilter(_DropDeliberateAborts())
-
-
-def hypercorn_config(host: str = "127.0.0.1", port: int = 0) -> HypercornConfig:
-    """The Hypercorn configuration :func:`serve_fakellm` uses (quiet, h2-friendly)."""
-    config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = _server_log
-    config.keep_alive_timeout = 75.0
-    config.keep_alive_max_requests = 2**62
-    config.h2_max_concurrent_streams = 1000
-    config.graceful_timeout = 1.0
-    return config
-
-
-async def serve_fakellm(
-    fake: FakeLLM,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``fake`` with Hypercorn's Trio worker until cancelled.
-
-    ``task_status.started(port)`` reports the port really bound (useful with ``port=0``)::
-
-        port = await nursery.start(serve_fakellm, fake)
-    """
-    app: Any = fake.app
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(
-            partial(hypercorn_serve, app, hypercorn_config(host, port))
-        )
-        task_status.started(int(binds[0].rsplit(":", 1)[1]))
-
-
-# ---- command line ----------------------------------------------------------------------
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text}")
-    return value
-
-
-def _status(text: str) -> int:
-    value = int(text)
-    if not 200 <= value <= 599:
-        raise argparse.ArgumentTypeError(f"expected a status in 200..599, got {value}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``muxproxy fakellm`` options to ``parser``."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    parser.add_argument(
-        "--port", type=_non_negative_int, default=0, help="port to bind (0: any free port)"
-    )
-    parser.add_argument(
-        "--id", dest="backend_id", default="fake", help="backend id, sent as x-backend-id"
-    )
-    parser.add_argument(
-        "--model-version",
-        default=None,
-        metavar="V",
-        help="model version, sent as x-model-version on every response",
-    )
-    parser.add_argument("--tokens", type=_non_negative_int, default=16, help="tokens per reply")
-    parser.add_argument("--delay", type=_seconds, default=0.02, help="seconds between tokens")
-    parser.add_argument(
-        "--first-delay", type=_seconds, default=0.0, help="seconds before the first token"
-    )
-    parser.add_argument(
-        "--die-after",
-        type=_non_negative_int,
-        default=None,
-        help="abort every completion after N tokens",
-    )
-    parser.add_argument(
-        "--status", type=_status, default=200, help="answer every request with this status"
-    )
-    parser.add_argument(
-        "--role-chunk",
-        action="store_true",
-        help="start every stream with a role-only chunk, as vLLM does",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a fake backend from parsed :func:`add_arguments` options until interrupted."""
-    fake = FakeLLM(
-        backend_id=args.backend_id,
-        tokens=args.tokens,
-        delay=args.delay,
-        first_delay=args.first_delay,
-        die_after=args.die_after,
-        status=args.status,
-        model_version=args.model_version,
-        role_chunk=args.role_chunk,
-    )
-
-    async def serve() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(partial(serve_fakellm, fake, host=args.host, port=args.port))
-            print(f"fakellm {fake.backend_id} listening on {args.host}:{port}", flush=True)
-
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            trio.run(serve)
-    except (OSError, BaseExceptionGroup) as exc:
-        # Hypercorn binds inside nested nurseries: a busy port arrives as an OSError wrapped
-        # in exception groups. Anything else is a bug and keeps its traceback.
-        error = _listen_error(exc)
-        if error is None:
-            raise
-        where = f"{args.host}:{args.port}"
-        if error.errno == errno.EADDRINUSE:
-            message = f"port {args.port} is in use ({where}); pick another --port, or 0 for any"
-        else:
-            message = f"cannot listen on {where}: {error.strerror or error}"
-        print(f"muxproxy fakellm: {message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _listen_error(exc: BaseException) -> OSError | None:
-    """The one ``OSError`` inside ``exc`` (nested exception groups), if that is all it is."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, OSError) else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m muxproxy.testing.fakellm`` (the same options as ``muxproxy fakellm``)."""
-    parser = argparse.ArgumentParser(
-        prog="muxproxy fakellm", description="A fake OpenAI-compatible LLM backend."
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,27 @@
+"""A fake OpenAI-compatible LLM backend, for muxproxy's tests, ``muxproxy demo`` and benchmarks.
+
+Three modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
+answers, its counters); ``knobs.py``, its knobs (the ``x-fake-*`` request headers and the
+command-line options, with the table of what each does); ``server.py``, serving it with
+Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the
+Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m
+muxproxy.testing.fakellm``). This package hands on their public names.
+"""
+
+from __future__ import annotations
+
+from .app import MODEL, FakeBackendDied, FakeLLM, reply_text
+from .knobs import add_arguments
+from .server import hypercorn_config, main, run, serve_fakellm
+
+__all__ = [
+    "MODEL",
+    "FakeBackendDied",
+    "FakeLLM",
+    "add_arguments",
+    "hypercorn_config",
+    "main",
+    "reply_text",
+    "run",
+    "serve_fakellm",
+]

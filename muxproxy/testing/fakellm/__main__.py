@@ -1,0 +1,7 @@
+"""``python -m muxproxy.testing.fakellm``: the same options as ``muxproxy fakellm``."""
+
+import sys
+
+from .server import main
+
+sys.exit(main())

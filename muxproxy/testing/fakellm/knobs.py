@@ -1,0 +1,225 @@
+"""The fake LLM backend's knobs: per-request ``x-fake-*`` headers and the CLI options.
+
+Each knob has a default on :class:`~muxproxy.testing.fakellm.FakeLLM` (constructor / CLI
+option, and the instance is mutable, so a test may change one between requests) and a
+per-request header override:
+
+=======================  =============================  ====================================
+header                   attribute / CLI option         meaning
+=======================  =============================  ====================================
+``x-fake-tokens``        ``tokens`` / ``--tokens``      tokens per reply (16); without the
+                                                        header the request's ``max_tokens``
+                                                        (or ``max_completion_tokens``) is
+                                                        used if given
+``x-fake-delay``         ``delay`` / ``--delay``        seconds between tokens (0.02)
+``x-fake-first-delay``   ``first_delay`` /              seconds before the first token (0)
+                         ``--first-delay``
+``x-fake-die-after``     ``die_after`` /                after N token events, abort: HTTP/1.1
+                         ``--die-after``                closes the connection (no last
+                                                        chunk), HTTP/2 resets the stream
+                                                        (RST_STREAM INTERNAL_ERROR). N ==
+                                                        tokens: dies before the finish chunk;
+                                                        N > tokens: no abort; ``none`` (or
+                                                        ``-1``) disables a default
+``x-fake-status``        ``status`` / ``--status``      answer every request with status S
+                                                        and a small OpenAI-style JSON error
+                                                        body (200: normal behaviour)
+``x-fake-role-chunk``    ``role_chunk`` /               ``1``: a stream starts at once, before
+                         ``--role-chunk``               ``first_delay``, with a role-only
+                                                        chunk (``"delta": {"role":
+                                                        "assistant", "content": ""}``), as
+                                                        vLLM and OpenAI send; the first token
+                                                        chunk then carries no role (False)
+``x-fake-echo-headers``  (per request only)             ``1``: add ``request_headers``
+                                                        (lower-case name -> value, repeats
+                                                        joined ", ") to the JSON body / the
+                                                        first SSE chunk
+``x-fake-sink``          (per request only)             ``1`` on a POST to any path: answer
+                                                        ``{"received_bytes": n,
+                                                        "sha256": hex}``
+=======================  =============================  ====================================
+
+A malformed header raises :class:`BadKnob` naming the header and what it expects (the app
+answers 400 with its text); a malformed option is argparse's usage error, naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+HEADER_TOKENS = "x-fake-tokens"
+HEADER_DELAY = "x-fake-delay"
+HEADER_FIRST_DELAY = "x-fake-first-delay"
+HEADER_DIE_AFTER = "x-fake-die-after"
+HEADER_STATUS = "x-fake-status"
+HEADER_ECHO = "x-fake-echo-headers"
+HEADER_ROLE_CHUNK = "x-fake-role-chunk"
+HEADER_SINK = "x-fake-sink"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_NO_DIE = frozenset({"", "none", "off", "-1"})
+
+
+class BadKnob(ValueError):
+    """A malformed ``x-fake-*`` header (answered with 400)."""
+
+
+class Defaults(Protocol):
+    """The knobs' defaults (``FakeLLM``'s attributes of the same names)."""
+
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def delay(self) -> float: ...
+    @property
+    def first_delay(self) -> float: ...
+    @property
+    def die_after(self) -> int | None: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def role_chunk(self) -> bool: ...
+
+
+@attrs.frozen
+class Knobs:
+    """The knobs of one request: its headers over the defaults."""
+
+    tokens: int
+    tokens_from_header: bool
+    delay: float
+    first_delay: float
+    die_after: int | None
+    status: int
+    role_chunk: bool
+
+
+def read_knobs(headers: Mapping[str, str], defaults: Defaults) -> Knobs:
+    """The knobs of a request with ``headers`` (lower-case names); raises :class:`BadKnob`."""
+    raw_die = headers.get(HEADER_DIE_AFTER)
+    if raw_die is None:
+        die_after = defaults.die_after
+    elif raw_die.strip().lower() in _NO_DIE:
+        die_after = None
+    else:
+        die_after = _header_int(HEADER_DIE_AFTER, raw_die, 0, None)
+    raw_status = headers.get(HEADER_STATUS)
+    return Knobs(
+        tokens=_header_int(HEADER_TOKENS, headers.get(HEADER_TOKENS), 0, None, defaults.tokens),
+        tokens_from_header=HEADER_TOKENS in headers,
+        delay=_header_float(HEADER_DELAY, headers.get(HEADER_DELAY), defaults.delay),
+        first_delay=_header_float(
+            HEADER_FIRST_DELAY, headers.get(HEADER_FIRST_DELAY), defaults.first_delay
+        ),
+        die_after=die_after,
+        status=_header_int(HEADER_STATUS, raw_status, 200, 599, defaults.status),
+        role_chunk=(
+            is_true(headers[HEADER_ROLE_CHUNK])
+            if HEADER_ROLE_CHUNK in headers
+            else defaults.role_chunk
+        ),
+    )
+
+
+def is_true(value: str) -> bool:
+    """Whether a flag header's value turns it on (``1``, ``true``, ``yes``, ``on``)."""
+    return value.strip().lower() in _TRUE
+
+
+def collect_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI headers as lower-case name -> value, repeats joined ", "."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in raw:
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
+
+
+def _header_int(name: str, raw: str | None, low: int, high: int | None, default: int = 0) -> int:
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise BadKnob(f"{name}: expected an integer, got {raw!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise BadKnob(f"{name}: expected an integer {bounds}, got {value}")
+    return value
+
+
+def _header_float(name: str, raw: str | None, default: float) -> float:
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise BadKnob(f"{name}: expected seconds, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise BadKnob(f"{name}: expected finite seconds >= 0, got {raw!r}")
+    return value
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text}")
+    return value
+
+
+def _status(text: str) -> int:
+    value = int(text)
+    if not 200 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"expected a status in 200..599, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``muxproxy fakellm`` options to ``parser``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    parser.add_argument(
+        "--port", type=_non_negative_int, default=0, help="port to bind (0: any free port)"
+    )
+    parser.add_argument(
+        "--id", dest="backend_id", default="fake", help="backend id, sent as x-backend-id"
+    )
+    parser.add_argument(
+        "--model-version",
+        default=None,
+        metavar="V",
+        help="model version, sent as x-model-version on every response",
+    )
+    parser.add_argument("--tokens", type=_non_negative_int, default=16, help="tokens per reply")
+    parser.add_argument("--delay", type=_seconds, default=0.02, help="seconds between tokens")
+    parser.add_argument(
+        "--first-delay", type=_seconds, default=0.0, help="seconds before the first token"
+    )
+    parser.add_argument(
+        "--die-after",
+        type=_non_negative_int,
+        default=None,
+        help="abort every completion after N tokens",
+    )
+    parser.add_argument(
+        "--status", type=_status, default=200, help="answer every request with this status"
+    )
+    parser.add_argument(
+        "--role-chunk",
+        action="store_true",
+        help="start every stream with a role-only chunk, as vLLM does",
+    )
