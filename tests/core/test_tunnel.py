@@ -20,6 +20,7 @@ from playbook import (
     H2BackendPeer,
     H2ClientPeer,
     Playbook,
+    Sends,
     closed,
     data,
     default_config,
@@ -371,27 +372,34 @@ def test_extended_connect_is_bridged_to_an_http1_upgrade() -> None:
 
 
 def test_extended_connect_end_stream_half_closes_the_backend() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     peer = H2ClientPeer()
     sid, up, backend, key = _extended_connect(pb, peer)
     peer.events(pb.take(1, pb.receive(up, _switch(backend, key))))
     # RFC 8441 §5: END_STREAM is the FIN. The Close frame in the same DATA goes first.
     peer.conn.send_data(sid, b"client-close", end_stream=True)
-    commands = pb.receive(1, peer.conn.data_to_send())
-    assert pb.take(up, commands) == b"client-close"
-    assert commands[-1] == ShutdownWrite(conn=up)
-    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    pb >> data(1, peer.conn.data_to_send())
+    pb << SendData(conn=up, data=b"client-close")
+    pb << ShutdownWrite(conn=up)
+    pb.done()  # nothing closed
     # The backend's Close reply reaches the client, then its FIN is our END_STREAM.
-    before = len(pb.log)
-    pb.receive(up, b"backend-close")
-    commands = _eof(pb, up)
-    assert CloseConnection(conn=up) in commands
-    events = peer.events(pb.take(1, pb.log[before:]))
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data == b"backend-close"
-    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
-    assert not any(isinstance(e, h2.events.StreamReset) for e in events)
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> data(up, b"backend-close")
+    reply = Sends(1, peer)
+    pb << reply
+    assert [e.data for e in reply.events if isinstance(e, h2.events.DataReceived)] == [
+        b"backend-close"
+    ]
+    pb >> InputEnded(now=pb.now, conn=up)
+    pb << CancelTimer(timer=TUNNEL)
+    ended = Sends(1, peer)
+    pb << ended
+    pb << CloseConnection(conn=up)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # the h2 connection goes on
+    pb << Log(event="access", fields=subset({"status": 200}))
+    pb.done()
+    # An empty DATA frame with END_STREAM, no RST_STREAM.
+    assert [type(e) for e in ended.events] == [h2.events.DataReceived, h2.events.StreamEnded]
     assert not pb.core.tunnels
 
 
@@ -399,12 +407,22 @@ def test_extended_connect_with_a_wrong_accept_is_a_502() -> None:
     pb = Playbook()
     peer = H2ClientPeer()
     _, up, backend, _ = _extended_connect(pb, peer)
-    before = len(pb.log)
-    commands = pb.receive(up, _switch(backend, b"not-the-key"))
-    assert CloseConnection(conn=up) in commands
-    events = peer.events(pb.take(1, pb.log[before:]))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    pb.ignore = ()
+    pb >> data(up, _switch(backend, b"not-the-key"))
+    reason = "wrong Sec-WebSocket-Accept from backend"
+    pb << Log(event="websocket_handshake_failed", fields={"reason": reason})
+    pb << CancelTimer(timer=("head", 1))
+    pb << CloseConnection(conn=up)
+    answer = Sends(1, peer)
+    pb << answer
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb << Log(event="access", fields=subset({"status": 502, "outcome": reason}))
+    pb.done()
+    (response,) = [e for e in answer.events if isinstance(e, h2.events.ResponseReceived)]
     assert dict(response.headers)[b":status"] == b"502"
+    # RFC 9113 §8.1: the response is complete; RST_STREAM(NO_ERROR) stops the upload.
+    (reset,) = [e for e in answer.events if isinstance(e, h2.events.StreamReset)]
+    assert reset.error_code == h2.errors.ErrorCodes.NO_ERROR
 
 
 def test_plain_connect_is_answered_501() -> None:
