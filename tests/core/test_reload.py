@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import attrs
 import h11
+from playbook import Where, wakeup
 from test_routing_exchange import CHECK, A, B, C, Rig, fleet, origin, probe_a, start_probes
 
 from muxproxy.config import Config, Server
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection, SetTimer
 from muxproxy.core.events import ConfigChanged, RuntimeChanged
 
 
@@ -102,11 +103,20 @@ def test_group_with_other_servers_keeps_the_state_of_those_that_stay() -> None:
 def test_reload_retires_every_probe_timer() -> None:
     rig = Rig(fleet(A, B, health_check=CHECK))
     start_probes(rig)
-    running_probe(rig)
-    commands = reload(rig, rig.config)
-    cancelled = {c.timer for c in commands if isinstance(c, CancelTimer)}
-    assert {("probe_timeout", 1), ("probe", 2)} <= cancelled
+    up = running_probe(rig)
+    pb = rig.pb
+    pb >> ConfigChanged(now=pb.now, config=rig.config)
+    pb << CancelTimer(timer=("probe_timeout", 1))
+    pb << CloseConnection(conn=up)  # the check in flight is dropped
+    pb << CancelTimer(timer=("probe", 2))
+    pb << SetTimer(timer=("probe", 3), at=0.0)
+    pb << SetTimer(timer=("probe", 4), at=0.0)
+    pb.done()
     # The retired probe's timers fire for nothing; the new probes (3 and 4) run.
-    rig.pb.now = 2.0
-    assert not rig.pb.wakeup("probe_timeout", 1)
-    assert [c for c in rig.pb.wakeup("probe", 3) if isinstance(c, OpenConnection)]
+    pb.now = 2.0
+    pb >> wakeup("probe_timeout", 1)
+    pb.done()
+    pb >> wakeup("probe", 3)
+    pb << SetTimer(timer=("probe_timeout", 3), at=4.0)
+    pb << Where(OpenConnection, lambda c: origin(c) == A)
+    pb.done()
