@@ -161,8 +161,8 @@ class Driver:
         )
         """Bound once: ``settle`` calls it."""
         self._gave_output = False
-        """The reactor was given output (``SendData``) since ``settle`` last wrote what it
-        queued: ``settle`` calls ``write_queued`` after an event only then, not per event."""
+        """``Reactor.send`` left output for ``write_queued`` since ``settle`` last called it:
+        ``settle`` calls it only then, not once per event it feeds."""
         self._in_round = False
         """While the reactor handles a round of ready sockets: ``feed`` leaves ``settle`` to it."""
         self._sent_now: dict[int, int] = {}
@@ -222,9 +222,10 @@ class Driver:
         write_queued = self._write_queued
         sent_now = self._sent_now
         later_events = self._later
-        self._gave_output = False
-        write_queued()
         while True:
+            if self._gave_output:
+                self._gave_output = False
+                write_queued()
             later: Event
             if sent_now:
                 ident, nbytes = sent_now.popitem()
@@ -240,9 +241,6 @@ class Driver:
                     execute[type(command)](command)
                 except Exception as exc:
                     self.command_failed(command, exc)
-            if self._gave_output:
-                self._gave_output = False
-                write_queued()
 
     # -- fault isolation -------------------------------------------------------------------
 
@@ -424,8 +422,8 @@ class Driver:
             return
         if type(conn) is SocketConn:
             assert self.reactor is not None
-            self.reactor.send(conn, command.data)
-            self._gave_output = True
+            if self.reactor.send(conn, command.data):
+                self._gave_output = True
         elif type(conn) is StreamConn and not conn.closed:
             conn.pending += command.data
             conn.writer_lot.unpark()

@@ -333,6 +333,9 @@ class Reactor:
             raise
         finally:
             self._serving = 0
+        if self._outbox:
+            # Left by a socket whose handling failed before its output was written.
+            self._write_outbox(end_of_round=False)
         sink.settle(now)
         return len(ready)
 
@@ -363,25 +366,36 @@ class Reactor:
 
     # -- the core's commands (called from inside ``Driver.feed``) --------------------------
 
-    def send(self, conn: SocketConn, data: bytes) -> None:
+    def send(self, conn: SocketConn, data: bytes) -> bool:
+        """Queue ``data`` for ``conn``; returns whether it waits for :meth:`write_queued`.
+
+        Not when the ready socket being handled fed it (the round writes that once the socket
+        is done), nor when earlier bytes wait for ``EPOLLOUT`` (these follow them): so on the
+        paced path of one token per round the driver's ``settle`` has nothing to call.
+        """
         if conn.closed or conn.lingering:
-            return
+            return False
+        serving = self._serving
+        waits = False
         if not conn.pending:
             # Nothing waits for EPOLLOUT: the bytes go out when the socket being handled is
             # done, with whatever else it queues for this connection. Fed by another
             # connection than last time, several feed it (the streams of an HTTP/2 client),
             # and their output shares one send at the end of the round.
             conn.queued = True
-            if conn.fed_by == self._serving:
+            if conn.fed_by == serving:
                 self._outbox.append(conn)
+                waits = serving == 0  # not fed from a ready socket: from a timer, a task
             else:
                 self._end_of_round.append(conn)
-        conn.fed_by = self._serving
+                waits = True
+        conn.fed_by = serving
         conn.pending += data
+        return waits
 
     def write_queued(self) -> None:
-        """Write what the batch queued, one ``send`` per connection (``Sink.settle`` calls it;
-        with nothing queued it returns at once)."""
+        """Write what the batch queued, one ``send`` per connection (``Sink.settle`` calls it
+        after a :meth:`send` that said so)."""
         if self._outbox or self._end_of_round:
             self._write_outbox()
 
