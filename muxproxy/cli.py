@@ -365,6 +365,7 @@ def run_server(
             control, state = None, None
             if config.admin is not None:
                 control = importlib.import_module("muxproxy.trio.control")
+                local = importlib.import_module("muxproxy.trio.local")
                 state = control.apply_saved_state(server)  # before the first accept
             async with trio.open_nursery() as nursery:
 
@@ -376,7 +377,7 @@ def run_server(
                 admin = None
                 if control is not None:
                     admin = await nursery.start(
-                        partial(control.serve_control, server, config_path=config_path, state=state)
+                        partial(local.serve_control, server, config_path=config_path, state=state)
                     )
                 freeze_startup_heap()
                 for line in listening_lines(config, bound):

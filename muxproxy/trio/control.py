@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -39,8 +38,6 @@ __all__ = [
     "apply_saved_state",
     "change_runtime",
     "load_runtime_state",
-    "serve_control",
-    "serve_local",
     "server_status",
 ]
 
@@ -214,61 +211,6 @@ def apply_saved_state(server: ProxyServer) -> RuntimeState:
     if state.servers:
         server.apply_runtime(state)
     return state
-
-
-async def serve_control(
-    server: ProxyServer,
-    *,
-    config_path: str | os.PathLike[str] | None = None,
-    state: RuntimeState | None = None,
-    task_status: trio.TaskStatus[tuple[str, int] | None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve the admin API of ``server`` (a :class:`LocalControl`) until cancelled, when its
-    configuration has an ``[admin]`` section; otherwise return at once.
-
-    ``state``: what :func:`apply_saved_state` applied. ``task_status.started`` gets the
-    admin address bound, or None. Raises ``OSError`` when the address cannot be bound.
-    """
-    from .admin import serve_admin
-
-    settings = server.config.admin
-    if settings is None:
-        task_status.started(None)
-        return
-    control = LocalControl(server, config_path=config_path, state=state)
-    await serve_admin(settings.address, control, control.token, task_status=task_status)
-
-
-async def serve_local(
-    config: Config,
-    *,
-    config_path: str | os.PathLike[str] | None = None,
-    task_status: trio.TaskStatus[
-        tuple[list[tuple[str, int]], tuple[str, int] | None]
-    ] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run one proxy process for ``config`` with its admin listener (when ``config.admin``
-    is set) until cancelled or the server stops; the state file is applied first.
-
-    ``task_status.started((proxy addresses, admin address or None))``. Raises ``OSError``
-    when a listener cannot be bound or the state file cannot be used.
-    """
-    from .server import ProxyServer
-
-    server = ProxyServer(config)
-    state = apply_saved_state(server)
-    async with trio.open_nursery() as nursery:
-
-        async def run_proxy(task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
-            await server.run(task_status=task_status)
-            # The proxy has stopped and drained: its admin listener goes with it.
-            nursery.cancel_scope.cancel()
-
-        bound: list[tuple[str, int]] = await nursery.start(run_proxy)
-        admin = await nursery.start(
-            partial(serve_control, server, config_path=config_path, state=state)
-        )
-        task_status.started((bound, admin))
 
 
 async def change_runtime(

@@ -36,7 +36,8 @@ from muxproxy.config.runtime import RuntimeState, load_state
 from muxproxy.routing.balancer import server_id
 from muxproxy.testing.fakellm import FakeLLM
 from muxproxy.trio.admin import serve_admin
-from muxproxy.trio.control import LocalControl, serve_local
+from muxproxy.trio.control import LocalControl
+from muxproxy.trio.local import serve_local
 from muxproxy.trio.server import ProxyServer
 
 if TYPE_CHECKING:
