@@ -24,12 +24,21 @@ from playbook import (
     closed,
     data,
     default_config,
+    h2_sse_stream,
     sent,
     subset,
     wakeup,
 )
 
-from muxproxy.config import Config, Limits, Server, Timeouts, Upstream, parse_config
+from muxproxy.config import (
+    Config,
+    Limits,
+    Server,
+    Timeouts,
+    Upstream,
+    parse_config,
+    quick_config,
+)
 from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
@@ -655,3 +664,38 @@ def test_h2_backend_stream_is_reset_when_our_end_stream_still_waits_for_window()
     # RFC 9113 §5.1: a stream we could not end cleanly is reset, never left half-open.
     (reset,) = [e for e in backend.read() if isinstance(e, h2.events.StreamReset)]
     assert reset.stream_id == sid
+
+
+def test_tunnel_opened_while_the_connection_bound_stalls_its_backend_resumes_it() -> None:
+    """A WebSocket backend that the client connection's bound (``Downstream._stall_all``)
+    paused before its handshake's answer arrived: the tunnel takes the stop over, so the
+    backend is read again once the connection drains, like every other stalled backend."""
+    bound = 64 * 1024
+    config = attrs.evolve(
+        quick_config("127.0.0.1:8080", [BACKEND]),
+        limits=attrs.evolve(Limits(), connection_buffer=bound),
+    )
+    pb = Playbook(config)
+    peer = H2ClientPeer()
+    # Wide windows: every byte goes to the socket at once, none waits in a stream queue.
+    peer.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    peer.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    _, ws_backend_conn = send_extended_connect(pb, peer)
+    ws_backend = H1BackendPeer()
+    (upgrade, _) = ws_backend.events(pb.take(ws_backend_conn))
+    key = dict(upgrade.headers)[b"sec-websocket-key"]
+    _, streaming = h2_sse_stream(pb, peer)
+    chunk = b"%x\r\n%s\r\n" % (16008, b"data: " + b"z" * 16000 + b"\n\n")
+    down = pb.core.clients[1]
+    paused: set[int] = set()
+    while down.pending <= bound:
+        paused |= {c.conn for c in pb.receive(streaming, chunk) if isinstance(c, PauseReading)}
+    assert paused == {streaming, ws_backend_conn}
+    # The read the paused backend had in flight: its 101 opens the tunnel.
+    pb.receive(ws_backend_conn, _switch(ws_backend, key) + b"server-frame")
+    assert ws_backend_conn in pb.core.tunnels
+    commands = pb.sent(1, down.pending)
+    assert {c.conn for c in commands if isinstance(c, ResumeReading)} == {
+        streaming,
+        ws_backend_conn,
+    }
