@@ -71,14 +71,21 @@ async def test_graceful_stop_lets_every_stream_in_flight_finish(
                 nursery.start_soon(h2_stream)
             await fake.wait_streams_started(H1_STREAMS + H2_STREAMS)
             assert fake.streams_completed == 0  # every stream is in flight
+            drained = trio.Event()
+
+            def settled(now: float) -> None:
+                if core.drained:
+                    drained.set()
+
+            driver.on_settled = settled  # the driver's hook after each batch of commands
             now = trio.current_time()
             driver.feed(ShutdownRequested(now=now, deadline=now + 30))
             # A connection that races the end of accepting is closed before any request.
             async with httpx.AsyncClient(timeout=5) as late:
                 with pytest.raises(httpx.RemoteProtocolError):
                     await late.post(url, json=request)
-        while not core.drained:
-            await trio.sleep(0.01)
+        if not core.drained:
+            await drained.wait()
 
     assert [(c.returncode, c.stderr) for c in curls] == [(0, b"")] * H2_STREAMS
     h2_results = [sse_text(c.stdout.decode().splitlines()) for c in curls]
