@@ -95,7 +95,7 @@ def access_fields(exchange: Exchange, outcome: str) -> dict[str, Any]:
     """The fields of the ``access`` record of a finished exchange (``docs/architecture.md``
     lists them)."""
     head = exchange.head
-    now = exchange.core.now
+    now = exchange.fx.now
     meter = exchange.meter
     group = exchange.group
     return {

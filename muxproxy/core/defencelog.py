@@ -63,4 +63,4 @@ class DefenceLog:
             return
         self._quiet_until[kind] = now + self.interval
         suppressed = self._suppressed.pop(kind, 0)
-        core.emit(Log(event=kind, fields={"client": client, **fields, "suppressed": suppressed}))
+        core.fx.emit(Log(event=kind, fields={"client": client, **fields, "suppressed": suppressed}))

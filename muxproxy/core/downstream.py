@@ -33,7 +33,6 @@ exchange ends (RFC 9112 §9.6); HTTP/2's two GOAWAYs are ``shutdown.py``'s (RFC 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 import attrs
 import h2.errors
@@ -41,17 +40,14 @@ import h2.exceptions
 
 from ..config import Api
 from .commands import Log, PauseReading, ResumeReading
+from .effects import Effects
 from .errors import error_response
-from .exchange import Phase, RequestPhase
 from .h1 import H1Server, PeerError
 from .h2 import PREFACE, H2Server
 from .intake import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, Refused, RequestHead, ResponseHead
 from .paths import normalise_target
-
-if TYPE_CHECKING:
-    from .exchange import Exchange
-    from .proxy import ProxyCore
+from .ports import ClientHost, ClientStream, Phase, RequestPhase
 
 
 class Waiting(enum.Enum):
@@ -79,18 +75,26 @@ class Protocol(enum.Enum):
 
 class Downstream:
     def __init__(
-        self, core: ProxyCore, conn: int, *, peer_ip: str, tls: bool, alpn: str | None
+        self,
+        fx: Effects,
+        host: ClientHost,
+        conn: int,
+        *,
+        peer_ip: str,
+        tls: bool,
+        alpn: str | None,
     ) -> None:
-        self.core = core
+        self.fx = fx
+        self.host = host
         self.conn = conn
         self.peer_ip = peer_ip
         self.scheme = b"https" if tls else b"http"
-        self.exchanges: dict[int, Exchange] = {}
-        self.stalled: set[Exchange] = set()
+        self.exchanges: dict[int, ClientStream] = {}
+        self.stalled: set[ClientStream] = set()
         """Exchanges whose backend reading is paused because this side is behind: those whose
         ``response_flow`` (or tunnel's ``backend_flow``) is stopped (``flow.py``)."""
         self.pending = 0
-        self.last_progress = core.now
+        self.last_progress = fx.now
         self.send_timer_armed = False
         self.reading_paused = False
         self.abuse_logged = False
@@ -102,8 +106,8 @@ class Downstream:
         """A graceful stop began: no request after those running (``shutdown.py``)."""
         if tls:
             self._choose(Protocol.HTTP2 if alpn == "h2" else Protocol.HTTP1)
-        timeouts = core.config.timeouts
-        core.set_timer(("header", conn), core.now + timeouts.client_header)
+        timeouts = fx.config.timeouts
+        fx.set_timer(("header", conn), fx.now + timeouts.client_header)
         self.waiting = Waiting.HEAD
         self.window_waits: dict[int, float] = {}
         """HTTP/2 streams whose response waits for a window, and since when it has not moved
@@ -123,16 +127,14 @@ class Downstream:
 
     def _choose(self, protocol: Protocol) -> None:
         self.protocol = protocol
-        limits = self.core.config.limits
+        limits = self.fx.config.limits
         if protocol is Protocol.HTTP2:
             self.h2 = self._new_h2()
             self._flush_h2()
             if self.going_away:
                 # The preface came after the stop began (a fresh connection was left its
                 # first request): the two GOAWAYs now, as for every HTTP/2 client.
-                from .shutdown import stop_client
-
-                stop_client(self)
+                self.host.stop_client(self)
         else:
             self.h1 = H1Server(scheme=self.scheme, max_head=limits.max_request_head)
 
@@ -141,13 +143,13 @@ class Downstream:
         # request side stays within stream_buffer only if it fits in one read's slack.
         return H2Server(
             scheme=self.scheme,
-            max_concurrent_streams=self.core.config.limits.max_concurrent_streams,
-            initial_window=min(65535, self.core.read_size),
-            max_header_list_size=self.core.config.limits.max_request_head,
-            connection_window=self.core.config.limits.h2_connection_window,
+            max_concurrent_streams=self.fx.config.limits.max_concurrent_streams,
+            initial_window=min(65535, self.fx.read_size),
+            max_header_list_size=self.fx.config.limits.max_request_head,
+            connection_window=self.fx.config.limits.h2_connection_window,
             upgrade_settings=upgrade_settings,
-            reset_budget=self.core.config.limits.h2_reset_budget,
-            control_budget=self.core.config.limits.h2_control_frame_budget,
+            reset_budget=self.fx.config.limits.h2_reset_budget,
+            control_budget=self.fx.config.limits.h2_control_frame_budget,
         )
 
     def _maybe_switch_to_h2c(self) -> None:
@@ -220,11 +222,11 @@ class Downstream:
     def _h1_protocol_error(self, exc: PeerError, api: Api | None = None) -> None:
         assert self.h1 is not None
         if exc.smuggling:
-            self.core.defences.record(
+            self.host.defences.record(
                 "smuggling_refused", self.peer_ip, conn=self.conn, error=exc.reason
             )
         else:
-            self.core.emit(
+            self.fx.emit(
                 Log(event="client_protocol_error", fields={"conn": self.conn, "error": exc.reason})
             )
         exchange = self.exchanges.get(self.h1.stream)
@@ -238,7 +240,7 @@ class Downstream:
     ) -> int:
         """The proxy's own response on HTTP/1.1; returns the body bytes it carried."""
         assert self.h1 is not None
-        headers, body = error_response(status, text, api=api, date=self.core.http_date())
+        headers, body = error_response(status, text, api=api, date=self.fx.http_date())
         if request_id is not None:
             headers.append((b"x-request-id", request_id))
         out = self.h1.send_whole(status, headers, body)
@@ -251,7 +253,7 @@ class Downstream:
         self._flush_blocked()
         if h2c.guard.exhausted is not None and not self.abuse_logged:
             self.abuse_logged = True
-            self.core.defences.record(
+            self.host.defences.record(
                 "client_h2_abuse", self.peer_ip, conn=self.conn, reason=h2c.guard.exhausted
             )
         self._flush_h2()
@@ -267,7 +269,7 @@ class Downstream:
         waits = self.window_waits
         for stream in h2c.flush_blocked():
             if stream in waits:
-                waits[stream] = self.core.now  # the window moved: its wait starts again
+                waits[stream] = self.fx.now  # the window moved: its wait starts again
             exchange = self.exchanges.get(stream)
             if exchange is not None and exchange in self.stalled:
                 exchange.client_drained()
@@ -279,8 +281,8 @@ class Downstream:
             if type(message) is Body:
                 exchange = exchanges.get(message.stream)
                 if exchange is not None:
-                    limit = self.core.config.limits.max_request_body
-                    if exchange.body.size + len(message.data) > limit:
+                    limit = self.fx.config.limits.max_request_body
+                    if exchange.request_size + len(message.data) > limit:
                         self._body_too_large(exchange, message.flow_len)
                         continue
                     exchange.request_body(message.data, message.flow_len)
@@ -306,8 +308,8 @@ class Downstream:
                     self._flush_h2()
 
     def _start_exchange(self, head: RequestHead) -> None:
-        core = self.core
-        limits = core.config.limits
+        fx = self.fx
+        limits = fx.config.limits
         try:
             check_request_limits(
                 head, max_fields=limits.max_header_fields, max_body=limits.max_request_body
@@ -316,21 +318,21 @@ class Downstream:
             self._refuse(head, exc)
             return
         if not self.exchanges:
-            core.cancel_timer(("header", self.conn))
-            core.cancel_timer(("idle", self.conn))
+            fx.cancel_timer(("header", self.conn))
+            fx.cancel_timer(("idle", self.conn))
             self.waiting = Waiting.BUSY
-        exchange = core.new_exchange(self, head)
+        exchange = self.host.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
         exchange.start()
         if exchange.request is RequestPhase.BODY and exchange.phase is not Phase.DONE:
             exchange.watch_request_body()
 
-    def request_body_timeout(self, exchange: Exchange) -> None:
+    def request_body_timeout(self, exchange: ClientStream) -> None:
         """Slow request body: none of it for ``timeouts.client_header`` seconds while no
         response began. The client's fault, not the backend's: 408 and close on HTTP/1.1
         (RFC 9110 §15.5.9), RST_STREAM(CANCEL) on HTTP/2; the backend request is aborted."""
         stream = exchange.stream
-        self.core.defences.record(
+        self.host.defences.record(
             "request_body_timeout", self.peer_ip, conn=self.conn, stream=stream
         )
         reason = "no request body within the client_header timeout"
@@ -368,18 +370,18 @@ class Downstream:
             target = normalise_target(head.target)
         except MalformedRequest:
             return None
-        route = self.core.config.route_for(target)
+        route = self.fx.config.route_for(target)
         return None if route is None else route.api
 
     def _refuse_stream(self, stream: int, status: int, reason: str, api: Api | None) -> None:
-        self.core.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
+        self.fx.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
         self.send_error(stream, status, reason, api=api)
 
-    def _body_too_large(self, exchange: Exchange, flow_len: int) -> None:
+    def _body_too_large(self, exchange: ClientStream, flow_len: int) -> None:
         """The request body grew past ``limits.max_request_body``: 413 while no response
         began, otherwise the stream is reset (HTTP/2) or the connection closed (HTTP/1.1)."""
-        reason = f"request body above {self.core.config.limits.max_request_body} bytes"
-        self.core.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
+        reason = f"request body above {self.fx.config.limits.max_request_body} bytes"
+        self.fx.emit(Log(event="request_refused", fields={"conn": self.conn, "error": reason}))
         api = exchange.route.api if exchange.route is not None else None
         if self.h1 is not None:
             # The 413 first (h11 sends nothing once a response began): the abort below
@@ -406,15 +408,15 @@ class Downstream:
     def _send(self, data: bytes) -> None:
         if not data or self.protocol is Protocol.CLOSED:
             return
-        core = self.core
+        fx = self.fx
         if not self.pending:
-            self.last_progress = core.now
+            self.last_progress = fx.now
             if not self.send_timer_armed:
                 self.send_timer_armed = True
-                core.set_timer(("send", self.conn), core.now + core.config.timeouts.send)
+                fx.set_timer(("send", self.conn), fx.now + fx.config.timeouts.send)
         self.pending += len(data)
-        core.send(self.conn, data)
-        if self.pending > core.config.limits.connection_buffer:
+        fx.send(self.conn, data)
+        if self.pending > fx.config.limits.connection_buffer:
             self._stall_all()
 
     def _stall_all(self) -> None:
@@ -428,17 +430,15 @@ class Downstream:
         plus control frames (bounded by the h2 guard's budgets). WINDOW_UPDATEs do not release
         queued stream data meanwhile (``_after_h2_receive`` defers ``flush_blocked``)."""
         for exchange in self.exchanges.values():
-            upstream = exchange.upstream
             # Each resumes by its own flow (``Exchange.client_drained``), not while congested.
-            if upstream is not None and exchange.response_flow.stop():
-                upstream.pause()
+            if exchange.client_stalled():
                 self.stalled.add(exchange)
 
     @property
     def congested(self) -> bool:
         """Output above half of ``limits.connection_buffer`` while some backend is stalled:
         stalled backends stay paused and queued HTTP/2 data stays queued."""
-        return bool(self.stalled) and self.pending > self.core.config.limits.connection_buffer // 2
+        return bool(self.stalled) and self.pending > self.fx.config.limits.connection_buffer // 2
 
     def _flush_h2(self) -> None:
         assert self.h2 is not None
@@ -501,7 +501,7 @@ class Downstream:
         the exchange's X-Request-ID, sent with it. Returns the body bytes sent, for the
         access log."""
         if self.h2 is not None:
-            headers, body = error_response(status, text, api=api, date=self.core.http_date())
+            headers, body = error_response(status, text, api=api, date=self.fx.http_date())
             if request_id is not None:
                 headers.append((b"x-request-id", request_id))
             self.h2.send_head(ResponseHead(stream=stream, status=status, headers=headers))
@@ -528,10 +528,10 @@ class Downstream:
     def _window_wait(self, stream: int) -> None:
         """``stream``'s response started to wait for a window. One timer per connection,
         armed while some stream waits; a chunk queued behind a closed window costs nothing."""
-        core = self.core
+        fx = self.fx
         if not self.window_waits:
-            core.set_timer(("window", self.conn), core.now + core.config.timeouts.send)
-        self.window_waits[stream] = core.now
+            fx.set_timer(("window", self.conn), fx.now + fx.config.timeouts.send)
+        self.window_waits[stream] = fx.now
 
     def _window_timeout(self) -> None:
         """The ``window`` timer: reset each stream whose window stayed closed for
@@ -541,9 +541,9 @@ class Downstream:
         we did not fail (not INTERNAL_ERROR); the stream is no longer wanted (RFC 9113 §7).
         Its backend request is aborted; the other streams go on."""
         h2c = self.h2
-        core = self.core
-        now = core.now
-        limit = core.config.timeouts.send
+        fx = self.fx
+        now = fx.now
+        limit = fx.config.timeouts.send
         waits = self.window_waits
         due: float | None = None
         for stream, since in list(waits.items()):
@@ -561,13 +561,13 @@ class Downstream:
             at = since + limit
             due = at if due is None or at < due else due
         if due is not None and self.protocol is not Protocol.CLOSED:
-            core.set_timer(("window", self.conn), due)
+            fx.set_timer(("window", self.conn), due)
         if self.h2 is not None:
             self._flush_h2()
 
     def _cut_window_wait(self, stream: int) -> None:
         assert self.h2 is not None
-        self.core.defences.record(
+        self.host.defences.record(
             "stream_send_timeout", self.peer_ip, conn=self.conn, stream=stream
         )
         self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
@@ -586,18 +586,40 @@ class Downstream:
             self.h2.acknowledge(stream, nbytes)
             self._flush_h2()
 
-    def pause_source(self, exchange: Exchange) -> None:
+    def send_raw(self, data: bytes) -> None:
+        """Bytes as they are, through this connection's accounting (pending bytes, send
+        timeout): an HTTP/1.1 tunnel's, once h11 has switched protocols."""
+        self._send(data)
+
+    def switch_protocols(self, headers: Headers) -> bytes:
+        """HTTP/1.1: the 101 to a WebSocket upgrade (``H1Server.switch_protocols``); returns
+        the bytes the client sent after its request (the tunnel's first)."""
+        assert self.h1 is not None
+        out, early = self.h1.switch_protocols(headers)
+        self._send(out)
+        return early
+
+    def hold(self, stream: ClientStream) -> None:
+        self.stalled.add(stream)
+
+    def release(self, stream: ClientStream) -> None:
+        self.stalled.discard(stream)
+
+    def holds(self, stream: ClientStream) -> bool:
+        return stream in self.stalled
+
+    def pause_source(self) -> None:
         # HTTP/2 sources are stopped by the withheld acknowledgements alone.
         if self.h1 is not None and not self.reading_paused:
             self.reading_paused = True
-            self.core.emit(PauseReading(conn=self.conn))
+            self.fx.emit(PauseReading(conn=self.conn))
 
-    def resume_source(self, exchange: Exchange) -> None:
+    def resume_source(self) -> None:
         if self.h1 is not None and self.reading_paused:
             self.reading_paused = False
-            self.core.emit(ResumeReading(conn=self.conn))
+            self.fx.emit(ResumeReading(conn=self.conn))
 
-    def exchange_finished(self, exchange: Exchange) -> None:
+    def exchange_finished(self, exchange: ClientStream) -> None:
         self.exchanges.pop(exchange.stream, None)
         self.stalled.discard(exchange)
         if self.protocol is Protocol.CLOSED:
@@ -634,27 +656,27 @@ class Downstream:
             if self.h1 is not None and not self.h1.idle:
                 self._await_head()  # a pipelined head has begun
                 return
-            core = self.core
+            fx = self.fx
             self.waiting = Waiting.IDLE
-            core.set_timer(("idle", self.conn), core.now + core.config.timeouts.keepalive_idle)
+            fx.set_timer(("idle", self.conn), fx.now + fx.config.timeouts.keepalive_idle)
 
     def _await_head(self) -> None:
         """The first bytes of a request head came on an idle connection: from now on it is
         bounded by ``client_header`` (and answered 408 when late), not ``keepalive_idle``."""
-        core = self.core
+        fx = self.fx
         self.waiting = Waiting.HEAD
-        core.cancel_timer(("idle", self.conn))
-        core.set_timer(("header", self.conn), core.now + core.config.timeouts.client_header)
+        fx.cancel_timer(("idle", self.conn))
+        fx.set_timer(("header", self.conn), fx.now + fx.config.timeouts.client_header)
 
     # -- driver events ---------------------------------------------------------------------
 
     def on_sent(self, nbytes: int) -> None:
         self.pending -= nbytes
-        self.last_progress = self.core.now
+        self.last_progress = self.fx.now
         if self.h2 is not None and self.h2.window_changed and self.protocol is Protocol.HTTP2:
             self._flush_blocked()
             self._flush_h2()
-        if self.stalled and self.pending <= self.core.limits.low_water:
+        if self.stalled and self.pending <= self.fx.limits.low_water:
             # Least served first: the backends resumed first are read first (the driver reads
             # ready sockets in the order they became ready), and they may fill the connection
             # again before the others get a read. In a fixed order the same streams of a busy
@@ -668,12 +690,12 @@ class Downstream:
         for exchange in list(self.exchanges.values()):
             exchange.client_aborted(error or "client closed the connection")
         self.exchanges.clear()
-        core = self.core
+        fx = self.fx
         for kind in ("header", "idle", "send", "window", "goaway"):
-            core.cancel_timer((kind, self.conn))
-        core.clients.pop(self.conn, None)
+            fx.cancel_timer((kind, self.conn))
+        self.host.client_closed(self.conn)
         if was_open:
-            core.emit(Log(event="client_closed", fields={"conn": self.conn, "error": error}))
+            fx.emit(Log(event="client_closed", fields={"conn": self.conn, "error": error}))
 
     def close(self) -> None:
         """Close after what is pending is written; exchanges still running are aborted."""
@@ -687,23 +709,23 @@ class Downstream:
             # must be sent).
             self._flush_h2()
         self.protocol = Protocol.CLOSED
-        self.core.close(self.conn)
+        self.fx.close(self.conn)
         for exchange in list(self.exchanges.values()):
             exchange.client_aborted("client connection closed")
 
     def timer_fired(self, kind: str) -> None:
-        core = self.core
-        now = core.now
+        fx = self.fx
+        now = fx.now
         if kind == "send":
             self.send_timer_armed = False
             if not self.pending:
                 return
-            due = self.last_progress + core.config.timeouts.send
+            due = self.last_progress + fx.config.timeouts.send
             if now < due:
                 self.send_timer_armed = True
-                core.set_timer(("send", self.conn), due)
+                fx.set_timer(("send", self.conn), due)
                 return
-            core.emit(Log(event="send_timeout", fields={"conn": self.conn}))
+            fx.emit(Log(event="send_timeout", fields={"conn": self.conn}))
             self.close()
         elif kind == "window":
             self._window_timeout()
@@ -715,10 +737,10 @@ class Downstream:
                 self._flush_h2()
             elif self.h1 is not None and kind == "header" and not self.h1.idle:
                 # RFC 9110 §15.5.9: the client did not complete its request in time.
-                self.core.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
+                self.host.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
                 self._h1_error(408, "request header timeout")
             self.close()
 
 
-def _bytes_out(exchange: Exchange) -> int:
+def _bytes_out(exchange: ClientStream) -> int:
     return exchange.bytes_out

@@ -40,7 +40,6 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING
 
 import attrs
@@ -57,6 +56,7 @@ from . import grpc
 from .access import access_fields, with_request_id
 from .body import RequestBody
 from .commands import Log, Origin
+from .effects import Effects
 from .flow import Flow
 from .grpc import grpc_timeout, is_grpc, status_fields, trailers_only
 from .headers import (
@@ -70,45 +70,27 @@ from .intake import MalformedRequest
 from .measure import SseMeter
 from .messages import Headers, RequestHead, ResponseHead
 from .paths import normalise_target
+from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
 from .sse import HEARTBEAT, EventBoundary
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
-    from .downstream import Downstream
-    from .pool import UpstreamStream
-    from .proxy import ProxyCore
 
 VIA = b"muxproxy"
 # RFC 9110 §9.2.2: methods a client (and so a proxy) may send again after a connection failure.
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
 
 
-class Phase(enum.Enum):
-    BUFFERING = "buffering"
-    """Holding the start of the request body to find a session key in it."""
-    CONNECTING = "connecting"
-    """Waiting for a backend connection; request body bytes are held (bounded)."""
-    WAITING_HEAD = "waiting_head"
-    """The request head went to the backend; waiting for its response head."""
-    HOLDING = "holding"
-    """An SSE response head is held until the first event (``retry_until_first_event``)."""
-    STREAMING = "streaming"
-    """The response head went to the client; body chunks are relayed as they come."""
-    DONE = "done"
-
-
 # Phases in which nothing has reached the client yet, so a failure may still be retried.
 UNCOMMITTED = frozenset({Phase.CONNECTING, Phase.WAITING_HEAD, Phase.HOLDING})
 
 
-class RequestPhase(enum.Enum):
-    BODY = "body"
-    COMPLETE = "complete"
-
-
 class Exchange:
-    def __init__(self, core: ProxyCore, client: Downstream, head: RequestHead, ident: int) -> None:
-        self.core = core
+    def __init__(
+        self, fx: Effects, host: ExchangeHost, client: ClientSide, head: RequestHead, ident: int
+    ) -> None:
+        self.fx = fx
+        self.host = host
         self.client = client
         self.stream = head.stream
         self.head = head
@@ -134,13 +116,14 @@ class Exchange:
         acknowledged."""
         self.response_flow = Flow()
         """The backend as the response's source: stopped while the client is behind (this
-        stream's bytes, or ``Downstream._stall_all``); then ``client.stalled`` holds us."""
-        self.started = core.now
-        self.first_attempt_at = core.now
-        self.last_upstream_activity = core.now
-        self.last_request_activity = core.now
+        stream's bytes, or ``client_stalled``); then the client side holds us
+        (``ClientSide.hold``)."""
+        self.started = fx.now
+        self.first_attempt_at = fx.now
+        self.last_upstream_activity = fx.now
+        self.last_request_activity = fx.now
         """When the client last moved the request body on (``watch_request_body``)."""
-        self.request_done_at = core.now
+        self.request_done_at = fx.now
         """When the request was complete (its start while the body is still coming): the
         backend's response-head clock runs from there (``_backend_late``)."""
         self.first_byte_at: float | None = None
@@ -149,7 +132,7 @@ class Exchange:
         self.bytes_in = 0
         """Request body bytes taken from the client."""
         self.outcome = ""
-        self.request_id = core.request_ids.for_request(head.headers)
+        self.request_id = self.host.request_ids.for_request(head.headers)
         """``X-Request-ID``: the client's when sane, else ours (``access.py``)."""
         self.server_address = ""
         """The configured address of the last server tried ("" before the first attempt)."""
@@ -168,12 +151,12 @@ class Exchange:
     # -- routing ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        core = self.core
+        fx = self.fx
         head = self.head
         timeout = grpc_timeout(head.headers) if is_grpc(head.headers) else None
         if timeout is not None:
             # The whole call's deadline, across retries (gRPC's grpc-timeout).
-            core.set_timer(("deadline", self.ident), core.now + timeout)
+            fx.set_timer(("deadline", self.ident), fx.now + timeout)
         try:
             target = normalise_target(head.target)
         except MalformedRequest as exc:
@@ -183,12 +166,12 @@ class Exchange:
             # Routed and forwarded as normalised (paths.py): the backend has nothing left to
             # resolve that could take it out of the route's prefix.
             head = self.head = attrs.evolve(head, target=target)
-        route = self.route = core.config.route_for(head.target)
+        route = self.route = fx.config.route_for(head.target)
         if route is None:
             self.fail(404, "no route for this path")
             return
-        group = self.group = core.config.upstreams[route.upstream]
-        self.router = core.router(group)
+        group = self.group = fx.config.upstreams[route.upstream]
+        self.router = self.host.router(group)
         self.body = RequestBody(group.next_upstream.replay_buffer)
         sticky = group.sticky
         if sticky.cookie is not None:
@@ -202,7 +185,7 @@ class Exchange:
 
     def _buffered_enough(self) -> bool:
         assert self.group is not None
-        limit = min(self.group.sticky.body_limit, self.core.limits.high_water)
+        limit = min(self.group.sticky.body_limit, self.fx.limits.high_water)
         return self.body.size >= limit
 
     def _route_by_body(self) -> None:
@@ -217,27 +200,27 @@ class Exchange:
     def _route(self, key: bytes | None) -> None:
         assert self.router is not None
         self.session_key = key
-        self.candidates = self.router.candidates(key, self.pinned, self.core.now)
+        self.candidates = self.router.candidates(key, self.pinned, self.fx.now)
         if not self.candidates:
             self.fail(503, "no backend available")
             return
-        self.first_attempt_at = self.core.now
+        self.first_attempt_at = self.fx.now
         self._attempt()
 
     def _attempt(self) -> None:
-        core = self.core
+        fx = self.fx
         assert self.group is not None and self.router is not None
         index = self.server = self.candidates[self.tries]
         self.tries += 1
-        self.router.stream_started(index, self.session_key, core.now)
+        self.router.stream_started(index, self.session_key, fx.now)
         server = self.group.servers[index]
         self.server_address = server.address
         self.server_id = self.router.ids[index].decode("ascii")
         self.origin = Origin.of(server)
         self.phase = Phase.CONNECTING
-        timeout = self.group.timeouts.connect or core.config.timeouts.connect
-        core.set_timer(("connect", self.ident), core.now + timeout)
-        core.pool.acquire(self.origin, self.group, self)
+        timeout = self.group.timeouts.connect or fx.config.timeouts.connect
+        fx.set_timer(("connect", self.ident), fx.now + timeout)
+        self.host.pool.acquire(self.origin, self.group, self)
 
     def _leave_server(self) -> None:
         if self.server is not None and self.router is not None:
@@ -252,14 +235,14 @@ class Exchange:
         if self.tries >= len(self.candidates) and self.router is not None:
             # Every candidate was tried; failures may have changed who is usable (the last
             # primary down brings in the backups), so ask again.
-            fresh = self.router.candidates(self.session_key, self.pinned, self.core.now)
+            fresh = self.router.candidates(self.session_key, self.pinned, self.fx.now)
             self.candidates.extend(i for i in fresh if i not in self.candidates)
         if self.tries >= min(policy.tries, len(self.candidates)):
             return False
-        if self.core.now - self.first_attempt_at >= policy.tries_timeout:
+        if self.fx.now - self.first_attempt_at >= policy.tries_timeout:
             return False
         if not self.body.rewind():
-            self.core.emit(
+            self.fx.emit(
                 Log(
                     event="retry_skipped",
                     fields={"reason": "request body larger than the replay buffer"},
@@ -290,25 +273,25 @@ class Exchange:
     def _retry_stale(self, reason: str) -> None:
         """Same server, fresh connection; the server's health and ``tries`` are untouched."""
         assert self.group is not None and self.origin is not None
-        core = self.core
+        fx = self.fx
         self.stale_retried = True
         self._cancel_attempt_timers()
         self._release_upstream(close=True)
         self._count_retry("stale_connection", reason)
         self.phase = Phase.CONNECTING
-        timeout = self.group.timeouts.connect or core.config.timeouts.connect
-        core.set_timer(("connect", self.ident), core.now + timeout)
-        core.pool.acquire(self.origin, self.group, self, fresh=True)
+        timeout = self.group.timeouts.connect or fx.config.timeouts.connect
+        fx.set_timer(("connect", self.ident), fx.now + timeout)
+        self.host.pool.acquire(self.origin, self.group, self, fresh=True)
 
     def _retry_or_fail(self, condition: str, reason: str) -> None:
         """The current attempt failed before anything reached the client."""
         assert self.router is not None and self.server is not None
-        core = self.core
+        fx = self.fx
         group = self.group
         assert group is not None
-        core.measurements.failure(group.name, self.server_address, condition)
-        if self.router.failed(self.server, core.now):
-            core.emit(
+        self.host.measurements.failure(group.name, self.server_address, condition)
+        if self.router.failed(self.server, fx.now):
+            fx.emit(
                 Log(
                     event="health",
                     fields={
@@ -334,12 +317,12 @@ class Exchange:
 
     def _count_retry(self, condition: str, reason: str) -> None:
         """Another attempt follows (``_attempt`` or ``_retry_stale``): log and count it."""
-        core = self.core
+        fx = self.fx
         group = self.group.name if self.group is not None else ""
         if condition == "stale_connection":
-            core.measurements.failure(group, self.server_address, condition)
-        core.measurements.retry(group, condition)
-        core.emit(
+            self.host.measurements.failure(group, self.server_address, condition)
+        self.host.measurements.retry(group, condition)
+        fx.emit(
             Log(
                 event="retry",
                 fields={
@@ -361,10 +344,10 @@ class Exchange:
             upstream.exchange = None
             upstream.close()
             return
-        core = self.core
+        fx = self.fx
         group = self.group
         assert group is not None
-        core.cancel_timer(("connect", self.ident))
+        fx.cancel_timer(("connect", self.ident))
         self.upstream = upstream
         head = self.head
         # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); without a
@@ -386,13 +369,13 @@ class Exchange:
             upstream.send_end(self.request_trailers)
         self.phase = Phase.WAITING_HEAD
         timeouts = group.timeouts
-        now = core.now
-        core.set_timer(
+        now = fx.now
+        fx.set_timer(
             ("head", self.ident),
-            now + (timeouts.response_head or core.config.timeouts.response_head),
+            now + (timeouts.response_head or fx.config.timeouts.response_head),
         )
         if timeouts.first_token:
-            core.set_timer(("first_token", self.ident), now + timeouts.first_token)
+            fx.set_timer(("first_token", self.ident), now + timeouts.first_token)
         self._check_request_flow()
 
     def _apply_header_rules(self, headers: Headers) -> Headers:
@@ -417,7 +400,7 @@ class Exchange:
             self.client.acknowledge(self.stream, flow_len)
             return
         self.request_flow.hold(flow_len)
-        self.last_request_activity = self.core.now
+        self.last_request_activity = self.fx.now
         self.bytes_in += len(data)
         self.body.add(data)
         upstream = self.upstream
@@ -432,7 +415,7 @@ class Exchange:
         if self.request is RequestPhase.COMPLETE:
             return  # a request without a body was complete with its head
         self.request = RequestPhase.COMPLETE
-        self.request_done_at = self.core.now
+        self.request_done_at = self.fx.now
         if self.phase is Phase.DONE:
             return
         # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
@@ -441,6 +424,11 @@ class Exchange:
             self.upstream.send_end(trailers)
         elif self.phase is Phase.BUFFERING:
             self._route_by_body()
+
+    @property
+    def request_size(self) -> int:
+        """Request body bytes taken from the client so far."""
+        return self.body.size
 
     def request_buffered(self) -> int:
         """Request bytes taken from the client and not yet written to the backend."""
@@ -451,14 +439,14 @@ class Exchange:
             return
         flow = self.request_flow
         buffered = self.request_buffered()
-        limits = self.core.limits
+        limits = self.fx.limits
         if flow.filled(buffered, limits):
-            self.client.pause_source(self)
+            self.client.pause_source()
         elif flow.drained(buffered, limits):
             # The client could not send while we withheld its window: its idle time starts
             # now (``watch_request_body``).
-            self.last_request_activity = self.core.now
-            self.client.resume_source(self)
+            self.last_request_activity = self.fx.now
+            self.client.resume_source()
         credit = flow.release()
         if credit:
             self.client.acknowledge(self.stream, credit)
@@ -468,8 +456,8 @@ class Exchange:
         buffered for a session key): a request with a body must keep it moving. Lazy like the
         read timer: armed once here, moved only when it fires, so a body chunk costs no timer
         command. Tunnels override this (silence is theirs to keep)."""
-        core = self.core
-        core.set_timer(("body", self.ident), core.now + core.config.timeouts.client_header)
+        fx = self.fx
+        fx.set_timer(("body", self.ident), fx.now + fx.config.timeouts.client_header)
 
     def _request_body_idle(self) -> None:
         """The ``body`` timer: reset the stream if the client sent no request body for
@@ -481,12 +469,12 @@ class Exchange:
             Phase.STREAMING,
         ):
             return
-        core = self.core
+        fx = self.fx
         if self.request_flow.stopped:
-            self.last_request_activity = core.now  # backpressure: the client is not at fault
-        due = self.last_request_activity + core.config.timeouts.client_header
-        if core.now < due:
-            core.set_timer(("body", self.ident), due)
+            self.last_request_activity = fx.now  # backpressure: the client is not at fault
+        due = self.last_request_activity + fx.config.timeouts.client_header
+        if fx.now < due:
+            fx.set_timer(("body", self.ident), due)
             return
         self.client.request_body_timeout(self)
 
@@ -508,9 +496,9 @@ class Exchange:
     def response_head(self, head: ResponseHead) -> None:
         if self.phase is not Phase.WAITING_HEAD:
             return
-        core = self.core
+        fx = self.fx
         assert self.router is not None and self.server is not None and self.route is not None
-        core.cancel_timer(("head", self.ident))
+        fx.cancel_timer(("head", self.ident))
         status = head.status
         condition = f"http_{status}"
         if self._may_retry(condition):
@@ -518,10 +506,10 @@ class Exchange:
             return
         self.router.succeeded(self.server)
         self.status = status
-        self.head_at = core.now
+        self.head_at = fx.now
         group = self.group
         assert group is not None
-        core.measurements.group(group.name).response_head.observe(core.now - self.started)
+        self.host.measurements.group(group.name).response_head.observe(fx.now - self.started)
         version = self.upstream.http_version if self.upstream else b"1.1"
         self.upstream_version = version.decode("ascii")
         headers = response_headers(
@@ -530,7 +518,7 @@ class Exchange:
             via=VIA,
             upstream_version=version,
             to_h2=self.client.is_h2,
-            date=core.http_date(),
+            date=fx.http_date(),
         )
         headers = with_request_id(headers, self.request_id)
         cookie = self.group.sticky.cookie if self.group else None
@@ -539,7 +527,7 @@ class Exchange:
             if self.pinned != server_id:
                 headers.append(set_cookie_header(cookie, server_id))
         self.response = ResponseHead(stream=self.stream, status=status, headers=headers)
-        self.last_upstream_activity = core.now
+        self.last_upstream_activity = fx.now
         if (
             self.route.retry_until_first_event
             and 200 <= status < 300
@@ -550,26 +538,26 @@ class Exchange:
             # this a backend that sends the head and then nothing would hold the client
             # forever (unless a first-token timeout is configured).
             idle = self.group.timeouts.idle if self.group else None
-            core.set_timer(("read", self.ident), core.now + (idle or core.config.timeouts.read))
+            fx.set_timer(("read", self.ident), fx.now + (idle or fx.config.timeouts.read))
             return
         self._commit()
 
     def _commit(self) -> None:
         """Send the response head: from here on nothing is retried."""
         assert self.response is not None
-        core = self.core
+        fx = self.fx
         self.phase = Phase.STREAMING
         self.body.commit()
         self.client.send_head(self.response)
-        idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
-        core.set_timer(("read", self.ident), self.last_upstream_activity + idle)
+        idle = (self.group.timeouts.idle if self.group else None) or fx.config.timeouts.read
+        fx.set_timer(("read", self.ident), self.last_upstream_activity + idle)
         sse = (
             200 <= self.status < 300
             and self.head.method != b"HEAD"
             and is_event_stream(self.response.headers)
         )
         if sse and self.group is not None:
-            self.meter = SseMeter(core.measurements.group(self.group.name), self.started)
+            self.meter = SseMeter(self.host.measurements.group(self.group.name), self.started)
         heartbeat = self.route.sse_heartbeat if self.route else None
         if (
             heartbeat
@@ -581,8 +569,8 @@ class Exchange:
             # Lazy like the read timer: armed once here, moved only when it fires. The head
             # going out now counts as the last thing the client got.
             self.sse = EventBoundary()
-            self.heartbeat_at = core.now
-            core.set_timer(("heartbeat", self.ident), core.now + heartbeat)
+            self.heartbeat_at = fx.now
+            fx.set_timer(("heartbeat", self.ident), fx.now + heartbeat)
 
     def response_body(self, data: bytes) -> None:
         phase = self.phase
@@ -590,11 +578,11 @@ class Exchange:
             if phase is not Phase.HOLDING:
                 return
             self._commit()
-        now = self.core.now
+        now = self.fx.now
         self.last_upstream_activity = now
         if self.first_byte_at is None:
             self.first_byte_at = now
-            self.core.cancel_timer(("first_token", self.ident))
+            self.fx.cancel_timer(("first_token", self.ident))
         self.bytes_out += len(data)
         meter = self.meter
         if meter is not None:
@@ -605,10 +593,18 @@ class Exchange:
         client.send_body(self.stream, data)
         upstream = self.upstream
         if upstream is not None and self.response_flow.filled(
-            client.buffered(self.stream), self.core.limits
+            client.buffered(self.stream), self.fx.limits
         ):
             upstream.pause()
-            client.stalled.add(self)
+            client.hold(self)
+
+    def client_stalled(self) -> bool:
+        """The client connection is behind (``ClientStream.client_stalled``): stop our backend."""
+        upstream = self.upstream
+        if upstream is not None and self.response_flow.stop():
+            upstream.pause()
+            return True
+        return False
 
     def client_drained(self) -> None:
         """The client side wrote some of this stream's bytes; maybe read the backend again."""
@@ -619,10 +615,10 @@ class Exchange:
             and self.response_flow.stopped
             # The connection's gate first: ``drained`` resumes the flow when it says yes.
             and not client.congested
-            and self.response_flow.drained(client.buffered(self.stream), self.core.limits)
+            and self.response_flow.drained(client.buffered(self.stream), self.fx.limits)
         ):
             upstream.resume()
-            client.stalled.discard(self)
+            client.release(self)
 
     def response_end(self, trailers: Headers) -> None:
         if self.phase is Phase.HOLDING:
@@ -643,7 +639,7 @@ class Exchange:
             self._retry_or_fail("timeout" if timeout else "error", reason)
         elif self.phase is Phase.STREAMING:
             if self.group is not None:
-                self.core.measurements.failure(self.group.name, self.server_address, "mid_stream")
+                self.host.measurements.failure(self.group.name, self.server_address, "mid_stream")
             self._release_upstream(close=True)
             # DONE before the abort: on HTTP/1.1 the abort closes the client connection, which
             # calls ``client_aborted`` on this exchange; without this it would finish (and log)
@@ -654,21 +650,21 @@ class Exchange:
             self._finish(f"upstream failed mid-stream: {reason}")
 
     def timer_fired(self, kind: str) -> None:
-        core = self.core
+        fx = self.fx
         if kind == "read":
             # HOLDING too: the idle deadline bounds a held head (see ``response_head``).
             if self.phase is not Phase.STREAMING and self.phase is not Phase.HOLDING:
                 return
-            idle = (self.group.timeouts.idle if self.group else None) or core.config.timeouts.read
-            if self in self.client.stalled:
+            idle = (self.group.timeouts.idle if self.group else None) or fx.config.timeouts.read
+            if self.client.holds(self):
                 # We paused the backend because the client is behind: its silence is ours.
                 # The client side has its own bound (``Downstream``'s send and window timers).
-                self.last_upstream_activity = core.now
+                self.last_upstream_activity = fx.now
             due = self.last_upstream_activity + idle
-            if core.now < due:
+            if fx.now < due:
                 # Lazy timer: the deadline moves with every chunk, but we re-arm only here,
                 # so relaying a chunk costs no timer command.
-                core.set_timer(("read", self.ident), due)
+                fx.set_timer(("read", self.ident), due)
                 return
             self.upstream_failed("no data from upstream within the read timeout", timeout=True)
         elif kind == "connect":
@@ -676,7 +672,7 @@ class Exchange:
         elif kind == "head":
             timeout = (
                 self.group.timeouts.response_head if self.group else None
-            ) or core.config.timeouts.response_head
+            ) or fx.config.timeouts.response_head
             if not self._backend_late(kind, timeout):
                 return
             self.upstream_failed("response head timeout", timeout=True)
@@ -698,13 +694,13 @@ class Exchange:
         wait for the whole request before it answers, and a client that stopped sending is
         the ``body`` timer's to judge (RFC 9110 §15.5.9: 408, not a 504). Then the clock
         runs from the end of the request; the timer is re-armed, so a body chunk costs none."""
-        core = self.core
+        fx = self.fx
         if self.request is RequestPhase.BODY and not self.request_flow.stopped:
-            core.set_timer((kind, self.ident), core.now + timeout)
+            fx.set_timer((kind, self.ident), fx.now + timeout)
             return False
         due = self.request_done_at + timeout
-        if core.now < due:
-            core.set_timer((kind, self.ident), due)
+        if fx.now < due:
+            fx.set_timer((kind, self.ident), due)
             return False
         return True
 
@@ -731,8 +727,8 @@ class Exchange:
             return
         interval = self.route.sse_heartbeat
         assert interval is not None
-        core = self.core
-        now = core.now
+        fx = self.fx
+        now = fx.now
         due = max(self.last_upstream_activity, self.heartbeat_at) + interval
         if now >= due:
             # Only between events (a comment inside one would end it early), and only when
@@ -741,7 +737,7 @@ class Exchange:
                 self.client.send_body(self.stream, HEARTBEAT)
                 self.heartbeat_at = now
             due = now + interval
-        core.set_timer(("heartbeat", self.ident), due)
+        fx.set_timer(("heartbeat", self.ident), due)
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -753,7 +749,7 @@ class Exchange:
             # A gRPC client gets a gRPC answer (grpc.py): 200 and a Trailers-Only response.
             self.status = 200
             fields = trailers_only(grpc.status_for_http(status), text)
-            date = self.core.http_date()
+            date = self.fx.http_date()
             if date is not None:
                 fields.append((b"date", date))
             fields.append((b"x-request-id", self.request_id))
@@ -773,7 +769,7 @@ class Exchange:
 
     def _cancel_attempt_timers(self) -> None:
         for kind in ("connect", "head", "first_token", "read", "heartbeat"):
-            self.core.cancel_timer((kind, self.ident))
+            self.fx.cancel_timer((kind, self.ident))
 
     def _release_upstream(self, *, close: bool) -> None:
         upstream = self.upstream
@@ -783,37 +779,37 @@ class Exchange:
             # Whoever stopped it, its reading is not ours to resume any more (released to the
             # pool it is resumed there); a next attempt's backend starts running.
             self.response_flow.resume()
-            self.client.stalled.discard(self)
+            self.client.release(self)
             if close or self.request is not RequestPhase.COMPLETE:
                 upstream.close()
             else:
                 upstream.release()
         elif self.origin is not None and self.phase is Phase.CONNECTING:
-            self.core.pool.forget(self)
+            self.host.pool.forget(self)
 
     def _finish(self, outcome: str) -> None:
-        core = self.core
+        fx = self.fx
         self.phase = Phase.DONE
         self.outcome = outcome
         self._cancel_attempt_timers()
-        core.cancel_timer(("deadline", self.ident))
-        core.cancel_timer(("body", self.ident))
+        fx.cancel_timer(("deadline", self.ident))
+        fx.cancel_timer(("body", self.ident))
         self._leave_server()
         flow = self.request_flow
         credit = flow.take()
         if credit:
             self.client.acknowledge(self.stream, credit)
         if flow.resume():
-            self.client.resume_source(self)
-        core.exchange_finished(self)
+            self.client.resume_source()
+        self.host.exchange_finished(self)
         self.client.exchange_finished(self)
         self._measure()
-        core.emit(Log(event="access", fields=access_fields(self, outcome)))
+        fx.emit(Log(event="access", fields=access_fields(self, outcome)))
 
     def _measure(self) -> None:
         """Add what this exchange measured to the totals (``measure.py``)."""
-        core = self.core
-        measurements = core.measurements
+        fx = self.fx
+        measurements = self.host.measurements
         group = self.group.name if self.group is not None else ""
         version = self.head.http_version.decode("latin-1")
         measurements.request(group, self.server_address, self.status, version)
@@ -826,4 +822,4 @@ class Exchange:
             stats.inter_token.sum += meter.gap_sum
             if meter.first_token_at is None:
                 stats.streams_without_token += 1
-            stats.stream_duration.observe(core.now - self.started)
+            stats.stream_duration.observe(fx.now - self.started)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import traceback
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import h2.errors
@@ -43,15 +43,14 @@ from .commands import (
     ShutdownWrite,
 )
 from .downstream import Protocol
-from .exchange import Exchange, Phase
+from .exchange import Exchange
 from .h2pool import H2State, H2Stream, H2Upstream
 from .pool import UpstreamConn, UpstreamState
+from .ports import Phase
 from .probes import Probe, ProbeState
+from .tables import CoreTables
 from .tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
 from .websocket import WebSocketExchange
-
-if TYPE_CHECKING:
-    from .proxy import ProxyCore
 
 # Timer kinds keyed by something else than a client connection id, besides the exchanges'.
 _OTHER_TIMERS = frozenset({"pool", "probe", "probe_timeout", "shutdown"})
@@ -74,7 +73,7 @@ class Fault:
 class Isolation:
     """Contains faults for one ``ProxyCore`` (see the module docstring)."""
 
-    def __init__(self, core: ProxyCore, *, exchange_timers: frozenset[str]) -> None:
+    def __init__(self, core: CoreTables, *, exchange_timers: frozenset[str]) -> None:
         self.core = core
         self.exchange_timers = exchange_timers
         """Timer kinds owned by an exchange, keyed by its ident (``ProxyCore._wakeup``)."""
@@ -129,10 +128,10 @@ class Isolation:
             self._isolate_client(conn, fields)
         else:
             self._isolate_backend(conn, fields)
-        core.emit(Log(event="internal_error", fields=fields))
+        core.fx.emit(Log(event="internal_error", fields=fields))
 
     def _drop_commands(self, conn: int) -> None:
-        out = self.core._out
+        out = self.core.fx.out
         out[:] = [c for c in out if not (isinstance(c, _CONN_COMMANDS) and c.conn == conn)]
 
     # -- a client connection ---------------------------------------------------------------
@@ -144,7 +143,11 @@ class Isolation:
         goaway = b""
         if downstream is not None:
             fields["client"] = downstream.peer_ip
-            doomed += [ex for ex in downstream.exchanges.values() if ex not in doomed]
+            doomed += [
+                ex
+                for ex in downstream.exchanges.values()
+                if isinstance(ex, Exchange) and ex not in doomed
+            ]
             h2s = downstream.h2
             if downstream.protocol is Protocol.HTTP2 and h2s is not None:
                 last = h2s.conn.highest_inbound_stream_id
@@ -167,19 +170,19 @@ class Isolation:
         for ex in doomed:
             self._drop_exchange(ex)
         self._detach_backends(doomed)
-        for timer in list(core._timers):
+        for timer in list(core.fx.timers):
             if timer[1] == conn and timer[0] not in self._client_timers_not:
-                core.cancel_timer(timer)
+                core.fx.cancel_timer(timer)
         if goaway:
-            core.emit(SendData(conn=conn, data=goaway))
-        core.close(conn)
+            core.fx.emit(SendData(conn=conn, data=goaway))
+        core.fx.close(conn)
 
     def _drop_exchange(self, ex: Exchange) -> None:
         """Forget ``ex`` without calling into it: its client is gone."""
         core = self.core
         core.exchanges.pop(ex.ident, None)
         for kind in self.exchange_timers:
-            core.cancel_timer((kind, ex.ident))
+            core.fx.cancel_timer((kind, ex.ident))
         if ex.server is not None and ex.router is not None:
             ex.router.stream_ended(ex.server)
             ex.server = None
@@ -217,12 +220,12 @@ class Isolation:
         tunnel.state = TunnelState.CLOSED
         for conn in [c for c, t in core.tunnels.items() if t is tunnel]:
             del core.tunnels[conn]
-        core.cancel_timer(tunnel.timer)
+        core.fx.cancel_timer(tunnel.timer)
         if not close_backend:
             return
         backend = tunnel.backend
         if isinstance(backend, RawBackend):
-            core.close(backend.conn)
+            core.fx.close(backend.conn)
         elif isinstance(backend, StreamBackend):
             # RFC 9113 §8.7: the stream on the shared backend connection is cancelled.
             stream = backend.stream
@@ -259,8 +262,8 @@ class Isolation:
             if isinstance(user, WebSocketExchange) and user.tunnel is not None:
                 self._drop_tunnel(user.tunnel, close_backend=False)
         core.upstreams.pop(conn, None)
-        core.cancel_timer(("pool", conn))
-        core.close(conn)
+        core.fx.cancel_timer(("pool", conn))
+        core.fx.close(conn)
         for user in users:
             if isinstance(user, Exchange):
                 self._fail_exchange(user, backend)
@@ -282,7 +285,7 @@ class Isolation:
 
     def _reset_probe(self, probe: Probe) -> None:
         core = self.core
-        core.cancel_timer(("probe_timeout", probe.ident))
+        core.fx.cancel_timer(("probe_timeout", probe.ident))
         core.pool.forget(probe)
         probe.upstream = None
         probe.state = ProbeState.IDLE

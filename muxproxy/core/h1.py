@@ -271,6 +271,13 @@ class H1Server:
         out = self.conn.send(switching)
         return out or b"", bytes(self.conn.trailing_data[0])
 
+    def switch_protocols(self, headers: Headers) -> tuple[bytes, bytes]:
+        """Switch to the protocol of the request's Upgrade (a WebSocket tunnel): (our 101's
+        bytes with ``headers``, what the client sent after its request — the new protocol's
+        first bytes). RFC 9110 §15.2.2; h11 is SWITCHED_PROTOCOL from here on."""
+        out = self.conn.send(h11.InformationalResponse(status_code=101, headers=headers))
+        return out or b"", bytes(self.conn.trailing_data[0])
+
     def decline_h2c(self) -> list[Message]:
         """Serve the pending h2c offer over HTTP/1.1 after all: its head and end. The normal
         response that follows tells h11 the switch was refused (RFC 9110 §7.8)."""
@@ -350,6 +357,10 @@ class H1Server:
 
 class H1Client:
     """The client side of one backend connection: one request at a time, kept alive."""
+
+    def trailing_data(self) -> bytes:
+        """Bytes read past the response that switched protocols (a 101): the tunnel's."""
+        return bytes(self.conn.trailing_data[0])
 
     def __init__(self, *, max_head: int = DEFAULT_MAX_HEAD) -> None:
         # A backend's response head is bounded like a client's request head: past

@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .commands import Log, OpenConnection, Origin
+from .effects import Effects
 from .flow import Flow
 from .h2client import H2Client
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
+from .ports import BackendConnection, UpstreamUser
 
 if TYPE_CHECKING:
     from ..config import Server, Upstream
-    from .pool import UpstreamUser
-    from .proxy import ProxyCore
 
 # Requests that may wait for a free stream per server before new ones fail at once.
 MAX_WAITING = 1024
@@ -167,21 +168,21 @@ class H2Upstream:
         self, pool: H2Pool, conn: int, origin: Origin, group: Upstream, server: Server
     ) -> None:
         self.pool = pool
-        self.core = pool.core
+        self.fx = pool.fx
         self.conn = conn
         self.origin = origin
         self.server = server
         self.idle_timeout = group.pool_idle_timeout
-        self.start_deadline = self.core.now + (
-            group.timeouts.connect or self.core.config.timeouts.connect
+        self.start_deadline = self.fx.now + (
+            group.timeouts.connect or self.fx.config.timeouts.connect
         )
         """Connected with the backend's first SETTINGS by then, or given up (RFC 9113 §3.4)."""
-        self.client = H2Client(initial_window=min(65535, self.core.read_size))
+        self.client = H2Client(initial_window=min(65535, self.fx.read_size))
         self.state = H2State.CONNECTING
         self.streams: dict[int, H2Stream] = {}
         self.pending = 0
         self.paused = False
-        self.idle_since = self.core.now
+        self.idle_since = self.fx.now
         self.ping_sent = False
 
     @property
@@ -194,7 +195,7 @@ class H2Upstream:
         data = self.client.data_to_send()
         if data and self.state is not H2State.CLOSED:
             self.pending += len(data)
-            self.core.send(self.conn, data)
+            self.fx.send(self.conn, data)
 
     # -- driver events (BackendConnection) -------------------------------------------------
 
@@ -219,7 +220,7 @@ class H2Upstream:
             # and a GOAWAY in the same read as the first SETTINGS means no stream at all.
             self.state = H2State.DRAINING
             fields = {"upstream": str(self), "last_stream": client.goaway_last_stream}
-            self.core.emit(Log(event="upstream_goaway", fields=fields))
+            self.fx.emit(Log(event="upstream_goaway", fields=fields))
         elif self.state is H2State.STARTING and client.settings_received:
             self.state = H2State.READY
             self.pool.ready(self)
@@ -287,26 +288,26 @@ class H2Upstream:
             # TCP but sends none cannot take a stream, and must not hold the requests that
             # wait for it (nor keep the pool from opening another connection) for ever.
             what = "connect" if self.state is H2State.CONNECTING else "SETTINGS"
-            self.core.emit(
+            self.fx.emit(
                 Log(event="upstream_start_timeout", fields={"upstream": str(self), "wait": what})
             )
             self.close(f"no {what} from {self.origin} within the connect timeout", timeout=True)
             return
         if self.streams or self.state not in (H2State.READY, H2State.DRAINING):
             return
-        now = self.core.now
+        now = self.fx.now
         deadline = self.idle_since + self.idle_timeout
         if now >= deadline:
             self.close()
             return
         if self.ping_sent and not self.client.ping_acked:
-            self.core.emit(Log(event="upstream_ping_timeout", fields={"upstream": str(self)}))
+            self.fx.emit(Log(event="upstream_ping_timeout", fields={"upstream": str(self)}))
             self.close()
             return
         self.client.ping()
         self.ping_sent = True
         self.flush()
-        self.core.set_timer(("pool", self.conn), min(now + self._ping_interval(), deadline))
+        self.fx.set_timer(("pool", self.conn), min(now + self._ping_interval(), deadline))
 
     def _ping_interval(self) -> float:
         return min(PING_INTERVAL, self.idle_timeout / 3)
@@ -320,7 +321,7 @@ class H2Upstream:
             self.client.goaway()
             self.flush()
         self.state = H2State.CLOSED
-        self.core.close(self.conn)
+        self.fx.close(self.conn)
         self.pool.discard(self, reason, timeout=timeout)
 
     def __str__(self) -> str:
@@ -331,7 +332,7 @@ class H2Upstream:
     def retire(self) -> None:
         """The last stream id is taken (RFC 9113 §5.1.1): drain, new streams go elsewhere."""
         self.state = H2State.DRAINING
-        self.core.emit(Log(event="upstream_stream_ids_used", fields={"upstream": str(self)}))
+        self.fx.emit(Log(event="upstream_stream_ids_used", fields={"upstream": str(self)}))
         self.pool.draining(self)
 
     def stream_finished(self, stream: H2Stream) -> None:
@@ -344,21 +345,26 @@ class H2Upstream:
         if self.state is not H2State.READY:
             return
         if not self.streams:
-            self.idle_since = self.core.now
+            self.idle_since = self.fx.now
             self.ping_sent = False
-            self.core.set_timer(("pool", self.conn), self.core.now + self._ping_interval())
+            self.fx.set_timer(("pool", self.conn), self.fx.now + self._ping_interval())
         self.pool.ready(self)
 
     def take(self, exchange: UpstreamUser) -> None:
-        self.core.cancel_timer(("pool", self.conn))
+        self.fx.cancel_timer(("pool", self.conn))
         exchange.upstream_ready(H2Stream(self, exchange))
 
 
 class H2Pool:
     """Every h2 backend connection, and the requests waiting for a free stream."""
 
-    def __init__(self, core: ProxyCore) -> None:
-        self.core = core
+    def __init__(
+        self, fx: Effects, upstreams: dict[int, BackendConnection], new_id: Callable[[], int]
+    ) -> None:
+        """``upstreams`` and ``new_id``: as for ``pool.Pool``, whose table this shares."""
+        self.fx = fx
+        self.upstreams = upstreams
+        self.new_id = new_id
         self.conns: dict[Origin, list[H2Upstream]] = {}
         self.waiting: dict[Origin, deque[UpstreamUser]] = {}
         self.servers: dict[Origin, tuple[Upstream, Server]] = {}
@@ -387,12 +393,12 @@ class H2Pool:
         ]
         if any(u.state is not H2State.READY for u in live) or len(live) >= server.max_connections:
             return  # a connection on its way will take them, or they wait for a free stream
-        core = self.core
-        upstream = H2Upstream(self, core.new_upstream_id(), origin, group, server)
-        core.upstreams[upstream.conn] = upstream
+        fx = self.fx
+        upstream = H2Upstream(self, self.new_id(), origin, group, server)
+        self.upstreams[upstream.conn] = upstream
         self.conns.setdefault(origin, []).append(upstream)
-        core.emit(OpenConnection(conn=upstream.conn, origin=origin))
-        core.set_timer(("pool", upstream.conn), upstream.start_deadline)
+        fx.emit(OpenConnection(conn=upstream.conn, origin=origin))
+        fx.set_timer(("pool", upstream.conn), upstream.start_deadline)
 
     def ready(self, upstream: H2Upstream) -> None:
         """``upstream`` may have free streams: give them to the waiting requests. While
@@ -401,7 +407,7 @@ class H2Pool:
         queue = self.waiting.get(origin)
         while queue and upstream.free_streams > 0:
             upstream.take(queue.popleft())
-        if self.core.shutting_down and not upstream.streams:
+        if self.fx.shutting_down and not upstream.streams:
             upstream.close()  # which opens another if requests still wait (``discard``)
             return
         self._maybe_open(origin)
@@ -423,9 +429,9 @@ class H2Pool:
                 queue.remove(user)
 
     def discard(self, upstream: H2Upstream, reason: str, *, timeout: bool = False) -> None:
-        core = self.core
-        core.upstreams.pop(upstream.conn, None)
-        core.cancel_timer(("pool", upstream.conn))
+        fx = self.fx
+        self.upstreams.pop(upstream.conn, None)
+        fx.cancel_timer(("pool", upstream.conn))
         origin = upstream.origin
         conns = self.conns.get(origin, [])
         if upstream in conns:

@@ -18,74 +18,20 @@ and resumes its own reading for the response direction's backpressure.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .commands import OpenConnection, Origin, PauseReading, ResumeReading
+from .effects import Effects
 from .h1 import H1Client
 from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
+from .ports import BackendConnection, UpstreamStream, UpstreamUser
 
 if TYPE_CHECKING:
     from ..config import Upstream
-    from .proxy import ProxyCore
 
-
-class UpstreamUser(Protocol):
-    """What a backend connection talks to: an exchange, or a health probe."""
-
-    def upstream_ready(self, upstream: UpstreamStream) -> None: ...
-    def upstream_drained(self) -> None: ...
-    def response_head(self, head: ResponseHead) -> None: ...
-    def response_body(self, data: bytes) -> None: ...
-    def response_end(self, trailers: Headers) -> None: ...
-    def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
-        """The backend stream failed. ``stale``: on a reused keep-alive connection, before any
-        response byte arrived (RFC 9112 §9.3.1: the backend may have closed it while we picked
-        it), or an HTTP/2 stream above a GOAWAY's last_stream_id (RFC 9113 §8.7: never
-        processed), so a retry on a fresh connection to the same server is safe to consider."""
-
-
-class UpstreamStream(Protocol):
-    """One request/response on a backend, whatever the protocol: what an exchange talks to.
-
-    ``UpstreamConn`` (HTTP/1.1, the whole connection) and ``h2pool.H2Stream`` (one stream of a
-    shared HTTP/2 connection) implement it.
-    """
-
-    exchange: UpstreamUser | None
-    http_version: bytes
-
-    @property
-    def pending(self) -> int:
-        """Request bytes taken from the exchange and not yet written to the backend."""
-
-    @property
-    def paused(self) -> bool: ...
-
-    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None: ...
-    def send_body(self, data: bytes) -> None: ...
-    def send_end(self, trailers: Headers) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def close(self) -> None:
-        """Abandon the request (h1: close the connection; h2: RST_STREAM(CANCEL))."""
-
-    def release(self) -> None:
-        """The exchange completed cleanly: the connection may carry another request."""
-
-
-class BackendConnection(Protocol):
-    """A backend connection as ``ProxyCore`` dispatches driver events to it."""
-
-    conn: int
-
-    def on_opened(self) -> None: ...
-    def on_open_failed(self, reason: str) -> None: ...
-    def on_data(self, data: bytes) -> None: ...
-    def on_sent(self, nbytes: int) -> None: ...
-    def on_closed(self, error: str | None) -> None: ...
-    def on_timer(self) -> None: ...
-    def close(self) -> None: ...
+__all__ = ["BackendConnection", "Pool", "UpstreamConn", "UpstreamState", "UpstreamStream"]
 
 
 class UpstreamState(enum.Enum):
@@ -98,8 +44,9 @@ class UpstreamState(enum.Enum):
 class UpstreamConn:
     http_version = b"1.1"
 
-    def __init__(self, core: ProxyCore, conn: int, origin: Origin, group: Upstream) -> None:
-        self.core = core
+    def __init__(self, fx: Effects, pool: Pool, conn: int, origin: Origin, group: Upstream) -> None:
+        self.fx = fx
+        self.pool = pool
         self.conn = conn
         self.origin = origin
         self.max_idle = group.pool_max_idle
@@ -124,7 +71,7 @@ class UpstreamConn:
     def _send(self, data: bytes) -> None:
         if data:
             self.pending += len(data)
-            self.core.send(self.conn, data)
+            self.fx.send(self.conn, data)
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
         self.written = False
@@ -139,30 +86,38 @@ class UpstreamConn:
     def pause(self) -> None:
         if not self.paused:
             self.paused = True
-            self.core.emit(PauseReading(conn=self.conn))
+            self.fx.emit(PauseReading(conn=self.conn))
 
     def resume(self) -> None:
         if self.paused:
             self.paused = False
-            self.core.emit(ResumeReading(conn=self.conn))
+            self.fx.emit(ResumeReading(conn=self.conn))
 
     def close(self) -> None:
         if self.state is not UpstreamState.CLOSED:
             self.state = UpstreamState.CLOSED
-            self.core.close(self.conn)
-            self.core.pool.discard(self)
+            self.fx.close(self.conn)
+            self.pool.discard(self)
 
     def release(self) -> None:
-        self.core.pool.release(self)
+        self.pool.release(self)
+
+    def become_tunnel(self) -> bytes:
+        """The backend switched protocols (its 101, RFC 9110 §15.2.2): the connection leaves
+        the pool for good, its bytes are a tunnel's now. Returns the bytes read past the 101."""
+        self.exchange = None
+        self.state = UpstreamState.CLOSED
+        self.pool.discard(self)
+        return self.adapter.trailing_data()
 
     # -- events from the driver ------------------------------------------------------------
 
     def on_opened(self) -> None:
         if self.state is UpstreamState.CONNECTING:  # not a second report of the same connect
-            self.core.pool.opened(self)
+            self.pool.opened(self)
 
     def on_open_failed(self, reason: str) -> None:
-        self.core.pool.open_failed(self, reason)
+        self.pool.open_failed(self, reason)
 
     def on_timer(self) -> None:
         if self.state is UpstreamState.IDLE:
@@ -205,10 +160,10 @@ class UpstreamConn:
         if was is UpstreamState.CONNECTING:
             # An embedder may report a connect it gave up on as closed rather than (or
             # before) OpenFailed: the same failure for whoever waits for it.
-            self.core.pool.open_failed(self, error or "connection closed while connecting")
+            self.pool.open_failed(self, error or "connection closed while connecting")
             return
         self.state = UpstreamState.CLOSED
-        self.core.pool.discard(self)
+        self.pool.discard(self)
         exchange = self.exchange
         if exchange is None or was is UpstreamState.CLOSED:
             return
@@ -225,9 +180,21 @@ class UpstreamConn:
 
 
 class Pool:
-    def __init__(self, core: ProxyCore) -> None:
-        self.core = core
-        self.h2 = H2Pool(core)
+    """Backend connections of one core (``ports.Backends``, for exchanges and probes)."""
+
+    def __init__(
+        self,
+        fx: Effects,
+        upstreams: dict[int, BackendConnection],
+        new_id: Callable[[], int],
+    ) -> None:
+        """``upstreams``: the core's table of backend connections by id, which the pool keeps
+        (a connection is entered when opened, removed once closed); ``new_id``: a fresh
+        (negative) connection id."""
+        self.fx = fx
+        self.upstreams = upstreams
+        self.new_id = new_id
+        self.h2 = H2Pool(fx, upstreams, new_id)
         """HTTP/2 servers' shared connections (``protocol = "h2"``)."""
         self.idle: dict[Origin, list[UpstreamConn]] = {}
         self.waiting: dict[int, UpstreamUser] = {}
@@ -238,7 +205,7 @@ class Pool:
     ) -> None:
         """Give ``exchange`` a connection to ``origin``: an idle one now, or a new one later
         (always a new one with ``fresh``: the retry after a stale pooled connection)."""
-        core = self.core
+        fx = self.fx
         server = group.server_at(origin.host, origin.port)
         if server is not None and server.protocol == "h2":
             self.h2.acquire(origin, group, server, exchange)
@@ -246,15 +213,15 @@ class Pool:
         idle = None if fresh else self.idle.get(origin)
         while idle:
             upstream = idle.pop()
-            core.cancel_timer(("pool", upstream.conn))
+            fx.cancel_timer(("pool", upstream.conn))
             if upstream.state is UpstreamState.IDLE:
                 upstream.reused = True
                 self._assign(upstream, exchange)
                 return
-        upstream = UpstreamConn(core, core.new_upstream_id(), origin, group)
-        core.upstreams[upstream.conn] = upstream
+        upstream = UpstreamConn(fx, self, self.new_id(), origin, group)
+        self.upstreams[upstream.conn] = upstream
         self.waiting[upstream.conn] = exchange
-        core.emit(OpenConnection(conn=upstream.conn, origin=origin))
+        fx.emit(OpenConnection(conn=upstream.conn, origin=origin))
 
     def _assign(self, upstream: UpstreamConn, exchange: UpstreamUser) -> None:
         upstream.state = UpstreamState.BUSY
@@ -263,7 +230,7 @@ class Pool:
         exchange.upstream_ready(upstream)
 
     def opened(self, upstream: UpstreamConn) -> None:
-        # Someone waits for every connection still in ``core.upstreams`` while it connects:
+        # Someone waits for every connection still in ``self.upstreams`` while it connects:
         # ``forget`` closes the connects no one waits for, and a closed one gets no events.
         self._assign(upstream, self.waiting.pop(upstream.conn))
 
@@ -279,16 +246,16 @@ class Pool:
         self.h2.forget(exchange)
         for conn, waiting in list(self.waiting.items()):
             if waiting is exchange:
-                upstream = self.core.upstreams[conn]
+                upstream = self.upstreams[conn]
                 upstream.close()  # which drops the ``waiting`` entry (``discard``)
 
     def release(self, upstream: UpstreamConn) -> None:
         """Return a connection whose exchange is done; keep it if it can carry another."""
-        core = self.core
+        fx = self.fx
         adapter = upstream.adapter
         if upstream.state is not UpstreamState.BUSY:
             return
-        if not adapter.reusable or core.shutting_down:
+        if not adapter.reusable or fx.shutting_down:
             # Stopping (shutdown.py): a connection whose exchange ended is not kept.
             upstream.close()
             return
@@ -301,7 +268,7 @@ class Pool:
         upstream.state = UpstreamState.IDLE
         upstream.resume()
         group_idle.append(upstream)
-        core.set_timer(("pool", upstream.conn), core.now + upstream.idle_timeout)
+        fx.set_timer(("pool", upstream.conn), fx.now + upstream.idle_timeout)
 
     def shutdown(self) -> None:
         """A graceful stop began: idle connections close now, busy ones when their exchange
@@ -313,15 +280,15 @@ class Pool:
 
     def discard(self, upstream: UpstreamConn) -> None:
         """Forget a connection that closed (or never opened), and whoever waited for it."""
-        core = self.core
-        core.upstreams.pop(upstream.conn, None)
+        fx = self.fx
+        self.upstreams.pop(upstream.conn, None)
         self.waiting.pop(upstream.conn, None)
-        core.cancel_timer(("pool", upstream.conn))
+        fx.cancel_timer(("pool", upstream.conn))
         idle = self.idle.get(upstream.origin)
         if idle and upstream in idle:
             idle.remove(upstream)
 
     def idle_timeout(self, conn: int) -> None:
-        upstream = self.core.upstreams.get(conn)
+        upstream = self.upstreams.get(conn)
         if upstream is not None:
             upstream.on_timer()

@@ -10,15 +10,12 @@ turns results into up/down by its thresholds (``passes``, ``fails``).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 from ..config import HealthCheck, Upstream
 from .commands import Log, Origin
+from .effects import Effects
 from .messages import Headers, ResponseHead
-
-if TYPE_CHECKING:
-    from .pool import UpstreamStream
-    from .proxy import ProxyCore
+from .ports import ProbeHost, UpstreamStream
 
 
 class ProbeState(enum.Enum):
@@ -30,9 +27,12 @@ class ProbeState(enum.Enum):
 
 
 class Probe:
-    def __init__(self, core: ProxyCore, group: Upstream, index: int, ident: int) -> None:
+    def __init__(
+        self, fx: Effects, host: ProbeHost, group: Upstream, index: int, ident: int
+    ) -> None:
         assert group.health_check is not None
-        self.core = core
+        self.fx = fx
+        self.host = host
         self.group = group
         self.check: HealthCheck = group.health_check
         self.index = index
@@ -44,14 +44,14 @@ class Probe:
         self.status = 0
 
     def schedule(self, delay: float) -> None:
-        self.core.set_timer(("probe", self.ident), self.core.now + delay)
+        self.fx.set_timer(("probe", self.ident), self.fx.now + delay)
 
     def retire(self) -> None:
         """A new configuration replaces this probe: its timers go, a check in flight is
         dropped, and no result of it reaches the group's router."""
-        core = self.core
-        core.cancel_timer(("probe", self.ident))
-        core.cancel_timer(("probe_timeout", self.ident))
+        fx = self.fx
+        fx.cancel_timer(("probe", self.ident))
+        fx.cancel_timer(("probe_timeout", self.ident))
         if self.state is ProbeState.RUNNING:
             self._drop_check()
         self.state = ProbeState.RETIRED
@@ -63,14 +63,14 @@ class Probe:
             self.upstream.close()
             self.upstream = None
         else:
-            self.core.pool.forget(self)
+            self.host.pool.forget(self)
 
     def timer_fired(self, kind: str) -> None:
         if kind == "probe" and self.state is ProbeState.IDLE:
             self.state = ProbeState.RUNNING
             self.status = 0
-            self.core.set_timer(("probe_timeout", self.ident), self.core.now + self.check.timeout)
-            self.core.pool.acquire(self.origin, self.group, self)
+            self.fx.set_timer(("probe_timeout", self.ident), self.fx.now + self.check.timeout)
+            self.host.pool.acquire(self.origin, self.group, self)
         elif kind == "probe_timeout" and self.state is ProbeState.RUNNING:
             self._done(False, "timeout")
 
@@ -112,13 +112,13 @@ class Probe:
     def _done(self, ok: bool, detail: str) -> None:
         if self.state is not ProbeState.RUNNING:
             return
-        core = self.core
-        core.cancel_timer(("probe_timeout", self.ident))
+        fx = self.fx
+        fx.cancel_timer(("probe_timeout", self.ident))
         self._drop_check()
         self.state = ProbeState.IDLE
-        router = core.router(self.group)
+        router = self.host.router(self.group)
         if router.probe_result(self.index, ok):
-            core.emit(
+            fx.emit(
                 Log(
                     event="health",
                     fields={

@@ -27,11 +27,11 @@ from ..config import Config, Upstream
 from ..config.runtime import RuntimeState
 from ..routing.router import GroupRouter
 from .access import RequestIds
-from .commands import CancelTimer, CloseConnection, Command, Log, SendData, SetTimer
-from .dates import HttpDate
+from .commands import Command, Log
 from .defencelog import KINDS as DEFENCE_KINDS
 from .defencelog import DefenceLog
 from .downstream import Downstream
+from .effects import READ_SIZE, Effects
 from .events import (
     ConfigChanged,
     ConnectionAccepted,
@@ -44,7 +44,6 @@ from .events import (
     OpenFailed,
     RuntimeChanged,
     ShutdownRequested,
-    TimerId,
     Wakeup,
 )
 from .exchange import Exchange
@@ -52,9 +51,11 @@ from .faults import Fault, Isolation
 from .flow import BufferLimits
 from .h2pool import H2Stream
 from .measure import Measurements
-from .pool import BackendConnection, Pool, UpstreamConn
+from .messages import RequestHead
+from .pool import Pool, UpstreamConn
+from .ports import BackendConnection, ClientSide
 from .probes import Probe
-from .shutdown import Shutdown, refuse_client
+from .shutdown import Shutdown, refuse_client, stop_client
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
 
@@ -84,9 +85,6 @@ _EXCHANGE_TIMERS = frozenset(
     {"connect", "head", "first_token", "read", "heartbeat", "tunnel", "deadline", "body"}
 )
 
-# The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
-READ_SIZE = 64 * 1024
-
 RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
 """Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
 
@@ -111,7 +109,11 @@ class ProxyCore:
     ) -> None:
         """``raise_errors``: let an internal error escape ``handle`` instead of ending the one
         connection it concerns; None reads ``MUXPROXY_RAISE_ERRORS`` (once, here)."""
-        self.config = config
+        self.fx = Effects(config, read_size=read_size)
+        """The clock, limits, commands and timers every part shares (``effects.py``)."""
+        self.read_size = self.fx.read_size
+        """How many bytes the driver may read from a socket at once (a plain attribute: the
+        driver reads it before every read)."""
         if raise_errors is None:
             raise_errors = raise_errors_from_environment()
         self.raise_errors = raise_errors
@@ -122,36 +124,27 @@ class ProxyCore:
         them as data the driver renders (``muxproxy.trio.metrics``)."""
         self.request_ids = RequestIds()
         """X-Request-ID values (``access.py``); its random prefix is read here, once."""
-        self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
         self.defences = DefenceLog(self)
         """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""
         self._waking: int | Probe | None = None
         """Whose timer the current ``Wakeup`` is: a connection id, or a probe."""
-        self._max_read_size = read_size
-        self._apply_limits()
-        self.now = 0.0
         self.clients: dict[int, Downstream] = {}
         self.upstreams: dict[int, BackendConnection] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.tunnels: dict[int, Tunnel] = {}
         """Connections whose bytes belong to a tunnel, not to HTTP: an HTTP/1.1 client after
         its 101, and every tunnel's backend connection (which leaves ``upstreams``)."""
-        self.pool = Pool(self)
+        self.pool = Pool(self.fx, self.upstreams, self.new_upstream_id)
         self._routers: dict[str, GroupRouter] = {}
         self.runtime = RuntimeState.empty()
         """The operator's server overrides (``RuntimeChanged``), applied to every router,
         also to those of a later configuration."""
-        self._timers: set[TimerId] = set()
-        self._out: list[Command] = []
         self._next_upstream = 0
         self._next_exchange = 0
         self.probes: dict[int, Probe] = {}
         self._next_probe = 0
-        self.shutting_down = False
-        """A graceful stop began (``shutdown.py``): no new requests are taken."""
-        self.stop = Shutdown(self)
-        self.date = HttpDate()
-        """The ``Date`` of responses, from the wall time the driver gives (``dates.py``)."""
+        self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
+        self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
             DataReceived: self._data_received,
             DataSent: self._data_sent,
@@ -166,15 +159,30 @@ class ProxyCore:
             RuntimeChanged: self._runtime_changed,
         }
 
-    def _apply_limits(self) -> None:
-        stream_buffer = self.config.limits.stream_buffer
-        self.read_size = min(self._max_read_size, stream_buffer // 2)
-        """How many bytes the driver may read from a socket at once."""
-        self.limits = BufferLimits.for_stream_buffer(stream_buffer, self.read_size)
+    # -- what the driver and embedders read ----------------------------------------------
+
+    @property
+    def config(self) -> Config:
+        return self.fx.config
+
+    @property
+    def now(self) -> float:
+        """The time of the last event (the driver's clock)."""
+        return self.fx.now
+
+    @property
+    def limits(self) -> BufferLimits:
+        return self.fx.limits
+
+    @property
+    def shutting_down(self) -> bool:
+        """A graceful stop began (``shutdown.py``): no new requests are taken."""
+        return self.fx.shutting_down
 
     def handle(self, event: Event) -> list[Command]:
         """Process one event; return the commands to carry out, in order."""
-        self.now = event.now
+        fx = self.fx
+        fx.now = event.now
         try:
             self._dispatch[type(event)](event)
         except Exception as exc:
@@ -184,10 +192,10 @@ class ProxyCore:
             if fault is None:
                 raise
             self.isolation.contain(fault)
-        if self.shutting_down:
+        if fx.shutting_down:
             self.stop.settle()
-        out = self._out
-        self._out = []
+        out = fx.out
+        fx.out = []
         return out
 
     def _fault(self, event: Event, exc: Exception) -> Fault | None:
@@ -209,46 +217,34 @@ class ProxyCore:
         conn = getattr(event, "conn", None)
         return None if conn is None else Fault(conn=conn, event=name, error=exc)
 
-    # -- helpers for the parts of the core -------------------------------------------------
-
-    def emit(self, command: Command) -> None:
-        self._out.append(command)
-
-    def send(self, conn: int, data: bytes) -> None:
-        self._out.append(SendData(conn=conn, data=data))
-
-    def close(self, conn: int) -> None:
-        """Close ``conn`` once its pending output is flushed, the flush bounded by
-        ``timeouts.send`` (``CloseConnection.flush_timeout``)."""
-        self._out.append(CloseConnection(conn=conn, flush_timeout=self.config.timeouts.send))
-
-    def set_timer(self, timer: TimerId, at: float) -> None:
-        self._timers.add(timer)
-        self._out.append(SetTimer(timer=timer, at=at))
-
-    def cancel_timer(self, timer: TimerId) -> None:
-        if timer in self._timers:
-            self._timers.discard(timer)
-            self._out.append(CancelTimer(timer=timer))
-
-    def http_date(self) -> bytes | None:
-        """The ``Date`` field value now (RFC 9110 §6.6.1); None while the core has no clock."""
-        return self.date.at(self.now)
+    # -- the ports of the parts (ports.py: ExchangeHost, ClientHost, ProbeHost) -------------
 
     def new_upstream_id(self) -> int:
         self._next_upstream -= 1
         return self._next_upstream
 
-    def new_exchange(self, client: Downstream, head: Any) -> Exchange:
+    def new_exchange(self, client: ClientSide, head: RequestHead) -> Exchange:
         self._next_exchange += 1
-        # CONNECT and WebSocket handshakes become tunnels (tunnel.py) after their 101 / 200.
-        cls = WebSocketExchange if wants_tunnel(head) else Exchange
-        exchange = cls(self, client, head, self._next_exchange)
-        self.exchanges[exchange.ident] = exchange
+        ident = self._next_exchange
+        exchange: Exchange
+        if wants_tunnel(head):
+            # CONNECT and WebSocket handshakes become tunnels (tunnel.py) after their 101 / 200.
+            exchange = WebSocketExchange(self.fx, self, client, head, ident, tunnels=self.tunnels)
+        else:
+            exchange = Exchange(self.fx, self, client, head, ident)
+        self.exchanges[ident] = exchange
         return exchange
 
-    def exchange_finished(self, exchange: Exchange) -> None:
+    def exchange_finished(self, exchange: object) -> None:
+        assert isinstance(exchange, Exchange)
         self.exchanges.pop(exchange.ident, None)
+
+    def client_closed(self, conn: int) -> None:
+        self.clients.pop(conn, None)
+
+    def stop_client(self, client: object) -> None:
+        assert isinstance(client, Downstream)
+        stop_client(client)
 
     def router(self, group: Upstream) -> GroupRouter:
         """The routing state of ``group``; kept while the group's servers stay the same.
@@ -298,11 +294,13 @@ class ProxyCore:
 
     def _accepted(self, event: ConnectionAccepted) -> None:
         if event.wall is not None:
-            self.date.set_wall(event.now, event.wall)
+            self.fx.date.set_wall(event.now, event.wall)
         peer_ip = event.peer[0] if event.peer else "unknown"
-        client = Downstream(self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn)
+        client = Downstream(
+            self.fx, self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn
+        )
         self.clients[event.conn] = client
-        if self.shutting_down:
+        if self.fx.shutting_down:
             refuse_client(client)
 
     def _opened(self, event: ConnectionOpened) -> None:
@@ -338,14 +336,13 @@ class ProxyCore:
         # Not a tunnel: the peer's EOF ends the connection as it always has (its exchanges
         # end as for a close). The driver's ``ConnectionClosed`` that follows finds it
         # forgotten already.
-        self.close(conn)
+        self.fx.close(conn)
         self._closed(ConnectionClosed(now=event.now, conn=conn))
 
     def _wakeup(self, event: Wakeup) -> None:
         timer = event.timer
-        if timer not in self._timers:
+        if not self.fx.fired(timer):
             return  # cancelled after the driver had already queued it
-        self._timers.discard(timer)
         self._waking = None
         kind, ident = timer
         if kind in _EXCHANGE_TIMERS:
@@ -376,10 +373,11 @@ class ProxyCore:
 
     def _config_changed(self, event: ConfigChanged) -> None:
         """A new configuration; also the driver's first event, which starts health checks."""
-        self.config = event.config
+        fx = self.fx
+        fx.apply(event.config)
+        self.read_size = fx.read_size
         if event.wall is not None:
-            self.date.set_wall(event.now, event.wall)
-        self._apply_limits()
+            fx.date.set_wall(event.now, event.wall)
         for probe in self.probes.values():
             probe.retire()
         self.probes.clear()
@@ -390,9 +388,9 @@ class ProxyCore:
                 router = routers[name] = router.reconfigure(group)
                 router.apply_runtime(self.runtime)
         self._routers = routers
-        if not self.shutting_down:  # a stopping proxy checks no health (shutdown.py)
+        if not fx.shutting_down:  # a stopping proxy checks no health (shutdown.py)
             self._start_probes()
-        self.emit(Log(event="config_changed", fields={}))
+        fx.emit(Log(event="config_changed", fields={}))
 
     def _start_probes(self) -> None:
         for group in self.config.upstreams.values():
@@ -400,7 +398,8 @@ class ProxyCore:
                 continue
             for index in range(len(group.servers)):
                 self._next_probe += 1
-                probe = self.probes[self._next_probe] = Probe(self, group, index, self._next_probe)
+                ident = self._next_probe
+                probe = self.probes[ident] = Probe(self.fx, self, group, index, ident)
                 probe.schedule(0.0)
 
     def _runtime_changed(self, event: RuntimeChanged) -> None:
@@ -409,7 +408,7 @@ class ProxyCore:
         self.runtime = event.state
         for router in self._routers.values():
             router.apply_runtime(event.state)
-        self.emit(Log(event="runtime_changed", fields={"overrides": len(event.state.servers)}))
+        self.fx.emit(Log(event="runtime_changed", fields={"overrides": len(event.state.servers)}))
 
     def _shutdown(self, event: ShutdownRequested) -> None:
         """Graceful stop until ``event.deadline`` (``shutdown.py``); an earlier deadline in a
@@ -420,7 +419,9 @@ class ProxyCore:
     def drained(self) -> bool:
         """Stopping, and no client connection, backend connection or tunnel is left: the
         driver may exit."""
-        return self.shutting_down and not self.clients and not self.upstreams and not self.tunnels
+        return (
+            self.fx.shutting_down and not self.clients and not self.upstreams and not self.tunnels
+        )
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -53,17 +53,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import h2.errors
 
 from .commands import Log
 from .downstream import Downstream, Protocol
-from .faults import Fault
+from .faults import Fault, Isolation
 from .h2 import H2State
-
-if TYPE_CHECKING:
-    from .proxy import ProxyCore
+from .tables import CoreTables
 
 GOAWAY_ACK_WAIT = 1.0
 """Seconds a graceful stop waits for the ACK of the PING sent with the first GOAWAY before the
@@ -93,8 +90,10 @@ class Stage(enum.Enum):
 class Shutdown:
     """The stop of one ``ProxyCore`` (see the module docstring)."""
 
-    def __init__(self, core: ProxyCore) -> None:
+    def __init__(self, core: CoreTables, isolation: Isolation) -> None:
         self.core = core
+        self.fx = core.fx
+        self.isolation = isolation
         self.stage = Stage.RUNNING
         self.deadline: float | None = None
         self.started = 0.0
@@ -105,14 +104,14 @@ class Shutdown:
         if self.stage is Stage.RUNNING:
             self.stage = Stage.DRAINING
             self.deadline = deadline
-            self.started = core.now
-            core.shutting_down = True
+            self.started = core.fx.now
+            core.fx.shutting_down = True
             fields = {
                 "deadline": deadline,
                 "streams": len(core.exchanges),
                 "connections": len(core.clients),
             }
-            core.emit(Log(event="shutdown_started", fields=fields))
+            core.fx.emit(Log(event="shutdown_started", fields=fields))
             for probe in core.probes.values():
                 probe.retire()
             core.probes.clear()
@@ -125,10 +124,10 @@ class Shutdown:
             self.deadline = deadline
         else:
             return  # a later deadline never extends the first; after the cut, nothing to move
-        if deadline <= core.now:
+        if deadline <= core.fx.now:
             self.cut()
         else:
-            core.set_timer(SHUTDOWN_TIMER, deadline)
+            core.fx.set_timer(SHUTDOWN_TIMER, deadline)
 
     def cut(self) -> None:
         """The deadline: cut every stream and close every connection that is left."""
@@ -136,14 +135,14 @@ class Shutdown:
             return
         core = self.core
         self.stage = Stage.CUT
-        core.cancel_timer(SHUTDOWN_TIMER)
+        core.fx.cancel_timer(SHUTDOWN_TIMER)
         streams = len(core.exchanges)
         connections = len(core.clients) + len(core.upstreams)
         for client in list(core.clients.values()):
             self._each(client, cut_client)
         for upstream in list(core.upstreams.values()):
             upstream.close()
-        core.emit(
+        core.fx.emit(
             Log(event="shutdown_cut", fields={"streams": streams, "connections": connections})
         )
 
@@ -164,10 +163,10 @@ class Shutdown:
             return
         self.stage = Stage.DRAINED
         core = self.core
-        core.cancel_timer(SHUTDOWN_TIMER)
+        core.fx.cancel_timer(SHUTDOWN_TIMER)
         if stage is Stage.DRAINING:
-            fields = {"seconds": round(core.now - self.started, 6)}
-            core.emit(Log(event="drained", fields=fields))
+            fields = {"seconds": round(core.fx.now - self.started, 6)}
+            core.fx.emit(Log(event="drained", fields=fields))
 
     def _each(self, client: Downstream, call: Callable[[Downstream], None]) -> None:
         """``call(client)``, a fault in it isolating that one connection."""
@@ -179,7 +178,7 @@ class Shutdown:
         except Exception as exc:
             if core.raise_errors:
                 raise
-            core.isolation.contain(Fault(conn=client.conn, event="ShutdownRequested", error=exc))
+            self.isolation.contain(Fault(conn=client.conn, event="ShutdownRequested", error=exc))
 
 
 def stop_client(client: Downstream) -> None:
@@ -190,14 +189,14 @@ def stop_client(client: Downstream) -> None:
         if h2c.state is H2State.OPEN:
             h2c.announce_shutdown()
             client.flush()
-            core = client.core
-            core.set_timer(("goaway", client.conn), core.now + GOAWAY_ACK_WAIT)
+            fx = client.fx
+            fx.set_timer(("goaway", client.conn), fx.now + GOAWAY_ACK_WAIT)
         elif h2c.closed and not client.exchanges:
             client.close()
     elif not client.exchanges and (client.h1 is None or client.h1.idle):
         if client.fresh:
-            core = client.core
-            core.set_timer(("header", client.conn), core.now + FIRST_REQUEST_WAIT)
+            fx = client.fx
+            fx.set_timer(("header", client.conn), fx.now + FIRST_REQUEST_WAIT)
         else:
             client.close()
 

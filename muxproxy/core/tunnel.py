@@ -41,14 +41,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .commands import Log, PauseReading, ResumeReading, ShutdownWrite
+from .effects import Effects
 from .events import TimerId
 from .flow import Flow
+from .ports import ClientSide, ClientStream
 
 if TYPE_CHECKING:
-    from .downstream import Downstream
-    from .exchange import Exchange
     from .h2pool import H2Stream
-    from .proxy import ProxyCore
 
 
 class TunnelState(enum.Enum):
@@ -108,31 +107,31 @@ class Backend(Protocol):
 class RawBackend:
     """An HTTP/1.1 backend connection after its 101: its bytes are the tunnel's."""
 
-    def __init__(self, core: ProxyCore, conn: int, pending: int) -> None:
-        self.core = core
+    def __init__(self, fx: Effects, conn: int, pending: int) -> None:
+        self.fx = fx
         self.conn = conn
         self.pending = pending
 
     def send(self, data: bytes) -> None:
         self.pending += len(data)
-        self.core.send(self.conn, data)
+        self.fx.send(self.conn, data)
 
     def sent(self, nbytes: int) -> None:
         self.pending -= nbytes
 
     def end(self) -> None:
-        self.core.emit(ShutdownWrite(conn=self.conn))
+        self.fx.emit(ShutdownWrite(conn=self.conn))
 
     def close(self, how: BackendEnd) -> None:
         if how is not BackendEnd.KEEP:
             # Flushes first (``CloseConnection``).
-            self.core.close(self.conn)
+            self.fx.close(self.conn)
 
     def pause(self) -> None:
-        self.core.emit(PauseReading(conn=self.conn))
+        self.fx.emit(PauseReading(conn=self.conn))
 
     def resume(self) -> None:
-        self.core.emit(ResumeReading(conn=self.conn))
+        self.fx.emit(ResumeReading(conn=self.conn))
 
 
 class StreamBackend:
@@ -173,16 +172,23 @@ class StreamBackend:
 class Tunnel:
     def __init__(
         self,
-        core: ProxyCore,
-        exchange: Exchange,
+        fx: Effects,
+        tunnels: dict[int, Tunnel],
+        exchange: ClientStream,
+        client: ClientSide,
         *,
         backend: Backend,
         timer: TimerId,
         ended: Callable[[str], None],
     ) -> None:
-        self.core = core
+        """``tunnels``: the core's table of connections whose bytes are a tunnel's; this one
+        enters its raw connections there, and leaves it when it ends."""
+        self.fx = fx
+        self.tunnels = tunnels
         self.exchange = exchange
-        self.client: Downstream = exchange.client
+        """The exchange that opened the tunnel: the client connection holds it while the
+        backend is stopped for the client (``ClientSide.hold``)."""
+        self.client = client
         self.stream = exchange.stream
         self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
         self.backend = backend
@@ -195,12 +201,12 @@ class Tunnel:
         self.backend_flow = Flow()
         self.bytes_up = 0
         self.bytes_down = 0
-        self.last_activity = core.now
+        self.last_activity = fx.now
         if isinstance(backend, RawBackend):
-            core.tunnels[backend.conn] = self
+            tunnels[backend.conn] = self
         if self.kind is ClientKind.RAW:
-            core.tunnels[self.client.conn] = self
-        core.set_timer(timer, core.now + core.config.timeouts.tunnel_idle)
+            tunnels[self.client.conn] = self
+        fx.set_timer(timer, fx.now + fx.config.timeouts.tunnel_idle)
 
     # -- client to backend -----------------------------------------------------------------
 
@@ -225,7 +231,7 @@ class Tunnel:
             if flow_len:
                 self.client.acknowledge(self.stream, flow_len)
             return
-        self.last_activity = self.core.now
+        self.last_activity = self.fx.now
         self.client_flow.hold(flow_len)
         if data:
             self.bytes_up += len(data)
@@ -249,13 +255,13 @@ class Tunnel:
         if self.state is TunnelState.CLOSED:
             return
         flow = self.client_flow
-        limits = self.core.limits
+        limits = self.fx.limits
         pending = self.backend.pending
         client = self.client
         if flow.filled(pending, limits):
-            client.pause_source(self.exchange)
+            client.pause_source()
         elif flow.drained(pending, limits):
-            client.resume_source(self.exchange)
+            client.resume_source()
         # RFC 9113 §6.9: the window opens again only once the bytes moved on.
         credit = flow.release()
         if credit:
@@ -267,19 +273,19 @@ class Tunnel:
         state = self.state
         if state is TunnelState.CLOSED or state is TunnelState.BACKEND_ENDED or not data:
             return
-        self.last_activity = self.core.now
+        self.last_activity = self.fx.now
         self.bytes_down += len(data)
         client = self.client
         if self.kind is ClientKind.RAW:
             # Through the connection's own accounting (pending bytes, send timeout), not h11:
             # h11 is SWITCHED_PROTOCOL and has no say any more.
-            client._send(data)
+            client.send_raw(data)
         else:
             client.send_body(self.stream, data)
         flow = self.backend_flow
-        if not flow.stopped and flow.filled(client.buffered(self.stream), self.core.limits):
+        if not flow.stopped and flow.filled(client.buffered(self.stream), self.fx.limits):
             self.backend.pause()
-            client.stalled.add(self.exchange)
+            client.hold(self.exchange)
 
     def client_drained(self) -> None:
         """The client side wrote some of its pending bytes; maybe read the backend again."""
@@ -287,10 +293,10 @@ class Tunnel:
         if (
             flow.stopped
             and self.state is not TunnelState.CLOSED
-            and flow.drained(self.client.buffered(self.stream), self.core.limits)
+            and flow.drained(self.client.buffered(self.stream), self.fx.limits)
         ):
             self.backend.resume()
-            self.client.stalled.discard(self.exchange)
+            self.client.release(self.exchange)
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -311,7 +317,7 @@ class Tunnel:
         if state is TunnelState.OPEN:
             self.state = TunnelState.BACKEND_ENDED
             if self.kind is ClientKind.RAW:
-                self.core.emit(ShutdownWrite(conn=self.client.conn))
+                self.fx.emit(ShutdownWrite(conn=self.client.conn))
             else:
                 self.client.keep_receiving(self.stream)
                 self.client.send_end(self.stream, [])
@@ -333,10 +339,10 @@ class Tunnel:
     def timer_fired(self) -> None:
         if self.state is TunnelState.CLOSED:
             return
-        core = self.core
-        due = self.last_activity + core.config.timeouts.tunnel_idle
-        if core.now < due:
-            core.set_timer(self.timer, due)
+        fx = self.fx
+        due = self.last_activity + fx.config.timeouts.tunnel_idle
+        if fx.now < due:
+            fx.set_timer(self.timer, due)
             return
         self._end("idle timeout", client=ClientEnd.ABORT)
 
@@ -347,14 +353,14 @@ class Tunnel:
             return
         # CLOSED first: closing the client side calls back into ``client_gone``.
         self.state = TunnelState.CLOSED
-        core = self.core
-        core.cancel_timer(self.timer)
+        fx = self.fx
+        fx.cancel_timer(self.timer)
         if isinstance(self.backend, RawBackend):
-            core.tunnels.pop(self.backend.conn, None)
+            self.tunnels.pop(self.backend.conn, None)
         downstream = self.client
         if self.kind is ClientKind.RAW:
-            core.tunnels.pop(downstream.conn, None)
-        downstream.stalled.discard(self.exchange)
+            self.tunnels.pop(downstream.conn, None)
+        downstream.release(self.exchange)
         credit = self.client_flow.take()
         if credit:
             downstream.acknowledge(self.stream, credit)
@@ -368,7 +374,7 @@ class Tunnel:
                 # RFC 8441 §5: a TCP reset (or an abandoned tunnel) is a stream reset.
                 downstream.abort(self.stream)
         self.backend.close(backend)
-        core.emit(
+        fx.emit(
             Log(
                 event="tunnel_closed",
                 fields={

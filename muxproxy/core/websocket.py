@@ -35,23 +35,18 @@ import base64
 import enum
 import hashlib
 import os
-from typing import TYPE_CHECKING
 
 import attrs
-import h11
 
 from .commands import Log
-from .exchange import VIA, Exchange, Phase, RequestPhase
+from .effects import Effects
+from .exchange import VIA, Exchange
 from .h2pool import H2Stream
 from .headers import header_value, is_websocket_upgrade, response_headers, upstream_h1_headers
 from .messages import Headers, RequestHead, ResponseHead
-from .pool import UpstreamConn, UpstreamState
+from .pool import UpstreamConn
+from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
 from .tunnel import Backend, RawBackend, StreamBackend, Tunnel
-
-if TYPE_CHECKING:
-    from .downstream import Downstream
-    from .pool import UpstreamStream
-    from .proxy import ProxyCore
 
 # RFC 6455 §1.3: the GUID appended to the key before hashing.
 WEBSOCKET_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -100,8 +95,19 @@ class WebSocketExchange(Exchange):
     side's messages to it and logs the end.
     """
 
-    def __init__(self, core: ProxyCore, client: Downstream, head: RequestHead, ident: int) -> None:
-        super().__init__(core, client, head, ident)
+    def __init__(
+        self,
+        fx: Effects,
+        host: ExchangeHost,
+        client: ClientSide,
+        head: RequestHead,
+        ident: int,
+        *,
+        tunnels: dict[int, Tunnel],
+    ) -> None:
+        """``tunnels``: the core's table of tunnelled connections (``Tunnel``)."""
+        super().__init__(fx, host, client, head, ident)
+        self.tunnels = tunnels
         self.tunnel: Tunnel | None = None
         self.key: bytes | None = None
         self.early: list[bytes] = []
@@ -137,10 +143,10 @@ class WebSocketExchange(Exchange):
     def _extended_connect(self, stream: H2Stream) -> None:
         """An HTTP/2 backend: RFC 8441 extended CONNECT, never a plain GET, and only where the
         backend's SETTINGS allow it (§3: SETTINGS_ENABLE_CONNECT_PROTOCOL = 1)."""
-        core = self.core
+        fx = self.fx
         group = self.group
         assert group is not None
-        core.cancel_timer(("connect", self.ident))
+        fx.cancel_timer(("connect", self.ident))
         if not stream.upstream.client.extended_connect:
             stream.exchange = None
             stream.close()  # no HEADERS went out: this only frees the slot
@@ -148,7 +154,7 @@ class WebSocketExchange(Exchange):
                 "the HTTP/2 backend does not accept WebSockets "
                 "(no SETTINGS_ENABLE_CONNECT_PROTOCOL, RFC 8441 §3)"
             )
-            self.core.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
+            self.fx.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
             self.fail(502, f"bad gateway: {reason}", reason)
             return
         self.upstream = stream
@@ -163,8 +169,8 @@ class WebSocketExchange(Exchange):
         headers = [field for field in headers if field[0].lower() != b"sec-websocket-key"]
         stream.send_head(self.stream, b"CONNECT", head.target, headers, protocol=b"websocket")
         self.phase = Phase.WAITING_HEAD
-        timeout = group.timeouts.response_head or core.config.timeouts.response_head
-        core.set_timer(("head", self.ident), core.now + timeout)
+        timeout = group.timeouts.response_head or fx.config.timeouts.response_head
+        fx.set_timer(("head", self.ident), fx.now + timeout)
 
     # -- client side -----------------------------------------------------------------------
 
@@ -281,14 +287,12 @@ class WebSocketExchange(Exchange):
                 return
         # The backend connection leaves the pool for good: its bytes are the tunnel's now.
         self.upstream = None
-        upstream.exchange = None
-        upstream.state = UpstreamState.CLOSED
-        self.core.pool.discard(upstream)
-        backend = RawBackend(self.core, upstream.conn, upstream.pending)
-        self._open_tunnel(backend, head, upstream.adapter.conn.trailing_data[0])
+        pending = upstream.pending
+        leftover = upstream.become_tunnel()
+        self._open_tunnel(RawBackend(self.fx, upstream.conn, pending), head, leftover)
 
     def _bad_handshake(self, reason: str) -> None:
-        self.core.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
+        self.fx.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
         self._cancel_attempt_timers()
         self._release_upstream(close=True)
         self.fail(502, "bad WebSocket handshake from upstream", reason)
@@ -296,7 +300,7 @@ class WebSocketExchange(Exchange):
     def _open_tunnel(self, backend: Backend, head: ResponseHead, leftover: bytes = b"") -> None:
         """The backend switched (its 101, or a 2xx to an extended CONNECT): switch the client
         too and relay. ``leftover``: backend bytes read past its 101."""
-        core = self.core
+        fx = self.fx
         client = self.client
         self._cancel_attempt_timers()
         if self.router is not None and self.server is not None:
@@ -314,13 +318,13 @@ class WebSocketExchange(Exchange):
             # RFC 8441 §5 needs no accept on HTTP/2, yet clients (niquests) insist on one.
             headers = self._accept_for_client(headers)
         self.phase = Phase.STREAMING
-        self.first_byte_at = core.now
+        self.first_byte_at = fx.now
         early: list[bytes]
         if self.handshake is Handshake.H2_EXTENDED_CONNECT:
             # RFC 8441 §5: a 2xx opens the tunnel; RFC 9110 §6.6.1: a 2xx carries a Date
             # (the headers above are those of a 101, which need none).
             self.status = 200
-            date = core.http_date()
+            date = fx.http_date()
             if date is not None and header_value(headers, b"date") is None:
                 headers.append((b"date", date))
             client.send_head(ResponseHead(stream=self.stream, status=200, headers=headers))
@@ -329,14 +333,16 @@ class WebSocketExchange(Exchange):
             # RFC 9110 §7.8: the 101 names the protocol switched to, with Connection: upgrade.
             headers += [(b"connection", b"upgrade"), (b"upgrade", b"websocket")]
             self.status = 101
-            h1 = client.h1
-            assert h1 is not None
-            switch = h11.InformationalResponse(status_code=101, headers=headers)
-            client._send(h1.conn.send(switch) or b"")
             # Bytes the client sent after its request (h11 read them, PAUSED): tunnel bytes.
-            early = [h1.conn.trailing_data[0]]
+            early = [client.switch_protocols(headers)]
         tunnel = self.tunnel = Tunnel(
-            core, self, backend=backend, timer=("tunnel", self.ident), ended=self._tunnel_ended
+            fx,
+            self.tunnels,
+            self,
+            client,
+            backend=backend,
+            timer=("tunnel", self.ident),
+            ended=self._tunnel_ended,
         )
         # The credit of the DATA held so far is the tunnel's to give back.
         tunnel.client_flow.hold(self.request_flow.take())
@@ -345,7 +351,7 @@ class WebSocketExchange(Exchange):
             # (``Downstream._stall_all``): the tunnel takes the stop over, so its own flow
             # reads the backend again once the connection drains (``Tunnel.client_drained``).
             tunnel.backend_flow.stop()
-        core.emit(
+        fx.emit(
             Log(
                 event="tunnel_opened",
                 fields={"conn": client.conn, "stream": self.stream, "upstream": str(self.origin)},

@@ -110,7 +110,7 @@ def test_client_fault_ends_that_connection_and_the_other_stream_completes(
     assert CloseConnection(conn=up1) in commands
     assert 1 not in pb.core.clients
     assert all(ex.client.conn != 1 for ex in pb.core.exchanges.values())
-    assert not [t for t in pb.core._timers if t[1] == 1 and t[0] in ("header", "idle", "send")]
+    assert not [t for t in pb.core.fx.timers if t[1] == 1 and t[0] in ("header", "idle", "send")]
     (logged,) = _internal_errors(pb)
     assert logged.fields["conn"] == 1
     assert logged.fields["event"] == "DataReceived"
@@ -248,7 +248,7 @@ def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyP
 
 def test_fault_outside_any_connection_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     core = ProxyCore(Playbook().core.config, raise_errors=False)
-    monkeypatch.setattr(core, "_apply_limits", _boom)
+    monkeypatch.setattr(core.fx, "apply", _boom)
     with pytest.raises(Injected):
         core.handle(ConfigChanged(now=0.0, config=core.config))
 
@@ -301,7 +301,7 @@ def test_fault_in_a_tunnel_closes_both_of_its_connections(
         commands = pb.receive(up, b"\x81\x05world")
     assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
     assert not pb.core.tunnels and not pb.core.exchanges
-    assert not [t for t in pb.core._timers if t[0] == "tunnel"]
+    assert not [t for t in pb.core.fx.timers if t[0] == "tunnel"]
     (logged,) = _internal_errors(pb)
     assert logged.fields["conn"] == (1 if side == "client" else up)
     # Later bytes on either connection find nothing to call into.

@@ -1,0 +1,40 @@
+"""The core's tables: everything that runs, as the owner's helpers see it.
+
+``ProxyCore`` keeps a table per kind of part (client connections, backend connections,
+exchanges, tunnels, probes) and routes each event through them. Two helpers of the owner act on
+all of them at once, and so are the only modules besides ``proxy.py`` that know the concrete
+parts: fault isolation (``faults.py``: drop what a bug left half-updated) and the graceful stop
+(``shutdown.py``: stop every connection). They see the core through ``CoreTables``, which
+``ProxyCore`` has by its shape; neither imports ``proxy.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .downstream import Downstream
+from .effects import Effects
+from .exchange import Exchange
+from .pool import Pool
+from .ports import BackendConnection
+from .probes import Probe
+from .tunnel import Tunnel
+
+
+class CoreTables(Protocol):
+    """What the owner's helpers read and change of the core."""
+
+    fx: Effects
+    raise_errors: bool
+    """Let an internal error escape instead of containing it (tests, fuzzing)."""
+    counters: dict[str, int]
+    clients: dict[int, Downstream]
+    upstreams: dict[int, BackendConnection]
+    exchanges: dict[int, Exchange]
+    tunnels: dict[int, Tunnel]
+    probes: dict[int, Probe]
+    pool: Pool
+
+    @property
+    def drained(self) -> bool:
+        """Stopping, and nothing is left."""
