@@ -522,8 +522,14 @@ class Downstream:
             self._flush_h2()
         else:
             # HTTP/1.1 has no reset: closing without the final chunk is the signal
-            # (RFC 9112 §8: an incomplete message).
-            self.close()
+            # (RFC 9112 §8: an incomplete message). Once the caller is done.
+            self.request_close()
+
+    def request_close(self) -> None:
+        """``close`` once the current event is handled (``Effects.defer``): what an exchange
+        or a tunnel asks for, so that the close does not call back into it (the exchanges it
+        aborts) while it is still handling its own input."""
+        self.fx.defer(self.conn, self.close)
 
     def _window_wait(self, stream: int) -> None:
         """``stream``'s response started to wait for a window. One timer per connection,
@@ -620,8 +626,15 @@ class Downstream:
             self.fx.emit(ResumeReading(conn=self.conn))
 
     def exchange_finished(self, exchange: ClientStream) -> None:
+        """``exchange`` is over. It is forgotten now; what follows for the connection (the
+        next request, idle, or the close) once the current event is handled, so that nothing
+        of that reaches back into the exchange or its backend while they finish."""
         self.exchanges.pop(exchange.stream, None)
         self.stalled.discard(exchange)
+        if self.protocol is not Protocol.CLOSED:
+            self.fx.defer(self.conn, lambda: self._after_exchange(exchange))
+
+    def _after_exchange(self, exchange: ClientStream) -> None:
         if self.protocol is Protocol.CLOSED:
             return
         if self.h1 is not None:

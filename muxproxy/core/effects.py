@@ -11,11 +11,20 @@ probe) holds the one ``Effects`` of its ``ProxyCore`` and nothing more of it. Th
 - arms and cancels timers (``set_timer``, ``cancel_timer``): a timer cancelled before it
   fires is forgotten here, so a ``Wakeup`` the driver had already queued for it is dropped
   (``fired`` says so), and a cancel of a timer not armed emits nothing;
-- asks for work to be done once the current event is handled (``defer``): finishing an
-  exchange, closing a connection, releasing a backend. A part that ends something while it
-  handles an input asks, and the owner (``ProxyCore``) applies the request after that input,
-  so no part re-enters another that is still in the middle of its own handling (the way h11
-  only returns events and never calls back).
+- asks for work to be done once the current event is handled (``defer``). A part that ends
+  something while it handles an input asks, and the owner (``ProxyCore.handle``) applies the
+  requests after that input, in order (and what they ask for in turn), so no part re-enters
+  another that is still in the middle of its own handling — the way h11 only returns events
+  and mitmproxy's parent layer routes what its children yield. The endings deferred so:
+
+  - an exchange's end, for its client connection (``Downstream.exchange_finished``: the next
+    pipelined request, the idle timer, or the close);
+  - a close that an exchange or a tunnel asks of its client connection
+    (``Downstream.request_close``: an HTTP/1.1 response cut mid-stream, a tunnel's end);
+  - a backend stream released on a shared HTTP/2 connection, for the requests waiting for a
+    free stream (``H2Upstream.stream_finished``).
+
+  A fault in deferred work ends the connection it concerns (``faults.py``), not the others.
 
 ``Effects`` knows no part of the core: it imports only commands, events, dates and flow.
 """
@@ -56,8 +65,9 @@ class Effects:
         """Commands queued while the current event is handled."""
         self.timers: set[TimerId] = set()
         """Timers armed and not yet fired or cancelled."""
-        self.deferred: deque[Callable[[], None]] = deque()
-        """Work asked for while handling the current event (``defer``)."""
+        self.deferred: deque[tuple[int, Callable[[], None]]] = deque()
+        """Work asked for while handling the current event (``defer``), with the connection
+        it concerns."""
 
     def apply(self, config: Config) -> None:
         """A new configuration: its limits hold from the next event on."""
@@ -98,16 +108,7 @@ class Effects:
         """The ``Date`` field value now (RFC 9110 §6.6.1); None while the core has no clock."""
         return self.date.at(self.now)
 
-    def defer(self, work: Callable[[], None]) -> None:
-        """Do ``work`` once the current event is handled (see the module docstring)."""
-        self.deferred.append(work)
-
-    def take(self) -> list[Command]:
-        """The commands queued so far, handed over once; the queue starts empty again."""
-        out = self.out
-        self.out = []
-        return out
-
-    def drop_commands_for(self, conn: int, kinds: tuple[type[Command], ...]) -> None:
-        """Forget queued commands of ``kinds`` addressed to ``conn`` (``faults.py``)."""
-        self.out = [c for c in self.out if not (isinstance(c, kinds) and c.conn == conn)]  # type: ignore[attr-defined]
+    def defer(self, conn: int, work: Callable[[], None]) -> None:
+        """Do ``work``, which concerns connection ``conn``, once the current event is handled
+        (see the module docstring); a fault in it ends ``conn`` (``faults.py``)."""
+        self.deferred.append((conn, work))

@@ -641,11 +641,8 @@ class Exchange:
             if self.group is not None:
                 self.host.measurements.failure(self.group.name, self.server_address, "mid_stream")
             self._release_upstream(close=True)
-            # DONE before the abort: on HTTP/1.1 the abort closes the client connection, which
-            # calls ``client_aborted`` on this exchange; without this it would finish (and log)
-            # the exchange as "client aborted", and ``_finish`` below would run a second time.
-            self.phase = Phase.DONE
-            # Truncation must be visible: never a clean end for a broken stream.
+            # Truncation must be visible: never a clean end for a broken stream. (On HTTP/1.1
+            # that is the close, which comes once this exchange is over: ``request_close``.)
             self.client.abort(self.stream)
             self._finish(f"upstream failed mid-stream: {reason}")
 

@@ -348,7 +348,9 @@ class H2Upstream:
             self.idle_since = self.fx.now
             self.ping_sent = False
             self.fx.set_timer(("pool", self.conn), self.fx.now + self._ping_interval())
-        self.pool.ready(self)
+        # The freed stream goes to a waiting request once the current event is handled, not
+        # while the exchange that released it is still finishing (``Effects.defer``).
+        self.fx.defer(self.conn, lambda: self.pool.ready(self))
 
     def take(self, exchange: UpstreamUser) -> None:
         self.fx.cancel_timer(("pool", self.conn))

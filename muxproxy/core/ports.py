@@ -135,8 +135,8 @@ class ClientSide(Protocol):
     def abort(self, stream: int) -> None:
         """End ``stream``'s response visibly unfinished (RST_STREAM; an HTTP/1.1 close)."""
 
-    def close(self) -> None:
-        """Close the connection once its output is written."""
+    def request_close(self) -> None:
+        """Close the connection once its output is written, after the current event."""
 
     def keep_receiving(self, stream: int) -> None: ...
     def acknowledge(self, stream: int, nbytes: int) -> None:
@@ -154,7 +154,8 @@ class ClientSide(Protocol):
     def holds(self, stream: ClientStream) -> bool: ...
     def request_body_timeout(self, stream: ClientStream) -> None: ...
     def exchange_finished(self, stream: ClientStream) -> None:
-        """``stream`` is over: the connection may take the next request, go idle or close."""
+        """``stream`` is over: the connection takes the next request, goes idle or closes,
+        after the current event."""
 
 
 # -- between an exchange (or probe) and its backend ---------------------------------------

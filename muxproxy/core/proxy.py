@@ -187,16 +187,34 @@ class ProxyCore:
             self._dispatch[type(event)](event)
         except Exception as exc:
             if self.raise_errors:
+                fx.deferred.clear()
                 raise
             fault = self._fault(event, exc)
             if fault is None:
+                fx.deferred.clear()
                 raise
             self.isolation.contain(fault)
+        if fx.deferred:
+            self._apply_deferred()
         if fx.shutting_down:
             self.stop.settle()
         out = fx.out
         fx.out = []
         return out
+
+    def _apply_deferred(self) -> None:
+        """What the parts asked for while the event was handled (``Effects.defer``: the
+        ends of exchanges, closes), in order, and what that asks for in turn."""
+        deferred = self.fx.deferred
+        while deferred:
+            conn, work = deferred.popleft()
+            try:
+                work()
+            except Exception as exc:
+                if self.raise_errors:
+                    deferred.clear()
+                    raise
+                self.isolation.contain(Fault(conn=conn, event="deferred", error=exc))
 
     def _fault(self, event: Event, exc: Exception) -> Fault | None:
         """The connection (or probe) that ``exc``, raised while handling ``event``, ends."""

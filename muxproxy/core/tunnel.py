@@ -351,7 +351,7 @@ class Tunnel:
     ) -> None:
         if self.state is TunnelState.CLOSED:
             return
-        # CLOSED first: closing the client side calls back into ``client_gone``.
+        # CLOSED first: whatever the ends below lead to finds the tunnel over.
         self.state = TunnelState.CLOSED
         fx = self.fx
         fx.cancel_timer(self.timer)
@@ -367,7 +367,7 @@ class Tunnel:
         if client is not ClientEnd.KEEP:
             if self.kind is ClientKind.RAW:
                 # Flushes first: the last frames (a Close frame) still reach the client.
-                downstream.close()
+                downstream.request_close()
             elif client is ClientEnd.END:
                 downstream.send_end(self.stream, [])
             else:

@@ -184,10 +184,10 @@ def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch)
     pb << SetTimer(timer=("send", 1), at=60.0)
     reply = Sends(1, client)
     pb << reply
-    pb << CloseConnection(conn=1)
     outcome = "internal error on the backend connection"
     pb << Log(event="access", fields=subset({"status": 502, "outcome": outcome}))
     pb << Log(event="internal_error", fields=subset({"conn": opened.conn, "event": "DataReceived"}))
+    pb << CloseConnection(conn=1)  # once the exchange is over (Effects.defer)
     pb.done()
     (response, *_) = reply.events
     assert isinstance(response, h11.Response) and response.status_code == 502

@@ -183,12 +183,13 @@ def test_at_max_concurrent_streams_a_request_waits_for_a_free_stream() -> None:
     pb << Where(SendData, lambda c: c.conn == 1 and c.data.startswith(b"HTTP/1.1 204"))
     pb << SetTimer(timer=("read", 1), at=300.0)
     pb << SetTimer(timer=("pool", -1), at=20.0)  # idle for a moment,
-    pb << CancelTimer(timer=("pool", -1))  # then the waiting request takes the freed stream
+    pb << CancelTimer(timer=("read", 1))  # the first exchange is over,
+    # then (Effects.defer) the waiting request takes the freed stream,
+    pb << CancelTimer(timer=("pool", -1))
     pb << CancelTimer(timer=("connect", 2))
     pb << Sends(-1, backend, request_on(3, b"/2"))  # on the same connection
     pb << SetTimer(timer=("head", 2), at=60.0)
-    pb << CancelTimer(timer=("read", 1))
-    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # and the first client goes idle
     pb.done()
     assert [c.conn for c in pb.opens()] == [-1]
     (response,) = [e for e in clients[1].events(pb.take(1)) if isinstance(e, h11.Response)]

@@ -117,9 +117,9 @@ def test_fails_failed_checks_take_the_server_down_and_requests_get_503() -> None
     pb << SetTimer(timer=("send", 7), at=pb.now + 60.0)
     reply = Sends(7, client)
     pb << reply
-    pb << CloseConnection(conn=7)
     outcome = "no backend available"
     pb << Log(event="access", fields=subset({"status": 503, "tries": 0, "outcome": outcome}))
+    pb << CloseConnection(conn=7)  # once the exchange is over (Effects.defer)
     pb.done()  # no OpenConnection: the server is down
     assert reply.events[0].status_code == 503
 

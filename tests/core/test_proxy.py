@@ -333,8 +333,8 @@ def test_backend_death_mid_stream_closes_h1_without_last_chunk() -> None:
     backend.events(pb.take(up))
     pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
     pb >> closed(up)
-    pb << CloseConnection(conn=1)  # no final chunk first
     pb << CancelTimer(timer=("read", 1))
+    pb << CloseConnection(conn=1)  # no final chunk first; once the exchange is over
     pb.done()
     events = client.events(pb.take(1))
     assert not any(isinstance(e, h11.EndOfMessage) for e in events)

@@ -146,9 +146,9 @@ def test_backend_close_closes_the_client_after_flushing() -> None:
     pb >> closed(up)
     # The last frame was handed over before; the close (which the driver flushes) follows.
     pb << CancelTimer(timer=TUNNEL)
-    pb << CloseConnection(conn=1)
     pb << Log(event="tunnel_closed", fields=subset({"reason": "backend closed"}))
     pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)  # once the tunnel is over (Effects.defer)
     pb.done()
     # The client's own close report afterwards changes nothing.
     pb >> closed(1)
@@ -193,10 +193,10 @@ def test_client_eof_is_relayed_and_the_backend_reply_still_reaches_the_client() 
     # Then the backend ends too: both directions are over, both connections close.
     pb >> InputEnded(now=pb.now, conn=up)
     pb << CancelTimer(timer=TUNNEL)
-    pb << CloseConnection(conn=1)
     pb << CloseConnection(conn=up)
     pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
     pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)  # once the tunnel is over (Effects.defer)
     pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
 
@@ -214,10 +214,10 @@ def test_backend_eof_is_relayed_and_the_client_reply_still_reaches_the_backend()
     pb << SendData(conn=up, data=b"client-close")
     pb >> InputEnded(now=pb.now, conn=1)
     pb << CancelTimer(timer=TUNNEL)
-    pb << CloseConnection(conn=1)
     pb << CloseConnection(conn=up)
     pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
     pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)  # once the tunnel is over (Effects.defer)
     pb.done()
 
 
@@ -278,10 +278,10 @@ def test_idle_tunnel_is_closed_on_both_sides_by_a_lazy_timer() -> None:
     pb << SetTimer(timer=TUNNEL, at=16.0)
     pb.now = 16.0
     pb >> wakeup(*TUNNEL)
-    pb << CloseConnection(conn=1)
     pb << CloseConnection(conn=up)
     pb << Log(event="tunnel_closed", fields=subset({"reason": "idle timeout"}))
     pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)  # once the tunnel is over (Effects.defer)
     pb.done()
 
 
@@ -404,8 +404,8 @@ def test_extended_connect_end_stream_half_closes_the_backend() -> None:
     pb << ended
     pb << CloseConnection(conn=up)
     pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
-    pb << SetTimer(timer=("idle", 1), at=75.0)  # the h2 connection goes on
     pb << Log(event="access", fields=subset({"status": 200}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # the h2 connection goes on
     pb.done()
     # An empty DATA frame with END_STREAM, no RST_STREAM.
     assert [type(e) for e in ended.events] == [h2.events.DataReceived, h2.events.StreamEnded]
@@ -424,13 +424,18 @@ def test_extended_connect_with_a_wrong_accept_is_a_502() -> None:
     pb << CloseConnection(conn=up)
     answer = Sends(1, peer)
     pb << answer
-    pb << SetTimer(timer=("idle", 1), at=75.0)
     pb << Log(event="access", fields=subset({"status": 502, "outcome": reason}))
+    # Once the exchange is over (Effects.defer): RFC 9113 §8.1, the rest of the request is
+    # not wanted (RST_STREAM(NO_ERROR)), and the connection goes idle.
+    cancel = Sends(1, peer)
+    pb << cancel
+    pb << SetTimer(timer=("idle", 1), at=75.0)
     pb.done()
     (response,) = [e for e in answer.events if isinstance(e, h2.events.ResponseReceived)]
     assert dict(response.headers)[b":status"] == b"502"
     # RFC 9113 §8.1: the response is complete; RST_STREAM(NO_ERROR) stops the upload.
-    (reset,) = [e for e in answer.events if isinstance(e, h2.events.StreamReset)]
+    assert not [e for e in answer.events if isinstance(e, h2.events.StreamReset)]
+    (reset,) = [e for e in cancel.events if isinstance(e, h2.events.StreamReset)]
     assert reset.error_code == h2.errors.ErrorCodes.NO_ERROR
 
 
