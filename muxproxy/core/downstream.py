@@ -33,6 +33,7 @@ exchange ends (RFC 9112 §9.6); HTTP/2's two GOAWAYs are ``shutdown.py``'s (RFC 
 from __future__ import annotations
 
 import enum
+from typing import assert_never
 
 import attrs
 import h2.errors
@@ -48,6 +49,7 @@ from .intake import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, Refused, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientHost, ClientStream, Phase, RequestPhase
+from .timers import ClientTimer
 
 
 class Waiting(enum.Enum):
@@ -107,7 +109,7 @@ class Downstream:
         if tls:
             self._choose(Protocol.HTTP2 if alpn == "h2" else Protocol.HTTP1)
         timeouts = fx.config.timeouts
-        fx.set_timer(("header", conn), fx.now + timeouts.client_header)
+        fx.set_timer((ClientTimer.HEADER, conn), fx.now + timeouts.client_header)
         self.waiting = Waiting.HEAD
         self.window_waits: dict[int, float] = {}
         """HTTP/2 streams whose response waits for a window, and since when it has not moved
@@ -318,8 +320,8 @@ class Downstream:
             self._refuse(head, exc)
             return
         if not self.exchanges:
-            fx.cancel_timer(("header", self.conn))
-            fx.cancel_timer(("idle", self.conn))
+            fx.cancel_timer((ClientTimer.HEADER, self.conn))
+            fx.cancel_timer((ClientTimer.IDLE, self.conn))
             self.waiting = Waiting.BUSY
         exchange = self.host.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
@@ -413,7 +415,7 @@ class Downstream:
             self.last_progress = fx.now
             if not self.send_timer_armed:
                 self.send_timer_armed = True
-                fx.set_timer(("send", self.conn), fx.now + fx.config.timeouts.send)
+                fx.set_timer((ClientTimer.SEND, self.conn), fx.now + fx.config.timeouts.send)
         self.pending += len(data)
         fx.send(self.conn, data)
         if self.pending > fx.config.limits.connection_buffer:
@@ -536,7 +538,7 @@ class Downstream:
         armed while some stream waits; a chunk queued behind a closed window costs nothing."""
         fx = self.fx
         if not self.window_waits:
-            fx.set_timer(("window", self.conn), fx.now + fx.config.timeouts.send)
+            fx.set_timer((ClientTimer.WINDOW, self.conn), fx.now + fx.config.timeouts.send)
         self.window_waits[stream] = fx.now
 
     def _window_timeout(self) -> None:
@@ -567,7 +569,7 @@ class Downstream:
             at = since + limit
             due = at if due is None or at < due else due
         if due is not None and self.protocol is not Protocol.CLOSED:
-            fx.set_timer(("window", self.conn), due)
+            fx.set_timer((ClientTimer.WINDOW, self.conn), due)
         if self.h2 is not None:
             self._flush_h2()
 
@@ -671,15 +673,15 @@ class Downstream:
                 return
             fx = self.fx
             self.waiting = Waiting.IDLE
-            fx.set_timer(("idle", self.conn), fx.now + fx.config.timeouts.keepalive_idle)
+            fx.set_timer((ClientTimer.IDLE, self.conn), fx.now + fx.config.timeouts.keepalive_idle)
 
     def _await_head(self) -> None:
         """The first bytes of a request head came on an idle connection: from now on it is
         bounded by ``client_header`` (and answered 408 when late), not ``keepalive_idle``."""
         fx = self.fx
         self.waiting = Waiting.HEAD
-        fx.cancel_timer(("idle", self.conn))
-        fx.set_timer(("header", self.conn), fx.now + fx.config.timeouts.client_header)
+        fx.cancel_timer((ClientTimer.IDLE, self.conn))
+        fx.set_timer((ClientTimer.HEADER, self.conn), fx.now + fx.config.timeouts.client_header)
 
     # -- driver events ---------------------------------------------------------------------
 
@@ -704,7 +706,7 @@ class Downstream:
             exchange.client_aborted(error or "client closed the connection")
         self.exchanges.clear()
         fx = self.fx
-        for kind in ("header", "idle", "send", "window", "goaway"):
+        for kind in ClientTimer:
             fx.cancel_timer((kind, self.conn))
         self.host.client_closed(self.conn)
         if was_open:
@@ -726,33 +728,45 @@ class Downstream:
         for exchange in list(self.exchanges.values()):
             exchange.client_aborted("client connection closed")
 
-    def timer_fired(self, kind: str) -> None:
+    def timer_fired(self, kind: ClientTimer) -> None:
+        match kind:
+            case ClientTimer.SEND:
+                self._send_timeout()
+            case ClientTimer.WINDOW:
+                self._window_timeout()
+            case ClientTimer.IDLE | ClientTimer.HEADER:
+                self._idle_timeout(kind)
+            case ClientTimer.GOAWAY:
+                pass  # the graceful stop's: ``ProxyCore`` hands it to ``Shutdown.goaway_due``
+            case _:
+                assert_never(kind)
+
+    def _send_timeout(self) -> None:
+        """Lazy: armed when output starts waiting, moved only when it fires."""
         fx = self.fx
-        now = fx.now
-        if kind == "send":
-            self.send_timer_armed = False
-            if not self.pending:
-                return
-            due = self.last_progress + fx.config.timeouts.send
-            if now < due:
-                self.send_timer_armed = True
-                fx.set_timer(("send", self.conn), due)
-                return
-            fx.emit(Log(event="send_timeout", fields={"conn": self.conn}))
-            self.close()
-        elif kind == "window":
-            self._window_timeout()
-        elif kind in ("idle", "header"):
-            if self.exchanges:
-                return
-            if self.h2 is not None:
-                self.h2.goaway()
-                self._flush_h2()
-            elif self.h1 is not None and kind == "header" and not self.h1.idle:
-                # RFC 9110 §15.5.9: the client did not complete its request in time.
-                self.host.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
-                self._h1_error(408, "request header timeout")
-            self.close()
+        self.send_timer_armed = False
+        if not self.pending:
+            return
+        due = self.last_progress + fx.config.timeouts.send
+        if fx.now < due:
+            self.send_timer_armed = True
+            fx.set_timer((ClientTimer.SEND, self.conn), due)
+            return
+        fx.emit(Log(event="send_timeout", fields={"conn": self.conn}))
+        self.close()
+
+    def _idle_timeout(self, kind: ClientTimer) -> None:
+        """``keepalive_idle`` between requests, or ``client_header`` for a request head."""
+        if self.exchanges:
+            return
+        if self.h2 is not None:
+            self.h2.goaway()
+            self._flush_h2()
+        elif self.h1 is not None and kind is ClientTimer.HEADER and not self.h1.idle:
+            # RFC 9110 §15.5.9: the client did not complete its request in time.
+            self.host.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
+            self._h1_error(408, "request header timeout")
+        self.close()
 
 
 def _bytes_out(exchange: ClientStream) -> int:

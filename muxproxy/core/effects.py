@@ -63,8 +63,10 @@ class Effects:
         connection is kept for another."""
         self.out: list[Command] = []
         """Commands queued while the current event is handled."""
-        self.timers: set[TimerId] = set()
-        """Timers armed and not yet fired or cancelled."""
+        self.timers: dict[TimerId, TimerId] = {}
+        """Timers armed and not yet fired or cancelled (each id maps to itself: a driver's
+        ``Wakeup`` may carry an equal plain ``(str, int)``, and ``fired`` hands back the typed
+        id)."""
         self.deferred: deque[tuple[int, Callable[[], None]]] = deque()
         """Work asked for while handling the current event (``defer``), with the connection
         it concerns."""
@@ -88,21 +90,17 @@ class Effects:
         self.out.append(CloseConnection(conn=conn, flush_timeout=self.config.timeouts.send))
 
     def set_timer(self, timer: TimerId, at: float) -> None:
-        self.timers.add(timer)
+        self.timers[timer] = timer
         self.out.append(SetTimer(timer=timer, at=at))
 
     def cancel_timer(self, timer: TimerId) -> None:
-        if timer in self.timers:
-            self.timers.discard(timer)
+        if self.timers.pop(timer, None) is not None:
             self.out.append(CancelTimer(timer=timer))
 
-    def fired(self, timer: TimerId) -> bool:
-        """A ``Wakeup`` for ``timer``: True (and forgotten) if it is still armed, False if it
-        was cancelled after the driver had already queued its wakeup."""
-        if timer not in self.timers:
-            return False
-        self.timers.discard(timer)
-        return True
+    def fired(self, timer: TimerId) -> TimerId | None:
+        """A ``Wakeup`` for ``timer``: the (typed) id, forgotten, if it is still armed; None if
+        it was cancelled after the driver had already queued its wakeup."""
+        return self.timers.pop(timer, None)
 
     def http_date(self) -> bytes | None:
         """The ``Date`` field value now (RFC 9110 §6.6.1); None while the core has no clock."""

@@ -12,9 +12,9 @@ import attrs
 
 from ..config import Config
 from ..config.runtime import RuntimeState
+from .timers import TimerId as TimerId
 
 ConnId = int
-TimerId = tuple[str, int]
 
 
 @attrs.frozen(kw_only=True, slots=True)

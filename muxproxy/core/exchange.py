@@ -40,7 +40,7 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 import attrs
 
@@ -72,11 +72,20 @@ from .messages import Headers, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
 from .sse import HEARTBEAT, EventBoundary
+from .timers import ExchangeTimer
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
 
 VIA = b"muxproxy"
+# The timers of one attempt at a backend, cancelled when it ends.
+ATTEMPT_TIMERS = (
+    ExchangeTimer.CONNECT,
+    ExchangeTimer.HEAD,
+    ExchangeTimer.FIRST_TOKEN,
+    ExchangeTimer.READ,
+    ExchangeTimer.HEARTBEAT,
+)
 # RFC 9110 §9.2.2: methods a client (and so a proxy) may send again after a connection failure.
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
 
@@ -156,7 +165,7 @@ class Exchange:
         timeout = grpc_timeout(head.headers) if is_grpc(head.headers) else None
         if timeout is not None:
             # The whole call's deadline, across retries (gRPC's grpc-timeout).
-            fx.set_timer(("deadline", self.ident), fx.now + timeout)
+            fx.set_timer((ExchangeTimer.DEADLINE, self.ident), fx.now + timeout)
         try:
             target = normalise_target(head.target)
         except MalformedRequest as exc:
@@ -219,7 +228,7 @@ class Exchange:
         self.origin = Origin.of(server)
         self.phase = Phase.CONNECTING
         timeout = self.group.timeouts.connect or fx.config.timeouts.connect
-        fx.set_timer(("connect", self.ident), fx.now + timeout)
+        fx.set_timer((ExchangeTimer.CONNECT, self.ident), fx.now + timeout)
         self.host.pool.acquire(self.origin, self.group, self)
 
     def _leave_server(self) -> None:
@@ -280,7 +289,7 @@ class Exchange:
         self._count_retry("stale_connection", reason)
         self.phase = Phase.CONNECTING
         timeout = self.group.timeouts.connect or fx.config.timeouts.connect
-        fx.set_timer(("connect", self.ident), fx.now + timeout)
+        fx.set_timer((ExchangeTimer.CONNECT, self.ident), fx.now + timeout)
         self.host.pool.acquire(self.origin, self.group, self, fresh=True)
 
     def _retry_or_fail(self, condition: str, reason: str) -> None:
@@ -347,7 +356,7 @@ class Exchange:
         fx = self.fx
         group = self.group
         assert group is not None
-        fx.cancel_timer(("connect", self.ident))
+        fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
         self.upstream = upstream
         head = self.head
         # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); without a
@@ -371,11 +380,11 @@ class Exchange:
         timeouts = group.timeouts
         now = fx.now
         fx.set_timer(
-            ("head", self.ident),
+            (ExchangeTimer.HEAD, self.ident),
             now + (timeouts.response_head or fx.config.timeouts.response_head),
         )
         if timeouts.first_token:
-            fx.set_timer(("first_token", self.ident), now + timeouts.first_token)
+            fx.set_timer((ExchangeTimer.FIRST_TOKEN, self.ident), now + timeouts.first_token)
         self._check_request_flow()
 
     def _apply_header_rules(self, headers: Headers) -> Headers:
@@ -457,7 +466,7 @@ class Exchange:
         read timer: armed once here, moved only when it fires, so a body chunk costs no timer
         command. Tunnels override this (silence is theirs to keep)."""
         fx = self.fx
-        fx.set_timer(("body", self.ident), fx.now + fx.config.timeouts.client_header)
+        fx.set_timer((ExchangeTimer.BODY, self.ident), fx.now + fx.config.timeouts.client_header)
 
     def _request_body_idle(self) -> None:
         """The ``body`` timer: reset the stream if the client sent no request body for
@@ -474,7 +483,7 @@ class Exchange:
             self.last_request_activity = fx.now  # backpressure: the client is not at fault
         due = self.last_request_activity + fx.config.timeouts.client_header
         if fx.now < due:
-            fx.set_timer(("body", self.ident), due)
+            fx.set_timer((ExchangeTimer.BODY, self.ident), due)
             return
         self.client.request_body_timeout(self)
 
@@ -498,7 +507,7 @@ class Exchange:
             return
         fx = self.fx
         assert self.router is not None and self.server is not None and self.route is not None
-        fx.cancel_timer(("head", self.ident))
+        fx.cancel_timer((ExchangeTimer.HEAD, self.ident))
         status = head.status
         condition = f"http_{status}"
         if self._may_retry(condition):
@@ -538,7 +547,9 @@ class Exchange:
             # this a backend that sends the head and then nothing would hold the client
             # forever (unless a first-token timeout is configured).
             idle = self.group.timeouts.idle if self.group else None
-            fx.set_timer(("read", self.ident), fx.now + (idle or fx.config.timeouts.read))
+            fx.set_timer(
+                (ExchangeTimer.READ, self.ident), fx.now + (idle or fx.config.timeouts.read)
+            )
             return
         self._commit()
 
@@ -550,7 +561,7 @@ class Exchange:
         self.body.commit()
         self.client.send_head(self.response)
         idle = (self.group.timeouts.idle if self.group else None) or fx.config.timeouts.read
-        fx.set_timer(("read", self.ident), self.last_upstream_activity + idle)
+        fx.set_timer((ExchangeTimer.READ, self.ident), self.last_upstream_activity + idle)
         sse = (
             200 <= self.status < 300
             and self.head.method != b"HEAD"
@@ -570,7 +581,7 @@ class Exchange:
             # going out now counts as the last thing the client got.
             self.sse = EventBoundary()
             self.heartbeat_at = fx.now
-            fx.set_timer(("heartbeat", self.ident), fx.now + heartbeat)
+            fx.set_timer((ExchangeTimer.HEARTBEAT, self.ident), fx.now + heartbeat)
 
     def response_body(self, data: bytes) -> None:
         phase = self.phase
@@ -582,7 +593,7 @@ class Exchange:
         self.last_upstream_activity = now
         if self.first_byte_at is None:
             self.first_byte_at = now
-            self.fx.cancel_timer(("first_token", self.ident))
+            self.fx.cancel_timer((ExchangeTimer.FIRST_TOKEN, self.ident))
         self.bytes_out += len(data)
         meter = self.meter
         if meter is not None:
@@ -646,46 +657,55 @@ class Exchange:
             self.client.abort(self.stream)
             self._finish(f"upstream failed mid-stream: {reason}")
 
-    def timer_fired(self, kind: str) -> None:
+    def timer_fired(self, kind: ExchangeTimer) -> None:
         fx = self.fx
-        if kind == "read":
-            # HOLDING too: the idle deadline bounds a held head (see ``response_head``).
-            if self.phase is not Phase.STREAMING and self.phase is not Phase.HOLDING:
-                return
-            idle = (self.group.timeouts.idle if self.group else None) or fx.config.timeouts.read
-            if self.client.holds(self):
-                # We paused the backend because the client is behind: its silence is ours.
-                # The client side has its own bound (``Downstream``'s send and window timers).
-                self.last_upstream_activity = fx.now
-            due = self.last_upstream_activity + idle
-            if fx.now < due:
-                # Lazy timer: the deadline moves with every chunk, but we re-arm only here,
-                # so relaying a chunk costs no timer command.
-                fx.set_timer(("read", self.ident), due)
-                return
-            self.upstream_failed("no data from upstream within the read timeout", timeout=True)
-        elif kind == "connect":
-            self.upstream_failed("connect timeout", timeout=True)
-        elif kind == "head":
-            timeout = (
-                self.group.timeouts.response_head if self.group else None
-            ) or fx.config.timeouts.response_head
-            if not self._backend_late(kind, timeout):
-                return
-            self.upstream_failed("response head timeout", timeout=True)
-        elif kind == "first_token":
-            first_token = self.group.timeouts.first_token if self.group else None
-            if first_token and not self._backend_late(kind, first_token):
-                return
-            self.upstream_failed("no first token within the first-token timeout", timeout=True)
-        elif kind == "heartbeat":
-            self._heartbeat()
-        elif kind == "deadline":
-            self._deadline_exceeded()
-        elif kind == "body":
-            self._request_body_idle()
+        timeouts = self.group.timeouts if self.group else None
+        match kind:
+            case ExchangeTimer.READ:
+                self._read_timeout()
+            case ExchangeTimer.CONNECT:
+                self.upstream_failed("connect timeout", timeout=True)
+            case ExchangeTimer.HEAD:
+                head = (timeouts.response_head if timeouts else None) or (
+                    fx.config.timeouts.response_head
+                )
+                if self._backend_late(kind, head):
+                    self.upstream_failed("response head timeout", timeout=True)
+            case ExchangeTimer.FIRST_TOKEN:
+                first_token = timeouts.first_token if timeouts else None
+                if not first_token or self._backend_late(kind, first_token):
+                    reason = "no first token within the first-token timeout"
+                    self.upstream_failed(reason, timeout=True)
+            case ExchangeTimer.HEARTBEAT:
+                self._heartbeat()
+            case ExchangeTimer.DEADLINE:
+                self._deadline_exceeded()
+            case ExchangeTimer.BODY:
+                self._request_body_idle()
+            case ExchangeTimer.TUNNEL:
+                pass  # a tunnel's (``websocket.py``)
+            case _:
+                assert_never(kind)
 
-    def _backend_late(self, kind: str, timeout: float) -> bool:
+    def _read_timeout(self) -> None:
+        fx = self.fx
+        # HOLDING too: the idle deadline bounds a held head (see ``response_head``).
+        if self.phase is not Phase.STREAMING and self.phase is not Phase.HOLDING:
+            return
+        idle = (self.group.timeouts.idle if self.group else None) or fx.config.timeouts.read
+        if self.client.holds(self):
+            # We paused the backend because the client is behind: its silence is ours.
+            # The client side has its own bound (``Downstream``'s send and window timers).
+            self.last_upstream_activity = fx.now
+        due = self.last_upstream_activity + idle
+        if fx.now < due:
+            # Lazy timer: the deadline moves with every chunk, but we re-arm only here,
+            # so relaying a chunk costs no timer command.
+            fx.set_timer((ExchangeTimer.READ, self.ident), due)
+            return
+        self.upstream_failed("no data from upstream within the read timeout", timeout=True)
+
+    def _backend_late(self, kind: ExchangeTimer, timeout: float) -> bool:
         """Whether the ``head`` or ``first_token`` timer that fired blames the backend. Not
         while the client still owes request body bytes the backend is taking: a backend may
         wait for the whole request before it answers, and a client that stopped sending is
@@ -734,7 +754,7 @@ class Exchange:
                 self.client.send_body(self.stream, HEARTBEAT)
                 self.heartbeat_at = now
             due = now + interval
-        fx.set_timer(("heartbeat", self.ident), due)
+        fx.set_timer((ExchangeTimer.HEARTBEAT, self.ident), due)
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -765,7 +785,7 @@ class Exchange:
         self._finish(reason or text)
 
     def _cancel_attempt_timers(self) -> None:
-        for kind in ("connect", "head", "first_token", "read", "heartbeat"):
+        for kind in ATTEMPT_TIMERS:
             self.fx.cancel_timer((kind, self.ident))
 
     def _release_upstream(self, *, close: bool) -> None:
@@ -789,8 +809,8 @@ class Exchange:
         self.phase = Phase.DONE
         self.outcome = outcome
         self._cancel_attempt_timers()
-        fx.cancel_timer(("deadline", self.ident))
-        fx.cancel_timer(("body", self.ident))
+        fx.cancel_timer((ExchangeTimer.DEADLINE, self.ident))
+        fx.cancel_timer((ExchangeTimer.BODY, self.ident))
         self._leave_server()
         flow = self.request_flow
         credit = flow.take()

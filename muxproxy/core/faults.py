@@ -49,11 +49,10 @@ from .pool import UpstreamConn, UpstreamState
 from .ports import Phase
 from .probes import Probe, ProbeState
 from .tables import CoreTables
+from .timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
 from .tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
 from .websocket import WebSocketExchange
 
-# Timer kinds keyed by something else than a client connection id, besides the exchanges'.
-_OTHER_TIMERS = frozenset({"pool", "probe", "probe_timeout", "shutdown"})
 # Commands addressed to a connection that a failed call may have queued for it.
 _CONN_COMMANDS = (SendData, PauseReading, ResumeReading, ShutdownWrite, CloseConnection)
 
@@ -73,11 +72,8 @@ class Fault:
 class Isolation:
     """Contains faults for one ``ProxyCore`` (see the module docstring)."""
 
-    def __init__(self, core: CoreTables, *, exchange_timers: frozenset[str]) -> None:
+    def __init__(self, core: CoreTables) -> None:
         self.core = core
-        self.exchange_timers = exchange_timers
-        """Timer kinds owned by an exchange, keyed by its ident (``ProxyCore._wakeup``)."""
-        self._client_timers_not = exchange_timers | _OTHER_TIMERS
         self._queue: deque[Fault] = deque()
         self._faulty: set[int] = set()
         """Connections isolated, or queued for it, during the current ``contain``."""
@@ -171,7 +167,7 @@ class Isolation:
             self._drop_exchange(ex)
         self._detach_backends(doomed)
         for timer in list(core.fx.timers):
-            if timer[1] == conn and timer[0] not in self._client_timers_not:
+            if timer[1] == conn and isinstance(timer[0], ClientTimer):
                 core.fx.cancel_timer(timer)
         if goaway:
             core.fx.emit(SendData(conn=conn, data=goaway))
@@ -181,7 +177,7 @@ class Isolation:
         """Forget ``ex`` without calling into it: its client is gone."""
         core = self.core
         core.exchanges.pop(ex.ident, None)
-        for kind in self.exchange_timers:
+        for kind in ExchangeTimer:
             core.fx.cancel_timer((kind, ex.ident))
         if ex.server is not None and ex.router is not None:
             ex.router.stream_ended(ex.server)
@@ -262,7 +258,7 @@ class Isolation:
             if isinstance(user, WebSocketExchange) and user.tunnel is not None:
                 self._drop_tunnel(user.tunnel, close_backend=False)
         core.upstreams.pop(conn, None)
-        core.fx.cancel_timer(("pool", conn))
+        core.fx.cancel_timer((BackendTimer.POOL, conn))
         core.fx.close(conn)
         for user in users:
             if isinstance(user, Exchange):
@@ -285,7 +281,7 @@ class Isolation:
 
     def _reset_probe(self, probe: Probe) -> None:
         core = self.core
-        core.fx.cancel_timer(("probe_timeout", probe.ident))
+        core.fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, probe.ident))
         core.pool.forget(probe)
         probe.upstream = None
         probe.state = ProbeState.IDLE

@@ -38,6 +38,7 @@ from .h2client import H2Client
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamUser
+from .timers import BackendTimer
 
 if TYPE_CHECKING:
     from ..config import Server, Upstream
@@ -307,7 +308,9 @@ class H2Upstream:
         self.client.ping()
         self.ping_sent = True
         self.flush()
-        self.fx.set_timer(("pool", self.conn), min(now + self._ping_interval(), deadline))
+        self.fx.set_timer(
+            (BackendTimer.POOL, self.conn), min(now + self._ping_interval(), deadline)
+        )
 
     def _ping_interval(self) -> float:
         return min(PING_INTERVAL, self.idle_timeout / 3)
@@ -347,13 +350,13 @@ class H2Upstream:
         if not self.streams:
             self.idle_since = self.fx.now
             self.ping_sent = False
-            self.fx.set_timer(("pool", self.conn), self.fx.now + self._ping_interval())
+            self.fx.set_timer((BackendTimer.POOL, self.conn), self.fx.now + self._ping_interval())
         # The freed stream goes to a waiting request once the current event is handled, not
         # while the exchange that released it is still finishing (``Effects.defer``).
         self.fx.defer(self.conn, lambda: self.pool.ready(self))
 
     def take(self, exchange: UpstreamUser) -> None:
-        self.fx.cancel_timer(("pool", self.conn))
+        self.fx.cancel_timer((BackendTimer.POOL, self.conn))
         exchange.upstream_ready(H2Stream(self, exchange))
 
 
@@ -400,7 +403,7 @@ class H2Pool:
         self.upstreams[upstream.conn] = upstream
         self.conns.setdefault(origin, []).append(upstream)
         fx.emit(OpenConnection(conn=upstream.conn, origin=origin))
-        fx.set_timer(("pool", upstream.conn), upstream.start_deadline)
+        fx.set_timer((BackendTimer.POOL, upstream.conn), upstream.start_deadline)
 
     def ready(self, upstream: H2Upstream) -> None:
         """``upstream`` may have free streams: give them to the waiting requests. While
@@ -433,7 +436,7 @@ class H2Pool:
     def discard(self, upstream: H2Upstream, reason: str, *, timeout: bool = False) -> None:
         fx = self.fx
         self.upstreams.pop(upstream.conn, None)
-        fx.cancel_timer(("pool", upstream.conn))
+        fx.cancel_timer((BackendTimer.POOL, upstream.conn))
         origin = upstream.origin
         conns = self.conns.get(origin, [])
         if upstream in conns:

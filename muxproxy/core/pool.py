@@ -27,6 +27,7 @@ from .h1 import H1Client
 from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamStream, UpstreamUser
+from .timers import BackendTimer
 
 if TYPE_CHECKING:
     from ..config import Upstream
@@ -213,7 +214,7 @@ class Pool:
         idle = None if fresh else self.idle.get(origin)
         while idle:
             upstream = idle.pop()
-            fx.cancel_timer(("pool", upstream.conn))
+            fx.cancel_timer((BackendTimer.POOL, upstream.conn))
             if upstream.state is UpstreamState.IDLE:
                 upstream.reused = True
                 self._assign(upstream, exchange)
@@ -268,7 +269,7 @@ class Pool:
         upstream.state = UpstreamState.IDLE
         upstream.resume()
         group_idle.append(upstream)
-        fx.set_timer(("pool", upstream.conn), fx.now + upstream.idle_timeout)
+        fx.set_timer((BackendTimer.POOL, upstream.conn), fx.now + upstream.idle_timeout)
 
     def shutdown(self) -> None:
         """A graceful stop began: idle connections close now, busy ones when their exchange
@@ -283,7 +284,7 @@ class Pool:
         fx = self.fx
         self.upstreams.pop(upstream.conn, None)
         self.waiting.pop(upstream.conn, None)
-        fx.cancel_timer(("pool", upstream.conn))
+        fx.cancel_timer((BackendTimer.POOL, upstream.conn))
         idle = self.idle.get(upstream.origin)
         if idle and upstream in idle:
             idle.remove(upstream)

@@ -16,6 +16,7 @@ from .commands import Log, Origin
 from .effects import Effects
 from .messages import Headers, ResponseHead
 from .ports import ProbeHost, UpstreamStream
+from .timers import ProbeTimer
 
 
 class ProbeState(enum.Enum):
@@ -44,14 +45,14 @@ class Probe:
         self.status = 0
 
     def schedule(self, delay: float) -> None:
-        self.fx.set_timer(("probe", self.ident), self.fx.now + delay)
+        self.fx.set_timer((ProbeTimer.PROBE, self.ident), self.fx.now + delay)
 
     def retire(self) -> None:
         """A new configuration replaces this probe: its timers go, a check in flight is
         dropped, and no result of it reaches the group's router."""
         fx = self.fx
-        fx.cancel_timer(("probe", self.ident))
-        fx.cancel_timer(("probe_timeout", self.ident))
+        fx.cancel_timer((ProbeTimer.PROBE, self.ident))
+        fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, self.ident))
         if self.state is ProbeState.RUNNING:
             self._drop_check()
         self.state = ProbeState.RETIRED
@@ -65,13 +66,15 @@ class Probe:
         else:
             self.host.pool.forget(self)
 
-    def timer_fired(self, kind: str) -> None:
-        if kind == "probe" and self.state is ProbeState.IDLE:
+    def timer_fired(self, kind: ProbeTimer) -> None:
+        if kind is ProbeTimer.PROBE and self.state is ProbeState.IDLE:
             self.state = ProbeState.RUNNING
             self.status = 0
-            self.fx.set_timer(("probe_timeout", self.ident), self.fx.now + self.check.timeout)
+            self.fx.set_timer(
+                (ProbeTimer.PROBE_TIMEOUT, self.ident), self.fx.now + self.check.timeout
+            )
             self.host.pool.acquire(self.origin, self.group, self)
-        elif kind == "probe_timeout" and self.state is ProbeState.RUNNING:
+        elif kind is ProbeTimer.PROBE_TIMEOUT and self.state is ProbeState.RUNNING:
             self._done(False, "timeout")
 
     # -- the pool's side -------------------------------------------------------------------
@@ -113,7 +116,7 @@ class Probe:
         if self.state is not ProbeState.RUNNING:
             return
         fx = self.fx
-        fx.cancel_timer(("probe_timeout", self.ident))
+        fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, self.ident))
         self._drop_check()
         self.state = ProbeState.IDLE
         router = self.host.router(self.group)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
@@ -56,6 +56,7 @@ from .pool import Pool, UpstreamConn
 from .ports import BackendConnection, ClientSide
 from .probes import Probe
 from .shutdown import Shutdown, refuse_client, stop_client
+from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
 
@@ -79,11 +80,6 @@ class ProxyStatistics:
     idle_upstream_connections: int
     streams: list[StreamStatistics]
 
-
-# Timer kinds owned by an exchange (``Exchange.timer_fired``).
-_EXCHANGE_TIMERS = frozenset(
-    {"connect", "head", "first_token", "read", "heartbeat", "tunnel", "deadline", "body"}
-)
 
 RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
 """Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
@@ -143,7 +139,7 @@ class ProxyCore:
         self._next_exchange = 0
         self.probes: dict[int, Probe] = {}
         self._next_probe = 0
-        self.isolation = Isolation(self, exchange_timers=_EXCHANGE_TIMERS)
+        self.isolation = Isolation(self)
         self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
             DataReceived: self._data_received,
@@ -358,36 +354,39 @@ class ProxyCore:
         self._closed(ConnectionClosed(now=event.now, conn=conn))
 
     def _wakeup(self, event: Wakeup) -> None:
-        timer = event.timer
-        if not self.fx.fired(timer):
+        timer = self.fx.fired(event.timer)
+        if timer is None:
             return  # cancelled after the driver had already queued it
         self._waking = None
         kind, ident = timer
-        if kind in _EXCHANGE_TIMERS:
-            exchange = self.exchanges.get(ident)
-            if exchange is not None:
-                self._waking = exchange.client.conn
-                exchange.timer_fired(kind)
-        elif kind == "pool":
-            self._waking = ident
-            self.pool.idle_timeout(ident)
-        elif kind == "shutdown":
-            self.stop.cut()
-        elif kind == "goaway":
-            client = self.clients.get(ident)
-            if client is not None:
+        match kind:
+            case ExchangeTimer():
+                exchange = self.exchanges.get(ident)
+                if exchange is not None:
+                    self._waking = exchange.client.conn
+                    exchange.timer_fired(kind)
+            case ClientTimer.GOAWAY:
+                client = self.clients.get(ident)
+                if client is not None:
+                    self._waking = ident
+                    self.stop.goaway_due(client)
+            case ClientTimer():
+                client = self.clients.get(ident)
+                if client is not None:
+                    self._waking = ident
+                    client.timer_fired(kind)
+            case BackendTimer():
                 self._waking = ident
-                self.stop.goaway_due(client)
-        elif kind in ("probe", "probe_timeout"):
-            probe = self.probes.get(ident)
-            if probe is not None:
-                self._waking = probe
-                probe.timer_fired(kind)
-        else:
-            client = self.clients.get(ident)
-            if client is not None:
-                self._waking = ident
-                client.timer_fired(kind)
+                self.pool.idle_timeout(ident)
+            case ProbeTimer():
+                probe = self.probes.get(ident)
+                if probe is not None:
+                    self._waking = probe
+                    probe.timer_fired(kind)
+            case CoreTimer():
+                self.stop.cut()
+            case _:
+                assert_never(kind)
 
     def _config_changed(self, event: ConfigChanged) -> None:
         """A new configuration; also the driver's first event, which starts health checks."""

@@ -61,6 +61,7 @@ from .downstream import Downstream, Protocol
 from .faults import Fault, Isolation
 from .h2 import H2State
 from .tables import CoreTables
+from .timers import ClientTimer, CoreTimer
 
 GOAWAY_ACK_WAIT = 1.0
 """Seconds a graceful stop waits for the ACK of the PING sent with the first GOAWAY before the
@@ -72,7 +73,7 @@ FIRST_REQUEST_WAIT = 1.0
 the first bytes of the request its client connected to send: a round trip and more, while a
 client that connects and stays silent holds the stop for no longer than this."""
 
-SHUTDOWN_TIMER = ("shutdown", 0)
+SHUTDOWN_TIMER = (CoreTimer.SHUTDOWN, 0)
 
 CANCEL = h2.errors.ErrorCodes.CANCEL
 
@@ -190,13 +191,13 @@ def stop_client(client: Downstream) -> None:
             h2c.announce_shutdown()
             client.flush()
             fx = client.fx
-            fx.set_timer(("goaway", client.conn), fx.now + GOAWAY_ACK_WAIT)
+            fx.set_timer((ClientTimer.GOAWAY, client.conn), fx.now + GOAWAY_ACK_WAIT)
         elif h2c.closed and not client.exchanges:
             client.close()
     elif not client.exchanges and (client.h1 is None or client.h1.idle):
         if client.fresh:
             fx = client.fx
-            fx.set_timer(("header", client.conn), fx.now + FIRST_REQUEST_WAIT)
+            fx.set_timer((ClientTimer.HEADER, client.conn), fx.now + FIRST_REQUEST_WAIT)
         else:
             client.close()
 

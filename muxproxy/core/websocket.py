@@ -46,6 +46,7 @@ from .headers import header_value, is_websocket_upgrade, response_headers, upstr
 from .messages import Headers, RequestHead, ResponseHead
 from .pool import UpstreamConn
 from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
+from .timers import ExchangeTimer
 from .tunnel import Backend, RawBackend, StreamBackend, Tunnel
 
 # RFC 6455 §1.3: the GUID appended to the key before hashing.
@@ -146,7 +147,7 @@ class WebSocketExchange(Exchange):
         fx = self.fx
         group = self.group
         assert group is not None
-        fx.cancel_timer(("connect", self.ident))
+        fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
         if not stream.upstream.client.extended_connect:
             stream.exchange = None
             stream.close()  # no HEADERS went out: this only frees the slot
@@ -170,7 +171,7 @@ class WebSocketExchange(Exchange):
         stream.send_head(self.stream, b"CONNECT", head.target, headers, protocol=b"websocket")
         self.phase = Phase.WAITING_HEAD
         timeout = group.timeouts.response_head or fx.config.timeouts.response_head
-        fx.set_timer(("head", self.ident), fx.now + timeout)
+        fx.set_timer((ExchangeTimer.HEAD, self.ident), fx.now + timeout)
 
     # -- client side -----------------------------------------------------------------------
 
@@ -246,8 +247,8 @@ class WebSocketExchange(Exchange):
         """No request-body idle deadline: a tunnel's client may rightly stay silent (its
         ``tunnel_idle`` timer bounds that)."""
 
-    def timer_fired(self, kind: str) -> None:
-        if kind == "tunnel":
+    def timer_fired(self, kind: ExchangeTimer) -> None:
+        if kind is ExchangeTimer.TUNNEL:
             if self.tunnel is not None:
                 self.tunnel.timer_fired()
         else:
@@ -341,7 +342,7 @@ class WebSocketExchange(Exchange):
             self,
             client,
             backend=backend,
-            timer=("tunnel", self.ident),
+            timer=(ExchangeTimer.TUNNEL, self.ident),
             ended=self._tunnel_ended,
         )
         # The credit of the DATA held so far is the tunnel's to give back.
