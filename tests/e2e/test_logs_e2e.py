@@ -4,6 +4,7 @@ end to end: through httpx and curl, to the fake LLM backend and back."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ import attrs
 import httpx
 import trio
 from peers import closed_port
-from processes import ProxyProcess, proxy_process
+from processes import Output, ProxyProcess, proxy_process
 
 from muxproxy.testing.fakellm import FakeLLM
 
@@ -139,6 +140,26 @@ async def test_json_access_line_and_a_generated_request_id_through_curl(
     assert record["session"] is None and record["server_id"] is not None
 
 
+@asynccontextmanager
+async def access_pipe(path: Path) -> AsyncIterator[Output]:
+    """A named pipe at ``path`` for the proxy's access "file", and the lines it writes there,
+    collected as they come: the proxy opens and appends to it as to a file (line-buffered),
+    so each line arrives when its exchange ends, and a test waits for it, not for a while."""
+    os.mkfifo(path)
+    # Opened for reading first, so the proxy's open for writing does not block; and once for
+    # writing here, so the reader sees no end of file before the proxy has opened it.
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    lines = Output()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lines.pump, trio.lowlevel.FdStream(reader))
+            yield lines
+            nursery.cancel_scope.cancel()
+    finally:
+        os.close(writer)
+
+
 async def test_access_file_and_the_error_log_level_flag(
     tmp_path: Path, start_backend: StartBackend
 ) -> None:
@@ -147,7 +168,10 @@ async def test_access_file_and_the_error_log_level_flag(
     access = tmp_path / "access.log"
     log = f'access = "{access}"\nformat = "json"\nlevel = "error"'
     # The file says "error"; the flag lets the retry warnings through.
-    async with serve(tmp_path, config([dead, backend], log), "--log-level", "warning") as proxy:
+    async with (
+        access_pipe(access) as access_lines,
+        serve(tmp_path, config([dead, backend], log), "--log-level", "warning") as proxy,
+    ):
         with trio.fail_after(10):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}") as client:
                 for _ in range(2):  # round robin: one of them goes to the dead server first
@@ -155,12 +179,12 @@ async def test_access_file_and_the_error_log_level_flag(
                     assert response.status_code == 200
             retry = await proxy.line_with(" WARNING retry ")
             health = await proxy.line_with(" WARNING health ")
-            while len(access.read_text().splitlines()) < 2:
-                await trio.sleep(0.01)  # the proxy writes the line after the response
+            # The proxy writes each line after its response: wait for the second one.
+            await access_lines.wait_for(lambda line: True, start=1)
             stderr = await proxy.stop()
     assert f"server=127.0.0.1:{dead}" in retry and "condition=error" in retry
     assert STAMP.match(retry.split(" ", 1)[0])
     assert "up=false" in health
-    records = [json.loads(line) for line in access.read_text().splitlines()]
+    records = [json.loads(line) for line in access_lines.lines]
     assert sorted(r["tries"] for r in records) == [1, 2]
     assert "outcome=" not in stderr  # access lines went to the file only
