@@ -21,6 +21,7 @@ from muxproxy.config import Config, Listener, quick_config
 from muxproxy.supervision import SupervisorControl, merge_statuses
 from muxproxy.trio.control import AdminError
 from muxproxy.trio.handover import bind_listeners, close_listeners
+from muxproxy.trio.workerproc import Worker
 from muxproxy.workers import Phase, Supervisor
 
 if TYPE_CHECKING:
@@ -48,6 +49,13 @@ async def supervising(config: Config, count: int = 2) -> AsyncIterator[Superviso
             nursery.cancel_scope.cancel()
     finally:
         close_listeners(supervisor.sockets)
+
+
+async def exited(workers: list[Worker]) -> None:
+    """Until each of ``workers`` has exited (replaced, it drains first) and left
+    ``Supervisor.workers``."""
+    for worker in workers:
+        await worker.exited.wait()
 
 
 async def open_stream(port: int) -> trio.SocketStream:
@@ -120,14 +128,14 @@ async def test_a_rolling_restart_replaces_every_worker_and_keeps_the_runtime_sta
     config = quick_config("127.0.0.1:0", [address])
     async with supervising(config) as supervisor:
         control = SupervisorControl(supervisor)
-        before = {w.pid for w in supervisor.workers}
+        old = list(supervisor.workers)
+        before = {w.pid for w in old}
         with trio.fail_after(10):
             await control.change_server("default", address, {"weight": 7})
         with trio.fail_after(START_TIMEOUT):
             result = await control.reload(restart=True)
             assert result.ok, result
-            while any(w.pid in before for w in supervisor.workers):
-                await trio.sleep(0.01)
+            await exited(old)
         after = {w.pid for w in supervisor.workers}
         assert len(after) == 2 and not after & before
         assert [w.pid for w in supervisor.slots if w is not None] != []
@@ -231,11 +239,10 @@ async def test_metrics_count_every_request_across_a_rolling_restart(
             for _ in range(10):
                 await get_models(port)
             assert requests_total(await control.metrics()) == 10
-        before = {w.pid for w in supervisor.workers}
+        old = list(supervisor.workers)
         with trio.fail_after(START_TIMEOUT):
             assert (await control.reload(restart=True)).ok
-            while any(w.pid in before for w in supervisor.workers):
-                await trio.sleep(0.01)
+            await exited(old)
         with trio.fail_after(10):
             # The old workers' counts live on in the supervisor; the new ones add to them.
             assert requests_total(await control.metrics()) == 10
