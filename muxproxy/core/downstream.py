@@ -19,7 +19,7 @@ HTTP/2 stream-window timer:
   kept-alive HTTP/1.1 connection from its first byte on (``Waiting.HEAD``): the client is
   sending a request, so ``keepalive_idle`` no longer bounds it. Late: 408 (RFC 9110 §15.5.9).
 - A request body that stops coming for ``client_header`` is the client's fault: 408 and close
-  on HTTP/1.1, RST_STREAM(CANCEL) on HTTP/2 (``request_body_timeout``).
+  on HTTP/1.1, RST_STREAM(CANCEL) on HTTP/2 (``refuse_slow_body``).
 - An HTTP/2 stream whose response waits for a window (RFC 9113 §6.9) the client does not open
   for ``timeouts.send`` is reset with CANCEL, its backend request aborted, the other streams
   untouched (``window`` timer, lazy: armed when a stream starts to wait, moved only when it
@@ -329,29 +329,23 @@ class Downstream:
         if exchange.request is RequestPhase.BODY and exchange.phase is not Phase.DONE:
             exchange.watch_request_body()
 
-    def request_body_timeout(self, exchange: ClientStream) -> None:
+    def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
         """Slow request body: none of it for ``timeouts.client_header`` seconds while no
         response began. The client's fault, not the backend's: 408 and close on HTTP/1.1
-        (RFC 9110 §15.5.9), RST_STREAM(CANCEL) on HTTP/2; the backend request is aborted."""
-        stream = exchange.stream
+        (RFC 9110 §15.5.9; the close after the current event, which flushes the 408 first,
+        RFC 9112 §9.6), RST_STREAM(CANCEL) on HTTP/2. Returns the 408's body bytes (None on
+        HTTP/2, which sends no response); the exchange aborts its backend request."""
         self.host.defences.record(
             "request_body_timeout", self.peer_ip, conn=self.conn, stream=stream
         )
-        reason = "no request body within the client_header timeout"
         if self.h1 is not None:
-            exchange.status = 408
-            # The 408 first: the abort below ends in a close, which flushes it (RFC 9112 §9.6).
-            api = exchange.route.api if exchange.route is not None else None
-            exchange.bytes_out += self._h1_error(
-                408, "request body timeout", api, exchange.request_id
-            )
-            exchange.client_aborted(reason)
-            self.close()
-            return
+            sent = self._h1_error(408, "request body timeout", api, request_id)
+            self.request_close()
+            return sent
         assert self.h2 is not None
         self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
-        exchange.client_aborted(reason)
         self._flush_h2()
+        return None
 
     def _refuse(self, head: RequestHead, exc: MalformedRequest) -> None:
         """A request past a limit (431, 413): answered here, never forwarded."""

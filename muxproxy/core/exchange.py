@@ -31,7 +31,7 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   never count time in which it waits for us: while the client is still sending the request
   body (the backend may want all of it before it answers) or while we paused the backend
   because the client is behind. A client that stops sending its body is cut by the lazy
-  ``body`` timer (``client_header``; 408 / RST_STREAM, ``Downstream.request_body_timeout``),
+  ``body`` timer (``client_header``; 408 / RST_STREAM, ``Downstream.refuse_slow_body``),
   also while the body is buffered for a session key; a client that stops reading, by the
   send timeouts of ``Downstream``.
 - Date (RFC 9110 §6.6.1): a response the backend sent without one gets the proxy's, as do
@@ -485,7 +485,12 @@ class Exchange:
         if fx.now < due:
             fx.set_timer((ExchangeTimer.BODY, self.ident), due)
             return
-        self.client.request_body_timeout(self)
+        api = self.route.api if self.route is not None else None
+        sent = self.client.refuse_slow_body(self.stream, api=api, request_id=self.request_id)
+        if sent is not None:
+            self.status = 408
+            self.bytes_out += sent
+        self.client_aborted("no request body within the client_header timeout")
 
     def upstream_drained(self) -> None:
         """The backend connection wrote some of its pending bytes."""

@@ -152,7 +152,10 @@ class ClientSide(Protocol):
 
     def release(self, stream: ClientStream) -> None: ...
     def holds(self, stream: ClientStream) -> bool: ...
-    def request_body_timeout(self, stream: ClientStream) -> None: ...
+    def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
+        """The request body of ``stream`` stopped coming: answer 408 (HTTP/1.1, then close;
+        returns its body bytes) or reset the stream (HTTP/2, None)."""
+
     def exchange_finished(self, stream: ClientStream) -> None:
         """``stream`` is over: the connection takes the next request, goes idle or closes,
         after the current event."""
