@@ -273,8 +273,8 @@ class Exchange:
         if not (
             head.method in IDEMPOTENT
             or header_value(head.headers, b"idempotency-key") is not None
-            # ``UpstreamConn`` tracks this; an ``H2Stream`` a GOAWAY refused was never processed.
-            or not getattr(upstream, "written", True)
+            # An ``H2Stream`` a GOAWAY refused was never processed.
+            or not upstream.written
         ):
             return False
         return self.body.rewind()

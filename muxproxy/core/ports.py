@@ -2,8 +2,9 @@
 
 The parts of the core never hold each other's concrete classes; each holds the ``Effects`` of
 its core (``effects.py``: clock, limits, commands, timers) and the narrow interfaces below.
-Only ``proxy.py`` builds the concrete parts and wires them (and the owner's helpers
-``faults.py`` and ``shutdown.py``, which act on every part at once, see them). So the import
+Only ``proxy.py`` builds the concrete parts and wires them; the owner's helpers ``faults.py``
+and ``shutdown.py`` act on every part at once and so know them too (``tables.py``), as does
+``websocket.py``, which turns a backend stream of either kind into a tunnel's backend. So the import
 graph of ``muxproxy/core`` has no cycle, and a part can be driven in a test by anything that
 has the shape its port names.
 
@@ -195,6 +196,11 @@ class UpstreamStream(Protocol):
 
     @property
     def paused(self) -> bool: ...
+
+    @property
+    def written(self) -> bool:
+        """Some byte of the request may have reached the backend (False: it can be sent again
+        elsewhere, whatever its method)."""
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None: ...
     def send_body(self, data: bytes) -> None: ...
