@@ -35,6 +35,13 @@ Obeys RFC 9113 through h2, and adds what h2 leaves to its user:
   (``H2Connection.state_machine`` is public by name), and reads go through ``h2goaway``, whose
   machine stays open on a client's GOAWAY, so the frames after it in the same read are
   processed too.
+
+States (``H2State``) and what moves them (``H2Input``) are one table, ``TRANSITIONS``
+(``states.py``). Every input but the graceful stop's announce comes from the client or is
+idempotent, so the table ignores rather than refuses them in the states they come late to; the
+one illegal pair is an announce while one is under way (a stop begins once, ``shutdown.py``).
+The response side (send queues, RST_STREAM) is ``h2send.ResponseSender``, which ``H2Server``
+extends; the connection's SETTINGS and windows are set up in ``h2settings``.
 """
 
 from __future__ import annotations
@@ -43,28 +50,23 @@ import contextlib
 import enum
 
 import attrs
-import h2.config
 import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
-import h2.settings
 
-from .h2decode import OVERSIZED, HeaderBlockFlood, HeaderDecoder
+from .h2decode import OVERSIZED, HeaderBlockFlood
 from .h2goaway import GoawayTolerantReceiver
 from .h2guard import CONTROL_FRAME_BUDGET, RESET_BUDGET, STREAM_ID_DRAIN, H2Guard
-from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
+from .h2send import ResponseSender, SendQueue
+from .h2settings import CONNECTION_WINDOW as CONNECTION_WINDOW
+from .h2settings import server_connection
 from .headers import header_value
 from .intake import MalformedRequest, request_from_h2
-from .messages import Abort, Body, End, Headers, Message, Refused, ResponseHead
+from .messages import Abort, Body, End, Headers, Message, Refused
+from .states import IGNORED, ILLEGAL, Transitions, step
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# The connection-level receive window we open at start (RFC 9113 §6.9.2: only the stream level
-# has a SETTINGS parameter). Large enough that one stalled stream, holding its own 64 KiB
-# window unacknowledged, never starves the others; bounded so a client cannot make us buffer
-# more than streams x stream window.
-CONNECTION_WINDOW = 16 * 1024 * 1024
 
 
 # h2 events that stand for a frame that asks for work and carries no request, and the name
@@ -78,17 +80,6 @@ _CONTROL_EVENTS: dict[type[h2.events.Event], str] = {
     h2.events.WindowUpdated: "WINDOW_UPDATE",
     h2.events.UnknownFrameReceived: "unknown frame",
 }
-
-
-# The stream limit python-h2 itself enforces (see ``H2Server.__init__``): far above what one
-# read of at most 64 KiB can open (a HEADERS frame is at least 9 bytes plus its block).
-H2_ENFORCED_STREAMS = 2**31 - 1
-
-BLOCKS_PER_READ_FACTOR = 2
-"""Header blocks one read may carry, in multiples of MAX_CONCURRENT_STREAMS: the streams there
-is room for, as many again refused (a client that had not seen our SETTINGS yet) and the
-trailers of open streams. Past it, GOAWAY(ENHANCE_YOUR_CALM) inside the read
-(``h2decode.HeaderBlockFlood``)."""
 
 _HUGE_LENGTH = 10**18
 
@@ -116,8 +107,58 @@ class H2State(enum.Enum):
     """A connection error or ENHANCE_YOUR_CALM: every stream aborted, nothing more is sent."""
 
 
-class H2Server:
-    """HTTP/2 for one client connection."""
+class H2Input(enum.Enum):
+    ANNOUNCE = "announce"
+    """``announce_shutdown``: the first GOAWAY of a graceful stop and its PING."""
+    SHUTDOWN_ACK = "shutdown_ack"
+    """The client's ACK of that PING (``SHUTDOWN_PING``)."""
+    DRAIN = "drain"
+    """``drain`` / ``goaway``: our final GOAWAY(NO_ERROR)."""
+    GOAWAY_RECEIVED = "goaway_received"
+    """The client's GOAWAY, whatever its error code."""
+    ABUSE = "abuse"
+    """A budget of ``H2Guard`` ran out: GOAWAY(ENHANCE_YOUR_CALM)."""
+    CONNECTION_ERROR = "connection_error"
+    """h2 (or our HPACK decoder) found a frame-level violation: GOAWAY with its code."""
+
+
+_S = H2State
+_I = H2Input
+TRANSITIONS: Transitions[H2State, H2Input] = {
+    (_S.OPEN, _I.ANNOUNCE): _S.GOING_AWAY,
+    (_S.OPEN, _I.SHUTDOWN_ACK): IGNORED,  # an ACK of a PING we never sent: the client's affair
+    (_S.OPEN, _I.DRAIN): _S.DRAINING,
+    (_S.OPEN, _I.GOAWAY_RECEIVED): _S.DRAINING,
+    (_S.OPEN, _I.ABUSE): _S.CLOSED,
+    (_S.OPEN, _I.CONNECTION_ERROR): _S.CLOSED,
+    (_S.GOING_AWAY, _I.ANNOUNCE): ILLEGAL,  # a graceful stop begins once (shutdown.py)
+    (_S.GOING_AWAY, _I.SHUTDOWN_ACK): _S.DRAINING,
+    (_S.GOING_AWAY, _I.DRAIN): _S.DRAINING,  # no ACK in time (``goaway_due``), or the cut
+    (_S.GOING_AWAY, _I.GOAWAY_RECEIVED): _S.DRAINING,
+    (_S.GOING_AWAY, _I.ABUSE): _S.CLOSED,
+    (_S.GOING_AWAY, _I.CONNECTION_ERROR): _S.CLOSED,
+    # DRAINING: the final GOAWAY went either way; a later one changes nothing (RFC 9113 §6.8:
+    # a last-stream-id never grows), nor does an ACK that comes after the timer drained.
+    (_S.DRAINING, _I.ANNOUNCE): IGNORED,
+    (_S.DRAINING, _I.SHUTDOWN_ACK): IGNORED,
+    (_S.DRAINING, _I.DRAIN): IGNORED,
+    (_S.DRAINING, _I.GOAWAY_RECEIVED): IGNORED,
+    (_S.DRAINING, _I.ABUSE): _S.CLOSED,
+    (_S.DRAINING, _I.CONNECTION_ERROR): _S.CLOSED,
+    # CLOSED: nothing more is sent. h2 keeps a frame it could not parse and raises on every
+    # read after it, so a CONNECTION_ERROR comes again for each read the client still sends.
+    (_S.CLOSED, _I.ANNOUNCE): IGNORED,
+    (_S.CLOSED, _I.SHUTDOWN_ACK): IGNORED,
+    (_S.CLOSED, _I.DRAIN): IGNORED,
+    (_S.CLOSED, _I.GOAWAY_RECEIVED): IGNORED,
+    (_S.CLOSED, _I.ABUSE): IGNORED,
+    (_S.CLOSED, _I.CONNECTION_ERROR): IGNORED,
+}
+del _S, _I
+
+
+class H2Server(ResponseSender):
+    """HTTP/2 for one client connection (its response side: ``ResponseSender``)."""
 
     def __init__(
         self,
@@ -133,76 +174,42 @@ class H2Server:
     ) -> None:
         """``upgrade_settings``: the client's HTTP2-Settings value when this connection was
         upgraded from HTTP/1.1 (h2c.py); raises h2's ``ProtocolError`` if they are invalid."""
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
+        conn, self.decoder = server_connection(
+            max_concurrent_streams=max_concurrent_streams,
+            initial_window=initial_window,
+            max_header_list_size=max_header_list_size,
+            connection_window=connection_window,
+            upgrade_settings=upgrade_settings,
         )
-        self.conn = h2.connection.H2Connection(config=config)
+        super().__init__(conn, H2Guard(reset_budget=reset_budget, control_budget=control_budget))
         self.receiver = GoawayTolerantReceiver()
-        # h2 keeps hpack's 64 KiB default list size unless a SETTINGS change is acknowledged,
-        # and an initial value is not a change: the decoder is ours, with our limit
-        # (``h2decode``; ``decoder`` is h2's public attribute, read at every header block).
-        self.decoder = HeaderDecoder(
-            limit=max_header_list_size, blocks=BLOCKS_PER_READ_FACTOR * max_concurrent_streams
-        )
-        self.conn.decoder = self.decoder
         self.scheme = scheme
         self.max_streams = max_concurrent_streams
-        settings = {
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list_size,
-            # RFC 8441 §3: we accept extended CONNECT (WebSockets over HTTP/2, tunnel.py).
-            h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
-        }
-        self.conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
-        if upgrade_settings is None:
-            self.conn.initiate_connection()
-        else:
-            # RFC 7540 §3.2: the settings count as the client's first SETTINGS (no ACK), and
-            # the upgraded request is stream 1, half-closed (remote).
-            self.conn.initiate_upgrade_connection(upgrade_settings)
-        # RFC 9113 §5.1.2: a stream past the advertised MAX_CONCURRENT_STREAMS is a stream
-        # error (REFUSED_STREAM), the others go on. python-h2 enforces its local value as a
-        # connection error, so once the SETTINGS above are on their way the value h2 enforces
-        # is raised past anything one read can open, and ``_request`` refuses the extra
-        # streams itself.
-        settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = H2_ENFORCED_STREAMS
-        self.conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
-        if initial_window != 65535:
-            # Sent as a change rather than an initial value: h2 applies it only once the
-            # client acknowledged it, so a client that sends a default 65,535-byte window
-            # before it saw our SETTINGS is within its rights (RFC 9113 §6.5.3, §6.9.2).
-            self.conn.update_settings(
-                {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window}
-            )
-        if connection_window > 65535:
-            self.conn.increment_flow_control_window(connection_window - 65535)
-        self.queues: dict[int, SendQueue] = {}
         if upgrade_settings is not None:
             self.queues[1] = SendQueue()  # the response to the upgraded request
-        self.blocked = BlockedStreams()
-        """Streams with data waiting for window."""
         self.window_changed = False
         """A WINDOW_UPDATE or SETTINGS arrived since the owner last flushed ``blocked``."""
         self.trailers: dict[int, Headers] = {}
-        self.receiving: set[int] = set()
-        """Streams whose response ended while their request side still goes to the owner
-        (``keep_receiving``: a tunnel that relays a half-close, RFC 8441 §5)."""
         self.body_left: dict[int, int] = {}
         """Request body bytes still due by Content-Length, for streams that declared one."""
         self.state = H2State.OPEN
-        self.guard = H2Guard(reset_budget=reset_budget, control_budget=control_budget)
+        """Changed by ``move`` alone, as ``TRANSITIONS`` says."""
         self.last_stream: int | None = None
-        """DRAINING: the last stream id served; later ones are refused."""
+        """DRAINING: the last stream id served; later ones are refused. None otherwise."""
 
     @property
     def closed(self) -> bool:
         """A final GOAWAY was sent or received: no new streams."""
         state = self.state
         return state is H2State.DRAINING or state is H2State.CLOSED
+
+    def move(self, input: H2Input) -> bool:
+        """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
+        target = step(TRANSITIONS, "H2Server", self.state, input)
+        if target is None:
+            return False
+        self.state = target
+        return True
 
     def data_to_send(self) -> bytes:
         return self.conn.data_to_send()
@@ -224,12 +231,12 @@ class H2Server:
                 if (
                     type(event) is h2.events.PingAckReceived
                     and event.ping_data == SHUTDOWN_PING
-                    and self.state is H2State.GOING_AWAY
+                    and self.move(H2Input.SHUTDOWN_ACK)
                 ):
                     # RFC 9113 §6.8: the client saw the first GOAWAY; the streams it opened
                     # before that are all here (the frames before this ACK), so the final
                     # GOAWAY can name the real last stream.
-                    self.drain()
+                    self._final_goaway(None)
             if isinstance(event, h2.events.DataReceived):
                 sid = event.stream_id
                 if not event.flow_controlled_length and event.stream_ended is None:
@@ -366,7 +373,7 @@ class H2Server:
     def _calm(self, reason: str) -> list[Message]:
         """RFC 9113 §10.5: GOAWAY(ENHANCE_YOUR_CALM); every open stream is aborted, so their
         backend requests are cancelled."""
-        if self.state is H2State.CLOSED:
+        if not self.move(H2Input.ABUSE):
             return []  # already closed by a connection error or an earlier flood
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.conn.close_connection(
@@ -376,7 +383,7 @@ class H2Server:
         return self._abort_all(f"HTTP/2 abuse: {reason}")
 
     def _abort_all(self, reason: str) -> list[Message]:
-        self.state = H2State.CLOSED
+        """CLOSED: every stream's exchange is aborted."""
         self.last_stream = None
         out: list[Message] = [
             Abort(stream=sid, reason=reason) for sid in [*self.queues, *self.receiving]
@@ -397,15 +404,17 @@ class H2Server:
         the highest the client opened). Nothing to do once the client sent its own GOAWAY:
         the connection is draining already. After ``announce_shutdown`` this is the second,
         final GOAWAY."""
-        if self.state is not H2State.OPEN and self.state is not H2State.GOING_AWAY:
-            return
+        if self.move(H2Input.DRAIN):
+            self._final_goaway(last_stream)
+
+    def _final_goaway(self, last_stream: int | None) -> None:
+        """DRAINING, by our GOAWAY(NO_ERROR) naming ``last_stream`` (or the highest yet)."""
         conn = self.conn
         if last_stream is None:
             last_stream = conn.highest_inbound_stream_id
         self.last_stream = last_stream
         conn.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR, last_stream_id=last_stream)
         conn.state_machine.state = _OPEN_STATE
-        self.state = H2State.DRAINING
 
     def announce_shutdown(self) -> None:
         """The first step of a graceful stop (RFC 9113 §6.8): GOAWAY(NO_ERROR) with
@@ -413,7 +422,7 @@ class H2Server:
         tells when the streams it sent before it saw the GOAWAY have all arrived (the ACK
         follows them on the wire). Streams keep being taken meanwhile (``GOING_AWAY``); the
         owner bounds the wait for the ACK and then calls ``drain`` itself."""
-        if self.state is not H2State.OPEN:
+        if not self.move(H2Input.ANNOUNCE):
             return
         conn = self.conn
         conn.close_connection(
@@ -421,93 +430,25 @@ class H2Server:
         )
         conn.state_machine.state = _OPEN_STATE  # as in ``drain``: the streams go on
         conn.ping(SHUTDOWN_PING)
-        self.state = H2State.GOING_AWAY
 
     def _goaway_received(self) -> None:
         """RFC 9113 §6.8: the client opens no more streams (whatever its error code says, a
         client that is going away still reads); the responses to its open streams finish."""
-        if self.state is H2State.OPEN or self.state is H2State.GOING_AWAY:
-            self.state = H2State.DRAINING
+        if self.move(H2Input.GOAWAY_RECEIVED):
             self.last_stream = self.conn.highest_inbound_stream_id
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> list[Message]:
         """RFC 9113 §5.4.1: one GOAWAY, with the error's code. h2 queued it already unless it
         raised before its frame loop (an invalid preface: its state is not CLOSED then). No
         debug data: h2's error text is about its own code, not for the client."""
+        if not self.move(H2Input.CONNECTION_ERROR):
+            return []  # closed already: h2 raises again for the frame it could not parse
         if self.conn.state_machine.state is not _CLOSED_STATE:
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self.conn.close_connection(error_code=exc.error_code)
         if isinstance(exc, (HeaderBlockFlood, h2.exceptions.DenialOfServiceError)):
             self.guard.abuse(str(exc))
         return self._abort_all(f"connection error: {exc}")
-
-    # -- sending ---------------------------------------------------------------------------
-
-    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
-        """Send the response HEADERS; ``end_stream`` makes it a complete (Trailers-Only)
-        response."""
-        if head.stream not in self.queues:
-            return
-        headers = [(b":status", str(head.status).encode()), *head.headers]
-        try:
-            self.conn.send_headers(head.stream, headers, end_stream=end_stream)
-        except h2.exceptions.StreamClosedError:
-            self._closed_by_client(head.stream)
-            return
-        if end_stream:
-            self.blocked.discard(head.stream)
-            self.queues.pop(head.stream, None)
-            self.guard.response_completed()
-
-    def send_body(self, stream: int, data: bytes) -> bool:
-        """Send or queue ``data``; True when with it the stream starts to wait for a window
-        (its owner bounds such a wait: ``timeouts.send``)."""
-        queue = self.queues.get(stream)
-        if queue is None:
-            return False
-        self.guard.response_chunk()
-        try:
-            return self._settle(stream, send_or_queue(self.conn, stream, queue, data))
-        except h2.exceptions.StreamClosedError:
-            self._closed_by_client(stream)
-            return False
-
-    def send_end(self, stream: int, trailers: Headers) -> None:
-        queue = self.queues.get(stream)
-        if queue is None:
-            return
-        queue.end = True
-        queue.end_trailers = trailers
-        self._flush(stream, queue)
-
-    def _closed_by_client(self, stream: int) -> None:
-        """h2 already closed ``stream``: its RST_STREAM came in the same read as the request,
-        so h2 processed it before the response was made. Its ``Abort`` is on its way."""
-        self.blocked.discard(stream)
-        self.queues.pop(stream, None)
-
-    def abort(self, stream: int, code: h2.errors.ErrorCodes) -> None:
-        self.blocked.discard(stream)
-        if self.queues.pop(stream, None) is None and stream not in self.receiving:
-            return
-        self._reset(stream, code)
-
-    def keep_receiving(self, stream: int) -> None:
-        """Deliver ``stream``'s DATA and END_STREAM after its response ended (END_STREAM
-        sent): a tunnel whose backend side ended first still relays the client's side."""
-        if stream in self.queues:
-            self.receiving.add(stream)
-
-    def cancel_request(self, stream: int) -> None:
-        """The response is complete; tell the client to stop sending the request body."""
-        self._reset(stream, h2.errors.ErrorCodes.NO_ERROR)
-
-    def _reset(self, stream: int, code: h2.errors.ErrorCodes) -> None:
-        self.receiving.discard(stream)
-        try:
-            self.conn.reset_stream(stream, code)
-        except h2.exceptions.ProtocolError:
-            pass  # already closed on the wire (e.g. the client reset it first)
 
     def acknowledge(self, stream: int, nbytes: int) -> None:
         """Give ``nbytes`` of receive window back to the client (RFC 9113 §6.9)."""
@@ -518,56 +459,7 @@ class H2Server:
             except h2.exceptions.ProtocolError:
                 pass  # the stream closed meanwhile; h2 refuses, nothing to give back
 
-    def queued(self, stream: int) -> int:
-        queue = self.queues.get(stream)
-        return 0 if queue is None else queue.size
-
-    def window_closed(self, stream: int) -> bool:
-        """The client's window for ``stream`` (or the connection's) is closed: no queued byte
-        of it can be sent until a WINDOW_UPDATE (RFC 9113 §6.9)."""
-        try:
-            return self.conn.local_flow_control_window(stream) <= 0
-        except h2.exceptions.StreamClosedError:
-            return False
-
-    def flush_blocked(self) -> list[int]:
-        """Send what windows now allow; return the streams whose queues shrank."""
-        drained = []
-        for stream in self.blocked.in_order():
-            queue = self.queues.get(stream)
-            if queue is None:
-                continue
-            before = queue.size
-            self._flush(stream, queue)
-            if queue.size < before:
-                drained.append(stream)
-                self.blocked.served(stream)
-        return drained
-
-    def finished(self, stream: int) -> bool:
-        """The response for ``stream`` went out completely (END_STREAM sent)."""
-        return stream not in self.queues
-
     def goaway(self) -> None:
         """Graceful GOAWAY(NO_ERROR) for shutdown and the idle / header timers: the streams
         open now may finish (``drain``), later ones get REFUSED_STREAM."""
         self.drain()
-
-    def _flush(self, stream: int, queue: SendQueue) -> None:
-        try:
-            self._settle(stream, flush_queue(self.conn, stream, queue))
-        except h2.exceptions.StreamClosedError:
-            self._closed_by_client(stream)
-
-    def _settle(self, stream: int, state: Flushed) -> bool:
-        """Record the stream's send state; True when it starts to wait for a window."""
-        if state is Flushed.BLOCKED:
-            if stream in self.blocked:
-                return False
-            self.blocked.add(stream)
-            return True
-        self.blocked.discard(stream)
-        if state is Flushed.ENDED:
-            del self.queues[stream]
-            self.guard.response_completed()
-        return False

@@ -1,4 +1,5 @@
-"""Per-stream send queues into an HTTP/2 peer, shared by the server and client adapters.
+"""Per-stream send queues into an HTTP/2 peer, shared by the server and client adapters, and
+the server adapter's send side.
 
 Obeys RFC 9113 §5.2 and §6.9: DATA never exceeds the stream's and the connection's send window,
 nor the peer's SETTINGS_MAX_FRAME_SIZE (§4.2). h2 refuses rather than buffers, so what does not
@@ -7,6 +8,11 @@ Trailers and END_STREAM wait behind the queued data (§8.1: trailers end the mes
 
 One queue per stream keeps a slow reader's bytes out of every other stream's way; the owner
 flushes the blocked ones when h2 reports ``WindowUpdated`` / ``RemoteSettingsChanged``.
+
+``ResponseSender`` is the half of ``h2.H2Server`` that sends the responses (and resets
+streams). ``H2Server`` is built on it (a base class, not a member), so the per-token
+``send_body`` stays one method call. A stream has a response under way while it has a queue
+here; ``H2Server``'s receiving half reads the same tables to know which streams are live.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ from __future__ import annotations
 import enum
 
 import h2.connection
+import h2.errors
+import h2.exceptions
 
-from .messages import Headers
+from .h2guard import H2Guard
+from .messages import Headers, ResponseHead
 
 
 class Flushed(enum.Enum):
@@ -110,3 +119,134 @@ def flush_queue(conn: h2.connection.H2Connection, stream: int, queue: SendQueue)
     else:
         conn.end_stream(stream)
     return Flushed.ENDED
+
+
+class ResponseSender:
+    """The responses of one HTTP/2 server connection: HEADERS, DATA within the client's
+    windows (RFC 9113 §6.9), trailers or END_STREAM, and RST_STREAM."""
+
+    def __init__(self, conn: h2.connection.H2Connection, guard: H2Guard) -> None:
+        self.conn = conn
+        self.guard = guard
+        self.queues: dict[int, SendQueue] = {}
+        """Streams whose response is not complete (END_STREAM not sent), and what of it waits."""
+        self.blocked = BlockedStreams()
+        """Streams with data waiting for window."""
+        self.receiving: set[int] = set()
+        """Streams whose response ended while their request side still goes to the owner
+        (``keep_receiving``: a tunnel that relays a half-close, RFC 8441 §5)."""
+
+    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
+        """Send the response HEADERS; ``end_stream`` makes it a complete (Trailers-Only)
+        response."""
+        if head.stream not in self.queues:
+            return
+        headers = [(b":status", str(head.status).encode()), *head.headers]
+        try:
+            self.conn.send_headers(head.stream, headers, end_stream=end_stream)
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(head.stream)
+            return
+        if end_stream:
+            self.blocked.discard(head.stream)
+            self.queues.pop(head.stream, None)
+            self.guard.response_completed()
+
+    def send_body(self, stream: int, data: bytes) -> bool:
+        """Send or queue ``data``; True when with it the stream starts to wait for a window
+        (its owner bounds such a wait: ``timeouts.send``)."""
+        queue = self.queues.get(stream)
+        if queue is None:
+            return False
+        self.guard.response_chunk()
+        try:
+            return self._settle(stream, send_or_queue(self.conn, stream, queue, data))
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(stream)
+            return False
+
+    def send_end(self, stream: int, trailers: Headers) -> None:
+        queue = self.queues.get(stream)
+        if queue is None:
+            return
+        queue.end = True
+        queue.end_trailers = trailers
+        self._flush(stream, queue)
+
+    def _closed_by_client(self, stream: int) -> None:
+        """h2 already closed ``stream``: its RST_STREAM came in the same read as the request,
+        so h2 processed it before the response was made. Its ``Abort`` is on its way."""
+        self.blocked.discard(stream)
+        self.queues.pop(stream, None)
+
+    def abort(self, stream: int, code: h2.errors.ErrorCodes) -> None:
+        self.blocked.discard(stream)
+        if self.queues.pop(stream, None) is None and stream not in self.receiving:
+            return
+        self._reset(stream, code)
+
+    def keep_receiving(self, stream: int) -> None:
+        """Deliver ``stream``'s DATA and END_STREAM after its response ended (END_STREAM
+        sent): a tunnel whose backend side ended first still relays the client's side."""
+        if stream in self.queues:
+            self.receiving.add(stream)
+
+    def cancel_request(self, stream: int) -> None:
+        """The response is complete; tell the client to stop sending the request body."""
+        self._reset(stream, h2.errors.ErrorCodes.NO_ERROR)
+
+    def _reset(self, stream: int, code: h2.errors.ErrorCodes) -> None:
+        self.receiving.discard(stream)
+        try:
+            self.conn.reset_stream(stream, code)
+        except h2.exceptions.ProtocolError:
+            pass  # already closed on the wire (e.g. the client reset it first)
+
+    def queued(self, stream: int) -> int:
+        queue = self.queues.get(stream)
+        return 0 if queue is None else queue.size
+
+    def window_closed(self, stream: int) -> bool:
+        """The client's window for ``stream`` (or the connection's) is closed: no queued byte
+        of it can be sent until a WINDOW_UPDATE (RFC 9113 §6.9)."""
+        try:
+            return self.conn.local_flow_control_window(stream) <= 0
+        except h2.exceptions.StreamClosedError:
+            return False
+
+    def flush_blocked(self) -> list[int]:
+        """Send what windows now allow; return the streams whose queues shrank."""
+        drained = []
+        for stream in self.blocked.in_order():
+            queue = self.queues.get(stream)
+            if queue is None:
+                continue
+            before = queue.size
+            self._flush(stream, queue)
+            if queue.size < before:
+                drained.append(stream)
+                self.blocked.served(stream)
+        return drained
+
+    def finished(self, stream: int) -> bool:
+        """The response for ``stream`` went out completely (END_STREAM sent)."""
+        return stream not in self.queues
+
+    def _flush(self, stream: int, queue: SendQueue) -> None:
+        try:
+            self._settle(stream, flush_queue(self.conn, stream, queue))
+        except h2.exceptions.StreamClosedError:
+            self._closed_by_client(stream)
+
+    def _settle(self, stream: int, state: Flushed) -> bool:
+        """Record the stream's send state; True when it starts to wait for a window."""
+        if state is Flushed.BLOCKED:
+            if stream in self.blocked:
+                return False
+            self.blocked.add(stream)
+            return True
+        self.blocked.discard(stream)
+        if state is Flushed.ENDED:
+            del self.queues[stream]
+            self.guard.response_completed()
+        return False
