@@ -13,6 +13,13 @@ reported for a connection still connecting is a failed connect.
 An ``UpstreamConn`` counts the bytes it handed to the driver and that were not yet written
 (``pending``), which is the request direction's share of the exchange's buffer, and it pauses
 and resumes its own reading for the response direction's backpressure.
+
+Its states (``UpstreamState``) and what moves them (``UpstreamInput``) are one table,
+``TRANSITIONS`` (``states.py``): a connection is given to one exchange at a time (when it
+opens, or from the idle pool), the idle timer runs only while it is idle, and the driver
+reports ``OpenFailed`` only for a connect under way; anything else is a bug and refused. What
+the driver reports again or late (a second ``ConnectionOpened``, a close of what is closed) is
+ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .h1 import H1Client
 from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamStream, UpstreamUser
+from .states import IGNORED, ILLEGAL, Transitions, step
 from .timers import BackendTimer
 
 if TYPE_CHECKING:
@@ -37,9 +45,72 @@ __all__ = ["BackendConnection", "Pool", "UpstreamConn", "UpstreamState", "Upstre
 
 class UpstreamState(enum.Enum):
     CONNECTING = "connecting"
+    """``OpenConnection`` emitted; an exchange waits for it (``Pool.waiting``)."""
     BUSY = "busy"
+    """Carrying one exchange's request and response."""
     IDLE = "idle"
+    """In the idle pool, its idle timer armed."""
     CLOSED = "closed"
+
+
+class UpstreamInput(enum.Enum):
+    OPENED = "opened"
+    """The driver's ``ConnectionOpened``: the exchange that waits for it gets it."""
+    OPEN_FAILED = "open_failed"
+    """The driver's ``OpenFailed``."""
+    REUSED = "reused"
+    """An exchange takes it from the idle pool (``Pool.acquire``)."""
+    RELEASED = "released"
+    """Its exchange is done with it (``Pool.release``; closed at once if it cannot be kept)."""
+    IDLE_TIMEOUT = "idle_timeout"
+    """``pool_idle_timeout`` passed."""
+    TUNNEL = "tunnel"
+    """The backend switched protocols (101): it leaves the pool (``become_tunnel``)."""
+    CLOSE = "close"
+    """We close it (``close``)."""
+    PEER_CLOSED = "peer_closed"
+    """The driver's ``ConnectionClosed``."""
+
+
+_S = UpstreamState
+_I = UpstreamInput
+TRANSITIONS: Transitions[UpstreamState, UpstreamInput] = {
+    (_S.CONNECTING, _I.OPENED): _S.BUSY,
+    (_S.CONNECTING, _I.OPEN_FAILED): _S.CLOSED,
+    (_S.CONNECTING, _I.REUSED): ILLEGAL,  # never in the idle pool yet
+    (_S.CONNECTING, _I.RELEASED): ILLEGAL,  # no exchange has it yet
+    (_S.CONNECTING, _I.IDLE_TIMEOUT): ILLEGAL,
+    (_S.CONNECTING, _I.TUNNEL): ILLEGAL,
+    (_S.CONNECTING, _I.CLOSE): _S.CLOSED,  # its exchange stopped waiting (``Pool.forget``)
+    (_S.CONNECTING, _I.PEER_CLOSED): _S.CLOSED,  # a failed connect
+    (_S.BUSY, _I.OPENED): IGNORED,  # reported twice
+    (_S.BUSY, _I.OPEN_FAILED): ILLEGAL,  # the driver reports a close once it opened
+    (_S.BUSY, _I.REUSED): ILLEGAL,  # one exchange at a time
+    (_S.BUSY, _I.RELEASED): _S.IDLE,
+    (_S.BUSY, _I.IDLE_TIMEOUT): ILLEGAL,  # the timer is cancelled when it leaves the pool
+    (_S.BUSY, _I.TUNNEL): _S.CLOSED,
+    (_S.BUSY, _I.CLOSE): _S.CLOSED,
+    (_S.BUSY, _I.PEER_CLOSED): _S.CLOSED,
+    (_S.IDLE, _I.OPENED): IGNORED,  # reported twice
+    (_S.IDLE, _I.OPEN_FAILED): ILLEGAL,
+    (_S.IDLE, _I.REUSED): _S.BUSY,
+    (_S.IDLE, _I.RELEASED): ILLEGAL,  # released twice
+    (_S.IDLE, _I.IDLE_TIMEOUT): _S.CLOSED,
+    (_S.IDLE, _I.TUNNEL): ILLEGAL,  # no exchange, no 101
+    (_S.IDLE, _I.CLOSE): _S.CLOSED,  # bytes while idle (RFC 9112 §9.3), a stop, not kept
+    (_S.IDLE, _I.PEER_CLOSED): _S.CLOSED,
+    (_S.CLOSED, _I.OPENED): IGNORED,  # the outcome of a connect we gave up was on its way
+    (_S.CLOSED, _I.OPEN_FAILED): IGNORED,
+    (_S.CLOSED, _I.REUSED): ILLEGAL,  # a close takes it out of the idle pool
+    # The backend's close ended a response framed by it (``on_closed``), and its exchange
+    # lets go of the connection after that.
+    (_S.CLOSED, _I.RELEASED): IGNORED,
+    (_S.CLOSED, _I.IDLE_TIMEOUT): IGNORED,
+    (_S.CLOSED, _I.TUNNEL): ILLEGAL,
+    (_S.CLOSED, _I.CLOSE): IGNORED,
+    (_S.CLOSED, _I.PEER_CLOSED): IGNORED,
+}
+del _S, _I
 
 
 class UpstreamConn:
@@ -55,6 +126,7 @@ class UpstreamConn:
         self.adapter = H1Client()
         self.exchange: UpstreamUser | None = None
         self.state = UpstreamState.CONNECTING
+        """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.pending = 0
         self.paused = False
         self.reused = False
@@ -63,6 +135,14 @@ class UpstreamConn:
         """Some byte of the current request's response arrived."""
         self.written = False
         """Some byte of the current request reached the kernel (a ``DataSent``)."""
+
+    def move(self, input: UpstreamInput) -> bool:
+        """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
+        target = step(TRANSITIONS, "UpstreamConn", self.state, input)
+        if target is None:
+            return False
+        self.state = target
+        return True
 
     @property
     def stale(self) -> bool:
@@ -95,10 +175,12 @@ class UpstreamConn:
             self.fx.emit(ResumeReading(conn=self.conn))
 
     def close(self) -> None:
-        if self.state is not UpstreamState.CLOSED:
-            self.state = UpstreamState.CLOSED
-            self.fx.close(self.conn)
-            self.pool.discard(self)
+        if self.move(UpstreamInput.CLOSE):
+            self._shut()
+
+    def _shut(self) -> None:
+        self.fx.close(self.conn)
+        self.pool.discard(self)
 
     def release(self) -> None:
         self.pool.release(self)
@@ -106,23 +188,24 @@ class UpstreamConn:
     def become_tunnel(self) -> bytes:
         """The backend switched protocols (its 101, RFC 9110 §15.2.2): the connection leaves
         the pool for good, its bytes are a tunnel's now. Returns the bytes read past the 101."""
+        self.move(UpstreamInput.TUNNEL)
         self.exchange = None
-        self.state = UpstreamState.CLOSED
         self.pool.discard(self)
         return self.adapter.trailing_data()
 
     # -- events from the driver ------------------------------------------------------------
 
     def on_opened(self) -> None:
-        if self.state is UpstreamState.CONNECTING:  # not a second report of the same connect
+        if self.move(UpstreamInput.OPENED):
             self.pool.opened(self)
 
     def on_open_failed(self, reason: str) -> None:
-        self.pool.open_failed(self, reason)
+        if self.move(UpstreamInput.OPEN_FAILED):
+            self.pool.open_failed(self, reason)
 
     def on_timer(self) -> None:
-        if self.state is UpstreamState.IDLE:
-            self.close()
+        if self.move(UpstreamInput.IDLE_TIMEOUT):
+            self._shut()
 
     def on_data(self, data: bytes) -> None:
         exchange = self.exchange
@@ -158,15 +241,16 @@ class UpstreamConn:
 
     def on_closed(self, error: str | None) -> None:
         was = self.state
+        if not self.move(UpstreamInput.PEER_CLOSED):
+            return
         if was is UpstreamState.CONNECTING:
             # An embedder may report a connect it gave up on as closed rather than (or
             # before) OpenFailed: the same failure for whoever waits for it.
             self.pool.open_failed(self, error or "connection closed while connecting")
             return
-        self.state = UpstreamState.CLOSED
         self.pool.discard(self)
         exchange = self.exchange
-        if exchange is None or was is UpstreamState.CLOSED:
+        if exchange is None:
             return
         # On a clean close h11 decides whether EOF ends the response (read-until-close
         # framing) or truncates it (inside a Content-Length or chunked body). A broken one
@@ -212,20 +296,20 @@ class Pool:
             self.h2.acquire(origin, group, server, exchange)
             return
         idle = None if fresh else self.idle.get(origin)
-        while idle:
+        if idle:
             upstream = idle.pop()
             fx.cancel_timer((BackendTimer.POOL, upstream.conn))
-            if upstream.state is UpstreamState.IDLE:
-                upstream.reused = True
-                self._assign(upstream, exchange)
-                return
+            upstream.move(UpstreamInput.REUSED)  # every connection in ``idle`` is IDLE
+            upstream.reused = True
+            self._assign(upstream, exchange)
+            return
         upstream = UpstreamConn(fx, self, self.new_id(), origin, group)
         self.upstreams[upstream.conn] = upstream
         self.waiting[upstream.conn] = exchange
         fx.emit(OpenConnection(conn=upstream.conn, origin=origin))
 
     def _assign(self, upstream: UpstreamConn, exchange: UpstreamUser) -> None:
-        upstream.state = UpstreamState.BUSY
+        """BUSY now (``OPENED`` or ``REUSED``): ``exchange``'s."""
         upstream.exchange = exchange
         upstream.received = False
         exchange.upstream_ready(upstream)
@@ -236,7 +320,7 @@ class Pool:
         self._assign(upstream, self.waiting.pop(upstream.conn))
 
     def open_failed(self, upstream: UpstreamConn, reason: str) -> None:
-        upstream.state = UpstreamState.CLOSED
+        """The connect failed (``upstream`` is CLOSED): whoever waits for it fails."""
         exchange = self.waiting.pop(upstream.conn, None)
         self.discard(upstream)
         if exchange is not None:
@@ -254,8 +338,8 @@ class Pool:
         """Return a connection whose exchange is done; keep it if it can carry another."""
         fx = self.fx
         adapter = upstream.adapter
-        if upstream.state is not UpstreamState.BUSY:
-            return
+        if not upstream.move(UpstreamInput.RELEASED):
+            return  # the backend closed it first
         if not adapter.reusable or fx.shutting_down:
             # Stopping (shutdown.py): a connection whose exchange ended is not kept.
             upstream.close()
@@ -266,7 +350,6 @@ class Pool:
             upstream.close()
             return
         upstream.exchange = None
-        upstream.state = UpstreamState.IDLE
         upstream.resume()
         group_idle.append(upstream)
         fx.set_timer((BackendTimer.POOL, upstream.conn), fx.now + upstream.idle_timeout)
