@@ -22,6 +22,13 @@ Response backpressure: the stream acknowledges the backend's DATA (WINDOW_UPDATE
 bytes were handed to the client side, unless the exchange paused it (the client's buffer is
 above high water); then acknowledgements are withheld until it resumes. The backend's window
 for that one stream closes; the connection and every other stream go on.
+
+A connection's states (``H2State``) and what moves them (``H2Input``) are one table,
+``TRANSITIONS`` (``states.py``). The backend's first SETTINGS and its GOAWAY are inputs when
+they arrive (once each, seen by what ``H2Client`` knew before and after a read); no byte comes
+before the connect opened and no stream is opened before READY, so those pairs are refused.
+The timer is the start timer until READY and the keep-alive after; what it ends, it ends by
+``close`` (``CLOSE``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 from .commands import Log, OpenConnection, Origin
 from .effects import Effects
@@ -38,6 +45,7 @@ from .h2client import H2Client
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamUser
+from .states import IGNORED, ILLEGAL, Transitions, step
 from .timers import BackendTimer
 
 if TYPE_CHECKING:
@@ -58,6 +66,66 @@ class H2State(enum.Enum):
     DRAINING = "draining"
     """GOAWAY received (or sent): in-flight streams finish, no new ones."""
     CLOSED = "closed"
+
+
+class H2Input(enum.Enum):
+    OPENED = "opened"
+    """The driver's ``ConnectionOpened``: the preface and our SETTINGS go out."""
+    OPEN_FAILED = "open_failed"
+    """The driver's ``OpenFailed``."""
+    SETTINGS = "settings"
+    """The backend's first SETTINGS arrived (RFC 9113 §3.4): streams may start."""
+    GOAWAY = "goaway"
+    """The backend's first GOAWAY arrived (RFC 9113 §6.8)."""
+    RETIRE = "retire"
+    """The last stream id was taken (RFC 9113 §5.1.1)."""
+    CLOSE = "close"
+    """We close it (``close``)."""
+    PEER_CLOSED = "peer_closed"
+    """The driver's ``ConnectionClosed``."""
+
+
+_S = H2State
+_I = H2Input
+TRANSITIONS: Transitions[H2State, H2Input] = {
+    (_S.CONNECTING, _I.OPENED): _S.STARTING,
+    (_S.CONNECTING, _I.OPEN_FAILED): _S.CLOSED,
+    (_S.CONNECTING, _I.SETTINGS): ILLEGAL,  # no byte is read before the connect opened
+    (_S.CONNECTING, _I.GOAWAY): ILLEGAL,
+    (_S.CONNECTING, _I.RETIRE): ILLEGAL,  # no stream before READY
+    (_S.CONNECTING, _I.CLOSE): _S.CLOSED,
+    (_S.CONNECTING, _I.PEER_CLOSED): _S.CLOSED,
+    (_S.STARTING, _I.OPENED): IGNORED,  # reported twice
+    (_S.STARTING, _I.OPEN_FAILED): ILLEGAL,  # the driver reports a close once it opened
+    (_S.STARTING, _I.SETTINGS): _S.READY,
+    (_S.STARTING, _I.GOAWAY): _S.DRAINING,  # before or with the first SETTINGS: no stream
+    (_S.STARTING, _I.RETIRE): ILLEGAL,
+    (_S.STARTING, _I.CLOSE): _S.CLOSED,
+    (_S.STARTING, _I.PEER_CLOSED): _S.CLOSED,
+    (_S.READY, _I.OPENED): IGNORED,
+    (_S.READY, _I.OPEN_FAILED): ILLEGAL,
+    (_S.READY, _I.SETTINGS): ILLEGAL,  # the first SETTINGS made it READY; it comes once
+    (_S.READY, _I.GOAWAY): _S.DRAINING,
+    (_S.READY, _I.RETIRE): _S.DRAINING,
+    (_S.READY, _I.CLOSE): _S.CLOSED,
+    (_S.READY, _I.PEER_CLOSED): _S.CLOSED,
+    (_S.DRAINING, _I.OPENED): IGNORED,
+    (_S.DRAINING, _I.OPEN_FAILED): ILLEGAL,
+    (_S.DRAINING, _I.SETTINGS): IGNORED,  # after a GOAWAY that came first: too late to serve
+    (_S.DRAINING, _I.GOAWAY): IGNORED,  # the first GOAWAY after the ids ran out
+    (_S.DRAINING, _I.RETIRE): IGNORED,  # a stream taken while READY, opened after a GOAWAY
+    (_S.DRAINING, _I.CLOSE): _S.CLOSED,
+    (_S.DRAINING, _I.PEER_CLOSED): _S.CLOSED,
+    # CLOSED: the driver's reports of it and its bytes were on their way.
+    (_S.CLOSED, _I.OPENED): IGNORED,
+    (_S.CLOSED, _I.OPEN_FAILED): IGNORED,
+    (_S.CLOSED, _I.SETTINGS): IGNORED,
+    (_S.CLOSED, _I.GOAWAY): IGNORED,
+    (_S.CLOSED, _I.RETIRE): IGNORED,
+    (_S.CLOSED, _I.CLOSE): IGNORED,
+    (_S.CLOSED, _I.PEER_CLOSED): IGNORED,
+}
+del _S, _I
 
 
 class H2Stream:
@@ -105,7 +173,7 @@ class H2Stream:
         self.sid = up.client.start_request(fields)
         up.streams[self.sid] = self
         up.flush()
-        if not up.client.stream_ids_left and up.state is H2State.READY:
+        if not up.client.stream_ids_left:
             up.retire()
 
     def send_body(self, data: bytes) -> None:
@@ -180,11 +248,20 @@ class H2Upstream:
         """Connected with the backend's first SETTINGS by then, or given up (RFC 9113 §3.4)."""
         self.client = H2Client(initial_window=min(65535, self.fx.read_size))
         self.state = H2State.CONNECTING
+        """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.streams: dict[int, H2Stream] = {}
         self.pending = 0
         self.paused = False
         self.idle_since = self.fx.now
         self.ping_sent = False
+
+    def move(self, input: H2Input) -> bool:
+        """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
+        target = step(TRANSITIONS, "H2Upstream", self.state, input)
+        if target is None:
+            return False
+        self.state = target
+        return True
 
     @property
     def free_streams(self) -> int:
@@ -194,36 +271,38 @@ class H2Upstream:
 
     def flush(self) -> None:
         data = self.client.data_to_send()
-        if data and self.state is not H2State.CLOSED:
+        if self.state is not H2State.CLOSED:
+            self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        if data:
             self.pending += len(data)
             self.fx.send(self.conn, data)
 
     # -- driver events (BackendConnection) -------------------------------------------------
 
     def on_opened(self) -> None:
-        if self.state is H2State.CONNECTING:
-            self.state = H2State.STARTING
+        if self.move(H2Input.OPENED):
             self.flush()  # the client preface and our SETTINGS (RFC 9113 §3.4)
 
     def on_open_failed(self, reason: str) -> None:
-        self.state = H2State.CLOSED
-        self.pool.discard(self, f"connect to {self.origin} failed: {reason}")
+        if self.move(H2Input.OPEN_FAILED):
+            self.pool.discard(self, f"connect to {self.origin} failed: {reason}")
 
     def on_data(self, data: bytes) -> None:
         client = self.client
+        had_settings = client.settings_received
+        had_goaway = client.goaway_last_stream is not None
         messages = client.receive(data)
-        went_away = client.goaway_last_stream is not None and self.state in (
-            H2State.STARTING,
-            H2State.READY,
+        went_away = (
+            not had_goaway and client.goaway_last_stream is not None and self.move(H2Input.GOAWAY)
         )
         if went_away:
             # Before the messages: a refused stream retried below must not come back here,
             # and a GOAWAY in the same read as the first SETTINGS means no stream at all.
-            self.state = H2State.DRAINING
             fields = {"upstream": str(self), "last_stream": client.goaway_last_stream}
             self.fx.emit(Log(event="upstream_goaway", fields=fields))
-        elif self.state is H2State.STARTING and client.settings_received:
-            self.state = H2State.READY
+        elif not had_settings and client.settings_received and self.move(H2Input.SETTINGS):
             self.pool.ready(self)
         for message in messages:
             stream = self.streams.get(message.stream)
@@ -258,7 +337,7 @@ class H2Upstream:
             else:
                 self.close("backend sent GOAWAY")
         self.flush()
-        if client.closed and self.state is not H2State.CLOSED:
+        if client.closed:
             self.close()
 
     def on_sent(self, nbytes: int) -> None:
@@ -268,8 +347,8 @@ class H2Upstream:
                 stream.exchange.upstream_drained()
 
     def on_closed(self, error: str | None) -> None:
-        was = self.state
-        self.state = H2State.CLOSED
+        if not self.move(H2Input.PEER_CLOSED):
+            return
         reason = error or "backend closed the connection"
         for stream in list(self.streams.values()):
             exchange = stream.exchange
@@ -278,24 +357,31 @@ class H2Upstream:
             if exchange is not None:
                 exchange.upstream_failed(reason)
         self.streams.clear()
-        if was is not H2State.CLOSED:
-            self.pool.discard(self, reason)
+        self.pool.discard(self, reason)
 
     def on_timer(self) -> None:
         """The start timer (connected, with the backend's SETTINGS, by ``start_deadline``), then
         the keep-alive timer: PING an idle connection, close it after the idle timeout."""
-        if self.state in (H2State.CONNECTING, H2State.STARTING):
-            # RFC 9113 §3.4: the server's preface is a SETTINGS frame; a backend that is up at
-            # TCP but sends none cannot take a stream, and must not hold the requests that
-            # wait for it (nor keep the pool from opening another connection) for ever.
-            what = "connect" if self.state is H2State.CONNECTING else "SETTINGS"
-            self.fx.emit(
-                Log(event="upstream_start_timeout", fields={"upstream": str(self), "wait": what})
-            )
-            self.close(f"no {what} from {self.origin} within the connect timeout", timeout=True)
-            return
-        if self.streams or self.state not in (H2State.READY, H2State.DRAINING):
-            return
+        state = self.state
+        match state:
+            case H2State.CONNECTING | H2State.STARTING:
+                # RFC 9113 §3.4: the server's preface is a SETTINGS frame; a backend that is up
+                # at TCP but sends none cannot take a stream, and must not hold the requests
+                # that wait for it (nor keep the pool from opening another connection) for ever.
+                what = "connect" if state is H2State.CONNECTING else "SETTINGS"
+                fields = {"upstream": str(self), "wait": what}
+                self.fx.emit(Log(event="upstream_start_timeout", fields=fields))
+                reason = f"no {what} from {self.origin} within the connect timeout"
+                self.close(reason, timeout=True)
+            case H2State.READY | H2State.DRAINING:
+                if not self.streams:
+                    self._keep_alive()
+            case H2State.CLOSED:
+                pass  # cancelled with the close (``H2Pool.discard``); a late call
+            case _:
+                assert_never(state)
+
+    def _keep_alive(self) -> None:
         now = self.fx.now
         deadline = self.idle_since + self.idle_timeout
         if now >= deadline:
@@ -318,12 +404,12 @@ class H2Upstream:
     def close(self, reason: str = "connection closed", *, timeout: bool = False) -> None:
         """Close the connection; with no other to serve them, the requests that wait for a
         stream to ``origin`` fail with ``reason`` (``timeout``: as a timeout)."""
-        if self.state is H2State.CLOSED:
+        was = self.state
+        if not self.move(H2Input.CLOSE):
             return
-        if self.state is not H2State.CONNECTING:
+        if was is not H2State.CONNECTING:
             self.client.goaway()
-            self.flush()
-        self.state = H2State.CLOSED
+            self._send(self.client.data_to_send())
         self.fx.close(self.conn)
         self.pool.discard(self, reason, timeout=timeout)
 
@@ -334,7 +420,8 @@ class H2Upstream:
 
     def retire(self) -> None:
         """The last stream id is taken (RFC 9113 §5.1.1): drain, new streams go elsewhere."""
-        self.state = H2State.DRAINING
+        if not self.move(H2Input.RETIRE):
+            return
         self.fx.emit(Log(event="upstream_stream_ids_used", fields={"upstream": str(self)}))
         self.pool.draining(self)
 
