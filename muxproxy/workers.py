@@ -72,7 +72,7 @@ import trio
 
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.measure import merge
+from muxproxy.core.series import merge
 from muxproxy.process import (
     CUT_SIGNALS,
     EXIT_FAILURE,

@@ -2,7 +2,7 @@
 
 The core measures (``muxproxy.core.measure``: plain counters and fixed-bucket histograms) and
 hands out snapshots as data; each worker's snapshot reaches whoever serves ``/metrics``, which
-merges them (``measure.merge``: sums, and min / max for the gauges that say so) and renders
+merges them (``series.merge``: sums, and min / max for the gauges that say so) and renders
 the result here with prometheus_client's public API: a ``Collector`` yielding metric families
 into a private ``CollectorRegistry``, written by ``generate_latest`` in the text format
 (version 0.0.4). prometheus_client's multiprocess mode is not used: it would put its own
@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..core.measure import COUNTER, GAUGE, merge
+from ..core.series import COUNTER, GAUGE, merge
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Content-Type of what ``render`` returns (Prometheus text format 0.0.4)."""
@@ -69,7 +69,7 @@ def family(name: str, metric: Mapping[str, Any]) -> Metric:
 def render(snapshots: Sequence[Mapping[str, Any]]) -> bytes:
     """The Prometheus text exposition of ``snapshots`` (one per worker), merged.
 
-    Raises ``ValueError`` (from ``measure.merge``) when the snapshots disagree on a metric."""
+    Raises ``ValueError`` (from ``series.merge``) when the snapshots disagree on a metric."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(merge(snapshots)))
     return generate_latest(registry)

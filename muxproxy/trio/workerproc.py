@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..core.measure import GAUGE
+from ..core.series import GAUGE
 from .channel import Channel, Message
 
 REPLY_TIMEOUT = 5.0
