@@ -14,19 +14,23 @@ back to the client in ``X-Request-ID``, and into every log record of the exchang
 The session field is a short hash of the session key (``blake2b``, 8 bytes, as 16 hex
 digits), personalised for muxproxy: logs can correlate the requests of one conversation
 without holding the cookie, header or body value the key came from.
+
+The record is read from a finished exchange through ``Finished``, the fields it needs and no
+more, so this module imports no part of the proxy (``Exchange`` has them by its shape).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .headers import header_value
 
 if TYPE_CHECKING:
-    from .exchange import Exchange
-    from .messages import Headers
+    from ..config import Upstream
+    from .messages import Headers, RequestHead
+    from .ssemeter import SseMeter
 
 MAX_REQUEST_ID = 200
 """Longest client request id kept: UUIDs (36), trace ids (32-55) and nginx's $request_id
@@ -91,7 +95,55 @@ def _seconds(at: float | None, start: float) -> float | None:
     return None if at is None else round(at - start, 6)
 
 
-def access_fields(exchange: Exchange, outcome: str) -> dict[str, Any]:
+class _Clock(Protocol):
+    @property
+    def now(self) -> float: ...
+
+
+class _Peer(Protocol):
+    @property
+    def peer_ip(self) -> str: ...
+
+
+class Finished(Protocol):
+    """What the access record reads of a finished exchange (``Exchange``): its request,
+    where it went, when things happened, what it carried. ``fx.now`` is the end."""
+
+    @property
+    def fx(self) -> _Clock: ...
+    @property
+    def client(self) -> _Peer: ...
+    @property
+    def head(self) -> RequestHead: ...
+    @property
+    def request_id(self) -> bytes: ...
+    @property
+    def session_key(self) -> bytes | None: ...
+    @property
+    def group(self) -> Upstream | None: ...
+    @property
+    def server_address(self) -> str: ...
+    @property
+    def server_id(self) -> str | None: ...
+    @property
+    def upstream_version(self) -> str | None: ...
+    @property
+    def tries(self) -> int: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def head_at(self) -> float | None: ...
+    @property
+    def meter(self) -> SseMeter | None: ...
+    @property
+    def bytes_in(self) -> int: ...
+    @property
+    def bytes_out(self) -> int: ...
+
+
+def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
     """The fields of the ``access`` record of a finished exchange (``docs/architecture.md``
     lists them)."""
     head = exchange.head
