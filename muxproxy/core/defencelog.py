@@ -6,17 +6,19 @@ time, and logged at most once per ``LOG_INTERVAL`` seconds: the first act logs a
 the ones in the following interval are only counted, and the next line says how many were left
 out (``suppressed``). Time is the event's ``now`` (the core reads no clock), so the limit is
 tested without waiting.
+
+``DefenceLog`` sees its owner through ``Defended`` (its counters, and the clock and ``emit`` of
+its ``Effects``), which ``ProxyCore`` has by its shape, so this module imports no part of the
+proxy.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import MutableMapping
+from typing import Any, Protocol
 
 from .commands import Log
-
-if TYPE_CHECKING:
-    from .proxy import ProxyCore
 
 KINDS = (
     "client_h2_abuse",
@@ -44,10 +46,26 @@ LOG_INTERVAL = 10.0
 """Seconds between two log lines of one kind, at least."""
 
 
+class _Effects(Protocol):
+    @property
+    def now(self) -> float: ...
+    def emit(self, command: Log) -> None: ...
+
+
+class Defended(Protocol):
+    """What ``DefenceLog`` uses of its owner (``ProxyCore``): the counters it adds to, and of
+    the owner's ``Effects`` the time of the event being handled and where log records go."""
+
+    @property
+    def counters(self) -> MutableMapping[str, int]: ...
+    @property
+    def fx(self) -> _Effects: ...
+
+
 class DefenceLog:
     """Counts every act of a defence and logs the first of each ``interval``, per kind."""
 
-    def __init__(self, core: ProxyCore, *, interval: float = LOG_INTERVAL) -> None:
+    def __init__(self, core: Defended, *, interval: float = LOG_INTERVAL) -> None:
         self.core = core
         self.interval = interval
         self._quiet_until: dict[str, float] = {}
@@ -57,7 +75,7 @@ class DefenceLog:
         """One act of defence ``kind`` against the client at address ``client``."""
         core = self.core
         core.counters[kind] += 1
-        now = core.now
+        now = core.fx.now
         if now < self._quiet_until.get(kind, -math.inf):
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return
