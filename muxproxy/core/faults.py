@@ -7,7 +7,7 @@ here with the connection the event concerns. Rules:
 - The failed connection's state may be half-updated, so it is never called into again: its
   ``Downstream`` or backend connection, its exchanges, their timers, tunnels and pool entries
   are dropped from the core's tables wholesale, and stale references to them are made inert
-  (``Protocol.CLOSED``, ``Phase.DONE``, ``TunnelState.CLOSED``).
+  (``ClientState.CLOSED``, ``Phase.DONE``, ``TunnelState.CLOSED``).
 - Commands the failed call queued for other connections are kept; those for the failed one
   are dropped and replaced by its close. What went out before stays out, so the peer sees
   the truncation: an HTTP/2 client gets GOAWAY(INTERNAL_ERROR) (RFC 9113 §5.4.1, built with
@@ -42,7 +42,7 @@ from .commands import (
     SendData,
     ShutdownWrite,
 )
-from .downstream import Protocol
+from .downstream import ClientState, Protocol
 from .exchange import Exchange
 from .h2pool import H2State, H2Stream, H2Upstream
 from .pool import UpstreamConn, UpstreamState
@@ -153,7 +153,7 @@ class Isolation:
                     0, last_stream_id=last, error_code=h2.errors.ErrorCodes.INTERNAL_ERROR
                 )
                 goaway = frame.serialize()
-            downstream.protocol = Protocol.CLOSED
+            downstream.state = ClientState.CLOSED
             downstream.exchanges.clear()
             downstream.stalled.clear()
         fields["streams"] = sorted(ex.stream for ex in doomed)

@@ -57,7 +57,7 @@ from collections.abc import Callable
 import h2.errors
 
 from .commands import Log
-from .downstream import Downstream, Protocol
+from .downstream import ClientInput, Downstream
 from .faults import Fault, Isolation
 from .h2 import H2State
 from .tables import CoreTables
@@ -150,6 +150,8 @@ class Shutdown:
     def goaway_due(self, client: Downstream) -> None:
         """The ``goaway`` timer: no ACK for the PING of the first GOAWAY in time; the final
         GOAWAY goes out anyway."""
+        if not client.move(ClientInput.GOAWAY_TIMER):
+            return  # closing: the driver flushes and reports the close
         h2c = client.h2
         if h2c is not None and h2c.state is H2State.GOING_AWAY:
             h2c.drain()
@@ -184,6 +186,8 @@ class Shutdown:
 
 def stop_client(client: Downstream) -> None:
     """Graceful stop of one client connection (the module docstring has the rules)."""
+    if not client.move(ClientInput.STOP):
+        return  # closing already
     client.going_away = True
     h2c = client.h2
     if h2c is not None:
@@ -205,6 +209,7 @@ def stop_client(client: Downstream) -> None:
 def refuse_client(client: Downstream) -> None:
     """A connection accepted while stopping: closed at once; over HTTP/2 (ALPN) after a
     GOAWAY(NO_ERROR) that names no stream (RFC 9113 §6.8)."""
+    client.move(ClientInput.REFUSE)
     client.going_away = True
     if client.h2 is not None:
         client.h2.drain(0)
@@ -215,8 +220,8 @@ def cut_client(client: Downstream) -> None:
     """The deadline for one client connection: RST_STREAM(CANCEL) on each HTTP/2 stream and
     the final GOAWAY, or an HTTP/1.1 close without the final chunk; the close aborts the
     exchanges, which closes or cancels their backends."""
-    if client.protocol is Protocol.CLOSED:
-        return
+    if not client.move(ClientInput.CUT):
+        return  # closing already
     h2c = client.h2
     if h2c is not None:
         for stream in list(client.exchanges):

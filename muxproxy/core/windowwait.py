@@ -1,0 +1,66 @@
+"""The HTTP/2 streams of one client connection whose response waits for the client's window.
+
+Obeys RFC 9113 §6.9 (flow control) and §7 (error codes): a closed window is legal, but a
+stream whose window stays closed for ``timeouts.send`` (the zero-window reader) can never have
+its queued bytes written, so it is given up like a connection that takes no bytes:
+RST_STREAM(CANCEL), since the client broke no rule (not FLOW_CONTROL_ERROR) and we did not
+fail (not INTERNAL_ERROR); the stream is no longer wanted. The other streams go on.
+
+One ``window`` timer per connection, lazy: armed when a stream starts to wait while none
+does, moved only when it fires, so a chunk queued behind a closed window costs a dict store.
+A window that moves (a WINDOW_UPDATE or SETTINGS released queued data) starts the stream's
+wait again; bytes that wait only for the socket (the window is open, the connection is
+``congested``) are the connection's send timer's to judge, not this one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .effects import Effects
+from .h2 import H2Server
+from .timers import ClientTimer
+
+
+class WindowWaits:
+    """Since when each waiting stream's window has not moved, and the timer that bounds it."""
+
+    def __init__(self, fx: Effects, conn: int) -> None:
+        self.fx = fx
+        self.timer = (ClientTimer.WINDOW, conn)
+        self.since: dict[int, float] = {}
+
+    def wait(self, stream: int) -> None:
+        """``stream``'s response was queued behind a closed window."""
+        fx = self.fx
+        if not self.since:
+            fx.set_timer(self.timer, fx.now + fx.config.timeouts.send)
+        self.since[stream] = fx.now
+
+    def moved(self, stream: int) -> None:
+        """``stream``'s window moved: its wait starts again."""
+        if stream in self.since:
+            self.since[stream] = self.fx.now
+
+    def expire(self, h2s: H2Server, cut: Callable[[int], None]) -> None:
+        """The timer fired: ``cut`` each stream whose window stayed closed for
+        ``timeouts.send``, forget those sent, ended or reset meanwhile, and arm the timer for
+        the next one due."""
+        now = self.fx.now
+        limit = self.fx.config.timeouts.send
+        since = self.since
+        due: float | None = None
+        for stream, start in list(since.items()):
+            if not h2s.queued(stream):
+                del since[stream]
+                continue
+            if not h2s.window_closed(stream):
+                start = since[stream] = now
+            elif now >= start + limit:
+                del since[stream]
+                cut(stream)
+                continue
+            at = start + limit
+            due = at if due is None or at < due else due
+        if due is not None:
+            self.fx.set_timer(self.timer, due)

@@ -1,0 +1,280 @@
+"""The state table of ``core/downstream_states.py`` and the ``Downstream`` that takes it.
+
+In the manner of h2's ``test_state_machines.py``: Hypothesis draws every (state, input) pair.
+A real ``ProxyCore`` (a Playbook conversation) brings a client connection to the state; the
+input is given at the entry point that takes it in the code (a driver event's method, a timer,
+the graceful stop's function, a step of the keep-alive cycle). It must do what the table says:
+refuse it with ``IllegalTransition`` and change nothing, ignore it (no move, no command, no
+deferred work), or take the table's transition, every further move it causes being the
+table's too. The inputs of every token (DATA, SENT) are taken without a lookup in the states
+that act on them: there the test checks that they were acted on (the adapter got the bytes,
+the write counted as progress).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from playbook import H1BackendPeer, H1ClientPeer, H2Client, H2ClientPeer, Playbook
+from test_downstream import served_once
+from test_h2c import h2_upgrade_client
+
+from muxproxy.core.downstream import ClientInput, ClientState, Downstream, Protocol
+from muxproxy.core.downstream_states import TIMER_INPUTS, TRANSITIONS
+from muxproxy.core.messages import RequestHead
+from muxproxy.core.ports import RequestPhase
+from muxproxy.core.shutdown import cut_client, refuse_client, stop_client
+from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing
+from muxproxy.core.timers import ClientTimer
+
+S = ClientState
+In = ClientInput
+
+PER_TOKEN = {In.DATA, In.SENT}
+"""Inputs taken without a lookup where they are acted on (``ClientState.protocol``)."""
+
+# Every pair, and a small space: Hypothesis stops once it has drawn each pair.
+EVERY_PAIR = settings(max_examples=1000, deadline=None)
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def test_table_lists_every_pair_once() -> None:
+    assert missing(TRANSITIONS, ClientState, ClientInput) == []
+    assert len(TRANSITIONS) == len(ClientState) * len(ClientInput)
+    for (state, input), target in TRANSITIONS.items():
+        assert isinstance(state, ClientState) and isinstance(input, ClientInput)
+        assert isinstance(target, (ClientState, Verdict))
+
+
+def test_closed_is_final_and_takes_only_the_ends_of_its_own_work() -> None:
+    """Once the driver reported the close the core routes nothing to the connection: what
+    still reaches it is its own work under way (ignored); anything else is a bug."""
+    late = {In.CLOSE, In.FINISHED, In.AFTER}
+    for input in ClientInput:
+        assert TRANSITIONS[(S.CLOSED, input)] is (IGNORED if input in late else ILLEGAL)
+
+
+def test_per_token_inputs_skip_the_table_exactly_where_it_acts_on_them() -> None:
+    for state in ClientState:
+        for input in PER_TOKEN:
+            acts = TRANSITIONS[(state, input)] is state
+            if state.protocol in (Protocol.HTTP1, Protocol.HTTP2):
+                assert acts, (state, input)
+            else:
+                assert not acts or state is S.SNIFFING, (state, input)
+
+
+def test_every_timer_kind_is_an_input() -> None:
+    assert set(TIMER_INPUTS) == set(ClientTimer)
+    assert len(set(TIMER_INPUTS.values())) == len(ClientTimer)
+
+
+# -- connections in each state -------------------------------------------------------------
+
+
+def served_h2(pb: Playbook) -> None:
+    """An HTTP/2 stream on connection 1, answered whole: the connection is idle after it."""
+    client = H2Client(pb, 1)
+    client.request(b"/v1/models")
+    pb.opened(-1)
+    backend = H1BackendPeer()
+    backend.events(pb.take(-1))
+    pb.receive(-1, backend.reply(b"{}"))
+
+
+def connection(state: ClientState) -> tuple[Playbook, Downstream]:
+    """A client connection brought to ``state`` by a conversation with the core: nothing
+    sent yet; part of a request head; a GET waiting for its backend; a request served and
+    the connection kept alive; the same over HTTP/2 (the preface only, a stream waiting, a
+    stream served); closed by us (its request head late, GOAWAY sent); closed by the client."""
+    pb = Playbook()
+    if state in (S.H1_IDLE,):
+        served_once(pb, H1ClientPeer(), H1BackendPeer())
+    elif state is S.H2_IDLE:
+        served_h2(pb)
+    elif state is S.H2_BUSY:
+        H2Client(pb, 1).request()
+    else:
+        pb.accept(1)
+    down = pb.core.clients[1]
+    if state is S.H1_HEAD:
+        pb.receive(1, b"GET /v1/models HT")
+    elif state is S.H1_BUSY:
+        pb.receive(1, H1ClientPeer().request())
+    elif state in (S.H2_HEAD, S.CLOSING):
+        pb.receive(1, H2ClientPeer().preface())
+    if state is S.CLOSING:
+        pb.now = 30.0
+        pb.wakeup("header", 1)
+    elif state is S.CLOSED:
+        pb.closed(1)
+    assert down.state is state
+    return pb, down
+
+
+# -- the entry point of each input ---------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Gone:
+    """An exchange as ``exchange_finished`` sees it, for a connection that carries none."""
+
+    stream: int = 99
+    request: RequestPhase = RequestPhase.COMPLETE
+
+
+def a_head(down: Downstream) -> RequestHead:
+    stream = down.h1.stream + 1 if down.h1 is not None else 101
+    return RequestHead(
+        stream=stream,
+        method=b"GET",
+        target=b"/v1/models",
+        authority=b"proxy.example",
+        scheme=b"http",
+        headers=[],
+        end_stream=True,
+    )
+
+
+def h2c_offer_rest() -> bytes:
+    """The rest of ``connection(H1_HEAD)``'s head, as an h2c upgrade offer."""
+    _, settings = h2_upgrade_client()
+    return (
+        b"TP/1.1\r\nHost: proxy.example\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: %s\r\n\r\n" % settings.encode()
+    )
+
+
+def entry(pb: Playbook, down: Downstream, input: ClientInput) -> Callable[[], object]:
+    """The call that gives ``down`` the input, as the code does."""
+    exchange: Any = next(iter(down.exchanges.values()), Gone())
+    nothing: Any = None
+    match input:
+        case In.H1:
+            return lambda: down._choose(Protocol.HTTP1)
+        case In.H2:
+            return lambda: down._choose(Protocol.HTTP2)
+        case In.H2C if down.state is S.H1_HEAD:
+            return lambda: down.on_data(h2c_offer_rest())
+        case In.H2C:
+            return lambda: down._switch_to_h2c(nothing, nothing)
+        case In.DATA:
+            return lambda: down.on_data(b"G")
+        case In.SENT:
+            return lambda: down.on_sent(0)
+        case In.HEAD_BEGAN:
+            return down._await_head
+        case In.STARTED:
+            return lambda: down._start_exchange(a_head(down))
+        case In.FINISHED:
+            return lambda: down.exchange_finished(exchange)
+        case In.AFTER:
+            return lambda: down._after_exchange(exchange)
+        case In.UNUSED:
+            return down._go_idle
+        case In.GOAWAY_TIMER:
+            return lambda: pb.core.stop.goaway_due(down)
+        case In.SEND_TIMER | In.WINDOW_TIMER | In.IDLE_TIMER | In.HEADER_TIMER:
+            (kind,) = [k for k, i in TIMER_INPUTS.items() if i is input]
+            return lambda: down.timer_fired(kind)
+        case In.STOP:
+            return lambda: stop_client(down)
+        case In.REFUSE:
+            return lambda: refuse_client(down)
+        case In.CUT:
+            return lambda: cut_client(down)
+        case In.CLOSE:
+            return down.close
+        case In.PEER_CLOSED:
+            return lambda: down.on_closed(None)
+    raise AssertionError(input)
+
+
+# -- taking every pair ---------------------------------------------------------------------
+
+Moves = list[tuple[ClientState, ClientInput, ClientState]]
+
+
+def spy(down: Downstream) -> Moves:
+    """Record each ``move`` of ``down`` as (state before, input, state after)."""
+    moves: Moves = []
+    real = down.move
+
+    def move(input: ClientInput) -> bool:
+        before = down.state
+        taken = real(input)
+        moves.append((before, input, down.state))
+        return taken
+
+    down.move = move  # type: ignore[method-assign]  # the spy stands in for the bound method
+    return moves
+
+
+def acted_per_token(down: Downstream, input: ClientInput) -> Callable[[], bool]:
+    """Whether a per-token input was acted on without a lookup: the adapter got the bytes,
+    or the write counted as progress (at a time no earlier event had)."""
+    if input is In.SENT:
+        return lambda: down.last_progress == down.fx.now
+    adapter: Any = down.h1 if down.h1 is not None else down.h2
+    got: list[bytes] = []
+    if adapter is not None:
+        real = adapter.receive
+
+        def receive(data: bytes) -> Any:
+            got.append(data)
+            return real(data)
+
+        adapter.receive = receive
+    return lambda: bool(got)
+
+
+@EVERY_PAIR
+@given(pair=st.sampled_from([(s, i) for s in ClientState for i in ClientInput]))
+def test_downstream_takes_every_pair_as_its_table_says(
+    pair: tuple[ClientState, ClientInput],
+) -> None:
+    state, input = pair
+    pb, down = connection(state)
+    fx = pb.core.fx
+    fx.now = pb.now + 1.0  # the input's own moment
+    deliver = entry(pb, down, input)
+    per_token = input in PER_TOKEN and state.protocol in (Protocol.HTTP1, Protocol.HTTP2)
+    acted = acted_per_token(down, input) if per_token else None
+    moves = spy(down)
+    out, deferred = len(fx.out), len(fx.deferred)
+    target = TRANSITIONS[pair]
+    if target is ILLEGAL:
+        with pytest.raises(IllegalTransition) as refused:
+            deliver()
+        assert (refused.value.state, refused.value.input) == (state, input)
+        assert down.state is state
+        assert (len(fx.out), len(fx.deferred)) == (out, deferred)
+        return
+    deliver()
+    if target is IGNORED:
+        assert moves[:1] == [(state, input, state)]
+        assert down.state is state
+        if input is not In.STARTED:  # the exchange starts all the same; the connection idles on
+            assert len(moves) == 1
+            assert (len(fx.out), len(fx.deferred)) == (out, deferred)
+        return
+    if acted is not None:
+        assert acted(), f"{input.name} was not acted on in {state.name}"
+        assert all(i is not input for _, i, _ in moves)  # no lookup
+    else:
+        assert moves[:1] == [(state, input, target)]
+    at = state
+    for before, later, after in moves:
+        assert before is at, moves
+        then = TRANSITIONS[(before, later)]
+        assert then is not ILLEGAL, moves
+        assert after is (before if then is IGNORED else then), moves
+        at = after
+    assert down.state is at
