@@ -86,7 +86,7 @@ class Limits:
     connection_buffer: int = 1024 * 1024
     """Bytes of output one client connection may have handed to the socket and not yet seen
     written. Past it every backend feeding the connection is paused; they resume once it is
-    at or below half (and each stream at or below its low water). See ``Downstream._send``."""
+    at or below half (and each stream at or below its low water). See ``core/output.py``."""
     h2_reset_budget: int = 100
     """HTTP/2 streams a client may reset before their response is complete, beyond those paid
     back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,

@@ -15,6 +15,7 @@ does the switch itself, since it owns the connection's output.
 
 from __future__ import annotations
 
+import attrs
 import h2.exceptions
 
 from .downstream_states import Protocol
@@ -22,6 +23,7 @@ from .effects import Effects
 from .h1 import H1Server
 from .h2 import PREFACE, H2Server
 from .h2c import H2cUpgrade
+from .messages import End, Message
 
 PREFACE_LINE = PREFACE[:14]
 """RFC 9113 §3.4: the preface's first line; no HTTP/1.1 request line reads so."""
@@ -71,3 +73,13 @@ def h2c_server(fx: Effects, scheme: bytes, offer: H2cUpgrade) -> H2Server | None
         return h2_server(fx, scheme, offer.settings)
     except h2.exceptions.ProtocolError:
         return None
+
+
+def switch_to_h2c(h1: H1Server) -> tuple[bytes, list[Message], bytes]:
+    """Take ``h1``'s pending h2c offer: our 101's bytes, the offer's request as stream 1 of
+    the HTTP/2 connection (its head and end), and what the client sent after the request,
+    the start of its HTTP/2 preface. ``h1`` is done with the connection."""
+    offer = h1.h2c
+    assert offer is not None
+    switched, rest = h1.switch_to_h2c()
+    return switched, [attrs.evolve(offer.head, stream=1), End(stream=1)], rest

@@ -1,22 +1,17 @@
 """One client connection: its adapter, the exchanges it carries, its output and its timers.
 
-Its life is the table of ``downstream_states.py``: the protocol (chosen by ``detect.py``: ALPN,
-HTTP/2 prior knowledge by the preface, RFC 9113 §3.3 and §3.4; or the h2c upgrade, RFC 7540
-§3.2), what bounds it between requests, its close. Every state change goes through ``move``;
-the inputs of every token (bytes in, bytes written) read ``ClientState.protocol`` instead.
+Its life is the table of ``downstream_states.py``: the protocol (chosen by ``detect.py``, RFC
+9113 §3.3 and §3.4: ALPN, or HTTP/2 prior knowledge by the preface; or the h2c upgrade, RFC
+7540 §3.2), what bounds it between requests, its close. Every state change goes through
+``move``; the inputs of every token (bytes in, bytes written) read ``ClientState.protocol``.
 
-It is the sink of its exchanges' responses and the source of their requests. It counts the
-bytes handed to the driver and not yet written (``pending``): together with an HTTP/2
-stream's send queue that is what the exchange measures for backpressure (its ``Flow``s,
-``flow.py``). Above ``limits.connection_buffer`` it stops every backend feeding it, and none
-resumes while its output is above half of that (``congested``). Its timers:
+It is the sink of its exchanges' responses (its ``output.py``: pending bytes, the connection
+bound, the ``send`` timer) and the source of their requests. Its other timers:
 
 - A request head is due within ``client_header`` from the connection's start, and on an idle
   kept-alive HTTP/1.1 connection from its first byte on (HEAD): the client is sending a
   request, so ``keepalive_idle`` no longer bounds it. Late: 408 (RFC 9110 §15.5.9).
-- ``keepalive_idle`` between requests (IDLE): the close; on HTTP/2 after a GOAWAY.
-- ``send``: no write progress for ``timeouts.send`` (lazy: armed when output starts waiting,
-  moved only when it fires): the close.
+- ``keepalive_idle`` between requests (IDLE): the close, on HTTP/2 after a GOAWAY.
 - ``window``: an HTTP/2 stream whose response waits for a window (``windowwait.py``).
 
 What it answers itself (413, 431, 408, 400, refused smuggling) is ``refusals.py``'s. A graceful
@@ -41,6 +36,7 @@ from .h1 import H1Server, PeerError
 from .h2 import H2Server
 from .intake import MalformedRequest, check_request_limits
 from .messages import Abort, Body, End, Headers, Message, Refused, RequestHead, ResponseHead
+from .output import Output
 from .ports import ClientHost, ClientStream, Phase, RequestPhase
 from .states import step
 from .timers import ClientTimer
@@ -72,12 +68,7 @@ class Downstream:
         self.state = ClientState.SNIFFING
         """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.exchanges: dict[int, ClientStream] = {}
-        self.stalled: set[ClientStream] = set()
-        """Exchanges whose backend reading is paused because this side is behind: those whose
-        ``response_flow`` (or tunnel's ``backend_flow``) is stopped (``flow.py``)."""
-        self.pending = 0
-        self.last_progress = fx.now
-        self.send_timer_armed = False
+        self.output = Output(fx, conn, self)
         self.reading_paused = False
         self.abuse_logged = False
         self.h1: H1Server | None = None
@@ -100,6 +91,10 @@ class Downstream:
         return True
 
     @property
+    def pending(self) -> int:
+        return self.output.pending
+
+    @property
     def protocol(self) -> Protocol:
         return self.state.protocol
 
@@ -119,7 +114,7 @@ class Downstream:
         if protocol is _HTTP2:
             self.move(ClientInput.H2)
             self.h2 = detect.h2_server(self.fx, self.scheme)
-            self._flush_h2()
+            self.flush()
             if self.going_away:
                 # The preface came after the stop began (a fresh connection was left its
                 # first request): the two GOAWAYs now, as for every HTTP/2 client.
@@ -142,17 +137,14 @@ class Downstream:
             self._switch_to_h2c(h1, h2s)
 
     def _switch_to_h2c(self, h1: H1Server, h2s: H2Server) -> None:
-        """RFC 7540 §3.2: answer 101 and go on as HTTP/2 with the offer's request as stream 1;
-        the rest of what the client sent is the start of its HTTP/2 preface."""
+        """RFC 7540 §3.2: the 101, then HTTP/2 (``detect.switch_to_h2c``)."""
         self.move(ClientInput.H2C)
-        assert h1.h2c is not None
-        head = h1.h2c.head
-        switched, rest = h1.switch_to_h2c()
-        self._send(switched)
+        switched, messages, rest = detect.switch_to_h2c(h1)
+        self.output.write(switched)
         self.h1 = None
         self.h2 = h2s
-        self._flush_h2()
-        self._dispatch([attrs.evolve(head, stream=1), End(stream=1)])
+        self.flush()
+        self._dispatch(messages)
         if rest:
             self.on_data(rest)
 
@@ -183,7 +175,7 @@ class Downstream:
             refusals.peer_error(self, exc)
             return
         if h1.interim:
-            self._send(h1.interim)
+            self.output.write(h1.interim)
             h1.interim = b""
         self._dispatch(messages)
         if self.state is ClientState.H1_IDLE and not h1.idle:
@@ -199,7 +191,7 @@ class Downstream:
             self.host.defences.record(
                 "client_h2_abuse", self.peer_ip, conn=self.conn, reason=h2s.guard.exhausted
             )
-        self._flush_h2()
+        self.flush()
         if h2s.closed and not self.exchanges:
             self.close()
 
@@ -212,7 +204,7 @@ class Downstream:
         for stream in h2s.flush_blocked():
             self.window.moved(stream)
             exchange = self.exchanges.get(stream)
-            if exchange is not None and exchange in self.stalled:
+            if exchange is not None and exchange in self.output.stalled:
                 exchange.client_drained()
         h2s.window_changed = False
 
@@ -263,80 +255,45 @@ class Downstream:
 
     # -- the sink side, for exchanges ------------------------------------------------------
 
-    def _send(self, data: bytes) -> None:
-        if not data or self.state.protocol is _CLOSED:
-            return
-        fx = self.fx
-        if not self.pending:
-            self.last_progress = fx.now
-            if not self.send_timer_armed:
-                self.send_timer_armed = True
-                fx.set_timer((ClientTimer.SEND, self.conn), fx.now + fx.config.timeouts.send)
-        self.pending += len(data)
-        fx.send(self.conn, data)
-        if self.pending > fx.config.limits.connection_buffer:
-            self._stall_all()
-
-    def _stall_all(self) -> None:
-        """``limits.connection_buffer`` is exceeded: pause every backend feeding this
-        connection (tunnels, which hold no ``upstream``, keep their own per-stream bound).
-
-        Bound: once ``pending`` exceeds ``connection_buffer`` every backend is paused, and a
-        paused backend delivers at most the one read it had in flight; the write that crossed
-        the bound is one read's output too. So ``pending <= connection_buffer + (streams + 1)
-        * out(read_size)`` where ``out(n)`` is n body bytes plus their HTTP/2 frame headers,
-        plus control frames (bounded by the h2 guard's budgets). WINDOW_UPDATEs do not release
-        queued stream data meanwhile (``_after_h2_receive`` defers ``flush_blocked``)."""
-        for exchange in self.exchanges.values():
-            # Each resumes by its own flow (``Exchange.client_drained``), not while congested.
-            if exchange.client_stalled():
-                self.stalled.add(exchange)
-
     @property
     def congested(self) -> bool:
-        """Output above half of ``limits.connection_buffer`` while some backend is stalled:
-        stalled backends stay paused and queued HTTP/2 data stays queued."""
-        return bool(self.stalled) and self.pending > self.fx.config.limits.connection_buffer // 2
-
-    def _flush_h2(self) -> None:
-        assert self.h2 is not None
-        self._send(self.h2.data_to_send())
+        return self.output.congested
 
     def flush(self) -> None:
-        """Hand what the HTTP/2 connection queued (frames of its own: GOAWAY, PING, resets)
-        to the driver."""
+        """Hand what the HTTP/2 connection queued to the driver."""
         if self.h2 is not None:
-            self._flush_h2()
+            self.output.write(self.h2.data_to_send())
 
     def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
         """Send the response head; ``end_stream``: the response is complete without a body
         (a gRPC Trailers-Only response: one HEADERS frame with END_STREAM on HTTP/2)."""
         if self.h2 is not None:
             self.h2.send_head(head, end_stream=end_stream)
-            self._flush_h2()
+            self.flush()
         elif self.h1 is not None:
             if self.going_away:
                 # RFC 9112 §9.6: a server that is stopping says so on the response it still
                 # sends, and closes after it.
                 head = attrs.evolve(head, headers=[*head.headers, (b"connection", b"close")])
-            self._send(self.h1.send_head(head))
+            self.output.write(self.h1.send_head(head))
             if end_stream:
-                self._send(self.h1.send_end([]))
+                self.output.write(self.h1.send_end([]))
 
     def send_body(self, stream: int, data: bytes) -> None:
-        if self.h2 is not None:
-            if self.h2.send_body(stream, data):
+        h2s = self.h2
+        if h2s is not None:
+            if h2s.send_body(stream, data):
                 self.window.wait(stream)
-            self._flush_h2()
+            self.output.write(h2s.data_to_send())
         elif self.h1 is not None:
-            self._send(self.h1.send_body(data))
+            self.output.write(self.h1.send_body(data))
 
     def send_end(self, stream: int, trailers: Headers) -> None:
         if self.h2 is not None:
             self.h2.send_end(stream, trailers)
-            self._flush_h2()
+            self.flush()
         elif self.h1 is not None:
-            self._send(self.h1.send_end(trailers))
+            self.output.write(self.h1.send_end(trailers))
 
     def keep_receiving(self, stream: int) -> None:
         """HTTP/2: the request side of ``stream`` still reaches its exchange after the
@@ -354,17 +311,13 @@ class Downstream:
         head_only: bool = False,
         request_id: bytes | None = None,
     ) -> int:
-        """The proxy's own short response (``errors.error_response``; ``api``: the route's);
-        ``head_only``: the request was a HEAD (RFC 9110 §9.3.2: no body); ``request_id``:
-        the exchange's X-Request-ID, sent with it. Returns the body bytes sent, for the
-        access log."""
+        """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
             self, stream, status, text, api=api, head_only=head_only, request_id=request_id
         )
 
     def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
-        """Slow request body: 408 and close (HTTP/1.1) or RST_STREAM(CANCEL) (HTTP/2); see
-        ``refusals.slow_body``. The exchange aborts its backend request."""
+        """408 and close, or RST_STREAM(CANCEL) (``refusals.slow_body``)."""
         return refusals.slow_body(self, stream, api=api, request_id=request_id)
 
     def abort(self, stream: int) -> None:
@@ -372,7 +325,7 @@ class Downstream:
         if self.h2 is not None:
             # RFC 9113 §8.1: an incomplete response is reset, INTERNAL_ERROR as the cause.
             self.h2.abort(stream, h2.errors.ErrorCodes.INTERNAL_ERROR)
-            self._flush_h2()
+            self.flush()
         else:
             # HTTP/1.1 has no reset: closing without the final chunk is the signal
             # (RFC 9112 §8: an incomplete message). Once the caller is done.
@@ -387,35 +340,35 @@ class Downstream:
     def buffered(self, stream: int) -> int:
         """Bytes of this stream's response held here: its HTTP/2 queue plus unsent output."""
         if self.h2 is not None:
-            return self.pending + self.h2.queued(stream)
-        return self.pending
+            return self.output.pending + self.h2.queued(stream)
+        return self.output.pending
 
     def acknowledge(self, stream: int, nbytes: int) -> None:
         if self.h2 is not None and nbytes:
             self.h2.acknowledge(stream, nbytes)
-            self._flush_h2()
+            self.flush()
 
     def send_raw(self, data: bytes) -> None:
         """Bytes as they are, through this connection's accounting (pending bytes, send
         timeout): an HTTP/1.1 tunnel's, once h11 has switched protocols."""
-        self._send(data)
+        self.output.write(data)
 
     def switch_protocols(self, headers: Headers) -> bytes:
         """HTTP/1.1: the 101 to a WebSocket upgrade (``H1Server.switch_protocols``); returns
         the bytes the client sent after its request (the tunnel's first)."""
         assert self.h1 is not None
         out, early = self.h1.switch_protocols(headers)
-        self._send(out)
+        self.output.write(out)
         return early
 
     def hold(self, stream: ClientStream) -> None:
-        self.stalled.add(stream)
+        self.output.stalled.add(stream)
 
     def release(self, stream: ClientStream) -> None:
-        self.stalled.discard(stream)
+        self.output.stalled.discard(stream)
 
     def holds(self, stream: ClientStream) -> bool:
-        return stream in self.stalled
+        return stream in self.output.stalled
 
     def pause_source(self) -> None:
         # HTTP/2 sources are stopped by the withheld acknowledgements alone.
@@ -436,7 +389,7 @@ class Downstream:
         of that reaches back into the exchange or its backend while they finish."""
         follow = self.move(ClientInput.FINISHED)
         self.exchanges.pop(exchange.stream, None)
-        self.stalled.discard(exchange)
+        self.output.stalled.discard(exchange)
         if follow:
             self.fx.defer(self.conn, lambda: self._after_exchange(exchange))
 
@@ -464,7 +417,7 @@ class Downstream:
                 # RFC 9113 §8.1: the response is complete, so the rest of the request body
                 # is not needed; NO_ERROR tells the client to stop sending it.
                 self.h2.cancel_request(exchange.stream)
-                self._flush_h2()
+                self.flush()
             if self.h2.closed and not self.exchanges:
                 self.close()
                 return
@@ -498,18 +451,14 @@ class Downstream:
         if protocol is not _HTTP1 and protocol is not _HTTP2:
             self.move(ClientInput.SENT)  # late once closing; never sent while sniffing
             return
-        self.pending -= nbytes
-        self.last_progress = self.fx.now
+        output = self.output
+        output.pending -= nbytes  # ``Output``'s accounting, without a call per write
+        output.last_progress = self.fx.now
         if self.h2 is not None and self.h2.window_changed:
             self._flush_blocked()
-            self._flush_h2()
-        if self.stalled and self.pending <= self.fx.limits.low_water:
-            # Least served first: the backends resumed first are read first (the driver reads
-            # ready sockets in the order they became ready), and they may fill the connection
-            # again before the others get a read. In a fixed order the same streams of a busy
-            # connection would win every time and the last ones would starve.
-            for exchange in sorted(self.stalled, key=_bytes_out):
-                exchange.client_drained()
+            self.flush()
+        if output.stalled:
+            output.resume()
 
     def on_closed(self, error: str | None) -> None:
         was = self.state
@@ -544,54 +493,22 @@ class Downstream:
             return
         match kind:
             case ClientTimer.SEND:
-                self._send_timeout()
+                if self.output.timed_out():
+                    self.fx.emit(Log(event="send_timeout", fields={"conn": self.conn}))
+                    self.close()
             case ClientTimer.WINDOW:
-                assert self.h2 is not None
-                self.window.expire(self.h2, self._cut_window_wait)
-                self._flush_h2()
+                self.window.expire(self)
             case ClientTimer.IDLE | ClientTimer.HEADER:
                 self._idle_timeout(kind)
             case _:
                 assert_never(kind)
-
-    def _send_timeout(self) -> None:
-        """Lazy: armed when output starts waiting, moved only when it fires."""
-        fx = self.fx
-        self.send_timer_armed = False
-        if not self.pending:
-            return
-        due = self.last_progress + fx.config.timeouts.send
-        if fx.now < due:
-            self.send_timer_armed = True
-            fx.set_timer((ClientTimer.SEND, self.conn), due)
-            return
-        fx.emit(Log(event="send_timeout", fields={"conn": self.conn}))
-        self.close()
-
-    def _cut_window_wait(self, stream: int) -> None:
-        """``stream``'s window stayed closed for ``timeouts.send``: RST_STREAM(CANCEL) and its
-        backend request aborted (``windowwait.py``)."""
-        assert self.h2 is not None
-        self.host.defences.record(
-            "stream_send_timeout", self.peer_ip, conn=self.conn, stream=stream
-        )
-        self.h2.abort(stream, h2.errors.ErrorCodes.CANCEL)
-        exchange = self.exchanges.get(stream)
-        if exchange is not None:
-            exchange.client_aborted("the client opened no window within the send timeout")
 
     def _idle_timeout(self, kind: ClientTimer) -> None:
         """``keepalive_idle`` between requests, or ``client_header`` for a request head (no
         exchange runs in either state)."""
         if self.h2 is not None:
             self.h2.goaway()
-            self._flush_h2()
+            self.flush()
         elif self.h1 is not None and kind is ClientTimer.HEADER and not self.h1.idle:
-            # RFC 9110 §15.5.9: the client did not complete its request in time.
-            self.host.defences.record("request_header_timeout", self.peer_ip, conn=self.conn)
-            refusals.h1_error(self, 408, "request header timeout")
+            refusals.head_timeout(self)
         self.close()
-
-
-def _bytes_out(exchange: ClientStream) -> int:
-    return exchange.bytes_out

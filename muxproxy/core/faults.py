@@ -155,7 +155,7 @@ class Isolation:
                 goaway = frame.serialize()
             downstream.state = ClientState.CLOSED
             downstream.exchanges.clear()
-            downstream.stalled.clear()
+            downstream.output.stalled.clear()
         fields["streams"] = sorted(ex.stream for ex in doomed)
         tunnels = {id(t): t for t in core.tunnels.values() if t.client.conn == conn}
         for ex in doomed:

@@ -120,6 +120,13 @@ def peer_error(client: Refusing, exc: PeerError, api: Api | None = None) -> None
     client.close()
 
 
+def head_timeout(client: Refusing) -> None:
+    """HTTP/1.1: a request head begun and not complete within ``client_header``: 408 (RFC
+    9110 §15.5.9); the caller closes."""
+    client.host.defences.record("request_header_timeout", client.peer_ip, conn=client.conn)
+    h1_error(client, 408, "request header timeout")
+
+
 def refuse_head(client: Refusing, head: RequestHead, exc: MalformedRequest) -> None:
     """A request past a limit (431, 413): answered here, never forwarded."""
     api = api_of(client.fx.config, head)

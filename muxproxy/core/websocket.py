@@ -349,7 +349,7 @@ class WebSocketExchange(Exchange):
         tunnel.client_flow.hold(self.request_flow.take())
         if self.response_flow.stopped:
             # The client connection's bound paused the backend before its answer came
-            # (``Downstream._stall_all``): the tunnel takes the stop over, so its own flow
+            # (``Output._stall_all``): the tunnel takes the stop over, so its own flow
             # reads the backend again once the connection drains (``Tunnel.client_drained``).
             tunnel.backend_flow.stop()
         fx.emit(

@@ -15,10 +15,10 @@ wait again; bytes that wait only for the socket (the window is open, the connect
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import h2.errors
 
 from .effects import Effects
-from .h2 import H2Server
+from .refusals import Refusing
 from .timers import ClientTimer
 
 
@@ -42,10 +42,12 @@ class WindowWaits:
         if stream in self.since:
             self.since[stream] = self.fx.now
 
-    def expire(self, h2s: H2Server, cut: Callable[[int], None]) -> None:
-        """The timer fired: ``cut`` each stream whose window stayed closed for
+    def expire(self, client: Refusing) -> None:
+        """The timer fired: cut each stream of ``client`` whose window stayed closed for
         ``timeouts.send``, forget those sent, ended or reset meanwhile, and arm the timer for
         the next one due."""
+        h2s = client.h2
+        assert h2s is not None
         now = self.fx.now
         limit = self.fx.config.timeouts.send
         since = self.since
@@ -58,9 +60,23 @@ class WindowWaits:
                 start = since[stream] = now
             elif now >= start + limit:
                 del since[stream]
-                cut(stream)
+                _cut(client, stream)
                 continue
             at = start + limit
             due = at if due is None or at < due else due
         if due is not None:
             self.fx.set_timer(self.timer, due)
+        client.flush()
+
+
+def _cut(client: Refusing, stream: int) -> None:
+    """RST_STREAM(CANCEL) and the backend request aborted; the other streams go on."""
+    h2s = client.h2
+    assert h2s is not None
+    client.host.defences.record(
+        "stream_send_timeout", client.peer_ip, conn=client.conn, stream=stream
+    )
+    h2s.abort(stream, h2.errors.ErrorCodes.CANCEL)
+    exchange = client.exchanges.get(stream)
+    if exchange is not None:
+        exchange.client_aborted("the client opened no window within the send timeout")

@@ -20,12 +20,23 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from playbook import H1BackendPeer, H1ClientPeer, H2Client, H2ClientPeer, Playbook
+from playbook import (
+    H1BackendPeer,
+    H1ClientPeer,
+    H2Client,
+    H2ClientPeer,
+    Playbook,
+    h2_sse_stream,
+    wakeup,
+)
+from test_client_timeouts import CHUNK, zero_window_book
 from test_downstream import served_once
 from test_h2c import h2_upgrade_client
 
+from muxproxy.core.commands import CloseConnection, SetTimer
 from muxproxy.core.downstream import ClientInput, ClientState, Downstream, Protocol
 from muxproxy.core.downstream_states import TIMER_INPUTS, TRANSITIONS
+from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.messages import RequestHead
 from muxproxy.core.ports import RequestPhase
 from muxproxy.core.shutdown import cut_client, refuse_client, stop_client
@@ -221,7 +232,7 @@ def acted_per_token(down: Downstream, input: ClientInput) -> Callable[[], bool]:
     """Whether a per-token input was acted on without a lookup: the adapter got the bytes,
     or the write counted as progress (at a time no earlier event had)."""
     if input is In.SENT:
-        return lambda: down.last_progress == down.fx.now
+        return lambda: down.output.last_progress == down.fx.now
     adapter: Any = down.h1 if down.h1 is not None else down.h2
     got: list[bytes] = []
     if adapter is not None:
@@ -278,3 +289,55 @@ def test_downstream_takes_every_pair_as_its_table_says(
         assert after is (before if then is IGNORED else then), moves
         at = after
     assert down.state is at
+
+
+# -- late inputs once we closed: the driver is flushing, the close not reported yet --------
+#
+# Each of these was acted on before the table said otherwise: a timer that fired after our
+# close ran its handler on a closed connection, and the graceful stop reached it as if open.
+
+BAD_HEAD = b"GET / HTTP/1.1\r\nHost: proxy.example\r\nno colon here\r\n\r\n"
+
+
+def test_a_header_timeout_after_our_close_counts_no_defence() -> None:
+    pb = Playbook(ignore=())
+    pb.accept(1)
+    pb.receive(1, BAD_HEAD)  # 400 and the close; the client does not read it
+    pb.now = 30.0
+    pb >> wakeup("header", 1)
+    pb.done()
+    assert pb.core.counters["request_header_timeout"] == 0
+
+
+def test_the_send_timer_after_our_close_leaves_the_flush_to_the_driver() -> None:
+    """``CloseConnection.flush_timeout`` bounds the flush: no second verdict on it."""
+    pb = Playbook(ignore=())
+    pb.accept(1)
+    pb.receive(1, BAD_HEAD)
+    pb.now = 60.0
+    pb >> wakeup("send", 1)
+    pb.done()
+
+
+def test_a_window_timeout_after_our_close_cuts_no_stream() -> None:
+    pb, client = zero_window_book(send=60.0)
+    pb.ignore = ()
+    _, up = h2_sse_stream(pb, client, data=client.preface())
+    pb.receive(up, CHUNK)  # queued behind the closed window: the window timer runs
+    pb.now = 60.0
+    pb >> wakeup("send", 1)  # nothing written since: the send timeout closes the connection
+    assert CloseConnection(conn=1) in pb.rest()
+    pb >> wakeup("window", 1)
+    pb.done()
+    assert pb.core.counters["stream_send_timeout"] == 0
+
+
+def test_a_graceful_stop_arms_no_timer_for_a_connection_we_closed() -> None:
+    pb = Playbook()
+    pb.accept(1, tls=True, alpn="http/1.1")
+    pb.now = 30.0
+    pb >> wakeup("header", 1)  # no request came: closed
+    pb << CloseConnection(conn=1)
+    pb.done()
+    commands = pb.feed(ShutdownRequested(now=pb.now, deadline=60.0))
+    assert [c for c in commands if isinstance(c, SetTimer) and c.timer[1] == 1] == []

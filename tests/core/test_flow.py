@@ -175,7 +175,7 @@ def test_any_relay_holds_at_most_one_read_above_high_water(
 
 
 def test_retry_after_connection_stall_pauses_the_new_backend() -> None:
-    """A backend stopped by the client connection's bound (``Downstream._stall_all``) while it
+    """A backend stopped by the client connection's bound (``Output._stall_all``) while it
     owed its response head fails; the retry's backend starts running, and is stopped like any
     other while the connection is still over its bound, then resumed with the rest."""
     bound = 64 * 1024

@@ -209,7 +209,7 @@ def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None
             commands = pb.receive(up, chunk)
             peak = max(peak, down.pending)
             paused |= {c.conn for c in commands if isinstance(c, PauseReading)}
-    # The bound documented in ``Downstream._stall_all`` (control frames aside: none here).
+    # The bound documented in ``core/output.py`` (control frames aside: none here).
     assert peak <= bound + (len(ups) + 1) * out_per_read
     assert paused == set(ups)
     stats = core.statistics().streams

@@ -672,7 +672,7 @@ def test_h2_backend_stream_is_reset_when_our_end_stream_still_waits_for_window()
 
 
 def test_tunnel_opened_while_the_connection_bound_stalls_its_backend_resumes_it() -> None:
-    """A WebSocket backend that the client connection's bound (``Downstream._stall_all``)
+    """A WebSocket backend that the client connection's bound (``Output._stall_all``)
     paused before its handshake's answer arrived: the tunnel takes the stop over, so the
     backend is read again once the connection drains, like every other stalled backend."""
     bound = 64 * 1024
