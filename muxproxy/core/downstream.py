@@ -384,9 +384,10 @@ class Downstream:
     # -- the keep-alive cycle --------------------------------------------------------------
 
     def exchange_finished(self, exchange: ClientStream) -> None:
-        """``exchange`` is over. It is forgotten now; what follows for the connection (the
-        next request, idle, or the close) once the current event is handled, so that nothing
-        of that reaches back into the exchange or its backend while they finish."""
+        """``exchange`` is over. It is forgotten now, in any state; what follows for the
+        connection (the next request, idle, or the close) once the current event is handled,
+        so that nothing of that reaches back into the exchange or its backend while they
+        finish."""
         follow = self.move(ClientInput.FINISHED)
         self.exchanges.pop(exchange.stream, None)
         self.output.stalled.discard(exchange)
@@ -394,7 +395,7 @@ class Downstream:
             self.fx.defer(self.conn, lambda: self._after_exchange(exchange))
 
     def _after_exchange(self, exchange: ClientStream) -> None:
-        if not self.move(ClientInput.AFTER):
+        if not self.move(ClientInput.FOLLOW_UP):
             return
         if self.h1 is not None:
             if not self.h1.reusable or self.going_away:

@@ -19,15 +19,15 @@ protocol, the h2c switch, the keep-alive cycle). ``TRANSITIONS`` lists every pai
 rules of ``states.py``. A pair whose target is the state it comes from is acted on and moves
 nothing: bytes read on an open connection, say. Read for this part:
 
-- IGNORED: the input comes late, after our own close (CLOSING: a read, a write report or a
-  timer the driver had queued; a stop), or again (a second close, a second follow-up of
-  exchanges that ended in the same event).
-- ILLEGAL: only a bug brings it. Each timer runs only in the states that arm it and is
-  cancelled when it leaves them; an HTTP/1.1 connection carries one request at a time; the
-  protocol is chosen once. Once CLOSED the core routes nothing to the connection and its
-  timers are cancelled, so what can still reach it is work of its own that was under way
-  (a deferred follow-up or close, an exchange ending while the close aborts it): that is
-  IGNORED, and a driver event or a timer is ILLEGAL.
+- IGNORED: the input comes late, after our own close (CLOSING: a read or a write report the
+  driver had under way, a timer still armed, the graceful stop), or again (a second close;
+  the follow-up of a second stream that ended in the same event).
+- ILLEGAL: only a bug brings it: a timer in a state that never has it armed (``idle`` runs
+  only while IDLE, ``header`` only while HEAD or sniffing, ``window`` and ``goaway`` only on
+  HTTP/2), a second request at once on HTTP/1.1, a second choice of protocol. Once CLOSED the
+  core routes nothing to the connection and has cancelled its timers, so what can still reach
+  it is work of its own that was under way (a deferred follow-up or close, an exchange that
+  ends as the close aborts it): that is IGNORED, a driver event or a timer ILLEGAL.
 
 Fast paths: a lookup hashes two enum members (``Enum.__hash__`` runs in Python), so the inputs
 of every token (``DATA``, ``SENT``) do not look the table up in the states that act on them;
@@ -95,7 +95,7 @@ class ClientInput(enum.Enum):
     FINISHED = "finished"
     """An exchange ended (``exchange_finished``); what follows for the connection is deferred
     until the current event is handled (``Effects.defer``)."""
-    AFTER = "after"
+    FOLLOW_UP = "follow_up"
     """That deferred follow-up runs: the next request, idle, or the close."""
     UNUSED = "unused"
     """The last exchange ended and nothing of a next request is here: the ``idle`` timer."""
@@ -194,7 +194,8 @@ TRANSITIONS: Transitions[ClientState, ClientInput] = {
     (_S.H2_BUSY, _I.HEAD_BEGAN): ILLEGAL,
     (_S.CLOSING, _I.HEAD_BEGAN): ILLEGAL,
     (_S.CLOSED, _I.HEAD_BEGAN): ILLEGAL,
-    # An exchange starts. HTTP/2 streams run side by side: BUSY already, its timers are off.
+    # An exchange starts. HTTP/2 streams run side by side: another one keeps the connection
+    # BUSY (its HEAD and IDLE timers are off already).
     # Nothing is read once closing, and no exchange is started while handling a read that
     # closes (h11 gives one request a read; h2's connection errors close after the read).
     (_S.SNIFFING, _I.STARTED): ILLEGAL,
@@ -203,7 +204,7 @@ TRANSITIONS: Transitions[ClientState, ClientInput] = {
     (_S.H1_BUSY, _I.STARTED): ILLEGAL,  # one request at a time (RFC 9112 §9.3)
     (_S.H2_HEAD, _I.STARTED): _S.H2_BUSY,
     (_S.H2_IDLE, _I.STARTED): _S.H2_BUSY,
-    (_S.H2_BUSY, _I.STARTED): IGNORED,
+    (_S.H2_BUSY, _I.STARTED): _S.H2_BUSY,
     (_S.CLOSING, _I.STARTED): ILLEGAL,
     (_S.CLOSED, _I.STARTED): ILLEGAL,
     # An exchange ends: only a BUSY connection carries one. Once closing, the close aborted
@@ -219,15 +220,15 @@ TRANSITIONS: Transitions[ClientState, ClientInput] = {
     (_S.CLOSED, _I.FINISHED): IGNORED,  # aborted by the close the driver reported
     # Its follow-up. Streams that end in one event each have one, and the first may have
     # made the connection idle already; the rest still cancel their request bodies.
-    (_S.SNIFFING, _I.AFTER): ILLEGAL,
-    (_S.H1_HEAD, _I.AFTER): ILLEGAL,
-    (_S.H1_IDLE, _I.AFTER): ILLEGAL,
-    (_S.H1_BUSY, _I.AFTER): _S.H1_BUSY,
-    (_S.H2_HEAD, _I.AFTER): ILLEGAL,
-    (_S.H2_IDLE, _I.AFTER): _S.H2_IDLE,
-    (_S.H2_BUSY, _I.AFTER): _S.H2_BUSY,
-    (_S.CLOSING, _I.AFTER): IGNORED,  # closed meanwhile
-    (_S.CLOSED, _I.AFTER): IGNORED,
+    (_S.SNIFFING, _I.FOLLOW_UP): ILLEGAL,
+    (_S.H1_HEAD, _I.FOLLOW_UP): ILLEGAL,
+    (_S.H1_IDLE, _I.FOLLOW_UP): ILLEGAL,
+    (_S.H1_BUSY, _I.FOLLOW_UP): _S.H1_BUSY,
+    (_S.H2_HEAD, _I.FOLLOW_UP): ILLEGAL,
+    (_S.H2_IDLE, _I.FOLLOW_UP): _S.H2_IDLE,
+    (_S.H2_BUSY, _I.FOLLOW_UP): _S.H2_BUSY,
+    (_S.CLOSING, _I.FOLLOW_UP): IGNORED,  # closed meanwhile
+    (_S.CLOSED, _I.FOLLOW_UP): IGNORED,
     (_S.SNIFFING, _I.UNUSED): ILLEGAL,
     (_S.H1_HEAD, _I.UNUSED): ILLEGAL,
     (_S.H1_IDLE, _I.UNUSED): ILLEGAL,
