@@ -72,7 +72,9 @@ def test_closed_is_final_and_takes_only_the_ends_of_its_own_work() -> None:
         assert TRANSITIONS[(S.CLOSED, input)] is (IGNORED if input in late else ILLEGAL)
 
 
-def test_per_token_inputs_skip_the_table_exactly_where_it_acts_on_them() -> None:
+def test_per_token_inputs_skip_the_table_only_where_it_acts_on_them() -> None:
+    """The fast path acts on them in every state that speaks HTTP; elsewhere the table
+    decides (it acts on bytes only while sniffing)."""
     for state in ClientState:
         for input in PER_TOKEN:
             acts = TRANSITIONS[(state, input)] is state
@@ -106,7 +108,7 @@ def connection(state: ClientState) -> tuple[Playbook, Downstream]:
     the connection kept alive; the same over HTTP/2 (the preface only, a stream waiting, a
     stream served); closed by us (its request head late, GOAWAY sent); closed by the client."""
     pb = Playbook()
-    if state in (S.H1_IDLE,):
+    if state is S.H1_IDLE:
         served_once(pb, H1ClientPeer(), H1BackendPeer())
     elif state is S.H2_IDLE:
         served_h2(pb)
@@ -164,9 +166,11 @@ def h2c_offer_rest() -> bytes:
 
 
 def entry(pb: Playbook, down: Downstream, input: ClientInput) -> Callable[[], object]:
-    """The call that gives ``down`` the input, as the code does."""
+    """The call that gives ``down`` the input in the code: a driver event, a timer, the stop,
+    or the step of its own that takes it (which looks the table up before anything else, so
+    a pair no path brings is refused there)."""
     exchange: Any = next(iter(down.exchanges.values()), Gone())
-    nothing: Any = None
+    nothing: Any = None  # where the table refuses the switch before it reads its arguments
     match input:
         case In.H1:
             return lambda: down._choose(Protocol.HTTP1)
