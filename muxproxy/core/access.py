@@ -1,4 +1,4 @@
-"""The access record of an exchange, request ids, and the session hash.
+"""The access record of an exchange and its share of the totals, request ids, the session hash.
 
 Request ids (the ``X-Request-ID`` field, a de facto standard shared by nginx, Heroku and most
 tracing setups): a client's id is kept when it is sane — one field, 1 to ``MAX_REQUEST_ID``
@@ -15,8 +15,9 @@ The session field is a short hash of the session key (``blake2b``, 8 bytes, as 1
 digits), personalised for muxproxy: logs can correlate the requests of one conversation
 without holding the cookie, header or body value the key came from.
 
-The record is read from a finished exchange through ``Finished``, the fields it needs and no
-more, so this module imports no part of the proxy (``Exchange`` has them by its shape).
+The record (and what the exchange adds to the totals of ``measure.py``) is read from a
+finished exchange through ``Finished``, the fields it needs and no more, so this module imports
+no part of the proxy (``Exchange`` has them by its shape).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .headers import header_value
 
 if TYPE_CHECKING:
     from ..config import Upstream
+    from .measure import Measurements
     from .messages import Headers, RequestHead
     from .ssemeter import SseMeter
 
@@ -171,6 +173,23 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
         "outcome": outcome,
         "session": session_hash(exchange.session_key),
     }
+
+
+def add_to_totals(measurements: Measurements, exchange: Finished) -> None:
+    """Add what a finished ``exchange`` measured to the totals."""
+    group = exchange.group.name if exchange.group is not None else ""
+    version = exchange.head.http_version.decode("latin-1")
+    measurements.request(group, exchange.server_address, exchange.status, version)
+    stats = measurements.group(group)
+    stats.bytes_sent += exchange.bytes_out
+    stats.bytes_received += exchange.bytes_in
+    meter = exchange.meter
+    if meter is not None:
+        stats.sse_events += meter.events
+        stats.inter_token.sum += meter.gap_sum
+        if meter.first_token_at is None:
+            stats.streams_without_token += 1
+        stats.stream_duration.observe(exchange.fx.now - exchange.started)
 
 
 FIELDS = (

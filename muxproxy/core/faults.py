@@ -179,9 +179,8 @@ class Isolation:
         core.exchanges.pop(ex.ident, None)
         for kind in ExchangeTimer:
             core.fx.cancel_timer((kind, ex.ident))
-        if ex.server is not None and ex.router is not None:
-            ex.router.stream_ended(ex.server)
-            ex.server = None
+        if ex.failover is not None:
+            ex.failover.leave()
         ex.phase = Phase.DONE
         ex.outcome = "internal error"
         core.pool.forget(ex)

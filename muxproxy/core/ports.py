@@ -70,12 +70,13 @@ class ClientStream(Protocol):
 
     stream: int
     phase: Phase
-    request: RequestPhase
     route: Route | None
     status: int
     bytes_out: int
     request_id: bytes
 
+    @property
+    def request(self) -> RequestPhase: ...
     @property
     def request_size(self) -> int:
         """Request body bytes taken so far (``limits.max_request_body``)."""

@@ -40,12 +40,14 @@ import attrs
 
 from .commands import Log
 from .effects import Effects
-from .exchange import VIA, Exchange
+from .exchange import Exchange
+from .exchange_states import ExchangeInput
 from .h2pool import H2Stream
-from .headers import header_value, is_websocket_upgrade, response_headers, upstream_h1_headers
+from .headers import header_value, is_websocket_upgrade, response_headers
+from .heads import VIA, backend_fields
 from .messages import Headers, RequestHead, ResponseHead
 from .pool import UpstreamConn
-from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
+from .ports import ClientSide, ExchangeHost, RequestPhase, UpstreamStream
 from .timers import ExchangeTimer
 from .tunnel import Backend, RawBackend, StreamBackend, Tunnel
 
@@ -132,11 +134,11 @@ class WebSocketExchange(Exchange):
             return
         super().start()
 
-    def upstream_ready(self, upstream: UpstreamStream) -> None:
-        if isinstance(upstream, H2Stream) and self.phase is Phase.CONNECTING:
+    def _send_request(self, upstream: UpstreamStream) -> None:
+        if isinstance(upstream, H2Stream):
             self._extended_connect(upstream)
             return
-        super().upstream_ready(upstream)
+        super()._send_request(upstream)
         if self.upstream is upstream and self.handshake is Handshake.H2_EXTENDED_CONNECT:
             # The bridged GET has no body; the stream's DATA are the tunnel's, after the 101.
             upstream.send_end([])
@@ -147,7 +149,6 @@ class WebSocketExchange(Exchange):
         fx = self.fx
         group = self.group
         assert group is not None
-        fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
         if not stream.upstream.client.extended_connect:
             stream.exchange = None
             stream.close()  # no HEADERS went out: this only frees the slot
@@ -160,16 +161,13 @@ class WebSocketExchange(Exchange):
             return
         self.upstream = stream
         head = self.head
-        headers = upstream_h1_headers(
-            head, client_ip=self.client.peer_ip, proto=self.client.scheme, via=VIA, has_body=False
-        )
-        if group.set_headers:
-            headers = self._apply_header_rules(headers)
+        key = self.session_key
+        headers = backend_fields(head, self.client, group, session_key=key, has_body=False)
         # RFC 8441 §5: no Sec-WebSocket-Key over HTTP/2 (nor Upgrade / Connection, which
         # the HTTP/2 field block drops anyway); the stream stays open for the frames.
         headers = [field for field in headers if field[0].lower() != b"sec-websocket-key"]
         stream.send_head(self.stream, b"CONNECT", head.target, headers, protocol=b"websocket")
-        self.phase = Phase.WAITING_HEAD
+        self.move(ExchangeInput.REQUEST_SENT)
         timeout = group.timeouts.response_head or fx.config.timeouts.response_head
         fx.set_timer((ExchangeTimer.HEAD, self.ident), fx.now + timeout)
 
@@ -178,15 +176,17 @@ class WebSocketExchange(Exchange):
     def request_body(self, data: bytes, flow_len: int) -> None:
         if self.tunnel is not None:
             self.tunnel.from_client(data, flow_len)
-        elif self.handshake is Handshake.H2_EXTENDED_CONNECT and self.phase is not Phase.DONE:
+        elif self.handshake is not Handshake.H2_EXTENDED_CONNECT:
+            super().request_body(data, flow_len)
+        elif not self.move(ExchangeInput.REQUEST_BODY):
+            self.client.acknowledge(self.stream, flow_len)  # not taken: the credit goes back
+        else:
             # RFC 8441 §5: DATA before the 200 belongs to the tunnel that is not open yet;
             # held, and bounded like any request body (acknowledged only below low water).
             self.early.append(data)
             self.early_size += len(data)
-            self.request_flow.hold(flow_len)
+            self.upload.flow.hold(flow_len)
             self._check_request_flow()
-        else:
-            super().request_body(data, flow_len)
 
     def request_end(self, trailers: Headers) -> None:
         if self.handshake is not Handshake.H2_EXTENDED_CONNECT:
@@ -196,7 +196,7 @@ class WebSocketExchange(Exchange):
             return
         # END_STREAM: the client's FIN (RFC 8441 §5); before the 200 it ends the tunnel as
         # soon as it opens.
-        self.request = RequestPhase.COMPLETE
+        self.upload.phase = RequestPhase.COMPLETE
         if self.tunnel is not None:
             self.tunnel.client_end()
 
@@ -248,17 +248,14 @@ class WebSocketExchange(Exchange):
         ``tunnel_idle`` timer bounds that)."""
 
     def timer_fired(self, kind: ExchangeTimer) -> None:
-        if kind is ExchangeTimer.TUNNEL:
-            if self.tunnel is not None:
-                self.tunnel.timer_fired()
+        if kind is ExchangeTimer.TUNNEL and self.tunnel is not None:
+            self.tunnel.timer_fired()
         else:
             super().timer_fired(kind)
 
     # -- backend side ----------------------------------------------------------------------
 
-    def response_head(self, head: ResponseHead) -> None:
-        if self.phase is not Phase.WAITING_HEAD:
-            return
+    def _relay_head(self, head: ResponseHead) -> None:
         upstream = self.upstream
         if isinstance(upstream, H2Stream):
             if 200 <= head.status < 300:
@@ -268,14 +265,14 @@ class WebSocketExchange(Exchange):
             else:
                 # A refusal is an ordinary response; our side of the stream is done.
                 upstream.send_end([])
-                super().response_head(head)
+                super()._relay_head(head)
             return
         bridged = self.handshake is Handshake.H2_EXTENDED_CONNECT
         if head.status != 101:
             if bridged and 200 <= head.status < 300:
                 self._bad_handshake(f"backend answered {head.status} to a WebSocket handshake")
                 return
-            super().response_head(head)
+            super()._relay_head(head)
             return
         if not isinstance(upstream, UpstreamConn):  # pragma: no cover - h11 only gives 101s
             self._bad_handshake("101 from a backend that cannot switch")
@@ -294,7 +291,7 @@ class WebSocketExchange(Exchange):
 
     def _bad_handshake(self, reason: str) -> None:
         self.fx.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
-        self._cancel_attempt_timers()
+        self.deadlines.end_attempt()
         self._release_upstream(close=True)
         self.fail(502, "bad WebSocket handshake from upstream", reason)
 
@@ -303,9 +300,9 @@ class WebSocketExchange(Exchange):
         too and relay. ``leftover``: backend bytes read past its 101."""
         fx = self.fx
         client = self.client
-        self._cancel_attempt_timers()
-        if self.router is not None and self.server is not None:
-            self.router.succeeded(self.server)
+        self.deadlines.end_attempt()
+        if self.failover is not None:
+            self.failover.succeeded()
         h2_backend = isinstance(backend, StreamBackend)
         headers = response_headers(
             101,
@@ -318,7 +315,7 @@ class WebSocketExchange(Exchange):
             # The backend never saw the client's key: answer it ourselves (RFC 6455 §4.2.2).
             # RFC 8441 §5 needs no accept on HTTP/2, yet clients (niquests) insist on one.
             headers = self._accept_for_client(headers)
-        self.phase = Phase.STREAMING
+        self.move(ExchangeInput.COMMIT)
         self.first_byte_at = fx.now
         early: list[bytes]
         if self.handshake is Handshake.H2_EXTENDED_CONNECT:
@@ -346,18 +343,15 @@ class WebSocketExchange(Exchange):
             ended=self._tunnel_ended,
         )
         # The credit of the DATA held so far is the tunnel's to give back.
-        tunnel.client_flow.hold(self.request_flow.take())
+        tunnel.client_flow.hold(self.upload.flow.take())
         if self.response_flow.stopped:
             # The client connection's bound paused the backend before its answer came
             # (``Output._stall_all``): the tunnel takes the stop over, so its own flow
             # reads the backend again once the connection drains (``Tunnel.client_drained``).
             tunnel.backend_flow.stop()
-        fx.emit(
-            Log(
-                event="tunnel_opened",
-                fields={"conn": client.conn, "stream": self.stream, "upstream": str(self.origin)},
-            )
-        )
+        upstream = self.failover.origin if self.failover is not None else None
+        fields = {"conn": client.conn, "stream": self.stream, "upstream": str(upstream)}
+        fx.emit(Log(event="tunnel_opened", fields=fields))
         for chunk in early:
             if chunk:
                 tunnel.from_client(chunk, 0)

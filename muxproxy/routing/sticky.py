@@ -17,9 +17,10 @@ import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import unquote_to_bytes
 
-from ..config import SessionSource, StickyCookie
+from ..config import HeaderRule, SessionSource, StickyCookie
 
 __all__ = [
+    "apply_header_rules",
     "cookie_value",
     "expand_header_rule",
     "header_value",
@@ -256,6 +257,34 @@ def expand_header_rule(
     if not result or _INVALID_VALUE.search(result):
         return None
     return result
+
+
+def apply_header_rules(
+    fields: list[tuple[bytes, bytes]],
+    rules: Iterable[HeaderRule],
+    *,
+    session_key: bytes | None,
+    remote_addr: str,
+    headers: Headers,
+    target: bytes,
+) -> list[tuple[bytes, bytes]]:
+    """``fields`` (the request head for the backend) with each rule applied in order: every
+    field of the rule's name is replaced by its value (``expand_header_rule`` of the client's
+    ``headers`` and ``target``), or removed where that is None."""
+    headers = _as_sequence(headers)
+    for rule in rules:
+        name = rule.name.lower().encode("latin-1")
+        value = expand_header_rule(
+            rule.value,
+            session_key=session_key,
+            remote_addr=remote_addr,
+            headers=headers,
+            target=target,
+        )
+        fields = [(n, v) for n, v in fields if n != name]
+        if value is not None:
+            fields.append((name, value))
+    return fields
 
 
 def _variable(

@@ -1,0 +1,205 @@
+"""Failover: the servers one exchange tries, in order, and whether it may try again.
+
+What it obeys:
+
+- The order is the group's ``GroupRouter``'s (sticky pin, session key, balancer), asked once
+  when the exchange is routed; the exchange walks it on failure. Each try counts as a stream
+  on its server while it lasts (``stream_started`` / ``stream_ended``: least streams), a
+  failure before the response head counts against the server's passive health (a server it
+  takes out is logged), a response head for it.
+- ``next_upstream`` (RFC 9110 §9.2.2: whether to retry is the proxy's decision): another try
+  only on a configured condition (``error``, ``timeout``, ``http_<status>``), within ``tries``
+  attempts in all and ``tries_timeout`` seconds of the first, and only while nothing reached
+  the client (the exchange's table says so: ``exchange_states.py``). Once every candidate was
+  tried the router is asked again, since failures change who is usable (the last primary
+  down brings in the backups). The request body must be replayable (``body.RequestBody``:
+  kept up to ``replay_buffer`` bytes); a retry it prevents is logged (``retry_skipped``).
+- The stale retry: a reused keep-alive connection that fails before any response byte most
+  likely met the backend's close (RFC 9112 §9.3.1). It is retried once on a fresh connection
+  to the same server, whatever ``next_upstream`` says, without counting a try or touching the
+  server's health, when the request may be sent twice (``may_resend``).
+
+``Failover`` asks the pool for each try's stream on behalf of its exchange (the pool's
+``UpstreamUser``), which moves its own phase first (``RETRY``) and handles what comes back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..config import Upstream
+from ..routing.sticky import cookie_value, set_cookie_header
+from .body import RequestBody
+from .commands import Log, Origin
+from .deadlines import connect_timeout
+from .effects import Effects
+from .headers import header_value
+from .messages import RequestHead
+from .ports import ExchangeHost, UpstreamStream, UpstreamUser
+from .timers import ExchangeTimer
+
+if TYPE_CHECKING:
+    from ..routing.router import GroupRouter
+
+# RFC 9110 §9.2.2: methods a client (and so a proxy) may send again after a connection failure.
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+
+
+class Failover:
+    """The candidate servers of one exchange (indices in ``group``) and its tries."""
+
+    def __init__(
+        self,
+        fx: Effects,
+        host: ExchangeHost,
+        user: UpstreamUser,
+        ident: int,
+        group: Upstream,
+        head: RequestHead,
+        body: RequestBody,
+        session_key: bytes | None,
+    ) -> None:
+        """The router's order for ``head`` with ``session_key`` (``candidates`` is empty
+        where no server is usable); ``body``: the request's, replayed for a retry;
+        ``ident``: the exchange's, for its ``connect`` timer."""
+        self.fx = fx
+        self.body = body
+        self.host = host
+        self.user = user
+        self.ident = ident
+        self.group = group
+        self.router: GroupRouter = host.router(group)
+        self.session_key = session_key
+        cookie = group.sticky.cookie
+        self.pinned = (cookie_value(head.headers, cookie.name) or None) if cookie else None
+        """The server id of the client's sticky cookie, if it sent one."""
+        self.started = fx.now
+        """When the first try started (``tries_timeout`` runs from there)."""
+        self.candidates = self.router.candidates(session_key, self.pinned, fx.now)
+        self.tries = 0
+        self.server: int | None = None
+        """The server of the current try, while it counts as a stream there."""
+        self.address = ""
+        """The configured address of the last server tried."""
+        self.server_id: str | None = None
+        self.origin: Origin | None = None
+        self.stale_retried = False
+
+    def attempt(self) -> None:
+        """Ask for a stream to the next candidate (counted as a try)."""
+        fx = self.fx
+        index = self.server = self.candidates[self.tries]
+        self.tries += 1
+        self.router.stream_started(index, self.session_key, fx.now)
+        server = self.group.servers[index]
+        self.address = server.address
+        self.server_id = self.router.ids[index].decode("ascii")
+        self._connect(Origin.of(server))
+
+    def attempt_fresh(self, reason: str, request_id: bytes) -> None:
+        """The stale retry: a fresh connection to the same server."""
+        assert self.origin is not None
+        self.stale_retried = True
+        self.count_retry("stale_connection", reason, request_id)
+        self._connect(self.origin, fresh=True)
+
+    def _connect(self, origin: Origin, *, fresh: bool = False) -> None:
+        fx = self.fx
+        self.origin = origin
+        at = fx.now + connect_timeout(self.group, fx.config)
+        fx.set_timer((ExchangeTimer.CONNECT, self.ident), at)
+        self.host.pool.acquire(origin, self.group, self.user, fresh=fresh)
+
+    def leave(self) -> None:
+        """The current try no longer counts as a stream on its server."""
+        if self.server is not None:
+            self.router.stream_ended(self.server)
+            self.server = None
+
+    def failed(self, condition: str, reason: str) -> None:
+        """The current try failed before the response head went out: count it against the
+        server (``condition``: error, timeout, http_<status>)."""
+        assert self.server is not None
+        self.host.measurements.failure(self.group.name, self.address, condition)
+        if self.router.failed(self.server, self.fx.now):
+            fail_timeout = self.group.servers[self.server].fail_timeout
+            fields = {
+                "upstream": self.group.name,
+                "server": self.address,
+                "up": False,
+                "detail": f"passive: {reason}; out for {fail_timeout:g}s",
+            }
+            self.fx.emit(Log(event="health", fields=fields))
+
+    def failed_mid_stream(self) -> None:
+        """The current try failed after the response head went out (a truncated stream)."""
+        self.host.measurements.failure(self.group.name, self.address, "mid_stream")
+
+    def succeeded(self) -> None:
+        """The current try's server answered."""
+        assert self.server is not None
+        self.router.succeeded(self.server)
+
+    def pin(self) -> tuple[bytes, bytes] | None:
+        """The Set-Cookie that pins the client to the current server, on a group with a
+        sticky cookie, unless the client's cookie names that server already."""
+        cookie = self.group.sticky.cookie
+        assert self.server is not None
+        server_id = self.router.ids[self.server]
+        if cookie is None or self.pinned == server_id:
+            return None
+        return set_cookie_header(cookie, server_id)
+
+    def allows(self, condition: str) -> bool:
+        """Whether ``next_upstream`` allows another try after ``condition``; if so, the body
+        is rewound for it."""
+        policy = self.group.next_upstream
+        if condition not in policy.on:
+            return False
+        now = self.fx.now
+        if self.tries >= len(self.candidates):
+            fresh = self.router.candidates(self.session_key, self.pinned, now)
+            self.candidates.extend(i for i in fresh if i not in self.candidates)
+        if self.tries >= min(policy.tries, len(self.candidates)):
+            return False
+        if now - self.started >= policy.tries_timeout:
+            return False
+        if not self.body.rewind():
+            reason = "request body larger than the replay buffer"
+            self.fx.emit(Log(event="retry_skipped", fields={"reason": reason}))
+            return False
+        return True
+
+    def allows_stale(self, head: RequestHead, upstream: UpstreamStream | None) -> bool:
+        """Whether the stale retry is still unused and ``head``, on ``upstream``, may be sent
+        again; if so, the body is rewound for it."""
+        if self.stale_retried or upstream is None or not may_resend(head, upstream.written):
+            return False
+        return self.body.rewind()
+
+    def count_retry(self, condition: str, reason: str, request_id: bytes) -> None:
+        """Another try follows: log and count it."""
+        group = self.group.name
+        measurements = self.host.measurements
+        if condition == "stale_connection":
+            measurements.failure(group, self.address, condition)
+        measurements.retry(group, condition)
+        fields = {
+            "request_id": request_id.decode("ascii"),
+            "group": group,
+            "server": self.address,
+            "upstream": str(self.origin),
+            "condition": condition,
+            "reason": reason,
+        }
+        self.fx.emit(Log(event="retry", fields=fields))
+
+
+def may_resend(head: RequestHead, written: bool) -> bool:
+    """Whether a request may go out a second time: idempotent (RFC 9110 §9.2.2), carrying an
+    Idempotency-Key, or never ``written`` (an HTTP/2 stream a GOAWAY refused, RFC 9113 §8.7)."""
+    return (
+        head.method in IDEMPOTENT
+        or header_value(head.headers, b"idempotency-key") is not None
+        or not written
+    )
