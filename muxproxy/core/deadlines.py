@@ -81,11 +81,6 @@ class Deadlines:
     request_done_at: float
     """When the request was complete (its start while the body is still coming)."""
 
-    @classmethod
-    def starting(cls, fx: Effects, ident: int) -> Deadlines:
-        now = fx.now
-        return cls(fx=fx, ident=ident, upstream_at=now, request_at=now, request_done_at=now)
-
     def arm(self, kind: ExchangeTimer, at: float) -> None:
         self.fx.set_timer((kind, self.ident), at)
 

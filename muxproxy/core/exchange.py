@@ -65,6 +65,7 @@ from .upload import Upload
 __all__ = ["VIA", "Exchange", "Phase", "RequestPhase"]
 
 _I = ExchangeInput
+_T = ExchangeTimer
 
 
 class Exchange:
@@ -89,8 +90,10 @@ class Exchange:
         """The backend as the response's source: stopped while the client is behind (this
         stream's bytes, or ``client_stalled``); then the client side holds us
         (``ClientSide.hold``)."""
-        self.started = fx.now
-        self.deadlines = Deadlines.starting(fx, ident)
+        now = self.started = fx.now
+        self.deadlines = Deadlines(
+            fx=fx, ident=ident, upstream_at=now, request_at=now, request_done_at=now
+        )
         self.upload = Upload(fx, client, head.stream, self.deadlines, head.end_stream)
         """The request body's way to the backend (``upload.py``)."""
         self.first_byte_at: float | None = None
@@ -112,11 +115,11 @@ class Exchange:
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
         ``IllegalTransition`` where it cannot happen."""
-        target = step(TRANSITIONS, "Exchange", self.phase, input)
-        if target is None:
-            return False
-        self.phase = target
-        return True
+        target = TRANSITIONS[(self.phase, input)]
+        if type(target) is Phase:  # taken: the common case, without a call
+            self.phase = target
+            return True
+        return step(TRANSITIONS, "Exchange", self.phase, input) is not None  # the verdict
 
     @property
     def request(self) -> RequestPhase:
@@ -164,7 +167,7 @@ class Exchange:
         group = self.group = fx.config.upstreams[route.upstream]
         self.upload.body = RequestBody(group.next_upstream.replay_buffer)
         key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        if need_body and self.request is RequestPhase.BODY:
+        if need_body and self.upload.phase is RequestPhase.BODY:
             self.move(_I.BUFFER)
             return
         self._route(key)
@@ -173,7 +176,7 @@ class Exchange:
         """BUFFERING: route once the body is complete or as much of it is held as may be."""
         group, head, body = self.group, self.head, self.upload.body
         assert group is not None
-        complete = self.request is RequestPhase.COMPLETE
+        complete = self.upload.phase is RequestPhase.COMPLETE
         if complete or body.size >= min(group.sticky.body_limit, self.fx.limits.high_water):
             sources = group.sticky.sources
             prefix = body.prefix()
@@ -220,13 +223,13 @@ class Exchange:
         self._send_request(upstream)
 
     def _send_request(self, upstream: UpstreamStream) -> None:
-        group, head = self.group, self.head
-        assert group is not None
+        group, head, failover = self.group, self.head, self.failover
+        assert group is not None and failover is not None
         self.upstream = upstream
         # An HTTP/2 request body has no framing of its own (RFC 9113 §8.1); without a
         # Content-Length the HTTP/1.1 side frames it chunked (RFC 9112 §7.1).
         fields = backend_fields(
-            head, self.client, group, session_key=self.session_key, has_body=not head.end_stream
+            head, self.client, group, session_key=failover.session_key, has_body=not head.end_stream
         )
         upstream.send_head(
             self.stream, head.method, head.target, with_request_id(fields, self.request_id)
@@ -442,25 +445,20 @@ class Exchange:
         if not self.move(TIMER_INPUTS[kind]):
             return
         match kind:
-            case (
-                ExchangeTimer.CONNECT
-                | ExchangeTimer.HEAD
-                | ExchangeTimer.FIRST_TOKEN
-                | ExchangeTimer.READ
-            ):
+            case _T.CONNECT | _T.HEAD | _T.FIRST_TOKEN | _T.READ:
                 assert self.group is not None
                 sending, held = self.upload.sending, self.client.holds(self)
                 if self.deadlines.backend_expired(kind, self.group, sending=sending, held=held):
                     self.upstream_failed(BACKEND_TIMEOUTS[kind], timeout=True)
-            case ExchangeTimer.HEARTBEAT:
+            case _T.HEARTBEAT:
                 assert self.heartbeat is not None  # armed for such a stream alone
                 self.heartbeat.fired(self.client, self.stream)
-            case ExchangeTimer.DEADLINE:
+            case _T.DEADLINE:
                 self._deadline_exceeded()
-            case ExchangeTimer.BODY:
+            case _T.BODY:
                 if self.upload.stalled():
                     self._refuse_slow_body()
-            case ExchangeTimer.TUNNEL:  # the table refuses it: a tunnel's (``websocket.py``)
+            case _T.TUNNEL:  # the table refuses it: a tunnel's (``websocket.py``)
                 pass
             case _:
                 assert_never(kind)
@@ -510,7 +508,7 @@ class Exchange:
             # pool it is resumed there); a next attempt's backend starts running.
             self.response_flow.resume()
             self.client.release(self)
-            if close or self.request is not RequestPhase.COMPLETE:
+            if close or self.upload.phase is not RequestPhase.COMPLETE:
                 upstream.close()
             else:
                 upstream.release()

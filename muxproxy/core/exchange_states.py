@@ -9,31 +9,33 @@ in ``ExchangeInput``, of two kinds, and ``TRANSITIONS`` lists every (phase, inpu
   whether the exchange takes it in that phase: its own phase (taken: the handler runs, and
   any change of phase it makes is a move of its own), ``IGNORED`` or ``ILLEGAL``. An event
   never changes the phase by itself, because what it leads to depends on what it carries (a
-  response head is retried, held or relayed).
+  response head is retried, held or relayed); so a taken event keeps its phase, the "acted on
+  and changes nothing" case of ``states.py``, and an ignored one is one not acted on at all.
 - **Moves**: the exchange's own decisions (route, retry, send the head, end). A move's pair
   names the phase it leads to, or is ``ILLEGAL``; a move is never ignored.
 
 Rules the table encodes:
 
-- Nothing is retried once a response byte went out: ``RETRY`` and ``FAIL`` (our own error
-  answer) are illegal from STREAMING (RFC 9110 §9.2.2: the proxy decides whether to retry, and
-  only while nothing reached the client).
+- Nothing is retried once a response byte went out: ``RETRY``, ``FAIL`` (our own error
+  answer), ``HOLD`` and ``COMMIT`` are illegal from STREAMING (RFC 9110 §9.2.2: the proxy
+  decides whether to retry, and only while nothing reached the client).
 - A backend event comes only while a backend stream is attached (WAITING_HEAD, HOLDING,
   STREAMING; a failure or a stream also while CONNECTING), and in the order HTTP gives it:
   one head, then body, then the end. Anything else is a bug in the pool or an adapter: h11
   and h2 drop 1xx heads, and a stream detached from its exchange delivers nothing more.
 - A timer fires only in the phases it is armed in: each is cancelled when its phase ends
-  (``ATTEMPT_TIMERS`` on a retry and at the end), and ``Effects.fired`` drops the wakeup of a
-  cancelled timer. The lazy ``body`` timer is not cancelled when the response begins; it is
-  ignored from then on (the backend is answering: a slow body is no longer the client's
-  fault to judge).
+  (``deadlines.ATTEMPT_TIMERS`` on a retry and at the end), and ``Effects.fired`` drops the
+  wakeup of a cancelled timer. The lazy ``body`` timer is not cancelled when the response
+  begins; it is ignored from then on (the backend is answering: a slow body is no longer the
+  client's fault to judge).
 - DONE is inert: every event is ignored, whatever stale reference delivers it (fault
   isolation makes a dropped exchange DONE, ``faults.py``); an offered backend stream is
   closed and request body credit given back, since neither is taken. Every move from DONE is
   illegal: an exchange ends once.
 
-The per-token path (``response_body`` while STREAMING) is checked with an ``is`` before any
-lookup: a lookup hashes two enum members in Python (``states.py``).
+Both enums hash by identity, so a lookup runs no Python code; still, the per-token path
+(``response_body`` while STREAMING, and the flow's ``client_drained`` and the like) is checked
+with an ``is`` before any lookup.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .timers import ExchangeTimer
 
 
 class ExchangeInput(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a lookup runs no Python code
     # -- events from the backend stream (``ports.UpstreamUser``) ----------------------------
     UPSTREAM_READY = "upstream_ready"
     """The pool hands the exchange the backend stream it asked for."""

@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 
 
 class Phase(enum.Enum):
-    """Where an exchange is, on its response side."""
+    """Where an exchange is, on its response side (its table: ``exchange_states.py``)."""
+
+    # Members are singletons, equal only to themselves: hashed by identity, a table lookup
+    # runs no Python code (``Enum.__hash__`` hashes the name in Python).
+    __hash__ = object.__hash__
 
     BUFFERING = "buffering"
     """Holding the start of the request body to find a session key in it."""
