@@ -108,7 +108,7 @@ class Exchange:
         """When the backend's response head came (that of the attempt that answered)."""
         self.upstream_version: str | None = None
         self.meter: SseMeter | None = None
-        """Events and first token of an SSE response (``measure.py``)."""
+        """Events and first token of an SSE response (``ssemeter.py``)."""
         self.heartbeat: Heartbeat | None = None
         """The comments of an SSE response that gets them (``route.sse_heartbeat``)."""
 

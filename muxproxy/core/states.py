@@ -19,8 +19,11 @@ Rules: a table lists every pair (the tests check that it is total), so that addi
 an input makes its author decide each new pair. A part changes its ``state`` through ``step``
 and its table only (fault isolation, which drops a part a bug left half-updated, sets CLOSED
 itself: ``faults.py``), and before it calls out, so a call that comes back in sees the new
-state. An input acted on always changes the state: a pair that leaves it is ``IGNORED``. A
-lookup hashes two enum members, so it is kept off the per-token path.
+state. ``IGNORED`` means nothing is done; a pair that names its own state is acted on and
+leaves the state as it was (bytes read on an open connection). Whether a table has such pairs
+is its own: the connection tables of ``h2``, ``pool`` and ``h2pool`` have none (their tests
+check it), those of ``Downstream`` and ``Exchange`` do. A lookup hashes two enum members, so it
+is kept off the per-token path.
 """
 
 from __future__ import annotations
