@@ -5,12 +5,12 @@ and the keep-alive cycle, with the two exceptions below. The adapters hold no bu
 own: bytes in become messages at once, messages out become bytes at once — that is what keeps
 one SSE token one write (per-chunk flush).
 
-``H1Server`` faces a client, ``H1Client`` faces a backend. Errors by blame: a peer's malformed
-bytes raise ``PeerError`` (with the status h11 suggests and a fixed reason that quotes none of
-the peer's bytes, since it becomes the body of a 400), our own misuse raises h11's
-``LocalProtocolError`` and is a bug: nothing here catches it. What a peer sends reaches h11's
-send side only after it was checked (``head_bytes``, ``headers.trailer_fields``; trailers go
-out only where the body is chunked).
+``H1Server`` faces a client; ``H1Client`` (``h1client.py``) faces a backend. Errors by
+blame: a peer's malformed bytes raise ``PeerError`` (with the status h11 suggests and a fixed
+reason that quotes none of the peer's bytes, since it becomes the body of a 400), our own
+misuse raises h11's ``LocalProtocolError`` and is a bug: nothing here catches it. What a peer
+sends reaches h11's send side only after it was checked (``head_bytes``,
+``headers.trailer_fields``; trailers go out only where the body is chunked).
 
 Request smuggling (RFC 9112 §6.1, §6.3, §11.2): h11 is lenient where a front-end and we could
 disagree on where a request ends. It accepts bare LF line endings (RFC 9112 §2.2 allows that,
@@ -353,154 +353,6 @@ class H1Server:
     def idle(self) -> bool:
         """Between requests: nothing received of the next one yet."""
         return self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]
-
-
-class H1Client:
-    """The client side of one backend connection: one request at a time, kept alive."""
-
-    def trailing_data(self) -> bytes:
-        """Bytes read past the response that switched protocols (a 101): the tunnel's."""
-        return bytes(self.conn.trailing_data[0])
-
-    def __init__(self, *, max_head: int = DEFAULT_MAX_HEAD) -> None:
-        # A backend's response head is bounded like a client's request head: past
-        # ``max_head`` unparsed bytes h11 raises, which ``receive`` turns into an Abort (502).
-        self.max_head = max_head
-        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_head)
-        self.stream = 0
-        self.method = b""
-        self.chunked: ChunkedDecoder | None = None
-        """Decodes the current response's chunked body, once h11 has parsed its head."""
-        self.extra = False
-        """The backend sent bytes after the end of the response (RFC 9112 §9.3)."""
-        self.chunking = False
-        """The current request's body is chunked: it may end with trailers."""
-
-    def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
-        self.stream = stream
-        self.method = method
-        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
-        self.chunking = any(name.lower() == b"transfer-encoding" for name, _ in headers)
-        return head_bytes(
-            self.conn,
-            lambda fields: h11.Request(method=method, target=target, headers=fields),
-            headers,
-        )
-
-    def send_body(self, data: bytes) -> bytes:
-        return self.conn.send(h11.Data(data=data)) or b""
-
-    def send_end(self, trailers: Headers) -> bytes:
-        # ``trailers`` are what ``headers.trailer_fields`` let through. RFC 9112 §7.1.2: only a
-        # chunked body has a trailer section; next to a Content-Length they are dropped (RFC
-        # 9110 §6.5.2), as h11 refuses to send them.
-        if not self.chunking:
-            trailers = []
-        return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
-
-    def receive(self, data: bytes) -> list[Message]:
-        """Feed bytes (b"" for EOF); return the messages they complete.
-
-        A broken response (bad framing, EOF inside a chunked body) ends in ``Abort``: the
-        truncation must stay visible to the client.
-        """
-        out: list[Message] = []
-        if self.chunked is not None:
-            self._receive_chunked(data, out)
-            return out
-        self.conn.receive_data(data)
-        conn = self.conn
-        stream = self.stream
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                out.append(Abort(stream=stream, reason=f"bad response from backend: {exc}"))
-                return out
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return out
-            if type(event) is h11.Data:
-                out.append(Body(stream=stream, data=bytes(event.data)))
-            elif type(event) is h11.Response:
-                headers = list(event.headers)
-                out.append(ResponseHead(stream=stream, status=event.status_code, headers=headers))
-                if self._body_is_chunked(event.status_code, headers):
-                    # RFC 9112 §6.3: h11 accepts no transfer coding but chunked, so the body
-                    # is chunked. It is ours from the byte after the head.
-                    self.chunked = ChunkedDecoder(max_line=self.max_head)
-                    rest, closed = conn.trailing_data
-                    if rest:
-                        self._receive_chunked(rest, out)
-                    if closed:
-                        self._receive_chunked(b"", out)
-                    return out
-            elif type(event) is h11.EndOfMessage:
-                out.append(End(stream=stream, trailers=list(event.headers)))
-            elif type(event) is h11.InformationalResponse:
-                if event.status_code == 101:
-                    # RFC 9110 §15.2.2: h11 accepts a 101 only for an upgrade we proposed (a
-                    # WebSocket handshake); what follows it is no longer HTTP: the bytes h11
-                    # already read wait in ``conn.trailing_data`` for the tunnel.
-                    out.append(ResponseHead(stream=stream, status=101, headers=list(event.headers)))
-                    return out
-                # Other 1xx are hop-by-hop for our purposes: the client got its own
-                # 100 Continue from us (RFC 9110 §15.2).
-                continue
-            elif type(event) is h11.ConnectionClosed:
-                if conn.their_state is not h11.DONE:
-                    out.append(Abort(stream=stream, reason="backend closed the connection"))
-                return out
-            else:  # pragma: no cover
-                raise AssertionError(f"unexpected h11 event {event!r}")
-
-    def _body_is_chunked(self, status: int, headers: Headers) -> bool:
-        # RFC 9112 §6.3: no body for HEAD, 1xx, 204, 304, whatever the headers say.
-        if self.method == b"HEAD" or status < 200 or status in (204, 304):
-            return False
-        return any(name == b"transfer-encoding" for name, _ in headers)
-
-    def _receive_chunked(self, data: bytes, out: list[Message]) -> None:
-        decoder = self.chunked
-        assert decoder is not None
-        stream = self.stream
-        if decoder.done:
-            self.extra = self.extra or bool(data)
-            return
-        if not data:
-            out.append(Abort(stream=stream, reason="backend closed the connection"))
-            return
-        try:
-            payload, after = decoder.feed(data)
-        except ChunkedError as exc:
-            out.append(Abort(stream=stream, reason=f"bad response from backend: {exc}"))
-            return
-        if payload:
-            out.append(Body(stream=stream, data=payload))
-        if decoder.done:
-            self.extra = bool(after)
-            out.append(End(stream=stream, trailers=decoder.trailers))
-
-    @property
-    def reusable(self) -> bool:
-        conn = self.conn
-        if conn.our_state is not h11.DONE:
-            return False
-        if self.chunked is not None:
-            return self.chunked.done and not self.extra
-        return conn.their_state is h11.DONE
-
-    def next_cycle(self) -> None:
-        if self.chunked is not None:
-            # h11 never saw the body: the next response starts on a fresh state machine.
-            self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.max_head)
-            self.chunked = None
-            self.extra = False
-        else:
-            self.conn.start_next_cycle()
-
-    @property
-    def response_started(self) -> bool:
-        return self.conn.their_state is not h11.SEND_RESPONSE
 
 
 # h11's grammar for what it sends: a field name is a token (RFC 9110 §5.1); a value has no

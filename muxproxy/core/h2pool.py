@@ -33,7 +33,6 @@ The timer is the start timer until READY and the keep-alive after; what it ends,
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
@@ -42,10 +41,13 @@ from .commands import Log, OpenConnection, Origin
 from .effects import Effects
 from .flow import Flow
 from .h2client import H2Client
+from .h2upstream_states import TRANSITIONS as TRANSITIONS
+from .h2upstream_states import H2Input as H2Input
+from .h2upstream_states import H2State as H2State
 from .headers import upstream_h2_headers
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamUser
-from .states import IGNORED, ILLEGAL, Transitions, step
+from .states import step
 from .timers import BackendTimer
 
 if TYPE_CHECKING:
@@ -56,76 +58,6 @@ MAX_WAITING = 1024
 # An idle connection is PINGed this often (at most a third of the idle timeout); a PING not
 # acknowledged by the next one means the connection is dead.
 PING_INTERVAL = 20.0
-
-
-class H2State(enum.Enum):
-    CONNECTING = "connecting"
-    STARTING = "starting"
-    """Connected, preface sent; waiting for the backend's SETTINGS."""
-    READY = "ready"
-    DRAINING = "draining"
-    """GOAWAY received (or sent): in-flight streams finish, no new ones."""
-    CLOSED = "closed"
-
-
-class H2Input(enum.Enum):
-    OPENED = "opened"
-    """The driver's ``ConnectionOpened``: the preface and our SETTINGS go out."""
-    OPEN_FAILED = "open_failed"
-    """The driver's ``OpenFailed``."""
-    SETTINGS = "settings"
-    """The backend's first SETTINGS arrived (RFC 9113 §3.4): streams may start."""
-    GOAWAY = "goaway"
-    """The backend's first GOAWAY arrived (RFC 9113 §6.8)."""
-    RETIRE = "retire"
-    """The last stream id was taken (RFC 9113 §5.1.1)."""
-    CLOSE = "close"
-    """We close it (``close``)."""
-    PEER_CLOSED = "peer_closed"
-    """The driver's ``ConnectionClosed``."""
-
-
-_S = H2State
-_I = H2Input
-TRANSITIONS: Transitions[H2State, H2Input] = {
-    (_S.CONNECTING, _I.OPENED): _S.STARTING,
-    (_S.CONNECTING, _I.OPEN_FAILED): _S.CLOSED,
-    (_S.CONNECTING, _I.SETTINGS): ILLEGAL,  # no byte is read before the connect opened
-    (_S.CONNECTING, _I.GOAWAY): ILLEGAL,
-    (_S.CONNECTING, _I.RETIRE): ILLEGAL,  # no stream before READY
-    (_S.CONNECTING, _I.CLOSE): _S.CLOSED,
-    (_S.CONNECTING, _I.PEER_CLOSED): _S.CLOSED,
-    (_S.STARTING, _I.OPENED): IGNORED,  # reported twice
-    (_S.STARTING, _I.OPEN_FAILED): ILLEGAL,  # the driver reports a close once it opened
-    (_S.STARTING, _I.SETTINGS): _S.READY,
-    (_S.STARTING, _I.GOAWAY): _S.DRAINING,  # before or with the first SETTINGS: no stream
-    (_S.STARTING, _I.RETIRE): ILLEGAL,
-    (_S.STARTING, _I.CLOSE): _S.CLOSED,
-    (_S.STARTING, _I.PEER_CLOSED): _S.CLOSED,
-    (_S.READY, _I.OPENED): IGNORED,
-    (_S.READY, _I.OPEN_FAILED): ILLEGAL,
-    (_S.READY, _I.SETTINGS): ILLEGAL,  # the first SETTINGS made it READY; it comes once
-    (_S.READY, _I.GOAWAY): _S.DRAINING,
-    (_S.READY, _I.RETIRE): _S.DRAINING,
-    (_S.READY, _I.CLOSE): _S.CLOSED,
-    (_S.READY, _I.PEER_CLOSED): _S.CLOSED,
-    (_S.DRAINING, _I.OPENED): IGNORED,
-    (_S.DRAINING, _I.OPEN_FAILED): ILLEGAL,
-    (_S.DRAINING, _I.SETTINGS): IGNORED,  # after a GOAWAY that came first: too late to serve
-    (_S.DRAINING, _I.GOAWAY): IGNORED,  # the first GOAWAY after the ids ran out
-    (_S.DRAINING, _I.RETIRE): IGNORED,  # a stream taken while READY, opened after a GOAWAY
-    (_S.DRAINING, _I.CLOSE): _S.CLOSED,
-    (_S.DRAINING, _I.PEER_CLOSED): _S.CLOSED,
-    # CLOSED: the driver's reports of it and its bytes were on their way.
-    (_S.CLOSED, _I.OPENED): IGNORED,
-    (_S.CLOSED, _I.OPEN_FAILED): IGNORED,
-    (_S.CLOSED, _I.SETTINGS): IGNORED,
-    (_S.CLOSED, _I.GOAWAY): IGNORED,
-    (_S.CLOSED, _I.RETIRE): IGNORED,
-    (_S.CLOSED, _I.CLOSE): IGNORED,
-    (_S.CLOSED, _I.PEER_CLOSED): IGNORED,
-}
-del _S, _I
 
 
 class H2Stream:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .commands import OpenConnection, Origin, PauseReading, ResumeReading
 from .effects import Effects
-from .h1 import H1Client
+from .h1client import H1Client
 from .h2pool import H2Pool
 from .messages import Abort, Body, End, Headers, ResponseHead
 from .ports import BackendConnection, UpstreamStream, UpstreamUser
