@@ -20,6 +20,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from machines import spy
 from playbook import (
     H1BackendPeer,
     H1ClientPeer,
@@ -213,23 +214,6 @@ def entry(pb: Playbook, down: Downstream, input: ClientInput) -> Callable[[], ob
 
 
 # -- taking every pair ---------------------------------------------------------------------
-
-Moves = list[tuple[ClientState, ClientInput, ClientState]]
-
-
-def spy(down: Downstream) -> Moves:
-    """Record each ``move`` of ``down`` as (state before, input, state after)."""
-    moves: Moves = []
-    real = down.move
-
-    def move(input: ClientInput) -> bool:
-        before = down.state
-        taken = real(input)
-        moves.append((before, input, down.state))
-        return taken
-
-    down.move = move  # type: ignore[method-assign]  # the spy stands in for the bound method
-    return moves
 
 
 def acted_per_token(down: Downstream, input: ClientInput) -> Callable[[], bool]:

@@ -27,6 +27,7 @@ import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from machines import Moves, spy
 from playbook import H1BackendPeer, H2Client, Playbook, default_config
 
 from muxproxy.config import (
@@ -252,24 +253,6 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
     return lambda: exchange.timer_fired(kind)
 
 
-Moves = list[tuple[Phase, ExchangeInput, Phase]]
-
-
-def spy(exchange: Any) -> Moves:
-    """Record each ``move`` of ``exchange`` as (phase before, input, phase after)."""
-    moves: Moves = []
-    real = exchange.move
-
-    def move(input: ExchangeInput) -> bool:
-        before = exchange.phase
-        taken: bool = real(input)
-        moves.append((before, input, exchange.phase))
-        return taken
-
-    exchange.move = move
-    return moves
-
-
 def snapshot(exchange: Exchange) -> tuple[object, ...]:
     """What an ignored input must leave as it was."""
     failover = exchange.failover
@@ -307,7 +290,7 @@ def check(
         rig.later(1000.0)  # the lazy deadlines have passed
     if rig.h2client is not None:
         rig.h2client.read()  # what came before the input is the conversation's
-    moves = spy(exchange)
+    moves = spy(exchange, "phase")
     target = TRANSITIONS[(phase, input)]
     before = snapshot(exchange)
     deliver = (

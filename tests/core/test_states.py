@@ -21,6 +21,7 @@ import hyperframe.frame
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from machines import Moves, spy
 from playbook import (
     BACKEND,
     H1BackendPeer,
@@ -102,23 +103,6 @@ def test_step_moves_ignores_and_refuses() -> None:
 
 
 # -- driving the machines ------------------------------------------------------------------
-
-Moves = list[tuple[Any, Any, Any]]
-
-
-def spy(machine: Any) -> Moves:
-    """Record each ``move`` of ``machine`` as (state before, input, state after)."""
-    moves: Moves = []
-    real = machine.move
-
-    def move(input: Any) -> bool:
-        before = machine.state
-        taken: bool = real(input)
-        moves.append((before, input, machine.state))
-        return taken
-
-    machine.move = move
-    return moves
 
 
 def take(
