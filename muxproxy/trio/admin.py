@@ -40,6 +40,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from ..asgi import serve_lifespan
 from ..config.admin import is_loopback
 from ..config.records import ADMIN_TOKEN_ENV
 from .control import AdminError, Control
@@ -172,7 +173,7 @@ class AdminApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await serve_lifespan(receive, send)
         elif scope["type"] == "http":
             response = await self._respond(scope, receive)
             await send(
@@ -345,16 +346,6 @@ async def _read_body(receive: Any, headers: Mapping[str, str], timeout: float) -
     if scope.cancelled_caught:
         raise AdminError(408, f"body: not received within {timeout:g} seconds")
     return b"".join(chunks)
-
-
-async def _lifespan(receive: Any, send: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def _hypercorn_config(address: str) -> HypercornConfig:

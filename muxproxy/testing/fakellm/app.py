@@ -51,6 +51,7 @@ from typing import Any
 import attrs
 import trio
 
+from ...asgi import serve_lifespan
 from .knobs import (
     HEADER_ECHO,
     HEADER_SINK,
@@ -164,7 +165,7 @@ class FakeLLM:
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI 3 callable."""
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await serve_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -538,16 +539,6 @@ class FakeLLM:
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def _prompt_tokens(messages: object) -> int:
