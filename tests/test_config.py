@@ -315,7 +315,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             [{"address": "127.0.0.1:9001", "priority": 2}],
             "upstreams.gpus.servers[0].priority: unknown key; expected one of: address, weight,"
             " max_fails, fail_timeout, backup, protocol, max_connections, tls, tls_ca,"
-            " tls_server_name",
+            " tls_server_name, max_streams, max_waiting",
         ),
         (
             ("upstreams", "gpus", "servers"),
@@ -881,19 +881,19 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             (*G, "balance"),
             "least_stream",
-            'upstreams.gpus.balance: expected "round_robin" or "least_streams",'
+            'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load",'
             ' got "least_stream"; did you mean "least_streams"?',
         ),
         (
             (*G, "balance"),
             "ROUND_ROBIN",
-            'upstreams.gpus.balance: expected "round_robin" or "least_streams",'
+            'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load",'
             ' got "ROUND_ROBIN"; did you mean "round_robin"?',
         ),
         (
             (*G, "balance"),
             "random",
-            'upstreams.gpus.balance: expected "round_robin" or "least_streams", got "random"',
+            'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load", got "random"',
         ),
         (
             (*G, "balancing"),
@@ -1230,7 +1230,7 @@ def test_all_routing_problems_are_collected(tmp_path: Path) -> None:
     assert info.value.problems == [
         "upstreams.gpus.servers[0].weight: expected an integer >= 0 (0 drains the server), got -1",
         'upstreams.gpus.servers[0].backup: expected true or false (a TOML boolean), got "yes"',
-        'upstreams.gpus.balance: expected "round_robin" or "least_streams", got "fastest"',
+        'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load", got "fastest"',
         f'upstreams.gpus.sticky.sources[1]: unknown kind "jwt"; {SOURCE_EXPECTED}, got "jwt:sub"',
         'upstreams.gpus.next_upstream.on[1]: expected "error", "timeout", "http_429",'
         ' "http_502", "http_503" or "http_504", got "http_500"; only 429, 502, 503 and 504'

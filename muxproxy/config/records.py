@@ -119,6 +119,12 @@ class Server(_HostPort):
     """CA bundle that verifies the backend's certificate; None: the system's trust store."""
     tls_server_name: str | None = None
     """Name checked against the certificate and sent as SNI; None: the host of ``address``."""
+    max_streams: int | None = None
+    """Admission control: streams this server runs at once at most; a request that finds
+    every candidate full waits in the group's ``queue``. None: no limit."""
+    max_waiting: int | None = None
+    """Admission control, with ``load_report``: the server counts as full while the engine
+    reports this many requests waiting in its own queue (or more). None: no limit."""
 
 
 class Balance(enum.Enum):
@@ -126,6 +132,78 @@ class Balance(enum.Enum):
     """Smooth weighted round-robin (nginx's algorithm)."""
     LEAST_STREAMS = "least_streams"
     """Fewest active streams relative to weight."""
+    LEAST_LOAD = "least_load"
+    """Power of two choices by outstanding work relative to weight: the tokens each server's
+    streams are still expected to generate, plus the queue its engine reports
+    (``routing/load.py``)."""
+
+
+class AffinityMode(enum.Enum):
+    NONE = "none"
+    PREFIX = "prefix"
+    """Requests whose prompts share their leading part go to the same server (its KV cache
+    holds the prefix), by consistent hashing with bounded loads (``routing/load.py``)."""
+
+
+PROMPT_SOURCES = ("auto", "messages", "prompt")
+
+
+@attrs.frozen(kw_only=True)
+class PrefixAffinity:
+    """``affinity = "prefix"``: what the prefix key is made of, and how loaded a server may be."""
+
+    source: str = "auto"
+    """``"messages"``: the system (and developer) messages and the first user message of a
+    chat request; ``"prompt"``: a completion request's ``prompt``; ``"auto"``: whichever the
+    request has."""
+    length: int = 1024
+    """Bytes of that text (UTF-8) the key covers: prompts alike in their first ``length``
+    bytes share a server. A system prompt longer than this keys all its users together; a
+    shorter one also takes in the start of the first user turn."""
+    load_factor: float = 1.25
+    """The bound of consistent hashing with bounded loads: a server takes a new key only
+    while its streams are under ``load_factor`` x the (weighted) mean; at least 1."""
+
+
+@attrs.frozen(kw_only=True)
+class LoadReporting:
+    """``load_report``: poll each server's Prometheus endpoint for the engine's own load."""
+
+    path: str = "/metrics"
+    interval: float = 1.0
+    """Seconds between polls; a report older than 3 intervals is ignored."""
+    timeout: float | None = None
+    """Seconds a poll may take; None: 80 % of ``interval``."""
+    kv_cache_limit: float = 0.95
+    """A server whose reported KV-cache usage (0..1) is above this gets no new sessions
+    (existing ones stay), unless every server is above it."""
+
+    @property
+    def poll_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else 0.8 * self.interval
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionQueue:
+    """``queue``: where requests wait while every candidate server is full (``max_streams``,
+    ``max_waiting``)."""
+
+    max: int = 1000
+    """Requests waiting at most (per group and process); past it: 429."""
+    timeout: float = 30.0
+    """Seconds a request may wait; then: 429."""
+    retry_after: int = 1
+    """The ``Retry-After`` seconds of a 429 for a full queue or a wait that timed out."""
+
+
+@attrs.frozen(kw_only=True)
+class RateLimit:
+    """``rate_limit``: per-tenant budgets (token buckets refilled over a minute)."""
+
+    tokens_per_minute: int | None = None
+    """Completion tokens per tenant per minute: a request reserves its ``max_tokens`` (or
+    ``default_max_tokens``) and is settled to what it really used."""
+    requests_per_minute: int | None = None
 
 
 SOURCE_KINDS = ("cookie", "header", "query", "body")
@@ -241,6 +319,42 @@ class Upstream:
     health_check: HealthCheck | None = None
     set_headers: tuple[HeaderRule, ...] = ()
     timeouts: GroupTimeouts = GroupTimeouts()
+    default_max_tokens: int = 256
+    """The tokens a request is expected to generate when its body names no ``max_tokens`` or
+    ``max_completion_tokens`` (``least_load``, ``rate_limit``)."""
+    affinity: AffinityMode = AffinityMode.NONE
+    prefix: PrefixAffinity = PrefixAffinity()
+    load_report: LoadReporting | None = None
+    queue: AdmissionQueue = AdmissionQueue()
+    tenant: SessionSource | None = None
+    """Whose request it is, for the queue's fairness and ``rate_limit`` (the value is hashed,
+    never logged); None: one tenant."""
+    priority: SessionSource | None = None
+    """The request's priority class: an integer 0..9, lower served first (as vLLM's
+    ``priority``); missing or not an integer: 0. Strict between classes, fair inside one."""
+    rate_limit: RateLimit | None = None
+
+    @property
+    def reads_body(self) -> bool:
+        """Whether routing or admission reads the request's JSON body."""
+        return (
+            self.balance is Balance.LEAST_LOAD
+            or self.affinity is AffinityMode.PREFIX
+            or (self.rate_limit is not None and self.rate_limit.tokens_per_minute is not None)
+            or (self.tenant is not None and self.tenant.kind == "body")
+            or (self.priority is not None and self.priority.kind == "body")
+        )
+
+    @property
+    def admits(self) -> bool:
+        """Whether a request goes through admission (``core/admit.py``): its body is read,
+        servers have limits, or tenants have budgets."""
+        return self.reads_body or self.admission or self.rate_limit is not None
+
+    @property
+    def admission(self) -> bool:
+        """Whether any server has a limit that can make a request wait."""
+        return any(s.max_streams is not None or s.max_waiting is not None for s in self.servers)
 
     def server_at(self, host: str, port: int) -> Server | None:
         """The server of this group at ``host:port``, if any."""

@@ -16,12 +16,18 @@ from typing import Any
 from .checker import TOKEN, Checker, Key, alternatives, describe, is_host_name, join
 from .records import (
     CONDITIONS,
+    PROMPT_SOURCES,
     SOURCE_KINDS,
+    AdmissionQueue,
+    AffinityMode,
     Balance,
     GroupTimeouts,
     HeaderRule,
     HealthCheck,
+    LoadReporting,
     NextUpstream,
+    PrefixAffinity,
+    RateLimit,
     Server,
     SessionSource,
     Sticky,
@@ -71,6 +77,16 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
     if values is None:
         return None
     group = Upstream(name=name, **values)
+    if group.load_report is None:
+        for index, one in enumerate(group.servers):
+            if one.max_waiting is not None:
+                check.add(
+                    f"{path}.servers[{index}].max_waiting",
+                    "counts the requests the engine reports waiting, but the group has no"
+                    f' load reports; add {path}.load_report = {{ path = "/metrics" }} or'
+                    " remove max_waiting",
+                )
+                return None
     if not group.sticky.sources:
         valid = True
         for rule in group.set_headers:
@@ -429,6 +445,76 @@ def _template(check: Checker, value: Any, path: str) -> bool:
     return valid
 
 
+# -- LLM-aware balancing and admission --
+
+
+def affinity(check: Checker, value: Any, path: str) -> AffinityMode | None:
+    choice = check.one_of(value, path, [member.value for member in AffinityMode])
+    return None if choice is None else AffinityMode(choice)
+
+
+def prefix_affinity(check: Checker, value: Any, path: str) -> PrefixAffinity | None:
+    values = check.table(value, path, _PREFIX_KEYS)
+    return None if values is None else PrefixAffinity(**values)
+
+
+def prompt_source(check: Checker, value: Any, path: str) -> str | None:
+    return check.one_of(value, path, PROMPT_SOURCES)
+
+
+def load_factor(check: Checker, value: Any, path: str) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 100:
+        check.add(
+            path,
+            "expected a number >= 1 (a server takes a new prefix while its streams are under"
+            f" load_factor x the mean; 1.25 is usual), got {describe(value)}",
+        )
+        return None
+    return float(value)
+
+
+def fraction(check: Checker, value: Any, path: str) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        check.add(path, f"expected a fraction in (0, 1], e.g. 0.95, got {describe(value)}")
+        return None
+    return float(value)
+
+
+def load_reporting(check: Checker, value: Any, path: str) -> LoadReporting | None:
+    values = check.table(value, path, _LOAD_REPORT_KEYS)
+    if values is None:
+        return None
+    report = LoadReporting(**values)
+    if report.poll_timeout >= report.interval:
+        check.add(
+            join(path, "timeout"),
+            f"expected timeout ({report.poll_timeout:g}s) to be less than interval"
+            f" ({report.interval:g}s), so that a poll ends before the next one starts;"
+            " lower timeout or raise interval",
+        )
+        return None
+    return report
+
+
+def admission_queue(check: Checker, value: Any, path: str) -> AdmissionQueue | None:
+    values = check.table(value, path, _QUEUE_KEYS)
+    return None if values is None else AdmissionQueue(**values)
+
+
+def rate_limit(check: Checker, value: Any, path: str) -> RateLimit | None:
+    values = check.table(value, path, _RATE_LIMIT_KEYS)
+    if values is None:
+        return None
+    if not values:
+        check.add(
+            path,
+            "sets no budget; expected tokens_per_minute = N and/or requests_per_minute = M,"
+            " or remove rate_limit",
+        )
+        return None
+    return RateLimit(**values)
+
+
 # The keys each kind of table may have. To add a setting: add the field to its record in
 # records.py and a Key here with the function that checks its value.
 _SERVER_KEYS = {
@@ -442,6 +528,8 @@ _SERVER_KEYS = {
     "tls": Key(Checker.boolean),
     "tls_ca": Key(Checker.file),
     "tls_server_name": Key(Checker.string),
+    "max_streams": Key(Checker.positive_int),
+    "max_waiting": Key(Checker.count),
 }
 _COOKIE_KEYS = {
     "name": Key(cookie_name),
@@ -483,4 +571,32 @@ _UPSTREAM_KEYS = {
     "health_check": Key(health_check),
     "set_headers": Key(set_headers),
     "timeouts": Key(group_timeouts),
+    "default_max_tokens": Key(Checker.positive_int),
+    "affinity": Key(affinity),
+    "prefix": Key(prefix_affinity),
+    "load_report": Key(load_reporting),
+    "queue": Key(admission_queue),
+    "tenant": Key(source),
+    "priority": Key(source),
+    "rate_limit": Key(rate_limit),
+}
+_PREFIX_KEYS = {
+    "source": Key(prompt_source),
+    "length": Key(Checker.positive_int),
+    "load_factor": Key(load_factor),
+}
+_LOAD_REPORT_KEYS = {
+    "path": Key(request_path),
+    "interval": Key(Checker.seconds),
+    "timeout": Key(Checker.seconds),
+    "kv_cache_limit": Key(fraction),
+}
+_QUEUE_KEYS = {
+    "max": Key(Checker.count),
+    "timeout": Key(Checker.seconds),
+    "retry_after": Key(Checker.positive_int),
+}
+_RATE_LIMIT_KEYS = {
+    "tokens_per_minute": Key(Checker.positive_int),
+    "requests_per_minute": Key(Checker.positive_int),
 }
