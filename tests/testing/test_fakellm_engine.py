@@ -1,0 +1,234 @@
+"""Tests of the fake LLM backend's engine model: the pure prefix cache (engine.py), the FIFO
+slots (scheduler.py), and the engine served over real sockets on 127.0.0.1 (app.py, metrics.py).
+
+Every IO test runs under fail_after; waits are on the fake's own counters (``wait_until``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muxproxy.testing.fakellm.engine import (
+    TOKEN_BYTES,
+    Admission,
+    EngineConfig,
+    PrefixCache,
+    Prompt,
+    block_hashes,
+    prompt_text,
+    token_count,
+)
+
+# ---- tokens and blocks -----------------------------------------------------------------
+
+
+def test_a_token_is_four_bytes_of_utf8_rounded_up() -> None:
+    assert TOKEN_BYTES == 4
+    assert [token_count(t) for t in ("", "a", "abcd", "abcde", "é", "éé", "ééé")] == [
+        0,
+        1,
+        1,
+        2,
+        1,
+        1,
+        2,
+    ]
+
+
+def test_prompt_text_is_roles_and_contents_in_order() -> None:
+    request = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image"}]},
+            "not a message",
+            {"content": 7},
+        ],
+        "prompt": "ignored: messages win",
+    }
+    assert prompt_text(request) == "system: be brief\nuser: hi\n: \n"
+    assert prompt_text({"prompt": "once upon"}) == "once upon"
+    assert prompt_text({"prompt": 3}) == prompt_text({}) == ""
+
+
+def test_blocks_are_full_blocks_only() -> None:
+    block = 2 * TOKEN_BYTES  # two tokens a block
+    assert len(block_hashes("x" * (3 * block - 1), 2)) == 2
+    assert len(block_hashes("x" * (3 * block), 2)) == 3
+    assert block_hashes("x" * (block - 1), 2) == []
+
+
+def test_a_block_hash_names_its_whole_prefix() -> None:
+    a, b, c = "A" * 8, "B" * 8, "C" * 8
+    ab, cb, abc = block_hashes(a + b, 2), block_hashes(c + b, 2), block_hashes(a + b + c, 2)
+    assert abc[:2] == ab  # a shared prefix shares its blocks
+    assert block_hashes(a + b, 2) == ab  # deterministic
+    assert ab[1] != cb[1]  # the same text after a different prefix is another block
+    assert len(set(block_hashes(a + a + a, 2))) == 3  # repeats within a prompt are distinct
+
+
+# ---- the prefix cache ------------------------------------------------------------------
+
+
+def prompt(text: str, block_tokens: int = 1) -> Prompt:
+    return Prompt.from_text(text, block_tokens)
+
+
+def tokens(*names: str) -> str:
+    """One 4-byte token per name (``"ab"`` -> ``"abab"``), for one-token blocks."""
+    return "".join((name * 4)[:4] for name in names)
+
+
+def test_shared_prefix_hits_and_counts_tokens() -> None:
+    cache = PrefixCache(capacity=100, block_tokens=4)
+    system = "You are a careful assistant. " * 4  # 116 bytes: 29 tokens, 7 full blocks
+    first = cache.admit(prompt(system + "Question one?", 4))
+    cache.release(first)
+    second = cache.admit(prompt(system + "Another question?", 4))
+    assert first.hit_tokens == 0
+    assert second.hit_tokens == 28  # the 7 blocks wholly inside the shared system prompt
+    assert second.uncached_tokens == second.prompt_tokens - 28
+    assert cache.queried_tokens == first.prompt_tokens + second.prompt_tokens
+    assert cache.hit_tokens == 28
+
+
+def test_same_block_text_after_a_different_prefix_does_not_hit() -> None:
+    cache = PrefixCache(capacity=100, block_tokens=1)
+    cache.release(cache.admit(prompt(tokens("a", "b", "c", "d"))))
+    other = cache.admit(prompt(tokens("x", "b", "c", "d")))
+    assert other.hit_tokens == 0
+    assert cache.cached_blocks == 8  # "b", "c", "d" after "x" are blocks of their own
+
+
+def test_hits_stop_at_the_first_miss() -> None:
+    cache = PrefixCache(capacity=100, block_tokens=1)
+    cache.release(cache.admit(prompt(tokens("a", "b", "c", "d", "e"))))
+    assert cache.admit(prompt(tokens("a", "b", "z", "d", "e"))).hit_tokens == 2
+
+
+def test_the_last_prompt_token_is_never_a_hit() -> None:
+    cache = PrefixCache(capacity=100, block_tokens=2)
+    text = tokens("a", "b", "c", "d")  # exactly two blocks
+    cache.release(cache.admit(prompt(text, 2)))
+    again = cache.admit(prompt(text, 2))
+    assert (again.prompt_tokens, again.hit_tokens) == (4, 2)  # the last block is computed
+    assert cache.admit(prompt(text + "e", 2)).hit_tokens == 4
+
+
+def test_lru_evicts_the_least_recently_released_blocks() -> None:
+    cache = PrefixCache(capacity=4, block_tokens=1)
+    a, b = prompt(tokens("a", "a2")), prompt(tokens("b", "b2"))
+    cache.release(cache.admit(a))
+    cache.release(cache.admit(b))
+    cache.release(cache.admit(a))  # a is used again: b is now the least recent
+    cache.release(cache.admit(prompt(tokens("c", "c2"))))
+    assert all(cache.is_cached(block) for block in a.blocks)
+    assert not any(cache.is_cached(block) for block in b.blocks)
+    assert cache.cached_blocks == 4
+
+
+def test_a_released_prompt_is_evicted_tail_first() -> None:
+    cache = PrefixCache(capacity=3, block_tokens=1)
+    a = prompt(tokens("a", "b", "c"))
+    cache.release(cache.admit(a))
+    cache.release(cache.admit(prompt(tokens("z"))))
+    assert [cache.is_cached(block) for block in a.blocks] == [True, True, False]
+
+
+def test_pinned_blocks_are_never_evicted_and_are_the_usage() -> None:
+    cache = PrefixCache(capacity=4, block_tokens=1)
+    running = cache.admit(prompt(tokens("a", "b", "c")))
+    assert (cache.pinned_blocks, cache.usage) == (3, 0.75)
+    late = prompt(tokens("x", "y"))
+    squeezed = cache.admit(late)  # room for one block only: "y" is computed, not kept
+    assert squeezed.pinned == late.blocks[:1]
+    assert all(cache.is_cached(block) for block in running.pinned)
+    assert len(running.pinned) == 3
+    assert cache.usage == 1.0
+    cache.release(squeezed)
+    cache.release(running)
+    # Cached but unpinned blocks count as free, as in vLLM's block pool.
+    assert (cache.cached_blocks, cache.pinned_blocks, cache.usage) == (4, 0, 0.0)
+
+
+def test_a_block_shared_by_two_running_prompts_stays_pinned_until_both_end() -> None:
+    cache = PrefixCache(capacity=2, block_tokens=1)
+    one = cache.admit(prompt(tokens("a", "b")))
+    two = cache.admit(prompt(tokens("a", "b", "c")))
+    assert two.hit_tokens == 2 and cache.pinned_blocks == 2
+    cache.release(one)
+    assert cache.pinned_blocks == 2
+    cache.release(two)
+    assert cache.pinned_blocks == 0
+
+
+def test_no_capacity_caches_nothing_but_still_counts() -> None:
+    cache = PrefixCache(capacity=0, block_tokens=1)
+    for _ in range(2):
+        admission = cache.admit(prompt(tokens("a", "b", "c")))
+        cache.release(admission)
+    assert (admission.hit_tokens, cache.cached_blocks, cache.usage) == (0, 0, 0.0)
+    assert (cache.queried_tokens, cache.hit_tokens) == (6, 0)
+
+
+@given(
+    capacity=st.integers(0, 6),
+    steps=st.lists(
+        st.one_of(st.lists(st.sampled_from("abc"), max_size=6), st.integers(0, 5)), max_size=30
+    ),
+)
+def test_cache_invariants_under_any_admissions_and_releases(
+    capacity: int, steps: list[list[str] | int]
+) -> None:
+    cache = PrefixCache(capacity=capacity, block_tokens=1)
+    running: list[Admission] = []
+    for step in steps:
+        if isinstance(step, int):
+            if running:
+                cache.release(running.pop(step % len(running)))
+        else:
+            p = prompt(tokens(*step))
+            admission = cache.admit(p)
+            running.append(admission)
+            assert 0 <= admission.hit_tokens <= max(p.tokens - 1, 0)
+            assert set(admission.pinned) <= set(p.blocks)
+        assert cache.pinned_blocks <= cache.cached_blocks <= capacity
+        assert 0.0 <= cache.usage <= 1.0
+    for admission in running:
+        cache.release(admission)
+    assert cache.pinned_blocks == 0
+
+
+# ---- the engine's options --------------------------------------------------------------
+
+
+def test_engine_is_on_when_any_option_but_block_tokens_is_given() -> None:
+    assert not EngineConfig().enabled
+    assert not EngineConfig(block_tokens=32).enabled
+    for option in ("max_running", "kv_blocks"):
+        assert EngineConfig(**{option: 1}).enabled
+    for option in ("ttft_base", "prefill_per_token"):
+        assert EngineConfig(**{option: 0.0}).enabled
+
+
+def test_prefill_is_the_base_plus_the_uncached_tokens() -> None:
+    config = EngineConfig(ttft_base=0.5, prefill_per_token=0.002)
+    assert config.prefill_seconds(500) == pytest.approx(1.5)
+    assert config.prefill_seconds(0) == 0.5
+    assert EngineConfig(max_running=1).prefill_seconds(500) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_running", 0),
+        ("kv_blocks", -1),
+        ("block_tokens", 0),
+        ("ttft_base", -0.1),
+        ("prefill_per_token", float("inf")),
+    ],
+)
+def test_bad_engine_options_are_refused_by_name(option: str, value: float) -> None:
+    with pytest.raises(ValueError, match=option):
+        EngineConfig(**{option: value})
