@@ -6,9 +6,14 @@ Every IO test runs under fail_after; waits are on the fake's own counters (``wai
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,
@@ -20,6 +25,7 @@ from muxproxy.testing.fakellm.engine import (
     prompt_text,
     token_count,
 )
+from muxproxy.testing.fakellm.scheduler import Engine, FifoSlots
 
 # ---- tokens and blocks -----------------------------------------------------------------
 
@@ -206,10 +212,14 @@ def test_cache_invariants_under_any_admissions_and_releases(
 def test_engine_is_on_when_any_option_but_block_tokens_is_given() -> None:
     assert not EngineConfig().enabled
     assert not EngineConfig(block_tokens=32).enabled
-    for option in ("max_running", "kv_blocks"):
-        assert EngineConfig(**{option: 1}).enabled
-    for option in ("ttft_base", "prefill_per_token"):
-        assert EngineConfig(**{option: 0.0}).enabled
+    given: list[dict[str, Any]] = [
+        {"max_running": 1},
+        {"kv_blocks": 0},
+        {"ttft_base": 0.0},
+        {"prefill_per_token": 0.0},
+    ]
+    for options in given:
+        assert EngineConfig(**options).enabled, options
 
 
 def test_prefill_is_the_base_plus_the_uncached_tokens() -> None:
@@ -230,5 +240,143 @@ def test_prefill_is_the_base_plus_the_uncached_tokens() -> None:
     ],
 )
 def test_bad_engine_options_are_refused_by_name(option: str, value: float) -> None:
+    options: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=option):
-        EngineConfig(**{option: value})
+        EngineConfig(**options)
+
+
+# ---- the FIFO slots --------------------------------------------------------------------
+
+
+def no_op() -> None:
+    pass
+
+
+async def test_slots_let_waiters_in_first_come_first_served() -> None:
+    slots = FifoSlots(limit=1)
+    order: list[int] = []
+    await slots.acquire(no_op)
+
+    async def waiter(i: int) -> None:
+        await slots.acquire(no_op)
+        order.append(i)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(waiter, i)
+                await trio.testing.wait_all_tasks_blocked()  # i is in line before i + 1
+            assert (slots.running, slots.waiting, order) == (1, 3, [])
+            for expected in ([0], [0, 1], [0, 1, 2]):
+                slots.release(no_op)
+                await trio.testing.wait_all_tasks_blocked()
+                assert order == expected
+                assert (slots.running, slots.waiting) == (1, 3 - len(expected))
+    slots.release(no_op)
+    assert slots.running == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_line_at_once_and_takes_no_slot() -> None:
+    slots = FifoSlots(limit=1)
+    changes: list[tuple[int, int]] = []
+
+    def record() -> None:
+        changes.append((slots.running, slots.waiting))
+
+    await slots.acquire(record)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slots.acquire, record)
+            await trio.testing.wait_all_tasks_blocked()
+            assert slots.waiting == 1
+            nursery.cancel_scope.cancel()
+    assert (slots.running, slots.waiting) == (1, 0)
+    slots.release(record)
+    assert (slots.running, slots.waiting) == (0, 0)
+    assert changes == [(1, 0), (1, 1), (1, 0), (0, 0)]
+
+
+async def test_no_limit_never_waits() -> None:
+    slots = FifoSlots(limit=None)
+    with trio.fail_after(5):
+        for _ in range(100):
+            await slots.acquire(no_op)
+    assert (slots.running, slots.waiting) == (100, 0)
+
+
+# ---- the engine: slots, cache and metrics together -------------------------------------
+
+
+def metric_samples(text: str) -> dict[str, tuple[str, dict[str, str], float]]:
+    """Sample name -> (family type, labels, value) of a text exposition."""
+    return {
+        sample.name: (family.type, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_engine_prefills_only_what_is_not_cached_and_frees_on_exit() -> None:
+    changes: list[int] = []
+    config = EngineConfig(kv_blocks=64, block_tokens=4, prefill_per_token=0.01)
+    engine = Engine(config, "m", lambda: changes.append(engine.running))
+    text = "x" * 400  # 100 tokens, 25 blocks
+    assert engine.cache is not None
+    with trio.fail_after(5):
+        async with engine.generation(text) as cold:
+            assert (engine.running, engine.cache.pinned_blocks) == (1, 25)
+        async with engine.generation(text) as warm:
+            pass
+    assert cold == pytest.approx(1.0)
+    assert warm == pytest.approx(0.04)  # 24 blocks hit; the last block is computed again
+    assert (engine.running, engine.cache.pinned_blocks, engine.cache.cached_blocks) == (0, 0, 25)
+    assert 1 in changes and changes[-1] == 0
+
+
+async def test_engine_without_kv_blocks_prefills_every_token_and_counts_no_lookups() -> None:
+    engine = Engine(EngineConfig(prefill_per_token=0.5), "m", no_op)
+    with trio.fail_after(5):
+        async with engine.generation("abcdefgh") as prefill:
+            pass
+    assert prefill == 1.0
+    assert engine.cache is None
+    samples = metric_samples(engine.render_metrics().decode())
+    assert samples["vllm:prefix_cache_queries_total"][2] == 0
+
+
+async def test_engine_metrics_have_vllm_names_types_and_model_label() -> None:
+    config = EngineConfig(max_running=1, kv_blocks=10, block_tokens=1)
+    engine = Engine(config, "fake-llm", no_op)
+    expected_help = {
+        "vllm:num_requests_running": "Number of requests in model execution batches.",
+        "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    }
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await engine.slots.acquire(no_op)  # someone else runs: the next one waits
+
+            async def generate() -> None:
+                async with engine.generation("aaaabbbbcccc"):
+                    await trio.sleep_forever()
+
+            nursery.start_soon(generate)
+            await trio.testing.wait_all_tasks_blocked()
+            text = engine.render_metrics().decode()
+            engine.slots.release(no_op)
+            await trio.testing.wait_all_tasks_blocked()
+            later = engine.render_metrics().decode()
+            nursery.cancel_scope.cancel()
+    families: dict[str, Any] = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, help_text in expected_help.items():
+        assert families[name].documentation == help_text
+    samples = metric_samples(text)
+    label = {"model_name": "fake-llm"}
+    assert samples["vllm:num_requests_running"] == ("gauge", label, 1.0)
+    assert samples["vllm:num_requests_waiting"] == ("gauge", label, 1.0)
+    assert samples["vllm:kv_cache_usage_perc"] == ("gauge", label, 0.0)
+    assert samples["vllm:prefix_cache_queries_total"] == ("counter", label, 0.0)
+    after = metric_samples(later)
+    assert after["vllm:num_requests_waiting"][2] == 0.0
+    assert after["vllm:kv_cache_usage_perc"][2] == pytest.approx(0.3)  # 3 of 10 blocks pinned
+    assert after["vllm:prefix_cache_queries_total"][2] == 3.0
+    assert after["vllm:prefix_cache_hits_total"][2] == 0.0

@@ -1,0 +1,126 @@
+"""The fake LLM backend's engine, live: the FIFO of generations and the prefix cache they use.
+
+The Trio side of the engine model (the model itself is ``engine.py``, pure). :class:`Engine`
+lets at most ``max_running`` generations run at once (:class:`FifoSlots`); the others wait in
+arrival order, as vLLM's scheduler takes waiting requests first come first served (its default
+``fcfs`` policy). When a generation is let in, its prompt is looked up in the prefix cache and
+its blocks pinned (vLLM looks the cache up when it schedules a request, not when it arrives);
+when it ends, they are unpinned. A waiter that is cancelled (its client went away) leaves the
+queue at once and is never let in.
+
+Every change of what is running, waiting or cached calls ``on_change`` (the fake backend
+wakes its ``wait_until`` waiters with it) and is mirrored in the Prometheus metrics
+(``metrics.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .engine import Admission, EngineConfig, PrefixCache, Prompt
+from .metrics import EngineMetrics
+
+
+@attrs.define
+class FifoSlots:
+    """A semaphore that lets waiters in strictly first come first served.
+
+    :meth:`acquire` takes a slot, waiting in line when all ``limit`` are taken (``None``: no
+    limit); :meth:`release` hands the slot straight to the first waiter. A waiter cancelled
+    while parked is removed from the line by Trio (``ParkingLot``) and takes no slot.
+    """
+
+    limit: int | None = attrs.field(validator=attrs.validators.optional(attrs.validators.ge(1)))
+    running: int = attrs.field(default=0, init=False)
+    """Slots taken."""
+    waiting: int = attrs.field(default=0, init=False)
+    """Tasks waiting in line."""
+    _line: trio.lowlevel.ParkingLot = attrs.field(
+        factory=trio.lowlevel.ParkingLot, init=False, repr=False
+    )
+
+    async def acquire(self, on_change: Callable[[], None]) -> None:
+        """Take a slot, waiting in line for one if need be; ``on_change`` on every change."""
+        if self.limit is None or (self.running < self.limit and not self._line):
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self.running += 1
+            on_change()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        self.waiting += 1
+        on_change()
+        try:
+            await self._line.park()  # release() handed its slot over: running is unchanged
+        finally:
+            self.waiting -= 1
+            on_change()
+
+    def release(self, on_change: Callable[[], None]) -> None:
+        """Give a slot back: to the first waiter if there is one."""
+        if self._line:
+            self._line.unpark()
+        else:
+            self.running -= 1
+        on_change()
+
+
+@attrs.define
+class Engine:
+    """A fake backend's engine: its options, its slots, its prefix cache and their metrics."""
+
+    config: EngineConfig
+    model_name: str
+    on_change: Callable[[], None] = attrs.field(repr=False)
+    slots: FifoSlots = attrs.field(init=False)
+    cache: PrefixCache | None = attrs.field(init=False)
+    """None when no ``kv_blocks`` are given: nothing is cached, nothing is counted."""
+    metrics: EngineMetrics = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.slots = FifoSlots(self.config.max_running)
+        kv_blocks = self.config.kv_blocks
+        self.cache = None if kv_blocks is None else PrefixCache(kv_blocks, self.config.block_tokens)
+        self.metrics = EngineMetrics(self.model_name)
+
+    @property
+    def running(self) -> int:
+        """Generations running."""
+        return self.slots.running
+
+    @property
+    def waiting(self) -> int:
+        """Generations waiting for a slot."""
+        return self.slots.waiting
+
+    @asynccontextmanager
+    async def generation(self, text: str) -> AsyncIterator[float]:
+        """Run one generation of a prompt ``text``: wait for a slot, then hold it.
+
+        Yields the seconds from admission to the first token (``EngineConfig.prefill_seconds``
+        of the prompt tokens not found cached). The slot and the prompt's cache blocks are
+        given back on exit, however it comes.
+        """
+        await self.slots.acquire(self.on_change)
+        admission: Admission | None = None
+        try:
+            if self.cache is None:
+                uncached = Prompt.from_text(text, self.config.block_tokens).tokens
+            else:
+                admission = self.cache.admit(Prompt.from_text(text, self.config.block_tokens))
+                self.metrics.count_lookup(admission.prompt_tokens, admission.hit_tokens)
+                uncached = admission.uncached_tokens
+                self.on_change()
+            yield self.config.prefill_seconds(uncached)
+        finally:
+            if admission is not None and self.cache is not None:
+                self.cache.release(admission)
+            self.slots.release(self.on_change)
+
+    def render_metrics(self) -> bytes:
+        """The Prometheus text exposition of the engine's state now."""
+        usage = 0.0 if self.cache is None else self.cache.usage
+        return self.metrics.render(running=self.running, waiting=self.waiting, kv_usage=usage)
