@@ -1,7 +1,8 @@
 """A fake OpenAI-compatible LLM backend, for muxproxy's tests, ``muxproxy demo`` and benchmarks.
 
-Three modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
-answers, its counters); ``knobs.py``, its knobs (the ``x-fake-*`` request headers and the
+Modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
+answers, its counters); ``responses.py``, its whole-body responses (JSON, bytes, OpenAI-style
+errors, with the common headers); ``knobs.py``, its knobs (the ``x-fake-*`` request headers and the
 command-line options, with the table of what each does); ``server.py``, serving it with
 Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the
 Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m

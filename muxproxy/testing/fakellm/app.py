@@ -44,7 +44,7 @@ import hashlib
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from functools import partial
 from typing import Any
 
@@ -61,6 +61,7 @@ from .knobs import (
     is_true,
     read_knobs,
 )
+from .responses import Responder, dumps
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""
@@ -70,9 +71,6 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-HEADER_BACKEND_ID = "x-backend-id"
-HEADER_MODEL_VERSION = "x-model-version"
 
 _ROUTES: dict[str, tuple[str, ...]] = {
     "/health": ("GET", "HEAD"),
@@ -92,10 +90,6 @@ def reply_text(n_tokens: int) -> str:
 
 def _token(i: int) -> str:
     return f"tok{i} "
-
-
-def _dumps(obj: object) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 @attrs.define
@@ -173,6 +167,7 @@ class FakeLLM:
         path: str = scope["path"]
         headers = collect_headers(scope["headers"])
         self.requests += 1
+        respond = self._responder()
         self.last_request_headers = headers
         self._notify()
 
@@ -198,10 +193,10 @@ class FakeLLM:
         try:
             knobs = read_knobs(headers, self)
         except BadKnob as exc:
-            await self._send_error(send, 400, str(exc), "invalid_request_error", echo)
+            await respond.send_error(send, 400, str(exc), "invalid_request_error", echo)
             return
         if knobs.status != 200:
-            await self._send_error(
+            await respond.send_error(
                 send, knobs.status, f"fake status {knobs.status}", "fake_error", echo
             )
             return
@@ -209,31 +204,31 @@ class FakeLLM:
             result: dict[str, Any] = {"received_bytes": size, "sha256": digest.hexdigest()}
             if echo is not None:
                 result["request_headers"] = echo
-            await self._send_json(send, 200, result)
+            await respond.send_json(send, 200, result)
             return
 
         allowed = _ROUTES.get(path)
         if allowed is None:
-            await self._send_error(send, 404, f"no route for {path}", "not_found", echo)
+            await respond.send_error(send, 404, f"no route for {path}", "not_found", echo)
             return
         if method not in allowed:
-            await self._send_error(
+            await respond.send_error(
                 send,
                 405,
                 f"method {method} not allowed on {path}",
                 "method_not_allowed",
                 echo,
-                extra_headers=[(b"allow", ", ".join(allowed).encode())],
+                extra=[(b"allow", ", ".join(allowed).encode())],
             )
             return
         if path == "/health":
-            await self._send_bytes(send, 200, b"ok", b"text/plain; charset=utf-8")
+            await respond.send_bytes(send, 200, b"ok", b"text/plain; charset=utf-8")
         elif path == "/v1/models":
             models = {
                 "object": "list",
                 "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "muxproxy"}],
             }
-            await self._send_json(send, 200, models)
+            await respond.send_json(send, 200, models)
         else:
             await self._chat(receive, send, knobs, body, echo)
 
@@ -252,7 +247,7 @@ class FakeLLM:
         except ValueError:
             request = None
         if not isinstance(request, dict):
-            await self._send_error(
+            await self._responder().send_error(
                 send, 400, "request body must be a JSON object", "invalid_request_error", echo
             )
             return
@@ -360,7 +355,7 @@ class FakeLLM:
             "headers": [
                 (b"content-type", b"text/event-stream"),
                 (b"cache-control", b"no-cache"),
-                *self._common_headers(),
+                *self._responder().common,
             ],
         }
         if not await self._send_or_gone(send, head, progress):
@@ -381,7 +376,7 @@ class FakeLLM:
         def event(obj: object, more_body: bool = True) -> dict[str, Any]:
             return {
                 "type": "http.response.body",
-                "body": b"data: " + _dumps(obj) + b"\n\n",
+                "body": b"data: " + dumps(obj) + b"\n\n",
                 "more_body": more_body,
             }
 
@@ -454,9 +449,9 @@ class FakeLLM:
         }
         if echo is not None:
             obj["request_headers"] = echo
-        payload = _dumps(obj)
+        payload = dumps(obj)
         progress.finished = True
-        head = self._json_head(200, len(payload))
+        head = self._responder().json_head(200, len(payload))
         if not await self._send_or_gone(send, head, progress):
             return False
         if die_after is not None:
@@ -472,70 +467,8 @@ class FakeLLM:
         )
         return False
 
-    # ---- plain responses ---------------------------------------------------------------
-
-    def _common_headers(self) -> list[tuple[bytes, bytes]]:
-        headers = [(HEADER_BACKEND_ID.encode(), self.backend_id.encode("latin-1"))]
-        if self.model_version is not None:
-            headers.append((HEADER_MODEL_VERSION.encode(), self.model_version.encode("latin-1")))
-        return headers
-
-    def _json_head(
-        self, status: int, length: int, extra: Sequence[tuple[bytes, bytes]] = ()
-    ) -> dict[str, Any]:
-        return {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(length).encode()),
-                *self._common_headers(),
-                *extra,
-            ],
-        }
-
-    async def _send_json(
-        self,
-        send: Send,
-        status: int,
-        obj: object,
-        extra_headers: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        payload = _dumps(obj)
-        await send(self._json_head(status, len(payload), extra_headers))
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-    async def _send_bytes(
-        self, send: Send, status: int, payload: bytes, content_type: bytes
-    ) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", content_type),
-                    (b"content-length", str(len(payload)).encode()),
-                    *self._common_headers(),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-    async def _send_error(
-        self,
-        send: Send,
-        status: int,
-        message: str,
-        error_type: str,
-        echo: dict[str, str] | None,
-        extra_headers: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        obj: dict[str, Any] = {
-            "error": {"message": message, "type": error_type, "param": None, "code": status}
-        }
-        if echo is not None:
-            obj["request_headers"] = echo
-        await self._send_json(send, status, obj, extra_headers)
+    def _responder(self) -> Responder:
+        return Responder.for_backend(self.backend_id, self.model_version)
 
 
 # ---- helpers ---------------------------------------------------------------------------
