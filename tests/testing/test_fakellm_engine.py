@@ -6,8 +6,12 @@ Every IO test runs under fail_after; waits are on the fake's own counters (``wai
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import attrs
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -15,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from muxproxy.testing.fakellm import FakeLLM, reply_text
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,
     Admission,
@@ -26,6 +31,11 @@ from muxproxy.testing.fakellm.engine import (
     token_count,
 )
 from muxproxy.testing.fakellm.scheduler import Engine, FifoSlots
+
+if TYPE_CHECKING:
+    from conftest import StartBackend
+
+CHAT = "/v1/chat/completions"
 
 # ---- tokens and blocks -----------------------------------------------------------------
 
@@ -380,3 +390,207 @@ async def test_engine_metrics_have_vllm_names_types_and_model_label() -> None:
     assert after["vllm:kv_cache_usage_perc"][2] == pytest.approx(0.3)  # 3 of 10 blocks pinned
     assert after["vllm:prefix_cache_queries_total"][2] == 3.0
     assert after["vllm:prefix_cache_hits_total"][2] == 0.0
+
+
+# ---- served: the engine behind real sockets --------------------------------------------
+
+
+def chat(system: str = "You are terse.", user: str = "hi", stream: bool = True) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return json.dumps({"model": "m", "messages": messages, "stream": stream}).encode()
+
+
+@attrs.define
+class Stream:
+    """What one streamed completion saw, filled in as it goes."""
+
+    head: trio.Event = attrs.field(factory=trio.Event)
+    first_token: trio.Event = attrs.field(factory=trio.Event)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    sent_at: float = 0.0
+    first_token_at: float = 0.0
+    at_first_token: dict[str, int] = attrs.field(factory=dict)
+    """The fake's counters when the first token arrived."""
+    raw: bytes = b""
+
+
+async def run_stream(
+    client: httpx.AsyncClient,
+    fake: FakeLLM,
+    seen: Stream,
+    headers: Sequence[tuple[str, str]] = (),
+    body: bytes | None = None,
+) -> None:
+    seen.sent_at = trio.current_time()
+    content = chat() if body is None else body
+    async with client.stream("POST", CHAT, content=content, headers=list(headers)) as response:
+        assert response.status_code == 200
+        seen.head.set()
+        async for data in response.aiter_bytes():
+            if b'"content":"tok' in seen.raw + data and not seen.first_token.is_set():
+                seen.first_token_at = trio.current_time()
+                seen.at_first_token = {
+                    "running": fake.running,
+                    "waiting": fake.waiting,
+                    "streams_completed": fake.streams_completed,
+                }
+                seen.first_token.set()
+            seen.raw += data
+    seen.done.set()
+
+
+def token_text(raw: bytes) -> str:
+    text = ""
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: {"):
+            choices = json.loads(block[len("data: ") :])["choices"]
+            text += "".join(c["delta"].get("content", "") for c in choices)
+    return text
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, tuple[str, dict[str, str], float]]:
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return metric_samples(response.text)
+
+
+SLOW = [("x-fake-delay", "30")]
+"""Per-request knobs of a generation that holds its slot until its client leaves."""
+
+
+async def test_a_third_stream_waits_for_one_of_two_slots_and_starts_when_one_ends(
+    start_backend: StartBackend,
+) -> None:
+    fake, port = await start_backend(max_running=2, tokens=2, delay=0.01)
+    first, second, third = Stream(), Stream(), Stream()
+    with trio.fail_after(10):
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+            trio.open_nursery() as nursery,
+        ):
+            # A second between its two tokens: time to look at the line while it runs.
+            nursery.start_soon(run_stream, client, fake, first, [("x-fake-delay", "1")])
+            await fake.wait_until(lambda: fake.running == 1)
+            nursery.start_soon(run_stream, client, fake, second, SLOW)
+            await fake.wait_until(lambda: fake.running == 2)
+            nursery.start_soon(run_stream, client, fake, third)
+            await fake.wait_until(lambda: fake.waiting == 1)
+            waiting = await scrape(client)
+            await third.head.wait()  # the head goes out before the engine lets it in
+            assert not third.first_token.is_set()
+            await third.done.wait()
+            after = await scrape(client)
+            assert fake.running == 1  # the slow one
+            nursery.cancel_scope.cancel()
+    assert waiting["vllm:num_requests_running"][2] == 2.0
+    assert waiting["vllm:num_requests_waiting"][2] == 1.0
+    assert after["vllm:num_requests_waiting"][2] == 0.0
+    # The third generation began only once the first one had ended.
+    assert third.at_first_token == {"running": 2, "waiting": 0, "streams_completed": 1}
+    assert first.done.is_set() and token_text(first.raw) == token_text(third.raw) == reply_text(2)
+
+
+async def test_a_client_that_leaves_while_waiting_leaves_the_line_at_once(
+    start_backend: StartBackend,
+) -> None:
+    fake, port = await start_backend(max_running=1, kv_blocks=64, tokens=2, delay=0.01)
+    running, waiter, after = Stream(), Stream(), Stream()
+    with trio.fail_after(10):
+        async with (
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+            trio.open_nursery() as nursery,
+        ):
+            holder = trio.CancelScope()
+
+            async def hold() -> None:
+                with holder:
+                    await run_stream(client, fake, running, SLOW)
+
+            nursery.start_soon(hold)
+            await fake.wait_until(lambda: fake.running == 1)
+            leaver = trio.CancelScope()
+
+            async def leave_while_waiting() -> None:
+                with leaver:
+                    await run_stream(client, fake, waiter)
+
+            nursery.start_soon(leave_while_waiting)
+            await fake.wait_until(lambda: fake.waiting == 1)
+            leaver.cancel()  # httpx closes the connection
+            await fake.wait_until(lambda: fake.waiting == 0)
+            assert (fake.running, fake.disconnects) == (1, 1)
+            nursery.start_soon(run_stream, client, fake, after)
+            await fake.wait_until(lambda: fake.waiting == 1)
+            holder.cancel()
+            await after.done.wait()
+    assert not waiter.first_token.is_set()
+    # The one that left was never let in: it took no slot and looked nothing up.
+    assert after.at_first_token["running"] == 1
+    assert fake.prefix_cache_queries == 2 * token_count(prompt_text(json.loads(chat())))
+    assert token_text(after.raw) == reply_text(2)
+
+
+async def test_a_warm_prefix_makes_the_first_token_measurably_sooner(
+    start_backend: StartBackend,
+) -> None:
+    # 2 ms a token: the 500-token system prompt costs a full second of prefill, cold.
+    per_token, system = 0.002, "Answer as a patient teacher would. " * 57  # 1995 bytes
+    fake, port = await start_backend(kv_blocks=1000, prefill_per_token=per_token, tokens=1)
+    cold, warm = Stream(), Stream()
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            await run_stream(client, fake, cold, body=chat(system, "What is a noun?"))
+            cold_queries, cold_hits = fake.prefix_cache_queries, fake.prefix_cache_hits
+            await run_stream(client, fake, warm, body=chat(system, "And a verb?"))
+            metrics = await scrape(client)
+    cold_ttft = cold.first_token_at - cold.sent_at
+    warm_ttft = warm.first_token_at - warm.sent_at
+    assert cold_hits == 0 and cold_queries >= 500
+    warm_hits = fake.prefix_cache_hits
+    assert warm_hits >= 496  # all but the block the system prompt ends in
+    assert cold_ttft >= cold_queries * per_token  # every token prefilled
+    assert warm_ttft < cold_ttft - 0.5  # 496 tokens skipped: ~1 s less, 0.5 s of margin
+    assert metrics["vllm:prefix_cache_hits_total"][2] == warm_hits
+    assert metrics["vllm:prefix_cache_queries_total"][2] == fake.prefix_cache_queries
+    assert metrics["vllm:kv_cache_usage_perc"][2] == 0.0  # nothing runs: nothing pinned
+
+
+async def test_metrics_answer_with_zeros_when_the_engine_is_off(
+    start_backend: StartBackend,
+) -> None:
+    fake, port = await start_backend(backend_id="g", tokens=1, delay=0)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            await client.post(CHAT, content=chat(stream=False))
+            response = await client.get("/metrics")
+            head = await client.head("/metrics")
+    assert response.headers["x-backend-id"] == "g"
+    assert head.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+    }
+    for name, kind in expected.items():
+        assert families[name].type == kind
+        assert f"# HELP {name}" in response.text and f"# TYPE {name}" in response.text
+        [sample] = families[name].samples
+        assert (sample.labels, sample.value) == ({"model_name": "fake-llm"}, 0.0)
+    assert (fake.running, fake.waiting, fake.prefix_cache_queries) == (0, 0, 0)
+
+
+async def test_engine_off_keeps_the_first_token_at_the_first_delay(
+    start_backend: StartBackend,
+) -> None:
+    # A long prompt costs nothing without the engine model, and nothing is counted.
+    fake, port = await start_backend(tokens=1, first_delay=0.0)
+    seen = Stream()
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            await run_stream(client, fake, seen, body=chat("word " * 5000))
+    assert seen.first_token_at - seen.sent_at < 0.5
+    assert seen.at_first_token["running"] == 0

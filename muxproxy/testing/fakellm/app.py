@@ -12,6 +12,8 @@ What it obeys:
   ``data: [DONE]``; ``stream`` false: one ``chat.completion`` object with ``usage``),
   ``GET /v1/models`` (a list holding the one model ``fake-llm``) and ``GET /health``
   (``200 ok``). Other paths answer 404, a wrong method 405 (with ``allow``).
+* ``GET /metrics``: the engine model's state in Prometheus text under vLLM's metric names
+  (``metrics.py``); all zeros while the model is off, so any fake can be polled.
 * The ASGI 3 HTTP spec: the request body is always read to its end before answering, and
   ``http.disconnect`` is watched for while a completion is being generated, so a client
   that goes away is noticed at once, not at the next token write.
@@ -32,10 +34,22 @@ A non-streaming completion waits as long as streaming it would have taken
 (which, served over h2, ``server.py`` turns into a reset of the stream). Malformed knob
 headers or JSON answer 400.
 
+The engine model is opt-in (``max_running``, ``kv_blocks``, ``ttft_base``,
+``prefill_per_token``: any one given turns it on; the model is ``engine.py``, its Trio side
+``scheduler.py``). On, a completion's stream head and role chunk still go out at once (vLLM
+sends the head before it schedules the request), then its generation waits first come first
+served for one of ``max_running`` slots, is looked up in the prefix cache when let in, and
+its first token comes ``first_delay + ttft_base + prefill_per_token * uncached prompt
+tokens`` after that, the rest every ``delay``; the slot and cache blocks are given back when
+the last token is out (or the client leaves, or die-after fires). A client that leaves while
+waiting leaves the line at once. Off, none of this happens and timings are as above.
+
 Observability: :class:`FakeLLM` counts ``requests``, ``streams_started``,
 ``streams_completed``, ``aborts`` (die-after fired) and ``disconnects`` (completions,
 streamed or not, whose client went away before the end), keeps ``last_request_headers``,
-and offers :meth:`FakeLLM.wait_disconnect` / :meth:`FakeLLM.wait_until` to await them.
+shows the engine model's ``running`` and ``waiting`` generations and its
+``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens), and offers
+:meth:`FakeLLM.wait_disconnect` / :meth:`FakeLLM.wait_until` to await any of them.
 """
 
 from __future__ import annotations
@@ -44,7 +58,8 @@ import hashlib
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -52,6 +67,7 @@ import attrs
 import trio
 
 from ...asgi import serve_lifespan
+from .engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
 from .knobs import (
     HEADER_ECHO,
     HEADER_SINK,
@@ -61,7 +77,9 @@ from .knobs import (
     is_true,
     read_knobs,
 )
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import Responder, dumps
+from .scheduler import Engine
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""
@@ -75,6 +93,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ROUTES: dict[str, tuple[str, ...]] = {
     "/health": ("GET", "HEAD"),
     "/v1/models": ("GET", "HEAD"),
+    "/metrics": ("GET", "HEAD"),
     "/v1/chat/completions": ("POST",),
 }
 
@@ -116,6 +135,16 @@ class FakeLLM:
     """Sent as ``x-model-version`` on every response when set."""
     role_chunk: bool = False
     """Start every stream with a role-only chunk (``x-fake-role-chunk``)."""
+    max_running: int | None = None
+    """Engine model: at most this many generations at once, the rest wait in line."""
+    kv_blocks: int | None = None
+    """Engine model: blocks of its prefix KV cache."""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """Engine model: tokens per KV block."""
+    ttft_base: float | None = None
+    """Engine model: seconds from admission to the first token, before prefill."""
+    prefill_per_token: float | None = None
+    """Engine model: seconds of prefill per prompt token not found cached."""
 
     requests: int = attrs.field(default=0, init=False)
     """HTTP requests received (any path)."""
@@ -130,10 +159,44 @@ class FakeLLM:
     last_request_headers: dict[str, str] | None = attrs.field(default=None, init=False)
     """Headers of the latest request: lower-case name -> value, repeats joined ", "."""
 
+    engine: Engine = attrs.field(init=False, repr=False)
+    """The engine model, made from the five options above (read once, here); it is on when
+    any of them but ``block_tokens`` is given. ``/metrics`` shows its state, on or off."""
+
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
     _ids: itertools.count[int] = attrs.field(
         factory=lambda: itertools.count(1), init=False, repr=False
     )
+
+    def __attrs_post_init__(self) -> None:
+        config = EngineConfig(
+            max_running=self.max_running,
+            kv_blocks=self.kv_blocks,
+            block_tokens=self.block_tokens,
+            ttft_base=self.ttft_base,
+            prefill_per_token=self.prefill_per_token,
+        )
+        self.engine = Engine(config, MODEL, self._notify)
+
+    @property
+    def running(self) -> int:
+        """Generations the engine model runs (0 when it is off)."""
+        return self.engine.running
+
+    @property
+    def waiting(self) -> int:
+        """Generations waiting in the engine model's line (0 when it is off)."""
+        return self.engine.waiting
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the engine model's prefix cache (0 without one)."""
+        return 0 if self.engine.cache is None else self.engine.cache.queried_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the engine model's prefix cache (0 without one)."""
+        return 0 if self.engine.cache is None else self.engine.cache.hit_tokens
 
     # ---- waiting on the counters -------------------------------------------------------
 
@@ -223,6 +286,9 @@ class FakeLLM:
             return
         if path == "/health":
             await respond.send_bytes(send, 200, b"ok", b"text/plain; charset=utf-8")
+        elif path == "/metrics":
+            metrics = self.engine.render_metrics()
+            await respond.send_bytes(send, 200, metrics, METRICS_CONTENT_TYPE.encode())
         elif path == "/v1/models":
             models = {
                 "object": "list",
@@ -280,6 +346,7 @@ class FakeLLM:
         die_after = knobs.die_after
         if die_after is not None and die_after > n_tokens:
             die_after = None
+        prompt = prompt_text(request) if self.engine.config.enabled else None
 
         progress = _Progress()
         produce: Callable[[_Progress], Awaitable[bool]]
@@ -293,10 +360,11 @@ class FakeLLM:
                 base,
                 usage if include_usage else None,
                 echo,
+                prompt,
             )
         else:
             produce = partial(
-                self._produce_whole, send, knobs, n_tokens, die_after, base, usage, echo
+                self._produce_whole, send, knobs, n_tokens, die_after, base, usage, echo, prompt
             )
         died = False
         async with trio.open_nursery() as nursery:
@@ -307,6 +375,19 @@ class FakeLLM:
             self.aborts += 1
             self._notify()
             raise FakeBackendDied(f"{self.backend_id}: die-after {die_after} tokens")
+
+    @asynccontextmanager
+    async def _generating(self, prompt: str | None, start: float) -> AsyncIterator[float]:
+        """Hold the engine model for one generation; yields when its tokens' clock starts.
+
+        Off (``prompt`` is None): yields ``start`` at once. On: waits in the engine's line,
+        then yields the time of admission plus the prefill of the uncached prompt tokens.
+        """
+        if prompt is None:
+            yield start
+            return
+        async with self.engine.generation(prompt) as prefill:
+            yield trio.current_time() + prefill
 
     async def _watch_disconnect(
         self, receive: Receive, progress: _Progress, cancel_scope: trio.CancelScope
@@ -343,6 +424,7 @@ class FakeLLM:
         base: dict[str, Any],
         usage: dict[str, int] | None,
         echo: dict[str, str] | None,
+        prompt: str | None,
         progress: _Progress,
     ) -> bool:
         """Stream one completion as SSE; True when it must die (die-after)."""
@@ -385,31 +467,40 @@ class FakeLLM:
             role = {"role": "assistant", "content": ""}
             if not await self._send_or_gone(send, event(chunk(role, None, True)), progress):
                 return False
-        for i in range(n_tokens):
-            if die_after is not None and i >= die_after:
+        # The engine model, when on, lets the generation in and prefills it: ``start`` moves
+        # on to then. vLLM too sends a stream's head before the request is scheduled.
+        async with self._generating(prompt, start) as start:
+            for i in range(n_tokens):
+                if die_after is not None and i >= die_after:
+                    progress.finished = True
+                    return True
+                await trio.sleep_until(start + knobs.first_delay + i * knobs.delay)
+                delta = {"content": _token(i)}
+                first = i == 0 and not role_only
+                if first:
+                    delta = {"role": "assistant", **delta}
+                if not await self._send_or_gone(send, event(chunk(delta, None, first)), progress):
+                    return False
+            if die_after is not None:  # die_after == n_tokens: die before the finish chunk
                 progress.finished = True
                 return True
-            await trio.sleep_until(start + knobs.first_delay + i * knobs.delay)
-            delta = {"content": _token(i)}
-            first = i == 0 and not role_only
-            if first:
-                delta = {"role": "assistant", **delta}
-            if not await self._send_or_gone(send, event(chunk(delta, None, first)), progress):
+            # No tokens: still wait the first delay.
+            await trio.sleep_until(start + knobs.first_delay)
+            no_role_yet = n_tokens == 0 and not role_only
+            last_delta: dict[str, Any] = {"role": "assistant", "content": ""} if no_role_yet else {}
+            if not await self._send_or_gone(
+                send, event(chunk(last_delta, "stop", no_role_yet)), progress
+            ):
                 return False
-        if die_after is not None:  # die_after == n_tokens: die before the finish chunk
-            progress.finished = True
-            return True
-        await trio.sleep_until(start + knobs.first_delay)  # no tokens: still wait the first delay
-        no_role_yet = n_tokens == 0 and not role_only
-        last_delta: dict[str, Any] = {"role": "assistant", "content": ""} if no_role_yet else {}
-        if not await self._send_or_gone(
-            send, event(chunk(last_delta, "stop", no_role_yet)), progress
-        ):
-            return False
-        if usage is not None:
-            usage_chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
-            if not await self._send_or_gone(send, event(usage_chunk), progress):
-                return False
+            if usage is not None:
+                usage_chunk = {
+                    **base,
+                    "object": "chat.completion.chunk",
+                    "choices": [],
+                    "usage": usage,
+                }
+                if not await self._send_or_gone(send, event(usage_chunk), progress):
+                    return False
         # Counted before the send: Hypercorn returns from it only once the data is written
         # (h2) or the connection recycled (h1), after the client may already have seen it.
         progress.finished = True
@@ -428,12 +519,14 @@ class FakeLLM:
         base: dict[str, Any],
         usage: dict[str, int],
         echo: dict[str, str] | None,
+        prompt: str | None,
         progress: _Progress,
     ) -> bool:
         """Send one ``chat.completion`` once "generated"; True when it must die (die-after)."""
         start = trio.current_time()
         generated = n_tokens if die_after is None else die_after
-        await trio.sleep_until(start + knobs.first_delay + max(generated - 1, 0) * knobs.delay)
+        async with self._generating(prompt, start) as start:
+            await trio.sleep_until(start + knobs.first_delay + max(generated - 1, 0) * knobs.delay)
         obj: dict[str, Any] = {
             **base,
             "object": "chat.completion",
