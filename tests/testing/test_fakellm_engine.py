@@ -6,7 +6,11 @@ Every IO test runs under fail_after; waits are on the fake's own counters (``wai
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from muxproxy.testing.fakellm import FakeLLM, reply_text
+from muxproxy.cli import main as muxproxy_main
+from muxproxy.testing.fakellm import FakeLLM, add_arguments, reply_text
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,
     Admission,
@@ -594,3 +599,61 @@ async def test_engine_off_keeps_the_first_token_at_the_first_delay(
             await run_stream(client, fake, seen, body=chat("word " * 5000))
     assert seen.first_token_at - seen.sent_at < 0.5
     assert seen.at_first_token["running"] == 0
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def test_engine_options_parse_and_default_to_off() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    options = ("max_running", "kv_blocks", "block_tokens", "ttft_base", "prefill_per_token")
+    assert [getattr(args, name) for name in options] == [None, None, 16, None, None]
+    argv = "--max-running 4 --kv-blocks 0 --block-tokens 8 --ttft-base 0.1 --prefill-per-token 0"
+    args = parser.parse_args(argv.split(" "))
+    assert [getattr(args, name) for name in options] == [4, 0, 8, 0.1, 0.0]
+    for bad in ("--max-running 0", "--block-tokens 0", "--kv-blocks -1", "--ttft-base -1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad.split(" "))
+
+
+def test_fakellm_help_lists_the_engine_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert muxproxy_main(["fakellm", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--max-running", "--kv-blocks", "--block-tokens", "--ttft-base"):
+        assert option in out
+    assert "--prefill-per-token" in out
+
+
+async def test_cli_engine_options_reach_the_engine() -> None:
+    command = [sys.executable, "-m", "muxproxy.testing.fakellm", "--max-running", "1"]
+    command += ["--kv-blocks", "64", "--block-tokens", "4", "--tokens", "1", "--delay", "0"]
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            lambda task_status: trio.run_process(
+                command, stdout=subprocess.PIPE, check=False, task_status=task_status
+            )
+        )
+        try:
+            with trio.fail_after(30):
+                assert process.stdout is not None
+                line = b""
+                while not line.endswith(b"\n"):
+                    data = await process.stdout.receive_some(1024)
+                    assert data, "fakellm exited before printing its ready line"
+                    line += data
+            match = re.search(rb"listening on 127\.0\.0\.1:(\d+)", line)
+            assert match, line
+            with trio.fail_after(10):
+                url = f"http://127.0.0.1:{int(match[1])}"
+                async with httpx.AsyncClient(base_url=url) as client:
+                    for _ in range(2):
+                        await client.post(CHAT, content=chat("x" * 64, stream=False))
+                    samples = await scrape(client)
+        finally:
+            process.terminate()
+    # "system: " + 64 bytes + "\n" + "user: hi\n" is 82 bytes: 21 tokens, 5 full blocks of 4
+    # (the last token is computed again, but it is in the partial block: all 5 hit).
+    assert samples["vllm:prefix_cache_queries_total"][2] == 42.0
+    assert samples["vllm:prefix_cache_hits_total"][2] == 20.0

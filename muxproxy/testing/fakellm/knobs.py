@@ -39,6 +39,24 @@ header                   attribute / CLI option         meaning
                                                         "sha256": hex}``
 =======================  =============================  ====================================
 
+The engine model's options have no header (they shape one engine shared by all requests, so
+they are read once, when the :class:`~muxproxy.testing.fakellm.FakeLLM` is made); giving any
+one but ``--block-tokens`` turns the model on (see ``engine.py``):
+
+==========================================  ==================================================
+attribute / CLI option                      meaning
+==========================================  ==================================================
+``max_running`` / ``--max-running N``       at most N generations at once; the rest wait,
+                                            first come first served (no limit)
+``kv_blocks`` / ``--kv-blocks B``           a prefix KV cache of B blocks (no cache)
+``block_tokens`` / ``--block-tokens T``     tokens per KV block (16); a token is 4 bytes of
+                                            the prompt text
+``ttft_base`` / ``--ttft-base S``           seconds from admission to the first token,
+                                            added to the first delay (0)
+``prefill_per_token`` /                     seconds more per prompt token not found in the
+``--prefill-per-token S``                   cache (0)
+==========================================  ==================================================
+
 A malformed header raises :class:`BadKnob` naming the header and what it expects (the app
 answers 400 with its text); a malformed option is argparse's usage error, naming the option.
 """
@@ -182,6 +200,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _status(text: str) -> int:
     value = int(text)
     if not 200 <= value <= 599:
@@ -222,4 +247,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--role-chunk",
         action="store_true",
         help="start every stream with a role-only chunk, as vLLM does",
+    )
+    engine = parser.add_argument_group(
+        "engine model", "a GPU inference engine's queue, prefix cache and prefill (off by default)"
+    )
+    engine.add_argument(
+        "--max-running",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="run at most N generations at once; the rest wait, first come first served",
+    )
+    engine.add_argument(
+        "--kv-blocks",
+        type=_non_negative_int,
+        default=None,
+        metavar="B",
+        help="a prefix KV cache of B blocks, least recently used evicted first",
+    )
+    engine.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=16,
+        metavar="T",
+        help="tokens per KV block (16); a token is 4 bytes of prompt text",
+    )
+    engine.add_argument(
+        "--ttft-base",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds from admission to the first token, before prefill (0)",
+    )
+    engine.add_argument(
+        "--prefill-per-token",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds of prefill per prompt token not found in the cache (0)",
     )

@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
         status=args.status,
         model_version=args.model_version,
         role_chunk=args.role_chunk,
+        max_running=args.max_running,
+        kv_blocks=args.kv_blocks,
+        block_tokens=args.block_tokens,
+        ttft_base=args.ttft_base,
+        prefill_per_token=args.prefill_per_token,
     )
 
     async def serve() -> None:
