@@ -2,14 +2,14 @@
 
 Modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
 answers, its counters); ``responses.py``, its whole-body responses (JSON, bytes, OpenAI-style
-errors, with the common headers); the opt-in model of a GPU inference engine behind it:
+errors, with the common headers); ``knobs.py``, its knobs (the ``x-fake-*`` request headers
+and the command-line options, with the table of what each does); ``server.py``, serving it
+with Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the
+Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m
+muxproxy.testing.fakellm``). The opt-in model of a GPU inference engine behind the app:
 ``engine.py`` (pure: prompt tokens, the prefix KV cache, the options), ``scheduler.py`` (its
 Trio side: generations first come first served in ``max_running`` slots) and ``metrics.py``
-(``GET /metrics`` under vLLM's metric names); ``knobs.py``, its knobs (the ``x-fake-*`` request headers and the
-command-line options, with the table of what each does); ``server.py``, serving it with
-Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the
-Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m
-muxproxy.testing.fakellm``). This package hands on their public names.
+(``GET /metrics`` under vLLM's metric names). This package hands on their public names.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .engine import Admission, EngineConfig, PrefixCache, Prompt
+from .engine import Admission, EngineConfig, PrefixCache, Prompt, token_count
 from .metrics import EngineMetrics
 
 
@@ -108,7 +108,7 @@ class Engine:
         admission: Admission | None = None
         try:
             if self.cache is None:
-                uncached = Prompt.from_text(text, self.config.block_tokens).tokens
+                uncached = token_count(text)
             else:
                 admission = self.cache.admit(Prompt.from_text(text, self.config.block_tokens))
                 self.metrics.count_lookup(admission.prompt_tokens, admission.hit_tokens)
