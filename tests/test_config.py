@@ -893,7 +893,8 @@ VARIABLES = "$session_key, $remote_addr, $arg_NAME, $cookie_NAME or $http_NAME"
         (
             (*G, "balance"),
             "random",
-            'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load", got "random"',
+            'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load",'
+            ' got "random"',
         ),
         (
             (*G, "balancing"),
@@ -1230,7 +1231,8 @@ def test_all_routing_problems_are_collected(tmp_path: Path) -> None:
     assert info.value.problems == [
         "upstreams.gpus.servers[0].weight: expected an integer >= 0 (0 drains the server), got -1",
         'upstreams.gpus.servers[0].backup: expected true or false (a TOML boolean), got "yes"',
-        'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load", got "fastest"',
+        'upstreams.gpus.balance: expected "round_robin", "least_streams" or "least_load",'
+        ' got "fastest"',
         f'upstreams.gpus.sticky.sources[1]: unknown kind "jwt"; {SOURCE_EXPECTED}, got "jwt:sub"',
         'upstreams.gpus.next_upstream.on[1]: expected "error", "timeout", "http_429",'
         ' "http_502", "http_503" or "http_504", got "http_500"; only 429, 502, 503 and 504'

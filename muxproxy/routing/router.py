@@ -10,8 +10,17 @@ over stable server ids). The order it returns is the order the exchange tries on
 2. with a session key seen within ``sticky.session_idle`` seconds: the server it was last
    sent to (``affinity.py``), while that server takes existing sessions;
 3. with a session key: weighted rendezvous hashing over the usable servers with weight > 0;
-4. without one: the balancer's pick (smooth weighted round-robin or least streams), then the
-   other usable servers as fallbacks.
+4. with a prefix key (``affinity = "prefix"``, no session key): consistent hashing with
+   bounded loads (``load.bounded_order``);
+5. without either: the balancer's pick (smooth weighted round-robin, least streams, or power
+   of two choices by outstanding work: ``load.py``), then the other usable servers as
+   fallbacks.
+
+New sessions (3 to 5) avoid a server whose engine reports its KV cache above the group's
+``kv_cache_limit``: it comes last, unless every usable server is above it (then the limit
+is ignored: better a busy cache than no answer). Admission (``max_streams``,
+``max_waiting``) is not an order but a yes or no per server: ``has_room``; the exchange
+walks the order for the first server with room and waits in ``queue`` when none has.
 
 Backup servers appear only when no primary is usable (``health.usable_servers``).
 
@@ -38,11 +47,18 @@ they finish without corrupting the new state; those of removed servers stay in t
 
 from __future__ import annotations
 
-from ..config import Balance, Upstream
+import hashlib
+from collections.abc import Callable
+
+from ..config import AffinityMode, Balance, Upstream
 from ..config.runtime import RuntimeState, ServerOverride
+from .admission import FairQueue
 from .affinity import Affinity
 from .balancer import SmoothWeightedRoundRobin, least_streams, rendezvous_order, server_id
 from .health import ActiveHealth, PassiveHealth, usable_servers
+from .load import Sampler, ServerLoads, Ticket, bounded_order, power_of_two
+from .loadreport import LoadReport
+from .ratelimit import Budget, RateLimiter
 
 _NO_OVERRIDE = ServerOverride()
 
@@ -64,6 +80,13 @@ class GroupRouter:
         self.passive = PassiveHealth(size)
         self.probes = ActiveHealth(size, group.health_check) if group.health_check else None
         self.affinity = Affinity(group.sticky.session_idle)
+        self.loads = _loads(group)
+        """Outstanding work and the engines' reports, per server (``load.py``)."""
+        self.sampler = Sampler(int.from_bytes(hashlib.blake2b(group.name.encode()).digest()[:8]))
+        self.queue: FairQueue[object] = FairQueue(group.queue.max)
+        """Requests waiting for a server with room (admission control)."""
+        self.limiter = _limiter(group)
+        """Per-tenant budgets (``rate_limit``), or None."""
         self.successor: GroupRouter | None = None
         """The router that replaced this one on a reload that changed the servers."""
         self._moved: list[int | None] = []
@@ -99,9 +122,15 @@ class GroupRouter:
         """
         old = self.group
         self.affinity.idle = group.sticky.session_idle
+        self.queue.limit = group.queue.max
+        limiter = self.limiter if old.rate_limit == group.rate_limit else _limiter(group)
         if [s.address for s in group.servers] == [s.address for s in old.servers]:
             self.group = group
             self._index_servers(group)
+            loads = _loads(group)
+            loads.carry(self.loads, ((i, i) for i in range(len(group.servers))))
+            self.loads = loads
+            self.limiter = limiter
             self.apply_runtime(RuntimeState.empty())
             check = group.health_check
             if check is None:
@@ -121,6 +150,9 @@ class GroupRouter:
         if new.probes is not None and self.probes is not None:
             new.probes.carry(self.probes, moves)
         new.affinity = self.affinity  # keyed by address: still right for the kept servers
+        new.loads.carry(self.loads, moves)
+        new.queue = self.queue  # the requests waiting go on waiting for the new servers
+        new.limiter = limiter
         self.successor = new
         self._moved = moved
         return new
@@ -139,8 +171,11 @@ class GroupRouter:
 
     # -- decisions -------------------------------------------------------------------------
 
-    def candidates(self, key: bytes | None, pinned: bytes | None, now: float) -> list[int]:
-        """Server indices to try, in order; empty when no server is usable."""
+    def candidates(
+        self, key: bytes | None, pinned: bytes | None, now: float, prefix: bytes | None = None
+    ) -> list[int]:
+        """Server indices to try, in order; empty when no server is usable. ``prefix``: the
+        request's prefix key (used with ``affinity = "prefix"`` when there is no ``key``)."""
         servers = self.group.servers
         out: list[int] = []
         pin = None if pinned is None else self.by_id.get(pinned)
@@ -162,20 +197,68 @@ class GroupRouter:
             for_new_sessions=True,
             down=self.down,
         )
+        group = self.group
+        report = group.load_report
+        fresh = usable
+        if report is not None:
+            fresh = [i for i in usable if not self.loads.kv_full(i, report.kv_cache_limit, now)]
+            fresh = fresh or usable
         if key is not None:
-            ranked = rendezvous_order(key, self.ids, self.weights, usable)
+            ranked = rendezvous_order(key, self.ids, self.weights, fresh)
+        elif prefix is not None and group.affinity is AffinityMode.PREFIX:
+            factor = group.prefix.load_factor
+            ranked = bounded_order(prefix, self.ids, self.weights, self.active, fresh, factor)
         else:
-            if self.group.balance is Balance.LEAST_STREAMS:
-                pick = least_streams(self.weights, self.active, usable, self.balancer)
+            balance = group.balance
+            if balance is Balance.LEAST_LOAD:
+                pick = power_of_two(self.weights, self._work_at(now), fresh, self.sampler)
+            elif balance is Balance.LEAST_STREAMS:
+                pick = least_streams(self.weights, self.active, fresh, self.balancer)
             else:
-                pick = self.balancer.pick(self.weights, usable)
+                pick = self.balancer.pick(self.weights, fresh)
             ranked = []
             if pick is not None:
                 # Fallbacks: the others, in order after the pick, so retries spread too.
-                at = usable.index(pick)
-                ranked = usable[at:] + usable[:at]
+                at = fresh.index(pick)
+                ranked = fresh[at:] + fresh[:at]
         out.extend(i for i in ranked if i not in out)
+        if len(fresh) < len(usable):
+            out.extend(i for i in usable if i not in out)  # above the KV-cache limit: last
         return out
+
+    def _work_at(self, now: float) -> Callable[[int], int]:
+        loads, active = self.loads, self.active
+        return lambda index: loads.work(index, active[index], now)
+
+    def has_room(self, index: int, now: float) -> bool:
+        """Whether ``index`` may take one more stream (``max_streams``, ``max_waiting``)."""
+        server = self.group.servers[index]
+        limit = server.max_streams
+        if limit is not None and self.active[index] >= limit:
+            return False
+        limit = server.max_waiting
+        if limit is not None:
+            waiting = self.loads.waiting(index, now)
+            if waiting is not None and waiting >= limit:
+                return False
+        return True
+
+    def room_anywhere(self, now: float) -> bool:
+        """Whether a server that takes new sessions has room (the queue may admit)."""
+        usable = usable_servers(
+            self.group.servers,
+            self.weights,
+            self.passive,
+            self.probes,
+            now,
+            for_new_sessions=True,
+            down=self.down,
+        )
+        return any(self.has_room(index, now) for index in usable)
+
+    def load_reported(self, index: int, report: LoadReport, now: float) -> None:
+        """The engine of ``index`` reported its load (``core/loadpoll.py``)."""
+        self.loads.report(index, report, now)
 
     def _takes_existing(self, index: int, now: float) -> bool:
         """Whether pins and remembered keys may go to ``index`` now: not down, healthy, and
@@ -200,24 +283,34 @@ class GroupRouter:
 
     # -- what happened ---------------------------------------------------------------------
 
-    def stream_started(self, index: int, key: bytes | None, now: float) -> None:
-        """A request is sent to ``index``: one more stream in flight there; with a session
-        key, remember that it went there."""
+    def stream_started(
+        self, index: int, key: bytes | None, now: float, ticket: Ticket | None = None
+    ) -> None:
+        """A request is sent to ``index``: one more stream in flight there, with its expected
+        work (``ticket``); with a session key, remember that it went there."""
         if self.successor is None:
             self.active[index] += 1
+            if ticket is not None:
+                self.loads.add(index, ticket)
         else:
             for router, at in self._chain(index):
                 router.active[at] += 1
+                if ticket is not None:
+                    router.loads.add(at, ticket)
         if key is not None:
             self.affinity.sent(key, self.group.servers[index].address, now)
 
-    def stream_ended(self, index: int) -> None:
+    def stream_ended(self, index: int, ticket: Ticket | None = None) -> None:
         """A stream ``stream_started`` counted has left ``index`` (done, failed, moved on)."""
         if self.successor is None:
             self.active[index] -= 1
+            if ticket is not None:
+                self.loads.remove(index, ticket)
         else:
             for router, at in self._chain(index):
                 router.active[at] -= 1
+                if ticket is not None:
+                    router.loads.remove(at, ticket)
 
     def failed(self, index: int, now: float) -> bool:
         """A connection error or timeout on ``index``; True when it took the server out.
@@ -270,6 +363,48 @@ class GroupRouter:
                     "health": "healthy" if healthy else "unhealthy",
                     "active": self.active[index],
                     "failures": self.passive.failures(index, now, server),
+                    "max_streams": server.max_streams,
+                    "work": self.loads.own_work(index),
+                    "reported": self._reported(index, now),
                 }
             )
-        return {"balance": self.group.balance.value, "servers": servers}
+        group = self.group
+        out: dict[str, object] = {
+            "balance": group.balance.value,
+            "affinity": group.affinity.value,
+            "servers": servers,
+            "queue": {"waiting": len(self.queue), "max": group.queue.max},
+        }
+        if self.limiter is not None:
+            out["rate_limited_tenants"] = len(self.limiter)
+        return out
+
+    def _reported(self, index: int, now: float) -> dict[str, object] | None:
+        entry = self.loads.reports[index]
+        if entry is None:
+            return None
+        report, at = entry
+        return {
+            "running": report.running,
+            "waiting": report.waiting,
+            "kv_cache": report.kv_cache,
+            "age": round(now - at, 3),
+            "fresh": self.loads.fresh(index, now) is not None,
+        }
+
+
+def _loads(group: Upstream) -> ServerLoads:
+    interval = group.load_report.interval if group.load_report is not None else None
+    return ServerLoads(len(group.servers), group.default_max_tokens, interval)
+
+
+def _limiter(group: Upstream) -> RateLimiter | None:
+    budget = group.rate_limit
+    if budget is None:
+        return None
+    return RateLimiter(
+        Budget(
+            tokens_per_minute=budget.tokens_per_minute,
+            requests_per_minute=budget.requests_per_minute,
+        )
+    )

@@ -11,13 +11,13 @@ case. ``target`` is the request target (``/v1/chat?session=abc``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import unquote_to_bytes
 
 from ..config import HeaderRule, SessionSource, StickyCookie
+from .llmrequest import parse_json_body
 
 __all__ = [
     "apply_header_rules",
@@ -28,6 +28,7 @@ __all__ = [
     "session_key_from_body",
     "session_key_from_head",
     "set_cookie_header",
+    "source_value",
     "unknown_variables",
 ]
 
@@ -127,6 +128,7 @@ def session_key_from_body(
     target: bytes,
     body: bytes,
     complete: bool,
+    document: object = None,
 ) -> bytes | None:
     """The session key with the request body at hand: every source in order, or None.
 
@@ -134,10 +136,11 @@ def session_key_from_body(
     within the limit; otherwise they yield nothing), and follow a dotted path of object keys
     (``metadata.session_id``). A string value is its UTF-8 bytes, a number its ``str()``;
     any other value (booleans, null, arrays, objects, NaN, infinities), a missing path or a
-    body that is not JSON gives no key (never raises).
+    body that is not JSON gives no key (never raises). ``document``: the body already
+    parsed (``llmrequest.parse_json_body``), if the caller has it.
     """
     headers = _as_sequence(headers)
-    parsed: list[object] = []  # the parsed body, once parsed; [_INVALID] if it is not JSON
+    parsed: list[object] = [] if document is None else [document]
     for source in sources:
         if source.kind != "body":
             value = _head_value(source, headers, target)
@@ -145,21 +148,21 @@ def session_key_from_body(
             continue
         else:
             if not parsed:
-                parsed.append(_parse_json(body))
+                parsed.append(parse_json_body(body))
             value = _json_path_value(parsed[0], source.name)
         if value:
             return value
     return None
 
 
-_INVALID = object()
-
-
-def _parse_json(body: bytes) -> object:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return _INVALID
+def source_value(
+    source: SessionSource, headers: Headers, target: bytes, document: object
+) -> bytes | None:
+    """The value of one source (a tenant, a priority): from the head, or from ``document``
+    (the parsed body; None when the body was not read) for a ``body`` source."""
+    if source.kind == "body":
+        return None if document is None else _json_path_value(document, source.name)
+    return _head_value(source, _as_sequence(headers), target) or None
 
 
 def _json_path_value(document: object, path: str) -> bytes | None:

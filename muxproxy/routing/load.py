@@ -1,0 +1,218 @@
+"""Load-aware choices: outstanding work per server, the engines' own reports, power of two
+choices, and consistent hashing with bounded loads.
+
+Obeys the routing rules: pure code, standard library and attrs only, no clock (``now`` is
+passed in), no I/O. The "random" choices come from a seeded splitmix64 sequence
+(``Sampler``): deterministic for a given seed and sequence of calls, so tests need no mocks,
+while one proxy's picks are spread as random ones would be.
+
+Outstanding work (``balance = "least_load"``). Each stream on a server holds a ``Ticket``:
+the tokens it is expected to generate (its ``max_tokens``, or the group's default) and its
+progress (the SSE meter that counts the events relayed). A server's own work is the sum over
+its tickets of what is left, ``max(expected - events, 0)``, computed when a choice is made:
+the per-token path does no accounting at all, and the sum is exact whenever it is read. A
+fresh report from the engine (``loadreport.py``; fresh: at most 3 intervals old) adds the
+work the proxy does not see: the requests waiting in the engine's queue and those it runs
+for others (reported running beyond our own streams there), each at the default.
+
+Power of two choices (Mitzenmacher 2001): two distinct servers are drawn with probability in
+proportion to their weights, and the one with less work per weight wins (the first drawn on
+a tie). Against a full scan it avoids herding on a stale report, and it costs two sums.
+
+Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a key's
+servers are ranked by weighted rendezvous hashing (``balancer.rendezvous_order``), and the
+first one whose streams would stay within ``ceil(c x (total + 1) x weight / total weight)``
+takes it; the others follow as fallbacks. With ``c >= 1`` some server always has room, a
+hot key spills to its second server instead of melting its first, and a key moves only when
+its server is over the bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from .balancer import rendezvous_order
+from .loadreport import LoadReport
+
+__all__ = [
+    "REPORT_LIFETIMES",
+    "Sampler",
+    "ServerLoads",
+    "Ticket",
+    "bounded_order",
+    "power_of_two",
+]
+
+REPORT_LIFETIMES = 3
+"""A report older than this many poll intervals is ignored."""
+
+
+class Progress(Protocol):
+    """What a ticket reads of its stream: the SSE events relayed so far."""
+
+    @property
+    def events(self) -> int: ...
+
+
+class Ticket:
+    """One stream's expected work on its server."""
+
+    __slots__ = ("expected", "progress")
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.progress: Progress | None = None
+        """Set once the response is an SSE stream (its meter); None: nothing relayed yet."""
+
+    @property
+    def remaining(self) -> int:
+        progress = self.progress
+        if progress is None:
+            return self.expected
+        return max(self.expected - progress.events, 0)
+
+
+class ServerLoads:
+    """Per server of a group: the tickets of its streams and the engine's last report."""
+
+    __slots__ = ("default_tokens", "interval", "reports", "tickets")
+
+    def __init__(self, size: int, default_tokens: int, interval: float | None) -> None:
+        self.default_tokens = default_tokens
+        self.interval = interval
+        """The poll interval of the group's load reports; None: no reports."""
+        self.tickets: list[dict[Ticket, None]] = [{} for _ in range(size)]
+        self.reports: list[tuple[LoadReport, float] | None] = [None] * size
+
+    def carry(self, old: ServerLoads, moves: Iterable[tuple[int, int]]) -> None:
+        """Take over ``old``'s tickets and reports of the servers ``moves`` maps here."""
+        for before, after in moves:
+            self.tickets[after] = old.tickets[before]
+            self.reports[after] = old.reports[before]
+
+    def add(self, index: int, ticket: Ticket) -> None:
+        self.tickets[index][ticket] = None
+
+    def remove(self, index: int, ticket: Ticket) -> None:
+        self.tickets[index].pop(ticket, None)
+
+    def own_work(self, index: int) -> int:
+        """Tokens our streams on ``index`` are still expected to generate."""
+        return sum(ticket.remaining for ticket in self.tickets[index])
+
+    def report(self, index: int, report: LoadReport, now: float) -> None:
+        self.reports[index] = (report, now)
+
+    def fresh(self, index: int, now: float) -> LoadReport | None:
+        """The server's report, if at most ``REPORT_LIFETIMES`` intervals old."""
+        entry = self.reports[index]
+        if entry is None or self.interval is None:
+            return None
+        report, at = entry
+        if now - at > REPORT_LIFETIMES * self.interval:
+            return None
+        return report
+
+    def work(self, index: int, own_streams: int, now: float) -> int:
+        """Outstanding work on ``index``: our own, plus what a fresh report adds."""
+        work = self.own_work(index)
+        report = self.fresh(index, now)
+        if report is not None:
+            foreign = report.waiting or 0
+            if report.running is not None:
+                foreign += max(report.running - own_streams, 0)
+            work += foreign * self.default_tokens
+        return work
+
+    def kv_full(self, index: int, limit: float, now: float) -> bool:
+        """Whether a fresh report has the server's KV cache above ``limit``."""
+        report = self.fresh(index, now)
+        return report is not None and report.kv_cache is not None and report.kv_cache > limit
+
+    def waiting(self, index: int, now: float) -> int | None:
+        """Requests the engine reports waiting (fresh reports only)."""
+        report = self.fresh(index, now)
+        return None if report is None else report.waiting
+
+
+_MASK = (1 << 64) - 1
+
+
+class Sampler:
+    """splitmix64 (Steele, Lea, Flood 2014): a 64-bit sequence from a seed, pure."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & _MASK
+
+    def next(self) -> int:
+        self.state = z = (self.state + 0x9E3779B97F4A7C15) & _MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return z ^ (z >> 31)
+
+    def below(self, bound: int) -> int:
+        """An integer in ``[0, bound)`` (bound >= 1), with a bias below 2**-40."""
+        return (self.next() >> 24) % bound
+
+
+def _draw(weights: Sequence[int], among: Sequence[int], sampler: Sampler) -> int:
+    """A position in ``among`` drawn with probability in proportion to its weight."""
+    total = sum(weights[i] for i in among)
+    point = sampler.below(total)
+    for at, index in enumerate(among):
+        point -= weights[index]
+        if point < 0:
+            return at
+    return len(among) - 1  # unreachable: the points sum to ``total``
+
+
+def power_of_two(
+    weights: Sequence[int],
+    work: Callable[[int], int],
+    eligible: Iterable[int],
+    sampler: Sampler,
+) -> int | None:
+    """The less loaded (per weight) of two servers drawn by weight; None if none eligible.
+
+    ``work(i)`` is asked only for the two drawn servers. Servers with weight <= 0 are never
+    drawn.
+    """
+    among = [index for index in eligible if weights[index] > 0]
+    if not among:
+        return None
+    if len(among) == 1:
+        return among[0]
+    first = among.pop(_draw(weights, among, sampler))
+    second = among[_draw(weights, among, sampler)]
+    # work_first / weight_first <= work_second / weight_second, without floats
+    if work(first) * weights[second] <= work(second) * weights[first]:
+        return first
+    return second
+
+
+def bounded_order(
+    key: bytes,
+    ids: Sequence[bytes],
+    weights: Sequence[int],
+    streams: Sequence[int],
+    eligible: Iterable[int],
+    factor: float,
+) -> list[int]:
+    """The servers for ``key``: rendezvous order, with the first server within its bound
+    moved to the front (consistent hashing with bounded loads, see the module header)."""
+    order = rendezvous_order(key, ids, weights, eligible)
+    if len(order) < 2:
+        return order
+    total_weight = sum(weights[i] for i in order)
+    total = sum(streams[i] for i in order) + 1  # this request included
+    for at, index in enumerate(order):
+        bound = math.ceil(factor * total * weights[index] / total_weight)
+        if streams[index] + 1 <= bound:
+            if at:
+                order.insert(0, order.pop(at))
+            return order
+    return order  # unreachable for factor >= 1: the bounds sum to more than ``total``
