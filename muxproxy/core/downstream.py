@@ -35,7 +35,7 @@ from .effects import Effects
 from .h1 import H1Server, PeerError
 from .h2 import H2Server
 from .intake import MalformedRequest, check_request_limits
-from .messages import Abort, Body, End, Headers, Message, Refused, RequestHead, ResponseHead
+from .messages import Abort, Body, End, Fields, Headers, Message, Refused, RequestHead, ResponseHead
 from .output import Output
 from .ports import ClientHost, ClientStream, Phase, RequestPhase
 from .states import step
@@ -310,10 +310,18 @@ class Downstream:
         api: Api | None = None,
         head_only: bool = False,
         request_id: bytes | None = None,
+        extra: Fields = (),
     ) -> int:
         """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
-            self, stream, status, text, api=api, head_only=head_only, request_id=request_id
+            self,
+            stream,
+            status,
+            text,
+            api=api,
+            head_only=head_only,
+            request_id=request_id,
+            extra=extra,
         )
 
     def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:

@@ -11,7 +11,9 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   move the table must allow.
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
   the backend gets; the servers are tried in the group's order, on failure only while
-  nothing reached the client (``failover.py``, RFC 9110 §9.2.2). With
+  nothing reached the client (``failover.py``, RFC 9110 §9.2.2). A group that reads the
+  request's JSON body (a body session key, ``least_load``, prefix affinity, token budgets)
+  holds its start first (BUFFERING); budgets and the admission queue are ``admit.py``'s. With
   ``retry_until_first_event`` an SSE response head is held until its first event, so a
   backend that dies before its first token costs the user nothing.
 - Per-chunk flush: every backend body chunk is handed to the client side in the same call
@@ -41,9 +43,12 @@ from typing import assert_never
 import attrs
 
 from ..config import Route, Upstream
+from ..routing.llmrequest import parse_json_body
+from ..routing.ratelimit import Refusal
 from ..routing.sticky import session_key_from_body, session_key_from_head
 from . import grpc
 from .access import access_fields, add_to_totals, with_request_id
+from .admit import Admission, UsageScan, extra_fields
 from .body import RequestBody
 from .commands import Log
 from .deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
@@ -54,7 +59,7 @@ from .flow import Flow
 from .headers import is_event_stream, trailer_fields
 from .heads import VIA, backend_fields, client_head, send_error_answer
 from .intake import MalformedRequest
-from .messages import Headers, RequestHead, ResponseHead
+from .messages import Fields, Headers, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
 from .ssemeter import SseMeter
@@ -111,6 +116,10 @@ class Exchange:
         """Events and first token of an SSE response (``ssemeter.py``)."""
         self.heartbeat: Heartbeat | None = None
         """The comments of an SSE response that gets them (``route.sse_heartbeat``)."""
+        self.admission: Admission | None = None
+        """Budgets and queue wait, in a group that has either (``admit.py``)."""
+        self.usage: UsageScan | None = None
+        """The response's completion tokens, for a token budget (``admit.py``)."""
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
@@ -167,10 +176,10 @@ class Exchange:
         group = self.group = fx.config.upstreams[route.upstream]
         self.upload.body = RequestBody(group.next_upstream.replay_buffer)
         key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        if need_body and self.upload.phase is RequestPhase.BODY:
+        if (need_body or group.reads_body) and self.upload.phase is RequestPhase.BODY:
             self.move(_I.BUFFER)
             return
-        self._route(key)
+        self._route(key, None)
 
     def _route_by_body(self) -> None:
         """BUFFERING: route once the body is complete or as much of it is held as may be."""
@@ -178,21 +187,111 @@ class Exchange:
         assert group is not None
         complete = self.upload.phase is RequestPhase.COMPLETE
         if complete or body.size >= min(group.sticky.body_limit, self.fx.limits.high_water):
-            sources = group.sticky.sources
             prefix = body.prefix()
-            self._route(session_key_from_body(sources, head.headers, head.target, prefix, complete))
+            document = parse_json_body(prefix) if complete else None
+            sources = group.sticky.sources
+            key = session_key_from_body(
+                sources, head.headers, head.target, prefix, complete, document
+            )
+            self._route(key, document)
 
-    def _route(self, key: bytes | None) -> None:
-        assert self.group is not None
-        body = self.upload.body
+    def _route(self, key: bytes | None, document: object | None) -> None:
+        """Route with the session ``key``; ``document``: the parsed body, if it was read."""
+        group = self.group
+        assert group is not None
+        admission = None
+        if group.admits:
+            admission = self.admission = Admission(self.fx, group, self.head, document)
+            refusal = admission.reserve(self.host.router(group))
+            if refusal is not None:
+                self._refuse_budget(refusal)
+                return
+            if admission.reservation is not None:
+                stats = self.host.measurements.group(group.name)
+                stats.reservations += 1
+                stats.tokens_reserved += admission.reservation.tokens
         failover = self.failover = Failover(
-            self.fx, self.host, self, self.ident, self.group, self.head, body, key
+            self.fx,
+            self.host,
+            self,
+            self.ident,
+            group,
+            self.head,
+            self.upload.body,
+            key,
+            prefix=admission.prefix_key if admission else None,
+            ticket=admission.ticket if admission else None,
         )
         if not failover.candidates:
             self.fail(503, "no backend available")
             return
+        if not failover.choose_room():
+            self._wait()
+            return
         self.move(_I.ATTEMPT)
         failover.attempt()
+
+    # -- admission (``admit.py``) ----------------------------------------------------------
+
+    def _wait(self) -> None:
+        """Every candidate is full: wait in the group's queue, or 429 when it is full."""
+        admission, failover = self.admission, self.failover
+        assert admission is not None and failover is not None
+        if not admission.enqueue(failover.router, self, self.ident):
+            self.host.measurements.admission(failover.group.name, "queue_full")
+            self._refuse_busy("every server is busy and the queue is full")
+            return
+        self.move(_I.QUEUE)
+
+    def admitted(self) -> bool:
+        """The queue admits this exchange (a server has room): route it again, with the
+        group as configured now, and try. True when it found no room after all: it waits
+        again, at the back."""
+        if not self.move(_I.ADMITTED):
+            return False
+        admission, failover = self.admission, self.failover
+        assert admission is not None and failover is not None and self.group is not None
+        self._left_queue(admission, failover)
+        group = self.fx.config.upstreams.get(self.group.name)
+        if group is None:
+            self.fail(503, "no backend available", "the upstream group was removed")
+            return False
+        self.group = group
+        failover.readmit(group)
+        if not failover.candidates:
+            self.fail(503, "no backend available")
+            return False
+        if not failover.choose_room():
+            if admission.enqueue(failover.router, self, self.ident):
+                return True
+            self._refuse_busy("every server is busy and the queue is full")
+            return False
+        self.move(_I.ATTEMPT)
+        failover.attempt()
+        return False
+
+    def _left_queue(self, admission: Admission, failover: Failover) -> None:
+        waited = admission.leave_queue(failover.router, self, self.ident)
+        if waited is not None:
+            self.host.measurements.group(failover.group.name).queue_wait.observe(waited)
+
+    def _queue_timeout(self) -> None:
+        failover = self.failover
+        assert failover is not None
+        self.host.measurements.admission(failover.group.name, "queue_timeout")
+        self._refuse_busy("every server stayed busy for the queue's timeout")
+
+    def _refuse_busy(self, text: str) -> None:
+        """429: the queue is full or the wait ran out (``Retry-After: queue.retry_after``)."""
+        assert self.group is not None
+        retry = str(self.group.queue.retry_after).encode("ascii")
+        self.fail(429, text, extra=[(b"retry-after", retry)])
+
+    def _refuse_budget(self, refusal: Refusal) -> None:
+        """429: the tenant's budget is spent (or the request can never fit in it)."""
+        assert self.group is not None
+        self.host.measurements.admission(self.group.name, "rate_limited")
+        self.fail(429, refusal.reason, extra=extra_fields(refusal))
 
     def _retry_or_fail(self, condition: str, reason: str) -> None:
         """The current attempt failed before anything reached the client."""
@@ -337,6 +436,8 @@ class Exchange:
         self.move(_I.COMMIT)
         self.upload.body.commit()
         self.client.send_head(self.response)
+        if self.admission is not None:
+            self.usage = self.admission.usage
         deadlines = self.deadlines
         deadlines.watch_reading(self.group)
         sse = (
@@ -345,7 +446,11 @@ class Exchange:
             and is_event_stream(self.response.headers)
         )
         if sse and self.group is not None:
-            self.meter = SseMeter(self.host.measurements.group(self.group.name), self.started)
+            meter = self.meter = SseMeter(
+                self.host.measurements.group(self.group.name), self.started
+            )
+            if self.admission is not None:
+                self.admission.ticket.progress = meter  # its work left shrinks per event
             heartbeat = self.route.sse_heartbeat if self.route else None
             self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, self.response.headers)
 
@@ -363,6 +468,9 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             meter.feed(data, now)
+        usage = self.usage
+        if usage is not None:
+            usage.feed(data)
         heartbeat = self.heartbeat
         if heartbeat is not None:
             heartbeat.boundary.feed(data)
@@ -458,6 +566,8 @@ class Exchange:
             case _T.BODY:
                 if self.upload.stalled():
                     self._refuse_slow_body()
+            case _T.QUEUE:
+                self._queue_timeout()
             case _T.TUNNEL:  # the table refuses it: a tunnel's (``websocket.py``)
                 pass
             case _:
@@ -487,13 +597,20 @@ class Exchange:
 
     # -- endings ---------------------------------------------------------------------------
 
-    def fail(self, status: int, text: str, reason: str = "") -> None:
+    def fail(self, status: int, text: str, reason: str = "", *, extra: Fields = ()) -> None:
         """Answer with a short response of our own (only while no response head went out:
-        ``heads.send_error_answer``)."""
+        ``heads.send_error_answer``); ``extra``: more fields for it."""
         api = self.route.api if self.route is not None else None
         client, head, request_id = self.client, self.head, self.request_id
         self.status, sent = send_error_answer(
-            client, head, status, text, api=api, request_id=request_id, date=self.fx.http_date()
+            client,
+            head,
+            status,
+            text,
+            api=api,
+            request_id=request_id,
+            date=self.fx.http_date(),
+            extra=extra,
         )
         self.bytes_out += sent
         self.move(_I.FAIL)
@@ -525,8 +642,19 @@ class Exchange:
         self.outcome = outcome
         self.deadlines.end_attempt()
         self.deadlines.cancel(ExchangeTimer.DEADLINE, ExchangeTimer.BODY)
-        if self.failover is not None:
-            self.failover.leave()
+        failover = self.failover
+        if failover is not None:
+            admission = self.admission
+            if admission is not None:
+                if admission.queued_at is not None:  # it ended while it waited
+                    self._left_queue(admission, failover)
+                events = self.meter.events if self.meter is not None else None
+                used = admission.settle(self.head_at is not None, events)
+                if used is not None:
+                    stats = self.host.measurements.group(failover.group.name)
+                    stats.reservations -= 1
+                    stats.tokens_used += used
+            failover.leave()
         self.upload.settle()
         self.host.exchange_finished(self)
         self.client.exchange_finished(self)

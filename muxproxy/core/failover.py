@@ -14,6 +14,11 @@ What it obeys:
   tried the router is asked again, since failures change who is usable (the last primary
   down brings in the backups). The request body must be replayable (``body.RequestBody``:
   kept up to ``replay_buffer`` bytes); a retry it prevents is logged (``retry_skipped``).
+- Admission (``max_streams``, ``max_waiting``): each try goes to the first candidate left
+  that has room (``GroupRouter.has_room``); a first try that finds none makes the exchange
+  wait in the group's queue (``admit.py``), a retry that finds none is not made. A try
+  that ends frees room: the queue's next request is admitted after the current input
+  (``ExchangeHost.room_freed``).
 - The stale retry: a reused keep-alive connection that fails before any response byte most
   likely met the backend's close (RFC 9112 §9.3.1). It is retried once on a fresh connection
   to the same server, whatever ``next_upstream`` says, without counting a try or touching the
@@ -28,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import Upstream
+from ..routing.load import Ticket
 from ..routing.sticky import cookie_value, set_cookie_header
 from .body import RequestBody
 from .commands import Log, Origin
@@ -58,10 +64,14 @@ class Failover:
         head: RequestHead,
         body: RequestBody,
         session_key: bytes | None,
+        *,
+        prefix: bytes | None = None,
+        ticket: Ticket | None = None,
     ) -> None:
-        """The router's order for ``head`` with ``session_key`` (``candidates`` is empty
-        where no server is usable); ``body``: the request's, replayed for a retry;
-        ``ident``: the exchange's, for its ``connect`` timer."""
+        """The router's order for ``head`` with ``session_key`` and ``prefix`` (the prompt's
+        key; ``candidates`` is empty where no server is usable); ``body``: the request's,
+        replayed for a retry; ``ident``: the exchange's, for its ``connect`` timer;
+        ``ticket``: its expected work, counted on the server of each try."""
         self.fx = fx
         self.body = body
         self.host = host
@@ -70,12 +80,14 @@ class Failover:
         self.group = group
         self.router: GroupRouter = host.router(group)
         self.session_key = session_key
+        self.prefix = prefix
+        self.ticket = ticket
         cookie = group.sticky.cookie
         self.pinned = (cookie_value(head.headers, cookie.name) or None) if cookie else None
         """The server id of the client's sticky cookie, if it sent one."""
         self.started = fx.now
         """When the first try started (``tries_timeout`` runs from there)."""
-        self.candidates = self.router.candidates(session_key, self.pinned, fx.now)
+        self.candidates = self.router.candidates(session_key, self.pinned, fx.now, prefix)
         self.tries = 0
         self.server: int | None = None
         """The server of the current try, while it counts as a stream there."""
@@ -90,7 +102,7 @@ class Failover:
         fx = self.fx
         index = self.server = self.candidates[self.tries]
         self.tries += 1
-        self.router.stream_started(index, self.session_key, fx.now)
+        self.router.stream_started(index, self.session_key, fx.now, self.ticket)
         server = self.group.servers[index]
         self.address = server.address
         self.server_id = self.router.ids[index].decode("ascii")
@@ -113,8 +125,32 @@ class Failover:
     def leave(self) -> None:
         """The current try no longer counts as a stream on its server."""
         if self.server is not None:
-            self.router.stream_ended(self.server)
+            router = self.router
+            router.stream_ended(self.server, self.ticket)
             self.server = None
+            if router.queue:
+                self.host.room_freed(router)
+
+    def choose_room(self) -> bool:
+        """Make the next try the first candidate left with room; False if none has any."""
+        if not self.group.admission:
+            return True
+        router, now, candidates = self.router, self.fx.now, self.candidates
+        for at in range(self.tries, len(candidates)):
+            if router.has_room(candidates[at], now):
+                if at != self.tries:
+                    candidates.insert(self.tries, candidates.pop(at))
+                return True
+        return False
+
+    def readmit(self, group: Upstream) -> None:
+        """Admitted from the queue: the group as configured now, and its order now;
+        ``tries_timeout`` runs from here (the wait was not a try)."""
+        self.group = group
+        self.started = self.fx.now
+        self.router = self.host.router(group)
+        fresh = self.router.candidates(self.session_key, self.pinned, self.fx.now, self.prefix)
+        self.candidates = fresh
 
     def failed(self, condition: str, reason: str) -> None:
         """The current try failed before the response head went out: count it against the
@@ -163,6 +199,10 @@ class Failover:
         if self.tries >= min(policy.tries, len(self.candidates)):
             return False
         if now - self.started >= policy.tries_timeout:
+            return False
+        if not self.choose_room():
+            reason = "every other server is full"
+            self.fx.emit(Log(event="retry_skipped", fields={"reason": reason}))
             return False
         if not self.body.rewind():
             reason = "request body larger than the replay buffer"

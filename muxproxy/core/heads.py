@@ -28,7 +28,7 @@ from ..routing.sticky import apply_header_rules
 from . import grpc
 from .access import REQUEST_ID, with_request_id
 from .headers import response_headers, upstream_h1_headers
-from .messages import Headers, RequestHead, ResponseHead
+from .messages import Fields, Headers, RequestHead, ResponseHead
 from .ports import ClientSide
 
 VIA = b"muxproxy"
@@ -95,9 +95,10 @@ def send_error_answer(
     api: Api | None,
     request_id: bytes,
     date: bytes | None,
+    extra: Fields = (),
 ) -> tuple[int, int]:
     """Answer ``request`` with ``status`` and ``text``; returns the status the client gets and
-    the body bytes sent (as the access log counts them)."""
+    the body bytes sent (as the access log counts them). ``extra``: more response fields."""
     if grpc.is_grpc(request.headers):
         fields = grpc.trailers_only(grpc.status_for_http(status), text)
         if date is not None:
@@ -113,5 +114,6 @@ def send_error_answer(
         api=api,
         head_only=request.method == b"HEAD",
         request_id=request_id,
+        extra=extra,
     )
     return status, sent

@@ -125,6 +125,7 @@ class Measurements:
         self.requests: dict[Labels, int] = {}
         self.retries: dict[Labels, int] = {}
         self.failures: dict[Labels, int] = {}
+        self.refusals: dict[Labels, int] = {}
 
     def group(self, name: str) -> GroupStats:
         stats = self.groups.get(name)
@@ -143,6 +144,11 @@ class Measurements:
     def failure(self, group: str, server: str, kind: str) -> None:
         key = (group, server, kind)
         self.failures[key] = self.failures.get(key, 0) + 1
+
+    def admission(self, group: str, reason: str) -> None:
+        """A request refused by admission control (``admit.py``)."""
+        key = (group, reason)
+        self.refusals[key] = self.refusals.get(key, 0) + 1
 
     # -- snapshot ----------------------------------------------------------------------------
 
@@ -194,6 +200,9 @@ class Measurements:
             "bytes_sent_total": per_group("bytes_sent", sent),
             "sse_events_total": per_group("sse_events", events),
             "streams_without_token_total": per_group("streams_without_token", {}),
+            "admissions_refused_total": _samples(self.refusals),
+            "rate_limit_reserved_tokens_total": per_group("tokens_reserved", {}),
+            "rate_limit_used_tokens_total": per_group("tokens_used", {}),
             "internal_errors_total": [[[], core.counters.get("internal_errors", 0)]],
             "defences_total": [
                 [[kind], value]
@@ -204,6 +213,10 @@ class Measurements:
         active: list[Any] = []
         up: list[Any] = []
         weight: list[Any] = []
+        load: list[Any] = []
+        reported: dict[str, list[Any]] = {"running": [], "waiting": [], "kv_cache": []}
+        queues: list[Any] = []
+        reservations: list[Any] = []
         for name, group in sorted(core.config.upstreams.items()):
             # What routing reports (``GroupRouter.status``): up unless unhealthy or set down
             # by the operator; the weight in force (the operator's or the configured one).
@@ -214,7 +227,23 @@ class Measurements:
                 active.append([labels, server["active"]])
                 up.append([labels, 0 if server["state"] == "down" else 1])
                 weight.append([labels, server["weight"]])
+                load.append([labels, server["work"]])
+                report = server["reported"]
+                if report is not None and report["fresh"]:
+                    for key, samples in reported.items():
+                        if report[key] is not None:
+                            samples.append([labels, report[key]])
+            queue = cast("dict[str, int]", status["queue"])
+            queues.append([[name], queue["waiting"]])
+            if name in groups:
+                reservations.append([[name], groups[name].reservations])
         gauges: dict[str, list[Any]] = {
+            "queue_length": queues,
+            "rate_limit_reservations": reservations,
+            "server_load_tokens": load,
+            "server_reported_running": reported["running"],
+            "server_reported_waiting": reported["waiting"],
+            "server_reported_kv_cache": reported["kv_cache"],
             "active_streams": active,
             "client_connections": [[[], len(core.clients)]],
             "upstream_connections": [[[], len(core.upstreams)]],

@@ -8,9 +8,13 @@ case-insensitive; HTTP/2 requires lower case on the wire, RFC 9113 §8.2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 Headers = list[tuple[bytes, bytes]]
+Fields = Sequence[tuple[bytes, bytes]]
+"""Fields only read (``Headers`` is what is built up and handed on)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

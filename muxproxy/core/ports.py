@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..config import Api, Route, Upstream
 from .commands import Origin
-from .messages import Headers, RequestHead, ResponseHead
+from .messages import Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
@@ -48,6 +48,9 @@ class Phase(enum.Enum):
 
     BUFFERING = "buffering"
     """Holding the start of the request body to find a session key in it."""
+    QUEUED = "queued"
+    """Routed, waiting in the group's admission queue for a server with room (request body
+    bytes are held, bounded, as while CONNECTING)."""
     CONNECTING = "connecting"
     """Waiting for a backend connection; request body bytes are held (bounded)."""
     WAITING_HEAD = "waiting_head"
@@ -137,6 +140,7 @@ class ClientSide(Protocol):
         api: Api | None = None,
         head_only: bool = False,
         request_id: bytes | None = None,
+        extra: Fields = (),
     ) -> int: ...
     def abort(self, stream: int) -> None:
         """End ``stream``'s response visibly unfinished (RST_STREAM; an HTTP/1.1 close)."""
@@ -260,6 +264,9 @@ class ExchangeHost(Protocol):
     def request_ids(self) -> RequestIds: ...
     def router(self, group: Upstream) -> GroupRouter: ...
     def exchange_finished(self, exchange: object) -> None: ...
+    def room_freed(self, router: GroupRouter) -> None:
+        """A stream left one of ``router``'s servers: admit who waits there, after the
+        current input."""
 
 
 class ClientHost(Protocol):
@@ -279,3 +286,5 @@ class ProbeHost(Protocol):
     @property
     def pool(self) -> Backends: ...
     def router(self, group: Upstream) -> GroupRouter: ...
+    def room_freed(self, router: GroupRouter) -> None:
+        """A server's health or load changed: admit who waits, after the current input."""

@@ -5,6 +5,10 @@ it through the same few methods (``upstream_ready``, ``response_head``, ``respon
 ``response_end``, ``upstream_failed``), so probing uses the very code path requests use. A
 probe passes when the expected status arrives within ``timeout``; the group's ``GroupRouter``
 turns results into up/down by its thresholds (``passes``, ``fails``).
+
+``loadpoll.py``'s ``LoadPoll`` is a probe of another kind: the same way to the server and
+the same timers, on the group's ``load_report`` path, with its body read and its result
+handed to the router as the engine's load.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ class ProbeState(enum.Enum):
 
 
 class Probe:
+    USER_AGENT = b"muxproxy-health"
+
     def __init__(
         self, fx: Effects, host: ProbeHost, group: Upstream, index: int, ident: int
     ) -> None:
-        assert group.health_check is not None
         self.fx = fx
         self.host = host
         self.group = group
-        self.check: HealthCheck = group.health_check
+        self.path, self.interval, self.timeout = self._schedule_of(group)
         self.index = index
         self.ident = ident
         server = group.servers[index]
@@ -43,6 +48,13 @@ class Probe:
         self.state = ProbeState.IDLE
         self.upstream: UpstreamStream | None = None
         self.status = 0
+
+    def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
+        """The path, interval and timeout of this kind of probe in ``group``."""
+        check: HealthCheck | None = group.health_check
+        assert check is not None
+        self.check = check
+        return check.path.encode(), check.interval, check.timeout
 
     def schedule(self, delay: float) -> None:
         self.fx.set_timer((ProbeTimer.PROBE, self.ident), self.fx.now + delay)
@@ -70,9 +82,7 @@ class Probe:
         if kind is ProbeTimer.PROBE and self.state is ProbeState.IDLE:
             self.state = ProbeState.RUNNING
             self.status = 0
-            self.fx.set_timer(
-                (ProbeTimer.PROBE_TIMEOUT, self.ident), self.fx.now + self.check.timeout
-            )
+            self.fx.set_timer((ProbeTimer.PROBE_TIMEOUT, self.ident), self.fx.now + self.timeout)
             self.host.pool.acquire(self.origin, self.group, self)
         elif kind is ProbeTimer.PROBE_TIMEOUT and self.state is ProbeState.RUNNING:
             self._done(False, "timeout")
@@ -85,8 +95,8 @@ class Probe:
             upstream.close()
             return
         self.upstream = upstream
-        headers = [(b"host", str(self.origin).encode()), (b"user-agent", b"muxproxy-health")]
-        upstream.send_head(0, b"GET", self.check.path.encode(), headers)
+        headers = [(b"host", str(self.origin).encode()), (b"user-agent", self.USER_AGENT)]
+        upstream.send_head(0, b"GET", self.path, headers)
         upstream.send_end([])
 
     def upstream_drained(self) -> None:
@@ -104,6 +114,10 @@ class Probe:
         if upstream is not None:
             upstream.exchange = None
             upstream.release()
+        self._ended()
+
+    def _ended(self) -> None:
+        """The response is complete: judge it."""
         ok = self.status == self.check.expect_status
         self._done(ok, f"status {self.status}")
 
@@ -119,6 +133,12 @@ class Probe:
         fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, self.ident))
         self._drop_check()
         self.state = ProbeState.IDLE
+        self._result(ok, detail)
+        self.schedule(self.interval)
+
+    def _result(self, ok: bool, detail: str) -> None:
+        """Hand the check's result to the group's router, and log a change of health."""
+        fx = self.fx
         router = self.host.router(self.group)
         if router.probe_result(self.index, ok):
             fx.emit(
@@ -132,4 +152,4 @@ class Probe:
                     },
                 )
             )
-        self.schedule(self.check.interval)
+            self.host.room_freed(router)  # a server came up (or went): who waits may go

@@ -50,6 +50,7 @@ from .exchange import Exchange
 from .faults import Fault, Isolation
 from .flow import BufferLimits
 from .h2pool import H2Stream
+from .loadpoll import LoadPoll
 from .measure import Measurements
 from .messages import RequestHead
 from .pool import Pool, UpstreamConn
@@ -138,7 +139,10 @@ class ProxyCore:
         self._next_upstream = 0
         self._next_exchange = 0
         self.probes: dict[int, Probe] = {}
+        """Health checks and load polls (``LoadPoll`` is a kind of ``Probe``)."""
         self._next_probe = 0
+        self._admitting: set[GroupRouter] = set()
+        """Routers whose queue is to be served once the current input is handled."""
         self.isolation = Isolation(self)
         self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
@@ -259,6 +263,36 @@ class ProxyCore:
     def stop_client(self, client: object) -> None:
         assert isinstance(client, Downstream)
         stop_client(client)
+
+    def room_freed(self, router: GroupRouter) -> None:
+        """``ExchangeHost.room_freed``: serve ``router``'s queue after the current input."""
+        if router.queue and router not in self._admitting:
+            self._admitting.add(router)
+            self.fx.defer(0, lambda: self._admit_waiting(router))
+
+    def _admit_waiting(self, router: GroupRouter) -> None:
+        """Admit waiting exchanges, fairest first, while a server has room for them; a fault
+        in one ends its connection alone."""
+        self._admitting.discard(router)
+        queue = router.queue
+        while queue and router.room_anywhere(self.fx.now):
+            exchange = queue.pop()
+            if not isinstance(exchange, Exchange):
+                continue
+            try:
+                if exchange.admitted():
+                    break  # no room for it after all: it waits again
+            except Exception as exc:
+                if self.raise_errors:
+                    raise
+                self.isolation.contain(
+                    Fault(conn=exchange.client.conn, event="admitted", error=exc)
+                )
+
+    def _wake_queues(self) -> None:
+        """Limits, weights or servers changed: who waits may go."""
+        for router in self._routers.values():
+            self.room_freed(router)
 
     def router(self, group: Upstream) -> GroupRouter:
         """The routing state of ``group``; kept while the group's servers stay the same.
@@ -407,17 +441,22 @@ class ProxyCore:
         self._routers = routers
         if not fx.shutting_down:  # a stopping proxy checks no health (shutdown.py)
             self._start_probes()
+        self._wake_queues()
         fx.emit(Log(event="config_changed", fields={}))
 
     def _start_probes(self) -> None:
         for group in self.config.upstreams.values():
-            if group.health_check is None:
-                continue
-            for index in range(len(group.servers)):
-                self._next_probe += 1
-                ident = self._next_probe
-                probe = self.probes[ident] = Probe(self.fx, self, group, index, ident)
-                probe.schedule(0.0)
+            kinds: list[type[Probe]] = []
+            if group.health_check is not None:
+                kinds.append(Probe)
+            if group.load_report is not None:
+                kinds.append(LoadPoll)
+            for kind in kinds:
+                for index in range(len(group.servers)):
+                    self._next_probe += 1
+                    ident = self._next_probe
+                    probe = self.probes[ident] = kind(self.fx, self, group, index, ident)
+                    probe.schedule(0.0)
 
     def _runtime_changed(self, event: RuntimeChanged) -> None:
         """New runtime server state: the next decision of every group uses it; streams in
@@ -425,6 +464,7 @@ class ProxyCore:
         self.runtime = event.state
         for router in self._routers.values():
             router.apply_runtime(event.state)
+        self._wake_queues()
         self.fx.emit(Log(event="runtime_changed", fields={"overrides": len(event.state.servers)}))
 
     def _shutdown(self, event: ShutdownRequested) -> None:

@@ -32,7 +32,7 @@ from .errors import error_response
 from .h1 import H1Server, PeerError
 from .h2 import H2Server
 from .intake import MalformedRequest
-from .messages import Refused, RequestHead, ResponseHead
+from .messages import Fields, Refused, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientHost, ClientStream, Phase
 
@@ -63,14 +63,17 @@ def send_error(
     api: Api | None = None,
     head_only: bool = False,
     request_id: bytes | None = None,
+    extra: Fields = (),
 ) -> int:
     """``ClientSide.send_error``: the proxy's own short response on ``stream``; returns the
-    body bytes sent, for the access log."""
+    body bytes sent, for the access log. ``extra``: fields it carries besides its own
+    (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429)."""
     h2s = client.h2
     if h2s is not None:
         headers, body = error_response(status, text, api=api, date=client.fx.http_date())
         if request_id is not None:
             headers.append((b"x-request-id", request_id))
+        headers.extend(extra)
         h2s.send_head(ResponseHead(stream=stream, status=status, headers=headers))
         if not head_only:
             h2s.send_body(stream, body)
@@ -78,7 +81,7 @@ def send_error(
         client.flush()
         return 0 if head_only else len(body)
     if client.h1 is not None:
-        return h1_error(client, status, text, api, request_id)
+        return h1_error(client, status, text, api, request_id, extra)
     return 0
 
 
@@ -88,6 +91,7 @@ def h1_error(
     text: str,
     api: Api | None = None,
     request_id: bytes | None = None,
+    extra: Fields = (),
 ) -> int:
     """The proxy's own response on HTTP/1.1, with ``Connection: close`` (nothing if a
     response began already); returns the body bytes it carried."""
@@ -96,6 +100,7 @@ def h1_error(
     headers, body = error_response(status, text, api=api, date=client.fx.http_date())
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
+    headers.extend(extra)
     out = h1.send_whole(status, headers, body)
     client.send_raw(out)
     return len(body) if out and not h1.head_only else 0

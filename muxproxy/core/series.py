@@ -74,10 +74,14 @@ class GroupStats:
         "bytes_received",
         "bytes_sent",
         "inter_token",
+        "queue_wait",
+        "reservations",
         "response_head",
         "sse_events",
         "stream_duration",
         "streams_without_token",
+        "tokens_reserved",
+        "tokens_used",
         "ttft",
     )
 
@@ -90,6 +94,11 @@ class GroupStats:
         self.ttft = Histogram(HEAD_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
         self.stream_duration = Histogram(DURATION_BUCKETS)
+        self.queue_wait = Histogram(HEAD_BUCKETS)
+        self.reservations = 0
+        """Budget reservations not yet settled (a gauge, kept here as the exchanges move it)."""
+        self.tokens_reserved = 0
+        self.tokens_used = 0
 
 
 # -- the metrics, as exported ---------------------------------------------------------------
@@ -136,6 +145,48 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("group",),
         "Seconds from the request head to the end of an SSE response",
     ),
+    "queue_wait_seconds": (
+        HISTOGRAM,
+        ("group",),
+        "Seconds requests waited in the admission queue (admitted, timed out or gone)",
+    ),
+    "admissions_refused_total": (
+        COUNTER,
+        ("group", "reason"),
+        "Requests answered 429 by admission control (queue_full, queue_timeout, rate_limited)",
+    ),
+    "rate_limit_reserved_tokens_total": (
+        COUNTER,
+        ("group",),
+        "Tokens reserved from tenants' budgets on admission",
+    ),
+    "rate_limit_used_tokens_total": (
+        COUNTER,
+        ("group",),
+        "Tokens charged to tenants' budgets once their requests ended (the real usage)",
+    ),
+    "rate_limit_reservations": (GAUGE, ("group",), "Budget reservations not yet settled"),
+    "queue_length": (GAUGE, ("group",), "Requests waiting in the admission queue"),
+    "server_load_tokens": (
+        GAUGE,
+        ("group", "server"),
+        "Tokens the proxy's streams on the server are still expected to generate",
+    ),
+    "server_reported_running": (
+        GAUGE,
+        ("group", "server"),
+        "Requests the engine reports running (fresh load reports only)",
+    ),
+    "server_reported_waiting": (
+        GAUGE,
+        ("group", "server"),
+        "Requests the engine reports waiting in its own queue (fresh load reports only)",
+    ),
+    "server_reported_kv_cache": (
+        GAUGE,
+        ("group", "server"),
+        "The engine's reported KV-cache usage, 0..1 (fresh load reports only)",
+    ),
     "active_streams": (GAUGE, ("group", "server"), "Requests in flight per server"),
     "client_connections": (GAUGE, (), "Open client connections"),
     "upstream_connections": (GAUGE, (), "Open backend connections"),
@@ -153,13 +204,22 @@ HISTOGRAM_ATTRS = {
     "time_to_first_token_seconds": "ttft",
     "inter_token_seconds": "inter_token",
     "stream_duration_seconds": "stream_duration",
+    "queue_wait_seconds": "queue_wait",
 }
 """A histogram metric's name -> the ``GroupStats`` attribute that holds it."""
 
-GAUGE_MERGE = {"server_up": "min", "server_weight": "max"}
+GAUGE_MERGE = {
+    "server_up": "min",
+    "server_weight": "max",
+    "server_reported_running": "max",
+    "server_reported_waiting": "max",
+    "server_reported_kv_cache": "max",
+}
 """How a gauge merges across workers when it is not summed: ``server_up`` is 1 only where
 every worker can use the server (health is judged per worker); ``server_weight`` is the same
-in every worker (runtime state is applied to all), ``max`` hides a moment between updates."""
+in every worker (runtime state is applied to all), ``max`` hides a moment between updates;
+an engine's reports are the same engine's whichever worker polled it (``max``: the latest
+of them, near enough, rather than a sum that would count the engine once per worker)."""
 
 SNAPSHOT_FORMAT = 1
 

@@ -32,6 +32,8 @@ class ExchangeTimer(enum.StrEnum):
     """A gRPC call's ``grpc-timeout``."""
     BODY = "body"
     """A request body that stopped coming (``timeouts.client_header``)."""
+    QUEUE = "queue"
+    """A request waiting for a server with room (``[upstreams.NAME.queue] timeout``)."""
 
 
 class ClientTimer(enum.StrEnum):

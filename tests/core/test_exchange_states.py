@@ -61,9 +61,13 @@ KEYED = ("x-session", "k1")
 
 
 def config() -> Config:
-    """Two servers (a failure is retried), a held SSE head with heartbeats, a first-token
-    timeout, and a session key from a header or else the JSON body."""
-    servers = (Server(address="127.0.0.1:9001"), Server(address="127.0.0.1:9002"))
+    """Two servers of one stream each (a failure is retried; a third request waits), a held
+    SSE head with heartbeats, a first-token timeout, and a session key from a header or
+    else the JSON body."""
+    servers = (
+        Server(address="127.0.0.1:9001", max_streams=1),
+        Server(address="127.0.0.1:9002", max_streams=1),
+    )
     sources = (
         SessionSource(kind="header", name="x-session"),
         SessionSource(kind="body", name="session"),
@@ -147,11 +151,27 @@ class Rig:
         self.settle()
 
 
-def reach(phase: Phase, *, h2: bool, open_request: bool, sse: bool) -> tuple[Rig, Exchange]:
+def fill(rig: Rig, streams: int) -> None:
+    """Count ``streams`` streams on each server, as if other clients ran them there."""
+    router = rig.pb.core.router(rig.pb.core.config.upstreams["default"])
+    router.active[:] = [streams] * len(router.active)
+
+
+def reach(
+    phase: Phase, *, h2: bool, open_request: bool, sse: bool, full: bool = False
+) -> tuple[Rig, Exchange]:
     """A conversation that leaves its exchange in ``phase``. ``open_request``: its request
     body is still coming; ``sse``: the backend answers with an SSE head (held, then committed
-    by its first event) rather than a JSON one (committed at once, before any body byte)."""
+    by its first event) rather than a JSON one (committed at once, before any body byte);
+    ``full``: every server is full (QUEUED is reached so; BUFFERING then routes into the
+    queue)."""
     rig = Rig(h2=h2)
+    if full or phase is Phase.QUEUED:
+        fill(rig, 1)
+    if phase is Phase.QUEUED:
+        exchange = rig.request(body=b'{"a": 1' if open_request else None)
+        assert exchange.phase is Phase.QUEUED
+        return rig, exchange
     if phase is Phase.BUFFERING:
         exchange = rig.request(body=b'{"sess', keyed=False)
         assert exchange.phase is Phase.BUFFERING
@@ -246,6 +266,10 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
             return exchange.client_stalled
         case _I.CLIENT_DRAINED:
             return exchange.client_drained
+        case _I.ADMITTED:
+            if variant == 1:
+                fill(rig, 0)  # a server has room: it is tried
+            return exchange.admitted
     kind = TIMERS[input]
     timer = (kind, exchange.ident)
     if timer in rig.pb.core.fx.timers and exchange.ident in rig.pb.core.exchanges:
@@ -285,7 +309,8 @@ def check(
     sse = input is _I.HEARTBEAT_TIMER or (variant != 1 and input is not _I.FIRST_TOKEN_TIMER)
     # Body bytes come only while the body does (the client side's adapters see to that).
     open_request = open_request or input is _I.REQUEST_BODY
-    rig, exchange = reach(phase, h2=h2, open_request=open_request, sse=sse)
+    full = phase is Phase.BUFFERING and variant == 2
+    rig, exchange = reach(phase, h2=h2, open_request=open_request, sse=sse, full=full)
     if variant == 2:
         rig.later(1000.0)  # the lazy deadlines have passed
     if rig.h2client is not None:
@@ -379,9 +404,9 @@ def test_the_per_token_path_takes_only_what_the_table_takes() -> None:
 # -- the exchange ----------------------------------------------------------------------------
 
 
-# Every pair, each way of reaching its phase and each variant of the input: 1,944 cases, a
+# Every pair, each way of reaching its phase and each variant of the input: 2,520 cases, a
 # space small enough that Hypothesis draws all of them and stops ("nothing left to do").
-EVERY_PAIR = settings(max_examples=2500, deadline=None)
+EVERY_PAIR = settings(max_examples=3000, deadline=None)
 
 
 @EVERY_PAIR
@@ -409,6 +434,10 @@ def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
                 if input in EVENTS:
                     taken |= {(was, made) for was, made, _ in moves if made in MOVES}
     # The first attempt from an exchange just started, and BUFFER, are taken as it starts.
-    taken |= {(Phase.CONNECTING, _I.ATTEMPT), (Phase.CONNECTING, _I.BUFFER)}
+    taken |= {
+        (Phase.CONNECTING, _I.ATTEMPT),
+        (Phase.CONNECTING, _I.BUFFER),
+        (Phase.CONNECTING, _I.QUEUE),
+    }
     allowed = {(p, i) for (p, i), t in TRANSITIONS.items() if i in MOVES and t is not ILLEGAL}
     assert allowed - taken == set()

@@ -218,7 +218,11 @@ def test_status_reports_weights_states_health_streams_and_failures() -> None:
         "health": "unhealthy",
         "active": 0,
         "failures": 1,
+        "max_streams": None,
+        "work": 0,
+        "reported": None,
     }
+    assert group["queue"] == {"waiting": 0, "max": 1000}
     assert by_address[A]["id"] == rig.router.ids[0].decode()
     b = by_address[B]
     assert (b["weight"], b["configured_weight"], b["state"], b["active"]) == (5, 1, "up", 1)

@@ -1,0 +1,203 @@
+"""Admission: one exchange's way past its group's budgets and through its queue.
+
+What it obeys:
+
+- The request's facts are read once, when it is routed (``routing/llmrequest.py``): the
+  tokens it may generate (its ``max_tokens``, else the group's ``default_max_tokens``), its
+  prefix key, its tenant and priority (``tenant``, ``priority``: any session-key source).
+  The tenant is kept as a 64-bit blake2b of its value, never as sent: nothing here or in a
+  log holds a credential.
+- Budgets (``rate_limit``, ``routing/ratelimit.py``): on arrival the request reserves its
+  expected tokens and one request from its tenant's buckets, before it waits or is sent, so
+  requests in flight at once cannot spend more than the budget; a refusal is a 429 with
+  ``Retry-After`` and the ``x-ratelimit-*`` fields (OpenAI's). When the exchange ends, the
+  reservation is settled to the completion tokens really used: the ``usage`` object's
+  ``completion_tokens`` when the backend sent one (``UsageScan``), else the SSE events
+  relayed, else (a response that is neither) what was reserved; nothing for a request that
+  got no response from a backend.
+- The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
+  room waits, fair between tenants and strict between priorities, for at most
+  ``queue.timeout`` seconds; past ``queue.max`` waiting, or past the timeout, it is answered
+  429 with ``Retry-After: queue.retry_after``. Its wait is measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import TYPE_CHECKING
+
+from ..config import AffinityMode, SessionSource, Upstream
+from ..routing.llmrequest import NOTHING, LlmRequest, read_request
+from ..routing.load import Ticket
+from ..routing.ratelimit import RateLimiter, Refusal, Reservation
+from ..routing.sticky import source_value
+from .effects import Effects
+from .messages import Headers, RequestHead
+from .timers import ExchangeTimer
+
+if TYPE_CHECKING:
+    from ..routing.router import GroupRouter
+
+_PRIORITIES = 10
+"""Priority classes 0..9 (lower first)."""
+
+
+def tenant_of(value: bytes | None) -> int:
+    """The tenant a source value names, as a stable 64-bit hash (0: no tenant)."""
+    if not value:
+        return 0
+    return int.from_bytes(hashlib.blake2b(value, digest_size=8, person=b"mux-tenant").digest())
+
+
+def priority_of(value: bytes | None) -> int:
+    """A priority class from a source value: an integer clamped to 0..9; else 0."""
+    if value is None:
+        return 0
+    try:
+        level = int(value.strip() or b"x")
+    except ValueError:
+        return 0
+    return min(max(level, 0), _PRIORITIES - 1)
+
+
+class Admission:
+    """The facts, reservation and queue wait of one exchange in one group."""
+
+    __slots__ = (
+        "facts",
+        "fx",
+        "group",
+        "limiter",
+        "priority",
+        "queued_at",
+        "reservation",
+        "tenant",
+        "ticket",
+        "usage",
+    )
+
+    def __init__(
+        self, fx: Effects, group: Upstream, head: RequestHead, document: object | None
+    ) -> None:
+        """``document``: the parsed request body, None when it was not read."""
+        self.fx = fx
+        self.group = group
+        facts = NOTHING
+        if document is not None:
+            length = group.prefix.length if group.affinity is AffinityMode.PREFIX else 0
+            facts = read_request(document, source=group.prefix.source, length=length)
+        self.facts: LlmRequest = facts
+        self.tenant = tenant_of(_value(group.tenant, head, document))
+        self.priority = priority_of(_value(group.priority, head, document))
+        self.ticket = Ticket(facts.max_tokens or group.default_max_tokens)
+        """The request's expected work on the server it runs on (``routing/load.py``)."""
+        self.reservation: Reservation | None = None
+        self.limiter: RateLimiter | None = None
+        """The budgets the reservation was taken from (they outlive a reload that keeps
+        ``rate_limit``)."""
+        self.usage: UsageScan | None = None
+        self.queued_at: float | None = None
+
+    @property
+    def prefix_key(self) -> bytes | None:
+        return self.facts.prefix_key
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def reserve(self, router: GroupRouter) -> Refusal | None:
+        """Take this request's share of its tenant's budgets; the refusal if they are spent."""
+        limiter = router.limiter
+        if limiter is None:
+            return None
+        result = limiter.reserve(self.tenant, self.ticket.expected, self.fx.now)
+        if isinstance(result, Refusal):
+            return result
+        self.reservation = result
+        self.limiter = limiter
+        if router.group.rate_limit is not None and router.group.rate_limit.tokens_per_minute:
+            self.usage = UsageScan()
+        return None
+
+    def settle(self, answered: bool, events: int | None) -> int | None:
+        """Correct the reservation to what was used (see the module header): ``answered``,
+        whether a backend's response came; ``events``: the SSE events relayed, if SSE.
+        The tokens counted as used; None when nothing was reserved."""
+        reservation, limiter = self.reservation, self.limiter
+        if reservation is None or limiter is None:
+            return None
+        self.reservation = None
+        if not answered:
+            used = 0
+        elif self.usage is not None and self.usage.completion_tokens is not None:
+            used = self.usage.completion_tokens
+        elif events is not None:
+            used = events
+        else:
+            used = reservation.tokens
+        limiter.settle(reservation, used, self.fx.now)
+        return used
+
+    # -- the queue -------------------------------------------------------------------------
+
+    def enqueue(self, router: GroupRouter, exchange: object, ident: int) -> bool:
+        """Wait in ``router``'s queue; False when it is full."""
+        if not router.queue.push(exchange, self.tenant, self.priority):
+            return False
+        fx = self.fx
+        self.queued_at = fx.now
+        fx.set_timer((ExchangeTimer.QUEUE, ident), fx.now + self.group.queue.timeout)
+        return True
+
+    def leave_queue(self, router: GroupRouter, exchange: object, ident: int) -> float | None:
+        """No longer waiting (admitted, timed out, gone): the seconds it waited, if it did."""
+        at = self.queued_at
+        if at is None:
+            return None
+        self.queued_at = None
+        router.queue.remove(exchange)
+        self.fx.cancel_timer((ExchangeTimer.QUEUE, ident))
+        return self.fx.now - at
+
+
+def _value(
+    source: SessionSource | None, head: RequestHead, document: object | None
+) -> bytes | None:
+    if source is None:
+        return None
+    return source_value(source, head.headers, head.target, document)
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*([0-9]{1,12})')
+_TAIL = 64
+"""Bytes of a chunk kept for the next one: a field split between two chunks is still seen."""
+
+
+class UsageScan:
+    """The last ``"completion_tokens": N`` in a response body (OpenAI's ``usage`` object,
+    in a JSON response or the last SSE chunk), found chunk by chunk in bounded memory."""
+
+    __slots__ = ("completion_tokens", "tail")
+
+    def __init__(self) -> None:
+        self.completion_tokens: int | None = None
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        text = self.tail + data
+        found = None
+        for match in _COMPLETION_TOKENS.finditer(text):
+            found = match
+        if found is not None and found.end() < len(text):  # digits complete: something after
+            self.completion_tokens = int(found[1])
+        self.tail = text[-_TAIL:]
+
+
+def extra_fields(refusal: Refusal) -> Headers:
+    """The fields of a 429 for a budget: ``Retry-After`` (RFC 9110 §10.2.3, whole seconds,
+    rounded up) unless the request can never fit, and the ``x-ratelimit-*`` fields."""
+    fields = list(refusal.headers)
+    if not refusal.too_large:
+        seconds = max(1, -int(-refusal.retry_after // 1))
+        fields.insert(0, (b"retry-after", str(seconds).encode("ascii")))
+    return fields
