@@ -229,8 +229,8 @@ def _describe_server(entry: dict[str, Any]) -> str:
     )
 
 
-_COLUMNS = ("SERVER", "ID", "WEIGHT", "STATE", "HEALTH", "ACTIVE", "FAILURES")
-_RIGHT = frozenset({"ACTIVE", "FAILURES"})
+_COLUMNS = ("SERVER", "ID", "WEIGHT", "STATE", "HEALTH", "ACTIVE", "FAILURES", "WORK")
+_RIGHT = frozenset({"ACTIVE", "FAILURES", "WORK"})
 
 
 def format_status(document: dict[str, Any]) -> str:
@@ -255,7 +255,11 @@ def format_status(document: dict[str, Any]) -> str:
         lines.append(", ".join(counts))
     for name, group in document.get("groups", {}).items():
         lines.append("")
-        lines.append(f"upstream {name} ({group.get('balance', '?')})")
+        title = f"upstream {name} ({group.get('balance', '?')})"
+        queue = group.get("queue") or {}
+        if queue.get("waiting"):
+            title += f"; {queue['waiting']} waiting in the queue (max {queue.get('max')})"
+        lines.append(title)
         rows = [list(_COLUMNS)]
         for server in group.get("servers", []):
             weight = str(server.get("weight"))
@@ -270,6 +274,7 @@ def format_status(document: dict[str, Any]) -> str:
                     str(server.get("health")),
                     str(server.get("active")),
                     str(server.get("failures")),
+                    str(server.get("work", 0)),
                 ]
             )
         lines.extend("  " + line for line in _table(rows))

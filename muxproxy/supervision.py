@@ -5,7 +5,8 @@ workers (:mod:`muxproxy.workers`); this one answers by asking every worker over 
 channel and merging the answers:
 
 * ``status()``: each worker's ``ProxyCore.status()``, merged per server: the counts
-  (``active`` streams, ``failures``, and the top-level ``clients``, ``upstream_connections``,
+  (``active`` streams, ``failures``, outstanding ``work``, the group's ``queue`` length,
+  and the top-level ``clients``, ``upstream_connections``,
   ``streams``) are summed; ``health`` and ``state`` are the worst any worker reports (each
   worker learns a backend's health for itself, and one that sees it down routes around it);
   ``workers`` lists every live process with its pid, slot, the configuration generation it
@@ -44,7 +45,7 @@ RUNTIME_TIMEOUT = 1.0
 
 _WORST_STATE = ("down", "draining", "up")
 _WORST_HEALTH = ("unhealthy", "healthy")
-_SUMMED = ("active", "failures")
+_SUMMED = ("active", "failures", "work")
 
 
 class Supervised(Protocol):
@@ -191,7 +192,15 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             combined["state"] = _worst(_WORST_STATE, [o.get("state") for o in same])
             combined["health"] = _worst(_WORST_HEALTH, [o.get("health") for o in same])
             servers.append(combined)
-        groups[name] = {**group, "servers": servers}
+        merged_group = {**group, "servers": servers}
+        queue = group.get("queue")
+        if isinstance(queue, dict):
+            waiting = sum(
+                status.get("groups", {}).get(name, {}).get("queue", {}).get("waiting", 0)
+                for status in statuses
+            )
+            merged_group["queue"] = {**queue, "waiting": waiting}
+        groups[name] = merged_group
     merged["groups"] = groups
     return merged
 

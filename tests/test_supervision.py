@@ -181,16 +181,29 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
             "health": health,
             "active": active,
             "failures": 1,
+            "work": 10 * active,
         }
 
     one = {
-        "groups": {"g": {"balance": "least_conn", "servers": [server(2, "up", "healthy")]}},
+        "groups": {
+            "g": {
+                "balance": "least_conn",
+                "servers": [server(2, "up", "healthy")],
+                "queue": {"waiting": 3, "max": 10},
+            }
+        },
         "clients": 3,
         "upstream_connections": 1,
         "streams": 2,
     }
     two = {
-        "groups": {"g": {"balance": "least_conn", "servers": [server(5, "down", "unhealthy")]}},
+        "groups": {
+            "g": {
+                "balance": "least_conn",
+                "servers": [server(5, "down", "unhealthy")],
+                "queue": {"waiting": 4, "max": 10},
+            }
+        },
         "clients": 4,
         "upstream_connections": 2,
         "streams": 5,
@@ -199,7 +212,8 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
     assert merged["clients"] == 7 and merged["upstream_connections"] == 3
     assert merged["streams"] == 7
     (entry,) = merged["groups"]["g"]["servers"]
-    assert entry["active"] == 7 and entry["failures"] == 2
+    assert entry["active"] == 7 and entry["failures"] == 2 and entry["work"] == 70
+    assert merged["groups"]["g"]["queue"] == {"waiting": 7, "max": 10}
     assert entry["state"] == "down" and entry["health"] == "unhealthy"
     assert merged["groups"]["g"]["balance"] == "least_conn"
     assert merge_statuses([]) == {"groups": {}}

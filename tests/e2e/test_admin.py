@@ -171,7 +171,11 @@ async def test_status_lists_groups_servers_listeners_and_workers(
         "health": "healthy",
         "active": 0,
         "failures": 0,
+        "max_streams": None,
+        "work": 0,
+        "reported": None,
     }
+    assert group["queue"] == {"waiting": 0, "max": 1000}
     assert document["generation"] == 1
     assert document["workers"] == [{"pid": os.getpid(), "generation": 1}]
     assert document["listeners"]["configured"] == [{"address": "127.0.0.1:0", "tls": False}]

@@ -122,6 +122,7 @@ async def test_admin_status_prints_a_table_of_the_servers(
             "HEALTH",
             "ACTIVE",
             "FAILURES",
+            "WORK",
         ]
         rows = [line.split() for line in lines[header + 2 : header + 4]]
         assert [(row[0], row[2], row[3], row[4], row[5]) for row in rows] == [
