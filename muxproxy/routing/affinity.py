@@ -27,12 +27,14 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 __all__ = ["DEFAULT_LIMIT", "Affinity"]
 
 DEFAULT_LIMIT = 100_000
-"""Keys remembered per group. An entry costs about 170 bytes (an int key, a tuple of the
-shared address string and a float, a dict slot; measured with tracemalloc), so a full
-memory is about 17 MB: room for
+"""Keys remembered per group. An entry costs about 200 bytes (an int key, a tuple of the
+shared address string and a float, an ``OrderedDict`` slot and link; measured with
+tracemalloc), so a full memory is about 20 MB: room for
 100,000 conversations active within ``session_idle``, which is more than one proxy
 process's backends serve at once."""
 
@@ -48,8 +50,10 @@ def key_hash(key: bytes) -> int:
 class Affinity:
     """An LRU map ``hash(key) -> (address, last sent)`` with a size bound and an idle time.
 
-    A plain dict in insertion order serves as the LRU list: ``sent`` re-inserts its key at
-    the end, so the first entry is always the least recently sent one.
+    An ``OrderedDict`` serves as the LRU list: ``sent`` moves its key to the end, so the
+    first entry is always the least recently sent one. Not a plain dict: deleting from a
+    dict's front leaves dummy slots that every later ``next(iter(...))`` walks again (until
+    the dict is resized), which made each sweep O(n); an ``OrderedDict``'s ends are O(1).
     """
 
     __slots__ = ("_entries", "idle", "limit")
@@ -58,7 +62,7 @@ class Affinity:
         self.idle = idle
         """Seconds after its last request that a key is forgotten."""
         self.limit = limit
-        self._entries: dict[int, tuple[str, float]] = {}
+        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,8 +78,8 @@ class Affinity:
         """Remember that ``key`` was sent to ``address`` at ``now``."""
         entries = self._entries
         digest = hash(key)
-        entries.pop(digest, None)
         entries[digest] = (address, now)
+        entries.move_to_end(digest)
         oldest = entries[next(iter(entries))]
         if len(entries) > self.limit or now - oldest[1] > self.idle:
             self._sweep(now)
@@ -86,4 +90,4 @@ class Affinity:
             oldest = next(iter(entries))
             if now - entries[oldest][1] <= self.idle and len(entries) <= self.limit:
                 break
-            del entries[oldest]
+            entries.popitem(last=False)
