@@ -8,8 +8,9 @@ and hands the parsed report to the group's router, which uses it while it is fre
 (``routing/load.py``: at most 3 intervals old). A failure (no connection, a timeout, a
 status other than 200, a body too large or not a Prometheus exposition with a known gauge)
 degrades this one feature for this one server: the router's own counts stand alone once the
-last report is stale, the failure is logged when it starts and when it ends (not at every
-poll), and nothing else is touched. A load poll never changes a server's health.
+last report is stale, and nothing else is touched. The first result is logged
+(``event=load_report``, ``ok``), and after it each change (a failure starting or ending),
+not every poll. A load poll never changes a server's health.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class LoadPoll(Probe):
         self.body = bytearray()
         self.too_large = False
         self.report: LoadReport | None = None
-        self.failing = False
-        """The last poll failed (its failure was logged; the next success is too)."""
+        self.failing: bool | None = None
+        """The last poll failed (its failure was logged; the next success is too); None:
+        no poll ended yet."""
 
     def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
         settings: LoadReporting | None = group.load_report
@@ -79,7 +81,7 @@ class LoadPoll(Probe):
             assert self.report is not None
             router.load_reported(self.index, self.report, self.fx.now)
             self.host.room_freed(router)  # a shorter engine queue may let who waits go
-        if ok == self.failing:  # a change: failing from now on, or failing no more
+        if self.failing is None or ok == self.failing:  # the first result, or a change
             self.failing = not ok
             fields = {
                 "upstream": self.group.name,

@@ -431,6 +431,8 @@ def test_max_waiting_makes_a_server_full_while_its_engine_queues() -> None:
 def test_a_failing_load_report_is_logged_once_and_touches_nothing_else() -> None:
     rig = Rig(reporting_fleet(A, B))
     rig.pb.feed(ConfigChanged(now=0.0, config=rig.config))
+    (first,) = poll(rig, 2, page())
+    assert first.fields["ok"] is True and first.fields["server"] == B  # the first is logged
     (log,) = poll(rig, 1, b"<html>not metrics</html>")
     assert log.fields["ok"] is False and "unreadable report" in log.fields["detail"]
     rig.pb.now = 1.0

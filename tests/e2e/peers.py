@@ -452,6 +452,8 @@ class H2Peer:
         self.closed = False
         """The server closed the TCP connection (or it broke)."""
         self.reads = 0
+        self.pings_acked = 0
+        """PING ACKs received: the server has handled every frame sent before the PING."""
         self._send_lock = trio.StrictFIFOLock()
         self._changed = trio.Event()
 
@@ -556,6 +558,14 @@ class H2Peer:
             conn.end_stream(sid)
             await self.flush()
 
+    async def sync(self) -> None:
+        """PING, and wait for its ACK (RFC 9113 §6.7): the server has read and handled every
+        frame sent before it."""
+        acked = self.pings_acked
+        self.conn.ping(acked.to_bytes(8, "big"))
+        await self.flush()
+        await self.wait_until(lambda: self.pings_acked > acked)
+
     async def reset(
         self, sid: int, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.CANCEL
     ) -> None:
@@ -604,6 +614,9 @@ class H2Peer:
                 continue
             if isinstance(event, h2.events.ConnectionTerminated):
                 self.terminated = event
+                continue
+            if isinstance(event, h2.events.PingAckReceived):
+                self.pings_acked += 1
                 continue
             sid = getattr(event, "stream_id", None)
             state = self.streams.get(sid) if sid else None
