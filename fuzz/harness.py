@@ -12,6 +12,12 @@ how they end.
 - ``backend_h1`` / ``backend_h2``: a well-formed HTTP/1.1 client request, then ``data`` is what
   the backend (HTTP/1.1, or h2c with prior knowledge) answers, cut at ``splits``.
 
+With ``llm`` (bit 6 of the input's first byte: ``llm_of``) the group is an LLM fleet's:
+least load with prefix affinity (so every request's JSON body is read before it is routed),
+one stream per server (a second request waits in the admission queue, fair between tenants
+by ``Authorization``, for at most 1 s), and a token budget per tenant settled from the
+response's usage (so backend bodies are scanned for it).
+
 With ``stop`` (seconds, from the input's first byte: ``stop_of``), a graceful stop
 (``ShutdownRequested`` with its deadline ``stop`` seconds on; 0 cuts at once) comes after the
 first read of the fuzzed bytes, so the fuzzer also drives the stop through every state a
@@ -43,7 +49,16 @@ from typing import Any
 
 import attrs
 
-from muxproxy.config import Config, Server, quick_config
+from muxproxy.config import (
+    AdmissionQueue,
+    AffinityMode,
+    Balance,
+    Config,
+    RateLimit,
+    Server,
+    SessionSource,
+    quick_config,
+)
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.testing.simdriver import SimDriver
 
@@ -79,34 +94,56 @@ def stop_of(buf: bytes) -> float | None:
 
 
 STOP_BIT = 0x08
+LLM_BIT = 0x40
+
+
+def llm_of(buf: bytes) -> bool:
+    """Whether an atheris input asks for the LLM fleet's group (bit 6 of byte 0)."""
+    return bool(buf) and bool(buf[0] & LLM_BIT)
 
 
 def encode(
     data: bytes,
     splits: list[int] = [],  # noqa: B006 - never mutated
     stop: int | None = None,
+    *,
+    llm: bool = False,
 ) -> bytes:
-    """The inverse of ``decode`` and ``stop_of`` (for the seed corpus)."""
+    """The inverse of ``decode``, ``stop_of`` and ``llm_of`` (for the seed corpus)."""
     splits = splits[:7]
     first = len(splits) if stop is None else len(splits) | STOP_BIT | (stop & 3) << 4
+    if llm:
+        first |= LLM_BIT
     return bytes([first]) + b"".join(s.to_bytes(2, "big") for s in splits) + data
 
 
-def config_for(kind: str) -> Config:
+def config_for(kind: str, llm: bool = False) -> Config:
     config = quick_config("127.0.0.1:8080", [BACKEND])
-    if kind == "backend_h2":
-        group = config.upstreams["default"]
+    group = config.upstreams["default"]
+    protocol = "h2" if kind == "backend_h2" else "h1"
+    if llm:
+        group = attrs.evolve(
+            group,
+            servers=(Server(address=BACKEND, protocol=protocol, max_streams=1),),
+            balance=Balance.LEAST_LOAD,
+            affinity=AffinityMode.PREFIX,
+            queue=AdmissionQueue(max=4, timeout=1.0),
+            tenant=SessionSource(kind="header", name="authorization"),
+            rate_limit=RateLimit(tokens_per_minute=10_000, requests_per_minute=100),
+        )
+    elif protocol == "h2":
         group = attrs.evolve(group, servers=(Server(address=BACKEND, protocol="h2"),))
-        config = attrs.evolve(config, upstreams={"default": group})
-    return config
+    return attrs.evolve(config, upstreams={"default": group})
 
 
-def run_case(kind: str, data: bytes, splits: list[int], stop: float | None = None) -> None:
+def run_case(
+    kind: str, data: bytes, splits: list[int], stop: float | None = None, llm: bool = False
+) -> None:
     """Play one conversation (see the module docstring); raise AssertionError on a broken
     invariant."""
     assert kind in KINDS, kind
     # A bug must crash the case, not be contained as one connection's internal error.
-    core = ProxyCore(config_for(kind), raise_errors=True)
+    core = ProxyCore(config_for(kind, llm), raise_errors=True)
     driver = SimDriver(core, answer_backends=kind.startswith("client"))
     driver.accept(CLIENT)
     if kind.startswith("client"):

@@ -20,10 +20,15 @@ from hyperframe.frame import GoAwayFrame
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fuzz.harness import STOP_BIT, encode
+from fuzz.harness import LLM_BIT, STOP_BIT, encode
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+SYSTEM_CHAT = (
+    b'{"model":"m","max_tokens":64,"stream":true,"messages":[{"role":"system","content":'
+    b'"You are helpful."},{"role":"user","content":[{"type":"text","text":"hi"}]}]}'
+)
 SSE = [b'data: {"tok":"a"}\n\n', b'data: {"tok":"b"}\n\n', b"data: [DONE]\n\n"]
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
 
 
 def h1_request(
@@ -54,6 +59,14 @@ def client_h1() -> list[bytes]:
         encode(post, [5, 40]),
         encode(h1_request("POST", "/v1/completions", [], CHAT, chunked=True)),
         encode(get + post),  # pipelined
+        # A chunked chat body read before routing (the LLM group), and a tenant.
+        encode(
+            h1_request(
+                "POST", "/v1/chat/completions", [("Authorization", "k")], SYSTEM_CHAT, chunked=True
+            ),
+            [60, 120],
+            llm=True,
+        ),
         encode(h1_request("POST", "/v1/chat/completions", [("Expect", "100-continue")], CHAT)),
         encode(
             h1_request(
@@ -131,6 +144,15 @@ def client_h2() -> list[bytes]:
     conn.send_headers(1, [(b"x-trailer", b"1")], end_stream=True)
     conn.ping(b"12345678")
     seeds.append(encode(conn.data_to_send()))
+    # Three tenants' chat requests at once: with the LLM group, two of them wait in the queue.
+    conn = h2_client()
+    for sid, tenant in ((1, b"Bearer a"), (3, b"Bearer a"), (5, b"Bearer b")):
+        json_type = (b"content-type", b"application/json")
+        conn.send_headers(
+            sid, h2_headers(b"POST", b"/v1/chat/completions", json_type, (b"authorization", tenant))
+        )
+        conn.send_data(sid, SYSTEM_CHAT, end_stream=True)
+    seeds.append(encode(conn.data_to_send(), llm=True))
     return seeds
 
 
@@ -163,6 +185,7 @@ def backend_h1() -> list[bytes]:
         encode(h1_response(503, [("Content-Length", "4")], [b"busy"])),
         encode(b"HTTP/1.1 100 Continue\r\n\r\n" + h1_response(204, [], [])),
         encode(h1_response(200, sse, SSE[:1], end=False)),  # truncated
+        encode(h1_response(200, sse, [SSE[0], USAGE, SSE[2]]), [30], llm=True),  # the usage
     ]
 
 
@@ -209,12 +232,14 @@ def backend_h2() -> list[bytes]:
 
 def with_stops(seeds: list[bytes]) -> list[bytes]:
     """``seeds``, and the first two again with a graceful stop after their first read: one cut
-    at once (grace 0), one with 2 seconds of grace (``harness.stop_of``)."""
+    at once (grace 0), one with 2 seconds of grace (``harness.stop_of``); and the first two
+    with the LLM fleet's group (``harness.llm_of``)."""
     stopped = [
         bytes([seed[0] | STOP_BIT | grace << 4]) + seed[1:]
         for seed, grace in zip(seeds, (0, 2), strict=False)
     ]
-    return seeds + stopped
+    llm = [bytes([seed[0] | LLM_BIT]) + seed[1:] for seed in seeds[:2]]
+    return seeds + stopped + llm
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz.harness import KINDS, decode, run_case, stop_of
+from fuzz.harness import KINDS, decode, llm_of, run_case, stop_of
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -19,7 +19,7 @@ SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdi
 def test_seed_corpus_keeps_every_invariant(kind: str, path: pathlib.Path) -> None:
     raw = path.read_bytes()
     data, splits = decode(raw)
-    run_case(kind, data, splits, stop=stop_of(raw))
+    run_case(kind, data, splits, stop=stop_of(raw), llm=llm_of(raw))
 
 
 def test_every_target_has_seeds() -> None:
@@ -47,10 +47,10 @@ def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> N
             mutated[at:at] = data.draw(st.binary(max_size=16))
     splits = data.draw(st.lists(st.integers(0, len(mutated)), max_size=6))
     stop = data.draw(st.sampled_from([None, 0.0, 1.0, 3.0]))
-    run_case(kind, bytes(mutated), splits, stop=stop)
+    run_case(kind, bytes(mutated), splits, stop=stop, llm=data.draw(st.booleans()))
 
 
 @settings(max_examples=25, deadline=None)
 @given(kind=st.sampled_from(KINDS), raw=st.binary(max_size=256), splits=st.lists(st.integers()))
 def test_random_bytes_keep_every_invariant(kind: str, raw: bytes, splits: list[int]) -> None:
-    run_case(kind, raw, [abs(s) for s in splits])
+    run_case(kind, raw, [abs(s) for s in splits], llm=len(raw) % 2 == 1)
