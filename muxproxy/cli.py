@@ -27,6 +27,7 @@ import attrs
 from muxproxy import __version__
 from muxproxy.config import (
     LOG_LEVELS,
+    AffinityMode,
     Config,
     ConfigError,
     GroupTimeouts,
@@ -226,7 +227,54 @@ def _describe_server(server: Server) -> str:
         text += f" fail_timeout={_seconds(server.fail_timeout)}"
     if server.backup:
         text += " backup"
+    if server.max_streams is not None:
+        text += f" max_streams={server.max_streams}"
+    if server.max_waiting is not None:
+        text += f" max_waiting={server.max_waiting}"
     return text
+
+
+def _describe_llm(group: Upstream) -> list[str]:
+    """The lines of LLM-aware balancing and admission, for a group that uses them."""
+    lines = []
+    if group.affinity is AffinityMode.PREFIX:
+        prefix = group.prefix
+        lines.append(
+            f"prefix affinity on the first {_size(prefix.length)} of {prefix.source} prompts,"
+            f" bounded at {prefix.load_factor:g} x the mean load"
+        )
+    report = group.load_report
+    if report is not None:
+        lines.append(
+            f"load reports GET {report.path} every {_seconds(report.interval)}"
+            f" (stale after {_seconds(3 * report.interval)}; no new sessions above"
+            f" {report.kv_cache_limit:.0%} KV cache)"
+        )
+    if group.admission:
+        queue = group.queue
+        lines.append(
+            f"admission queue of {queue.max}, {_seconds(queue.timeout)} at most, then 429"
+            f" (Retry-After {queue.retry_after}s)"
+        )
+    budget = group.rate_limit
+    if budget is not None:
+        limits = [
+            f"{value} {name} a minute"
+            for name, value in (
+                ("tokens", budget.tokens_per_minute),
+                ("requests", budget.requests_per_minute),
+            )
+            if value is not None
+        ]
+        lines.append("budget per tenant: " + ", ".join(limits))
+    who = [
+        f"{name} by {source.kind}:{source.name}"
+        for name, source in (("tenant", group.tenant), ("priority", group.priority))
+        if source is not None
+    ]
+    if who:
+        lines.append("; ".join(who))
+    return lines
 
 
 def _describe_group(group: Upstream) -> list[str]:
@@ -262,6 +310,7 @@ def _describe_group(group: Upstream) -> list[str]:
             f" (timeout {_seconds(health.timeout)}, expect {health.expect_status},"
             f" up after {health.passes}, down after {health.fails})"
         )
+    lines.extend(_describe_llm(group))
     if group.set_headers:
         lines.append("set headers " + ", ".join(rule.name for rule in group.set_headers))
     timeouts = [

@@ -218,6 +218,38 @@ def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
     assert "s3cret" not in result.stdout
 
 
+LLM_FLEET = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[upstreams.gpus]
+servers = [{ address = "127.0.0.1:9001", max_streams = 64, max_waiting = 4 }, "127.0.0.1:9002"]
+balance = "least_load"
+affinity = "prefix"
+load_report = { interval = 1 }
+tenant = "header:Authorization"
+priority = "header:X-Priority"
+rate_limit = { tokens_per_minute = 100000 }
+"""
+
+
+def test_check_summarizes_balancing_and_admission(tmp_path: Path) -> None:
+    (tmp_path / "llm.toml").write_text(LLM_FLEET)
+    result = run_cli("check", "--config", "llm.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[2:9] == [
+        "  upstream gpus: 2 servers (127.0.0.1:9001 max_streams=64 max_waiting=4, 127.0.0.1:9002)",
+        "    balance least_load; retry on error, timeout: 3 tries within 10s, bodies up to 1 MiB",
+        "    prefix affinity on the first 1 KiB of auto prompts, bounded at 1.25 x the mean load",
+        "    load reports GET /metrics every 1s (stale after 3s; no new sessions above 95% KV"
+        " cache)",
+        "    admission queue of 1000, 30s at most, then 429 (Retry-After 1s)",
+        "    budget per tenant: 100000 tokens a minute",
+        "    tenant by header:authorization; priority by header:x-priority",
+    ]
+
+
 def test_check_bad_routing_file(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text(BAD_ROUTING)
     result = run_cli("check", "--config", "bad.toml", cwd=tmp_path)
