@@ -176,7 +176,6 @@ class GroupRouter:
     ) -> list[int]:
         """Server indices to try, in order; empty when no server is usable. ``prefix``: the
         request's prefix key (used with ``affinity = "prefix"`` when there is no ``key``)."""
-        servers = self.group.servers
         out: list[int] = []
         pin = None if pinned is None else self.by_id.get(pinned)
         known = None
@@ -188,15 +187,7 @@ class GroupRouter:
             out.append(pin)
         if known is not None and known != pin and self._takes_existing(known, now):
             out.append(known)
-        usable = usable_servers(
-            servers,
-            self.weights,
-            self.passive,
-            self.probes,
-            now,
-            for_new_sessions=True,
-            down=self.down,
-        )
+        usable = self._usable(now, for_new_sessions=True)
         group = self.group
         report = group.load_report
         fresh = usable
@@ -245,16 +236,19 @@ class GroupRouter:
 
     def room_anywhere(self, now: float) -> bool:
         """Whether a server that takes new sessions has room (the queue may admit)."""
-        usable = usable_servers(
+        return any(self.has_room(index, now) for index in self._usable(now, for_new_sessions=True))
+
+    def _usable(self, now: float, *, for_new_sessions: bool) -> list[int]:
+        """``health.usable_servers`` with this group's state."""
+        return usable_servers(
             self.group.servers,
             self.weights,
             self.passive,
             self.probes,
             now,
-            for_new_sessions=True,
+            for_new_sessions=for_new_sessions,
             down=self.down,
         )
-        return any(self.has_room(index, now) for index in usable)
 
     def load_reported(self, index: int, report: LoadReport, now: float) -> None:
         """The engine of ``index`` reported its load (``core/loadpoll.py``)."""
@@ -270,16 +264,7 @@ class GroupRouter:
             return False
         if not self.group.servers[index].backup:
             return True
-        existing = usable_servers(
-            self.group.servers,
-            self.weights,
-            self.passive,
-            self.probes,
-            now,
-            for_new_sessions=False,
-            down=self.down,
-        )
-        return index in existing
+        return index in self._usable(now, for_new_sessions=False)
 
     # -- what happened ---------------------------------------------------------------------
 

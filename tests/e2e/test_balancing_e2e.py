@@ -56,6 +56,18 @@ def chat(user: str = "hi", *, system: str | None = None, max_tokens: int = 4) ->
     return {"model": "m", "messages": messages, "stream": True, "max_tokens": max_tokens}
 
 
+BODY = json.dumps(chat()).encode()
+JSON_TYPE = [("content-type", "application/json")]
+
+
+async def one_slot(start_backend: Any, start_proxy: Any, **backend: Any) -> tuple[Any, Any, Any]:
+    """A backend behind a proxy that lets it run one stream at once: (fake, proxy, router)."""
+    fake, port = await start_backend(**backend)
+    servers = (Server(address=f"127.0.0.1:{port}", max_streams=1),)
+    proxy = await start_proxy(config=config([port], servers=servers))
+    return fake, proxy, proxy.server.core.router(proxy.server.core.config.upstreams["llm"])
+
+
 async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], **kw: Any) -> Any:
     """POST a streaming chat request; the response (read to its end)."""
     response = await client.post(url + CHAT, json=body, **kw)
@@ -131,16 +143,11 @@ async def test_a_full_server_makes_the_next_request_wait_then_serves_it(
     start_backend: Any, start_proxy: Any
 ) -> None:
     with trio.fail_after(TEST_TIMEOUT):
-        fake, port = await start_backend(tokens=3, delay=0.05)
-        servers = (Server(address=f"127.0.0.1:{port}", max_streams=1),)
-        proxy = await start_proxy(config=config([port], servers=servers))
-        router = proxy.server.core.router(proxy.server.core.config.upstreams["llm"])
-        body = json.dumps(chat()).encode()
-        json_type = [("content-type", "application/json")]
+        fake, proxy, router = await one_slot(start_backend, start_proxy, tokens=3, delay=0.05)
         async with open_h2(proxy.port) as peer:
-            first = await peer.request("POST", CHAT, json_type, body)
+            first = await peer.request("POST", CHAT, JSON_TYPE, BODY)
             await fake.wait_streams_started(1)
-            second = await peer.request("POST", CHAT, json_type, body)
+            second = await peer.request("POST", CHAT, JSON_TYPE, BODY)
             await peer.sync()
             assert len(router.queue) == 1  # waiting in the proxy, not sent to the backend
             assert fake.requests == 1
@@ -184,17 +191,12 @@ async def test_a_client_that_resets_its_queued_stream_is_never_forwarded(
     start_backend: Any, start_proxy: Any
 ) -> None:
     with trio.fail_after(TEST_TIMEOUT):
-        fake, port = await start_backend(tokens=5, delay=0.05)
-        servers = (Server(address=f"127.0.0.1:{port}", max_streams=1),)
-        proxy = await start_proxy(config=config([port], servers=servers))
+        fake, proxy, router = await one_slot(start_backend, start_proxy, tokens=5, delay=0.05)
         logs = LogCapture(proxy)
-        router = proxy.server.core.router(proxy.server.core.config.upstreams["llm"])
-        body = json.dumps(chat()).encode()
-        json_type = [("content-type", "application/json")]
         async with open_h2(proxy.port) as peer:
-            first = await peer.request("POST", CHAT, json_type, body)
+            first = await peer.request("POST", CHAT, JSON_TYPE, BODY)
             await fake.wait_streams_started(1)
-            leaving = await peer.request("POST", CHAT, json_type, body)
+            leaving = await peer.request("POST", CHAT, JSON_TYPE, BODY)
             await peer.sync()
             assert len(router.queue) == 1
             await peer.reset(leaving)
@@ -203,7 +205,7 @@ async def test_a_client_that_resets_its_queued_stream_is_never_forwarded(
             (aborted,) = await logs.wait_access(1)
             assert aborted["outcome"].startswith("client aborted")
             await peer.wait_done(first)
-            after = await peer.request("POST", CHAT, json_type, body)
+            after = await peer.request("POST", CHAT, JSON_TYPE, BODY)
             state = await peer.wait_done(after)
         assert state.header(":status") == "200"
         assert fake.requests == 2  # the reset request never reached the backend

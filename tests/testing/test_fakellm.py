@@ -755,22 +755,28 @@ def test_add_arguments() -> None:
         parser.parse_args(["--tokens", "-1"])
 
 
-async def test_cli_prints_ready_line_and_serves() -> None:
-    command = [sys.executable, "-m", "muxproxy.testing.fakellm", "--id", "gpu7", "--tokens", "2"]
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            lambda task_status: trio.run_process(
-                command, stdout=subprocess.PIPE, check=False, task_status=task_status
-            )
+async def ready_line(nursery: trio.Nursery, *options: str) -> tuple[trio.Process, bytes]:
+    """Start ``muxproxy fakellm OPTIONS`` as a process; it and its first stdout line."""
+    command = [sys.executable, "-m", "muxproxy.testing.fakellm", *options]
+    process: trio.Process = await nursery.start(
+        lambda task_status: trio.run_process(
+            command, stdout=subprocess.PIPE, check=False, task_status=task_status
         )
+    )
+    with trio.fail_after(30):
+        assert process.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            data = await process.stdout.receive_some(1024)
+            assert data, "fakellm exited before printing its ready line"
+            line += data
+    return process, line
+
+
+async def test_cli_prints_ready_line_and_serves() -> None:
+    async with trio.open_nursery() as nursery:
+        process, line = await ready_line(nursery, "--id", "gpu7", "--tokens", "2")
         try:
-            with trio.fail_after(30):
-                assert process.stdout is not None
-                line = b""
-                while not line.endswith(b"\n"):
-                    data = await process.stdout.receive_some(1024)
-                    assert data, "fakellm exited before printing its ready line"
-                    line += data
             match = re.fullmatch(r"fakellm gpu7 listening on 127\.0\.0\.1:(\d+)\n", line.decode())
             assert match, line
             with trio.fail_after(5):

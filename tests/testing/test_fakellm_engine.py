@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +20,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from test_fakellm import ready_line
 
 from muxproxy.cli import main as muxproxy_main
 from muxproxy.testing.fakellm import FakeLLM, add_arguments, reply_text
@@ -627,22 +626,10 @@ def test_fakellm_help_lists_the_engine_options(capsys: pytest.CaptureFixture[str
 
 
 async def test_cli_engine_options_reach_the_engine() -> None:
-    command = [sys.executable, "-m", "muxproxy.testing.fakellm", "--max-running", "1"]
-    command += ["--kv-blocks", "64", "--block-tokens", "4", "--tokens", "1", "--delay", "0"]
+    options = ["--max-running", "1", "--kv-blocks", "64", "--block-tokens", "4", "--tokens", "1"]
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            lambda task_status: trio.run_process(
-                command, stdout=subprocess.PIPE, check=False, task_status=task_status
-            )
-        )
+        process, line = await ready_line(nursery, *options, "--delay", "0")
         try:
-            with trio.fail_after(30):
-                assert process.stdout is not None
-                line = b""
-                while not line.endswith(b"\n"):
-                    data = await process.stdout.receive_some(1024)
-                    assert data, "fakellm exited before printing its ready line"
-                    line += data
             match = re.search(rb"listening on 127\.0\.0\.1:(\d+)", line)
             assert match, line
             with trio.fail_after(10):
