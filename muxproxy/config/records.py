@@ -334,27 +334,29 @@ class Upstream:
     ``priority``); missing or not an integer: 0. Strict between classes, fair inside one."""
     rate_limit: RateLimit | None = None
 
-    @property
-    def reads_body(self) -> bool:
-        """Whether routing or admission reads the request's JSON body."""
-        return (
+    reads_body: bool = attrs.field(init=False, repr=False, eq=False)
+    """Whether routing or admission reads the request's JSON body (derived, kept: every
+    request asks)."""
+    admission: bool = attrs.field(init=False, repr=False, eq=False)
+    """Whether any server has a limit that can make a request wait (derived)."""
+    admits: bool = attrs.field(init=False, repr=False, eq=False)
+    """Whether a request goes through admission (``core/admit.py``): its body is read,
+    servers have limits, or tenants have budgets (derived)."""
+
+    def __attrs_post_init__(self) -> None:
+        reads_body = (
             self.balance is Balance.LEAST_LOAD
             or self.affinity is AffinityMode.PREFIX
             or (self.rate_limit is not None and self.rate_limit.tokens_per_minute is not None)
             or (self.tenant is not None and self.tenant.kind == "body")
             or (self.priority is not None and self.priority.kind == "body")
         )
-
-    @property
-    def admits(self) -> bool:
-        """Whether a request goes through admission (``core/admit.py``): its body is read,
-        servers have limits, or tenants have budgets."""
-        return self.reads_body or self.admission or self.rate_limit is not None
-
-    @property
-    def admission(self) -> bool:
-        """Whether any server has a limit that can make a request wait."""
-        return any(s.max_streams is not None or s.max_waiting is not None for s in self.servers)
+        admission = any(
+            s.max_streams is not None or s.max_waiting is not None for s in self.servers
+        )
+        object.__setattr__(self, "reads_body", reads_body)
+        object.__setattr__(self, "admission", admission)
+        object.__setattr__(self, "admits", reads_body or admission or self.rate_limit is not None)
 
     def server_at(self, host: str, port: int) -> Server | None:
         """The server of this group at ``host:port``, if any."""
