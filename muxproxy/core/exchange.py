@@ -225,7 +225,7 @@ class Exchange:
         if not failover.candidates:
             self.fail(503, "no backend available")
             return
-        if not failover.choose_room():
+        if group.admission and not failover.choose_room():
             self._wait()
             return
         self.move(_I.ATTEMPT)
