@@ -39,6 +39,7 @@ import sys
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h2.exceptions
@@ -322,7 +323,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def pair(kind: type) -> object:
+def pair(kind: type) -> Callable[[str], tuple[object, object]]:
+    """An argparse ``type``: ``"MIN,MAX"`` (or ``"N"``: N, N) as two ``kind`` values."""
+
     def parse(text: str) -> tuple[object, object]:
         lo, _, hi = text.partition(",")
         return kind(lo), kind(hi or lo)

@@ -263,6 +263,25 @@ PROXY_CPUS: set[int] | None = None
 """``--proxy-cpus``: the CPUs every proxy runs on; the backend and the clients get the others."""
 
 
+def split_cpus(parser: argparse.ArgumentParser, spec: str | None) -> set[int] | None:
+    """``--proxy-cpus 1``: the proxy's CPUs; this process (and what it starts without
+    ``cpus``) moves to the others. None without the option; a parser error for CPUs this
+    process may not use, or for leaving none to the load."""
+    if not spec:
+        return None
+    proxy = {int(c) for c in spec.split(",")}
+    allowed = os.sched_getaffinity(0)
+    if proxy - allowed:
+        parser.error(
+            f"--proxy-cpus {spec}: CPUs {sorted(proxy - allowed)} are not among those this "
+            f"process may use ({sorted(allowed)})"
+        )
+    if not allowed - proxy:
+        parser.error(f"--proxy-cpus {spec}: leave the load a CPU of its own")
+    os.sched_setaffinity(0, allowed - proxy)
+    return proxy
+
+
 def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
     port = free_port()
     argv = [
@@ -659,16 +678,17 @@ def report_problems(label: str, res: dict[str, object], proxy: Proc | None) -> N
         print(f"#   errors {label}: {res['errors']}", file=sys.stderr)
 
 
-def meta(args: argparse.Namespace) -> dict[str, object]:
-    def cmd(argv: list[str]) -> str:
-        try:
-            done = subprocess.run(
-                argv, capture_output=True, timeout=10, check=False, cwd=MUXPROXY_SRC
-            )
-            return (done.stdout or done.stderr).decode(errors="replace").strip()
-        except OSError:
-            return ""
+def run_text(argv: list[str]) -> str:
+    """What a short command prints (stdout, else stderr), run in MUXPROXY_SRC; "" on failure."""
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=10, check=False, cwd=MUXPROXY_SRC)
+        return (done.stdout or done.stderr).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
+
+def host_meta() -> dict[str, object]:
+    """What every results file says about where and on what code it was measured."""
     digest = hashlib.sha256()
     for path in sorted((MUXPROXY_SRC / "muxproxy").rglob("*.py")):
         relative = path.relative_to(MUXPROXY_SRC).as_posix()
@@ -676,17 +696,24 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
     model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    out: dict[str, object] = {
+    return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "cpus": os.cpu_count(),
         "cpu_model": model,
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "nginx": cmd([args.nginx, "-v"]),
-        "git_commit": cmd(["git", "rev-parse", "--short", "HEAD"]),
+        "git_commit": run_text(["git", "rev-parse", "--short", "HEAD"]),
         "muxproxy_sources_sha256": digest.hexdigest()[:16],
-        "git_dirty": bool(cmd(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "git_dirty": bool(run_text(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
+    }
+
+
+def meta(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {
+        **host_meta(),
+        "nginx": run_text([args.nginx, "-v"]),
         "interval_s": args.interval,
         "warmup_s": args.warmup,
         "duration_s": args.duration,
@@ -695,7 +722,6 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
         "idle_streams": args.idle_streams,
         "repeat": args.repeat,
         "proxy_cpus": args.proxy_cpus,
-        "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
         "mode": args.mode,
     }
     if args.mode == "saturation":
@@ -1159,18 +1185,7 @@ def main() -> None:
     args = parser.parse_args()
     global MUXPROXY_SRC, TRACE_DIR, PROXY_CPUS
     MUXPROXY_SRC = args.muxproxy_src.resolve()
-    if args.proxy_cpus:
-        PROXY_CPUS = {int(c) for c in args.proxy_cpus.split(",")}
-        allowed = os.sched_getaffinity(0)
-        load_cpus = allowed - PROXY_CPUS
-        if PROXY_CPUS - allowed:
-            parser.error(
-                f"--proxy-cpus {args.proxy_cpus}: CPUs {sorted(PROXY_CPUS - allowed)} are not "
-                f"among those this process may use ({sorted(allowed)})"
-            )
-        if not load_cpus:
-            parser.error(f"--proxy-cpus {args.proxy_cpus}: leave the load a CPU of its own")
-        os.sched_setaffinity(0, load_cpus)
+    PROXY_CPUS = split_cpus(parser, args.proxy_cpus)
     if args.trace:
         TRACE_DIR = Path(args.out) / dt.datetime.now().strftime("trace-%Y%m%d-%H%M%S")
         TRACE_DIR.mkdir(parents=True)
