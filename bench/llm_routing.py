@@ -18,19 +18,18 @@ The policies (``--policies``, names or numbers):
 6. ``admission``      5, plus ``max_streams`` = the engines' slots on every server, ``queue``
    and ``load_report`` (the engines' ``/metrics`` every second)
 
-The workload (drawn from ``--seed``): ``--prompts`` distinct system prompts of
-``--prompt-bytes`` bytes (a token is 4 bytes to the engine, so ~900 tokens each), sized so
-that one engine's cache holds about 6.5 of them (``--kv-blocks`` by default) and not all;
-``--users`` users, each with one system prompt (Zipf popularity, ``--zipf``) and
-conversations of ``--turns`` turns, each turn sending the whole history again (system,
-earlier turns, the engine's earlier replies, a new user message) with ``max_tokens`` drawn
-from ``--tokens``. Requests arrive as a Poisson process at ``--rate`` (default ``--load`` x
-the fleet's capacity, which the script computes from the engine options: slots over the
-mean time a request holds one with its system prompt cached); each arrival is a turn of a
-user drawn at random who is not waiting for a reply (the next free one if that one is), so
-at most ``--users`` requests are in flight. Requests arriving in the first ``--warmup``
-seconds warm the caches and are not counted; those arriving in the next ``--duration``
-seconds are, and the run waits at most ``--drain`` seconds for them to end.
+The workload (``chat_client.py``, drawn from ``--seed``): ``--prompts`` system prompts of
+``--prompt-bytes`` bytes (~900 tokens each to the engine), with the engines' caches sized to
+hold about 6.5 of them (``--kv-blocks`` by default), not all; ``--users`` users, each with
+one system prompt (Zipf popularity) and multi-turn conversations that send the whole
+history every turn, with mixed ``max_tokens``. Requests arrive as a Poisson process at
+``--rate`` (default ``--load`` x the fleet's capacity, which the script computes from the
+engine options: slots over the mean time a request holds one with its system prompt
+cached); each arrival is a turn of a user drawn at random who is not waiting for a reply
+(the next free one if that one is), so at most ``--users`` requests are in flight. Requests
+arriving in the first ``--warmup`` seconds warm the caches and are not counted; those
+arriving in the next ``--duration`` seconds are, and the run waits at most ``--drain``
+seconds for them to end.
 
 Measured per policy, for the counted requests: TTFT (request sent -> first SSE event
 carrying content; unfinished requests count with their time so far, a lower bound), the
