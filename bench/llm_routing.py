@@ -226,12 +226,16 @@ async def poll_engines(ports: list[int], run: Run, t0: float, interval: float) -
         await trio.sleep(interval)
 
 
-async def proxy_metrics(admin: HttpConn) -> str:
+async def proxy_metrics(admin_port: int) -> str:
+    """The proxy's admin ``/metrics`` ("" if it cannot be read), on a connection of its own:
+    the admin server closes idle keep-alive connections within seconds."""
+    admin = HttpConn(admin_port)
     try:
         return (await admin.get(b"/metrics")).decode()
     except NET_ERRORS:
-        await admin.close()
         return ""
+    finally:
+        await admin.close()
 
 
 class CpuMeter:
@@ -268,7 +272,6 @@ async def drive(args: argparse.Namespace, users: list[User], fleet: Fleet) -> di
     """The load of one policy: arrivals for warm-up + window, then the drain."""
     run = Run()
     rng = random.Random(args.seed + 3)
-    admin = HttpConn(fleet.admin)
     for user in users:
         user.conn = HttpConn(fleet.port)
     end = args.warmup + args.duration
@@ -278,7 +281,7 @@ async def drive(args: argparse.Namespace, users: list[User], fleet: Fleet) -> di
     async def window_start() -> None:
         await trio.sleep_until(t0 + args.warmup)
         cpu.begin()
-        queue_before[0] = histogram(await proxy_metrics(admin), QUEUE_WAIT)
+        queue_before[0] = histogram(await proxy_metrics(fleet.admin), QUEUE_WAIT)
 
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
@@ -311,12 +314,11 @@ async def drive(args: argparse.Namespace, users: list[User], fleet: Fleet) -> di
         if run.pending:
             with trio.move_on_after(args.drain):
                 await run.all_done.wait()
-        queue_after = histogram(await proxy_metrics(admin), QUEUE_WAIT)
+        queue_after = histogram(await proxy_metrics(fleet.admin), QUEUE_WAIT)
         nursery.cancel_scope.cancel()
     for user in users:
         if user.conn is not None:
             await user.conn.close()
-    await admin.close()
     queue_p99, queued = histogram_quantile(queue_before[0], queue_after, 0.99)
     return {
         **summarize(args, run, window, len(fleet.engine_ports)),
