@@ -380,6 +380,7 @@ def summarize(
     running = time_means(window, engines, "running")
     return {
         "offered_per_s": args.rate,
+        "duration_s": args.duration,
         "arrivals": len(outs),
         "dropped_all_users_busy": run.dropped,
         "results": results,
@@ -473,7 +474,7 @@ def pair_ms(summary: dict[str, float], a: str, b: str) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     cols = [
         "policy",
-        "offered req/s",
+        "offered (arrived) req/s",
         "completed req/s",
         "TTFT p50 / p99 (ms)",
         "ITL p99 (ms)",
@@ -490,7 +491,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         q = r["queue_wait_p99_s"]
         cells = [
             f"{POLICIES.index(BY_NAME[r['policy']]) + 1}. {r['label']}",
-            f"{r['offered_per_s']:.2f}",
+            f"{r['offered_per_s']:.2f} ({r['arrivals'] / r['duration_s']:.2f})",
             f"{r['completed_per_s']:.2f}",
             pair_ms(r["ttft_ms"], "p50", "p99"),
             fmt(r["itl_ms"].get("p99"), ".0f"),
@@ -503,6 +504,24 @@ def table(runs: list[dict[str, Any]]) -> str:
             fmt(r["head_ms"].get("p99"), ",.0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in runs:
+        cpu = r["cpu_pct"]
+        note = (
+            f"{r['policy']}: CPU (% of a core) proxy {cpu['proxy']:.0f}, engines "
+            f"{cpu['engines']:.0f}, client {cpu['client']:.0f}; machine {cpu['machine']:.0f} % busy"
+        )
+        if r["send_lag_max_ms"] > 50 or r["dropped_all_users_busy"]:
+            note += (
+                f"; ⚠ not quite open loop: a request sent up to {r['send_lag_max_ms']:.0f} ms "
+                f"late, {r['dropped_all_users_busy']} arrivals found every user busy"
+            )
+        failures = {k: v for k, v in r["results"].items() if k != "ok"}
+        if failures:
+            note += f"; not ok: {failures}"
+        if r.get("exited"):
+            note += f"; ⚠ exited during the run: {sorted(r['exited'])}"
+        lines.append(f"- {note}")
     return "\n".join(lines)
 
 
