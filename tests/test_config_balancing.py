@@ -35,7 +35,7 @@ affinity = "prefix"
 default_max_tokens = 512
 prefix = { source = "messages", length = 2048, load_factor = 1.5 }
 load_report = { path = "/metrics", interval = 0.5, kv_cache_limit = 0.9 }
-queue = { max = 200, timeout = 20, retry_after = 2 }
+queue = { max = 200, timeout = 20, retry_after = 2, affinity_wait = 0 }
 tenant = "header:Authorization"
 priority = "header:X-Priority"
 rate_limit = { tokens_per_minute = 100000, requests_per_minute = 600 }
@@ -52,7 +52,7 @@ def test_every_key(tmp_path: Path) -> None:
     assert group.prefix == PrefixAffinity(source="messages", length=2048, load_factor=1.5)
     assert group.load_report == LoadReporting(path="/metrics", interval=0.5, kv_cache_limit=0.9)
     assert group.load_report.poll_timeout == pytest.approx(0.4)
-    assert group.queue == AdmissionQueue(max=200, timeout=20.0, retry_after=2)
+    assert group.queue == AdmissionQueue(max=200, timeout=20.0, retry_after=2, affinity_wait=0.0)
     assert group.tenant == SessionSource(kind="header", name="authorization")
     assert group.priority == SessionSource(kind="header", name="x-priority")
     assert group.rate_limit == RateLimit(tokens_per_minute=100000, requests_per_minute=600)
@@ -123,6 +123,11 @@ def problems(data: dict[str, Any]) -> list[str]:
         (
             {"queue": {"max": -1}},
             "upstreams.gpus.queue.max: expected an integer >= 0, got -1",
+        ),
+        (
+            {"queue": {"affinity_wait": -1}},
+            "upstreams.gpus.queue.affinity_wait: expected 0 (off) or a positive, finite number of"
+            " seconds, got -1",
         ),
         (
             {"rate_limit": {}},

@@ -194,6 +194,12 @@ class AdmissionQueue:
     """Seconds a request may wait; then: 429."""
     retry_after: int = 1
     """The ``Retry-After`` seconds of a 429 for a full queue or a wait that timed out."""
+    affinity_wait: float = 1.0
+    """Locality in the queue: a freed slot goes to the first of the next waiting requests
+    that belongs on its server (its session key's or prefix's first candidate), or that has
+    waited this many seconds; if none does, to the first in fair order (no slot stays idle).
+    So a request is passed over for others' locality for about this long at most. 0: fair
+    order alone."""
 
 
 @attrs.frozen(kw_only=True)

@@ -9,6 +9,7 @@ returns the record, or None when something was wrong.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -496,6 +497,18 @@ def load_reporting(check: Checker, value: Any, path: str) -> LoadReporting | Non
     return report
 
 
+def seconds_or_zero(check: Checker, value: Any, path: str) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value == 0:
+            return 0.0
+        if value > 0 and math.isfinite(value):
+            return float(value)
+    check.add(
+        path, f"expected 0 (off) or a positive, finite number of seconds, got {describe(value)}"
+    )
+    return None
+
+
 def admission_queue(check: Checker, value: Any, path: str) -> AdmissionQueue | None:
     values = check.table(value, path, _QUEUE_KEYS)
     return None if values is None else AdmissionQueue(**values)
@@ -595,6 +608,7 @@ _QUEUE_KEYS = {
     "max": Key(Checker.count),
     "timeout": Key(Checker.seconds),
     "retry_after": Key(Checker.positive_int),
+    "affinity_wait": Key(seconds_or_zero),
 }
 _RATE_LIMIT_KEYS = {
     "tokens_per_minute": Key(Checker.positive_int),

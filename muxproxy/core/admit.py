@@ -68,6 +68,7 @@ class Admission:
         "facts",
         "fx",
         "group",
+        "home",
         "limiter",
         "priority",
         "queued_at",
@@ -98,6 +99,9 @@ class Admission:
         ``rate_limit``)."""
         self.usage: UsageScan | None = None
         self.queued_at: float | None = None
+        self.home: str | None = None
+        """While queued: the address of the server this request belongs on (its session
+        key's or prefix's first candidate), None for one that may go anywhere."""
 
     @property
     def prefix_key(self) -> bytes | None:
@@ -140,14 +144,24 @@ class Admission:
 
     # -- the queue -------------------------------------------------------------------------
 
-    def enqueue(self, router: GroupRouter, exchange: object, ident: int) -> bool:
-        """Wait in ``router``'s queue; False when it is full."""
+    def enqueue(self, router: GroupRouter, exchange: object, ident: int, home: str | None) -> bool:
+        """Wait in ``router``'s queue, for a slot on ``home`` preferably; False when the
+        queue is full."""
         if not router.queue.push(exchange, self.tenant, self.priority):
             return False
+        self.home = home
         fx = self.fx
         self.queued_at = fx.now
         fx.set_timer((ExchangeTimer.QUEUE, ident), fx.now + self.group.queue.timeout)
         return True
+
+    def may_go(self, rooms: set[str], now: float) -> bool:
+        """Whether a slot on one of ``rooms`` (addresses) may be this request's now: it has no
+        home, its home is one of them, or it waited ``queue.affinity_wait`` already."""
+        home, at = self.home, self.queued_at
+        if home is None or home in rooms or at is None:
+            return True
+        return now - at >= self.group.queue.affinity_wait
 
     def leave_queue(self, router: GroupRouter, exchange: object, ident: int) -> float | None:
         """No longer waiting (admitted, timed out, gone): the seconds it waited, if it did."""

@@ -237,7 +237,7 @@ class Exchange:
         """Every candidate is full: wait in the group's queue, or 429 when it is full."""
         admission, failover = self.admission, self.failover
         assert admission is not None and failover is not None
-        if not admission.enqueue(failover.router, self, self.ident):
+        if not admission.enqueue(failover.router, self, self.ident, self._home(failover)):
             self.host.measurements.admission(failover.group.name, "queue_full")
             self._refuse_busy("every server is busy and the queue is full")
             return
@@ -262,13 +262,19 @@ class Exchange:
             self.fail(503, "no backend available")
             return False
         if not failover.choose_room():
-            if admission.enqueue(failover.router, self, self.ident):
+            if admission.enqueue(failover.router, self, self.ident, self._home(failover)):
                 return True
             self._refuse_busy("every server is busy and the queue is full")
             return False
         self.move(_I.ATTEMPT)
         failover.attempt()
         return False
+
+    def _home(self, failover: Failover) -> str | None:
+        """The server a keyed request belongs on (its first candidate); None: any."""
+        if failover.session_key is None and failover.prefix is None:
+            return None
+        return failover.group.servers[failover.candidates[0]].address
 
     def _left_queue(self, admission: Admission, failover: Failover) -> None:
         waited = admission.leave_queue(failover.router, self, self.ident)

@@ -100,6 +100,10 @@ def raise_errors_from_environment(environ: Mapping[str, str] = os.environ) -> bo
     return environ.get(RAISE_ERRORS_ENV, "") not in ("", "0")
 
 
+ADMIT_LOOKAHEAD = 32
+"""Waiting requests looked at, in fair order, for one that belongs on a server with room."""
+
+
 class ProxyCore:
     def __init__(
         self, config: Config, *, read_size: int = READ_SIZE, raise_errors: bool | None = None
@@ -271,12 +275,19 @@ class ProxyCore:
             self.fx.defer(0, lambda: self._admit_waiting(router))
 
     def _admit_waiting(self, router: GroupRouter) -> None:
-        """Admit waiting exchanges, fairest first, while a server has room for them; a fault
-        in one ends its connection alone."""
+        """Admit waiting exchanges while a server has room for them: of the next
+        ``ADMIT_LOOKAHEAD`` in fair order, the first whose home server has room (or that may
+        go anywhere: ``Admission.may_go``), else the fairest; a fault in one ends its
+        connection alone."""
         self._admitting.discard(router)
-        queue = router.queue
-        while queue and router.room_anywhere(self.fx.now):
-            exchange = queue.pop()
+        queue, now = router.queue, self.fx.now
+        while queue and (rooms := router.rooms(now)):
+
+            def may_go(item: object) -> bool:
+                admission = item.admission if isinstance(item, Exchange) else None
+                return admission is None or admission.may_go(rooms, now)
+
+            exchange = queue.pop_first(may_go, ADMIT_LOOKAHEAD) or queue.pop()
             if not isinstance(exchange, Exchange):
                 continue
             try:

@@ -18,6 +18,12 @@ Order of service (what ``pop`` returns):
 So a tenant that becomes waiting behind another one's 500 items is served at its first turn,
 after at most one item of each tenant ahead of it in the round.
 
+``pop_first(accept, lookahead)`` bends the order for locality, boundedly: among the first
+``lookahead`` items of the top class, taken tenant by tenant in round order and FIFO within
+each, it returns the first that ``accept`` takes (the caller's test: a request whose own
+server has room, or that waited long enough), and None if none does; the caller then
+``pop``s. The items it passes over keep their places, and their tenants their turns.
+
 Invariants:
 
 - Bounded: at most ``limit`` items; ``push`` says False rather than grow past it.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 __all__ = ["FairQueue"]
@@ -131,6 +138,28 @@ class FairQueue(Generic[T]):
             del found.rotation[tenant]
         self._forget(key, found, tenant)
         return item
+
+    def pop_first(self, accept: Callable[[T], bool], lookahead: int) -> T | None:
+        """The first of the next ``lookahead`` items of the top class (see the module) that
+        ``accept`` takes, taken out, its tenant served; None if none of them is taken."""
+        found = self._first()
+        if found is None:
+            return None
+        seen = 0
+        for tenant, items in found.rotation.items():
+            for key, item in items.items():
+                if accept(item):
+                    del items[key]
+                    if items:
+                        found.rotation.move_to_end(tenant)
+                    else:
+                        del found.rotation[tenant]
+                    self._forget(key, found, tenant)
+                    return item
+                seen += 1
+                if seen >= lookahead:
+                    return None
+        return None
 
     def remove(self, item: T) -> bool:
         """Take ``item`` out wherever it waits (its client left); False if it is not queued."""

@@ -234,9 +234,12 @@ class GroupRouter:
                 return False
         return True
 
-    def room_anywhere(self, now: float) -> bool:
-        """Whether a server that takes new sessions has room (the queue may admit)."""
-        return any(self.has_room(index, now) for index in self._usable(now, for_new_sessions=True))
+    def rooms(self, now: float) -> set[str]:
+        """The addresses of the servers that take new sessions and have room (where the
+        queue may admit)."""
+        servers = self.group.servers
+        usable = self._usable(now, for_new_sessions=True)
+        return {servers[index].address for index in usable if self.has_room(index, now)}
 
     def _usable(self, now: float, *, for_new_sessions: bool) -> list[int]:
         """``health.usable_servers`` with this group's state."""

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import attrs
-from test_routing_exchange import A, B, Rig, fleet, origin
+from test_routing_exchange import A, B, Rig, fleet, origin, request_body
 
 from muxproxy.config import (
     AdmissionQueue,
@@ -447,3 +447,90 @@ def test_a_failing_load_report_is_logged_once_and_touches_nothing_else() -> None
     rig.request()
     rig.request()
     assert {origin(o) for o in rig.opens(mark)} == {A, B}
+
+
+# -- the queue keeps a prefix on its server ------------------------------------------------------
+
+
+def system_owned_by(rig: Rig, address: str) -> str:
+    """A system prompt whose prefix key ranks ``address`` first."""
+    from muxproxy.routing.balancer import rendezvous_order
+    from muxproxy.routing.llmrequest import parse_json_body, read_request
+
+    index = [s.address for s in rig.group.servers].index(address)
+    for n in range(100):
+        system = f"prompt {n} " + SYSTEM
+        key = read_request(parse_json_body(chat(system=system)), length=1024).prefix_key
+        assert key is not None
+        if rendezvous_order(key, rig.router.ids, rig.router.weights, range(2))[0] == index:
+            return system
+    raise AssertionError("no prompt found")
+
+
+def test_a_freed_slot_goes_to_the_first_waiting_request_that_belongs_there() -> None:
+    rig = Rig(
+        limited(
+            A,
+            B,
+            balance=Balance.LEAST_LOAD,
+            affinity=AffinityMode.PREFIX,
+            prefix=PrefixAffinity(load_factor=2.0),
+        )
+    )
+    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
+    post(rig, chat("x", system=to_a))
+    up_a = start_stream(rig)
+    post(rig, chat("y", system=to_b))
+    up_b = start_stream(rig)
+    post(rig, chat("first in line", system=to_a))  # waits for A
+    post(rig, chat("second in line", system=to_b))  # waits for B
+    assert queue_len(rig) == 2
+    finish(rig, up_b)  # B frees first: the request that belongs on B goes, not the first
+    assert origin(rig.last_open()) == B
+    (waiting,) = [e for e in rig.pb.core.exchanges.values() if e.phase is Phase.QUEUED]
+    assert b"first in line" in waiting.upload.body.prefix()
+    finish(rig, up_a)
+    assert origin(rig.last_open()) == A and queue_len(rig) == 0
+
+
+def test_a_request_passed_over_for_affinity_wait_takes_the_next_slot_anywhere() -> None:
+    rig = Rig(
+        limited(
+            A,
+            B,
+            affinity=AffinityMode.PREFIX,
+            prefix=PrefixAffinity(load_factor=2.0),
+            queue=AdmissionQueue(affinity_wait=0.5),
+        )
+    )
+    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
+    post(rig, chat("x", system=to_a))
+    start_stream(rig)
+    post(rig, chat("y", system=to_b))
+    up_b = start_stream(rig)
+    post(rig, chat("patient", system=to_a))  # first in line, belongs on A
+    post(rig, chat("local 1", system=to_b))
+    rig.pb.now += 0.4
+    finish(rig, up_b)  # B frees: "local 1" belongs there and goes first
+    up_b = start_stream(rig)
+    post(rig, chat("local 2", system=to_b))
+    rig.pb.now += 0.2  # "patient" has waited 0.6 s: passed over long enough
+    finish(rig, up_b)
+    cmd = rig.last_open()
+    assert origin(cmd) == B
+    rig.open(cmd.conn)
+    assert b"patient" in request_body(rig.received(cmd.conn))
+    (waiting,) = [e for e in rig.pb.core.exchanges.values() if e.phase is Phase.QUEUED]
+    assert b"local 2" in waiting.upload.body.prefix()
+
+
+def test_with_nobody_belonging_there_the_fairest_takes_a_freed_slot() -> None:
+    rig = Rig(limited(A, B, affinity=AffinityMode.PREFIX, prefix=PrefixAffinity(load_factor=2.0)))
+    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
+    post(rig, chat("x", system=to_a))
+    start_stream(rig)
+    post(rig, chat("y", system=to_b))
+    up_b = start_stream(rig)
+    post(rig, chat("belongs on A", system=to_a))
+    finish(rig, up_b)  # no slot is left idle: it goes to B
+    assert origin(rig.last_open()) == B and queue_len(rig) == 0

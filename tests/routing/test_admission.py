@@ -40,6 +40,28 @@ def test_a_tenant_behind_500_items_of_another_is_served_within_two_pops() -> Non
     assert drain(queue) == [f"1.0.{n}" for n in range(1, 500)]
 
 
+def test_pop_first_takes_the_first_accepted_within_the_lookahead() -> None:
+    queue: FairQueue[str] = FairQueue(100)
+    push_all(queue, A, 3)  # 1.0.0 1.0.1 1.0.2
+    push_all(queue, B, 2)  # 2.0.0 2.0.1
+    # Scanned tenant by tenant in round order: A's three, then B's.
+    assert queue.pop_first(lambda item: item.startswith("2."), lookahead=3) is None
+    assert queue.pop_first(lambda item: item.startswith("2."), lookahead=4) == "2.0.0"
+    # B was served: A keeps its turn, B goes to the back; the items passed over stay put.
+    assert queue.pop_first(lambda item: item.endswith(".1"), lookahead=10) == "1.0.1"
+    assert drain(queue) == ["2.0.1", "1.0.0", "1.0.2"]
+
+
+def test_pop_first_looks_only_at_the_top_priority_class() -> None:
+    queue: FairQueue[str] = FairQueue(100)
+    push_all(queue, A, 1, priority=1)
+    push_all(queue, B, 1, priority=0)
+    assert queue.pop_first(lambda item: item.startswith("1."), lookahead=10) is None
+    assert queue.pop_first(lambda item: True, lookahead=10) == "2.0.0"
+    assert queue.pop_first(lambda item: True, lookahead=10) == "1.1.0"
+    assert queue.pop_first(lambda item: True, lookahead=10) is None
+
+
 def test_round_robin_over_three_tenants_with_uneven_counts() -> None:
     queue: FairQueue[str] = FairQueue(100)
     push_all(queue, A, 5)
@@ -242,6 +264,28 @@ class ListModel:
             self.rotation[entry[2]].remove(entry[1])
         return True
 
+    def pop_first(self, accept: set[int], lookahead: int) -> Item | None:
+        """The first of the next ``lookahead`` items of the top class, tenant by tenant in
+        round order, whose name is in ``accept``; taken out as ``pop`` takes its item."""
+        if not self.items:
+            return None
+        priority = min(p for _, _, p in self.items)
+        order = [
+            entry
+            for tenant in self.rotation[priority]
+            for entry in self.items
+            if entry[1] == tenant and entry[2] == priority
+        ][:lookahead]
+        entry = next((e for e in order if e[0].name in accept), None)
+        if entry is None:
+            return None
+        item, tenant, _ = entry
+        self._take(item)
+        self.rotation[priority].remove(tenant)
+        if self._has(tenant, priority):
+            self.rotation[priority].append(tenant)
+        return item
+
     def _take(self, item: Item) -> None:
         self.items = [e for e in self.items if e[0] is not item]
 
@@ -262,6 +306,11 @@ class FairQueueAgainstModel(RuleBasedStateMachine):
     @rule()
     def pop(self) -> None:
         assert self.queue.pop() is self.model.pop()
+
+    @rule(accept=st.sets(st.integers(0, 40), max_size=6), lookahead=st.integers(1, 6))
+    def pop_first(self, accept: set[int], lookahead: int) -> None:
+        found = self.queue.pop_first(lambda item: item.name in accept, lookahead)
+        assert found is self.model.pop_first(accept, lookahead)
 
     @rule()
     def peek(self) -> None:
