@@ -45,6 +45,7 @@ this module without atheris.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -60,6 +61,7 @@ from muxproxy.config import (
     quick_config,
 )
 from muxproxy.core.proxy import ProxyCore
+from muxproxy.routing.loadreport import ReportError, parse_load_report
 from muxproxy.testing.simdriver import SimDriver
 
 KINDS = ("client_h1", "client_h2", "backend_h1", "backend_h2")
@@ -174,3 +176,18 @@ def check_endings(driver: SimDriver) -> None:
     assert len(accessed) == started, f"{started} exchanges, {len(accessed)} access logs"
     stats = core.statistics()
     assert stats.client_connections == 0, "a client connection outlived its close"
+
+
+def check_report(body: bytes) -> None:
+    """The ``load_report`` target: a backend's ``/metrics`` body through ``parse_load_report``,
+    which may raise ``ReportError`` and nothing else; a report it returns holds counts >= 0
+    and a KV-cache fraction in [0, 1]."""
+    try:
+        report = parse_load_report(body)
+    except ReportError:
+        return
+    for count in (report.running, report.waiting):
+        assert count is None or count >= 0, report
+    kv = report.kv_cache
+    assert kv is None or (math.isfinite(kv) and 0.0 <= kv <= 1.0), report
+    assert report.engine in ("vllm", "sglang"), report

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz.harness import KINDS, decode, llm_of, run_case, stop_of
+from fuzz.harness import KINDS, check_report, decode, llm_of, run_case, stop_of
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -54,3 +54,21 @@ def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> N
 @given(kind=st.sampled_from(KINDS), raw=st.binary(max_size=256), splits=st.lists(st.integers()))
 def test_random_bytes_keep_every_invariant(kind: str, raw: bytes, splits: list[int]) -> None:
     run_case(kind, raw, [abs(s) for s in splits], llm=len(raw) % 2 == 1)
+
+
+REPORTS = sorted((CORPUS / "load_report").iterdir())
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=[p.name for p in REPORTS])
+def test_load_report_seeds_keep_the_parsers_promises(path: pathlib.Path) -> None:
+    check_report(path.read_bytes())
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_mutated_load_reports_keep_the_parsers_promises(data: st.DataObject) -> None:
+    seed = bytearray(data.draw(st.sampled_from(REPORTS)).read_bytes())
+    for _ in range(data.draw(st.integers(1, 6))):
+        at = data.draw(st.integers(0, len(seed)))
+        seed[at:at] = data.draw(st.binary(max_size=12))
+    check_report(bytes(seed))
