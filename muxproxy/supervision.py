@@ -6,7 +6,7 @@ channel and merging the answers:
 
 * ``status()``: each worker's ``ProxyCore.status()``, merged per server: the counts
   (``active`` streams, ``failures``, outstanding ``work``, the group's ``queue`` length,
-  and the top-level ``clients``, ``upstream_connections``,
+  ``refused`` and ``reservations``, and the top-level ``clients``, ``upstream_connections``,
   ``streams``) are summed; ``health`` and ``state`` are the worst any worker reports (each
   worker learns a backend's health for itself, and one that sees it down routes around it);
   ``workers`` lists every live process with its pid, slot, the configuration generation it
@@ -193,13 +193,19 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             combined["health"] = _worst(_WORST_HEALTH, [o.get("health") for o in same])
             servers.append(combined)
         merged_group = {**group, "servers": servers}
+        each = [status.get("groups", {}).get(name, {}) for status in statuses]
         queue = group.get("queue")
         if isinstance(queue, dict):
-            waiting = sum(
-                status.get("groups", {}).get(name, {}).get("queue", {}).get("waiting", 0)
-                for status in statuses
-            )
+            waiting = sum(other.get("queue", {}).get("waiting", 0) for other in each)
             merged_group["queue"] = {**queue, "waiting": waiting}
+        if "reservations" in group:
+            merged_group["reservations"] = sum(other.get("reservations", 0) for other in each)
+        if "refused" in group:
+            refused: dict[str, int] = {}
+            for other in each:
+                for reason, count in other.get("refused", {}).items():
+                    refused[reason] = refused.get(reason, 0) + count
+            merged_group["refused"] = refused
         groups[name] = merged_group
     merged["groups"] = groups
     return merged

@@ -190,6 +190,8 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
                 "balance": "least_conn",
                 "servers": [server(2, "up", "healthy")],
                 "queue": {"waiting": 3, "max": 10},
+                "refused": {"queue_full": 2},
+                "reservations": 1,
             }
         },
         "clients": 3,
@@ -202,6 +204,8 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
                 "balance": "least_conn",
                 "servers": [server(5, "down", "unhealthy")],
                 "queue": {"waiting": 4, "max": 10},
+                "refused": {"queue_full": 1, "rate_limited": 5},
+                "reservations": 2,
             }
         },
         "clients": 4,
@@ -214,6 +218,8 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
     (entry,) = merged["groups"]["g"]["servers"]
     assert entry["active"] == 7 and entry["failures"] == 2 and entry["work"] == 70
     assert merged["groups"]["g"]["queue"] == {"waiting": 7, "max": 10}
+    assert merged["groups"]["g"]["refused"] == {"queue_full": 3, "rate_limited": 5}
+    assert merged["groups"]["g"]["reservations"] == 3
     assert entry["state"] == "down" and entry["health"] == "unhealthy"
     assert merged["groups"]["g"]["balance"] == "least_conn"
     assert merge_statuses([]) == {"groups": {}}

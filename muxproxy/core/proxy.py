@@ -499,13 +499,23 @@ class ProxyCore:
         Per server: ``weight`` (the operator's or the configured one), ``configured_weight``,
         ``state`` ("down": set down or unhealthy; "draining": drained or weight 0; else
         "up"), ``health`` (passive and active), ``active`` (streams in flight there) and
-        ``failures`` (passive failures counted now); ``streams``: exchanges in flight.
-        ``now``: the driver's clock (default: the last event's ``now``). Reads only.
+        ``failures`` (passive failures counted now), ``max_streams``, ``work`` (outstanding
+        tokens) and ``reported`` (the engine's last load report, its age, whether fresh); per
+        group its ``queue`` and, with admission or budgets, ``refused`` (429s by reason) and
+        ``reservations`` (budget reservations not yet settled); ``streams``: exchanges in
+        flight. ``now``: the driver's clock (default: the last event's ``now``). Reads only.
         """
         at = self.now if now is None else now
         groups = {
             name: self.router(group).status(at) for name, group in self.config.upstreams.items()
         }
+        measurements = self.measurements
+        for name, group in self.config.upstreams.items():
+            if group.admits:
+                stats = measurements.group(name)
+                refused = {r: n for (g, r), n in measurements.refusals.items() if g == name}
+                groups[name]["refused"] = refused
+                groups[name]["reservations"] = stats.reservations
         return {
             "groups": groups,
             "clients": len(self.clients),

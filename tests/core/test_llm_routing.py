@@ -193,6 +193,8 @@ def test_a_full_queue_answers_429_with_retry_after_in_the_openai_shape() -> None
     assert error["code"] == "rate_limit_exceeded" and "queue is full" in error["message"]
     refused = rig.pb.core.measurements.refusals
     assert refused == {("default", "queue_full"): 1}
+    group = rig.pb.core.status()["groups"]["default"]
+    assert group["refused"] == {"queue_full": 1} and group["queue"] == {"waiting": 1, "max": 1}
 
 
 def test_a_wait_past_the_queue_timeout_is_answered_429() -> None:
