@@ -2,7 +2,9 @@
 
 Pure: no trio, no I/O, no clock (nothing here depends on time; the scheduler in
 ``scheduler.py`` does the waiting), no randomness. Opt-in: :class:`EngineConfig` says whether
-the model is on at all; off, the fake backend behaves as it always has.
+the model is on at all; off, the fake backend behaves as it always has. Its prefill is
+``prefill_seconds`` of a generation's own, or, with ``prefill_chunk`` (the step model), shared
+out step by step among the running generations (``steps.py``, run by ``batch.py``).
 
 What it obeys, loosely, is vLLM's automatic prefix caching (vLLM v1, ``vllm/v1/core/
 kv_cache_manager.py``, ``block_pool.py``, ``kv_cache_utils.py``; "Automatic Prefix Caching" in
@@ -41,6 +43,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -223,7 +226,7 @@ class PrefixCache:
 
 
 def _seconds_or_none(
-    _instance: object, attribute: attrs.Attribute[float | None], value: float | None
+    _instance: object, attribute: attrs.Attribute[Any], value: float | None
 ) -> None:
     if value is not None and not 0 <= value < float("inf"):
         raise ValueError(f"{attribute.name}: expected finite seconds >= 0, got {value!r}")
@@ -247,17 +250,30 @@ class EngineConfig:
     """Seconds from admission to the first token with nothing to prefill (None: 0)."""
     prefill_per_token: float | None = attrs.field(default=None, validator=_seconds_or_none)
     """Seconds of prefill per uncached prompt token (None: 0)."""
+    prefill_chunk: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
+    """The step model: prefill tokens per engine step, all generations together (None: each
+    generation prefills on its own, see ``steps.py``)."""
+    decode_seconds: float = attrs.field(default=0.0, validator=_seconds_or_none)
+    """The step model: seconds of a step's decode (the fake's ``delay``); unused without it."""
 
     @property
     def enabled(self) -> bool:
-        """Whether the model is on (any option but ``block_tokens`` given)."""
+        """Whether the model is on (any option but ``block_tokens`` and ``decode_seconds``)."""
         options: Sequence[object] = (
             self.max_running,
             self.kv_blocks,
             self.ttft_base,
             self.prefill_per_token,
+            self.prefill_chunk,
         )
         return any(option is not None for option in options)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether generations run in steps of one batch (``prefill_chunk`` given)."""
+        return self.prefill_chunk is not None
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
         """Admission to first token: ``ttft_base + prefill_per_token * uncached_tokens``."""

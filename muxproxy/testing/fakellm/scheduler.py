@@ -6,7 +6,8 @@ arrival order, as vLLM's scheduler takes waiting requests first come first serve
 ``fcfs`` policy). When a generation is let in, its prompt is looked up in the prefix cache and
 its blocks pinned (vLLM looks the cache up when it schedules a request, not when it arrives);
 when it ends, they are unpinned. A waiter that is cancelled (its client went away) leaves the
-queue at once and is never let in.
+queue at once and is never let in. In the step model (``prefill_chunk``) a generation let in
+runs in the engine's one batch (``batch.py``) until it ends, holding its slot all the while.
 
 Every change of what is running, waiting or cached calls ``on_change`` (the fake backend
 wakes its ``wait_until`` waiters with it) and is mirrored in the Prometheus metrics
@@ -21,6 +22,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from .batch import Batch, BatchedGeneration
 from .engine import Admission, EngineConfig, PrefixCache, Prompt, token_count
 from .metrics import EngineMetrics
 
@@ -78,12 +80,23 @@ class Engine:
     slots: FifoSlots = attrs.field(init=False)
     cache: PrefixCache | None = attrs.field(init=False)
     """None when no ``kv_blocks`` are given: nothing is cached, nothing is counted."""
+    batch: Batch | None = attrs.field(init=False)
+    """The step model's batch and loop; None without ``prefill_chunk``."""
     metrics: EngineMetrics = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self.slots = FifoSlots(self.config.max_running)
-        kv_blocks = self.config.kv_blocks
-        self.cache = None if kv_blocks is None else PrefixCache(kv_blocks, self.config.block_tokens)
+        config = self.config
+        self.slots = FifoSlots(config.max_running)
+        kv_blocks = config.kv_blocks
+        self.cache = None if kv_blocks is None else PrefixCache(kv_blocks, config.block_tokens)
+        self.batch = None
+        if config.prefill_chunk is not None:
+            self.batch = Batch(
+                chunk=config.prefill_chunk,
+                decode_seconds=config.decode_seconds,
+                prefill_per_token=config.prefill_per_token or 0.0,
+                on_change=self.on_change,
+            )
         self.metrics = EngineMetrics(self.model_name)
 
     @property
@@ -104,6 +117,31 @@ class Engine:
         of the prompt tokens not found cached). The slot and the prompt's cache blocks are
         given back on exit, however it comes.
         """
+        async with self._admitted(text) as uncached:
+            yield self.config.prefill_seconds(uncached)
+
+    @asynccontextmanager
+    async def batched_generation(
+        self, text: str, *, tokens: int, first_delay: float = 0.0
+    ) -> AsyncIterator[BatchedGeneration]:
+        """Run one generation of ``tokens`` tokens of a prompt ``text`` in the step model.
+
+        Waits for a slot as :meth:`generation` does, then ``ttft_base + first_delay``
+        seconds, then joins the batch with its uncached prompt tokens to prefill and yields
+        its place there (``wait_generated`` paces its tokens). It leaves the batch, and gives
+        the slot and cache blocks back, on exit, however it comes. Only with
+        ``prefill_chunk`` (raises ``RuntimeError`` without it).
+        """
+        if self.batch is None:
+            raise RuntimeError("batched_generation needs the step model (prefill_chunk)")
+        async with self._admitted(text) as uncached:
+            await trio.sleep((self.config.ttft_base or 0.0) + first_delay)
+            async with self.batch.joined(uncached, tokens) as generation:
+                yield generation
+
+    @asynccontextmanager
+    async def _admitted(self, text: str) -> AsyncIterator[int]:
+        """Hold a slot and the prompt's cache blocks; yields its uncached prompt tokens."""
         await self.slots.acquire(self.on_change)
         admission: Admission | None = None
         try:
@@ -114,7 +152,7 @@ class Engine:
                 self.metrics.count_lookup(admission.prompt_tokens, admission.hit_tokens)
                 uncached = admission.uncached_tokens
                 self.on_change()
-            yield self.config.prefill_seconds(uncached)
+            yield uncached
         finally:
             if admission is not None and self.cache is not None:
                 self.cache.release(admission)
