@@ -8,8 +8,10 @@ with Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one por
 Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m
 muxproxy.testing.fakellm``). The opt-in model of a GPU inference engine behind the app:
 ``engine.py`` (pure: prompt tokens, the prefix KV cache, the options), ``scheduler.py`` (its
-Trio side: generations first come first served in ``max_running`` slots) and ``metrics.py``
-(``GET /metrics`` under vLLM's metric names). This package hands on their public names.
+Trio side: generations first come first served in ``max_running`` slots), ``steps.py`` (pure:
+what one step of continuous batching prefills and decodes), ``batch.py`` (the loop of those
+steps, with ``prefill_chunk``) and ``metrics.py`` (``GET /metrics`` under vLLM's
+metric names). This package hands on their public names.
 """
 
 from __future__ import annotations

@@ -35,14 +35,25 @@ A non-streaming completion waits as long as streaming it would have taken
 headers or JSON answer 400.
 
 The engine model is opt-in (``max_running``, ``kv_blocks``, ``ttft_base``,
-``prefill_per_token``: any one given turns it on; the model is ``engine.py``, its Trio side
-``scheduler.py``). On, a completion's stream head and role chunk still go out at once (vLLM
-sends the head before it schedules the request), then its generation waits first come first
-served for one of ``max_running`` slots, is looked up in the prefix cache when let in, and
-its first token comes ``first_delay + ttft_base + prefill_per_token * uncached prompt
-tokens`` after that, the rest every ``delay``; the slot and cache blocks are given back when
-the last token is out (or the client leaves, or die-after fires). A client that leaves while
-waiting leaves the line at once. Off, none of this happens and timings are as above.
+``prefill_per_token``, ``prefill_chunk``: any one given turns it on; the model is
+``engine.py``, its Trio side ``scheduler.py``). On, a completion's stream head and role
+chunk still go out at once (vLLM sends the head before it schedules the request), then its
+generation waits first come first served for one of ``max_running`` slots, is looked up in
+the prefix cache when let in, and its first token comes ``first_delay + ttft_base +
+prefill_per_token * uncached prompt tokens`` after that, the rest every ``delay``; the slot
+and cache blocks are given back when the last token is out (or the client leaves, or
+die-after fires). A client that leaves while waiting leaves the line at once. Off, none of
+this happens and timings are as above.
+
+The step model (``prefill_chunk``, with the engine model; ``batch.py``, ``steps.py``) replaces
+that private timetable with continuous batching, as vLLM V1 and SGLang run: a generation let
+in waits ``ttft_base + first_delay``, then joins the engine's one batch, whose loop runs steps
+of ``delay`` plus ``prefill_per_token`` for each prefill token in the step (at most
+``prefill_chunk`` a step, shared first come first served among the generations still
+prefilling their uncached tokens). Each step, every generation done with its prefill has its
+next token out, so all running streams get a token once a step, and a cold prompt makes every
+one of them late while it prefills. The first token comes at the end of the step that
+completes the prefill. Per-request ``x-fake-delay`` does not apply (one engine, one pace).
 
 Observability: :class:`FakeLLM` counts ``requests``, ``streams_started``,
 ``streams_completed``, ``aborts`` (die-after fired) and ``disconnects`` (completions,
@@ -61,7 +72,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -120,6 +131,27 @@ class _Progress:
     client_gone: bool = False
 
 
+class TokenClock(Protocol):
+    """What paces one generation's tokens."""
+
+    async def wait_generated(self, count: int) -> None:
+        """Return once ``count`` tokens are out (0: once the first could be)."""
+        ...
+
+
+@attrs.frozen
+class _Timetable:
+    """Tokens on a generation's own timetable: token ``i`` at ``start + first_delay + i *
+    delay``."""
+
+    start: float
+    first_delay: float
+    delay: float
+
+    async def wait_generated(self, count: int) -> None:
+        await trio.sleep_until(self.start + self.first_delay + max(count - 1, 0) * self.delay)
+
+
 @attrs.define
 class FakeLLM:
     """Configuration, live counters and the ASGI app of one fake backend."""
@@ -145,6 +177,8 @@ class FakeLLM:
     """Engine model: seconds from admission to the first token, before prefill."""
     prefill_per_token: float | None = None
     """Engine model: seconds of prefill per prompt token not found cached."""
+    prefill_chunk: int | None = None
+    """Engine model, step model: prefill tokens per engine step (see ``batch.py``)."""
 
     requests: int = attrs.field(default=0, init=False)
     """HTTP requests received (any path)."""
@@ -160,8 +194,9 @@ class FakeLLM:
     """Headers of the latest request: lower-case name -> value, repeats joined ", "."""
 
     engine: Engine = attrs.field(init=False, repr=False)
-    """The engine model, made from the five options above (read once, here); it is on when
-    any of them but ``block_tokens`` is given. ``/metrics`` shows its state, on or off."""
+    """The engine model, made from the six options above (read once, here, and with the step
+    model ``delay`` too); it is on when any of them but ``block_tokens`` is given.
+    ``/metrics`` shows its state, on or off."""
 
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
     _ids: itertools.count[int] = attrs.field(
@@ -175,6 +210,8 @@ class FakeLLM:
             block_tokens=self.block_tokens,
             ttft_base=self.ttft_base,
             prefill_per_token=self.prefill_per_token,
+            prefill_chunk=self.prefill_chunk,
+            decode_seconds=self.delay if self.prefill_chunk is not None else 0.0,
         )
         self.engine = Engine(config, MODEL, self._notify)
 
@@ -377,17 +414,25 @@ class FakeLLM:
             raise FakeBackendDied(f"{self.backend_id}: die-after {die_after} tokens")
 
     @asynccontextmanager
-    async def _generating(self, prompt: str | None, start: float) -> AsyncIterator[float]:
-        """Hold the engine model for one generation; yields when its tokens' clock starts.
+    async def _generating(
+        self, prompt: str | None, start: float, knobs: Knobs, tokens: int
+    ) -> AsyncIterator[TokenClock]:
+        """Hold the engine model for one generation of ``tokens``; yields what paces them.
 
-        Off (``prompt`` is None): yields ``start`` at once. On: waits in the engine's line,
-        then yields the time of admission plus the prefill of the uncached prompt tokens.
+        Off (``prompt`` is None): a timetable from ``start`` at once. On: waits in the
+        engine's line, then a timetable from admission plus the prefill of the uncached prompt
+        tokens; in the step model, its place in the engine's batch.
         """
         if prompt is None:
-            yield start
-            return
-        async with self.engine.generation(prompt) as prefill:
-            yield trio.current_time() + prefill
+            yield _Timetable(start, knobs.first_delay, knobs.delay)
+        elif self.engine.batch is not None:
+            async with self.engine.batched_generation(
+                prompt, tokens=tokens, first_delay=knobs.first_delay
+            ) as generation:
+                yield generation
+        else:
+            async with self.engine.generation(prompt) as prefill:
+                yield _Timetable(trio.current_time() + prefill, knobs.first_delay, knobs.delay)
 
     async def _watch_disconnect(
         self, receive: Receive, progress: _Progress, cancel_scope: trio.CancelScope
@@ -467,14 +512,14 @@ class FakeLLM:
             role = {"role": "assistant", "content": ""}
             if not await self._send_or_gone(send, event(chunk(role, None, True)), progress):
                 return False
-        # The engine model, when on, lets the generation in and prefills it: ``start`` moves
-        # on to then. vLLM too sends a stream's head before the request is scheduled.
-        async with self._generating(prompt, start) as start:
+        # The engine model, when on, lets the generation in and prefills it before the
+        # clock's first token. vLLM too sends a stream's head before the request is scheduled.
+        async with self._generating(prompt, start, knobs, n_tokens) as clock:
             for i in range(n_tokens):
                 if die_after is not None and i >= die_after:
                     progress.finished = True
                     return True
-                await trio.sleep_until(start + knobs.first_delay + i * knobs.delay)
+                await clock.wait_generated(i + 1)
                 delta = {"content": _token(i)}
                 first = i == 0 and not role_only
                 if first:
@@ -484,8 +529,8 @@ class FakeLLM:
             if die_after is not None:  # die_after == n_tokens: die before the finish chunk
                 progress.finished = True
                 return True
-            # No tokens: still wait the first delay.
-            await trio.sleep_until(start + knobs.first_delay)
+            # No tokens: still wait the first delay (and the prefill).
+            await clock.wait_generated(n_tokens)
             no_role_yet = n_tokens == 0 and not role_only
             last_delta: dict[str, Any] = {"role": "assistant", "content": ""} if no_role_yet else {}
             if not await self._send_or_gone(
@@ -525,8 +570,8 @@ class FakeLLM:
         """Send one ``chat.completion`` once "generated"; True when it must die (die-after)."""
         start = trio.current_time()
         generated = n_tokens if die_after is None else die_after
-        async with self._generating(prompt, start) as start:
-            await trio.sleep_until(start + knobs.first_delay + max(generated - 1, 0) * knobs.delay)
+        async with self._generating(prompt, start, knobs, generated) as clock:
+            await clock.wait_generated(generated)
         obj: dict[str, Any] = {
             **base,
             "object": "chat.completion",

@@ -55,6 +55,13 @@ attribute / CLI option                      meaning
                                             added to the first delay (0)
 ``prefill_per_token`` /                     seconds more per prompt token not found in the
 ``--prefill-per-token S``                   cache (0)
+``prefill_chunk`` /                         the step model: one loop of engine steps serves
+``--prefill-chunk N``                       every running generation (continuous batching);
+                                            a step is ``--delay`` plus the prefill per token
+                                            of at most N prefill tokens, and brings a token
+                                            to every stream done with its prefill, so a cold
+                                            prompt slows them all; ``x-fake-delay`` does not
+                                            apply (off: each generation prefills on its own)
 ==========================================  ==================================================
 
 A malformed header raises :class:`BadKnob` naming the header and what it expects (the app
@@ -285,4 +292,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="seconds of prefill per prompt token not found in the cache (0)",
+    )
+    engine.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "step model: one loop of engine steps for all running generations, each step "
+            "--delay plus the prefill of at most N uncached prompt tokens, every stream a "
+            "token a step (off: each generation prefills on its own)"
+        ),
     )

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         block_tokens=args.block_tokens,
         ttft_base=args.ttft_base,
         prefill_per_token=args.prefill_per_token,
+        prefill_chunk=args.prefill_chunk,
     )
 
     async def serve() -> None:
