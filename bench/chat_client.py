@@ -18,16 +18,20 @@ the role-only chunk some servers send first does not count), the gaps between co
 events (events arriving in one read have a gap of 0), the end, the status, the engine that
 answered (``x-backend-id``). A reply that came whole joins the user's history.
 
-:func:`service_seconds` and :func:`capacity` compute what the fleet can carry from the
-engine model's options (``muxproxy/testing/fakellm/engine.py``): a request holds one of
-``max_running`` slots for ``ttft_base + prefill_per_token * uncached prompt tokens +
-(max_tokens - 1) * delay``.
+:func:`capacity` computes what the fleet can carry from the engine model's options
+(``muxproxy/testing/fakellm/engine.py``, ``steps.py``), with every system prompt cached: with
+private prefill a request holds one of ``max_running`` slots for ``ttft_base +
+prefill_per_token * uncached prompt tokens + (max_tokens - 1) * delay``; in the step model
+(``--prefill-chunk``) its prefill stretches every running stream's steps instead, and the
+capacity solves Little's law with steps that last longer the more the engine prefills
+(:func:`engine_capacity` says how).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from array import array
@@ -109,30 +113,85 @@ def make_users(args: argparse.Namespace, prompts: list[str]) -> list[User]:
     ]
 
 
-def service_seconds(args: argparse.Namespace, turns: int = 2000) -> float:
-    """Mean time a request holds an engine slot when its system prompt is cached and the rest
-    of its prompt (the conversation so far) is not: base + prefill of the uncached tokens +
-    (max_tokens - 1) x delay, over ``turns`` turns of conversations drawn as the users draw
-    theirs."""
+@dataclass(frozen=True)
+class TurnMeans:
+    """Means over turns drawn as the users draw theirs."""
+
+    uncached_tokens: float
+    """Prompt tokens prefilled: the conversation so far and the new question (and the system
+    prompt, when it is not cached)."""
+    tokens: float
+    """``max_tokens``."""
+    steps: float
+    """Step model: steps a request is in the batch, ``ceil(uncached / chunk) + max_tokens - 1``
+    (its prefill's steps; its first token comes with the last of them)."""
+
+
+def turn_means(args: argparse.Namespace, system_tokens: int = 0, turns: int = 2000) -> TurnMeans:
+    """:class:`TurnMeans` of ``turns`` turns of conversations drawn as the users draw theirs,
+    with ``system_tokens`` more to prefill every turn (0: the system prompt is cached)."""
     rng = random.Random(args.seed + 2)
-    total = 0.0
+    uncached = tokens = steps = 0.0
     done = 0
+    chunk: int = args.prefill_chunk
     while done < turns:
         history_bytes = 0
         for _ in range(rng.randint(*args.turns)):
             history_bytes += rng.randint(*args.user_bytes)
-            tokens = rng.randint(*args.tokens)
-            prefill = args.prefill_per_token * history_bytes / TOKEN_BYTES
-            total += args.ttft_base + prefill + (tokens - 1) * args.delay
-            history_bytes += tokens * REPLY_BYTES_PER_TOKEN
+            max_tokens = rng.randint(*args.tokens)
+            prompt = system_tokens + history_bytes / TOKEN_BYTES
+            uncached += prompt
+            tokens += max_tokens
+            if chunk:
+                steps += math.ceil(prompt / chunk) + max_tokens - 1
+            history_bytes += max_tokens * REPLY_BYTES_PER_TOKEN
             done += 1
-    return total / done
+    return TurnMeans(uncached_tokens=uncached / done, tokens=tokens / done, steps=steps / done)
 
 
-def capacity(args: argparse.Namespace) -> float:
-    """Requests/s the fleet completes at most with every system prompt cached."""
-    slots: int = args.engines * args.max_running
-    return slots / service_seconds(args)
+def engine_capacity(args: argparse.Namespace, system_tokens: int = 0) -> float:
+    """Requests/s one engine completes at most with every system prompt cached (or with
+    ``system_tokens`` of it prefilled every turn).
+
+    Private prefill (``--prefill-chunk 0``): a request holds one of the ``S`` slots for
+    ``b + p * U + (T - 1) * d`` (``b`` the base, ``p`` the prefill per token, ``U`` its uncached
+    tokens, ``T`` its tokens, ``d`` the delay), so ``X = S / mean slot time``.
+
+    Step model (``--prefill-chunk c``): a step lasts ``d`` plus ``p`` per prefill token in it.
+    At ``X`` requests/s the engine spends the fraction ``a * X`` of its time prefilling
+    (``a = p * mean U``), so a step lasts ``D = d / (1 - a * X)`` on average; a request holds
+    its slot for ``b + K * D`` (``K``: :attr:`TurnMeans.steps`), and with every slot taken
+    (Little's law) ``S = X * (b + K * D)``, i.e. ``a*b*X**2 - (a*S + b + K*d)*X + S = 0``,
+    whose smaller root is the capacity (``a*X < 1``). It is capped by the prefill a full chunk
+    a step can do, ``c / (d + c * p)`` tokens/s, over ``mean U``.
+    """
+    means = turn_means(args, system_tokens)
+    slots: int = args.max_running
+    b, p, d = args.ttft_base, args.prefill_per_token, args.delay
+    if not args.prefill_chunk:
+        return slots / (b + p * means.uncached_tokens + (means.tokens - 1) * d)
+    a = p * means.uncached_tokens
+    linear = a * slots + b + means.steps * d
+    if a * b == 0:
+        x = slots / linear
+    else:
+        x = (linear - math.sqrt(linear * linear - 4 * a * b * slots)) / (2 * a * b)
+    if means.uncached_tokens == 0:
+        return x
+    chunk = args.prefill_chunk
+    return min(x, chunk / (d + chunk * p) / means.uncached_tokens)
+
+
+def service_seconds(args: argparse.Namespace) -> float:
+    """Mean time a request holds an engine slot at capacity (Little's law: slots over
+    :func:`engine_capacity`); in the step model it grows with the load, as steps stretch."""
+    return args.max_running / engine_capacity(args)
+
+
+def capacity(args: argparse.Namespace, system_tokens: int = 0) -> float:
+    """Requests/s the fleet completes at most with every system prompt cached (or with
+    ``system_tokens`` of it prefilled every turn)."""
+    return args.engines * engine_capacity(args, system_tokens)
 
 
 # --- HTTP/1.1 with h11 over Trio ---------------------------------------------------------------

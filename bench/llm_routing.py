@@ -2,8 +2,11 @@
 
 Four fake inference engines (``muxproxy fakellm`` with its engine model: ``--max-running``
 slots, a prefix KV cache of ``--kv-blocks`` blocks, a prefill cost per uncached prompt
-token) behind one muxproxy, once per balancing policy, each with fresh processes (cold
-caches), the same workload, and a load client in this process (Trio, HTTP/1.1 with h11)::
+token, and by default its step model, ``--prefill-chunk 512``: continuous batching, where a
+cold prompt's prefill stretches the steps of every stream running on its engine; ``0``: each
+request prefills on its own, slowing no other) behind one muxproxy, once per balancing
+policy, each with fresh processes (cold caches), the same workload, and a load client in this
+process (Trio, HTTP/1.1 with h11)::
 
     python bench/llm_routing.py                       # all six policies, ~8 minutes
     python bench/llm_routing.py --policies 1,5 --duration 30
@@ -24,12 +27,13 @@ hold about 6.5 of them (``--kv-blocks`` by default), not all; ``--users`` users,
 one system prompt (Zipf popularity) and multi-turn conversations that send the whole
 history every turn, with mixed ``max_tokens``. Requests arrive as a Poisson process at
 ``--rate`` (default ``--load`` x the fleet's capacity, which the script computes from the
-engine options: slots over the mean time a request holds one with its system prompt
-cached); each arrival is a turn of a user drawn at random who is not waiting for a reply
-(the next free one if that one is), so at most ``--users`` requests are in flight. Requests
-arriving in the first ``--warmup`` seconds warm the caches and are not counted; those
-arriving in the next ``--duration`` seconds are, and the run waits at most ``--drain``
-seconds for them to end.
+engine options with every system prompt cached: ``chat_client.engine_capacity``, Little's law
+over the engines' slots, where in the step model a step lasts longer the more of the engine's
+time goes to prefill); each arrival is a turn of a user drawn at random who is not waiting
+for a reply (the next free one if that one is), so at most ``--users`` requests are in
+flight. Requests arriving in the first ``--warmup`` seconds warm the caches and are not
+counted; those arriving in the next ``--duration`` seconds are, and the run waits at most
+``--drain`` seconds for them to end.
 
 Measured per policy, for the counted requests: TTFT (request sent -> first SSE event
 carrying content; unfinished requests count with their time so far, a lower bound), the
@@ -414,6 +418,8 @@ class Fleet:
             "--prefill-per-token": args.prefill_per_token,
             "--delay": args.delay,
         }
+        if args.prefill_chunk:
+            options["--prefill-chunk"] = args.prefill_chunk
         engine_argv = [str(part) for option in options.items() for part in option]
         command = [sys.executable, "-m", "muxproxy"]  # -m: the package of this checkout (cwd)
         self.engines: list[Proc] = []
@@ -612,7 +618,16 @@ def parse_args() -> argparse.Namespace:
     engine.add_argument("--block-tokens", type=int, default=16)
     engine.add_argument("--ttft-base", type=float, default=0.005)
     engine.add_argument("--prefill-per-token", type=float, default=0.00075)
-    engine.add_argument("--delay", type=float, default=0.02, help="seconds between tokens")
+    engine.add_argument(
+        "--delay", type=float, default=0.02, help="seconds between tokens (a step's decode)"
+    )
+    engine.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        metavar="N",
+        help="the engines' step model: prefill tokens per step (0: private prefill, no batching)",
+    )
     parser.add_argument("--queue-timeout", type=float, default=30.0, help="policy 6's queue")
     parser.add_argument(
         "--proxy-cpus",
@@ -622,6 +637,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep-tmp", action="store_true", help="keep configs and logs")
     args = parser.parse_args()
     args.proxy_cpu_set = split_cpus(parser, args.proxy_cpus)
+    if args.prefill_chunk < 0:
+        parser.error(f"--prefill-chunk: expected 0 (no steps) or more, got {args.prefill_chunk}")
     chosen = []
     for item in filter(None, (s.strip() for s in args.policies.split(","))):
         policy = (
@@ -646,11 +663,13 @@ def main() -> None:
     args = parse_args()
     prompts = system_prompts(args.prompts, args.prompt_bytes, args.seed)
     system_tokens = args.prompt_bytes // TOKEN_BYTES
+    model = f"steps of {args.prefill_chunk} prefill tokens" if args.prefill_chunk else "no steps"
     print(
-        f"# {args.engines} engines x {args.max_running} slots, {args.kv_blocks} KV blocks "
+        f"# {args.engines} engines x {args.max_running} slots, {model}, {args.kv_blocks} KV blocks "
         f"of {args.block_tokens} tokens (~{args.kv_blocks * args.block_tokens / system_tokens:.1f}"
         f" system prompts); capacity {args.capacity:.2f} req/s (mean slot time "
-        f"{service_seconds(args):.2f} s); offered {args.rate:.2f} req/s",
+        f"{service_seconds(args):.2f} s; {capacity(args, system_tokens):.2f} req/s with no "
+        f"system prompt cached); offered {args.rate:.2f} req/s",
         file=sys.stderr,
     )
     tmp = Path(tempfile.mkdtemp(prefix="llm-routing-"))
