@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fakellm import ready_line
 
@@ -72,7 +72,8 @@ def test_a_step_never_prefills_more_than_the_chunk_and_serves_first_come_first(
             assert all(later == 0 for later in plan.prefill[i + 1 :])
 
 
-@given(left=st.lists(st.integers(0, 2000), min_size=1, max_size=12), chunk=st.integers(1, 1024))
+@settings(deadline=None)  # up to 2,000 steps: no deadline on a loaded machine
+@given(left=st.lists(st.integers(0, 200), min_size=1, max_size=10), chunk=st.integers(1, 256))
 def test_stepping_to_the_end_conserves_prefill_and_every_step_progresses(
     left: list[int], chunk: int
 ) -> None:
@@ -93,8 +94,8 @@ def test_stepping_to_the_end_conserves_prefill_and_every_step_progresses(
         step += 1
     assert prefilled == left
     assert step == max(1, math.ceil(sum(left) / chunk))
-    # First come first served: prompts finish prefilling in arrival order.
-    steps = [s for s in first_token_step if s is not None]
+    # First come first served: prompts to prefill finish in arrival order.
+    steps = [s for s, need in zip(first_token_step, left, strict=True) if need]
     assert steps == sorted(steps)
 
 
