@@ -16,15 +16,16 @@ not every poll. A load poll never changes a server's health.
 from __future__ import annotations
 
 from ..config import LoadReporting, Upstream
-from ..routing.loadreport import LoadReport, ReportError, parse_load_report
+from ..routing.loadreport import MAX_BODY, LoadReport, ReportError, parse_load_report
 from .commands import Log
 from .effects import Effects
 from .messages import ResponseHead
 from .ports import ProbeHost
 from .probes import Probe
 
-BODY_LIMIT = 1024 * 1024
-"""Bytes of a report read at most: vLLM's page is some 50-200 KiB (its histograms)."""
+BODY_LIMIT = MAX_BODY
+"""Bytes of a report read at most, the parser's own bound (``loadreport.MAX_BODY``, 1 MiB):
+vLLM's page is some 50-200 KiB (its histograms)."""
 
 
 class LoadPoll(Probe):
