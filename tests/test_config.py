@@ -21,6 +21,7 @@ from muxproxy.config import (
     Limits,
     Listener,
     NextUpstream,
+    Resume,
     Route,
     Server,
     SessionSource,
@@ -481,7 +482,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "weight": 1}],
             "routes[0].weight: unknown key; expected one of: prefix, upstream,"
-            " retry_until_first_event, sse_heartbeat, api",
+            " retry_until_first_event, sse_heartbeat, resume, api",
         ),
         (
             ("routes",),
@@ -497,6 +498,33 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus"}, {"prefix": "/", "upstream": "gpus"}],
             'routes[1].prefix: "/" is already routed by routes[0]',
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"window": "256 kb"}}],
+            "routes[0].resume.window: expected a positive size: bytes, or a string such as"
+            ' "256 KiB" or "1 MiB" (units B, KiB, MiB, GiB), got "256 kb"',
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"window": 100}}],
+            "routes[0].resume.window: expected at least 4096 bytes (a few events), got 100",
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"linger": 0}}],
+            "routes[0].resume.linger: expected a positive, finite number of seconds, got 0",
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": False}],
+            'routes[0].resume: expected true or a table such as { window = "256 KiB",'
+            " linger = 30 }; leave the key out to turn resume off",
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"lingr": 3}}],
+            'routes[0].resume.lingr: unknown key; did you mean "linger"?',
         ),
     ],
 )
@@ -1501,3 +1529,19 @@ def test_unreadable_tls_file_is_named(tmp_path: Path) -> None:
     assert problems_of(tls_listener("cert.pem", unreadable), base_dir=str(tmp_path)) == [
         f'listeners[0].tls_key: cannot read "{unreadable}": Input/output error'
     ]
+
+
+def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
+    data = valid()
+    data["routes"] = [
+        {"prefix": "/a/", "upstream": "gpus", "resume": True},
+        {"prefix": "/b/", "upstream": "gpus", "resume": {"window": "1 MiB", "linger": 5}},
+        {"prefix": "/c/", "upstream": "gpus", "resume": {"window": 8192}},
+    ]
+    routes = parse_config(data).routes
+    assert [r.resume for r in routes] == [
+        Resume(),
+        Resume(window=1024 * 1024, linger=5.0),
+        Resume(window=8192),
+    ]
+    assert Resume().window == 256 * 1024 and Resume().linger == 30.0

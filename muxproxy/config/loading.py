@@ -17,7 +17,17 @@ from typing import Any
 from .admin import admin_settings, quick_admin
 from .checker import Checker, Key, describe, join
 from .logs import log_settings
-from .records import Api, Config, Limits, Listener, Route, Timeouts, Upstream, quick_config
+from .records import (
+    Api,
+    Config,
+    Limits,
+    Listener,
+    Resume,
+    Route,
+    Timeouts,
+    Upstream,
+    quick_config,
+)
 from .tls import tls_pair_problems
 from .upstreams import upstream
 
@@ -199,11 +209,62 @@ def _api(check: Checker, value: Any, path: str) -> Api | None:
     return None if choice is None else Api(choice)
 
 
+_SIZE = re.compile(r"\A\s*([0-9]+)\s*(B|KiB|MiB|GiB)?\s*\Z")
+_SIZE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _size(check: Checker, value: Any, path: str) -> int | None:
+    """A positive number of bytes: an integer, or a string such as ``"256 KiB"``."""
+    if isinstance(value, str) and (match := _SIZE.match(value)):
+        value = int(match[1]) * _SIZE_UNITS[match[2]]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        check.add(
+            path,
+            'expected a positive size: bytes, or a string such as "256 KiB" or "1 MiB"'
+            f" (units B, KiB, MiB, GiB), got {describe(value)}",
+        )
+        return None
+    return value
+
+
+_RESUME_MIN_WINDOW = 4096
+
+_RESUME_KEYS = {
+    "window": Key(_size),
+    "linger": Key(Checker.seconds),
+}
+
+
+def _resume(check: Checker, value: Any, path: str) -> Resume | None:
+    """``resume = true`` (the defaults) or a table of :data:`_RESUME_KEYS`."""
+    if value is True:
+        return Resume()
+    if value is False:
+        check.add(
+            path,
+            'expected true or a table such as { window = "256 KiB", linger = 30 };'
+            " leave the key out to turn resume off",
+        )
+        return None
+    values = check.table(value, path, _RESUME_KEYS, "true or a table such as { linger = 30 }")
+    if values is None:
+        return None
+    resume = Resume(**values)
+    if resume.window < _RESUME_MIN_WINDOW:
+        check.add(
+            join(path, "window"),
+            f"expected at least {_RESUME_MIN_WINDOW} bytes (a few events), got {resume.window}",
+        )
+        return None
+    return resume
+
+
 _ROUTE_KEYS = {
     "prefix": Key(Checker.prefix, required='a path prefix starting with "/"'),
     "upstream": Key(Checker.name, required="the name of an upstream group"),
     "retry_until_first_event": Key(Checker.boolean),
     "sse_heartbeat": Key(Checker.seconds),
+    "resume": Key(_resume),
     "api": Key(_api),
 }
 

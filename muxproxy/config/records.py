@@ -92,6 +92,11 @@ class Limits:
     back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,
     CVE-2023-44487. See ``muxproxy.core.h2guard``."""
     h2_control_frame_budget: int = 1000
+    resume_memory: int = 512 * 1024 * 1024
+    """Bytes the resumable streams of one process may keep in all (routes with ``resume``).
+    Past it the streams nobody reads are let go, oldest first (their backends ended), so a
+    flood of clients that never come back cannot exhaust memory; streams being read are
+    never cut for it. See ``muxproxy.core.resume``."""
     """HTTP/2 SETTINGS / PING / PRIORITY / WINDOW_UPDATE / empty DATA frames a client may send
     beyond those paid back by responses, before GOAWAY(ENHANCE_YOUR_CALM)."""
 
@@ -380,6 +385,21 @@ class Api(enum.Enum):
     the OpenAI SDKs turn into the message of the exception they raise."""
 
 
+RESUME_WINDOW = 256 * 1024
+"""Bytes of events a resumable stream keeps (``resume.window``)."""
+
+
+@attrs.frozen(kw_only=True)
+class Resume:
+    """A route's ``resume`` table: SSE streams that survive a reconnect (``docs/resume.md``)."""
+
+    window: int = RESUME_WINDOW
+    """The last bytes of events kept per stream; a resume from before them is refused."""
+    linger: float = 30.0
+    """Seconds a stream's backend keeps running after its client went away, for the client
+    to come back; also how long the events of an ended stream are kept."""
+
+
 @attrs.frozen(kw_only=True)
 class Route:
     prefix: str
@@ -390,6 +410,9 @@ class Route:
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""
+    resume: Resume | None = None
+    """Number the events of text/event-stream responses and keep them, so that a client
+    that reconnects with ``Last-Event-ID`` gets the rest (``core/resume.py``); None: off."""
     api: Api | None = None
     """With ``Api.OPENAI`` the proxy's own errors on this route (502, 503, 504, 413, 431...)
     carry the OpenAI error object instead of plain text (``muxproxy.core.errors``)."""
