@@ -38,11 +38,11 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 from __future__ import annotations
 
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 import attrs
 
-from ..config import Route, Upstream
+from ..config import Resume, Route, Upstream
 from ..routing.llmrequest import parse_json_body
 from ..routing.ratelimit import Refusal
 from ..routing.sticky import session_key_from_body, session_key_from_head
@@ -62,10 +62,16 @@ from .intake import MalformedRequest
 from .messages import Fields, Headers, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
+from .readers import Nobody, ResumedClient
+from .resume import RESUME_TOKEN, Resumable, State, credential_of
+from .sseids import EventStamper
 from .ssemeter import SseMeter
 from .states import step
 from .timers import ExchangeTimer
 from .upload import Upload
+
+if TYPE_CHECKING:
+    from .replay import ReplayExchange
 
 __all__ = ["VIA", "Exchange", "Phase", "RequestPhase"]
 
@@ -120,6 +126,12 @@ class Exchange:
         """Budgets and queue wait, in a group that has either (``admit.py``)."""
         self.usage: UsageScan | None = None
         """The response's completion tokens, for a token budget (``admit.py``)."""
+        self.backend_head: ResponseHead | None = None
+        """The backend's response head, as it came (a resumed client's head is made from it)."""
+        self.resumable: Resumable | None = None
+        """The kept events of a resumable SSE response (``resume.py``)."""
+        self.stamper: EventStamper | None = None
+        """Numbers the events of a resumable response (``sseids.py``)."""
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
@@ -154,6 +166,11 @@ class Exchange:
     # -- routing ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._locate():
+            self._begin()
+
+    def _locate(self) -> bool:
+        """Find the route and the group (False: answered with an error instead)."""
         fx = self.fx
         head = self.head
         timeout = grpc.grpc_timeout(head.headers) if grpc.is_grpc(head.headers) else None
@@ -164,7 +181,7 @@ class Exchange:
             target = normalise_target(head.target)
         except MalformedRequest as exc:
             self.fail(exc.status, exc.reason)
-            return
+            return False
         if target is not head.target:
             # Routed and forwarded as normalised (paths.py): the backend has nothing left to
             # resolve that could take it out of the route's prefix.
@@ -172,9 +189,15 @@ class Exchange:
         route = self.route = fx.config.route_for(head.target)
         if route is None:
             self.fail(404, "no route for this path")
-            return
+            return False
         group = self.group = fx.config.upstreams[route.upstream]
         self.upload.body = RequestBody(group.next_upstream.replay_buffer)
+        return True
+
+    def _begin(self) -> None:
+        """Route, reading the body first where the group needs it."""
+        group, head = self.group, self.head
+        assert group is not None
         key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
         if (need_body or group.reads_body) and self.upload.phase is RequestPhase.BODY:
             self.move(_I.BUFFER)
@@ -389,8 +412,12 @@ class Exchange:
             self._check_request_flow()
 
     def client_aborted(self, reason: str) -> None:
-        """The client reset the stream or went away: stop the backend at once."""
+        """The client reset the stream or went away: stop the backend at once (unless the
+        stream is resumable: then it lingers)."""
         if not self.move(_I.CLIENT_ABORTED):
+            return
+        if self.resumable is not None and self._may_linger():
+            self._linger(reason)
             return
         self._release_upstream(close=True)
         self._finish(f"client aborted: {reason}")
@@ -412,6 +439,7 @@ class Exchange:
             self._retry_or_fail(condition, f"backend answered {status}")
             return
         failover.succeeded()
+        self.backend_head = head
         self.status = status
         self.head_at = fx.now
         self.host.measurements.group(group.name).response_head.observe(fx.now - self.started)
@@ -438,19 +466,24 @@ class Exchange:
 
     def _commit(self) -> None:
         """Send the response head: from here on nothing is retried."""
-        assert self.response is not None
+        response = self.response
+        assert response is not None
         self.move(_I.COMMIT)
         self.upload.body.commit()
-        self.client.send_head(self.response)
+        sse = (
+            200 <= self.status < 300
+            and self.head.method != b"HEAD"
+            and is_event_stream(response.headers)
+        )
+        resume = self.route.resume if self.route else None
+        if sse and resume is not None and not self.fx.shutting_down:
+            token = self._open_resume(resume)
+            response.headers.append((RESUME_TOKEN, token))
+        self.client.send_head(response)
         if self.admission is not None:
             self.usage = self.admission.usage
         deadlines = self.deadlines
         deadlines.watch_reading(self.group)
-        sse = (
-            200 <= self.status < 300
-            and self.head.method != b"HEAD"
-            and is_event_stream(self.response.headers)
-        )
         if sse and self.group is not None:
             meter = self.meter = SseMeter(
                 self.host.measurements.group(self.group.name), self.started
@@ -458,7 +491,116 @@ class Exchange:
             if self.admission is not None:
                 self.admission.ticket.progress = meter  # its work left shrinks per event
             heartbeat = self.route.sse_heartbeat if self.route else None
-            self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, self.response.headers)
+            self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, response.headers)
+
+    # -- resumable streams (``resume.py``, ``readers.py``, ``replay.py``) --------------------
+
+    def _open_resume(self, settings: Resume) -> bytes:
+        """Make the response resumable; returns its token (``RESUME_TOKEN``)."""
+        group, head, backend_head = self.group, self.head, self.backend_head
+        assert group is not None and backend_head is not None
+        session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
+        stream = self.resumable = self.host.resumes.open(
+            settings,
+            credential_of(head.headers, session_key),
+            backend_head,
+            self.upstream_version or "1.1",
+            self,
+        )
+        self.stamper = EventStamper(stream.token, limit=settings.window)
+        return stream.token
+
+    def _stamp(self, data: bytes) -> bytes:
+        """``data`` with the events it completed numbered and kept; b"" when the backend
+        was ended (the window overflowed while the client was away)."""
+        stamper, stream = self.stamper, self.resumable
+        assert stamper is not None and stream is not None
+        out, events = stamper.feed(data)
+        store = self.host.resumes
+        for seq, event in events:
+            if not store.append(stream, seq, event):
+                self.abandon("resume window overflowed, or memory limit, while the client was away")
+                return b""
+        if not stamper.stamping:
+            # The backend's own ids (its resume is its own), or an event over the window.
+            self.stamper = self.resumable = None
+            if stream.reader is None and stream.attached:
+                self.host.resumes.forget(stream)
+            else:
+                self.host.resumes.ended(stream, State.BROKEN)
+        return out
+
+    def _may_linger(self) -> bool:
+        stream = self.resumable
+        return (
+            stream is not None
+            and stream.attached
+            and self.phase is Phase.STREAMING
+            and self.upstream is not None
+            and self.upload.phase is RequestPhase.COMPLETE
+            and not self.fx.shutting_down
+        )
+
+    def _linger(self, reason: str) -> None:
+        """The client went away from a resumable stream: keep the backend running into the
+        kept events for ``linger`` seconds (``ResumeStore.unread``)."""
+        stream, upstream, old = self.resumable, self.upstream, self.client
+        assert stream is not None and upstream is not None
+        old.release(self)
+        self.client = Nobody(old.conn)
+        stream.attached = False
+        if self.response_flow.resume():
+            upstream.resume()  # nobody to wait for: the window bounds what it may send
+        self.host.resumes.unread(stream)
+        self.fx.emit(
+            Log(
+                event="resume_linger",
+                fields={"request_id": self.request_id.decode("latin-1"), "reason": reason},
+            )
+        )
+        old.exchange_finished(self)
+
+    def take_reader(self, reader: ReplayExchange) -> None:
+        """``reader`` resumed this stream: from now on the response goes to its client. Its
+        first client, or an earlier reader, is cut (it may not know yet that it is gone)."""
+        stream, old, upstream = self.resumable, self.client, self.upstream
+        assert stream is not None
+        previous = stream.reader
+        old.release(self)
+        if stream.attached:
+            stream.attached = False
+            old.abort(self.stream)
+            old.exchange_finished(self)
+        if self.response_flow.resume() and upstream is not None:
+            upstream.resume()  # the new reader's connection holds it back from here on
+        self.client = ResumedClient(reader)
+        stream.reader = reader
+        self.host.resumes.read(stream)
+        if previous is not None:
+            previous.taken_over()
+
+    def reader_left(self) -> None:
+        """The resumed client went away too: linger again."""
+        stream = self.resumable
+        if stream is None or self.phase is Phase.DONE:
+            return
+        self.client.release(self)
+        self.client = Nobody(self.client.conn)
+        stream.reader = None
+        upstream = self.upstream
+        if self.response_flow.resume() and upstream is not None:
+            upstream.resume()
+        self.host.resumes.unread(stream)
+
+    def abandon(self, reason: str) -> None:
+        """``resume.Owner``: nobody came back in time, or the window overflowed while
+        nobody read: end the backend, which is what stops the GPU."""
+        if self.phase is Phase.DONE:
+            return
+        if self.resumable is not None:
+            self.host.resumes.forget(self.resumable)
+        self._release_upstream(close=True)
+        self._finish(reason)
 
     def response_body(self, data: bytes) -> None:
         if self.phase is not Phase.STREAMING:  # the per-token path looks nothing up
@@ -480,6 +622,10 @@ class Exchange:
         heartbeat = self.heartbeat
         if heartbeat is not None:
             heartbeat.boundary.feed(data)
+        if self.stamper is not None:
+            data = self._stamp(data)
+            if not data:
+                return
         client = self.client
         client.send_body(self.stream, data)
         upstream = self.upstream
@@ -520,6 +666,12 @@ class Exchange:
             return
         if self.phase is Phase.HOLDING:
             self._commit()
+        if self.stamper is not None:
+            rest = self.stamper.flush()
+            if rest:
+                self.client.send_body(self.stream, rest)
+        if self.resumable is not None:
+            self.host.resumes.ended(self.resumable, State.ENDED)
         # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
         self.client.send_end(self.stream, trailer_fields(trailers) if trailers else trailers)
         self._release_upstream(close=False)
@@ -547,6 +699,8 @@ class Exchange:
         else:
             if failover is not None:
                 failover.failed_mid_stream()
+            if self.resumable is not None:
+                self.host.resumes.ended(self.resumable, State.BROKEN)
             self._release_upstream(close=True)
             # Truncation must be visible: never a clean end for a broken stream. (On HTTP/1.1
             # that is the close, which comes once this exchange is over: ``request_close``.)

@@ -100,6 +100,9 @@ class ExchangeInput(enum.Enum):
     """The response head goes to the client: nothing is retried from here on."""
     FAIL = "fail"
     """An error answer of our own (``heads.py``), while no response head went out."""
+    REPLAY = "replay"
+    """A resume (``replay.py``): the response comes from the kept events of a stream, not
+    from a backend of this exchange's own; its head goes out at once."""
     FINISH = "finish"
     """The exchange ends (a complete response, a truncated one, an abort)."""
 
@@ -176,6 +179,7 @@ _ROWS: dict[ExchangeInput, tuple[Phase | Verdict, ...]] = {
     _I.HOLD: (_X, _X, _X, _H, _X, _X, _X),
     _I.COMMIT: (_X, _X, _X, _S, _S, _X, _X),
     _I.FAIL: (_D, _D, _D, _D, _D, _X, _X),
+    _I.REPLAY: (_X, _X, _S, _X, _X, _X, _X),  # from ``start``, before any routing
     _I.FINISH: (_D, _D, _D, _D, _D, _D, _X),
 }
 _PHASES = (_B, _Q, _C, _W, _H, _S, _D)
@@ -196,6 +200,7 @@ EVENTS = frozenset(_I) - {
     _I.HOLD,
     _I.COMMIT,
     _I.FAIL,
+    _I.REPLAY,
     _I.FINISH,
 }
 """The inputs that are events (the others are moves)."""

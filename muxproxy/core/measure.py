@@ -109,7 +109,20 @@ class MeasuredCore(Protocol):
     def upstreams(self) -> Sized: ...
     @property
     def exchanges(self) -> Mapping[int, RunningExchange]: ...
+    @property
+    def resumes(self) -> ResumeCounts: ...
     def router(self, group: Upstream) -> GroupStatus: ...
+
+
+class ResumeCounts(Protocol):
+    """What ``Measurements`` reads of the resumable streams (``resume.ResumeStore``)."""
+
+    resumed: int
+    refused: Mapping[str, int]
+
+    held_bytes: int
+
+    def states(self) -> Mapping[str, int]: ...
 
 
 class Measurements:
@@ -204,6 +217,10 @@ class Measurements:
             "rate_limit_reserved_tokens_total": per_group("tokens_reserved", {}),
             "rate_limit_used_tokens_total": per_group("tokens_used", {}),
             "internal_errors_total": [[[], core.counters.get("internal_errors", 0)]],
+            "resumes_total": [
+                [["resumed"], core.resumes.resumed],
+                *([[why], n] for why, n in sorted(core.resumes.refused.items())),
+            ],
             "defences_total": [
                 [[kind], value]
                 for kind, value in sorted(core.counters.items())
@@ -238,6 +255,10 @@ class Measurements:
             if name in groups:
                 reservations.append([[name], groups[name].reservations])
         gauges: dict[str, list[Any]] = {
+            "resumable_streams": [
+                [[state], n] for state, n in sorted(core.resumes.states().items())
+            ],
+            "resumable_bytes": [[[], core.resumes.held_bytes]],
             "queue_length": queues,
             "rate_limit_reservations": reservations,
             "server_load_tokens": load,

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .access import RequestIds
     from .defencelog import DefenceLog
     from .measure import Measurements
+    from .resume import ResumeStore
 
 
 class Phase(enum.Enum):
@@ -262,6 +263,10 @@ class ExchangeHost(Protocol):
     def measurements(self) -> Measurements: ...
     @property
     def request_ids(self) -> RequestIds: ...
+    @property
+    def resumes(self) -> ResumeStore:
+        """The resumable streams of this process (``resume.py``)."""
+
     def router(self, group: Upstream) -> GroupRouter: ...
     def exchange_finished(self, exchange: object) -> None: ...
     def room_freed(self, router: GroupRouter) -> None:

@@ -56,8 +56,10 @@ from .messages import RequestHead
 from .pool import Pool, UpstreamConn
 from .ports import BackendConnection, ClientSide
 from .probes import Probe
+from .replay import ReplayExchange, wants_resume
+from .resume import ResumeStore
 from .shutdown import Shutdown, refuse_client, stop_client
-from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer
+from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer, ResumeTimer
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
 
@@ -124,6 +126,8 @@ class ProxyCore:
         """Counters and histograms (``measure.py``); ``measurements.snapshot()`` exports
         them as data the driver renders (``muxproxy.trio.metrics``)."""
         self.request_ids = RequestIds()
+        self.resumes = ResumeStore(self.fx)
+        """Resumable SSE streams (``resume.py``): their kept events, by token."""
         """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.defences = DefenceLog(self)
         """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""
@@ -252,6 +256,8 @@ class ProxyCore:
         if wants_tunnel(head):
             # CONNECT and WebSocket handshakes become tunnels (tunnel.py) after their 101 / 200.
             exchange = WebSocketExchange(self.fx, self, client, head, ident, tunnels=self.tunnels)
+        elif wants_resume(head.headers):
+            exchange = ReplayExchange(self.fx, self, client, head, ident)
         else:
             exchange = Exchange(self.fx, self, client, head, ident)
         self.exchanges[ident] = exchange
@@ -430,6 +436,8 @@ class ProxyCore:
                     probe.timer_fired(kind)
             case CoreTimer():
                 self.stop.cut()
+            case ResumeTimer():
+                self.resumes.expired(ident)
             case _:
                 assert_never(kind)
 
@@ -482,6 +490,8 @@ class ProxyCore:
         """Graceful stop until ``event.deadline`` (``shutdown.py``); an earlier deadline in a
         later request moves it, one at or before ``now`` cuts at once."""
         self.stop.request(event.deadline)
+        # Nobody can come back to a lingering stream of a process that stops.
+        self.resumes.abandon_all("stopping: a lingering stream cannot be resumed here")
 
     @property
     def drained(self) -> bool:

@@ -166,6 +166,19 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tokens charged to tenants' budgets once their requests ended (the real usage)",
     ),
     "rate_limit_reservations": (GAUGE, ("group",), "Budget reservations not yet settled"),
+    "resumes_total": (
+        COUNTER,
+        ("result",),
+        "Requests with Last-Event-ID for a stream of ours: resumed, or refused by reason"
+        " (unknown, evicted, invalid)",
+    ),
+    "resumable_streams": (
+        GAUGE,
+        ("state",),
+        "Resumable SSE streams kept: read by a client, lingering (nobody reads, backend"
+        " running) or ended (events kept for linger)",
+    ),
+    "resumable_bytes": (GAUGE, (), "Memory held by resumable streams' kept events (bytes)"),
     "queue_length": (GAUGE, ("group",), "Requests waiting in the admission queue"),
     "server_load_tokens": (
         GAUGE,

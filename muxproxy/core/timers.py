@@ -74,5 +74,12 @@ class CoreTimer(enum.StrEnum):
     """A graceful stop's deadline."""
 
 
-TimerKind = ExchangeTimer | ClientTimer | BackendTimer | ProbeTimer | CoreTimer
+class ResumeTimer(enum.StrEnum):
+    """A resumable stream's timer; ``ident`` is the stream's (``resume.py``)."""
+
+    LINGER = "linger"
+    """Nobody read the stream for ``resume.linger`` seconds: end its backend, forget it."""
+
+
+TimerKind = ExchangeTimer | ClientTimer | BackendTimer | ProbeTimer | CoreTimer | ResumeTimer
 TimerId = tuple[TimerKind, int]

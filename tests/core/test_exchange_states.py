@@ -433,11 +433,13 @@ def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
                 moves = check(phase, input, h2=False, open_request=open_request, variant=variant)
                 if input in EVENTS:
                     taken |= {(was, made) for was, made, _ in moves if made in MOVES}
-    # The first attempt from an exchange just started, and BUFFER, are taken as it starts.
+    # The first attempt from an exchange just started, and BUFFER, are taken as it starts;
+    # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py).
     taken |= {
         (Phase.CONNECTING, _I.ATTEMPT),
         (Phase.CONNECTING, _I.BUFFER),
         (Phase.CONNECTING, _I.QUEUE),
+        (Phase.CONNECTING, _I.REPLAY),
     }
     allowed = {(p, i) for (p, i), t in TRANSITIONS.items() if i in MOVES and t is not ILLEGAL}
     assert allowed - taken == set()
