@@ -56,10 +56,13 @@ from muxproxy.config import (
     Balance,
     Config,
     RateLimit,
+    Resume,
+    Route,
     Server,
     SessionSource,
     quick_config,
 )
+from muxproxy.core import resume
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.routing.loadreport import ReportError, parse_load_report
 from muxproxy.testing.simdriver import SimDriver
@@ -135,7 +138,19 @@ def config_for(kind: str, llm: bool = False) -> Config:
         )
     elif protocol == "h2":
         group = attrs.evolve(group, servers=(Server(address=BACKEND, protocol="h2"),))
-    return attrs.evolve(config, upstreams={"default": group})
+    # Every SSE response is resumable, with a small window so that it overflows.
+    route = Route(prefix="/", upstream="default", resume=Resume(window=4096, linger=1.0))
+    return attrs.evolve(config, upstreams={"default": group}, routes=(route,))
+
+
+RESUME_TOKENS = [bytes([c]) * 22 for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+"""The tokens of a case's resumable streams, in order (random in production): a fuzzed
+``Last-Event-ID: AAAAAAAAAAAAAAAAAAAAAA.1`` names the case's first stream."""
+
+
+def _deterministic_tokens() -> None:
+    tokens = iter(RESUME_TOKENS)
+    resume.new_token = lambda: next(tokens, b"Z" * 22)  # type: ignore[assignment]
 
 
 def run_case(
@@ -145,6 +160,7 @@ def run_case(
     invariant."""
     assert kind in KINDS, kind
     # A bug must crash the case, not be contained as one connection's internal error.
+    _deterministic_tokens()
     core = ProxyCore(config_for(kind, llm), raise_errors=True)
     driver = SimDriver(core, answer_backends=kind.startswith("client"))
     driver.accept(CLIENT)
@@ -176,6 +192,9 @@ def check_endings(driver: SimDriver) -> None:
     assert len(accessed) == started, f"{started} exchanges, {len(accessed)} access logs"
     stats = core.statistics()
     assert stats.client_connections == 0, "a client connection outlived its close"
+    resumes = core.resumes
+    assert resumes.held_bytes == sum(s.cost for s in resumes.streams.values()), "resume bytes"
+    assert all(s.owner is None for s in resumes.streams.values()), "a resumable owner outlived"
 
 
 def check_report(body: bytes) -> None:

@@ -81,6 +81,18 @@ def client_h1() -> list[bytes]:
                 None,
             )
         ),
+        # Resumes (``harness.RESUME_TOKENS``): the case's own first token, and an unknown
+        # one from a client that does not take SSE (410).
+        encode(
+            post
+            + h1_request(
+                "GET",
+                "/v1/chat/completions",
+                [("Accept", "text/event-stream"), ("Last-Event-ID", "A" * 22 + ".1")],
+                None,
+            )
+        ),
+        encode(h1_request("POST", "/v1/chat", [("Last-Event-ID", "Q" * 22 + ".9")], CHAT)),
         encode(
             h1_request(
                 "GET",
@@ -153,6 +165,16 @@ def client_h2() -> list[bytes]:
         )
         conn.send_data(sid, SYSTEM_CHAT, end_stream=True)
     seeds.append(encode(conn.data_to_send(), llm=True))
+    # A resume of the case's first stream (``harness.RESUME_TOKENS``) beside a new chat.
+    conn = h2_client()
+    conn.send_headers(
+        1, h2_headers(b"POST", b"/v1/chat/completions", (b"content-type", b"application/json"))
+    )
+    conn.send_data(1, CHAT, end_stream=True)
+    resume = (b"last-event-id", b"A" * 22 + b".0")
+    accept = (b"accept", b"text/event-stream")
+    conn.send_headers(3, h2_headers(b"GET", b"/v1/chat", accept, resume), end_stream=True)
+    seeds.append(encode(conn.data_to_send()))
     return seeds
 
 
@@ -182,6 +204,11 @@ def backend_h1() -> list[bytes]:
         encode(h1_response(200, [("Content-Length", "2")], [b"ok"])),
         encode(h1_response(200, sse, SSE), [20, 60]),
         encode(h1_response(200, [*sse, ("Connection", "close")], SSE)),  # read until close
+        # Resumable streams: CRLF line ends and a comment, the backend's own ids, one event
+        # over the 4 KiB window of the fuzz route.
+        encode(h1_response(200, sse, [b": hi\r\n\r\ndata: a\r\n", b"\r\ndata: b\r\n\r\n"])),
+        encode(h1_response(200, sse, [b"id: 1\ndata: a\n\n", b"data: b\n\n"])),
+        encode(h1_response(200, sse, [b"data: " + b"x" * 5000 + b"\n\n", SSE[0]]), [100]),
         encode(h1_response(503, [("Content-Length", "4")], [b"busy"])),
         encode(b"HTTP/1.1 100 Continue\r\n\r\n" + h1_response(204, [], [])),
         encode(h1_response(200, sse, SSE[:1], end=False)),  # truncated
