@@ -146,6 +146,8 @@ def proxy_config(
     limit = f", max_streams = {args.max_running}" if policy.admission else ""
     servers = ",\n".join(f'  {{ address = "127.0.0.1:{port}"{limit} }}' for port in engines)
     group = string.Template(policy.toml).substitute(queue_timeout=f"{args.queue_timeout:g}")
+    if args.load_factor is not None and 'affinity = "prefix"' in group:
+        group += f"\nprefix = {{ load_factor = {args.load_factor:g} }}"
     return (
         f'[[listeners]]\naddress = "127.0.0.1:{listen}"\n\n'
         f'[admin]\naddress = "127.0.0.1:{admin}"\n\n'
@@ -629,6 +631,11 @@ def parse_args() -> argparse.Namespace:
         help="the engines' step model: prefill tokens per step (0: private prefill, no batching)",
     )
     parser.add_argument("--queue-timeout", type=float, default=30.0, help="policy 6's queue")
+    parser.add_argument(
+        "--load-factor",
+        type=float,
+        help="prefix.load_factor of policies 5 and 6 (default: the proxy's, 1.25)",
+    )
     parser.add_argument(
         "--proxy-cpus",
         help="comma-separated CPUs for the proxy; the rest (engines, this client) on the others",
