@@ -1,22 +1,25 @@
 """A fake OpenAI-compatible LLM backend, for muxproxy's tests, ``muxproxy demo`` and benchmarks.
 
 Modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
-answers, its counters); ``responses.py``, its whole-body responses (JSON, bytes, OpenAI-style
-errors, with the common headers); ``knobs.py``, its knobs (the ``x-fake-*`` request headers
-and the command-line options, with the table of what each does); ``server.py``, serving it
-with Hypercorn's Trio worker (:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the
-Hypercorn quirks worked around) and the command line (``muxproxy fakellm``, ``python -m
-muxproxy.testing.fakellm``). The opt-in model of a GPU inference engine behind the app:
-``engine.py`` (pure: prompt tokens, the prefix KV cache, the options), ``scheduler.py`` (its
-Trio side: generations first come first served in ``max_running`` slots), ``steps.py`` (pure:
-what one step of continuous batching prefills and decodes), ``batch.py`` (the loop of those
-steps, with ``prefill_chunk``) and ``metrics.py`` (``GET /metrics`` under vLLM's
-metric names). This package hands on their public names.
+answers, its counters); ``answer.py``, the text it answers (one fixed token sequence, and
+continuing a partial one: ``continue_final_message``); ``responses.py``, its whole-body
+responses (JSON, bytes, OpenAI-style errors, with the common headers); ``knobs.py``, its
+knobs (the ``x-fake-*`` request headers and the command-line options, with the table of
+what each does); ``server.py``, serving it with Hypercorn's Trio worker
+(:func:`serve_fakellm`: HTTP/1.1 and h2c on one port, and the Hypercorn quirks worked
+around) and the command line (``muxproxy fakellm``, ``python -m muxproxy.testing.fakellm``).
+The opt-in model of a GPU inference engine behind the app: ``engine.py`` (pure: prompt
+tokens, the prefix KV cache, the options), ``scheduler.py`` (its Trio side: generations
+first come first served in ``max_running`` slots), ``steps.py`` (pure: what one step of
+continuous batching prefills and decodes), ``batch.py`` (the loop of those steps, with
+``prefill_chunk``) and ``metrics.py`` (``GET /metrics`` under vLLM's metric names). This
+package hands on their public names.
 """
 
 from __future__ import annotations
 
-from .app import MODEL, FakeBackendDied, FakeLLM, reply_text
+from .answer import reply_text, tokens_text
+from .app import MODEL, FakeBackendDied, FakeLLM
 from .knobs import add_arguments
 from .server import hypercorn_config, main, run, serve_fakellm
 
@@ -30,4 +33,5 @@ __all__ = [
     "reply_text",
     "run",
     "serve_fakellm",
+    "tokens_text",
 ]

@@ -21,7 +21,15 @@ What it obeys:
 Every response the app makes carries ``x-backend-id: <id>``, and ``x-model-version: <v>``
 when the backend is given a model version (``--model-version``: a gray release moves traffic
 from one version to the next, and a client can tell which one answered). Reply text is
-``tok0 tok1 ... tok<n-1> `` (see :func:`reply_text`).
+``tok0 tok1 ... tok<n-1> ``, the same for every request of ``n`` tokens (``answer.py``).
+
+A chat completion with ``continue_final_message: true`` (and ``add_generation_prompt``
+false or left out), as vLLM and SGLang take it, continues its final assistant message: that
+message must hold the answer's first ``k`` tokens, and the reply is the rest of the answer,
+from token ``k`` (an ordinary reply in every other way: its own ``id``, role chunk, finish
+chunk, ``usage`` and die-after). Which ``n`` the rest runs to (``x-fake-tokens`` is the
+whole answer's length, ``max_tokens`` the new tokens', as in vLLM) and the 400s it answers
+are ``answer.py``'s.
 
 The knobs (``knobs.py``: token count, delays, die-after, status, ...) come from the
 :class:`FakeLLM` attributes, overridden per request by ``x-fake-*`` headers. Precedence, after
@@ -56,8 +64,9 @@ one of them late while it prefills. The first token comes at the end of the step
 completes the prefill. Per-request ``x-fake-delay`` does not apply (one engine, one pace).
 
 Observability: :class:`FakeLLM` counts ``requests``, ``streams_started``,
-``streams_completed``, ``aborts`` (die-after fired) and ``disconnects`` (completions,
-streamed or not, whose client went away before the end), keeps ``last_request_headers``,
+``streams_completed``, ``aborts`` (die-after fired), ``disconnects`` (completions,
+streamed or not, whose client went away before the end) and ``continuations`` (completions
+continuing a final assistant message), keeps ``last_request_headers``,
 shows the engine model's ``running`` and ``waiting`` generations and its
 ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens), and offers
 :meth:`FakeLLM.wait_disconnect` / :meth:`FakeLLM.wait_until` to await any of them.
@@ -78,6 +87,7 @@ import attrs
 import trio
 
 from ...asgi import serve_lifespan
+from .answer import BadContinuation, Reply, plan_reply
 from .engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
 from .knobs import (
     HEADER_ECHO,
@@ -111,15 +121,6 @@ _ROUTES: dict[str, tuple[str, ...]] = {
 
 class FakeBackendDied(Exception):
     """Raised by the app to abort a response on purpose (die-after)."""
-
-
-def reply_text(n_tokens: int) -> str:
-    """The full reply text of an ``n_tokens`` completion: ``"tok0 tok1 ... "``."""
-    return "".join(_token(i) for i in range(n_tokens))
-
-
-def _token(i: int) -> str:
-    return f"tok{i} "
 
 
 @attrs.define
@@ -190,6 +191,9 @@ class FakeLLM:
     """Completions (streamed or not) cut off on purpose by die-after."""
     disconnects: int = attrs.field(default=0, init=False)
     """Completions (streamed or not) whose client went away before the end."""
+    continuations: int = attrs.field(default=0, init=False)
+    """Completions that continue a final assistant message (``continue_final_message``),
+    counted once the request is accepted."""
     last_request_headers: dict[str, str] | None = attrs.field(default=None, init=False)
     """Headers of the latest request: lower-case name -> value, repeats joined ", "."""
 
@@ -355,12 +359,24 @@ class FakeLLM:
             )
             return
         n_tokens = knobs.tokens
+        counts_new = False
         if not knobs.tokens_from_header:
             for key in ("max_tokens", "max_completion_tokens"):
                 value = request.get(key)
                 if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                     n_tokens = value
+                    counts_new = True
                     break
+        try:
+            reply = plan_reply(request, n_tokens, counts_new=counts_new)
+        except BadContinuation as exc:
+            await self._responder().send_error(
+                send, 400, str(exc), "invalid_request_error", echo, param=exc.param
+            )
+            return
+        if reply.continued:
+            self.continuations += 1
+            self._notify()
         model = request.get("model")
         if not isinstance(model, str) or not model:
             model = MODEL
@@ -370,9 +386,9 @@ class FakeLLM:
         )
         usage = {
             "prompt_tokens": _prompt_tokens(request.get("messages")),
-            "completion_tokens": n_tokens,
+            "completion_tokens": reply.count,
         }
-        usage["total_tokens"] = usage["prompt_tokens"] + n_tokens
+        usage["total_tokens"] = usage["prompt_tokens"] + reply.count
         completion_id = f"chatcmpl-{self.backend_id}-{next(self._ids)}"
         base = {
             "id": completion_id,
@@ -381,7 +397,7 @@ class FakeLLM:
             "system_fingerprint": self.backend_id,
         }
         die_after = knobs.die_after
-        if die_after is not None and die_after > n_tokens:
+        if die_after is not None and die_after > reply.count:
             die_after = None
         prompt = prompt_text(request) if self.engine.config.enabled else None
 
@@ -392,7 +408,7 @@ class FakeLLM:
                 self._produce_stream,
                 send,
                 knobs,
-                n_tokens,
+                reply,
                 die_after,
                 base,
                 usage if include_usage else None,
@@ -401,7 +417,7 @@ class FakeLLM:
             )
         else:
             produce = partial(
-                self._produce_whole, send, knobs, n_tokens, die_after, base, usage, echo, prompt
+                self._produce_whole, send, knobs, reply, die_after, base, usage, echo, prompt
             )
         died = False
         async with trio.open_nursery() as nursery:
@@ -464,7 +480,7 @@ class FakeLLM:
         self,
         send: Send,
         knobs: Knobs,
-        n_tokens: int,
+        reply: Reply,
         die_after: int | None,
         base: dict[str, Any],
         usage: dict[str, int] | None,
@@ -473,6 +489,7 @@ class FakeLLM:
         progress: _Progress,
     ) -> bool:
         """Stream one completion as SSE; True when it must die (die-after)."""
+        n_tokens = reply.count
         start = trio.current_time()
         self.streams_started += 1
         self._notify()
@@ -520,7 +537,7 @@ class FakeLLM:
                     progress.finished = True
                     return True
                 await clock.wait_generated(i + 1)
-                delta = {"content": _token(i)}
+                delta = {"content": reply.token(i)}
                 first = i == 0 and not role_only
                 if first:
                     delta = {"role": "assistant", **delta}
@@ -559,7 +576,7 @@ class FakeLLM:
         self,
         send: Send,
         knobs: Knobs,
-        n_tokens: int,
+        reply: Reply,
         die_after: int | None,
         base: dict[str, Any],
         usage: dict[str, int],
@@ -569,7 +586,7 @@ class FakeLLM:
     ) -> bool:
         """Send one ``chat.completion`` once "generated"; True when it must die (die-after)."""
         start = trio.current_time()
-        generated = n_tokens if die_after is None else die_after
+        generated = reply.count if die_after is None else die_after
         async with self._generating(prompt, start, knobs, generated) as clock:
             await clock.wait_generated(generated)
         obj: dict[str, Any] = {
@@ -578,7 +595,7 @@ class FakeLLM:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": reply_text(n_tokens)},
+                    "message": {"role": "assistant", "content": reply.text},
                     "logprobs": None,
                     "finish_reason": "stop",
                 }

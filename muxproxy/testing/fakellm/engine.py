@@ -71,13 +71,15 @@ def prompt_text(request: Mapping[str, object]) -> str:
             if not isinstance(message, dict):
                 continue
             role = message.get("role")
-            parts.append(f"{role if isinstance(role, str) else ''}: {_content_text(message)}\n")
+            parts.append(f"{role if isinstance(role, str) else ''}: {content_text(message)}\n")
         return "".join(parts)
     prompt = request.get("prompt")
     return prompt if isinstance(prompt, str) else ""
 
 
-def _content_text(message: Mapping[str, object]) -> str:
+def content_text(message: Mapping[str, object]) -> str:
+    """A message's text: a string content, or the ``text`` of its ``{"type": "text"}`` parts
+    joined (anything else: ``""``)."""
     content = message.get("content")
     if isinstance(content, str):
         return content

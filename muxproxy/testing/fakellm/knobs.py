@@ -10,7 +10,14 @@ header                   attribute / CLI option         meaning
 ``x-fake-tokens``        ``tokens`` / ``--tokens``      tokens per reply (16); without the
                                                         header the request's ``max_tokens``
                                                         (or ``max_completion_tokens``) is
-                                                        used if given
+                                                        used if given. Continuing a final
+                                                        assistant message of ``k`` tokens
+                                                        (``continue_final_message``): this
+                                                        is the whole answer's length, so
+                                                        ``n - k`` more come, while
+                                                        ``max_tokens`` counts the new
+                                                        tokens only, as in vLLM
+                                                        (``answer.py``)
 ``x-fake-delay``         ``delay`` / ``--delay``        seconds between tokens (0.02)
 ``x-fake-first-delay``   ``first_delay`` /              seconds before the first token (0)
                          ``--first-delay``
@@ -20,7 +27,10 @@ header                   attribute / CLI option         meaning
                                                         (RST_STREAM INTERNAL_ERROR). N ==
                                                         tokens: dies before the finish chunk;
                                                         N > tokens: no abort; ``none`` (or
-                                                        ``-1``) disables a default
+                                                        ``-1``) disables a default. N counts
+                                                        this response's tokens: a
+                                                        continuation emits N more, then
+                                                        dies again
 ``x-fake-status``        ``status`` / ``--status``      answer every request with status S
                                                         and a small OpenAI-style JSON error
                                                         body (200: normal behaviour)

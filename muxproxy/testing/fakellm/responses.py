@@ -80,10 +80,12 @@ class Responder:
         error_type: str,
         echo: dict[str, str] | None,
         extra: Headers = (),
+        param: str | None = None,
     ) -> None:
-        """Answer an OpenAI-style error (``echo``: the request headers to add, or None)."""
+        """Answer an OpenAI-style error (``echo``: the request headers to add, or None;
+        ``param``: the request field at fault, or None)."""
         obj: dict[str, Any] = {
-            "error": {"message": message, "type": error_type, "param": None, "code": status}
+            "error": {"message": message, "type": error_type, "param": param, "code": status}
         }
         if echo is not None:
             obj["request_headers"] = echo
