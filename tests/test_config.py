@@ -482,7 +482,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "weight": 1}],
             "routes[0].weight: unknown key; expected one of: prefix, upstream,"
-            " retry_until_first_event, sse_heartbeat, resume, api",
+            " retry_until_first_event, sse_heartbeat, continue_on_failure, resume, api",
         ),
         (
             ("routes",),

@@ -264,6 +264,7 @@ _ROUTE_KEYS = {
     "upstream": Key(Checker.name, required="the name of an upstream group"),
     "retry_until_first_event": Key(Checker.boolean),
     "sse_heartbeat": Key(Checker.seconds),
+    "continue_on_failure": Key(Checker.boolean),
     "resume": Key(_resume),
     "api": Key(_api),
 }

@@ -410,6 +410,10 @@ class Route:
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""
+    continue_on_failure: bool = False
+    """When a chat completion's backend fails mid-stream, have the next server finish the
+    answer from the text relayed so far (``continue_final_message``; ``core/continuation.py``),
+    within ``next_upstream.tries``."""
     resume: Resume | None = None
     """Number the events of text/event-stream responses and keep them, so that a client
     that reconnects with ``Last-Event-ID`` gets the rest (``core/resume.py``); None: off."""

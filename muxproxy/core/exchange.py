@@ -51,6 +51,8 @@ from .access import access_fields, add_to_totals, with_request_id
 from .admit import Admission, UsageScan, extra_fields
 from .body import RequestBody
 from .commands import Log
+from .continuation import AnswerSoFar, Splicer, wants_continuation
+from .continuing import ContinuedStream
 from .deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
 from .effects import Effects
 from .exchange_states import TIMER_INPUTS, TRANSITIONS, ExchangeInput
@@ -132,6 +134,10 @@ class Exchange:
         """The kept events of a resumable SSE response (``resume.py``)."""
         self.stamper: EventStamper | None = None
         """Numbers the events of a resumable response (``sseids.py``)."""
+        self.answer: AnswerSoFar | None = None
+        """The chat answer relayed so far, on a ``continue_on_failure`` route
+        (``continuation.py``)."""
+        self.continuations = 0
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
@@ -469,12 +475,14 @@ class Exchange:
         response = self.response
         assert response is not None
         self.move(_I.COMMIT)
-        self.upload.body.commit()
         sse = (
             200 <= self.status < 300
             and self.head.method != b"HEAD"
             and is_event_stream(response.headers)
         )
+        if sse and self.route is not None and self.route.continue_on_failure:
+            self._keep_answer()
+        self.upload.body.commit()
         resume = self.route.resume if self.route else None
         if sse and resume is not None and not self.fx.shutting_down:
             token = self._open_resume(resume)
@@ -492,6 +500,60 @@ class Exchange:
                 self.admission.ticket.progress = meter  # its work left shrinks per event
             heartbeat = self.route.sse_heartbeat if self.route else None
             self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, response.headers)
+
+    # -- continuation (``continuation.py``, ``continuing.py``) --------------------------------
+
+    def _keep_answer(self) -> None:
+        """Follow the answer, if the request is a chat completion kept whole."""
+        upload = self.upload
+        if upload.phase is not RequestPhase.COMPLETE or not upload.body.replayable:
+            return
+        document = parse_json_body(upload.body.prefix())
+        if wants_continuation(self.head.target, document):
+            assert isinstance(document, dict)
+            self.answer = AnswerSoFar(document)
+
+    def _continue(self, reason: str) -> bool:
+        """The backend failed mid-answer: ask the next server to finish it. False: it cannot
+        be continued (finished, not followed, no try left)."""
+        answer, failover, group = self.answer, self.failover, self.group
+        assert answer is not None and failover is not None and group is not None
+        if not answer.continuable:
+            return False
+        # Counted against the server (passive health), so that the next try goes elsewhere.
+        failover.failed("error", reason)
+        if not failover.allows_continuation():
+            return False
+        failover.failed_mid_stream()
+        self.deadlines.end_attempt()
+        self._release_upstream(close=True)
+        failover.leave()
+        failover.count_retry("continuation", reason, self.request_id)
+        body = answer.continuation_body()
+        fields = [
+            field
+            for field in backend_fields(
+                self.head, self.client, group, session_key=failover.session_key, has_body=True
+            )
+            if field[0] not in (b"content-length", b"transfer-encoding")
+        ]
+        fields.append((b"content-length", str(len(body)).encode("ascii")))
+        fields = with_request_id(fields, self.request_id)
+        stream = ContinuedStream(
+            self, self.host.pool, Splicer(answer), (self.head.target, fields, body)
+        )
+        self.upstream = stream
+        self.continuations += 1
+        failover.user = stream
+        try:
+            failover.attempt()
+        finally:
+            failover.user = self
+        # The connect is bounded by the read timeout (``timeouts.read``): this exchange's
+        # ``connect`` timer belongs to its phases before the head.
+        self.fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
+        self.deadlines.watch_reading(group)
+        return True
 
     # -- resumable streams (``resume.py``, ``readers.py``, ``replay.py``) --------------------
 
@@ -616,6 +678,9 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             meter.feed(data, now)
+        answer = self.answer
+        if answer is not None:
+            answer.feed(data)
         usage = self.usage
         if usage is not None:
             usage.feed(data)
@@ -696,6 +761,8 @@ class Exchange:
             failover.attempt_fresh(reason, self.request_id)
         elif self.phase is not Phase.STREAMING:
             self._retry_or_fail("timeout" if timeout else "error", reason)
+        elif self.answer is not None and self._continue(reason):
+            pass  # the next server finishes the answer (``continuing.py``)
         else:
             if failover is not None:
                 failover.failed_mid_stream()

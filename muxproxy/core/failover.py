@@ -210,6 +210,18 @@ class Failover:
             return False
         return True
 
+    def allows_continuation(self) -> bool:
+        """Whether an answer that broke mid-stream may be finished by another try (within
+        ``next_upstream.tries`` and ``tries_timeout``, on a server with room)."""
+        policy = self.group.next_upstream
+        now = self.fx.now
+        if self.tries >= len(self.candidates):
+            fresh = self.router.candidates(self.session_key, self.pinned, now)
+            self.candidates.extend(i for i in fresh if i not in self.candidates)
+        if self.tries >= min(policy.tries, len(self.candidates)):
+            return False
+        return now - self.started < policy.tries_timeout and self.choose_room()
+
     def allows_stale(self, head: RequestHead, upstream: UpstreamStream | None) -> bool:
         """Whether the stale retry is still unused and ``head``, on ``upstream``, may be sent
         again; if so, the body is rewound for it."""

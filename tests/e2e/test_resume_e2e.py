@@ -75,12 +75,14 @@ async def test_a_cut_stream_is_resumed_with_every_event_once(
     fake, proxy = await resumable_proxy(start_backend, start_proxy)
     url = proxy.url + "/v1/chat/completions"
     with trio.fail_after(20):
-        async with httpx.AsyncClient(http1=first == "http1", http2=first == "h2c") as one:
-            async with one.stream("POST", url, json=REQUEST) as response:
-                assert response.status_code == 200
-                token = response.headers["x-resume-token"]
-                before = await read_events(response, limit=5)
-            # Leaving the block drops the connection (HTTP/1.1) or resets the stream (h2).
+        # Leaving the block drops the connection (HTTP/1.1) or resets the stream (h2).
+        async with (
+            httpx.AsyncClient(http1=first == "http1", http2=first == "h2c") as one,
+            one.stream("POST", url, json=REQUEST) as response,
+        ):
+            assert response.status_code == 200
+            token = response.headers["x-resume-token"]
+            before = await read_events(response, limit=5)
         last = ids_of(before)[-1]
         assert last == f"{token}.5"
         async with httpx.AsyncClient(http1=then == "http1", http2=then == "h2c") as two:
