@@ -71,11 +71,13 @@ KINDS = ("client_h1", "client_h2", "backend_h1", "backend_h2")
 CLIENT = 1
 BACKEND = "127.0.0.1:9001"
 
+CHAT_BODY = b'{"stream":true,"messages":[{"role":"user","content":"hi"}]}'
 CLIENT_REQUEST = (
     b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy.example\r\n"
-    b"content-type: application/json\r\ncontent-length: 15\r\n\r\n"
-    b'{"stream":true}'
-)
+    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+) % (len(CHAT_BODY), CHAT_BODY)
+"""The backend targets' request: a chat completion, so that a backend that breaks mid-answer
+is continued (``continue_on_failure``) on a second connection."""
 
 
 def decode(buf: bytes) -> tuple[bytes, list[int]]:
@@ -138,8 +140,14 @@ def config_for(kind: str, llm: bool = False) -> Config:
         )
     elif protocol == "h2":
         group = attrs.evolve(group, servers=(Server(address=BACKEND, protocol="h2"),))
-    # Every SSE response is resumable, with a small window so that it overflows.
-    route = Route(prefix="/", upstream="default", resume=Resume(window=4096, linger=1.0))
+    # Every SSE response is resumable, with a small window so that it overflows, and a chat
+    # answer that breaks is continued.
+    route = Route(
+        prefix="/",
+        upstream="default",
+        resume=Resume(window=4096, linger=1.0),
+        continue_on_failure=True,
+    )
     return attrs.evolve(config, upstreams={"default": group}, routes=(route,))
 
 

@@ -28,6 +28,14 @@ SYSTEM_CHAT = (
     b'"You are helpful."},{"role":"user","content":[{"type":"text","text":"hi"}]}]}'
 )
 SSE = [b'data: {"tok":"a"}\n\n', b'data: {"tok":"b"}\n\n', b"data: [DONE]\n\n"]
+CHUNK_ROLE = (
+    b'data: {"id":"c1","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""}}]}\n\n'
+)
+CHUNK_TEXT = (
+    b'data: {"id":"c1","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"tok0 "},"finish_reason":null}]}\n\n'
+)
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
 
 
@@ -209,6 +217,8 @@ def backend_h1() -> list[bytes]:
         encode(h1_response(200, sse, [b": hi\r\n\r\ndata: a\r\n", b"\r\ndata: b\r\n\r\n"])),
         encode(h1_response(200, sse, [b"id: 1\ndata: a\n\n", b"data: b\n\n"])),
         encode(h1_response(200, sse, [b"data: " + b"x" * 5000 + b"\n\n", SSE[0]]), [100]),
+        # A chat answer that breaks mid-stream: continued on a second connection.
+        encode(h1_response(200, sse, [CHUNK_ROLE, CHUNK_TEXT], end=False), [40]),
         encode(h1_response(503, [("Content-Length", "4")], [b"busy"])),
         encode(b"HTTP/1.1 100 Continue\r\n\r\n" + h1_response(204, [], [])),
         encode(h1_response(200, sse, SSE[:1], end=False)),  # truncated
