@@ -193,10 +193,7 @@ class Failover:
         if condition not in policy.on:
             return False
         now = self.fx.now
-        if self.tries >= len(self.candidates):
-            fresh = self.router.candidates(self.session_key, self.pinned, now)
-            self.candidates.extend(i for i in fresh if i not in self.candidates)
-        if self.tries >= min(policy.tries, len(self.candidates)):
+        if not self._try_left(now):
             return False
         if now - self.started >= policy.tries_timeout:
             return False
@@ -213,14 +210,18 @@ class Failover:
     def allows_continuation(self) -> bool:
         """Whether an answer that broke mid-stream may be finished by another try (within
         ``next_upstream.tries`` and ``tries_timeout``, on a server with room)."""
-        policy = self.group.next_upstream
         now = self.fx.now
+        if not self._try_left(now):
+            return False
+        return now - self.started < self.group.next_upstream.tries_timeout and self.choose_room()
+
+    def _try_left(self, now: float) -> bool:
+        """Whether ``next_upstream.tries`` allow another try on a candidate not yet tried
+        (servers usable again are added as candidates)."""
         if self.tries >= len(self.candidates):
             fresh = self.router.candidates(self.session_key, self.pinned, now)
             self.candidates.extend(i for i in fresh if i not in self.candidates)
-        if self.tries >= min(policy.tries, len(self.candidates)):
-            return False
-        return now - self.started < policy.tries_timeout and self.choose_room()
+        return self.tries < min(self.group.next_upstream.tries, len(self.candidates))
 
     def allows_stale(self, head: RequestHead, upstream: UpstreamStream | None) -> bool:
         """Whether the stale retry is still unused and ``head``, on ``upstream``, may be sent

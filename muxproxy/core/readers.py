@@ -55,6 +55,20 @@ class _AfterHead:
     def send_raw(self, data: bytes) -> None:
         raise AssertionError("a resumed stream is not a tunnel")
 
+    # The owner's request is complete before its stream may linger: nothing of the request
+    # side is left to do.
+    def keep_receiving(self, stream: int) -> None:
+        pass
+
+    def acknowledge(self, stream: int, nbytes: int) -> None:
+        pass
+
+    def pause_source(self) -> None:
+        pass
+
+    def resume_source(self) -> None:
+        pass
+
 
 class Nobody(_AfterHead):
     """No client reads the stream: bytes are dropped, the backend runs."""
@@ -81,18 +95,6 @@ class Nobody(_AfterHead):
         pass
 
     def request_close(self) -> None:
-        pass
-
-    def keep_receiving(self, stream: int) -> None:
-        pass
-
-    def acknowledge(self, stream: int, nbytes: int) -> None:
-        pass
-
-    def pause_source(self) -> None:
-        pass
-
-    def resume_source(self) -> None:
         pass
 
     def hold(self, stream: ClientStream) -> None:
@@ -141,18 +143,6 @@ class ResumedClient(_AfterHead):
 
     def request_close(self) -> None:
         self.client.request_close()
-
-    def keep_receiving(self, stream: int) -> None:
-        pass  # the owner's request is complete
-
-    def acknowledge(self, stream: int, nbytes: int) -> None:
-        pass
-
-    def pause_source(self) -> None:
-        pass
-
-    def resume_source(self) -> None:
-        pass
 
     def hold(self, stream: ClientStream) -> None:
         self.client.hold(self.replay)
