@@ -1,5 +1,7 @@
 """Shared fixtures: fake LLM backends and a proxy, all on 127.0.0.1 with port 0.
 
+Real services (``redis_server``, ``chromium``, ``browser_page``) are in ``tests/services.py``.
+
 Every ``ProxyCore`` of the suite, in this process and in ``python -m muxproxy`` subprocesses
 (which inherit the environment), re-raises internal errors instead of isolating them, so a bug
 fails its test. Tests of the isolation itself pass ``raise_errors=False``.
@@ -21,6 +23,8 @@ from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 from muxproxy.trio.server import ProxyServer
 
 os.environ[RAISE_ERRORS_ENV] = "1"
+
+pytest_plugins = ["services"]
 
 
 @attrs.define
