@@ -126,7 +126,7 @@ async def test_curl_http2_post_with_a_body_stays_on_http1(start_backend, start_p
             proxy.url + "/v1/chat/completions",
         )
     assert "Upgrade: h2c" in log  # curl offered it
-    assert "101" not in log
+    assert "101 Switching Protocols" not in log  # (a bare "101" may be in a port number)
     assert version == "1.1"
     assert sse_content(body) == (reply_text(TOKENS), True)
     headers = fake.last_request_headers
