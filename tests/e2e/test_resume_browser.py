@@ -1,0 +1,147 @@
+"""A browser's own reconnect resumes a chat stream: headless Chromium, ``EventSource``, a cut.
+
+The page (served by a Hypercorn backend through the proxy) reads a token stream with an
+``EventSource``. Between the browser and the proxy sits a TCP relay the test controls: once the
+stream's fifth token went through, it cuts that connection. The browser reconnects by itself,
+with the ``Last-Event-ID`` the proxy gave the last event it had; the proxy answers from the
+stream it kept running (``route.resume``), and the page ends with every token exactly once, in
+order, while the backend generated the answer once.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import attrs
+import trio
+from hypercorn.trio import serve as hypercorn_serve
+from services import BrowserPage
+
+from muxproxy.config import Resume, Route, quick_config
+from muxproxy.testing.fakellm import hypercorn_config
+
+if TYPE_CHECKING:
+    from hypercorn.typing import Framework
+
+TOKENS = [f"tok{n}" for n in range(30)]
+CUT_AFTER = b"data: tok4\n"
+
+PAGE = b"""<!doctype html>
+<title>chat</title>
+<script>
+  window.tokens = [];
+  window.ids = [];
+  window.opens = 0;
+  window.done = false;
+  const source = new EventSource("/v1/stream");
+  source.onopen = () => { window.opens += 1; };
+  source.onmessage = (event) => {
+    if (event.data === "[DONE]") { window.done = true; source.close(); return; }
+    window.tokens.push(event.data);
+    window.ids.push(event.lastEventId);
+  };
+  source.addEventListener("error", (event) => {
+    if (event.data) { window.failed = event.data; source.close(); }
+  });
+</script>
+"""
+
+
+@attrs.define
+class ChatApp:
+    """``/``: the page; ``/v1/stream``: :data:`TOKENS` as SSE, 10 ms apart, then ``[DONE]``."""
+
+    streams: list[dict[str, str]] = attrs.Factory(list)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/v1/stream":
+            self.streams.append({k.decode(): v.decode() for k, v in scope["headers"]})
+            headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            # A short reconnection delay (WHATWG HTML §9.2.6 "retry"), so the test is quick.
+            await send({"type": "http.response.body", "body": b"retry: 50\n\n", "more_body": True})
+            for token in TOKENS:
+                await trio.sleep(0.01)  # the model's pace, not a synchronisation
+                body = f"data: {token}\n\n".encode()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/html; charset=utf-8")],
+            }
+        )
+        await send({"type": "http.response.body", "body": PAGE})
+
+
+@attrs.define
+class Relay:
+    """TCP from the browser to ``target``, cutting the first connection whose response
+    carried ``CUT_AFTER`` (both sockets closed at once, as a network drop looks)."""
+
+    target: int
+    cuts: int = 0
+    connections: int = 0
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, browser: trio.SocketStream) -> None:
+        self.connections += 1
+        proxy = await trio.open_tcp_stream("127.0.0.1", self.target)
+        async with browser, proxy, trio.open_nursery() as nursery:
+
+            async def upstream() -> None:
+                while data := await browser.receive_some(65536):
+                    await proxy.send_all(data)
+
+            async def downstream() -> None:
+                seen = b""
+                while data := await proxy.receive_some(65536):
+                    await browser.send_all(data)
+                    seen = (seen + data)[-4096:]
+                    if self.cuts == 0 and CUT_AFTER in seen:
+                        self.cuts += 1
+                        nursery.cancel_scope.cancel()  # both sockets close on the way out
+                        return
+
+            nursery.start_soon(upstream)
+            nursery.start_soon(downstream)
+
+
+async def test_event_source_reconnects_through_a_cut_and_gets_every_token_once(
+    nursery: trio.Nursery, start_proxy: Any, browser_page: BrowserPage
+) -> None:
+    app = ChatApp()
+    serve = partial(hypercorn_serve, cast("Framework", app), hypercorn_config())
+    binds: list[str] = await nursery.start(serve)
+    backend = binds[0].rsplit(":", 1)[1]
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{backend}"])
+    route = Route(prefix="/", upstream="default", resume=Resume(linger=10))
+    proxy = await start_proxy(config=attrs.evolve(config, routes=(route,)))
+    relay = Relay(target=proxy.port)
+    port: int = await nursery.start(relay.serve)
+    with trio.fail_after(30):
+        assert await browser_page.goto(f"http://127.0.0.1:{port}/") == 200
+        await browser_page.wait_for("window.done || window.failed !== undefined")
+        page = await browser_page.evaluate(
+            "({tokens: window.tokens, ids: window.ids, opens: window.opens, failed: window.failed})"
+        )
+    assert page["failed"] is None
+    assert relay.cuts == 1
+    assert page["opens"] == 2  # the first stream, and the browser's own reconnect
+    assert page["tokens"] == TOKENS  # every token exactly once, in order
+    token = page["ids"][0].split(".")[0]
+    # The retry block is the stream's first numbered event; tokens follow from 2.
+    assert page["ids"] == [f"{token}.{n}" for n in range(2, len(TOKENS) + 2)]
+    assert len(app.streams) == 1  # one generation: the reconnect never reached the backend
