@@ -138,6 +138,8 @@ class Exchange:
         """The chat answer relayed so far, on a ``continue_on_failure`` route
         (``continuation.py``)."""
         self.continuations = 0
+        self.keeping = False
+        """``answer`` or ``stamper`` is set: ``response_body`` hands its chunks to ``_keep``."""
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
@@ -512,6 +514,7 @@ class Exchange:
         if wants_continuation(self.head.target, document):
             assert isinstance(document, dict)
             self.answer = AnswerSoFar(document)
+            self.keeping = True
 
     def _continue(self, reason: str) -> bool:
         """The backend failed mid-answer: ask the next server to finish it. False: it cannot
@@ -570,7 +573,17 @@ class Exchange:
             self,
         )
         self.stamper = EventStamper(stream.token, limit=settings.window)
+        self.keeping = True
         return stream.token
+
+    def _keep(self, data: bytes) -> bytes:
+        """Follow the answer (continuation) and number its events (resume); the bytes for
+        the client (b"" when there are none now, or the backend was ended)."""
+        if self.answer is not None:
+            self.answer.feed(data)
+        if self.stamper is not None:
+            data = self._stamp(data)
+        return data
 
     def _stamp(self, data: bytes) -> bytes:
         """``data`` with the events it completed numbered and kept; b"" when the backend
@@ -586,6 +599,7 @@ class Exchange:
         if not stamper.stamping:
             # The backend's own ids (its resume is its own), or an event over the window.
             self.stamper = self.resumable = None
+            self.keeping = self.answer is not None
             if stream.reader is None and stream.attached:
                 self.host.resumes.forget(stream)
             else:
@@ -654,6 +668,13 @@ class Exchange:
             upstream.resume()
         self.host.resumes.unread(stream)
 
+    def let_go(self) -> None:
+        """This exchange ends (or fault isolation drops it): a stream it owns keeps its
+        events for a late reader, as one whose backend failed, and no longer names it."""
+        stream = self.resumable
+        if stream is not None and stream.owner is self:
+            self.host.resumes.ended(stream, State.BROKEN)
+
     def abandon(self, reason: str) -> None:
         """``resume.Owner``: nobody came back in time, or the window overflowed while
         nobody read: end the backend, which is what stops the GPU."""
@@ -678,17 +699,14 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             meter.feed(data, now)
-        answer = self.answer
-        if answer is not None:
-            answer.feed(data)
         usage = self.usage
         if usage is not None:
             usage.feed(data)
         heartbeat = self.heartbeat
         if heartbeat is not None:
             heartbeat.boundary.feed(data)
-        if self.stamper is not None:
-            data = self._stamp(data)
+        if self.keeping:  # a resumable or continuable answer: one test on the per-token path
+            data = self._keep(data)
             if not data:
                 return
         client = self.client
@@ -869,6 +887,7 @@ class Exchange:
         self.outcome = outcome
         self.deadlines.end_attempt()
         self.deadlines.cancel(ExchangeTimer.DEADLINE, ExchangeTimer.BODY)
+        self.let_go()
         failover = self.failover
         if failover is not None:
             admission = self.admission

@@ -42,6 +42,7 @@ from .commands import (
     SendData,
     ShutdownWrite,
 )
+from .continuing import ContinuedStream
 from .downstream import ClientState, Protocol
 from .exchange import Exchange
 from .h2pool import H2State, H2Stream, H2Upstream
@@ -181,6 +182,7 @@ class Isolation:
             core.fx.cancel_timer((kind, ex.ident))
         if ex.failover is not None:
             ex.failover.leave()
+        ex.let_go()
         ex.phase = Phase.DONE
         ex.outcome = "internal error"
         core.pool.forget(ex)
@@ -199,6 +201,8 @@ class Isolation:
                     self.guard(stream.conn, "detach", stream.close)
                 elif isinstance(stream, H2Stream):
                     self.guard(stream.upstream.conn, "detach", stream.close)
+                elif isinstance(stream, ContinuedStream):
+                    stream.close()  # closes the continuation's own backend stream too
         for backend in list(core.upstreams.values()):
             if isinstance(backend, UpstreamConn):
                 if backend.exchange is not None and id(backend.exchange) in users:

@@ -137,6 +137,13 @@ class ReplayExchange(Exchange):
         self.client.send_end(self.stream, [])
         self._finish(f"resume refused: {why.value}")
 
+    def let_go(self) -> None:
+        """Ending (or dropped by fault isolation): the stream it read lingers again."""
+        super().let_go()
+        stream, self.reading = self.reading, None
+        if stream is not None and stream.reader is self and isinstance(stream.owner, Exchange):
+            stream.owner.reader_left()
+
     # -- what the owner hands on -----------------------------------------------------------
 
     def owner_finished(self) -> None:
@@ -172,12 +179,8 @@ class ReplayExchange(Exchange):
         if stream is None:
             super().client_aborted(reason)
             return
-        self.reading = None
-        owner = stream.owner
-        if stream.reader is self and isinstance(owner, Exchange):
-            owner.reader_left()
         if self.move(_I.CLIENT_ABORTED):
-            self._finish(f"client aborted: {reason}")
+            self._finish(f"client aborted: {reason}")  # ``let_go`` leaves the stream lingering
 
     def client_stalled(self) -> bool:
         stream = self.reading

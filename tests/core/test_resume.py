@@ -18,8 +18,9 @@ from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, defaul
 from muxproxy.config import Config, Resume, Route
 from muxproxy.core.commands import CloseConnection, Command, SetTimer
 from muxproxy.core.effects import Effects
+from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.messages import ResponseHead
-from muxproxy.core.resume import Resumable, ResumeStore
+from muxproxy.core.resume import Resumable, ResumeStore, State
 from muxproxy.core.sseids import EventStamper
 
 SSE = [("Accept", "text/event-stream")]
@@ -381,3 +382,16 @@ def test_past_resume_memory_the_oldest_unread_streams_are_let_go() -> None:
     assert gone == sorted(gone, reverse=True) and not gone[-1]
     assert streams[-1].token in store.streams and read.token in store.streams
     assert not read_owner.abandoned
+
+
+def test_a_stream_whose_owner_a_stop_cut_no_longer_names_it() -> None:
+    """Found by fuzzing (fuzz/corpus/backend_h1/crash-resume-owner-after-stop): an exchange
+    cut by a graceful stop's deadline stayed the owner of its stream, so a resume could have
+    handed its client to a finished exchange."""
+    pb = Playbook(resume_config())
+    first = Stream(pb)
+    first.send(b"data: a\n\n")
+    (stream,) = pb.core.resumes.streams.values()
+    pb.feed(ShutdownRequested(now=pb.now, deadline=pb.now))
+    assert not pb.core.exchanges
+    assert stream.owner is None and stream.state is State.BROKEN
