@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -229,9 +230,43 @@ def _size(check: Checker, value: Any, path: str) -> int | None:
 
 _RESUME_MIN_WINDOW = 4096
 
+_STORE_SCHEMES = ("redis", "rediss")
+_STORE_EXPECTED = (
+    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS);'
+    " Sentinel and Cluster stores are not supported"
+)
+
+
+def _store(check: Checker, value: Any, path: str) -> str | None:
+    """``redis://host[:port][/db]`` or ``rediss://``: where streams are shared across workers
+    and replicas (``docs/resume.md``). A password may be given as ``redis://:pw@host``."""
+    if not isinstance(value, str):
+        check.add(path, f"{_STORE_EXPECTED}, got {describe(value)}")
+        return None
+    try:
+        url = urllib.parse.urlsplit(value)
+        port = url.port
+    except ValueError:
+        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
+        return None
+    db = url.path.lstrip("/")
+    if (
+        url.scheme not in _STORE_SCHEMES
+        or not url.hostname
+        or (port is not None and not 0 < port < 65536)
+        or not (db == "" or db.isdigit())
+        or url.query
+        or url.fragment
+    ):
+        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
+        return None
+    return value
+
+
 _RESUME_KEYS = {
     "window": Key(_size),
     "linger": Key(Checker.seconds),
+    "store": Key(_store),
 }
 
 

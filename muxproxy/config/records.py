@@ -398,6 +398,9 @@ class Resume:
     linger: float = 30.0
     """Seconds a stream's backend keeps running after its client went away, for the client
     to come back; also how long the events of an ended stream are kept."""
+    store: str | None = None
+    """A Redis URL (``redis://`` or ``rediss://``) where the stream's events are also kept,
+    so a reconnect that reaches another worker or replica is served; None: this process only."""
 
 
 @attrs.frozen(kw_only=True)

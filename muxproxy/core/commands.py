@@ -122,3 +122,73 @@ class Log(Command):
 
     event: str
     fields: dict[str, Any] = attrs.field(factory=dict)
+
+
+# -- the shared resume store (``resume.py``; the driver's ``muxproxy.trio.resumestore``) ----
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeMeta:
+    """What a resume made elsewhere needs besides the events: sent with a stream's first
+    ``ResumeAppend`` only."""
+
+    credential: bytes
+    """``resume.credential_of`` of the request that began the stream (a hash)."""
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    """The backend's response head fields, from which a resume's head is made."""
+    version: str
+    """The backend's HTTP version (for the resume's ``Via``)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeAppend(Command):
+    """Append a resumable stream's events to the shared store ``store``, the events one
+    backend read completed (one command per read, never per event); also once at its end.
+
+    The driver never blocks the core on it: it queues the append (dropping it, counted,
+    when the queue is full or the store is down)."""
+
+    store: str
+    token: bytes
+    events: tuple[tuple[int, bytes], ...]
+    """``(seq, bytes as sent)``, in order."""
+    first_seq: int
+    """The oldest seq still in the owner's window: older ones are trimmed from the store,
+    so the store holds what the owner holds."""
+    last_seq: int
+    end: str | None = None
+    """``"ended"`` or ``"broken"``: the backend stream is over (nothing follows)."""
+    linger: float
+    """Seconds the store keeps the stream past its end (and past its last append while it
+    is live, plus a margin, so the keys of an owner that died go away)."""
+    meta: ResumeMeta | None = None
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeFetch(Command):
+    """Answer a resume of a stream this process does not hold from the shared store: the
+    driver feeds ``ResumeFetched`` for ``request`` (an exchange's ident), the first one
+    with the head, then one per batch read, until one whose ``state`` is not ``"live"``.
+    After each batch it waits for ``ResumeFetchMore`` (the client's buffer is the bound)."""
+
+    store: str
+    request: int
+    token: bytes
+    after: int
+    """The last seq the client had: events after it are sent."""
+    credential: bytes
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeFetchMore(Command):
+    """The client of fetch ``request`` took the last batch: read the next one."""
+
+    request: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeFetchCancel(Command):
+    """The client of fetch ``request`` is gone: stop reading the store for it."""
+
+    request: int

@@ -129,3 +129,29 @@ class RuntimeChanged(Event):
     """
 
     state: RuntimeState
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumedHead:
+    """A shared stream's response head, as the store keeps it (``ResumeMeta``)."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    version: str
+
+
+FETCH_STATES = ("live", "ended", "broken", "unknown", "evicted", "invalid", "unavailable")
+"""``ResumeFetched.state``: ``live`` (more follows), ``ended`` or ``broken`` (the stream's
+end, after these events), or why the resume cannot be served (``resume.Lookup``):
+``unavailable`` is a store that cannot be reached."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeFetched(Event):
+    """A batch of a ``ResumeFetch``: its head (the first batch only), events, and state.
+    A state other than ``live`` is the fetch's last batch."""
+
+    request: int
+    head: ResumedHead | None = None
+    events: tuple[bytes, ...] = ()
+    state: str = "live"

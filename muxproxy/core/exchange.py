@@ -596,6 +596,8 @@ class Exchange:
             if not store.append(stream, seq, event):
                 self.abandon("resume window overflowed, or memory limit, while the client was away")
                 return b""
+        if stream.store is not None:
+            store.publish(stream, events)
         if not stamper.stamping:
             # The backend's own ids (its resume is its own), or an event over the window.
             self.stamper = self.resumable = None

@@ -119,6 +119,7 @@ class ResumeCounts(Protocol):
 
     resumed: int
     refused: Mapping[str, int]
+    store_errors: int
 
     held_bytes: int
 
@@ -221,6 +222,7 @@ class Measurements:
                 [["resumed"], core.resumes.resumed],
                 *([[why], n] for why, n in sorted(core.resumes.refused.items())),
             ],
+            "resume_store_errors_total": [[[], core.resumes.store_errors]],
             "defences_total": [
                 [[kind], value]
                 for kind, value in sorted(core.counters.items())

@@ -27,7 +27,7 @@ from ..config import Config, Upstream
 from ..config.runtime import RuntimeState
 from ..routing.router import GroupRouter
 from .access import RequestIds
-from .commands import Command, Log
+from .commands import Command, Log, ResumeFetchCancel
 from .defencelog import KINDS as DEFENCE_KINDS
 from .defencelog import DefenceLog
 from .downstream import Downstream
@@ -42,6 +42,7 @@ from .events import (
     Event,
     InputEnded,
     OpenFailed,
+    ResumeFetched,
     RuntimeChanged,
     ShutdownRequested,
     Wakeup,
@@ -165,6 +166,7 @@ class ProxyCore:
             ConfigChanged: self._config_changed,
             ShutdownRequested: self._shutdown,
             RuntimeChanged: self._runtime_changed,
+            ResumeFetched: self._resume_fetched,
         }
 
     # -- what the driver and embedders read ----------------------------------------------
@@ -240,6 +242,10 @@ class ProxyCore:
                     return Fault(conn=None, probe=owner, event=name, error=exc)
                 return Fault(conn=conn, event=name, error=exc)
             return None if owner is None else Fault(conn=owner, event=name, error=exc)
+        if type(event) is ResumeFetched:
+            exchange = self.exchanges.get(event.request)
+            if exchange is not None:
+                return Fault(conn=exchange.client.conn, event=name, error=exc)
         conn = getattr(event, "conn", None)
         return None if conn is None else Fault(conn=conn, event=name, error=exc)
 
@@ -440,6 +446,14 @@ class ProxyCore:
                 self.resumes.expired(ident)
             case _:
                 assert_never(kind)
+
+    def _resume_fetched(self, event: ResumeFetched) -> None:
+        """A batch of a resume answered from the shared store (``replay.py``)."""
+        exchange = self.exchanges.get(event.request)
+        if isinstance(exchange, ReplayExchange):
+            exchange.fetched(event)
+        elif event.state == "live":
+            self.fx.emit(ResumeFetchCancel(request=event.request))  # its client is gone
 
     def _config_changed(self, event: ConfigChanged) -> None:
         """A new configuration; also the driver's first event, which starts health checks."""

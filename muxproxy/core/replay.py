@@ -20,6 +20,14 @@ What it obeys:
 - While the owner's backend runs, the owner writes to this exchange's client (``readers.py``);
   this exchange only passes the client's flow events on to it, and ends when it ends. A
   client that goes away again leaves the stream lingering, as its first client did.
+- A token this process does not hold, on a route with ``resume.store``, is asked of the
+  shared store (``ResumeFetch``; the driver reads Redis and feeds ``ResumeFetched``): the
+  head comes with the first batch, the events after it, and the state ends the response
+  (``ended``: the end; ``broken``: the visible truncation) or refuses it (``unknown``,
+  ``evicted``, ``invalid``, and ``unavailable`` when the store cannot be reached, answered
+  as the others: ``resume_unavailable``, or 503 for a client that takes no SSE). One batch
+  at a time: the next is asked for (``ResumeFetchMore``) only once the client's buffer is
+  under its high water, so a slow client holds the store's reads back, not our memory.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from __future__ import annotations
 import json
 
 from ..routing.sticky import session_key_from_head
+from .commands import ResumeFetch, ResumeFetchCancel, ResumeFetchMore
+from .events import ResumedHead, ResumeFetched
 from .exchange import Exchange
 from .exchange_states import ExchangeInput
 from .headers import header_value
@@ -43,7 +53,11 @@ _REASONS = {
     Lookup.UNKNOWN: "no resumable stream with this id (unknown, expired, or other credentials)",
     Lookup.EVICTED: "the events after this id are no longer kept (the resume window moved on)",
     Lookup.INVALID: "this stream never sent an event with this id",
+    Lookup.UNAVAILABLE: "the resume store cannot be reached now",
 }
+_STATUS = {Lookup.UNAVAILABLE: 503}
+"""A refusal's status for a client that takes no SSE; 410 for the others."""
+_LOOKUPS = {member.value: member for member in Lookup}
 
 
 def error_event(why: Lookup) -> bytes:
@@ -63,6 +77,12 @@ class ReplayExchange(Exchange):
 
     reading: Resumable | None = None
     """The stream this exchange resumed, while it does."""
+    fetching = False
+    """A ``ResumeFetch`` of ours runs in the driver (its last batch not in yet)."""
+    fetched_head = False
+    """The first batch of the fetch came (the head went out)."""
+    wants_more = False
+    """The fetch waits for our ``ResumeFetchMore``, which goes once the client drained."""
 
     def start(self) -> None:
         if not self._locate():
@@ -76,7 +96,21 @@ class ReplayExchange(Exchange):
         token, seq = event_id
         store = self.host.resumes
         session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        stream = store.find(token, credential_of(head.headers, session_key))
+        credential = credential_of(head.headers, session_key)
+        stream = store.find(token, credential)
+        if stream is None and route.resume.store is not None:
+            # Not held here: maybe by another worker or replica, through the shared store.
+            self.fetching = True
+            self.fx.emit(
+                ResumeFetch(
+                    store=route.resume.store,
+                    request=self.ident,
+                    token=token,
+                    after=seq,
+                    credential=credential,
+                )
+            )
+            return
         events = Lookup.UNKNOWN if stream is None else stream.after(seq)
         if isinstance(events, Lookup):
             store.refuse(events)
@@ -84,21 +118,8 @@ class ReplayExchange(Exchange):
             return
         assert stream is not None
         store.resumed += 1
-        self.move(_I.REPLAY)
+        self._send_head(stream.head, stream.version)
         client = self.client
-        self.status = stream.head.status
-        self.upstream_version = stream.version
-        self.response = client_head(
-            stream.head,
-            stream=self.stream,
-            upstream_version=stream.version.encode("ascii"),
-            to_h2=client.is_h2,
-            date=self.fx.http_date(),
-            request_id=self.request_id,
-            pin=None,
-        )
-        client.send_head(self.response)
-        self.head_at = self.first_byte_at = self.fx.now
         for event in events:
             self.bytes_out += len(event)
             client.send_body(self.stream, event)
@@ -113,10 +134,28 @@ class ReplayExchange(Exchange):
             client.abort(self.stream)  # what is kept ends unfinished, as the backend did
             self._finish("resumed a stream whose backend failed")
 
+    def _send_head(self, head: ResponseHead, version: str) -> None:
+        """The original response head, made for this client's protocol."""
+        self.move(_I.REPLAY)
+        client = self.client
+        self.status = head.status
+        self.upstream_version = version
+        self.response = client_head(
+            head,
+            stream=self.stream,
+            upstream_version=version.encode("ascii"),
+            to_h2=client.is_h2,
+            date=self.fx.http_date(),
+            request_id=self.request_id,
+            pin=None,
+        )
+        client.send_head(self.response)
+        self.head_at = self.first_byte_at = self.fx.now
+
     def _refuse(self, why: Lookup) -> None:
         accept = header_value(self.head.headers, b"accept") or b""
         if b"text/event-stream" not in accept.lower():
-            self.fail(410, _REASONS[why], f"resume refused: {why.value}")
+            self.fail(_STATUS.get(why, 410), _REASONS[why], f"resume refused: {why.value}")
             return
         self.move(_I.REPLAY)
         headers: Headers = [
@@ -143,6 +182,51 @@ class ReplayExchange(Exchange):
         stream, self.reading = self.reading, None
         if stream is not None and stream.reader is self and isinstance(stream.owner, Exchange):
             stream.owner.reader_left()
+
+    # -- a stream of another process, from the shared store -------------------------------
+
+    def fetched(self, event: ResumeFetched) -> None:
+        """A batch of our ``ResumeFetch`` (``events.ResumeFetched``)."""
+        state = event.state
+        if state != "live":
+            self.fetching = False
+        if self.phase is Phase.DONE:
+            return  # the cancel went when it ended
+        if not self.fetched_head:
+            if event.head is None:
+                why = _LOOKUPS.get(state, Lookup.UNAVAILABLE)
+                self.fetching = False  # a refusal is the fetch's last batch
+                self.host.resumes.refuse(why)
+                self._refuse(why)
+                return
+            self.fetched_head = True
+            self.host.resumes.resumed += 1
+            self._send_head(_head_of(event.head, self.stream), event.head.version)
+        client = self.client
+        for data in event.events:
+            self.bytes_out += len(data)
+            client.send_body(self.stream, data)
+        if state == "live":
+            flow = self.response_flow
+            if flow.stopped or flow.filled(client.buffered(self.stream), self.fx.limits):
+                self.wants_more = True
+                client.hold(self)
+            else:
+                self.fx.emit(ResumeFetchMore(request=self.ident))
+        elif state == "ended":
+            client.send_end(self.stream, [])
+            self._finish("ok (resumed)")
+        else:
+            # ``broken``, or the store lost the stream or could not be read meanwhile: what
+            # went out ends unfinished, visibly.
+            client.abort(self.stream)
+            self._finish(f"resumed from the store: {state}")
+
+    def _wrap_up(self, outcome: str) -> None:
+        if self.fetching:
+            self.fetching = False
+            self.fx.emit(ResumeFetchCancel(request=self.ident))
+        super()._wrap_up(outcome)
 
     # -- what the owner hands on -----------------------------------------------------------
 
@@ -183,6 +267,8 @@ class ReplayExchange(Exchange):
             self._finish(f"client aborted: {reason}")  # ``let_go`` leaves the stream lingering
 
     def client_stalled(self) -> bool:
+        if self.fetched_head:
+            return self.phase is Phase.STREAMING and self.response_flow.stop()
         stream = self.reading
         if stream is None:
             return super().client_stalled()
@@ -190,6 +276,18 @@ class ReplayExchange(Exchange):
         return isinstance(owner, Exchange) and owner.client_stalled()
 
     def client_drained(self) -> None:
+        if self.fetched_head:
+            client = self.client
+            if (
+                self.wants_more
+                and self.phase is Phase.STREAMING
+                and not client.congested
+                and self.response_flow.drained(client.buffered(self.stream), self.fx.limits)
+            ):
+                self.wants_more = False
+                client.release(self)
+                self.fx.emit(ResumeFetchMore(request=self.ident))
+            return
         stream = self.reading
         if stream is None:
             super().client_drained()
@@ -197,3 +295,7 @@ class ReplayExchange(Exchange):
         owner = stream.owner
         if isinstance(owner, Exchange):
             owner.client_drained()
+
+
+def _head_of(head: ResumedHead, stream: int) -> ResponseHead:
+    return ResponseHead(stream=stream, status=head.status, headers=list(head.headers))

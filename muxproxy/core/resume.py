@@ -16,6 +16,11 @@ What it obeys, and why:
   backend at once (``Resumable.append`` says so). A lingering stream is ended after
   ``linger`` seconds without a client, and an ended one is forgotten ``linger`` seconds
   after its end, so a client that never returns costs at most ``linger``.
+- **Shared.** With ``store`` (a Redis URL) the owner also publishes each backend read's
+  events (``ResumeAppend``, one command per read) and the end; a resume of a token this
+  process does not hold is answered from the store (``replay.py``, ``ResumeFetch``). The
+  store's I/O is the driver's: nothing here waits for it, and without ``store`` nothing
+  is emitted.
 - **One reader.** A stream is read by one client at a time: a reconnect takes the stream
   over from whoever read it (its old connection may not have noticed yet that it is dead).
 
@@ -34,6 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from ..config import Resume
+from .commands import ResumeAppend, ResumeMeta
 from .headers import header_value
 from .messages import Headers, ResponseHead
 from .timers import ResumeTimer
@@ -97,6 +103,8 @@ class Lookup(enum.Enum):
     """The events after the client's id are no longer kept (the window moved past them)."""
     INVALID = "invalid"
     """The id names an event the stream never sent."""
+    UNAVAILABLE = "unavailable"
+    """The shared store (``Resume.store``) could not be reached."""
 
 
 class Reader(Protocol):
@@ -133,6 +141,10 @@ class Resumable:
         self.credential = credential
         self.window = settings.window
         self.linger = settings.linger
+        self.store = settings.store
+        """The shared store's URL, or None: this process only."""
+        self.published_end = False
+        """The store was told the stream's end."""
         self.head = head
         """The backend's response head, from which a resume's head is made."""
         self.version = version
@@ -196,6 +208,9 @@ class ResumeStore:
         """``Resumable.cost`` of every stream kept (``limits.resume_memory`` bounds it)."""
         self.shed = 0
         """Streams let go to stay under ``limits.resume_memory``."""
+        self.store_errors = 0
+        """Appends to and reads of a shared store that failed or were dropped (counted by the
+        driver, which does that I/O)."""
 
     def open(
         self, settings: Resume, credential: bytes, head: ResponseHead, version: str, owner: Owner
@@ -207,7 +222,45 @@ class ResumeStore:
         self.streams[token] = stream
         self.by_ident[stream.ident] = stream
         self.held_bytes += stream.cost
+        if stream.store is not None:
+            meta = ResumeMeta(
+                credential=credential,
+                status=head.status,
+                headers=tuple(head.headers),
+                version=version,
+            )
+            self._publish(stream, (), meta=meta)
         return stream
+
+    def publish(self, stream: Resumable, events: list[tuple[int, bytes]]) -> None:
+        """The events one backend read completed, for the shared store (``stream.store``)."""
+        if events:
+            self._publish(stream, events)
+
+    def _publish(
+        self,
+        stream: Resumable,
+        events: list[tuple[int, bytes]] | tuple[()],
+        *,
+        end: State | None = None,
+        meta: ResumeMeta | None = None,
+    ) -> None:
+        assert stream.store is not None
+        kept = stream.events
+        self.fx.emit(
+            ResumeAppend(
+                store=stream.store,
+                token=stream.token,
+                events=tuple(events),
+                first_seq=kept[0][0] if kept else stream.last_seq + 1,
+                last_seq=stream.last_seq,
+                end=None if end is None else end.value,
+                linger=stream.linger,
+                meta=meta,
+            )
+        )
+        if end is not None:
+            stream.published_end = True
 
     def find(self, token: bytes, credential: bytes) -> Resumable | None:
         stream = self.streams.get(token)
@@ -269,6 +322,8 @@ class ResumeStore:
         client that has not read them all."""
         stream.state = state
         stream.owner = None
+        if stream.store is not None and not stream.published_end:
+            self._publish(stream, (), end=state)
         if stream.reader is None:
             self.unread(stream)
 
@@ -284,6 +339,8 @@ class ResumeStore:
 
     def forget(self, stream: Resumable) -> None:
         self.fx.cancel_timer((ResumeTimer.LINGER, stream.ident))
+        if stream.store is not None and not stream.published_end:
+            self._publish(stream, (), end=State.BROKEN)  # its backend is ended unfinished
         if self.streams.pop(stream.token, None) is not None:
             self.held_bytes -= stream.cost
         self.by_ident.pop(stream.ident, None)

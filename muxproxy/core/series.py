@@ -170,7 +170,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         COUNTER,
         ("result",),
         "Requests with Last-Event-ID for a stream of ours: resumed, or refused by reason"
-        " (unknown, evicted, invalid)",
+        " (unknown, evicted, invalid, unavailable)",
+    ),
+    "resume_store_errors_total": (
+        COUNTER,
+        (),
+        "Appends to and reads of the shared resume store (Redis) that failed or were dropped",
     ),
     "resumable_streams": (
         GAUGE,
