@@ -31,7 +31,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -43,6 +43,10 @@ from ..core.commands import (
     OpenConnection,
     Origin,
     PauseReading,
+    ResumeAppend,
+    ResumeFetch,
+    ResumeFetchCancel,
+    ResumeFetchMore,
     ResumeReading,
     SendData,
     SetTimer,
@@ -63,6 +67,9 @@ from ..core.proxy import ProxyCore
 from . import reactor
 from .logs import drop_access
 from .reactor import Reactor, SocketConn, from_core
+
+if TYPE_CHECKING:
+    from .resumestore import ResumeStores
 
 
 def _nothing() -> None:
@@ -153,7 +160,14 @@ class Driver:
             ShutdownWrite: self._shutdown_write,
             OpenConnection: self._open,
             Log: self._log,
+            ResumeAppend: self._resume_append,
+            ResumeFetch: self._resume_fetch,
+            ResumeFetchMore: self._resume_fetch_more,
+            ResumeFetchCancel: self._resume_fetch_cancel,
         }
+        self._resume_stores: ResumeStores | None = None
+        """The shared resume stores (``resumestore.py``), made on the first command for one:
+        a proxy without ``resume.store`` never imports ``coredis``."""
         self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
         self.reactor = Reactor(self, core) if reactor.available() else None
         self._write_queued: Callable[[], None] = (
@@ -597,6 +611,28 @@ class Driver:
                 if timers.get(timer) == at:
                     del timers[timer]
                     self.feed(Wakeup(now=now, timer=timer))
+
+    # -- the shared resume store (``resumestore.py``) --------------------------------------
+
+    def _stores(self) -> ResumeStores:
+        stores = self._resume_stores
+        if stores is None:
+            from .resumestore import ResumeStores
+
+            stores = self._resume_stores = ResumeStores(self)
+        return stores
+
+    def _resume_append(self, command: ResumeAppend) -> None:
+        self._stores().append(command)
+
+    def _resume_fetch(self, command: ResumeFetch) -> None:
+        self._stores().fetch(command)
+
+    def _resume_fetch_more(self, command: ResumeFetchMore) -> None:
+        self._stores().more(command)
+
+    def _resume_fetch_cancel(self, command: ResumeFetchCancel) -> None:
+        self._stores().cancel(command)
 
     # -- logs ------------------------------------------------------------------------------
 

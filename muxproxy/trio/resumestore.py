@@ -1,0 +1,337 @@
+"""The shared resume store: resumable SSE streams kept in Redis, for other workers and replicas.
+
+What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`` and
+``core/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
+
+- **Layout.** Per stream token two keys: ``muxproxy:resume:<token>:events``, a Redis Stream
+  whose entry ids are ``0-<seq>`` (``XADD`` with explicit ids, so an entry's id *is* its
+  event number and a resume reads ``XRANGE 0-<after+1> +``), trimmed with ``XTRIM MINID
+  0-<first_seq>`` to what the owner's own window holds (so Redis holds as many bytes per
+  stream as the owner does); and ``muxproxy:resume:<token>:meta``, a hash: ``credential``
+  (``resume.credential_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
+  strings), ``version``, ``state`` (``live``, ``ended``, ``broken``), ``first`` and ``last``
+  (the seqs the stream holds). One append is one ``MULTI``/``EXEC``: events and meta change
+  together, so a reader that sees ``state = ended`` finds every event in the stream.
+- **Expiry.** While live both keys expire ``linger + LIVE_MARGIN`` seconds after the last
+  append (a dead owner's keys go away by themselves); at the end, ``linger`` seconds after it.
+- **Never block the core.** Appends go through a bounded queue to one task per store; a full
+  queue or a failed write drops the append, counted (``ProxyCore.resumes.store_errors``,
+  ``muxproxy_resume_store_errors_total``) and logged at most once per ``LOG_EVERY`` seconds.
+  ``coredis`` connects again by itself when Redis is back.
+- **A fetch** (a resume of a token not held here) checks the credential against the meta
+  hash (``hmac.compare_digest``; a mismatch is ``unknown``, as a missing stream), then feeds
+  ``ResumeFetched`` batches of at most ``BATCH`` events, waiting after each for the core's
+  ``ResumeFetchMore`` (the core asks once the client's buffer is under its high water: a
+  slow client holds the reads back). Between batches it waits on ``XREAD BLOCK`` for new
+  entries, until the meta state says the stream is over and no entry is left, or the core
+  cancels it (``ResumeFetchCancel``: the client went away). A store that cannot be read is
+  ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import coredis
+import trio
+from coredis.exceptions import RedisError
+from coredis.tokens import PureToken
+
+from ..core.commands import Log, ResumeAppend, ResumeFetch, ResumeFetchCancel, ResumeFetchMore
+from ..core.events import ResumedHead, ResumeFetched
+
+if TYPE_CHECKING:
+    from .driver import Driver
+
+APPEND_QUEUE = 4096
+"""Appends waiting for a store's writer; past it they are dropped (and counted): a store
+that is slow or down must cost bounded memory, never a blocked event loop."""
+BATCH = 256
+"""Most events of one ``ResumeFetched`` (one ``XRANGE ... COUNT``)."""
+BLOCK_MS = 1000
+"""How long one ``XREAD BLOCK`` waits for a live stream's next entry before the fetch looks
+at the stream's state again."""
+OP_TIMEOUT = 3.0
+"""Seconds one Redis round trip may take before the store counts as unavailable."""
+LIVE_MARGIN = 60.0
+"""Seconds beyond ``linger`` a live stream's keys outlive its last append (a backend may be
+silent a while between tokens); an owner that died leaves them for at most this long."""
+GRACE = 2.0
+"""Seconds a fetch waits for the owner's append of an event the client already has (the
+owner sends it to its client before its append reaches Redis) before calling it invalid."""
+LOG_EVERY = 10.0
+"""Seconds between two ``resume_store_error`` log lines of one store."""
+
+_ERRORS = (RedisError, OSError, trio.TooSlowError)
+_LIVE, _ENDED, _BROKEN = b"live", b"ended", b"broken"
+
+
+def events_key(token: bytes) -> bytes:
+    return b"muxproxy:resume:%s:events" % token
+
+
+def meta_key(token: bytes) -> bytes:
+    return b"muxproxy:resume:%s:meta" % token
+
+
+def _entry_id(seq: int) -> str:
+    return f"0-{seq}"
+
+
+def _bytes(value: bytes | str) -> bytes:
+    """A stream entry's value (bytes: the client does not decode responses)."""
+    return value if isinstance(value, bytes) else value.encode("utf-8")
+
+
+def _seq_of(identifier: bytes | str) -> int:
+    text = identifier.decode("ascii") if isinstance(identifier, bytes) else identifier
+    return int(text.partition("-")[2])
+
+
+class _Store:
+    """One Redis (by URL): its client, and the writer of its appends."""
+
+    def __init__(self, stores: ResumeStores, url: str) -> None:
+        self.stores = stores
+        self.url = url
+        self.send, self.receive = trio.open_memory_channel[ResumeAppend](APPEND_QUEUE)
+        self.client: coredis.Redis[bytes] | None = None
+        self.ready = trio.Event()
+        self.logged_at = -math.inf
+        self.unlogged = 0
+
+    async def run(self) -> None:
+        """Hold the client and write the queued appends, one transaction each."""
+        client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url, verify_version=False)
+        async with client:
+            self.client = client
+            self.ready.set()
+            async for command in self.receive:
+                try:
+                    with trio.fail_after(OP_TIMEOUT):
+                        await self._write(client, command)
+                except _ERRORS as exc:
+                    self.failed("append", exc)
+
+    async def _write(self, client: coredis.Redis[bytes], command: ResumeAppend) -> None:
+        events, meta = events_key(command.token), meta_key(command.token)
+        fields: dict[bytes, Any] = {b"first": command.first_seq, b"last": command.last_seq}
+        if command.meta is not None:
+            head = command.meta
+            fields[b"credential"] = head.credential
+            fields[b"status"] = head.status
+            fields[b"version"] = head.version
+            fields[b"headers"] = json.dumps(
+                [[name.decode("latin-1"), value.decode("latin-1")] for name, value in head.headers]
+            )
+            fields[b"state"] = _LIVE
+        if command.end is not None:
+            fields[b"state"] = command.end.encode("ascii")
+        ttl = math.ceil(command.linger if command.end else command.linger + LIVE_MARGIN)
+        async with client.pipeline(transaction=True) as pipe:
+            for seq, data in command.events:
+                pipe.xadd(events, {b"d": data}, identifier=_entry_id(seq))
+            if command.events:
+                # MINID takes a stream id (``0-<seq>``); the stub says int.
+                pipe.xtrim(events, PureToken.MINID, _entry_id(command.first_seq))  # type: ignore[arg-type]
+            pipe.hset(meta, fields)
+            pipe.expire(events, ttl)
+            pipe.expire(meta, ttl)
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Count a failed append or read; log it, at most once per ``LOG_EVERY`` seconds."""
+        core = self.stores.driver.core
+        core.resumes.store_errors += 1
+        now = trio.current_time()
+        if now - self.logged_at < LOG_EVERY:
+            self.unlogged += 1
+            return
+        self.logged_at = now
+        fields = {"store": _redacted(self.url), "operation": what, "error": repr(exc)}
+        if self.unlogged:
+            fields["unlogged_before"] = str(self.unlogged)
+        self.unlogged = 0
+        self.stores.driver._log(Log(event="resume_store_error", fields=fields))
+
+
+def _redacted(url: str) -> str:
+    """``url`` without a password (it goes to the logs)."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url
+
+
+class _Fetch:
+    """One resume answered from a store: its task's scope and the core's go-ahead."""
+
+    __slots__ = ("command", "granted", "scope", "wake")
+
+    def __init__(self, command: ResumeFetch) -> None:
+        self.command = command
+        self.scope = trio.CancelScope()
+        self.granted = False
+        self.wake = trio.Event()
+
+
+class ResumeStores:
+    """The driver's shared resume stores, by URL, started on their first command."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.stores: dict[str, _Store] = {}
+        self.fetches: dict[int, _Fetch] = {}
+
+    def _store(self, url: str) -> _Store:
+        store = self.stores.get(url)
+        if store is None:
+            store = self.stores[url] = _Store(self, url)
+            self.driver.nursery.start_soon(store.run)
+        return store
+
+    # -- commands --------------------------------------------------------------------------
+
+    def append(self, command: ResumeAppend) -> None:
+        store = self._store(command.store)
+        try:
+            store.send.send_nowait(command)
+        except trio.WouldBlock as exc:
+            store.failed("append (queue full, dropped)", exc)
+
+    def fetch(self, command: ResumeFetch) -> None:
+        fetch = self.fetches[command.request] = _Fetch(command)
+        self.driver.nursery.start_soon(self._run_fetch, self._store(command.store), fetch)
+
+    def more(self, command: ResumeFetchMore) -> None:
+        fetch = self.fetches.get(command.request)
+        if fetch is not None:
+            fetch.granted = True
+            fetch.wake.set()
+
+    def cancel(self, command: ResumeFetchCancel) -> None:
+        fetch = self.fetches.pop(command.request, None)
+        if fetch is not None:
+            fetch.scope.cancel()
+
+    # -- a fetch ---------------------------------------------------------------------------
+
+    async def _run_fetch(self, store: _Store, fetch: _Fetch) -> None:
+        request = fetch.command.request
+        with fetch.scope:
+            try:
+                await self._follow(store, fetch)
+            except _ERRORS as exc:
+                store.failed("fetch", exc)
+                self._deliver_last(fetch, None, (), "unavailable")
+        self.fetches.pop(request, None)
+
+    async def _follow(self, store: _Store, fetch: _Fetch) -> None:
+        command = fetch.command
+        with trio.fail_after(OP_TIMEOUT):
+            await store.ready.wait()
+        client = store.client
+        assert client is not None
+        events, meta = events_key(command.token), meta_key(command.token)
+        with trio.fail_after(OP_TIMEOUT):
+            fields = await client.hgetall(meta)
+        credential = fields.get(b"credential")
+        if credential is None or not hmac.compare_digest(credential, command.credential):
+            self._deliver_last(fetch, None, (), "unknown")
+            return
+        cursor = command.after
+        deadline = trio.current_time() + GRACE
+        while cursor > int(fields[b"last"]):
+            # The client may have had events whose append is still on its way.
+            if fields[b"state"] != _LIVE or trio.current_time() > deadline:
+                self._deliver_last(fetch, None, (), "invalid")
+                return
+            await self._wait_entry(client, events, int(fields[b"last"]))
+            with trio.fail_after(OP_TIMEOUT):
+                fields = await client.hgetall(meta)
+            if b"last" not in fields:
+                self._deliver_last(fetch, None, (), "unknown")
+                return
+        if cursor + 1 < int(fields[b"first"]):
+            self._deliver_last(fetch, None, (), "evicted")
+            return
+        head: ResumedHead | None = ResumedHead(
+            status=int(fields[b"status"]),
+            headers=tuple(
+                (name.encode("latin-1"), value.encode("latin-1"))
+                for name, value in json.loads(fields[b"headers"])
+            ),
+            version=fields[b"version"].decode("ascii"),
+        )
+        while True:
+            batch, cursor, gap = await self._range(client, events, cursor)
+            if gap:
+                self._deliver_last(fetch, None, (), "evicted")  # trimmed while we lagged
+                return
+            if len(batch) < BATCH:
+                with trio.fail_after(OP_TIMEOUT):
+                    state = await client.hget(meta, b"state")
+                if state != _LIVE:
+                    # Over (or its keys expired: unfinished). The end's transaction held its
+                    # last events: read what came since the range above.
+                    rest, cursor, gap = await self._range(client, events, cursor)
+                    over = state.decode("ascii") if state in (_ENDED, _BROKEN) else "broken"
+                    if gap:
+                        self._deliver_last(fetch, None, (), "evicted")
+                    else:
+                        self._deliver_last(fetch, head, batch + rest, over)
+                    return
+            if batch or head is not None:
+                await self._deliver(fetch, head, batch)
+                head = None
+            if len(batch) < BATCH:
+                await self._wait_entry(client, events, cursor)
+
+    async def _range(
+        self, client: coredis.Redis[bytes], key: bytes, cursor: int
+    ) -> tuple[list[bytes], int, bool]:
+        """The events after ``cursor`` (at most ``BATCH``), the new cursor, and whether some
+        right after ``cursor`` are gone (trimmed)."""
+        with trio.fail_after(OP_TIMEOUT):
+            entries = await client.xrange(key, _entry_id(cursor + 1), "+", count=BATCH)
+        if not entries:
+            return [], cursor, False
+        gap = _seq_of(entries[0].identifier) != cursor + 1
+        batch = [_bytes(entry.field_values[b"d"]) for entry in entries]
+        return batch, _seq_of(entries[-1].identifier), gap
+
+    async def _wait_entry(self, client: coredis.Redis[bytes], key: bytes, cursor: int) -> None:
+        """Until an entry after ``cursor`` is added, or ``BLOCK_MS`` passed."""
+        with trio.fail_after(OP_TIMEOUT + BLOCK_MS / 1000):
+            await client.xread({key: _entry_id(cursor)}, count=1, block=BLOCK_MS)
+
+    async def _deliver(self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes]) -> None:
+        """Feed a live batch, then wait until the core asks for the next one."""
+        fetch.granted = False
+        self.driver.feed(
+            ResumeFetched(
+                now=trio.current_time(),
+                request=fetch.command.request,
+                head=head,
+                events=tuple(batch),
+                state="live",
+            )
+        )
+        while not fetch.granted:
+            fetch.wake = trio.Event()
+            await fetch.wake.wait()
+
+    def _deliver_last(
+        self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes] | tuple[()], state: str
+    ) -> None:
+        self.fetches.pop(fetch.command.request, None)
+        self.driver.feed(
+            ResumeFetched(
+                now=trio.current_time(),
+                request=fetch.command.request,
+                head=head,
+                events=tuple(batch),
+                state=state,
+            )
+        )
