@@ -526,6 +526,24 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             [{"prefix": "/", "upstream": "gpus", "resume": {"lingr": 3}}],
             'routes[0].resume.lingr: unknown key; did you mean "linger"?',
         ),
+        *(
+            (
+                ("routes",),
+                [{"prefix": "/", "upstream": "gpus", "resume": {"store": store}}],
+                'routes[0].resume.store: expected a Redis URL such as "redis://127.0.0.1:6379/0"'
+                ' (or "rediss://" for TLS); Sentinel and Cluster stores are not supported,'
+                f" got {store!r}",
+            )
+            for store in (
+                "redis+sentinel://10.0.0.1:26379/mymaster",
+                "redis-cluster://10.0.0.1:7000",
+                "http://127.0.0.1:6379",
+                "redis://",
+                "redis://127.0.0.1:6379/x",
+                "redis://127.0.0.1:99999/0",
+                "redis://127.0.0.1:6379/0?protocol=3",
+            )
+        ),
     ],
 )
 def test_one_problem(path: tuple[Any, ...], value: Any, message: str) -> None:
@@ -1537,11 +1555,15 @@ def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
         {"prefix": "/a/", "upstream": "gpus", "resume": True},
         {"prefix": "/b/", "upstream": "gpus", "resume": {"window": "1 MiB", "linger": 5}},
         {"prefix": "/c/", "upstream": "gpus", "resume": {"window": 8192}},
+        {"prefix": "/d/", "upstream": "gpus", "resume": {"store": "redis://10.0.0.5:6379/2"}},
+        {"prefix": "/e/", "upstream": "gpus", "resume": {"store": "rediss://:pw@cache"}},
     ]
     routes = parse_config(data).routes
     assert [r.resume for r in routes] == [
         Resume(),
         Resume(window=1024 * 1024, linger=5.0),
         Resume(window=8192),
+        Resume(store="redis://10.0.0.5:6379/2"),
+        Resume(store="rediss://:pw@cache"),
     ]
     assert Resume().window == 256 * 1024 and Resume().linger == 30.0
