@@ -292,14 +292,16 @@ class ResumeStores:
         self, client: coredis.Redis[bytes], key: bytes, cursor: int
     ) -> tuple[list[bytes], int, bool]:
         """The events after ``cursor`` (at most ``BATCH``), the new cursor, and whether some
-        right after ``cursor`` are gone (trimmed)."""
+        of them are missing (trimmed, or their append was lost)."""
         with trio.fail_after(OP_TIMEOUT):
             entries = await client.xrange(key, _entry_id(cursor + 1), "+", count=BATCH)
         if not entries:
             return [], cursor, False
-        gap = _seq_of(entries[0].identifier) != cursor + 1
+        seqs = [_seq_of(entry.identifier) for entry in entries]
+        # An append lost while Redis was away leaves a hole: never skip events silently.
+        gap = seqs != list(range(cursor + 1, cursor + 1 + len(seqs)))
         batch = [_bytes(entry.field_values[b"d"]) for entry in entries]
-        return batch, _seq_of(entries[-1].identifier), gap
+        return batch, seqs[-1], gap
 
     async def _wait_entry(self, client: coredis.Redis[bytes], key: bytes, cursor: int) -> None:
         """Until an entry after ``cursor`` is added, or ``BLOCK_MS`` passed."""
