@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import coredis
 import trio
+from coredis.exceptions import ConnectionError as StoreConnectionError
 from coredis.exceptions import RedisError
 from coredis.tokens import PureToken
 
@@ -62,6 +63,8 @@ silent a while between tokens); an owner that died leaves them for at most this 
 GRACE = 2.0
 """Seconds a fetch waits for the owner's append of an event the client already has (the
 owner sends it to its client before its append reaches Redis) before calling it invalid."""
+RECONNECT_DELAY = 1.0
+"""Seconds before a store client that failed as a whole is made again."""
 LOG_EVERY = 10.0
 """Seconds between two ``resume_store_error`` log lines of one store."""
 
@@ -104,7 +107,24 @@ class _Store:
         self.unlogged = 0
 
     async def run(self) -> None:
-        """Hold the client and write the queued appends, one transaction each."""
+        """Hold a client and write the queued appends, one transaction each; a client that
+        fails as a whole is replaced after ``RECONNECT_DELAY`` (each command already
+        reconnects by itself)."""
+        while True:
+            try:
+                await self._serve()
+            except _ERRORS as exc:
+                self.failed("connection", exc)
+            except ExceptionGroup as group:
+                _, rest = group.split(_ERRORS)
+                if rest is not None:
+                    raise
+                self.failed("connection", group)
+            self.client = None
+            self.ready = trio.Event()
+            await trio.sleep(RECONNECT_DELAY)
+
+    async def _serve(self) -> None:
         client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url, verify_version=False)
         async with client:
             self.client = client
@@ -225,6 +245,19 @@ class ResumeStores:
             except _ERRORS as exc:
                 store.failed("fetch", exc)
                 self._deliver_last(fetch, None, (), "unavailable")
+            except Exception as exc:
+                # A bug of ours, or a meta hash we did not write: this resume alone ends
+                # (the driver's fault isolation, one client's stream instead of the proxy).
+                if self.driver.raise_errors:
+                    raise
+                self.driver.core.counters["internal_errors"] += 1
+                self.driver._log(
+                    Log(
+                        event="internal_error",
+                        fields={"where": "driver: resume fetch", "error": repr(exc)},
+                    )
+                )
+                self._deliver_last(fetch, None, (), "unavailable")
         self.fetches.pop(request, None)
 
     async def _follow(self, store: _Store, fetch: _Fetch) -> None:
@@ -232,7 +265,8 @@ class ResumeStores:
         with trio.fail_after(OP_TIMEOUT):
             await store.ready.wait()
         client = store.client
-        assert client is not None
+        if client is None:
+            raise StoreConnectionError("the store's client is being made again")
         events, meta = events_key(command.token), meta_key(command.token)
         with trio.fail_after(OP_TIMEOUT):
             fields = await client.hgetall(meta)
