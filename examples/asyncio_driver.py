@@ -54,6 +54,10 @@ from muxproxy.core.commands import (
     Log,
     OpenConnection,
     PauseReading,
+    ResumeAppend,
+    ResumeFetch,
+    ResumeFetchCancel,
+    ResumeFetchMore,
     ResumeReading,
     SendData,
     SetTimer,
@@ -69,6 +73,7 @@ from muxproxy.core.events import (
     Event,
     InputEnded,
     OpenFailed,
+    ResumeFetched,
     ShutdownRequested,
     TimerId,
     Wakeup,
@@ -127,6 +132,12 @@ class AsyncioDriver:
             SetTimer: self._set_timer,
             CancelTimer: self._cancel_timer,
             Log: self._log,
+            # ``resume.store`` (a shared Redis) is the Trio driver's: here appends are dropped
+            # and a resume of a token held elsewhere is refused (``resume_unavailable``).
+            ResumeAppend: self._ignore,
+            ResumeFetch: self._no_store,
+            ResumeFetchMore: self._ignore,
+            ResumeFetchCancel: self._ignore,
         }
 
     def now(self) -> float:
@@ -399,6 +410,14 @@ class AsyncioDriver:
     def _fire(self, timer: TimerId) -> None:
         self.timers.pop(timer, None)
         self.feed(Wakeup(now=self.now(), timer=timer))
+
+    def _ignore(self, command: Command) -> None:
+        pass
+
+    def _no_store(self, command: ResumeFetch) -> None:
+        self._queue.append(
+            ResumeFetched(now=self.now(), request=command.request, state="unavailable")
+        )
 
     def _log(self, command: Log) -> None:
         record = {"event": command.event, "wall": round(time.time(), 3), **command.fields}
