@@ -58,6 +58,7 @@ from muxproxy.core.commands import (
     ResumeFetch,
     ResumeFetchCancel,
     ResumeFetchMore,
+    ResumeProbe,
     ResumeReading,
     SendData,
     SetTimer,
@@ -74,6 +75,7 @@ from muxproxy.core.events import (
     InputEnded,
     OpenFailed,
     ResumeFetched,
+    ResumeProbed,
     ShutdownRequested,
     TimerId,
     Wakeup,
@@ -138,6 +140,7 @@ class AsyncioDriver:
             ResumeFetch: self._no_store,
             ResumeFetchMore: self._ignore,
             ResumeFetchCancel: self._ignore,
+            ResumeProbe: self._no_reader,
         }
 
     def now(self) -> float:
@@ -418,6 +421,9 @@ class AsyncioDriver:
         self._queue.append(
             ResumeFetched(now=self.now(), request=command.request, state="unavailable")
         )
+
+    def _no_reader(self, command: ResumeProbe) -> None:
+        self._queue.append(ResumeProbed(now=self.now(), stream=command.stream, reading=False))
 
     def _log(self, command: Log) -> None:
         record = {"event": command.event, "wall": round(time.time(), 3), **command.fields}

@@ -192,3 +192,15 @@ class ResumeFetchCancel(Command):
     """The client of fetch ``request`` is gone: stop reading the store for it."""
 
     request: int
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeProbe(Command):
+    """A stream of ours lingered ``linger`` seconds with nobody reading it here: ask the
+    shared store whether a client follows it through another process. Answered by
+    ``ResumeProbed`` (``reading`` False also when the store cannot be asked)."""
+
+    store: str
+    token: bytes
+    stream: int
+    """The stream's ident in its ``ResumeStore`` (``Resumable.ident``)."""

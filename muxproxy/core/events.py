@@ -155,3 +155,11 @@ class ResumeFetched(Event):
     head: ResumedHead | None = None
     events: tuple[bytes, ...] = ()
     state: str = "live"
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ResumeProbed(Event):
+    """The answer to ``ResumeProbe``: whether another process reads the stream now."""
+
+    stream: int
+    reading: bool

@@ -43,6 +43,7 @@ from .events import (
     InputEnded,
     OpenFailed,
     ResumeFetched,
+    ResumeProbed,
     RuntimeChanged,
     ShutdownRequested,
     Wakeup,
@@ -167,6 +168,7 @@ class ProxyCore:
             ShutdownRequested: self._shutdown,
             RuntimeChanged: self._runtime_changed,
             ResumeFetched: self._resume_fetched,
+            ResumeProbed: self._resume_probed,
         }
 
     # -- what the driver and embedders read ----------------------------------------------
@@ -242,6 +244,11 @@ class ProxyCore:
                     return Fault(conn=None, probe=owner, event=name, error=exc)
                 return Fault(conn=conn, event=name, error=exc)
             return None if owner is None else Fault(conn=owner, event=name, error=exc)
+        if type(event) is ResumeProbed:
+            stream = self.resumes.by_ident.get(event.stream)
+            holder = stream.owner if stream is not None else None
+            if isinstance(holder, Exchange):
+                return Fault(conn=holder.client.conn, event=name, error=exc)
         if type(event) is ResumeFetched:
             exchange = self.exchanges.get(event.request)
             if exchange is not None:
@@ -454,6 +461,9 @@ class ProxyCore:
             exchange.fetched(event)
         elif event.state == "live":
             self.fx.emit(ResumeFetchCancel(request=event.request))  # its client is gone
+
+    def _resume_probed(self, event: ResumeProbed) -> None:
+        self.resumes.probed(event.stream, event.reading)
 
     def _config_changed(self, event: ConfigChanged) -> None:
         """A new configuration; also the driver's first event, which starts health checks."""

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from ..config import Resume
-from .commands import ResumeAppend, ResumeMeta
+from .commands import ResumeAppend, ResumeMeta, ResumeProbe
 from .headers import header_value
 from .messages import Headers, ResponseHead
 from .timers import ResumeTimer
@@ -145,6 +145,9 @@ class Resumable:
         """The shared store's URL, or None: this process only."""
         self.published_end = False
         """The store was told the stream's end."""
+        self.probing = False
+        """A ``ResumeProbe`` is out: its linger expired, and the store is asked whether a
+        client of another process follows it."""
         self.head = head
         """The backend's response head, from which a resume's head is made."""
         self.version = version
@@ -208,6 +211,8 @@ class ResumeStore:
         """``Resumable.cost`` of every stream kept (``limits.resume_memory`` bounds it)."""
         self.shed = 0
         """Streams let go to stay under ``limits.resume_memory``."""
+        self.remote_reads = 0
+        """Linger expiries put off because a client followed through another process."""
         self.store_errors = 0
         """Appends to and reads of a shared store that failed or were dropped (counted by the
         driver, which does that I/O)."""
@@ -333,9 +338,33 @@ class ResumeStore:
         if stream is None or stream.reader is not None:
             return
         owner = stream.owner
+        if stream.store is not None and owner is not None and not stream.probing:
+            # A client may follow it through another process: the store knows.
+            stream.probing = True
+            self.fx.emit(ResumeProbe(store=stream.store, token=stream.token, stream=ident))
+            return
+        self._let_go(stream)
+
+    def _let_go(self, stream: Resumable) -> None:
+        owner = stream.owner
         self.forget(stream)
         if owner is not None:
             owner.abandon("client gone; resume linger expired")
+
+    def probed(self, ident: int, reading: bool) -> None:
+        """The store's answer to ``ResumeProbe``: a remote reader keeps the stream (and its
+        backend) for another ``linger``; none ends it as its expiry does."""
+        stream = self.by_ident.get(ident)
+        if stream is None or not stream.probing:
+            return
+        stream.probing = False
+        if stream.reader is not None or stream.owner is None:
+            return  # a client came back here, or the backend ended (its end set the timer)
+        if reading:
+            self.remote_reads += 1
+            self.unread(stream)
+            return
+        self._let_go(stream)
 
     def forget(self, stream: Resumable) -> None:
         self.fx.cancel_timer((ResumeTimer.LINGER, stream.ident))

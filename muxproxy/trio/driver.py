@@ -47,6 +47,7 @@ from ..core.commands import (
     ResumeFetch,
     ResumeFetchCancel,
     ResumeFetchMore,
+    ResumeProbe,
     ResumeReading,
     SendData,
     SetTimer,
@@ -164,6 +165,7 @@ class Driver:
             ResumeFetch: self._resume_fetch,
             ResumeFetchMore: self._resume_fetch_more,
             ResumeFetchCancel: self._resume_fetch_cancel,
+            ResumeProbe: self._resume_probe,
         }
         self._resume_stores: ResumeStores | None = None
         """The shared resume stores (``resumestore.py``), made on the first command for one:
@@ -633,6 +635,9 @@ class Driver:
 
     def _resume_fetch_cancel(self, command: ResumeFetchCancel) -> None:
         self._stores().cancel(command)
+
+    def _resume_probe(self, command: ResumeProbe) -> None:
+        self._stores().probe(command)
 
     # -- logs ------------------------------------------------------------------------------
 

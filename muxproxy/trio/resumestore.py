@@ -14,6 +14,10 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   together, so a reader that sees ``state = ended`` finds every event in the stream.
 - **Expiry.** While live both keys expire ``linger + LIVE_MARGIN`` seconds after the last
   append (a dead owner's keys go away by themselves); at the end, ``linger`` seconds after it.
+- **Remote readers.** A fetch that follows a live stream marks
+  ``muxproxy:resume:<token>:reader`` (``SET ... PX READER_TTL_MS``, renewed as it goes);
+  an owner whose linger expired asks for that mark (``ResumeProbe``, ``EXISTS``) before it
+  ends the backend, so a client resumed elsewhere keeps the generation running.
 - **Never block the core.** Appends go through a bounded queue to one task per store; a full
   queue or a failed write drops the append, counted (``ProxyCore.resumes.store_errors``,
   ``muxproxy_resume_store_errors_total``) and logged at most once per ``LOG_EVERY`` seconds.
@@ -41,8 +45,15 @@ from coredis.exceptions import ConnectionError as StoreConnectionError
 from coredis.exceptions import RedisError
 from coredis.tokens import PureToken
 
-from ..core.commands import Log, ResumeAppend, ResumeFetch, ResumeFetchCancel, ResumeFetchMore
-from ..core.events import ResumedHead, ResumeFetched
+from ..core.commands import (
+    Log,
+    ResumeAppend,
+    ResumeFetch,
+    ResumeFetchCancel,
+    ResumeFetchMore,
+    ResumeProbe,
+)
+from ..core.events import ResumedHead, ResumeFetched, ResumeProbed
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -65,6 +76,12 @@ GRACE = 2.0
 owner sends it to its client before its append reaches Redis) before calling it invalid."""
 RECONNECT_DELAY = 1.0
 """Seconds before a store client that failed as a whole is made again."""
+READER_TTL_MS = 5000
+"""How long a fetch's mark on ``muxproxy:resume:<token>:reader`` lasts; it renews it at least
+every ``BLOCK_MS`` (and every second while its client is behind), so an owner whose linger
+expires (``ResumeProbe``) sees a reader that follows the stream from another process."""
+READER_RENEW = 1.0
+"""Seconds between renewals of the mark while the fetch waits for its client."""
 LOG_EVERY = 10.0
 """Seconds between two ``resume_store_error`` log lines of one store."""
 
@@ -78,6 +95,10 @@ def events_key(token: bytes) -> bytes:
 
 def meta_key(token: bytes) -> bytes:
     return b"muxproxy:resume:%s:meta" % token
+
+
+def reader_key(token: bytes) -> bytes:
+    return b"muxproxy:resume:%s:reader" % token
 
 
 def _entry_id(seq: int) -> str:
@@ -230,6 +251,24 @@ class ResumeStores:
             fetch.granted = True
             fetch.wake.set()
 
+    def probe(self, command: ResumeProbe) -> None:
+        self.driver.nursery.start_soon(self._run_probe, self._store(command.store), command)
+
+    async def _run_probe(self, store: _Store, command: ResumeProbe) -> None:
+        reading = False
+        try:
+            with trio.fail_after(OP_TIMEOUT):
+                await store.ready.wait()
+                client = store.client
+                if client is None:
+                    raise StoreConnectionError("the store's client is being made again")
+                reading = await client.exists([reader_key(command.token)]) > 0
+        except _ERRORS as exc:
+            store.failed("probe", exc)  # none known: the backend ends, as without a store
+        self.driver.feed(
+            ResumeProbed(now=trio.current_time(), stream=command.stream, reading=reading)
+        )
+
     def cancel(self, command: ResumeFetchCancel) -> None:
         fetch = self.fetches.pop(command.request, None)
         if fetch is not None:
@@ -290,6 +329,7 @@ class ResumeStores:
         if cursor + 1 < int(fields[b"first"]):
             self._deliver_last(fetch, None, (), "evicted")
             return
+        await self._mark_reader(client, command.token)
         head: ResumedHead | None = ResumedHead(
             status=int(fields[b"status"]),
             headers=tuple(
@@ -317,10 +357,16 @@ class ResumeStores:
                         self._deliver_last(fetch, head, batch + rest, over)
                     return
             if batch or head is not None:
-                await self._deliver(fetch, head, batch)
+                await self._deliver(client, fetch, head, batch)
                 head = None
             if len(batch) < BATCH:
                 await self._wait_entry(client, events, cursor)
+            await self._mark_reader(client, command.token)
+
+    async def _mark_reader(self, client: coredis.Redis[bytes], token: bytes) -> None:
+        """Tell the owner that a client follows the stream from here (``READER_TTL_MS``)."""
+        with trio.fail_after(OP_TIMEOUT):
+            await client.set(reader_key(token), b"1", px=READER_TTL_MS)
 
     async def _range(
         self, client: coredis.Redis[bytes], key: bytes, cursor: int
@@ -342,8 +388,15 @@ class ResumeStores:
         with trio.fail_after(OP_TIMEOUT + BLOCK_MS / 1000):
             await client.xread({key: _entry_id(cursor)}, count=1, block=BLOCK_MS)
 
-    async def _deliver(self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes]) -> None:
-        """Feed a live batch, then wait until the core asks for the next one."""
+    async def _deliver(
+        self,
+        client: coredis.Redis[bytes],
+        fetch: _Fetch,
+        head: ResumedHead | None,
+        batch: list[bytes],
+    ) -> None:
+        """Feed a live batch, then wait until the core asks for the next one (renewing the
+        reader's mark meanwhile: a client that is behind still reads)."""
         fetch.granted = False
         self.driver.feed(
             ResumeFetched(
@@ -356,7 +409,10 @@ class ResumeStores:
         )
         while not fetch.granted:
             fetch.wake = trio.Event()
-            await fetch.wake.wait()
+            with trio.move_on_after(READER_RENEW):
+                await fetch.wake.wait()
+            if not fetch.granted:
+                await self._mark_reader(client, fetch.command.token)
 
     def _deliver_last(
         self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes] | tuple[()], state: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import h11
 from playbook import H1ClientPeer, Playbook
-from test_resume import SSE, Stream, body_of, resume, resume_config
+from test_resume import SSE, Stream, body_of, closes, linger_timer, resume, resume_config
 
 from muxproxy.core.commands import (
     Command,
@@ -19,8 +19,9 @@ from muxproxy.core.commands import (
     ResumeFetch,
     ResumeFetchCancel,
     ResumeFetchMore,
+    ResumeProbe,
 )
-from muxproxy.core.events import ResumedHead, ResumeFetched
+from muxproxy.core.events import ResumedHead, ResumeFetched, ResumeProbed
 from muxproxy.core.resume import credential_of
 
 STORE = "redis://127.0.0.1:6379/0"
@@ -180,3 +181,40 @@ def test_a_client_that_goes_away_cancels_its_fetch() -> None:
     _, again = start_fetch(pb, 2)
     fetched(pb, again.request, head=HEAD, events=(b"data: a\n\n",))
     assert more(pb.closed(2)) == [ResumeFetchCancel(request=again.request)]
+
+
+def probes(commands: list[Command]) -> list[ResumeProbe]:
+    return [c for c in commands if isinstance(c, ResumeProbe)]
+
+
+def test_an_expired_linger_asks_the_store_for_a_remote_reader_before_ending_the_backend() -> None:
+    pb = Playbook(resume_config(store=STORE, linger=10))
+    first = Stream(pb)
+    first.send(b"data: a\n\n")
+    timer = linger_timer(pb.closed(1))
+    pb.now = 10.0
+    expired = pb.wakeup(*timer.timer)
+    (probe,) = probes(expired)
+    assert probe.store == STORE and not closes(expired, first.up)
+
+    # Someone reads it through another process: another linger, the backend running.
+    kept = pb.feed(ResumeProbed(now=pb.now, stream=probe.stream, reading=True))
+    assert linger_timer(kept).at == 20.0 and not closes(kept, first.up)
+    assert pb.core.resumes.remote_reads == 1
+
+    # Nobody now: the backend ends, as without a store.
+    pb.now = 20.0
+    (again,) = probes(pb.wakeup(*timer.timer))
+    ended = pb.feed(ResumeProbed(now=pb.now, stream=again.stream, reading=False))
+    assert closes(ended, first.up)
+    assert [a.end for a in appends(ended)] == ["broken"]
+
+
+def test_without_a_store_an_expired_linger_ends_the_backend_at_once() -> None:
+    pb = Playbook(resume_config(linger=10))
+    first = Stream(pb)
+    first.send(b"data: a\n\n")
+    timer = linger_timer(pb.closed(1))
+    pb.now = 10.0
+    expired = pb.wakeup(*timer.timer)
+    assert probes(expired) == [] and closes(expired, first.up)

@@ -24,10 +24,11 @@ from tests.e2e.test_resume_e2e import REQUEST, TOKENS, content_of, ids_of, read_
 SSE = {"Accept": "text/event-stream"}
 
 
-async def two_replicas(start_backend, start_proxy, redis_server, *, delay=0.01):  # type: ignore[no-untyped-def]
+async def two_replicas(start_backend, start_proxy, redis_server, *, delay=0.01, linger=30.0):  # type: ignore[no-untyped-def]
     fake, port = await start_backend(tokens=TOKENS, delay=delay)
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
-    route = Route(prefix="/", upstream="default", resume=Resume(store=redis_server.url + "/0"))
+    resume = Resume(store=redis_server.url + "/0", linger=linger)
+    route = Route(prefix="/", upstream="default", resume=resume)
     config = attrs.evolve(config, routes=(route,))
     one = await start_proxy(config=config)
     two = await start_proxy(config=config)
@@ -85,6 +86,24 @@ async def test_a_stream_cut_on_one_replica_is_resumed_on_another(
     assert two.server.core.resumes.resumed == 1
     assert one.server.core.resumes.resumed == 0
     assert one.server.core.resumes.store_errors == two.server.core.resumes.store_errors == 0
+
+
+async def test_a_reader_on_another_replica_keeps_the_backend_past_the_owners_linger(
+    start_backend, start_proxy, redis_server
+):
+    # 40 tokens 50 ms apart: 2 s of generation, four times the owner's linger.
+    fake, one, two = await two_replicas(
+        start_backend, start_proxy, redis_server, delay=0.05, linger=0.5
+    )
+    path = "/v1/chat/completions"
+    with trio.fail_after(20):
+        before = await begin(one.url + path, 3)
+        response = await resume(two.url + path, ids_of(before)[-1])
+    events = before + events_of(response)
+    assert content_of(events) == reply_text(TOKENS)
+    assert events[-1].startswith("data: [DONE]")
+    assert one.server.core.resumes.remote_reads >= 2  # its linger was put off, again and again
+    assert fake.streams_started == fake.streams_completed == 1
 
 
 async def test_an_ended_stream_is_resumed_on_another_replica(
