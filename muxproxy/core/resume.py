@@ -18,9 +18,10 @@ What it obeys, and why:
   after its end, so a client that never returns costs at most ``linger``.
 - **Shared.** With ``store`` (a Redis URL) the owner also publishes each backend read's
   events (``ResumeAppend``, one command per read) and the end; a resume of a token this
-  process does not hold is answered from the store (``replay.py``, ``ResumeFetch``). The
-  store's I/O is the driver's: nothing here waits for it, and without ``store`` nothing
-  is emitted.
+  process does not hold is answered from the store (``replay.py``, ``ResumeFetch``). A
+  stream whose linger expires asks the store first whether a client follows it through
+  another process (``ResumeProbe``); if one does it lingers on (``probed``). The store's I/O
+  is the driver's: nothing here waits for it, and without ``store`` nothing is emitted.
 - **One reader.** A stream is read by one client at a time: a reconnect takes the stream
   over from whoever read it (its old connection may not have noticed yet that it is dead).
 
