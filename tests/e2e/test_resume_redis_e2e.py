@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 import coredis
 import httpx
+import pytest
 import trio
 
 from muxproxy.config import Resume, Route, quick_config
@@ -45,8 +46,10 @@ async def begin(url: str, count: int, headers: dict[str, str] | None = None) -> 
         return await read_events(response, limit=count)
 
 
-async def resume(url: str, last: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    async with httpx.AsyncClient() as client:
+async def resume(
+    url: str, last: str, headers: dict[str, str] | None = None, *, h2c: bool = False
+) -> httpx.Response:
+    async with httpx.AsyncClient(http1=not h2c, http2=h2c) as client:
         sent = {"Last-Event-ID": last, **SSE, **(headers or {})}
         async with client.stream("GET", url, headers=sent) as response:
             await response.aread()
@@ -66,15 +69,17 @@ async def wait_state(url: str, token: str, state: bytes) -> None:
             await trio.sleep(0.01)
 
 
+@pytest.mark.parametrize("then", ["http1", "h2c"])
 async def test_a_stream_cut_on_one_replica_is_resumed_on_another(
-    start_backend, start_proxy, redis_server
+    start_backend, start_proxy, redis_server, then
 ):
     fake, one, two = await two_replicas(start_backend, start_proxy, redis_server)
     path = "/v1/chat/completions"
     with trio.fail_after(20):
         before = await begin(one.url + path, 5)
-        response = await resume(two.url + path, ids_of(before)[-1])
+        response = await resume(two.url + path, ids_of(before)[-1], h2c=then == "h2c")
     assert response.status_code == 200
+    assert response.http_version == ("HTTP/2" if then == "h2c" else "HTTP/1.1")
     assert response.headers["content-type"].startswith("text/event-stream")
     after = events_of(response)
     events = before + after
