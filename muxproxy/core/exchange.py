@@ -75,7 +75,24 @@ from .upload import Upload
 if TYPE_CHECKING:
     from .replay import ReplayExchange
 
-__all__ = ["VIA", "Exchange", "Phase", "RequestPhase"]
+__all__ = ["VIA", "Exchange", "Phase", "RequestPhase", "Survival"]
+
+
+@attrs.define(eq=False)
+class Survival:
+    """What a stream keeps to outlive its client (resume) or its backend (continuation)."""
+
+    backend_head: ResponseHead | None = None
+    """The backend's response head, as it came (a resumed client's head is made from it)."""
+    resumable: Resumable | None = None
+    """The kept events of a resumable SSE response (``resume.py``)."""
+    stamper: EventStamper | None = None
+    """Numbers the events of a resumable response (``sseids.py``)."""
+    answer: AnswerSoFar | None = None
+    """The chat answer relayed so far, on a ``continue_on_failure`` route
+    (``continuation.py``)."""
+    continuations: int = 0
+
 
 _I = ExchangeInput
 _T = ExchangeTimer
@@ -128,18 +145,28 @@ class Exchange:
         """Budgets and queue wait, in a group that has either (``admit.py``)."""
         self.usage: UsageScan | None = None
         """The response's completion tokens, for a token budget (``admit.py``)."""
-        self.backend_head: ResponseHead | None = None
-        """The backend's response head, as it came (a resumed client's head is made from it)."""
-        self.resumable: Resumable | None = None
-        """The kept events of a resumable SSE response (``resume.py``)."""
-        self.stamper: EventStamper | None = None
-        """Numbers the events of a resumable response (``sseids.py``)."""
-        self.answer: AnswerSoFar | None = None
-        """The chat answer relayed so far, on a ``continue_on_failure`` route
-        (``continuation.py``)."""
-        self.continuations = 0
-        self.keeping = False
-        """``answer`` or ``stamper`` is set: ``response_body`` hands its chunks to ``_keep``."""
+        self.survival: Survival | None = None
+        """On a route with ``resume`` or ``continue_on_failure``: what the stream keeps to
+        outlive its client or its backend (one attribute, so that an exchange keeps few enough
+        for CPython's shared-key instance dicts: its attributes are on the per-token path)."""
+
+    @property
+    def resumable(self) -> Resumable | None:
+        return self.survival.resumable if self.survival is not None else None
+
+    @property
+    def stamper(self) -> EventStamper | None:
+        return self.survival.stamper if self.survival is not None else None
+
+    @property
+    def answer(self) -> AnswerSoFar | None:
+        return self.survival.answer if self.survival is not None else None
+
+    def _survival(self) -> Survival:
+        survival = self.survival
+        if survival is None:
+            survival = self.survival = Survival()
+        return survival
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
@@ -447,7 +474,8 @@ class Exchange:
             self._retry_or_fail(condition, f"backend answered {status}")
             return
         failover.succeeded()
-        self.backend_head = head
+        if route.resume is not None:
+            self._survival().backend_head = head
         self.status = status
         self.head_at = fx.now
         self.host.measurements.group(group.name).response_head.observe(fx.now - self.started)
@@ -513,8 +541,7 @@ class Exchange:
         document = parse_json_body(upload.body.prefix())
         if wants_continuation(self.head.target, document):
             assert isinstance(document, dict)
-            self.answer = AnswerSoFar(document)
-            self.keeping = True
+            self._survival().answer = AnswerSoFar(document)
 
     def _continue(self, reason: str) -> bool:
         """The backend failed mid-answer: ask the next server to finish it. False: it cannot
@@ -546,7 +573,7 @@ class Exchange:
             self, self.host.pool, Splicer(answer), (self.head.target, fields, body)
         )
         self.upstream = stream
-        self.continuations += 1
+        self._survival().continuations += 1
         failover.user = stream
         try:
             failover.attempt()
@@ -562,18 +589,18 @@ class Exchange:
 
     def _open_resume(self, settings: Resume) -> bytes:
         """Make the response resumable; returns its token (``RESUME_TOKEN``)."""
-        group, head, backend_head = self.group, self.head, self.backend_head
+        survival = self._survival()
+        group, head, backend_head = self.group, self.head, survival.backend_head
         assert group is not None and backend_head is not None
         session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        stream = self.resumable = self.host.resumes.open(
+        stream = survival.resumable = self.host.resumes.open(
             settings,
             credential_of(head.headers, session_key),
             backend_head,
             self.upstream_version or "1.1",
             self,
         )
-        self.stamper = EventStamper(stream.token, limit=settings.window)
-        self.keeping = True
+        survival.stamper = EventStamper(stream.token, limit=settings.window)
         return stream.token
 
     def _keep(self, data: bytes) -> bytes:
@@ -600,8 +627,8 @@ class Exchange:
             store.publish(stream, events)
         if not stamper.stamping:
             # The backend's own ids (its resume is its own), or an event over the window.
-            self.stamper = self.resumable = None
-            self.keeping = self.answer is not None
+            assert self.survival is not None
+            self.survival.stamper = self.survival.resumable = None
             if stream.reader is None and stream.attached:
                 self.host.resumes.forget(stream)
             else:
@@ -707,7 +734,7 @@ class Exchange:
         heartbeat = self.heartbeat
         if heartbeat is not None:
             heartbeat.boundary.feed(data)
-        if self.keeping:  # a resumable or continuable answer: one test on the per-token path
+        if self.survival is not None:  # resume or continuation: one test on the per-token path
             data = self._keep(data)
             if not data:
                 return
