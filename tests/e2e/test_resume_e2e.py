@@ -178,3 +178,24 @@ async def test_a_client_that_never_returns_stops_the_generation_after_linger(
     # Cut once ``linger`` passed, not at once and not after 10,000 tokens (100 s).
     assert 0.4 <= trio.current_time() - started < 10
     assert fake.streams_completed == 0
+
+
+async def test_linger_runs_on_the_proxy_clock_a_mock_clock_jumps_through_it(
+    start_backend, start_proxy, autojump_clock
+):
+    """The default ``linger`` (30 s) on Trio's ``MockClock``: the generation of a client that
+    never returns is cut once the proxy's clock passed it, not before, and without the test
+    waiting 30 real seconds."""
+    fake, port = await start_backend(tokens=100_000, delay=0.05)
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+    route = Route(prefix="/", upstream="default", resume=Resume())
+    proxy = await start_proxy(config=attrs.evolve(config, routes=(route,)))
+    with trio.fail_after(120):
+        async with httpx.AsyncClient() as client:
+            request = {**REQUEST, "max_tokens": 100_000}
+            async with client.stream("POST", proxy.url + "/v1/chat/completions", json=request) as r:
+                await read_events(r, limit=2)
+        left = trio.current_time()
+        await fake.wait_until(lambda: fake.disconnects >= 1)
+    assert Resume().linger <= trio.current_time() - left < Resume().linger + 5
+    assert fake.streams_completed == 0
