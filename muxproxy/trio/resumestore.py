@@ -3,19 +3,20 @@
 What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`` and
 ``core/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
 
-- **Layout.** Per stream token two keys: ``muxproxy:resume:<token>:events``, a Redis Stream
+- **Layout.** Per stream token two keys: ``muxproxy:resume:{<token>}:events``, a Redis Stream
   whose entry ids are ``0-<seq>`` (``XADD`` with explicit ids, so an entry's id *is* its
   event number and a resume reads ``XRANGE 0-<after+1> +``), trimmed with ``XTRIM MINID
   0-<first_seq>`` to what the owner's own window holds (so Redis holds as many bytes per
-  stream as the owner does); and ``muxproxy:resume:<token>:meta``, a hash: ``credential``
+  stream as the owner does); and ``muxproxy:resume:{<token>}:meta``, a hash: ``credential``
   (``resume.credential_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
   strings), ``version``, ``state`` (``live``, ``ended``, ``broken``), ``first`` and ``last``
   (the seqs the stream holds). One append is one ``MULTI``/``EXEC``: events and meta change
-  together, so a reader that sees ``state = ended`` finds every event in the stream.
+  together, so a reader that sees ``state = ended`` finds every event in the stream. The
+  token is in braces, a Redis Cluster hash tag, so that a stream's keys share one slot.
 - **Expiry.** While live both keys expire ``linger + LIVE_MARGIN`` seconds after the last
   append (a dead owner's keys go away by themselves); at the end, ``linger`` seconds after it.
 - **Remote readers.** A fetch that follows a live stream marks
-  ``muxproxy:resume:<token>:reader`` (``SET ... PX READER_TTL_MS``, renewed as it goes);
+  ``muxproxy:resume:{<token>}:reader`` (``SET ... PX READER_TTL_MS``, renewed as it goes);
   an owner whose linger expired asks for that mark (``ResumeProbe``, ``EXISTS``) before it
   ends the backend, so a client resumed elsewhere keeps the generation running.
 - **Never block the core.** Appends go through a bounded queue to one task per store; a full
@@ -77,7 +78,7 @@ owner sends it to its client before its append reaches Redis) before calling it 
 RECONNECT_DELAY = 1.0
 """Seconds before a store client that failed as a whole is made again."""
 READER_TTL_MS = 5000
-"""How long a fetch's mark on ``muxproxy:resume:<token>:reader`` lasts; it renews it at least
+"""How long a fetch's mark on ``muxproxy:resume:{<token>}:reader`` lasts; it renews it at least
 every ``BLOCK_MS`` (and every second while its client is behind), so an owner whose linger
 expires (``ResumeProbe``) sees a reader that follows the stream from another process."""
 READER_RENEW = 1.0
@@ -90,15 +91,15 @@ _LIVE, _ENDED, _BROKEN = b"live", b"ended", b"broken"
 
 
 def events_key(token: bytes) -> bytes:
-    return b"muxproxy:resume:%s:events" % token
+    return b"muxproxy:resume:{%s}:events" % token
 
 
 def meta_key(token: bytes) -> bytes:
-    return b"muxproxy:resume:%s:meta" % token
+    return b"muxproxy:resume:{%s}:meta" % token
 
 
 def reader_key(token: bytes) -> bytes:
-    return b"muxproxy:resume:%s:reader" % token
+    return b"muxproxy:resume:{%s}:reader" % token
 
 
 def _entry_id(seq: int) -> str:
