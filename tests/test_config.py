@@ -35,6 +35,13 @@ from muxproxy.config import (
     parse_quick_config,
     quick_config,
 )
+from muxproxy.config.storeurl import SentinelStore, parse_sentinel
+
+STORE_EXPECTED = (
+    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS),'
+    ' or a Sentinel URL such as "redis+sentinel://127.0.0.1:26379/mymaster/0";'
+    " Cluster stores are not supported"
+)
 
 MINIMAL = """\
 [[listeners]]
@@ -530,18 +537,61 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             (
                 ("routes",),
                 [{"prefix": "/", "upstream": "gpus", "resume": {"store": store}}],
-                'routes[0].resume.store: expected a Redis URL such as "redis://127.0.0.1:6379/0"'
-                ' (or "rediss://" for TLS); Sentinel and Cluster stores are not supported,'
-                f" got {store!r}",
+                f"routes[0].resume.store: {STORE_EXPECTED}, got {store!r}",
             )
             for store in (
-                "redis+sentinel://10.0.0.1:26379/mymaster",
                 "redis-cluster://10.0.0.1:7000",
                 "http://127.0.0.1:6379",
                 "redis://",
                 "redis://127.0.0.1:6379/x",
                 "redis://127.0.0.1:99999/0",
                 "redis://127.0.0.1:6379/0?protocol=3",
+            )
+        ),
+        *(
+            (
+                ("routes",),
+                [{"prefix": "/", "upstream": "gpus", "resume": {"store": store}}],
+                f"routes[0].resume.store: {STORE_EXPECTED}: {why}, got {store!r}",
+            )
+            for store, why in (
+                ("redis+sentinel://", "expected host:port for each Sentinel, got ''"),
+                (
+                    "redis+sentinel://10.0.0.1/mymaster",
+                    "expected host:port for each Sentinel, got '10.0.0.1'",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379,:26380/mymaster",
+                    "expected host:port for each Sentinel, got ':26380'",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:99999/mymaster",
+                    "expected host:port for each Sentinel, got '10.0.0.1:99999'",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379",
+                    "the service name (as in sentinel monitor) is missing",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379/",
+                    "the service name (as in sentinel monitor) is missing",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379/mymaster/x",
+                    "the db must be an integer, got 'x'",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379/mymaster/0/1",
+                    "the db must be an integer, got '0/1'",
+                ),
+                (
+                    "redis+sentinel://10.0.0.1:26379/mymaster?db=1",
+                    "no query or fragment is taken",
+                ),
+                (
+                    "rediss+sentinel://10.0.0.1:26379/mymaster",
+                    "TLS to Sentinel (rediss+sentinel://) is not supported",
+                ),
             )
         ),
     ],
@@ -1549,6 +1599,21 @@ def test_unreadable_tls_file_is_named(tmp_path: Path) -> None:
     ]
 
 
+SENTINEL_STORES = (
+    "redis+sentinel://10.0.0.1:26379/mymaster",
+    "redis+sentinel://10.0.0.1:26379,10.0.0.2:26380,[::1]:26381/cache/3",
+    "redis+sentinel://:pw@sentinel.example:26379/mymaster/0",
+)
+
+
+def test_sentinel_store_urls_are_read_into_their_parts() -> None:
+    assert [parse_sentinel(store) for store in SENTINEL_STORES] == [
+        SentinelStore((("10.0.0.1", 26379),), "mymaster"),
+        SentinelStore((("10.0.0.1", 26379), ("10.0.0.2", 26380), ("::1", 26381)), "cache", db=3),
+        SentinelStore((("sentinel.example", 26379),), "mymaster", db=0, password="pw"),
+    ]
+
+
 def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
     data = valid()
     data["routes"] = [
@@ -1557,6 +1622,10 @@ def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
         {"prefix": "/c/", "upstream": "gpus", "resume": {"window": 8192}},
         {"prefix": "/d/", "upstream": "gpus", "resume": {"store": "redis://10.0.0.5:6379/2"}},
         {"prefix": "/e/", "upstream": "gpus", "resume": {"store": "rediss://:pw@cache"}},
+        *(
+            {"prefix": f"/s{n}/", "upstream": "gpus", "resume": {"store": store}}
+            for n, store in enumerate(SENTINEL_STORES)
+        ),
     ]
     routes = parse_config(data).routes
     assert [r.resume for r in routes] == [
@@ -1565,5 +1634,6 @@ def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
         Resume(window=8192),
         Resume(store="redis://10.0.0.5:6379/2"),
         Resume(store="rediss://:pw@cache"),
+        *(Resume(store=store) for store in SENTINEL_STORES),
     ]
     assert Resume().window == 256 * 1024 and Resume().linger == 30.0

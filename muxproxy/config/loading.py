@@ -29,6 +29,7 @@ from .records import (
     Upstream,
     quick_config,
 )
+from .storeurl import is_sentinel, parse_sentinel
 from .tls import tls_pair_problems
 from .upstreams import upstream
 
@@ -232,16 +233,32 @@ _RESUME_MIN_WINDOW = 4096
 
 _STORE_SCHEMES = ("redis", "rediss")
 _STORE_EXPECTED = (
-    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS);'
-    " Sentinel and Cluster stores are not supported"
+    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS),'
+    ' or a Sentinel URL such as "redis+sentinel://127.0.0.1:26379/mymaster/0";'
+    " Cluster stores are not supported"
 )
 
 
 def _store(check: Checker, value: Any, path: str) -> str | None:
     """``redis://host[:port][/db]`` or ``rediss://``: where streams are shared across workers
-    and replicas (``docs/resume.md``). A password may be given as ``redis://:pw@host``."""
+    and replicas (``docs/resume.md``). A password may be given as ``redis://:pw@host``. Or
+    Sentinel: ``redis+sentinel://host:port[,host:port...]/service[/db]`` (:mod:`.storeurl`)."""
     if not isinstance(value, str):
         check.add(path, f"{_STORE_EXPECTED}, got {describe(value)}")
+        return None
+    if is_sentinel(value):
+        try:
+            parse_sentinel(value)
+        except ValueError as error:
+            check.add(path, f"{_STORE_EXPECTED}: {error}, got {value!r}")
+            return None
+        return value
+    if value.startswith("rediss+sentinel://"):
+        check.add(
+            path,
+            f"{_STORE_EXPECTED}: TLS to Sentinel (rediss+sentinel://) is not supported,"
+            f" got {value!r}",
+        )
         return None
     try:
         url = urllib.parse.urlsplit(value)

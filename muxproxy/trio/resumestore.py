@@ -23,6 +23,9 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   queue or a failed write drops the append, counted (``ProxyCore.resumes.store_errors``,
   ``muxproxy_resume_store_errors_total``) and logged at most once per ``LOG_EVERY`` seconds.
   ``coredis`` connects again by itself when Redis is back.
+- **Sentinel.** A ``redis+sentinel://`` store (``config/storeurl.py``) is the primary that its
+  Sentinels name for the service (``coredis.Sentinel(...).primary_for``); coredis asks them
+  for it at each new connection, so after a failover the store follows the primary.
 - **A fetch** (a resume of a token not held here) checks the credential against the meta
   hash (``hmac.compare_digest``; a mismatch is ``unknown``, as a missing stream), then feeds
   ``ResumeFetched`` batches of at most ``BATCH`` events, waiting after each for the core's
@@ -38,14 +41,18 @@ from __future__ import annotations
 import hmac
 import json
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import coredis
 import trio
+from coredis.connection import TCPLocation
 from coredis.exceptions import ConnectionError as StoreConnectionError
 from coredis.exceptions import RedisError
 from coredis.tokens import PureToken
 
+from ..config.storeurl import is_sentinel, parse_sentinel
 from ..core.commands import (
     Log,
     ResumeAppend,
@@ -147,8 +154,7 @@ class _Store:
             await trio.sleep(RECONNECT_DELAY)
 
     async def _serve(self) -> None:
-        client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url, verify_version=False)
-        async with client:
+        async with _client_of(self.url) as client:
             self.client = client
             self.ready.set()
             async for command in self.receive:
@@ -197,6 +203,22 @@ class _Store:
             fields["unlogged_before"] = str(self.unlogged)
         self.unlogged = 0
         self.stores.driver._log(Log(event="resume_store_error", fields=fields))
+
+
+@asynccontextmanager
+async def _client_of(url: str) -> AsyncIterator[coredis.Redis[bytes]]:
+    """A client of ``url``: ``redis://`` or ``rediss://`` as it is, ``redis+sentinel://``
+    through ``coredis.Sentinel`` (the primary it names, found again when it fails over)."""
+    if not is_sentinel(url):
+        async with coredis.Redis.from_url(url, verify_version=False) as client:
+            yield client
+        return
+    parts = parse_sentinel(url)
+    sentinel = coredis.Sentinel([TCPLocation(host, port) for host, port in parts.sentinels])
+    async with sentinel:
+        primary = sentinel.primary_for(parts.service, db=parts.db, password=parts.password)
+        async with primary:
+            yield primary
 
 
 def _redacted(url: str) -> str:
