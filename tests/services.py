@@ -1,7 +1,8 @@
 """Real services for tests: a ``redis-server`` process and a headless Chromium.
 
 Registered by ``tests/conftest.py`` (``pytest_plugins``); fixtures ``redis_server``,
-``chromium`` (one browser for the session) and ``browser_page`` (a fresh page per test).
+``redis_sentinel`` (a Sentinel of that server), ``chromium`` (one browser for the session)
+and ``browser_page`` (a fresh page per test).
 
 They obey the suite's rules for peers: real processes on 127.0.0.1, readiness known by an
 event, never by a wait of a fixed length, and a missing tool fails the test that needs it, with
@@ -13,7 +14,9 @@ run with ``--supervised systemd`` and a ``NOTIFY_SOCKET`` of ours: Redis sends `
 that datagram socket once it accepts connections (sd_notify(3)), so the fixture waits on a
 message, racing the process's exit (a taken port), under ``fail_after``. Tests may ``kill()``
 it mid-test (SIGKILL: the port is closed when ``kill()`` returns) and ``restart()`` it on the
-same port.
+same port. A ``redis_sentinel`` is the same process started as ``redis-server <conf>
+--sentinel`` with a configuration file of its own (Sentinel rewrites it), ready once it names
+the primary it monitors (``SENTINEL get-master-addr-by-name``).
 
 Chromium. Playwright's API runs on asyncio, which cannot share a thread with Trio, so one
 asyncio loop runs in a thread of its own for the whole session and holds the browser (Debian's
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
+import coredis
 import pytest
 import trio
 
@@ -49,6 +53,8 @@ INSTALL_HINT = "run scripts/test, which installs it (or apt-get install {package
 REDIS_SERVER = "redis-server"
 REDIS_START_TIMEOUT = 10.0
 """Seconds for ``redis-server`` to accept connections (it takes milliseconds; a busy box)."""
+SENTINEL_SERVICE = "mymaster"
+"""The name a ``redis_sentinel`` monitors its primary by (``sentinel monitor``)."""
 REDIS_STOP_TIMEOUT = 10.0
 """Seconds for a SIGKILLed ``redis-server`` to be reaped."""
 PORT_ATTEMPTS = 5
@@ -80,10 +86,15 @@ class RedisServer:
     port: int
     directory: Path
     """Its working directory: the notify socket and ``redis.log`` (its stdout and stderr)."""
+    sentinel_of: int | None = None
+    """For a Sentinel (``redis-server <conf> --sentinel``): the port of the primary it monitors
+    as :data:`SENTINEL_SERVICE`."""
     _process: trio.Process | None = None
 
     @property
     def url(self) -> str:
+        if self.sentinel_of is not None:
+            return f"redis+sentinel://127.0.0.1:{self.port}/{SENTINEL_SERVICE}"
         return f"redis://127.0.0.1:{self.port}"
 
     @property
@@ -95,13 +106,14 @@ class RedisServer:
         return None if self._process is None else self._process.pid
 
     @classmethod
-    async def start(cls, directory: Path) -> RedisServer:
-        """A server on a free port, once it accepts connections.
+    async def start(cls, directory: Path, sentinel_of: int | None = None) -> RedisServer:
+        """A server on a free port, once it accepts connections (a Sentinel of the primary on
+        port ``sentinel_of``, once it names that primary).
 
         Raises :class:`RedisStartError` if it exits before that on every port tried.
         """
         for attempt in range(PORT_ATTEMPTS):
-            server = cls(port=_free_port(), directory=directory)
+            server = cls(port=_free_port(), directory=directory, sentinel_of=sentinel_of)
             try:
                 await server.restart()
             except RedisStartError as error:
@@ -130,7 +142,22 @@ class RedisServer:
         (the port was taken meanwhile).
         """
         await self.kill()
-        self._process = await _launch_redis(self.port, self.directory)
+        if self.sentinel_of is None:
+            self._process = await _launch_redis(self.port, self.directory)
+            return
+        # Sentinel rewrites its configuration file (its id, what it learns): ours, writable.
+        conf = self.directory / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\n"
+            f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {self.sentinel_of} 1\n"
+            f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
+        )
+        self._process = await _launch_redis(self.port, self.directory, sentinel_conf=conf)
+        try:
+            await _expect_primary(self.port, self.sentinel_of)
+        except BaseException:
+            await self.kill()
+            raise
 
 
 def _free_port() -> int:
@@ -140,13 +167,16 @@ def _free_port() -> int:
         return port
 
 
-async def _launch_redis(port: int, directory: Path) -> trio.Process:
+async def _launch_redis(
+    port: int, directory: Path, *, sentinel_conf: Path | None = None
+) -> trio.Process:
     notify_path = directory / "notify"
     notify_path.unlink(missing_ok=True)
     log_path = directory / "redis.log"
     log_start = log_path.stat().st_size if log_path.exists() else 0
+    sentinel = [] if sentinel_conf is None else [str(sentinel_conf), "--sentinel"]
     command = [
-        REDIS_SERVER,
+        REDIS_SERVER, *sentinel,
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
@@ -213,6 +243,21 @@ async def _expect_pong(port: int) -> None:
                 assert chunk, f"redis-server on port {port} closed the connection at PING"
                 reply += chunk
     assert reply == b"+PONG\r\n", f"redis-server on port {port} answered PING with {reply!r}"
+
+
+async def _expect_primary(port: int, primary_port: int) -> None:
+    """Until the Sentinel on ``port`` answers ``SENTINEL get-master-addr-by-name`` with the
+    primary (it knows it from its configuration: at once, but asked, not assumed)."""
+    with trio.fail_after(REDIS_START_TIMEOUT):
+        async with coredis.Redis(
+            "127.0.0.1", port, decode_responses=True, verify_version=False
+        ) as client:
+            while True:
+                answer = await client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+                if answer is not None:
+                    break
+                await trio.sleep(0.01)
+    assert answer == ("127.0.0.1", primary_port), f"Sentinel on port {port} names {answer!r}"
 
 
 @pytest.fixture
@@ -377,3 +422,19 @@ async def browser_page(chromium: Chromium) -> AsyncIterator[BrowserPage]:
     finally:
         with trio.CancelScope(shield=True):
             await page.close()
+
+
+@pytest.fixture
+async def redis_sentinel(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[RedisServer]:
+    """A Redis Sentinel monitoring ``redis_server`` as :data:`SENTINEL_SERVICE`, killed at the
+    test's end; its ``url`` is the ``redis+sentinel://`` store URL. Fails when none is
+    installed (as ``redis_server``)."""
+    sentinel = await RedisServer.start(
+        tmp_path_factory.mktemp("sentinel"), sentinel_of=redis_server.port
+    )
+    try:
+        yield sentinel
+    finally:
+        await sentinel.kill()

@@ -25,10 +25,12 @@ from tests.e2e.test_resume_e2e import REQUEST, TOKENS, content_of, ids_of, read_
 SSE = {"Accept": "text/event-stream"}
 
 
-async def two_replicas(start_backend, start_proxy, redis_server, *, delay=0.01, linger=30.0):  # type: ignore[no-untyped-def]
+async def two_replicas(
+    start_backend, start_proxy, redis_server, *, delay=0.01, linger=30.0, store=None
+):  # type: ignore[no-untyped-def]
     fake, port = await start_backend(tokens=TOKENS, delay=delay)
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
-    resume = Resume(store=redis_server.url + "/0", linger=linger)
+    resume = Resume(store=store or redis_server.url + "/0", linger=linger)
     route = Route(prefix="/", upstream="default", resume=resume)
     config = attrs.evolve(config, routes=(route,))
     one = await start_proxy(config=config)
@@ -88,6 +90,32 @@ async def test_a_stream_cut_on_one_replica_is_resumed_on_another(
     assert content_of(events) == reply_text(TOKENS)
     assert events[-1].startswith("data: [DONE]")
     assert fake.streams_started == 1  # one generation, never a second
+    assert two.server.core.resumes.resumed == 1
+    assert one.server.core.resumes.resumed == 0
+    assert one.server.core.resumes.store_errors == two.server.core.resumes.store_errors == 0
+
+
+async def test_a_stream_cut_on_one_replica_is_resumed_on_another_through_sentinel(
+    start_backend, start_proxy, redis_server, redis_sentinel
+):
+    """``redis+sentinel://``: both replicas find the primary through the Sentinel, and the
+    stream (read back from that primary, by its own URL) is there."""
+    store = redis_sentinel.url
+    assert store == f"redis+sentinel://127.0.0.1:{redis_sentinel.port}/mymaster"
+    fake, one, two = await two_replicas(start_backend, start_proxy, redis_server, store=store)
+    path = "/v1/chat/completions"
+    with trio.fail_after(20):
+        before = await begin(one.url + path, 5)
+        response = await resume(two.url + path, ids_of(before)[-1])
+        token = ids_of(before)[0].split(".")[0]
+        await wait_state(redis_server.url, token, b"ended")
+    assert response.status_code == 200
+    after = events_of(response)
+    events = before + after
+    assert ids_of(events) == [f"{token}.{n}" for n in range(1, len(events) + 1)]
+    assert content_of(events) == reply_text(TOKENS)
+    assert events[-1].startswith("data: [DONE]")
+    assert fake.streams_started == 1
     assert two.server.core.resumes.resumed == 1
     assert one.server.core.resumes.resumed == 0
     assert one.server.core.resumes.store_errors == two.server.core.resumes.store_errors == 0
