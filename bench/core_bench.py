@@ -28,8 +28,8 @@ checks with real peers (h11 / h2) that the client gets exactly the backend's eve
 
 ``--h11 mypyc`` makes ``import h11`` resolve to ``h11_mypyc`` (the compiled fork on PyPI, which
 installs under that name beside ``h11``) for this process, before muxproxy is imported.
-``--profile`` runs the ``h1-h1`` loop under cProfile and prints the top functions by own time
-and the own time summed by layer.
+``--profile`` runs the loop of the first case (``--cases``; ``h1-h1`` first by default)
+under cProfile and prints the top functions by own time and the own time summed by layer.
 
     . .venv/bin/activate
     python bench/core_bench.py                       # markdown table
@@ -285,8 +285,8 @@ def layer(filename: str, name: str) -> str:
     return "other Python"
 
 
-def profile(events: int, top: int) -> None:
-    _, _, loop = relay("h1-h1", events, keep=False)
+def profile(events: int, top: int, case: str = "h1-h1") -> None:
+    _, _, loop = relay(case, events, keep=False)
     profiler = cProfile.Profile()
     profiler.enable()
     loop()
@@ -308,7 +308,7 @@ def profile(events: int, top: int) -> None:
         for (caller_file, _, caller_name), timing in callers.items():
             layers[layer(caller_file, caller_name)] += timing[2]
     entries.sort(reverse=True)
-    print(f"\ncProfile of h1-h1, {events} events, top {top} by tottime (own time):\n")
+    print(f"\ncProfile of {case}, {events} events, top {top} by tottime (own time):\n")
     print("| tottime µs/event | % | calls/event | function |")
     print("|---:|---:|---:|---|")
     for tottime, calls, where, _ in entries[:top]:
@@ -333,7 +333,9 @@ def main() -> None:
         default="installed",
         help="installed: whatever `import h11` finds; mypyc: alias h11_mypyc as h11",
     )
-    parser.add_argument("--profile", action="store_true", help="cProfile the h1-h1 loop")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the loop of the first --cases case"
+    )
     parser.add_argument("--top", type=int, default=15, help="functions shown by --profile")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args()
@@ -355,7 +357,7 @@ def main() -> None:
         for case, s in results.items():
             print(f"| {case} | {statistics.median(s):.2f} | {min(s):.2f} | {max(s):.2f} |")
     if args.profile:
-        profile(args.events, args.top)
+        profile(args.events, args.top, cases[0] if cases else "h1-h1")
 
 
 if __name__ == "__main__":
