@@ -10,13 +10,14 @@ order, while the backend generated the answer once.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
 from hypercorn.trio import serve as hypercorn_serve
-from services import BrowserPage
+from services import BrowserPage, lifespan
 
 from muxproxy.config import Resume, Route, quick_config
 from muxproxy.testing.fakellm import hypercorn_config
@@ -56,9 +57,7 @@ class ChatApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         if scope["path"] == "/v1/stream":
             self.streams.append({k.decode(): v.decode() for k, v in scope["headers"]})
@@ -112,11 +111,17 @@ class Relay:
                     seen = (seen + data)[-4096:]
                     if self.cuts == 0 and CUT_AFTER in seen:
                         self.cuts += 1
-                        nursery.cancel_scope.cancel()  # both sockets close on the way out
-                        return
+                        return  # both sockets close on the way out
 
-            nursery.start_soon(upstream)
-            nursery.start_soon(downstream)
+            async def pump(direction: Any) -> None:
+                # Either peer may reset its side (Chromium resets idle keep-alive
+                # connections): that ends this connection, not the relay.
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await direction()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(pump, upstream)
+            nursery.start_soon(pump, downstream)
 
 
 async def test_event_source_reconnects_through_a_cut_and_gets_every_token_once(
