@@ -278,6 +278,13 @@ async def redis_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
 # --- Chromium ----------------------------------------------------------------------------------
 
 
+async def lifespan(receive: Any, send: Any) -> None:
+    """The ASGI lifespan protocol for a test's Hypercorn app: start, then shut down."""
+    while (await receive())["type"] == "lifespan.startup":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 class AsyncioThread:
     """An asyncio event loop running in a daemon thread of its own, for Playwright."""
 

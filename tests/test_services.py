@@ -20,7 +20,7 @@ import coredis.exceptions
 import pytest
 import trio
 from hypercorn.trio import serve as hypercorn_serve
-from services import BrowserPage, RedisServer
+from services import BrowserPage, RedisServer, lifespan
 
 from muxproxy.testing.fakellm import hypercorn_config
 
@@ -97,9 +97,7 @@ class SSEApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         assert scope["type"] == "http"
         if scope["path"] == "/events":
