@@ -649,13 +649,10 @@ class Exchange:
     def _linger(self, reason: str) -> None:
         """The client went away from a resumable stream: keep the backend running into the
         kept events for ``linger`` seconds (``ResumeStore.unread``)."""
-        stream, upstream, old = self.resumable, self.upstream, self.client
-        assert stream is not None and upstream is not None
-        old.release(self)
-        self.client = Nobody(old.conn)
+        stream = self.resumable
+        assert stream is not None
+        old = self._hand_to(Nobody(self.client.conn))  # the window bounds what it may send
         stream.attached = False
-        if self.response_flow.resume():
-            upstream.resume()  # nobody to wait for: the window bounds what it may send
         self.host.resumes.unread(stream)
         self.fx.emit(
             Log(
@@ -668,17 +665,14 @@ class Exchange:
     def take_reader(self, reader: ReplayExchange) -> None:
         """``reader`` resumed this stream: from now on the response goes to its client. Its
         first client, or an earlier reader, is cut (it may not know yet that it is gone)."""
-        stream, old, upstream = self.resumable, self.client, self.upstream
+        stream = self.resumable
         assert stream is not None
         previous = stream.reader
-        old.release(self)
+        old = self._hand_to(ResumedClient(reader))  # its connection holds the backend back
         if stream.attached:
             stream.attached = False
             old.abort(self.stream)
             old.exchange_finished(self)
-        if self.response_flow.resume() and upstream is not None:
-            upstream.resume()  # the new reader's connection holds it back from here on
-        self.client = ResumedClient(reader)
         stream.reader = reader
         self.host.resumes.read(stream)
         if previous is not None:
@@ -689,13 +683,19 @@ class Exchange:
         stream = self.resumable
         if stream is None or self.phase is Phase.DONE:
             return
-        self.client.release(self)
-        self.client = Nobody(self.client.conn)
+        self._hand_to(Nobody(self.client.conn))
         stream.reader = None
-        upstream = self.upstream
+        self.host.resumes.unread(stream)
+
+    def _hand_to(self, client: ClientSide) -> ClientSide:
+        """The response goes to ``client`` from now on; a backend the old one held back runs
+        again (the new one holds it as it needs). Returns the old one."""
+        old, upstream = self.client, self.upstream
+        old.release(self)
+        self.client = client
         if self.response_flow.resume() and upstream is not None:
             upstream.resume()
-        self.host.resumes.unread(stream)
+        return old
 
     def let_go(self) -> None:
         """This exchange ends (or fault isolation drops it): a stream it owns keeps its
