@@ -31,6 +31,7 @@ from muxproxy.config import (
     Config,
     ConfigError,
     GroupTimeouts,
+    Route,
     Server,
     Upstream,
     load_config,
@@ -189,7 +190,8 @@ def describe_config(config: Config) -> list[str]:
 
     A group's settings follow it on indented lines: balancing and retries always, stickiness,
     health checks, set headers (names only: values may hold credentials) and timeouts when
-    configured.
+    configured; a route's retries until the first event, resume and continuation follow it
+    in parentheses.
     """
     lines = [
         f"listener {scheme(listener.tls)}://{listener.address}" for listener in config.listeners
@@ -200,7 +202,8 @@ def describe_config(config: Config) -> list[str]:
         lines.append(f"upstream {name}: {count} server{'s' if count != 1 else ''} ({servers})")
         lines.extend(f"  {line}" for line in _describe_group(group))
     for route in config.routes:
-        extra = " (retry until first event)" if route.retry_until_first_event else ""
+        notes = _describe_route(route)
+        extra = f" ({'; '.join(notes)})" if notes else ""
         lines.append(f"route {route.prefix} -> {route.upstream}{extra}")
     log = config.log
     access = "off" if log.access == "off" else f"{log.access} ({log.format})"
@@ -214,6 +217,26 @@ def describe_config(config: Config) -> list[str]:
         state = f", state file {admin.state_file}" if admin.state_file is not None else ""
         lines.append(f"admin http://{admin.address} ({guard}{state})")
     return lines
+
+
+def _describe_route(route: Route) -> list[str]:
+    """What a route does beyond routing: first-event retries, resume, continuation (a store
+    URL without its credentials)."""
+    notes = []
+    if route.retry_until_first_event:
+        notes.append("retry until first event")
+    resume = route.resume
+    if resume is not None:
+        store = "this process"
+        if resume.store is not None:
+            scheme, _, rest = resume.store.partition("://")
+            store = f"{scheme}://{rest.rpartition('@')[2]}"
+        notes.append(
+            f"resume: {resume.window // 1024} KiB of events for {resume.linger:g}s, in {store}"
+        )
+    if route.continue_on_failure:
+        notes.append("continue on failure")
+    return notes
 
 
 def _describe_server(server: Server) -> str:

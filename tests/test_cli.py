@@ -99,6 +99,8 @@ idle = 300
 prefix = "/v1/"
 upstream = "gpus"
 retry_until_first_event = true
+continue_on_failure = true
+resume = { window = "128 KiB", linger = 20, store = "redis://:s3cret@cache:6379/0" }
 
 [timeouts]
 shutdown_grace = 600
@@ -210,7 +212,8 @@ def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
         " down after 2)",
         "    set headers x-chat-id, authorization",
         "    timeouts first_token 120s, idle 300s",
-        "  route /v1/ -> gpus (retry until first event)",
+        "  route /v1/ -> gpus (retry until first event; resume: 128 KiB of events for 20s,"
+        " in redis://cache:6379/0; continue on failure)",
         "  log: access stderr (text), error log level info",
         "  graceful stop: streams get 600s to finish (timeouts.shutdown_grace)",
     ]
