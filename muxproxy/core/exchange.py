@@ -58,7 +58,7 @@ from .effects import Effects
 from .exchange_states import TIMER_INPUTS, TRANSITIONS, ExchangeInput
 from .failover import Failover
 from .flow import Flow
-from .headers import is_event_stream, trailer_fields
+from .headers import header_value, is_event_stream, trailer_fields
 from .heads import VIA, backend_fields, client_head, send_error_answer
 from .intake import MalformedRequest
 from .messages import Fields, Headers, RequestHead, ResponseHead
@@ -510,11 +510,14 @@ class Exchange:
             and self.head.method != b"HEAD"
             and is_event_stream(response.headers)
         )
-        if sse and self.route is not None and self.route.continue_on_failure:
+        # A sized body cannot take the ids of resume nor a continuation's spliced bytes
+        # (RFC 9112 §6.3): those are for streams of unknown length, as SSE backends send.
+        survivable = sse and header_value(response.headers, b"content-length") is None
+        if survivable and self.route is not None and self.route.continue_on_failure:
             self._keep_answer()
         self.upload.body.commit()
         resume = self.route.resume if self.route else None
-        if sse and resume is not None and not self.fx.shutting_down:
+        if survivable and resume is not None and not self.fx.shutting_down:
             token = self._open_resume(resume)
             response.headers.append((RESUME_TOKEN, token))
         self.client.send_head(response)

@@ -395,3 +395,21 @@ def test_a_stream_whose_owner_a_stop_cut_no_longer_names_it() -> None:
     pb.feed(ShutdownRequested(now=pb.now, deadline=pb.now))
     assert not pb.core.exchanges
     assert stream.owner is None and stream.state is State.BROKEN
+
+
+def test_a_sized_event_stream_is_not_numbered() -> None:
+    """Found by fuzzing (fuzz/corpus/backend_h1/crash-resume-sized-body): ids added to an
+    event stream with a Content-Length overran it, and h11 refused the bytes."""
+    pb = Playbook(resume_config())
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb.receive(1, client.request("POST", "/v1/chat/completions", body=b"{}"))
+    up = pb.opens()[0].conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 9\r\n\r\n"
+    pb.receive(up, head + b"data: a\n\n")
+    body = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
+    assert body == b"data: a\n\n"
+    assert pb.core.resumes.streams == {}
