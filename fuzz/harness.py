@@ -45,7 +45,9 @@ this module without atheris.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -156,9 +158,18 @@ RESUME_TOKENS = [bytes([c]) * 22 for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
 ``Last-Event-ID: AAAAAAAAAAAAAAAAAAAAAA.1`` names the case's first stream."""
 
 
-def _deterministic_tokens() -> None:
+_RANDOM_TOKEN = resume.new_token
+
+
+@contextlib.contextmanager
+def _deterministic_tokens() -> Iterator[None]:
+    """For one case; the random tokens come back after it (other code shares the module)."""
     tokens = iter(RESUME_TOKENS)
     resume.new_token = lambda: next(tokens, b"Z" * 22)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        resume.new_token = _RANDOM_TOKEN  # type: ignore[assignment]
 
 
 def run_case(
@@ -168,28 +179,28 @@ def run_case(
     invariant."""
     assert kind in KINDS, kind
     # A bug must crash the case, not be contained as one connection's internal error.
-    _deterministic_tokens()
-    core = ProxyCore(config_for(kind, llm), raise_errors=True)
-    driver = SimDriver(core, answer_backends=kind.startswith("client"))
-    driver.accept(CLIENT)
-    if kind.startswith("client"):
-        driver.stop = stop
-        driver.deliver(CLIENT, data, splits)
-    else:
-        driver.deliver(CLIENT, CLIENT_REQUEST, [])
-        driver.stop = stop
-        if driver.backends:
-            driver.deliver(driver.backends[0], data, splits)
-            # The backend ends: h11's read-until-close framing, a truncation, or (in a
-            # tunnel) one direction's end.
-            driver.end_input(driver.backends[0])
-    driver.request_stop()  # no backend was reached: the stop comes all the same
-    driver.fire_timers()
-    driver.close_everything()
-    driver.fire_timers()
-    check_endings(driver)
-    if stop is not None:
-        assert driver.core.drained, "stopped, every connection closed, yet not drained"
+    with _deterministic_tokens():
+        core = ProxyCore(config_for(kind, llm), raise_errors=True)
+        driver = SimDriver(core, answer_backends=kind.startswith("client"))
+        driver.accept(CLIENT)
+        if kind.startswith("client"):
+            driver.stop = stop
+            driver.deliver(CLIENT, data, splits)
+        else:
+            driver.deliver(CLIENT, CLIENT_REQUEST, [])
+            driver.stop = stop
+            if driver.backends:
+                driver.deliver(driver.backends[0], data, splits)
+                # The backend ends: h11's read-until-close framing, a truncation, or (in a
+                # tunnel) one direction's end.
+                driver.end_input(driver.backends[0])
+        driver.request_stop()  # no backend was reached: the stop comes all the same
+        driver.fire_timers()
+        driver.close_everything()
+        driver.fire_timers()
+        check_endings(driver)
+        if stop is not None:
+            assert driver.core.drained, "stopped, every connection closed, yet not drained"
 
 
 def check_endings(driver: SimDriver) -> None:
