@@ -334,7 +334,9 @@ class H2Server(ResponseSender):
         if sid >= STREAM_ID_DRAIN:
             self.drain(sid)
         if event.stream_ended is not None:
-            return [attrs.evolve(head, end_stream=True), End(stream=sid)]
+            # The request has no body: its ``End`` comes from the ``StreamEnded`` event that
+            # h2 reports right after this one.
+            return [attrs.evolve(head, end_stream=True)]
         return [head]
 
     def _refuse(self, sid: int) -> list[Message]:

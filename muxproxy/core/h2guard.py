@@ -98,7 +98,8 @@ class H2Guard:
             self.exhausted = reason
 
     def response_chunk(self) -> None:
-        self.control_left = min(self.control_budget, self.control_left + CONTROL_REFILL_PER_CHUNK)
+        left = self.control_left + CONTROL_REFILL_PER_CHUNK  # per token: no call to min()
+        self.control_left = left if left < self.control_budget else self.control_budget
 
     def response_completed(self) -> None:
         self.resets_left = min(self.reset_budget, self.resets_left + 1)

@@ -87,11 +87,16 @@ def send_or_queue(
 ) -> Flushed:
     """Send ``data`` on ``stream`` as far as the window allows; queue the rest."""
     if queue.size == 0:
-        # Fast path: the whole chunk fits the window and the frame size.
-        room = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size)
-        if len(data) <= room:
+        if not data:
+            return Flushed.OPEN  # an empty DATA frame would move nothing
+        # Fast path: nothing waits, so the chunk goes out if it fits the window and the frame
+        # size. h2 checks both before it changes any state and raises if either is too
+        # small: asking it first would compute the window twice per token.
+        try:
             conn.send_data(stream, data)
             return Flushed.OPEN
+        except (h2.exceptions.FlowControlError, h2.exceptions.FrameTooLargeError):
+            pass
     queue.chunks.append(data)
     queue.size += len(data)
     return flush_queue(conn, stream, queue)
@@ -160,7 +165,10 @@ class ResponseSender:
             return False
         self.guard.response_chunk()
         try:
-            return self._settle(stream, send_or_queue(self.conn, stream, queue, data))
+            state = send_or_queue(self.conn, stream, queue, data)
+            if state is Flushed.OPEN and not queue.size:
+                return False  # nothing queued, so the stream was not among the blocked ones
+            return self._settle(stream, state)
         except h2.exceptions.StreamClosedError:
             self._closed_by_client(stream)
             return False

@@ -16,7 +16,8 @@ from playbook import H1BackendPeer, Playbook, default_config
 
 from muxproxy.config import Limits
 from muxproxy.core.commands import CloseConnection, SetTimer
-from muxproxy.core.h2 import PREFACE
+from muxproxy.core.h2 import PREFACE, H2Server
+from muxproxy.core.messages import End, RequestHead
 
 PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
 SSE_EVENT = b"data: tok\n\n"
@@ -341,3 +342,22 @@ def test_invalid_preface_on_the_plain_listener_is_goaway_protocol_error(data: by
     client.read()
     assert [g.error_code for g in client.goaways] == [PROTOCOL_ERROR]
     assert 1 in closed(pb) and pb.opens() == []
+
+
+def test_a_request_without_a_body_ends_once() -> None:
+    """h2 reports a HEADERS frame with END_STREAM as ``RequestReceived`` and then
+    ``StreamEnded``: the adapter makes one ``End`` of them, not one for each."""
+    server = H2Server(scheme=b"http")
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    assert server.receive(client.data_to_send()) == []
+    client.receive_data(server.data_to_send())
+    client.send_headers(
+        1,
+        [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")],
+        end_stream=True,
+    )
+    messages = server.receive(client.data_to_send())
+    assert [type(m) for m in messages] == [RequestHead, End]
+    head = messages[0]
+    assert isinstance(head, RequestHead) and head.end_stream and head.stream == 1
