@@ -88,7 +88,9 @@ def h11_in_use() -> str:
     module = h1.h11
     connection = sys.modules[module.__name__ + "._connection"]
     built = "compiled" if str(connection.__file__).endswith(".so") else "pure Python"
-    return f"{module.__name__} {module.__version__} ({built}), core from {Path(h1.__file__).parent}"
+    core = "compiled" if str(h1.__file__).endswith(".so") else "pure Python"
+    where = Path(h1.__file__).parent
+    return f"{module.__name__} {module.__version__} ({built}), core ({core}) from {where}"
 
 
 def sse_event(i: int) -> bytes:

@@ -20,6 +20,9 @@ Modes:
   frame, counted by its length, never parsed;
 - ``request``: sequential ``GET /sse`` requests on one kept-alive connection (2 request fields,
   4 response fields), each answered with a head, one event and the last chunk; per request;
+- ``request-h2``: ``request`` for an h2c client: sequential ``GET /sse`` streams on one
+  connection (after the first, HPACK sends every field as a dynamic-table index, as a kept-alive
+  HTTP/2 client does); the response read frame by frame up to its END_STREAM, never parsed by h2;
 - ``openai``: the same with the request of the OpenAI Python SDK (15 fields, a JSON body) and
   a vLLM-like response head; per request;
 - ``h11-floor``: no proxy, h11 alone doing what any h11-based proxy does for one ``openai``
@@ -47,8 +50,18 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("token", "token-h2", "batch", "request", "openai", "h11-floor", "h11-floor-get")
+MODES = (
+    "token",
+    "token-h2",
+    "batch",
+    "request",
+    "request-h2",
+    "openai",
+    "h11-floor",
+    "h11-floor-get",
+)
 SIZES = {"token": (200, 1200), "token-h2": (200, 1200), "batch": (20, 120), "request": (50, 250)}
+"""Units of the small and the large run of each mode (the others: ``request``'s)."""
 BATCH = 32
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
@@ -108,6 +121,7 @@ async def serve_through_proxy(mode: str, n: int) -> None:
     request, response = (OPENAI, OPENAI_RESPONSE) if mode == "openai" else (GET, GET_RESPONSE)
     # What the backend has of a request once it has all of it (the proxy rewrites the head).
     request_end = OPENAI_BODY if mode == "openai" else b"\r\n\r\n"
+    h2_first, h2_next = h2_request()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(BATCH)
@@ -120,7 +134,7 @@ async def serve_through_proxy(mode: str, n: int) -> None:
             client = socket.create_connection(addresses[0])
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
             client.setblocking(False)
-            client.send(h2_request() if mode == "token-h2" else request)
+            client.send(h2_first if mode in ("token-h2", "request-h2") else request)
             await trio.lowlevel.wait_readable(listener)
             backend, _ = listener.accept()
             backend.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
@@ -138,6 +152,16 @@ async def serve_through_proxy(mode: str, n: int) -> None:
                 await read_until(backend, request_end)
                 backend.send(response + CHUNK + LAST)
                 await read_until(client, LAST)
+        elif mode == "request-h2":
+            client, backend = pairs[0]
+            backend.send(LAST)
+            await read_h2_until_end(client, 1)
+            for i in range(n):
+                sid = 3 + 2 * i
+                client.send(h2_next[:5] + sid.to_bytes(4, "big") + h2_next[9:])
+                await read_until(backend, request_end)
+                backend.send(response + CHUNK + LAST)
+                await read_h2_until_end(client, sid)
         elif mode == "token-h2":
             client, backend = pairs[0]
             frame = 9 + len(EVENT)  # RFC 9113 §4.1: a 9-byte frame header, then the event
@@ -169,9 +193,28 @@ async def serve_through_proxy(mode: str, n: int) -> None:
         nursery.cancel_scope.cancel()
 
 
-def h2_request() -> bytes:
+async def read_h2_until_end(sock: socket.socket, stream: int) -> None:
+    """Read HTTP/2 frames (RFC 9113 §4.1) until one of ``stream`` carries END_STREAM."""
+    import trio
+
+    buf = b""
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        buf += sock.recv(65536)
+        while len(buf) >= 9:
+            end = 9 + int.from_bytes(buf[:3], "big")
+            if len(buf) < end:
+                break
+            kind, flags, sid = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+            buf = buf[end:]
+            if sid == stream and kind in (0, 1) and flags & 0x1:
+                return
+
+
+def h2_request() -> tuple[bytes, bytes]:
     """An h2c client's preface, SETTINGS (the largest initial window), a connection
-    WINDOW_UPDATE to 2**31-1 and the HEADERS of ``GET /sse``, made by the h2 library."""
+    WINDOW_UPDATE to 2**31-1 and the HEADERS of ``GET /sse``, made by the h2 library; and the
+    HEADERS frame of the same request on stream 3, every field then a dynamic-table index."""
     import h2.config
     import h2.connection
     import h2.settings
@@ -182,7 +225,9 @@ def h2_request() -> bytes:
     conn.increment_flow_control_window(2**31 - 1 - 65535)
     headers = [(":method", "GET"), (":path", "/sse"), (":scheme", "http"), (":authority", "x")]
     conn.send_headers(1, [*headers, ("accept", "text/event-stream")], end_stream=True)
-    return conn.data_to_send()
+    first = conn.data_to_send()
+    conn.send_headers(3, [*headers, ("accept", "text/event-stream")], end_stream=True)
+    return first, conn.data_to_send()
 
 
 def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:

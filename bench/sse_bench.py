@@ -26,6 +26,12 @@ Variants (``--variants``, comma-separated, default the first five):
 * ``muxproxy-h1``  HTTP/1.1 client -> muxproxy -> HTTP/1.1 backend
 * ``muxproxy-h2``  h2c client (``--h2-per-conn`` streams per connection) -> muxproxy -> backend
 * ``nginx``        HTTP/1.1 client -> nginx (Debian package, 1 worker, SSE-guide config)
+* ``nginx-h2``     h2c client (prior knowledge) -> the same nginx, ``listen ... http2``
+* ``base-h1``, ``base-h2``: muxproxy from ``--baseline-src`` (another checkout, e.g. a git
+  worktree of the commit before a change), so that before and after run in one session,
+  round robin with ``--repeat``
+* ``haproxy``, ``haproxy-h2``: HTTP/1.1 / h2c client -> HAProxy (Debian package, one thread,
+  ``http-reuse always``, ``option http-no-delay``); not in the default list
 * ``trio-relay``   HTTP/1.1 client -> bench/trio_relay.py (bare byte relay) -> backend
 * ``epoll-relay``  the same relay with ``--epoll``: the floor of muxproxy's reactor design
   (not in the default list)
@@ -77,7 +83,12 @@ VARIANTS = {
     "direct": ("(a) direct", None, "h1"),
     "muxproxy-h1": ("(b) muxproxy h1→h1", "muxproxy", "h1"),
     "muxproxy-h2": ("(c) muxproxy h2→h1", "muxproxy", "h2"),
+    "base-h1": ("(b0) baseline muxproxy h1→h1", "muxproxy-base", "h1"),
+    "base-h2": ("(c0) baseline muxproxy h2→h1", "muxproxy-base", "h2"),
     "nginx": ("(d) nginx h1→h1", "nginx", "h1"),
+    "nginx-h2": ("(d2) nginx h2→h1", "nginx-h2", "h2"),
+    "haproxy": ("(j) HAProxy h1→h1", "haproxy", "h1"),
+    "haproxy-h2": ("(j2) HAProxy h2→h1", "haproxy-h2", "h2"),
     "trio-relay": ("(e) trio-relay", "relay", "h1"),
     "epoll-relay": ("(h) epoll relay", "relay-epoll", "h1"),
 }
@@ -110,7 +121,7 @@ http {{
         keepalive 64;
     }}
     server {{
-        listen {listen} backlog=4096;
+        listen {listen} backlog=4096{http2};
         location / {{
             proxy_pass http://sse_backend;
             proxy_http_version 1.1;
@@ -122,6 +133,27 @@ http {{
         }}
     }}
 }}
+"""
+
+
+HAPROXY_CONF = """\
+global
+    nbthread 1
+    maxconn 20000
+    pidfile {tmp}/haproxy.pid
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+    timeout tunnel 300s
+    option http-no-delay
+frontend sse
+    bind {listen}{proto}
+    default_backend sse_backend
+backend sse_backend
+    http-reuse always
+    server s1 {backend}
 """
 
 
@@ -233,7 +265,7 @@ class Proc:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT if self.name != "nginx" else signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT if self.name == "muxproxy" else signal.SIGTERM)
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -300,6 +332,8 @@ def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
 
 
 MUXPROXY_SRC = ROOT
+BASELINE_SRC = ROOT
+"""The checkout of the ``base-h1`` / ``base-h2`` variants (``--baseline-src``)."""
 """The checkout whose ``muxproxy`` package the muxproxy variants run (``--muxproxy-src``)."""
 TRACE_DIR: Path | None = None
 """``--trace``: muxproxy runs under ``token_trace.py``, which writes its summary here at exit."""
@@ -310,7 +344,8 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     listen = f"127.0.0.1:{port}"
-    if kind == "muxproxy":
+    if kind in ("muxproxy", "muxproxy-base"):
+        src = BASELINE_SRC if kind == "muxproxy-base" else MUXPROXY_SRC
         argv = [sys.executable, "-m", "muxproxy", "serve", "--listen", listen]
         if TRACE_DIR is not None and not workers:
             argv[1:3] = [str(TOKEN_TRACE), "--out", str(TRACE_DIR / f"{tmp.name}.json")]
@@ -318,7 +353,7 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
         if workers:
             argv += ["--workers", str(workers)]
         # ``-m`` puts the working directory first on sys.path: the package of MUXPROXY_SRC runs.
-        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=MUXPROXY_SRC, cpus=PROXY_CPUS)
+        proc = Proc("muxproxy", argv, tmp / "muxproxy.log", port, cwd=src, cpus=PROXY_CPUS)
     elif kind == "relay" or kind.startswith("relay-epoll"):
         argv = [sys.executable, str(RELAY), "--listen", listen, "--upstream", backend]
         if kind != "relay":
@@ -327,7 +362,7 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
             if work_us:
                 argv += ["--work-us", work_us]
         proc = Proc(kind, argv, tmp / f"{tmp.name}.log", port, cpus=PROXY_CPUS)
-    elif kind == "nginx":
+    elif kind in ("nginx", "nginx-h2"):
         ntmp = tmp / "nginx"
         ntmp.mkdir(exist_ok=True)
         for parent in (tmp, tmp.parent):
@@ -338,7 +373,8 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
         for path in [ntmp, *ntmp.iterdir()]:
             path.chmod(0o777)
         conf = ntmp / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(tmp=ntmp, backend=backend, listen=listen))
+        http2 = " http2" if kind == "nginx-h2" else ""
+        conf.write_text(NGINX_CONF.format(tmp=ntmp, backend=backend, listen=listen, http2=http2))
         argv = [
             nginx,
             "-p",
@@ -351,13 +387,19 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
             "daemon off;",
         ]
         proc = Proc("nginx", argv, tmp / "nginx.log", port, cpus=PROXY_CPUS)
+    elif kind in ("haproxy", "haproxy-h2"):
+        conf = tmp / "haproxy.cfg"
+        proto = " proto h2" if kind == "haproxy-h2" else ""
+        conf.write_text(HAPROXY_CONF.format(tmp=tmp, backend=backend, listen=listen, proto=proto))
+        argv = [shutil.which("haproxy") or "/usr/sbin/haproxy", "-db", "-f", str(conf)]
+        proc = Proc("haproxy", argv, tmp / "haproxy.log", port, cpus=PROXY_CPUS)
     else:
         raise ValueError(kind)
     try:
         wait_listening(port, proc.proc)
         # nginx: the master and its worker; muxproxy --workers N: the supervisor, N workers and
         # whatever else they started. All of them are measured as "the proxy".
-        want = 1 if kind == "nginx" else workers
+        want = 1 if kind in ("nginx", "nginx-h2") else workers
         deadline = time.monotonic() + 15
         while len(proc.extra) < want and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -625,7 +667,12 @@ def bench_streams(args: argparse.Namespace, session: Session) -> None:
 
     def client(name: str, streams: int) -> tuple[Path, list[str], float]:
         extra = []
-        if args.profile and variant(name)[1] in ("muxproxy", "relay", "relay-epoll"):
+        if args.profile and variant(name)[1] in (
+            "muxproxy",
+            "muxproxy-base",
+            "relay",
+            "relay-epoll",
+        ):
             out = Path(args.out) / f"pyspy-{name}-{streams}.txt"
             extra = ["--profile-out", str(out), "--py-spy", args.py_spy]
             args.profiles.append(out)
@@ -1155,6 +1202,11 @@ def main() -> None:
         default=ROOT,
         help="run the muxproxy package of this checkout (e.g. a git worktree of an older commit)",
     )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="the checkout of the base-h1 / base-h2 variants (default: --muxproxy-src)",
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument(
         "--profile",
@@ -1183,8 +1235,9 @@ def main() -> None:
     llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
     llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
-    global MUXPROXY_SRC, TRACE_DIR, PROXY_CPUS
+    global MUXPROXY_SRC, BASELINE_SRC, TRACE_DIR, PROXY_CPUS
     MUXPROXY_SRC = args.muxproxy_src.resolve()
+    BASELINE_SRC = args.baseline_src.resolve() if args.baseline_src else MUXPROXY_SRC
     PROXY_CPUS = split_cpus(parser, args.proxy_cpus)
     if args.trace:
         TRACE_DIR = Path(args.out) / dt.datetime.now().strftime("trace-%Y%m%d-%H%M%S")
@@ -1204,7 +1257,10 @@ def main() -> None:
             f"unknown variants {unknown}; choose from {list(VARIANTS)}, muxproxy-h1-wN, "
             "muxproxy-h2-wN (N worker processes) or epoll-relay-Nus (N µs of work per read)"
         )
-    if any(variant(v)[1] == "nginx" for v in args.variants) and not Path(args.nginx).exists():
+    if (
+        any(variant(v)[1] in ("nginx", "nginx-h2") for v in args.variants)
+        and not Path(args.nginx).exists()
+    ):
         parser.error("nginx not found (apt-get install nginx-light), or leave out --variants nginx")
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
