@@ -80,7 +80,7 @@ from muxproxy.core.events import (
     TimerId,
     Wakeup,
 )
-from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.proxy import ProxyCore, raised_by_handle
 
 IO_ERRORS = (OSError, EOFError, asyncio.IncompleteReadError)
 FLUSH_TIME = 2.0
@@ -239,7 +239,7 @@ class AsyncioDriver:
     def _bug(self, exc: Exception) -> None:
         """Stop the driver on ``exc`` with ``raise_errors``, or when it came out of the core
         (which contains its own faults, so one that escapes is a broken invariant)."""
-        if self.core.raise_errors or _from_core(exc):
+        if self.core.raise_errors or raised_by_handle(exc):
             self._crash(exc)
             raise exc
 
@@ -465,19 +465,6 @@ class AsyncioDriver:
         for server in self.servers:
             server.close()
             await server.wait_closed()
-
-
-_HANDLE = ProxyCore.handle.__code__
-
-
-def _from_core(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of ``ProxyCore.handle`` (a broken invariant: stop)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is _HANDLE:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 async def serve(config: Config) -> int:

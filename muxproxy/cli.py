@@ -90,12 +90,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler(args)
 
 
+class _Version(argparse.Action):
+    """``--version``: the version, and whether the compiled build runs (``compiled.py``)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from .compiled import build
+
+        print(f"muxproxy {__version__} ({build()})")
+        parser.exit()
+
+
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="muxproxy",
         description="An HTTP/1.1 + HTTP/2 edge proxy for LLM inference servers.",
     )
-    parser.add_argument("--version", action="version", version=f"muxproxy {__version__}")
+    parser.add_argument("--version", action=_Version, help="the version and the build, and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers: dict[str, argparse.ArgumentParser] = {}
 

@@ -17,6 +17,7 @@ import attrs
 import pytest
 import trio
 
+import muxproxy.compiled
 from muxproxy.config import Config, Limits, Timeouts, quick_config
 from muxproxy.core.proxy import RAISE_ERRORS_ENV
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
@@ -25,6 +26,44 @@ from muxproxy.trio.server import ProxyServer
 os.environ[RAISE_ERRORS_ENV] = "1"
 
 pytest_plugins = ["services"]
+
+EXPECT_COMPILED_ENV = "MUXPROXY_EXPECT_COMPILED"
+"""Set to 1 (CI's second run, after ``scripts/compile --require``): the session fails at once
+unless every module of the compiled build is imported compiled."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "patches_core: replaces a method of a core object to inject a fault or record its "
+        "moves; a compiled class refuses that, so the test runs in the pure-Python build only",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    build = muxproxy.compiled.build()
+    if build == "pure Python":
+        return
+    skip = pytest.mark.skip(
+        reason=f"patches a method of a compiled class ({build} build); runs in the pure build"
+    )
+    for item in items:
+        if item.get_closest_marker("patches_core") is not None:
+            item.add_marker(skip)
+
+
+def pytest_report_header() -> str:
+    return f"muxproxy build: {muxproxy.compiled.build()}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get(EXPECT_COMPILED_ENV) == "1":
+        build = muxproxy.compiled.build()
+        if build != "compiled":
+            raise pytest.UsageError(
+                f"{EXPECT_COMPILED_ENV}=1 but the muxproxy build is {build} "
+                f"(compiled: {muxproxy.compiled.compiled_modules()}); run scripts/compile"
+            )
 
 
 @attrs.define

@@ -18,6 +18,7 @@ import trio.testing
 import trustme
 
 import muxproxy
+import muxproxy.compiled
 from muxproxy.cli import main
 from muxproxy.config import quick_config
 from muxproxy.process import listening_lines
@@ -439,7 +440,8 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"muxproxy {muxproxy.__version__}"
+    build = muxproxy.compiled.build()
+    assert capsys.readouterr().out.strip() == f"muxproxy {muxproxy.__version__} ({build})"
 
 
 def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

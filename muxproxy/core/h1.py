@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import h11
 
@@ -206,7 +207,7 @@ class H1Server:
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return out
             if type(event) is h11.Data:
-                out.append(Body(stream=self.stream, data=bytes(event.data)))
+                out.append(Body(stream=self.stream, data=h11_data(event)))
             elif type(event) is h11.Request:
                 self.method = event.method
                 raw = self.raw_head
@@ -369,6 +370,15 @@ _NAMES = re.compile(rb"(?:%s:)*" % _NAME_SYNTAX)
 """Field names, each followed by ":"."""
 _VALUES = re.compile(rb"(?:%s\x00)*" % _VALUE_SYNTAX)
 """Field values, each followed by NUL."""
+
+
+def h11_data(event: h11.Data) -> bytes:
+    """The body bytes of an h11 ``Data`` event, as ``bytes``.
+
+    h11 declares them ``bytes`` and hands out the ``bytearray`` its buffer was sliced from; the
+    compiled build checks declared types at run time, so the value is read untyped here."""
+    data: Any = event
+    return bytes(data.data)
 
 
 def head_bytes(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import h11
 
 from .chunked import ChunkedDecoder, ChunkedError
-from .h1 import DEFAULT_MAX_HEAD, head_bytes
+from .h1 import DEFAULT_MAX_HEAD, h11_data, head_bytes
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
 
@@ -84,7 +84,7 @@ class H1Client:
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return out
             if type(event) is h11.Data:
-                out.append(Body(stream=stream, data=bytes(event.data)))
+                out.append(Body(stream=stream, data=h11_data(event)))
             elif type(event) is h11.Response:
                 headers = list(event.headers)
                 out.append(ResponseHead(stream=stream, status=event.status_code, headers=headers))

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, assert_never
 
 import attrs
+from mypy_extensions import mypyc_attr
 
 from ..config import Config, Upstream
 from ..config.runtime import RuntimeState
@@ -108,6 +109,30 @@ ADMIT_LOOKAHEAD = 32
 """Waiting requests looked at, in fair order, for one that belongs on a server with room."""
 
 
+_HANDLE_FILE = "muxproxy/core/proxy.py"
+"""``ProxyCore.handle``'s source as its frames name it: the absolute path in pure Python, the
+path relative to the package's parent in the compiled build (whose frames mypyc makes for
+tracebacks only, with no code object of the method to compare against)."""
+
+
+def raised_by_handle(exc: BaseException) -> bool:
+    """Whether ``exc`` (or one in its group) came out of ``ProxyCore.handle``: for a driver,
+    a broken invariant of the core (stop), not a failure of the driver's own code for one
+    connection (abandon that one)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(raised_by_handle(inner) for inner in exc.exceptions)
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "handle" and code.co_filename.replace("\\", "/").endswith(_HANDLE_FILE):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+# The compiled build (``muxproxy/compiled.py``) keeps this class open to Python subclasses: an
+# embedding (and the driver's tests) may script a core by overriding ``handle``.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ProxyCore:
     def __init__(
         self, config: Config, *, read_size: int = READ_SIZE, raise_errors: bool | None = None

@@ -64,10 +64,10 @@ from ..core.events import (
     TimerId,
     Wakeup,
 )
-from ..core.proxy import ProxyCore
+from ..core.proxy import ProxyCore, raised_by_handle
 from . import reactor
 from .logs import drop_access
-from .reactor import Reactor, SocketConn, from_core
+from .reactor import Reactor, SocketConn
 
 if TYPE_CHECKING:
     from .resumestore import ResumeStores
@@ -354,7 +354,7 @@ class Driver:
                     if not conn.closing:
                         nursery.cancel_scope.cancel()
         except Exception as exc:
-            if self.raise_errors or from_core(exc):
+            if self.raise_errors or raised_by_handle(exc):
                 raise
             error = "internal error"
             self.connection_failed(ident, exc, where="connection task")
@@ -534,7 +534,7 @@ class Driver:
                 self.feed(OpenFailed(now=trio.current_time(), conn=ident, reason=reason))
                 return
             except Exception as exc:
-                if self.raise_errors or from_core(exc):
+                if self.raise_errors or raised_by_handle(exc):
                     raise
                 self.connecting.pop(ident, None)
                 if stream is not None:

@@ -16,9 +16,9 @@ Semantics kept from the task-based driver (the core relies on them):
   read (one read of a backend: one ``send`` to its client, however many tokens the read
   held), so a token does not wait for the rest of the round. A connection that another
   socket fed last (the streams of an HTTP/2 client, each from its own backend) is written at
-  the end of the round instead, once for all of them; so is what timers and ``settle``
-  cause. What the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is
-  kept;
+  the end of the round instead, once for all of them, or sooner in a long round, once its
+  first token has waited ``SHARED_WRITE_WAIT``; so is what timers and ``settle`` cause.
+  What the kernel does not take waits for ``EPOLLOUT``, and the order of bytes is kept;
 - ``DataSent`` and ``ConnectionClosed`` are never fed from inside the execution of the core's
   own commands: the driver queues them and feeds them after the batch (``Sink.settle``);
 - ``CloseConnection`` stops reading and flushes what is pending, bounded by the command's
@@ -61,11 +61,12 @@ import os
 import select
 import socket
 from collections.abc import Callable
+from time import perf_counter
 
 import trio
 
 from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
-from ..core.proxy import ProxyCore
+from ..core.proxy import ProxyCore, raised_by_handle
 from .sink import Sink
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
@@ -83,23 +84,13 @@ LINGER_BYTES = 256 * 1024
 MAX_ROUNDS = 4
 """Rounds served per wake-up at most, while each finds sockets ready."""
 
+SHARED_WRITE_WAIT = 0.0002
+"""Seconds the output of a connection several sockets feed (an HTTP/2 client's streams) may
+wait in a round for more of it before it is written: one ``send`` for the tokens of many
+streams, and no token held longer than this plus one socket's work."""
+
 NOTSENT_LOWAT = 16 * 1024
 """Unsent bytes the kernel may hold per socket (as ``trio.SocketStream`` sets it)."""
-
-
-_HANDLE = ProxyCore.handle.__code__
-
-
-def from_core(exc: BaseException) -> bool:
-    """Whether ``exc`` (or one in its group) came out of ``ProxyCore.handle``."""
-    if isinstance(exc, BaseExceptionGroup):
-        return any(from_core(inner) for inner in exc.exceptions)
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is _HANDLE:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def available() -> bool:
@@ -212,7 +203,10 @@ class Reactor:
         self._end_of_round: list[SocketConn] = []
         """Connections that another socket than last time fed: several feed them (the streams
         of an HTTP/2 client), so their output waits for the end of the batch, one send for
-        all (:meth:`write_queued`, from ``Sink.settle``)."""
+        all (:meth:`write_queued`, from ``Sink.settle``), or for ``SHARED_WRITE_WAIT`` in a
+        long round."""
+        self._shared_since = 0.0
+        """When the first of ``_end_of_round`` was queued (``time.perf_counter``)."""
 
     def add(
         self,
@@ -326,6 +320,12 @@ class Reactor:
                         # What this socket's events caused leaves before the next socket is
                         # read: a token does not wait for the other streams' work of the round.
                         self._write_outbox(end_of_round=False)
+                    if (
+                        self._end_of_round
+                        and perf_counter() - self._shared_since >= SHARED_WRITE_WAIT
+                    ):
+                        # A long round: the shared connections' tokens have waited enough.
+                        self._write_outbox()
                 except Exception as exc:
                     self._failed(conn, exc)
         except BaseException:
@@ -343,7 +343,7 @@ class Reactor:
         """Handling ``conn``'s readiness raised: a bug of ours, in the driver's code for it
         (re-raised if it came out of the core, or with ``raise_errors``)."""
         sink = self.sink
-        if sink.raise_errors or from_core(exc):
+        if sink.raise_errors or raised_by_handle(exc):
             raise exc
         sink.connection_failed(conn.ident, exc, where="reactor")
 
@@ -387,6 +387,8 @@ class Reactor:
                 self._outbox.append(conn)
                 waits = serving == 0  # not fed from a ready socket: from a timer, a task
             else:
+                if not self._end_of_round:
+                    self._shared_since = perf_counter()
                 self._end_of_round.append(conn)
                 waits = True
         conn.fed_by = serving

@@ -51,6 +51,15 @@ from muxproxy.core.events import (
     Wakeup,
 )
 from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.timers import (
+    BackendTimer,
+    ClientTimer,
+    CoreTimer,
+    ExchangeTimer,
+    ProbeTimer,
+    ResumeTimer,
+    TimerKind,
+)
 
 BACKEND = "127.0.0.1:9001"
 CHAT = b"/v1/chat/completions"
@@ -240,7 +249,7 @@ def closed(conn: int, error: str | None = None) -> Step:
 
 
 def wakeup(kind: str, ident: int) -> Step:
-    return lambda now: Wakeup(now=now, timer=(kind, ident))
+    return lambda now: Wakeup(now=now, timer=(timer_kind(kind), ident))
 
 
 class Playbook:
@@ -338,7 +347,7 @@ class Playbook:
         return self.feed(ConnectionClosed(now=self.now, conn=conn, error=error))
 
     def wakeup(self, kind: str, ident: int) -> list[Command]:
-        return self.feed(Wakeup(now=self.now, timer=(kind, ident)))
+        return self.feed(Wakeup(now=self.now, timer=(timer_kind(kind), ident)))
 
     def take(self, conn: int, commands: Iterable[Command] | None = None) -> bytes:
         """All bytes sent to ``conn`` by ``commands`` (default: everything so far)."""
@@ -593,3 +602,13 @@ def h2_sse_stream(
     backend.events(pb.take(up))
     pb.receive(up, backend.sse_head())
     return sid, up
+
+
+def timer_kind(name: str) -> TimerKind:
+    """The timer kind named ``name`` ("read", "idle", ...), as the core's enums spell it (a
+    compiled core takes nothing else for a timer)."""
+    for kinds in (ExchangeTimer, ClientTimer, BackendTimer, ProbeTimer, CoreTimer, ResumeTimer):
+        for kind in kinds:
+            if kind.value == name:
+                return kind
+    raise ValueError(f"no timer kind {name!r}")

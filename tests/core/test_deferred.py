@@ -77,6 +77,7 @@ def test_a_pipelined_request_starts_after_the_exchange_before_it_ended(
     assert backend_reads == [False, False]
 
 
+@pytest.mark.patches_core
 def test_a_fault_in_deferred_work_ends_its_own_connection_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

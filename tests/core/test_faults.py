@@ -81,6 +81,7 @@ def _boom(*args: Any, **kwargs: Any) -> Any:
     raise Injected("planted bug")
 
 
+@pytest.mark.patches_core
 def test_client_fault_ends_that_connection_and_the_other_stream_completes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -133,6 +134,7 @@ def test_client_fault_ends_that_connection_and_the_other_stream_completes(
     assert pb.core.counters["internal_errors"] == 1
 
 
+@pytest.mark.patches_core
 def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -173,6 +175,7 @@ def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
     assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == EVENTS[1]
 
 
+@pytest.mark.patches_core
 def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:
     pb = _isolating()
     client, opened, backend = _h1_request(pb)
@@ -193,6 +196,7 @@ def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(response, h11.Response) and response.status_code == 502
 
 
+@pytest.mark.patches_core
 def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     pb = _isolating()
     client, opened, backend = _h1_request(pb)
@@ -215,6 +219,7 @@ def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.Monk
     assert not pb.core.exchanges
 
 
+@pytest.mark.patches_core
 def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -234,6 +239,7 @@ def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too(
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
 
 
+@pytest.mark.patches_core
 def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     pb = Playbook()
     assert pb.core.raise_errors  # tests/conftest.py sets MUXPROXY_RAISE_ERRORS=1
@@ -246,6 +252,7 @@ def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyP
     assert not raise_errors_from_environment({})
 
 
+@pytest.mark.patches_core
 def test_fault_outside_any_connection_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     core = ProxyCore(Playbook().core.config, raise_errors=False)
     monkeypatch.setattr(core.fx, "apply", _boom)
@@ -312,6 +319,7 @@ def test_fault_in_a_tunnel_closes_both_of_its_connections(
     assert pb.core.counters["internal_errors"] == 1
 
 
+@pytest.mark.patches_core
 def test_fault_on_a_pooled_connections_timer_ends_that_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -338,6 +346,7 @@ def test_fault_on_a_pooled_connections_timer_ends_that_connection(
     assert len(pb.opens()) == 2
 
 
+@pytest.mark.patches_core
 def test_fault_in_a_probe_without_a_connection_reschedules_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

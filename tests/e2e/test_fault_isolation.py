@@ -61,6 +61,7 @@ async def _served(port: int) -> int | None:
     return response.status
 
 
+@pytest.mark.patches_core
 async def test_client_fault_does_not_stop_another_connections_stream(
     start_backend: StartBackend, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,6 +98,7 @@ async def test_client_fault_does_not_stop_another_connections_stream(
     assert "Injected: planted bug" in logged.fields["traceback"]
 
 
+@pytest.mark.patches_core
 async def test_driver_fault_closes_only_its_socket(
     start_backend: StartBackend, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,6 +161,7 @@ async def _crash(server: ProxyServer, plant: Any) -> None:
         await trio.sleep_forever()
 
 
+@pytest.mark.patches_core
 async def test_bug_in_the_reactor_round_itself_still_crashes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -176,6 +179,7 @@ async def test_bug_in_the_reactor_round_itself_still_crashes(
     assert info.group_contains(Injected, depth=None)
 
 
+@pytest.mark.patches_core
 async def test_bug_while_isolating_still_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
     server = ProxyServer(quick_config("127.0.0.1:0", ["127.0.0.1:9"]), raise_errors=False)
     core = server.core

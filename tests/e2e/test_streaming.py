@@ -393,6 +393,7 @@ class RawBackends:
             sock.close()
 
 
+@pytest.mark.patches_core
 async def test_a_token_is_written_before_the_next_socket_is_read(
     start_proxy: StartProxy,
 ) -> None:
@@ -420,6 +421,7 @@ async def test_a_token_is_written_before_the_next_socket_is_read(
     assert sorted(raw.waiting[1]) == [0, len(EVENT_CHUNK)], raw.waiting
 
 
+@pytest.mark.patches_core
 async def test_the_tokens_of_an_http2_clients_streams_in_one_round_share_a_send(
     start_proxy: StartProxy,
 ) -> None:

@@ -34,6 +34,7 @@ def test_a_request_is_answered_by_the_simulated_backend() -> None:
     assert [log.event for log in driver.logs].count("access") == 1
 
 
+@pytest.mark.patches_core
 def test_every_connection_is_reported_closed_exactly_once() -> None:
     driver = sim()
     closes: list[int] = []

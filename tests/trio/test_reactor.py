@@ -42,6 +42,7 @@ from muxproxy.core.events import (
     InputEnded,
     OpenFailed,
 )
+from muxproxy.trio import reactor
 from muxproxy.trio.reactor import LINGER, LINGER_BYTES
 
 TIMEOUT = 10
@@ -172,8 +173,11 @@ async def test_what_one_read_causes_leaves_in_one_send_before_the_next_socket_is
 
 
 async def test_a_connection_fed_by_several_sockets_in_a_round_is_written_once_at_its_end(
-    recorder: Recorder,
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A round shorter than the shared write's wait (made long here: a loaded machine may take
+    # longer than the default between two sockets).
+    monkeypatch.setattr(reactor, "SHARED_WRITE_WAIT", 60.0)
     _, one = recorder.pair(1)
     _, two = recorder.pair(2)
     client, client_peer = recorder.pair(3)
@@ -196,6 +200,35 @@ async def test_a_connection_fed_by_several_sockets_in_a_round_is_written_once_at
     assert recorder.waits == [True, False]
     (sent,) = recorder.sent_of(3)
     assert sent.nbytes == 6 and sent.round == recorder.fed[-1].round
+
+
+async def test_a_shared_connection_is_written_within_a_long_round_once_its_wait_is_over(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No wait at all: after each ready socket, what waits for the end of the round goes.
+    monkeypatch.setattr(reactor, "SHARED_WRITE_WAIT", 0.0)
+    _, one = recorder.pair(1)
+    _, two = recorder.pair(2)
+    client, client_peer = recorder.pair(3)
+    seen_by: dict[int, bytes] = {}
+
+    def react(event: Event) -> None:
+        if isinstance(event, DataReceived) and event.conn in (1, 2):
+            seen_by[event.conn] = peek(client_peer)
+            recorder.send(client, event.data)
+
+    recorder.react = react
+    one.send(b"one")
+    two.send(b"two")
+    with trio.fail_after(TIMEOUT):
+        got = await receive(client_peer, 6)
+    fed = [f for f in recorder.fed if isinstance(f.event, DataReceived)]
+    assert len({f.round for f in fed}) == 1, "both were read in one round"
+    first, second = (f.event.conn for f in fed)
+    assert got == {1: b"one", 2: b"two"}[first] + {1: b"one", 2: b"two"}[second]
+    # The first socket's bytes were on the wire before the second socket was read.
+    assert seen_by == {first: b"", second: {1: b"one", 2: b"two"}[first]}
+    assert [s.nbytes for s in recorder.sent_of(3)] == [3, 3]
 
 
 async def test_a_send_outside_a_round_waits_for_write_queued(recorder: Recorder) -> None:

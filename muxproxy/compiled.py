@@ -1,0 +1,56 @@
+"""Which modules the optional compiled build compiles (``setup.py``, ``scripts/compile``), and
+which of them this process runs compiled.
+
+The list is the per-token path and the per-request path's busiest parts: the core's event
+dispatch, the backend's HTTP/1.1 decoding, the exchange, the client adapters, the output
+accounting, and the reactor. mypyc compiles each to a C extension from the same source; a
+module left out (the configuration, the data records, the admin API) stays Python and is
+called as before. Modules that define ``attrs`` classes with ``attrs.field`` defaults are
+left out: mypyc takes those classes for its own dataclasses and gets the defaults wrong.
+
+This file is read by ``setup.py`` with ``runpy``, so it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+MODULES = [
+    "muxproxy.core.proxy",
+    "muxproxy.core.pool",
+    "muxproxy.core.h1client",
+    "muxproxy.core.chunked",
+    "muxproxy.core.exchange",
+    # The exchange's subclasses: an interpreted class cannot subclass a compiled one.
+    "muxproxy.core.replay",
+    "muxproxy.core.websocket",
+    "muxproxy.core.ssemeter",
+    "muxproxy.core.downstream",
+    "muxproxy.core.h1",
+    "muxproxy.core.output",
+    "muxproxy.core.effects",
+    "muxproxy.core.h2send",
+    "muxproxy.core.h2",
+    "muxproxy.core.sse",
+    "muxproxy.core.timers",
+    "muxproxy.trio.reactor",
+]
+
+
+def compiled_modules() -> list[str]:
+    """The modules of ``MODULES`` that were imported from a compiled extension."""
+    out = []
+    for name in MODULES:
+        module = importlib.import_module(name)
+        if not str(getattr(module, "__file__", "")).endswith(".py"):
+            out.append(name)
+    return out
+
+
+def build() -> str:
+    """``"compiled"`` (every module of ``MODULES``), ``"partly compiled"`` or
+    ``"pure Python"``."""
+    done = len(compiled_modules())
+    if done == len(MODULES):
+        return "compiled"
+    return "partly compiled" if done else "pure Python"
