@@ -35,6 +35,7 @@ Modes:
     python bench/icount.py                   # every mode, a markdown table
     python bench/icount.py --modes token,openai --src /tmp/wt-old   # an older checkout
     python bench/icount.py --run openai 100  # one plain run (no valgrind), for profiling
+    python bench/icount.py --h11 mypyc       # h11's compiled fork (pip install h11-mypyc)
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ MODES = (
 SIZES = {"token": (200, 1200), "token-h2": (200, 1200), "batch": (20, 120), "request": (50, 250)}
 """Units of the small and the large run of each mode (the others: ``request``'s)."""
 BATCH = 32
+H11_ENV = "ICOUNT_H11"
+"""``--h11``, passed to the runs under valgrind."""
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
 GET_RESPONSE = (
@@ -287,7 +290,18 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--src", type=Path, default=HERE.parent, help="the checkout to measure")
     parser.add_argument("--run", nargs=2, metavar=("MODE", "N"), help="one run, no valgrind")
+    parser.add_argument(
+        "--h11",
+        choices=("pure", "mypyc"),
+        default=os.environ.get(H11_ENV, "pure"),
+        help="mypyc: import h11_mypyc (h11's compiled fork, beside h11) as h11",
+    )
     args = parser.parse_args()
+    os.environ[H11_ENV] = args.h11  # the runs under valgrind inherit it
+    if args.h11 == "mypyc":
+        import h11_mypyc
+
+        sys.modules["h11"] = h11_mypyc
     if args.run:
         run(args.run[0], int(args.run[1]))
         return
@@ -298,7 +312,7 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    print(f"muxproxy from {args.src.resolve()}, Python {sys.version.split()[0]}\n")
+    print(f"muxproxy from {args.src.resolve()}, Python {sys.version.split()[0]}, h11 {args.h11}\n")
     print("| mode | unit | instructions per unit |\n|---|---|---:|")
     for mode in modes:
         unit = {"token": "token", "token-h2": "token", "batch": "token"}.get(mode, "request")

@@ -139,7 +139,7 @@ http {{
 HAPROXY_CONF = """\
 global
     nbthread 1
-    maxconn 20000
+    maxconn 9000
     pidfile {tmp}/haproxy.pid
 defaults
     mode http
@@ -699,19 +699,23 @@ def trace_table(paths: list[Path]) -> str:
         "Where a backend read's time inside muxproxy went (ms, token_trace.py; means):",
         "",
         "| variant | reads | p50 / p99 / p99.9 | mean: wait for the round, before its read, own "
-        "| worst 1 %: the same | full collections (count, longest) |",
-        "|---|---|---|---|---|---|",
+        "| worst 1 %: the same | full collections (count, longest) "
+        "| reads per round (mean, p90) | reads per client send |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
         t = json.loads(path.read_text())
         q, mean, worst = t["total_ms"], t["mean_ms"], t["worst_1pct_mean_ms"]
         parts = ("wait for the round", "before its read", "own")
         full = t["gc"].get("gen2", {"count": 0, "max_ms": 0.0})
+        per_round = t.get("reads_per_round", {})
         rows.append(
             f"| {path.stem} | {t['reads']:,} | {q['p50']:.2f} / {q['p99']:.2f} / {q['p99.9']:.2f} "
             f"| {', '.join(f'{mean.get(p, 0):.2f}' for p in parts)} "
             f"| {', '.join(f'{worst.get(p, 0):.2f}' for p in parts)} "
-            f"| {full['count']}, {full['max_ms']:.1f} ms |"
+            f"| {full['count']}, {full['max_ms']:.1f} ms "
+            f"| {per_round.get('mean', 0):.2f}, {per_round.get('p90', 0):g} "
+            f"| {t.get('reads_per_client_send', 0):.2f} |"
         )
     return "\n".join(rows)
 

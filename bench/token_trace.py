@@ -14,6 +14,10 @@ into:
   with one kind of client): muxproxy's work for this read, and for an HTTP/2 client the wait
   for the end of the round, where its streams share one ``send``.
 
+The rounds are counted too, with the backend reads each served and the ``send`` calls that
+wrote to clients: for an HTTP/2 client whose streams share one ``send`` per round, the reads
+per client send is how much the round batched, which sets the syscalls per token.
+
 Every collection of the cyclic garbage collector is timed too (``gc.callbacks``). At exit
 (SIGINT) a JSON summary goes to ``--out``; reads in the first ``--skip`` seconds after the
 first one (the ramp) are left out. The instrumentation costs a few µs per read.
@@ -46,6 +50,10 @@ class Trace:
         """Per backend read: kernel receive, round start, recv done, client send done."""
         self.unsent: list[tuple[float, float, float]] = []
         self.round_start = 0.0
+        self.round_reads: list[int] = []
+        """Backend reads (with data) of each round."""
+        self.client_sends = 0
+        """``send`` calls that wrote to a client (a socket that is not a backend's)."""
         self.collections: list[tuple[int, float, float]] = []
         """Per collection: its generation, when it ended, how long it took."""
         self._gc_start = 0.0
@@ -71,6 +79,8 @@ class TimedSocket(socket.socket):
                 if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
                     sec, nsec = struct.unpack("qq", payload[:16])
                     TRACE.unsent.append((sec + nsec / 1e9, TRACE.round_start, time.time()))
+            if TRACE.round_reads:
+                TRACE.round_reads[-1] += 1
         return data
 
 
@@ -87,10 +97,14 @@ def instrument() -> None:
 
     def timed_round(self: Reactor, *args: Any) -> int:
         TRACE.round_start = time.time()
+        TRACE.round_reads.append(0)
         return serve_round(self, *args)
 
     def timed_flush(self: Reactor, conn: Any) -> None:
+        before = len(conn.pending)
         flush(self, conn)
+        if len(conn.pending) < before and not isinstance(conn.sock, TimedSocket):
+            TRACE.client_sends += 1
         if TRACE.unsent:
             done = time.time()
             TRACE.reads.extend((*read, done) for read in TRACE.unsent)
@@ -135,8 +149,17 @@ def summary(skip: float) -> dict[str, Any]:
         entry["count"] += 1
         entry["max_ms"] = max(entry["max_ms"], seconds * 1e3)
         entry["total_ms"] += seconds * 1e3
+    rounds = sorted(n for n in TRACE.round_reads if n)
+    all_reads = sum(rounds)
     return {
         "reads": len(parts),
+        "rounds_with_reads": len(rounds),
+        "reads_per_round": {
+            "mean": all_reads / len(rounds) if rounds else 0.0,
+            **{f"p{q * 100:g}": quantile([float(n) for n in rounds], q) for q in (0.5, 0.9, 0.99)},
+        },
+        "client_sends": TRACE.client_sends,
+        "reads_per_client_send": all_reads / TRACE.client_sends if TRACE.client_sends else 0.0,
         "total_ms": {f"p{q * 100:g}": quantile(totals, q) for q in (0.5, 0.9, 0.99, 0.999)},
         "mean_ms": split(parts),
         "worst_1pct_mean_ms": split(worst),
