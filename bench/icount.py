@@ -261,13 +261,26 @@ def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:
 
 def instructions(valgrind: str, src: Path, mode: str, n: int) -> int:
     """User-space instructions of one run (callgrind's total)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--run", mode, str(n)]
+    return callgrind_total(valgrind, argv, cwd=src, env={**os.environ, "PYTHONPATH": str(src)})
+
+
+def valgrind_or_exit(parser: argparse.ArgumentParser) -> str:
+    """valgrind's path, or the parser's error exit when it is not installed."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        parser.error("valgrind not found (apt-get install valgrind)")
+    return valgrind
+
+
+def callgrind_total(
+    valgrind: str, argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> int:
+    """The user-space instructions callgrind counts for running ``argv``."""
     proc = subprocess.run(
-        [
-            *(valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"),
-            *(sys.executable, str(Path(__file__).resolve()), "--run", mode, str(n)),
-        ],
-        cwd=src,
-        env={**os.environ, "PYTHONPATH": str(src)},
+        [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
+        cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         check=True,
@@ -305,9 +318,7 @@ def main() -> None:
     if args.run:
         run(args.run[0], int(args.run[1]))
         return
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        parser.error("valgrind not found (apt-get install valgrind)")
+    valgrind = valgrind_or_exit(parser)
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:

@@ -172,12 +172,9 @@ async def test_what_one_read_causes_leaves_in_one_send_before_the_next_socket_is
     assert recorder.waits == [False] * 6
 
 
-async def test_a_connection_fed_by_several_sockets_in_a_round_is_written_once_at_its_end(
-    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A round shorter than the shared write's wait (made long here: a loaded machine may take
-    # longer than the default between two sockets).
-    monkeypatch.setattr(reactor, "SHARED_WRITE_WAIT", 60.0)
+async def two_backends_feed_one_client(recorder: Recorder) -> tuple[bytes, dict[int, bytes]]:
+    """Backends 1 and 2 each send one chunk, which goes to client 3: what the client got, and
+    what it had got when each backend was read."""
     _, one = recorder.pair(1)
     _, two = recorder.pair(2)
     client, client_peer = recorder.pair(3)
@@ -193,6 +190,16 @@ async def test_a_connection_fed_by_several_sockets_in_a_round_is_written_once_at
     two.send(b"two")
     with trio.fail_after(TIMEOUT):
         got = await receive(client_peer, 6)
+    return got, seen_by
+
+
+async def test_a_connection_fed_by_several_sockets_in_a_round_is_written_once_at_its_end(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A round shorter than the shared write's wait (made long here: a loaded machine may take
+    # longer than the default between two sockets).
+    monkeypatch.setattr(reactor, "SHARED_WRITE_WAIT", 60.0)
+    got, seen_by = await two_backends_feed_one_client(recorder)
     order = [e.data for f in recorder.fed if isinstance(e := f.event, DataReceived)]
     assert got == b"".join(order)
     assert seen_by == {1: b"", 2: b""}, "nothing was written before the end of the round"
@@ -207,27 +214,14 @@ async def test_a_shared_connection_is_written_within_a_long_round_once_its_wait_
 ) -> None:
     # No wait at all: after each ready socket, what waits for the end of the round goes.
     monkeypatch.setattr(reactor, "SHARED_WRITE_WAIT", 0.0)
-    _, one = recorder.pair(1)
-    _, two = recorder.pair(2)
-    client, client_peer = recorder.pair(3)
-    seen_by: dict[int, bytes] = {}
-
-    def react(event: Event) -> None:
-        if isinstance(event, DataReceived) and event.conn in (1, 2):
-            seen_by[event.conn] = peek(client_peer)
-            recorder.send(client, event.data)
-
-    recorder.react = react
-    one.send(b"one")
-    two.send(b"two")
-    with trio.fail_after(TIMEOUT):
-        got = await receive(client_peer, 6)
+    got, seen_by = await two_backends_feed_one_client(recorder)
     fed = [f for f in recorder.fed if isinstance(f.event, DataReceived)]
     assert len({f.round for f in fed}) == 1, "both were read in one round"
     first, second = (f.event.conn for f in fed)
-    assert got == {1: b"one", 2: b"two"}[first] + {1: b"one", 2: b"two"}[second]
+    sent_by = {1: b"one", 2: b"two"}
+    assert got == sent_by[first] + sent_by[second]
     # The first socket's bytes were on the wire before the second socket was read.
-    assert seen_by == {first: b"", second: {1: b"one", 2: b"two"}[first]}
+    assert seen_by == {first: b"", second: sent_by[first]}
     assert [s.nbytes for s in recorder.sent_of(3)] == [3, 3]
 
 
