@@ -65,7 +65,10 @@ def ext_modules() -> list[Any]:
         print(f"muxproxy: no mypyc ({exc}); pure Python", file=sys.stderr)
         return []
     level = os.environ.get("MYPYC_OPT_LEVEL", "3")  # 0 builds faster, for trying things out
-    return list(mypycify(modules(), opt_level=level, multi_file=True))
+    # One group per module (separate=True): each shared library is named after its module and
+    # sits beside it in the package, so a script whose sys.path does not hold the checkout's
+    # root (examples/, an installed copy) finds them all; the extensions build in parallel.
+    return list(mypycify(modules(), opt_level=level, separate=True))
 
 
 setup(ext_modules=ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

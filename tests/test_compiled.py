@@ -34,3 +34,12 @@ def test_the_build_names_what_this_process_runs() -> None:
         so_files = list((ROOT / "muxproxy").rglob("*.so"))
         assert (build() == "pure Python") == (not so_files)
     assert muxproxy.compiled.__file__.endswith(".py"), "the list itself is never compiled"
+
+
+def test_the_compiled_build_keeps_every_extension_inside_the_package() -> None:
+    # A shared library at the checkout's root is found only by a process whose sys.path holds
+    # the root: a script in examples/ then failed to import the core.
+    assert not list(ROOT.glob("*.so"))
+    for name in compiled_modules():
+        module = importlib.import_module(name)
+        assert Path(str(module.__file__)).parent == ROOT.joinpath(*name.split(".")[:-1])
