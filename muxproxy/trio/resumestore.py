@@ -421,15 +421,7 @@ class ResumeStores:
         """Feed a live batch, then wait until the core asks for the next one (renewing the
         reader's mark meanwhile: a client that is behind still reads)."""
         fetch.granted = False
-        self.driver.feed(
-            ResumeFetched(
-                now=trio.current_time(),
-                request=fetch.command.request,
-                head=head,
-                events=tuple(batch),
-                state="live",
-            )
-        )
+        self._feed(fetch, head, batch, "live")
         while not fetch.granted:
             fetch.wake = trio.Event()
             with trio.move_on_after(READER_RENEW):
@@ -441,6 +433,12 @@ class ResumeStores:
         self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes] | tuple[()], state: str
     ) -> None:
         self.fetches.pop(fetch.command.request, None)
+        self._feed(fetch, head, batch, state)
+
+    def _feed(
+        self, fetch: _Fetch, head: ResumedHead | None, batch: list[bytes] | tuple[()], state: str
+    ) -> None:
+        """Hand the core a batch of ``fetch``'s events (``ResumeFetched``)."""
         self.driver.feed(
             ResumeFetched(
                 now=trio.current_time(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 
 import attrs
 import httpx
@@ -44,18 +45,24 @@ def ids_of(events: list[str]) -> list[str]:
     return [match for event in events for match in ID.findall(event)]
 
 
-async def read_events(response: httpx.Response, limit: int | None = None) -> list[str]:
-    """Complete SSE events of ``response``, at most ``limit`` (then stop reading)."""
-    events: list[str] = []
+async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The complete SSE events of ``response``, as they arrive."""
     buffer = ""
     async for chunk in response.aiter_text():
         buffer += chunk
         while "\n\n" in buffer:
             event, buffer = buffer.split("\n\n", 1)
-            events.append(event)
-            if limit is not None and len(events) >= limit:
-                return events
+            yield event
     assert buffer == ""
+
+
+async def read_events(response: httpx.Response, limit: int | None = None) -> list[str]:
+    """Complete SSE events of ``response``, at most ``limit`` (then stop reading)."""
+    events: list[str] = []
+    async for event in sse_events(response):
+        events.append(event)
+        if limit is not None and len(events) >= limit:
+            break
     return events
 
 

@@ -20,7 +20,7 @@ from muxproxy.config import Resume, Route, quick_config
 from muxproxy.testing.fakellm import reply_text
 from muxproxy.trio.metrics import render
 from muxproxy.trio.resumestore import meta_key
-from tests.e2e.test_resume_e2e import REQUEST, TOKENS, content_of, ids_of, read_events
+from tests.e2e.test_resume_e2e import REQUEST, TOKENS, content_of, ids_of, read_events, sse_events
 
 SSE = {"Accept": "text/event-stream"}
 
@@ -184,14 +184,10 @@ async def test_a_dead_redis_harms_no_stream_and_refuses_resumes_cleanly(
             client.stream("POST", url, json=REQUEST) as response,
         ):
             events: list[str] = []
-            buffer = ""
-            async for chunk in response.aiter_text():
-                buffer += chunk
-                while "\n\n" in buffer:
-                    event, buffer = buffer.split("\n\n", 1)
-                    events.append(event)
-                    if len(events) == 3:
-                        await redis_server.kill()  # mid-stream
+            async for event in sse_events(response):
+                events.append(event)
+                if len(events) == 3:
+                    await redis_server.kill()  # mid-stream
         # The stream through A went on unharmed: every event, once, to its end.
         token = ids_of(events)[0].split(".")[0]
         assert ids_of(events) == [f"{token}.{n}" for n in range(1, len(events) + 1)]
