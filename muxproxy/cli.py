@@ -1,7 +1,9 @@
 """The ``muxproxy`` command line: ``check``, ``serve``, ``admin``, ``fakellm`` and ``demo``.
 
 ``muxproxy check --config FILE`` validates a configuration file and prints a summary, or every
-problem found (exit status 2). ``muxproxy serve`` runs the proxy from a file or from flags
+problem found (exit status 2); it warns of servers whose host names do not resolve.
+``muxproxy check --explain KEY`` prints a key's entry of the configuration reference.
+``muxproxy serve`` runs the proxy from a file or from flags
 (``--listen HOST:PORT --upstream HOST:PORT ...``). ``admin``, ``fakellm`` and ``demo`` delegate
 to :mod:`muxproxy.admin_cli`, :mod:`muxproxy.testing.fakellm` and :mod:`muxproxy.demo`.
 
@@ -114,10 +116,17 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
     check = commands.add_parser(
         "check",
-        help="validate a configuration file",
-        description="Validate a configuration file: print a summary, or every problem found.",
+        help="validate a configuration file, or explain a key",
+        description="Validate a configuration file: print a summary, or every problem found."
+        " Or explain a configuration key: its type, default, meaning and an example.",
     )
-    check.add_argument("--config", required=True, metavar="FILE", help="TOML configuration")
+    check.add_argument("--config", metavar="FILE", help="TOML configuration")
+    check.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="a key (first_token, upstreams.gpus.timeouts.first_token) or a table"
+        " (upstreams.NAME.sticky): print its reference entry",
+    )
     check.set_defaults(handler=_check)
     subparsers["check"] = check
 
@@ -187,6 +196,14 @@ def _delegate(command: str, subparser: argparse.ArgumentParser) -> ModuleType:
 
 
 def _check(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        status = _explain(args.explain)
+        if args.config is None or status != EXIT_OK:
+            return status
+        print()
+    elif args.config is None:
+        print("muxproxy check: expected --config FILE or --explain KEY", file=sys.stderr)
+        return EXIT_USAGE
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -195,7 +212,28 @@ def _check(args: argparse.Namespace) -> int:
     print(f"muxproxy: {args.config}: configuration is valid")
     for line in describe_config(config):
         print(f"  {line}")
+    from muxproxy.config.resolve import unresolved_servers
+
+    for warning in unresolved_servers(config):
+        print(f"muxproxy: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _explain(key: str) -> int:
+    from muxproxy.config import reference
+
+    text = reference.explain(key)
+    if text is not None:
+        print(text)
+        return EXIT_OK
+    close = reference.suggestions(key)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    print(
+        f"muxproxy check: no configuration key or table {key!r}{hint}"
+        " (the reference of every key: docs/configuration.md)",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
 
 
 def describe_config(config: Config) -> list[str]:

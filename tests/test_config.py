@@ -320,8 +320,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         ),
         (
             ("upstreams", "gpus", "servers"),
-            [{"address": "127.0.0.1:9001", "priority": 2}],
-            "upstreams.gpus.servers[0].priority: unknown key; expected one of: address, weight,"
+            [{"address": "127.0.0.1:9001", "colour": 2}],
+            "upstreams.gpus.servers[0].colour: unknown key; expected one of: address, weight,"
             " max_fails, fail_timeout, backup, protocol, max_connections, tls, tls_ca,"
             " tls_server_name, max_streams, max_waiting",
         ),
@@ -487,8 +487,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         ),
         (
             ("routes",),
-            [{"prefix": "/", "upstream": "gpus", "weight": 1}],
-            "routes[0].weight: unknown key; expected one of: prefix, upstream,"
+            [{"prefix": "/", "upstream": "gpus", "colour": 1}],
+            "routes[0].colour: unknown key; expected one of: prefix, upstream,"
             " retry_until_first_event, sse_heartbeat, continue_on_failure, resume, api",
         ),
         (

@@ -33,6 +33,7 @@ __all__ = [
     "describe",
     "is_host_name",
     "join",
+    "record_keys",
 ]
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
@@ -69,6 +70,10 @@ class Checker:
 
     def unknown_keys(self, table: Mapping[str, Any], known: Iterable[str], path: str) -> set[str]:
         """Report the keys of ``table`` not in ``known``; returns the known keys suggested."""
+        # The reference knows every table's keys, and so imports every module that checks
+        # one (this one included): imported here, when a key is unknown.
+        from .reference import placement
+
         known = list(known)
         suggested: set[str] = set()
         for key in table:
@@ -76,9 +81,16 @@ class Checker:
                 continue
             close = difflib.get_close_matches(key, known, n=1)
             suggested.update(close)
-            hint = (
-                f'did you mean "{close[0]}"?' if close else "expected one of: " + ", ".join(known)
-            )
+            # A near-certain misspelling of a key of this table ("upstream" for
+            # "upstreams") is that; otherwise a key of another table is a misplaced one.
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+            elsewhere = None if near else placement(key, path)
+            if elsewhere is not None:
+                hint = elsewhere + (f' (or did you mean "{close[0]}"?)' if close else "")
+            elif close:
+                hint = f'did you mean "{close[0]}"?'
+            else:
+                hint = "expected one of: " + ", ".join(known)
             self.add(join(path, key), f"unknown key; {hint}")
         return suggested
 
@@ -111,9 +123,9 @@ class Checker:
             return None
         return value
 
-    def record(self, cls: type[Any], value: Any, path: str, parse: ValueParser) -> Any:
-        """A :class:`Timeouts`-like record whose fields are all checked by ``parse``."""
-        keys = {field.name: Key(parse) for field in attrs.fields(cls)}
+    def record(self, cls: type[Any], value: Any, path: str, keys: Mapping[str, Key]) -> Any:
+        """A record of ``cls`` from the table ``value``, its keys checked by ``keys``
+        (:func:`record_keys` for a :class:`Timeouts`-like record)."""
         values = self.table(value, path, keys)
         return None if values is None else cls(**values)
 
@@ -224,6 +236,11 @@ class Checker:
             self.add(path, f"expected the name of an upstream group, got {describe(value)}")
             return None
         return value
+
+
+def record_keys(cls: type[Any], parse: ValueParser) -> dict[str, Key]:
+    """The keys of a record whose fields are all optional and all checked by ``parse``."""
+    return {field.name: Key(parse) for field in attrs.fields(cls)}
 
 
 def _finite(value: Any) -> float | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .admin import admin_settings, quick_admin
-from .checker import Checker, Key, describe, join
+from .checker import Checker, Key, describe, join, record_keys
 from .logs import log_settings
 from .records import (
     Api,
@@ -118,8 +118,8 @@ def parse_config(
         listeners = _listeners(check, data["listeners"])
     elif "listeners" not in suggested:
         check.add("listeners", "missing; " + _EXPECTED_LISTENERS)
-    timeouts = check.record(Timeouts, data.get("timeouts", {}), "timeouts", Checker.seconds)
-    limits = check.record(Limits, data.get("limits", {}), "limits", Checker.positive_int)
+    timeouts = check.record(Timeouts, data.get("timeouts", {}), "timeouts", _TIMEOUTS_KEYS)
+    limits = check.record(Limits, data.get("limits", {}), "limits", _LIMITS_KEYS)
     if limits is not None:
         limits = _check_limits(check, limits)
     names: list[str] = []
@@ -199,6 +199,8 @@ _EXPECTED_UPSTREAMS = (
 )
 _TOML_ERROR = re.compile(r"(?s)(.*) \(at line (\d+), column (\d+)\)\Z")
 
+_TIMEOUTS_KEYS = record_keys(Timeouts, Checker.seconds)
+_LIMITS_KEYS = record_keys(Limits, Checker.positive_int)
 _LISTENER_KEYS = {
     "address": Key(Checker.listen_address, required='"host:port"'),
     "tls_cert": Key(Checker.file),

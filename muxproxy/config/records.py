@@ -92,13 +92,13 @@ class Limits:
     back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,
     CVE-2023-44487. See ``muxproxy.core.h2guard``."""
     h2_control_frame_budget: int = 1000
+    """HTTP/2 SETTINGS / PING / PRIORITY / WINDOW_UPDATE / empty DATA frames a client may send
+    beyond those paid back by responses, before GOAWAY(ENHANCE_YOUR_CALM)."""
     resume_memory: int = 512 * 1024 * 1024
     """Bytes the resumable streams of one process may keep in all (routes with ``resume``).
     Past it the streams nobody reads are let go, oldest first (their backends ended), so a
     flood of clients that never come back cannot exhaust memory; streams being read are
     never cut for it. See ``muxproxy.core.resume``."""
-    """HTTP/2 SETTINGS / PING / PRIORITY / WINDOW_UPDATE / empty DATA frames a client may send
-    beyond those paid back by responses, before GOAWAY(ENHANCE_YOUR_CALM)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -175,6 +175,7 @@ class LoadReporting:
     """``load_report``: poll each server's Prometheus endpoint for the engine's own load."""
 
     path: str = "/metrics"
+    """The path of each server's Prometheus exposition, asked with ``GET``."""
     interval: float = 1.0
     """Seconds between polls; a report older than 3 intervals is ignored."""
     timeout: float | None = None
@@ -215,6 +216,7 @@ class RateLimit:
     """Completion tokens per tenant per minute: a request reserves its ``max_tokens`` (or
     ``default_max_tokens``) and is settled to what it really used."""
     requests_per_minute: int | None = None
+    """Requests per tenant per minute, whatever their size."""
 
 
 SOURCE_KINDS = ("cookie", "header", "query", "body")
@@ -226,6 +228,7 @@ class SessionSource:
     """Where a session key may come from: ``kind`` is one of :data:`SOURCE_KINDS`."""
 
     kind: str
+    """``cookie``, ``header``, ``query`` or ``body``."""
     name: str
     """Cookie name, header name (lower case), query argument, or dotted JSON path
     (``metadata.session_id``: object keys, each an identifier)."""
@@ -236,14 +239,19 @@ class StickyCookie:
     """A cookie naming the chosen server by an opaque id, like nginx's ``sticky cookie``."""
 
     name: str = "muxproxy_server"
+    """The cookie's name (a token, RFC 6265 §4.1.1)."""
     expires: float | None = None
     """Max-Age in seconds; None makes a session cookie."""
     domain: str | None = None
+    """The cookie's Domain attribute (RFC 6265 §5.2.3); None: the host the client asked."""
     path: str = "/"
+    """The cookie's Path attribute (RFC 6265 §5.2.4)."""
     http_only: bool = True
+    """Set HttpOnly, so that page scripts cannot read the cookie (RFC 6265 §5.2.6)."""
     secure: bool = False
+    """Set Secure, so that the cookie is sent over HTTPS only (RFC 6265 §5.2.5)."""
     same_site: str | None = "Lax"
-    """Strict, Lax, None, or no attribute."""
+    """SameSite: ``"Strict"``, ``"Lax"`` or ``"None"`` (which needs ``secure = true``)."""
     secret: str = ""
     """Mixed into the server ids so they cannot be computed from addresses."""
 
@@ -251,10 +259,14 @@ class StickyCookie:
 @attrs.frozen(kw_only=True)
 class Sticky:
     sources: tuple[SessionSource, ...] = ()
-    """Tried in order; the first that has a key wins."""
+    """Where a request's session key comes from: ``"kind:name"`` strings, ``cookie:NAME``,
+    ``header:NAME``, ``query:NAME`` or ``body:dotted.path`` (a JSON body field, e.g.
+    ``body:metadata.session_id``), tried in order; the first that has a key wins. Requests
+    with one key go to one server (weighted rendezvous hashing, ``routing/balancer.py``)."""
     body_limit: int = 64 * 1024
     """Most request-body bytes held to find a JSON body key; past it, no key."""
     cookie: StickyCookie | None = None
+    """Pin clients by a cookie the proxy sets (``sticky.cookie``); None: no cookie."""
     session_idle: float = 600.0
     """Seconds a session key is remembered on the server it was last sent to: within them
     its next request goes there again (while that server takes existing sessions), even if
@@ -269,6 +281,9 @@ class NextUpstream:
     """When a request is retried on the next candidate (before any response byte went out)."""
 
     on: frozenset[str] = frozenset({"error", "timeout"})
+    """What counts as a failure worth a retry: ``"error"`` (connect or I/O error),
+    ``"timeout"`` (a connect, response-head or first-token deadline passed), ``"http_429"``,
+    ``"http_502"``, ``"http_503"``, ``"http_504"`` (that response status). ``[]``: never."""
     tries: int = 3
     """Attempts in all, the first one included."""
     tries_timeout: float = 10.0
@@ -280,13 +295,17 @@ class NextUpstream:
 @attrs.frozen(kw_only=True)
 class HealthCheck:
     path: str = "/health"
+    """The path each server is asked with ``GET``, over the server's own protocol and pool."""
     interval: float = 5.0
+    """Seconds between two checks of one server."""
     timeout: float = 2.0
+    """Seconds a check may take; less than ``interval``."""
     passes: int = 2
     """Consecutive successes that bring a down server up."""
     fails: int = 2
     """Consecutive failures that take an up server down."""
     expect_status: int = 200
+    """The status a healthy server answers; any other, or no answer, is a failure."""
 
 
 @attrs.frozen(kw_only=True)
@@ -294,11 +313,15 @@ class GroupTimeouts:
     """Per-group deadlines; None falls back to the global ``[timeouts]``."""
 
     connect: float | None = None
+    """Seconds to connect to a server of this group (``timeouts.connect``)."""
     response_head: float | None = None
+    """Seconds from the request sent to the response head (``timeouts.response_head``)."""
     first_token: float | None = None
-    """From the request to the first response body byte (the first SSE event)."""
+    """Seconds from the request to the first response body byte (the first SSE event): a
+    server that takes longer has timed out (tried again on the next server under
+    ``next_upstream``'s ``"timeout"``, else 504). Not set: no such deadline."""
     idle: float | None = None
-    """Longest gap between two body chunks (the global ``read`` timeout)."""
+    """Longest gap between two body chunks (``timeouts.read``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -320,23 +343,42 @@ class HeaderRule:
 class Upstream:
     name: str
     servers: tuple[Server, ...]
+    """The group's backends: ``"host:port"`` strings, or tables with ``address`` and the
+    server's own settings (``upstreams.NAME.servers[]``)."""
     pool_max_idle: int = 32
     """Idle keep-alive connections kept per backend."""
     pool_idle_timeout: float = 60.0
     """Seconds an idle pooled connection is kept before it is closed."""
     balance: Balance = Balance.ROUND_ROBIN
+    """How a request without a session key (or a new key) picks its server."""
     sticky: Sticky = Sticky()
+    """Session stickiness: where a request's session key comes from, the sticky cookie."""
     next_upstream: NextUpstream = NextUpstream()
+    """Failover: when a request is retried on the next server, before any response byte."""
     health_check: HealthCheck | None = None
+    """Active health checks; None: servers are taken out by failures alone (``max_fails``)."""
     set_headers: tuple[HeaderRule, ...] = ()
+    """Request headers set for the backends, like nginx's ``proxy_set_header``: a table of
+    header names to value templates. A template is literal text with ``$session_key``,
+    ``$remote_addr``, ``$arg_NAME`` (a query argument), ``$cookie_NAME`` and ``$http_NAME``
+    (a request header, ``_`` for ``-``); a value that expands to nothing removes the
+    header. Framing and hop-by-hop headers (``Connection``, ``Content-Length``,
+    ``Transfer-Encoding``...) cannot be set."""
     timeouts: GroupTimeouts = GroupTimeouts()
+    """This group's deadlines, over the global ``[timeouts]``."""
     default_max_tokens: int = 256
     """The tokens a request is expected to generate when its body names no ``max_tokens`` or
     ``max_completion_tokens`` (``least_load``, ``rate_limit``)."""
     affinity: AffinityMode = AffinityMode.NONE
+    """Placement of requests without a session key beyond ``balance``."""
     prefix: PrefixAffinity = PrefixAffinity()
+    """What ``affinity = "prefix"`` keys on, and how loaded a server may get."""
     load_report: LoadReporting | None = None
+    """Poll each server's Prometheus endpoint for the engine's own load (vLLM, SGLang);
+    None: the proxy's own count only."""
     queue: AdmissionQueue = AdmissionQueue()
+    """Where requests wait while every candidate server is full (``max_streams``,
+    ``max_waiting``)."""
     tenant: SessionSource | None = None
     """Whose request it is, for the queue's fairness and ``rate_limit`` (the value is hashed,
     never logged); None: one tenant."""
@@ -344,6 +386,7 @@ class Upstream:
     """The request's priority class: an integer 0..9, lower served first (as vLLM's
     ``priority``); missing or not an integer: 0. Strict between classes, fair inside one."""
     rate_limit: RateLimit | None = None
+    """Per-tenant budgets of tokens and requests a minute; None: no budget."""
 
     reads_body: bool = attrs.field(init=False, repr=False, eq=False)
     """Whether routing or admission reads the request's JSON body (derived, kept: every
@@ -406,7 +449,9 @@ class Resume:
 @attrs.frozen(kw_only=True)
 class Route:
     prefix: str
+    """The path prefix this route serves; the longest matching prefix wins."""
     upstream: str
+    """The name of the ``[upstreams.NAME]`` group its requests go to."""
     retry_until_first_event: bool = False
     """Hold a text/event-stream response head until its first event, so a backend that fails
     before its first token can still be retried."""
@@ -428,8 +473,12 @@ class Route:
 @attrs.frozen(kw_only=True)
 class Listener(_HostPort):
     address: str
+    """``host:port`` to accept clients on; port 0 picks a free one."""
     tls_cert: str | None = None
+    """TLS certificate chain (PEM); with ``tls_key`` the listener speaks TLS, offering
+    HTTP/2 and HTTP/1.1 by ALPN. Without: cleartext HTTP/1.1 and h2c."""
     tls_key: str | None = None
+    """The certificate's private key (PEM)."""
 
     @property
     def tls(self) -> bool:

@@ -14,7 +14,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import TOKEN, Checker, Key, alternatives, describe, is_host_name, join
+from .checker import (
+    TOKEN,
+    Checker,
+    Key,
+    alternatives,
+    describe,
+    is_host_name,
+    join,
+    record_keys,
+)
 from .records import (
     CONDITIONS,
     PROMPT_SOURCES,
@@ -369,7 +378,7 @@ def status_code(check: Checker, value: Any, path: str) -> int | None:
 
 
 def group_timeouts(check: Checker, value: Any, path: str) -> GroupTimeouts | None:
-    result: GroupTimeouts | None = check.record(GroupTimeouts, value, path, Checker.seconds)
+    result: GroupTimeouts | None = check.record(GroupTimeouts, value, path, _GROUP_TIMEOUTS_KEYS)
     return result
 
 
@@ -610,6 +619,7 @@ _QUEUE_KEYS = {
     "retry_after": Key(Checker.positive_int),
     "affinity_wait": Key(seconds_or_zero),
 }
+_GROUP_TIMEOUTS_KEYS = record_keys(GroupTimeouts, Checker.seconds)
 _RATE_LIMIT_KEYS = {
     "tokens_per_minute": Key(Checker.positive_int),
     "requests_per_minute": Key(Checker.positive_int),
