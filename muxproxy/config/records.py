@@ -466,8 +466,9 @@ class Route:
     """Number the events of text/event-stream responses and keep them, so that a client
     that reconnects with ``Last-Event-ID`` gets the rest (``core/resume.py``); None: off."""
     api: Api | None = None
-    """With ``Api.OPENAI`` the proxy's own errors on this route (502, 503, 504, 413, 431...)
-    carry the OpenAI error object instead of plain text (``muxproxy.core.errors``)."""
+    """With ``"openai"`` (``Api.OPENAI``) the proxy's own errors on this route (502, 503,
+    504, 413, 431...) carry the OpenAI error object instead of plain text
+    (``muxproxy.core.errors``)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -438,6 +438,9 @@ def _record_docs() -> dict[tuple[str, str], str]:
 _DATA_REFERENCE = re.compile(r":(?:data|class|func|mod|attr):`~?\.?([A-Za-z_.]+)`")
 
 
+_NONE = re.compile(r'(\A|\. |; |, |\()?(?<!")\bNone\b(?!")')
+
+
 def _markdown(text: str) -> str:
     """A docstring as Markdown: ``code`` spans, :data:`NAMES` spelled out, lines joined
     into paragraphs."""
@@ -450,7 +453,14 @@ def _markdown(text: str) -> str:
 
     text = _DATA_REFERENCE.sub(spell, text).replace("``", "`")
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    # Python's None is a key left out of the file (SameSite's "None" is a value, quoted).
+    paragraphs = [_NONE.sub(_not_set, p) for p in paragraphs]
     return "\n\n".join(p for p in paragraphs if p)
+
+
+def _not_set(match: re.Match[str]) -> str:
+    before = match[1] or ""
+    return before + ("Not set" if before in ("", ". ") else "not set")
 
 
 def _toml(value: Any) -> str:
