@@ -469,7 +469,10 @@ def run_server(
     connection or request; running streams get ``timeouts.shutdown_grace`` to finish); a
     second SIGTERM or SIGINT cuts them at once. Either way the exit status is 0. SIGHUP
     reloads ``config_path`` (``None``: configured by flags, nothing to reload); an invalid
-    file or a listener that cannot be bound leaves the running configuration as it is;
+    file or a listener that cannot be bound leaves the running configuration as it is.
+    SIGUSR1 reopens the access log file (log rotation, as nginx's); SIGUSR2, the rolling
+    restart of ``--workers``, has no workers to restart here and is ignored, said in the
+    log (unhandled, either would end the process and cut every stream);
     ``log_level`` (``--log-level``) overrides ``[log] level`` of every file read. Each stop,
     reload and refused reload is logged (logger ``muxproxy``, stderr). Failing to listen at
     the start prints why (status 1).
@@ -483,7 +486,9 @@ def run_server(
         return EXIT_FAILURE
 
     async def serve_until_stopped() -> None:
-        with trio.open_signal_receiver(*STOP_SIGNALS, signal.SIGHUP) as signals:
+        with trio.open_signal_receiver(
+            *STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2
+        ) as signals:
             server = server_module.ProxyServer(config)
             control, state = None, None
             if config.admin is not None:
@@ -533,6 +538,13 @@ def _on_signal(
     phase = server.phase.value
     if signum == signal.SIGHUP:
         reload_server(server, config_path, log_level=log_level)
+    elif signum == signal.SIGUSR1:
+        _reopen_access_log(server)
+    elif signum == signal.SIGUSR2:
+        log.warning(
+            "muxproxy: SIGUSR2 ignored: a rolling restart needs workers (muxproxy serve"
+            " --workers N, N >= 2); this process keeps serving"
+        )
     elif phase == "serving":
         grace = _seconds(server.config.timeouts.shutdown_grace)
         count = server.streams_in_flight()
@@ -557,6 +569,23 @@ def _on_signal(
         log.info(
             "muxproxy: %s: already stopping gracefully (SIGTERM or SIGINT cuts now)", signum.name
         )
+
+
+def _reopen_access_log(server: Any) -> None:
+    access = server.config.log.access
+    if access in ("stderr", "off"):
+        log.info("muxproxy: SIGUSR1: the access log is %s, no file to reopen", access)
+        return
+    try:
+        server.reopen_access_log()
+    except OSError as exc:
+        log.warning(
+            "muxproxy: SIGUSR1: cannot reopen the access log %s: %s; still writing to the old file",
+            access,
+            exc.strerror or exc,
+        )
+        return
+    log.info("muxproxy: SIGUSR1: reopened the access log %s", access)
 
 
 def reload_server(server: Any, config_path: str | None, *, log_level: str | None = None) -> bool:

@@ -313,6 +313,11 @@ class ProxyServer:
         """Streams (exchanges) running now."""
         return len(self.core.exchanges)
 
+    def reopen_access_log(self) -> None:
+        """Open the access log file again at its path (after log rotation renamed it), as a
+        reload does. Raises ``OSError`` and keeps writing to the old file if it cannot."""
+        self.logs.reconfigure(self.logs.settings)
+
     # -- stopping ------------------------------------------------------------------------------
 
     async def _drain(self) -> None:

@@ -545,3 +545,35 @@ async def test_sighup_in_quick_mode_has_nothing_to_reload(
             assert await backend_of(f"http://127.0.0.1:{port}") == "one"
             proxy.send(signal.SIGTERM)
             assert await proxy.wait_exit() == 0, proxy.stderr.text()
+
+
+# ---- SIGUSR1, SIGUSR2 ------------------------------------------------------------------------
+
+
+async def test_sigusr1_reopens_the_access_log_and_sigusr2_is_ignored(
+    tmp_path: Path, nursery: trio.Nursery, start_backend: StartBackend
+) -> None:
+    # Unhandled, either signal ended the process at once (exit status 138 / 140), cutting
+    # every stream: SIGUSR1 is what logrotate rules written for nginx send.
+    _, backend = await start_backend(backend_id="one")
+    access, rotated = tmp_path / "access.log", tmp_path / "access.log.1"
+    path = tmp_path / "muxproxy.toml"
+    path.write_text(config_text([backend], extra=f'\n[log]\naccess = "{access}"\n'))
+    with trio.fail_after(60):
+        async with proxy_process(nursery, config=path) as proxy:
+            (port,) = proxy.ports()
+            url = f"http://127.0.0.1:{port}"
+            assert await backend_of(url) == "one"
+            access.rename(rotated)
+            proxy.send(signal.SIGUSR1)
+            line = await proxy.wait_log("SIGUSR1")
+            assert line == f"muxproxy: SIGUSR1: reopened the access log {access}"
+            assert await backend_of(url) == "one"
+            proxy.send(signal.SIGUSR2)
+            line = await proxy.wait_log("SIGUSR2")
+            assert line.startswith("muxproxy: SIGUSR2 ignored: a rolling restart needs workers")
+            assert await backend_of(url) == "one"
+            proxy.send(signal.SIGTERM)
+            assert await proxy.wait_exit() == 0, proxy.stderr.text()
+    assert len(rotated.read_text().splitlines()) == 1
+    assert len(access.read_text().splitlines()) == 2
