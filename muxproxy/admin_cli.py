@@ -8,7 +8,8 @@
     undrain GROUP SERVER
     down GROUP SERVER           nothing new at all; streams in flight finish
     up GROUP SERVER
-    reload [--restart]          re-read the configuration file (--restart: the workers too)
+    reload [--restart]          re-read the configuration file (--restart instead: restart the
+                                workers one by one onto the installed code, --workers N)
 
 ``SERVER`` is an address as configured or the server's id as ``status`` shows it. The token
 comes from ``--token`` or ``MUXPROXY_ADMIN_TOKEN``. Only the standard library is used
@@ -77,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         _server_arguments(commands.add_parser(name, help=text))
     reload = commands.add_parser("reload", help="re-read the configuration file")
     reload.add_argument(
-        "--restart", action="store_true", help="also restart the workers (--workers N)"
+        "--restart",
+        action="store_true",
+        help="instead, restart the workers one by one onto the installed code, with the"
+        " configuration they run (--workers N; no file is read)",
     )
 
 
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         elif command == "reload":
             path = "/reload?restart=1" if args.restart else "/reload"
             document = client.call("POST", path)
-            done = "restarted and reloaded" if args.restart else "reloaded"
+            done = "workers restarted" if args.restart else "reloaded"
             print(f"{done}: generation {document.get('generation')}")
         else:
             change = {"weight": args.weight} if command == "weight" else _CHANGES[command]
