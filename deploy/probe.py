@@ -1,5 +1,8 @@
 """A health probe for muxproxy's admin API: ``python3 probe.py URL`` exits 0 when ``GET URL``
-answers 200 within 2 seconds, 1 otherwise (refused, timed out, any other status).
+answers 200 within 2 seconds, 1 otherwise (refused, timed out, any other status). The pod's
+liveness probe and the image's ``HEALTHCHECK`` run it on ``/status``, which answers until the
+process exits, a graceful stop included; readiness needs no script (an ``httpGet`` on
+``/ready``, which takes no token).
 
 It sends ``Authorization: Bearer $MUXPROXY_ADMIN_TOKEN`` when that variable is set: off a
 loopback address the admin API answers reads only with the token (``muxproxy/trio/admin.py``),

@@ -17,6 +17,9 @@ channel and merging the answers:
   (or :data:`RUNTIME_TIMEOUT` passed) before the answer. A worker that starts later gets it in
   its payload.
 * ``reload(restart)``: SIGHUP's and SIGUSR2's work, as they do it.
+* ``readiness()``: the supervisor's own (``Supervisor.readiness``): stopping from the stop
+  signal on, ready while serving as long as one worker listens (so a rolling restart, which
+  starts a slot's new worker before it stops the old one, never turns it not-ready).
 * ``metrics()``: ``muxproxy.trio.metrics.render`` over the live workers' snapshots and the
   counters and histograms of the workers that exited (merged into one as each exits: its
   gauges, such as streams in flight, went with it), so no counter goes backwards across a
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from .process import host_port
-from .trio.control import AdminError, ReloadResult, change_runtime, server_status
+from .trio.control import AdminError, Readiness, ReloadResult, change_runtime, server_status
 
 if TYPE_CHECKING:
     from .config import Config
@@ -75,6 +78,9 @@ class Supervised(Protocol):
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), in the configuration's order."""
 
+    def readiness(self) -> Readiness:
+        """Whether new traffic is taken now, from the supervisor's phase and workers."""
+
     async def ask_all(
         self, message: Message, workers: list[Worker] | None = None
     ) -> list[tuple[Worker, Message | None]]:
@@ -105,6 +111,9 @@ class SupervisorControl:
         """The admin token of the configuration running now (a reload may change it)."""
         admin = self.supervisor.config.admin
         return None if admin is None else admin.token
+
+    def readiness(self) -> Readiness:
+        return self.supervisor.readiness()
 
     async def status(self) -> dict[str, Any]:
         supervisor = self.supervisor

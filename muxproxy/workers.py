@@ -46,6 +46,8 @@ or a connection waiting to be accepted:
   :class:`~muxproxy.supervision.SupervisorControl`: status, runtime server overrides, reloads
   and metrics, merged over the workers; ``muxproxy admin on ...`` follows the listening lines.
   The admin address is the one the supervisor started with; a reload rotates the token.
+  It stays open until the supervisor exits, so ``GET /ready`` answers "stopping" (503) for
+  the whole drain (:meth:`Supervisor.readiness`).
 
 A worker asks the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``) and
 drains; so no worker outlives the supervisor, even one killed with SIGKILL. Both that and
@@ -65,7 +67,7 @@ import sys
 from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
@@ -86,7 +88,7 @@ from muxproxy.process import (
 )
 from muxproxy.supervision import SupervisorControl
 from muxproxy.trio.channel import Channel, ChannelError, Message
-from muxproxy.trio.control import ReloadResult, load_runtime_state
+from muxproxy.trio.control import Readiness, ReloadResult, load_runtime_state
 from muxproxy.trio.handover import (
     SlotSockets,
     WorkerPayload,
@@ -588,6 +590,24 @@ class Supervisor:
             self.retired = final if self.retired is None else merge([self.retired, final])
         except ValueError as exc:  # another version's metrics (a rolling restart)
             self._log(f"worker {worker.pid}: its last measurements are not counted: {exc}")
+
+    def readiness(self) -> Readiness:
+        """Ready while serving with at least one worker listening; stopping from the first
+        stop signal (or ``stop()``) until the supervisor exits."""
+        match self.phase:
+            case Phase.SERVING:
+                # A rolling restart stops a slot's old worker only once its new one listens,
+                # so one serves throughout; none does only while every slot is being
+                # replaced (their connections wait in the sockets' backlogs meanwhile).
+                if any(worker.state is WorkerState.SERVING for worker in self.workers):
+                    return Readiness.READY
+                return Readiness.STARTING
+            case Phase.STARTING:
+                return Readiness.STARTING
+            case Phase.STOPPING:
+                return Readiness.STOPPING
+            case unknown:
+                assert_never(unknown)
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), one per address, in the configuration's order."""

@@ -4,9 +4,11 @@
 Dockerfile and the Kubernetes manifests. What must agree is checked here, taking each value
 from the code where the code has it: the graceful-stop and reload signals (by handing them to
 the command line's own signal handler), the stop margins (``FLUSH_TIME``, ``KILL_MARGIN``),
-the admin token's variable, the exit status of an invalid configuration. The health probe
-runs for real, as a process, against a proxy built from the example configuration, before
-and during a graceful stop; ``muxproxy check`` runs as a process too. Docker and Kubernetes
+the admin token's variable, the readiness route (``READY_PATH``), the exit status of an
+invalid configuration. The probes run for real against a proxy built from the example
+configuration, before and during a graceful stop: the liveness probe as a process, the
+readiness probe as the kubelet sends it (a GET without a token, on the pod's address);
+``muxproxy check`` runs as a process too. Docker and Kubernetes
 are not needed: the files are parsed (PyYAML for the manifests, small readers below for the
 unit and the Dockerfile).
 """
@@ -29,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+import httpx
 import pytest
 import trio
 import yaml
@@ -37,6 +40,7 @@ from muxproxy.cli import _on_signal
 from muxproxy.config import ADMIN_TOKEN_ENV, Config, ConfigError, load_config, parse_config
 from muxproxy.config.admin import is_loopback
 from muxproxy.process import EXIT_USAGE, STOP_SIGNALS
+from muxproxy.trio.admin import READY_PATH
 from muxproxy.trio.local import serve_control
 from muxproxy.trio.server import FLUSH_TIME, Phase, ProxyServer
 from muxproxy.workers import HANDLED_SIGNALS, KILL_MARGIN
@@ -185,9 +189,26 @@ def handled_as(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return "stop" if server.shutdowns else "reload" if server.reloads else "nothing"
 
 
-def probe_commands() -> list[list[str]]:
-    spec = container()
-    return [spec[probe]["exec"]["command"] for probe in ("readinessProbe", "livenessProbe")]
+def liveness_command() -> list[str]:
+    """The liveness probe's command (an exec probe: probe.py on ``/status``)."""
+    command: list[str] = container()["livenessProbe"]["exec"]["command"]
+    return command
+
+
+def readiness_get() -> dict[str, Any]:
+    """The readiness probe's ``httpGet`` (path, port: a port's name or number)."""
+    probe: dict[str, Any] = container()["readinessProbe"]
+    assert set(probe) & {"exec", "httpGet", "tcpSocket", "grpc"} == {"httpGet"}
+    get: dict[str, Any] = probe["httpGet"]
+    return get
+
+
+def container_port(port: int | str) -> int:
+    """A probe's ``port``: a number, or the name of one of the container's ports."""
+    if isinstance(port, int):
+        return port
+    (number,) = [item["containerPort"] for item in container()["ports"] if item["name"] == port]
+    return int(number)
 
 
 def seconds(text: str) -> float:
@@ -345,10 +366,10 @@ def test_image_copies_only_named_files_that_exist_and_are_not_ignored() -> None:
             assert f"!{source}" in ignore, f"{source} is left out of the build context"
 
 
-def test_image_healthcheck_is_the_pods_probe() -> None:
+def test_image_healthcheck_is_the_pods_liveness_probe() -> None:
     (healthcheck,) = docker("HEALTHCHECK")
     command = json.loads(healthcheck.split(" CMD ", 1)[1])
-    assert command == probe_commands()[0]
+    assert command == liveness_command()
     assert command[1] == copied_to("deploy/probe.py")
 
 
@@ -425,18 +446,28 @@ def test_container_ports_are_the_listeners_and_the_admin_api() -> None:
         assert port["targetPort"] in ports or port["targetPort"] in ports.values()
 
 
-def test_probes_ask_the_admin_api_for_its_status_on_loopback() -> None:
+def test_readiness_probe_gets_the_ready_route_of_the_admin_api() -> None:
     config = example_config()
     assert config.admin is not None
-    for command in probe_commands():
-        assert command[:2] == ["python3", copied_to("deploy/probe.py")]
-        url = urlsplit(command[2])
-        # Inside the pod: loopback reaches an admin API bound to any address, and no one else.
-        assert url.hostname is not None and is_loopback(url.hostname)
-        assert url.port == config.admin.port and url.path == "/status"
-    spec = container()
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert spec[probe]["timeoutSeconds"] > 2.0  # probe.py's own TIMEOUT
+    get = readiness_get()
+    assert get["path"] == READY_PATH
+    assert container_port(get["port"]) == config.admin.port
+    # The kubelet sends it to the pod's address with no token: /ready must need none there.
+    assert get.get("scheme", "HTTP") == "HTTP" and "httpHeaders" not in get
+    assert "host" not in get and not is_loopback(config.admin.host)
+
+
+def test_liveness_probe_asks_the_admin_api_for_its_status_on_loopback() -> None:
+    # /status, not /ready: a 503 from /ready during the drain would get the pod killed.
+    config = example_config()
+    assert config.admin is not None
+    command = liveness_command()
+    assert command[:2] == ["python3", copied_to("deploy/probe.py")]
+    url = urlsplit(command[2])
+    # Inside the pod: loopback reaches an admin API bound to any address, and no one else.
+    assert url.hostname is not None and is_loopback(url.hostname)
+    assert url.port == config.admin.port and url.path == "/status"
+    assert container()["livenessProbe"]["timeoutSeconds"] > 2.0  # probe.py's own TIMEOUT
 
 
 def test_termination_grace_covers_prestop_and_shutdown_grace() -> None:
@@ -512,8 +543,8 @@ def config_on_port_zero(backend_port: int) -> Config:
 
 
 async def probe(admin_port: int, environ: Mapping[str, str]) -> int:
-    """Run the pod's readiness probe against ``admin_port``; its exit status."""
-    command = probe_commands()[0]
+    """Run the pod's liveness probe against ``admin_port``; its exit status."""
+    command = liveness_command()
     url = urlsplit(command[2])._replace(netloc=f"127.0.0.1:{admin_port}").geturl()
     result = await trio.run_process(
         [sys.executable, str(DEPLOY / "probe.py"), url],
@@ -549,11 +580,18 @@ async def hold_backend(
     await trio.serve_listeners(handle, listeners)
 
 
-async def test_probe_passes_while_serving_and_draining_and_needs_the_token() -> None:
+async def ready(client: httpx.AsyncClient, admin_port: int) -> int:
+    """The status the pod's readiness probe gets from ``admin_port``, as the kubelet asks:
+    a GET of its path, no token."""
+    response = await client.get(f"http://127.0.0.1:{admin_port}{readiness_get()['path']}")
+    return response.status_code
+
+
+async def test_probes_while_serving_and_draining() -> None:
     with_token = {**os.environ, ADMIN_TOKEN_ENV: TOKEN}
     without_token = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=5) as http:
             asked = trio.Event()
             backend_port = await nursery.start(hold_backend, asked)
             server = ProxyServer(config_on_port_zero(backend_port))
@@ -563,6 +601,7 @@ async def test_probe_passes_while_serving_and_draining_and_needs_the_token() -> 
 
             assert await probe(admin[1], with_token) == 0
             assert await probe(admin[1], without_token) == 1
+            assert await ready(http, admin[1]) == 200
 
             # A stream in flight keeps the graceful stop going.
             client = await trio.open_tcp_stream("127.0.0.1", proxy[1])
@@ -575,9 +614,9 @@ async def test_probe_passes_while_serving_and_draining_and_needs_the_token() -> 
             await asked.wait()
             server.request_shutdown()
             assert server.phase is Phase.DRAINING
-            # The admin API answers until the process stops: the liveness probe does not
-            # restart a draining pod, and the readiness probe does not turn it not-ready
-            # either (docs/deploy.md: the preStop wait is what takes it out of rotation).
+            # Not ready from the start of the stop; alive (the admin API answers) until the
+            # process stops, so the kubelet does not kill a draining pod.
+            assert await ready(http, admin[1]) == 503
             assert await probe(admin[1], with_token) == 0
             nursery.cancel_scope.cancel()
         await client.aclose()

@@ -2,6 +2,7 @@
 
 Endpoints (JSON in and out, but ``/metrics``)::
 
+    GET   /ready                                  200 {"ready": true}, or 503 with a reason
     GET   /status                                 groups, servers, listeners, workers
     GET   /metrics                                Prometheus text format 0.0.4
     PATCH /upstreams/{group}/servers/{server}     {"weight": N|null, "drain": B, "down": B}
@@ -11,14 +12,32 @@ Served by Hypercorn (its HTTP/1.1 parsing, head-size limit and timeouts answer m
 slow requests) with the small ASGI application below, which knows nothing of the proxy: a
 single process and a supervisor of workers hand it their own ``Control``.
 
+Readiness (``READY_PATH``), for a Kubernetes ``httpGet`` readiness probe or a load balancer's
+health check: 200 ``{"ready": true}`` while the proxy takes new traffic, 503 ``{"ready":
+false, "reason": "stopping"}`` from the moment a graceful stop begins (the first SIGTERM,
+SIGINT or SIGQUIT) until the process exits, and ``"starting"`` while nothing accepts yet (a
+supervisor whose every worker is being replaced). The listener stays open for the whole drain
+(it closes when the process exits), so a probe sees the 503 rather than a refused
+connection, and a liveness check on ``/status`` keeps passing. The backends are deliberately
+left out: a proxy whose groups have no usable server is still ready. Every replica shares the
+same backends, so "not ready" there would take every pod out of its Service at once; clients
+would get connection refused instead of the proxy's own 502 or 503 that says why, and with no
+requests passive health (which learns from them) could not see a backend come back. Readiness
+says whether this process should be sent traffic; whether the fleet behind it can serve is
+``/status``'s and ``/metrics``' business.
+
 Security rules. Every change (PATCH, POST) needs ``Authorization: Bearer <token>`` (RFC 6750
 §2.1); the comparison is constant-time (``hmac.compare_digest``) so the token cannot be
 guessed byte by byte from response times. A missing or wrong token is a 401 with
 ``WWW-Authenticate: Bearer`` (RFC 6750 §3) and changes nothing. With no token configured,
-changes are refused (403) rather than open. Reads (GET) are open only on a loopback address;
+changes are refused (403) rather than open. ``GET /ready`` is open on every address: it says
+"ready" or one word why not, names no backend and changes nothing, and an ``httpGet`` probe
+cannot send a token from a Secret. Other reads (GET) are open only on a loopback address;
 elsewhere they need the token as well, since status names every backend. Request bodies are
-bounded (``MAX_BODY``) and must arrive within ``BODY_TIMEOUT``. Every change, and every
-refused attempt, is logged to ``muxproxy.admin`` with the client's address.
+bounded (``MAX_BODY``) and must arrive within ``BODY_TIMEOUT``; heads by ``_MAX_HEAD``, on
+``/ready`` too. Every change, and every refused attempt, is logged to ``muxproxy.admin`` with
+the client's address; readiness answers are not (a probe every few seconds would drown the
+log; the stop itself is logged by the process that stops).
 
 Nothing a client sends may stop the proxy: the application answers every request it
 understands with a status and a message, and Hypercorn answers the rest (a 500 for a bug,
@@ -43,9 +62,17 @@ from hypercorn.trio import serve as hypercorn_serve
 from ..asgi import serve_lifespan
 from ..config.admin import is_loopback
 from ..config.records import ADMIN_TOKEN_ENV
-from .control import AdminError, Control
+from .control import AdminError, Control, Readiness
 
-__all__ = ["BODY_TIMEOUT", "MAX_BODY", "AdminApp", "TokenSource", "parse_change", "serve_admin"]
+__all__ = [
+    "BODY_TIMEOUT",
+    "MAX_BODY",
+    "READY_PATH",
+    "AdminApp",
+    "TokenSource",
+    "parse_change",
+    "serve_admin",
+]
 
 log = logging.getLogger("muxproxy.admin")
 _http_log = logging.getLogger("muxproxy.admin.http")
@@ -56,6 +83,8 @@ _http_log.setLevel(logging.WARNING)
 MAX_BODY = 16 * 1024
 """Largest request body accepted. A change is a few dozen bytes of JSON; anything near this
 is not one, and holding more would let a client make the proxy keep it."""
+READY_PATH = "/ready"
+"""The readiness endpoint: what a probe or a load balancer's health check asks for."""
 BODY_TIMEOUT = 10.0
 """Seconds a client has to send its whole request body once the head has arrived."""
 _MAX_HEAD = 16 * 1024
@@ -151,7 +180,8 @@ class AdminApp:
 
     ``token``: the bearer token changes need (None: changes refused), or a function that
     returns it, asked on every request (a reload may change it). ``open_reads``: GETs need no
-    token (for a loopback listener). ``body_timeout``: seconds a request body may take.
+    token (for a loopback listener; ``GET /ready`` never needs one). ``body_timeout``: seconds
+    a request body may take.
     """
 
     def __init__(
@@ -230,6 +260,9 @@ class AdminApp:
         who: str,
     ) -> _Response:
         match segments:
+            case ["ready"]:
+                _allow(method, "GET")
+                return _ready(self.control.readiness())
             case ["status"]:
                 _allow(method, "GET")
                 self._authorize(headers, change=False)
@@ -279,8 +312,8 @@ class AdminApp:
                 )
         raise AdminError(
             404,
-            f"no such endpoint: /{'/'.join(segments)}; expected GET /status, GET /metrics,"
-            " PATCH /upstreams/GROUP/servers/SERVER or POST /reload",
+            f"no such endpoint: /{'/'.join(segments)}; expected GET /ready, GET /status,"
+            " GET /metrics, PATCH /upstreams/GROUP/servers/SERVER or POST /reload",
         )
 
     def _authorize(self, headers: Mapping[str, str], *, change: bool) -> None:
@@ -300,6 +333,14 @@ class AdminApp:
             raise AdminError(401, "missing token; send Authorization: Bearer TOKEN")
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise AdminError(401, "wrong token")
+
+
+def _ready(readiness: Readiness) -> _Response:
+    if readiness is Readiness.READY:
+        return _json(200, {"ready": True})
+    # RFC 9110 §15.6.4: 503, the server is unable to handle requests now; a probe or a load
+    # balancer only needs the status, the reason is for whoever looks.
+    return _json(503, {"ready": False, "reason": readiness.value})
 
 
 def _allow(method: str, allowed: str) -> None:
@@ -371,8 +412,8 @@ async def serve_admin(
     """Serve the admin API for ``control`` on ``address`` (``host:port``) until cancelled.
 
     ``token`` guards changes (None: changes are refused; a function: asked on every request,
-    so a reload can change it); reads are open when ``address``
-    is loopback. ``task_status.started((host, port))`` reports the address bound (port 0:
+    so a reload can change it); reads are open when ``address`` is loopback, ``GET /ready``
+    on any address. ``task_status.started((host, port))`` reports the address bound (port 0:
     any free port). ``body_timeout``: seconds a request body may take to arrive. Raises
     ``OSError`` when the address cannot be bound.
     """

@@ -10,14 +10,20 @@ whole :class:`~muxproxy.config.runtime.RuntimeState`, never as a delta, so every
 that receives the state agrees on it. They are saved to the state file *before* they are
 applied: a change the API answered with 200 survives a crash that follows. And they are
 serialised by one lock, so two concurrent requests cannot save one state and apply another.
+
+Readiness (:class:`Readiness`, ``GET /ready``) is read from the lifecycle's own state, the
+server's :class:`~muxproxy.trio.server.Phase` here and the supervisor's phase and workers
+there, without asking any process: a probe's answer never waits behind a busy worker, and the
+moment a graceful stop begins is the moment it turns.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, assert_never
 
 import attrs
 import trio
@@ -34,6 +40,7 @@ __all__ = [
     "AdminError",
     "Control",
     "LocalControl",
+    "Readiness",
     "ReloadResult",
     "apply_saved_state",
     "change_runtime",
@@ -65,8 +72,27 @@ class ReloadResult:
     generation: int
 
 
+class Readiness(enum.Enum):
+    """Whether the proxy takes new traffic, and if not, why (``GET /ready``'s ``reason``).
+
+    The state of the backends is deliberately not part of it: see ``muxproxy.trio.admin``.
+    """
+
+    READY = "ready"
+    STARTING = "starting"
+    """Nothing accepts yet: the listeners are not bound, or (``--workers N``) no worker
+    listens, every one of them being replaced; connections wait in the kernel's backlog."""
+    STOPPING = "stopping"
+    """A graceful stop has begun: new connections are refused, running streams finish
+    within ``timeouts.shutdown_grace``. It lasts until the process exits."""
+
+
 class Control(Protocol):
     """The operations of the admin API, for one process or for a fleet of workers."""
+
+    def readiness(self) -> Readiness:
+        """Whether new traffic is taken now; never waits and never raises."""
+        ...
 
     async def status(self) -> dict[str, Any]:
         """JSON-able status: ``groups`` (``ProxyCore.status()``'s), ``listeners``,
@@ -132,6 +158,17 @@ class LocalControl:
     def state_file(self) -> str | None:
         admin = self.server.config.admin
         return None if admin is None else admin.state_file
+
+    def readiness(self) -> Readiness:
+        match self.server.phase:
+            case Phase.SERVING:
+                return Readiness.READY
+            case Phase.NEW:
+                return Readiness.STARTING
+            case Phase.DRAINING | Phase.CUTTING | Phase.STOPPED:
+                return Readiness.STOPPING
+            case unknown:
+                assert_never(unknown)
 
     async def status(self) -> dict[str, Any]:
         server = self.server
