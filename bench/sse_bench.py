@@ -37,6 +37,15 @@ Variants (``--variants``, comma-separated, default the first five):
   (not in the default list)
 * ``muxproxy-h1-wN``, ``muxproxy-h2-wN``: ``muxproxy serve --workers N`` (a supervisor and N
   worker processes); "the proxy" is then all of them: CPU and RSS are their sums.
+* ``sglang-router``, ``sglang-router-h2``, ``vllm-router``, ``vllm-router-h2``: HTTP/1.1 / h2c
+  client -> the Rust LLM router (``--routers-venv``: ``pip install sglang-router
+  vllm-router``; ``--policy round_robin``, one worker: the backend; ``--router-threads`` tokio
+  worker threads, default 1) -> backend. The routers route only inference endpoints and drop
+  the query string, so for them the clients send every ``GET /sse?...`` as ``POST
+  /v1/chat/completions`` naming that target, and the backend (``router_compat.py``, used for
+  the whole session when a router variant is in it) streams the same bytes as for the ``GET``
+  and answers the routers' ``/health``, ``/server_info``, ``/model_info``. Not in the default
+  list.
 
 For each variant a fresh proxy process is started. In ``stream`` mode first the idle-stream RSS
 is measured (``--idle-streams`` streams that receive nothing), then one load run per
@@ -77,6 +86,7 @@ LLM_CLIENT = HERE / "llm_load.py"
 RELAY = HERE / "trio_relay.py"
 PYSPY_TOP = HERE / "pyspy_top.py"
 TOKEN_TRACE = HERE / "token_trace.py"
+ROUTER_COMPAT = HERE / "router_compat.py"
 
 VARIANTS = {
     # name: (label, proxy kind or None, client protocol)
@@ -91,6 +101,10 @@ VARIANTS = {
     "haproxy-h2": ("(j2) HAProxy h2→h1", "haproxy-h2", "h2"),
     "trio-relay": ("(e) trio-relay", "relay", "h1"),
     "epoll-relay": ("(h) epoll relay", "relay-epoll", "h1"),
+    "sglang-router": ("(k) sglang-router h1→h1", "sglang-router", "h1"),
+    "sglang-router-h2": ("(k2) sglang-router h2→h1", "sglang-router", "h2"),
+    "vllm-router": ("(l) vllm-router h1→h1", "vllm-router", "h1"),
+    "vllm-router-h2": ("(l2) vllm-router h2→h1", "vllm-router", "h2"),
 }
 DEFAULT_VARIANTS = ["direct", "muxproxy-h1", "muxproxy-h2", "nginx", "trio-relay"]
 WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([1-9][0-9]*)")
@@ -134,6 +148,34 @@ http {{
     }}
 }}
 """
+
+
+ROUTERS = {
+    # proxy kind: (PyPI package, module to run with -m, the module its import needs, log level)
+    "sglang-router": (
+        "sglang-router",
+        "sglang_router.launch_router",
+        "sglang_router.sglang_router_rs",
+        "warn",
+    ),
+    "vllm-router": ("vllm-router", "vllm_router.launch_router", "vllm_router_rs", "warning"),
+}
+"""The Rust LLM routers, from their own venv (``--routers-venv``), each with the same options:
+``--worker-urls http://BACKEND --policy round_robin``, a Prometheus port of its own, warnings
+only in the log (at ``info`` sglang-router writes two lines per request)."""
+ROUTERS_VENV = Path(os.environ.get("MUXBENCH_ROUTERS_VENV", "/work/bench-routers"))
+ROUTER_THREADS = 1
+"""``--router-threads``: the routers' tokio worker threads (``TOKIO_WORKER_THREADS``); 0: tokio's
+default, one per CPU the router may use."""
+ROUTERS_INSTALL = "python3 -m venv {venv} && {venv}/bin/pip install sglang-router vllm-router"
+
+
+def is_router(name: str) -> bool:
+    return variant(name)[1] in ROUTERS
+
+
+def router_python() -> Path:
+    return ROUTERS_VENV / "bin" / "python"
 
 
 HAPROXY_CONF = """\
@@ -196,6 +238,38 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 20
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
 
 
+def wait_routed(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Until a router relays a bench stream: it listens before it has registered its worker
+    (sglang-router answers 503 until then). Polls ``POST /v1/chat/completions`` for
+    ``/sse?n=1`` (router_compat.py) until a 200 with an event comes back."""
+    import router_compat  # beside this script
+
+    body = router_compat.chat_body(b"/sse?n=1")
+    request = (
+        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (router_compat.CHAT, len(body), body)
+    )
+    deadline = time.monotonic() + timeout
+    last = b""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 2) as s:
+            s.settimeout(2)
+            s.sendall(request)
+            last = b""
+            while b"data: " not in last and len(last) < 65536:
+                data = s.recv(65536)
+                if not data:
+                    break
+                last += data
+            if last.startswith(b"HTTP/1.1 200") and b"data: " in last:
+                return
+        time.sleep(0.1)
+    status = last.split(b"\r\n", 1)[0].decode(errors="replace") or "no answer"
+    raise RuntimeError(f"the router relayed no stream after {timeout} s (last: {status})")
+
+
 def descendants(pid: int) -> list[int]:
     """All processes below ``pid`` (children, their children, ...), from one scan of /proc."""
     children: dict[int, list[int]] = {}
@@ -235,6 +309,7 @@ class Proc:
         port: int,
         cwd: Path | None = None,
         cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.log = log
@@ -246,6 +321,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
+            env=env,
             # A shell without job control starts background jobs with SIGINT ignored; give the
             # child the default back so that stop() can end it gracefully with SIGINT.
             preexec_fn=lambda: start_child(cpus),
@@ -314,11 +390,12 @@ def split_cpus(parser: argparse.ArgumentParser, spec: str | None) -> set[int] | 
     return proxy
 
 
-def start_backend(tmp: Path, interval_ms: float, slots: int) -> Proc:
+def start_backend(tmp: Path, interval_ms: float, slots: int, routers: bool = False) -> Proc:
+    """``routers``: the backend with what the LLM routers ask of a worker (router_compat.py)."""
     port = free_port()
     argv = [
         sys.executable,
-        str(BACKEND),
+        *([str(ROUTER_COMPAT), "backend"] if routers else [str(BACKEND)]),
         "--port",
         str(port),
         "--interval-ms",
@@ -393,10 +470,23 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
         conf.write_text(HAPROXY_CONF.format(tmp=tmp, backend=backend, listen=listen, proto=proto))
         argv = [shutil.which("haproxy") or "/usr/sbin/haproxy", "-db", "-f", str(conf)]
         proc = Proc("haproxy", argv, tmp / "haproxy.log", port, cpus=PROXY_CPUS)
+    elif kind in ROUTERS:
+        _, module, _, log_level = ROUTERS[kind]
+        argv = [str(router_python()), "-m", module, "--worker-urls", f"http://{backend}"]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        argv += ["--log-level", log_level]
+        env = dict(os.environ)
+        env.pop("TOKIO_WORKER_THREADS", None)
+        if ROUTER_THREADS:
+            env["TOKIO_WORKER_THREADS"] = str(ROUTER_THREADS)
+        proc = Proc(kind, argv, tmp / f"{kind}.log", port, cpus=PROXY_CPUS, env=env)
     else:
         raise ValueError(kind)
     try:
         wait_listening(port, proc.proc)
+        if kind in ROUTERS:
+            wait_routed(port, proc.proc)
         # nginx: the master and its worker; muxproxy --workers N: the supervisor, N workers and
         # whatever else they started. All of them are measured as "the proxy".
         want = 1 if kind in ("nginx", "nginx-h2") else workers
@@ -416,9 +506,18 @@ def start_proxy(kind: str, tmp: Path, backend: str, nginx: str, workers: int = 0
 
 
 def run_client(
-    args: argparse.Namespace, argv: list[str], timeout: float, script: Path = CLIENT
+    args: argparse.Namespace,
+    argv: list[str],
+    timeout: float,
+    script: Path = CLIENT,
+    name: str = "",
 ) -> dict[str, object]:
-    cmd = [sys.executable, str(script), *argv]
+    """Run a client script for variant ``name``; for a router, through router_compat.py (the
+    same script with its requests in the shape the routers route)."""
+    if name and is_router(name):
+        cmd = [sys.executable, str(ROUTER_COMPAT), script.stem, *argv]
+    else:
+        cmd = [sys.executable, str(script), *argv]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -472,7 +571,8 @@ class Session:
 
     def start(self) -> None:
         args = self.args
-        self.backend = start_backend(self.tmp, args.interval * 1000.0, args.slots)
+        routers = any(is_router(name) for name in args.variants)
+        self.backend = start_backend(self.tmp, args.interval * 1000.0, args.slots, routers)
         self.started.append(self.backend)
         self.baddr = f"127.0.0.1:{self.backend.port}"
         for name in args.variants:
@@ -541,7 +641,7 @@ class Session:
                         f"# [{rep + 1}/{args.repeat}] {label}: {describe(param)}", file=sys.stderr
                     )
                     script, argv, timeout = client(name, param)
-                    res = run_client(args, [*self.common(name), *argv], timeout, script)
+                    res = run_client(args, [*self.common(name), *argv], timeout, script, name)
                     self.runs.append({"variant": name, "label": label, "repeat": rep, **res})
                     if proxy is not None:
                         self.runs[-1]["proxy_pids"] = proxy.measured_pids()
@@ -660,6 +760,7 @@ def bench_streams(args: argparse.Namespace, session: Session) -> None:
                     str(args.idle_streams),
                 ],
                 timeout=120,
+                name=name,
             )
             session.runs.append({"variant": name, "label": label, **res})
             report_problems(label, res, proxy)
@@ -738,6 +839,43 @@ def run_text(argv: list[str]) -> str:
         return ""
 
 
+def router_missing(kind: str) -> str:
+    """Why router ``kind`` cannot run from ROUTERS_VENV ("" when it can)."""
+    python = router_python()
+    if not python.exists():
+        return f"no {python}"
+    _, module, extension, _ = ROUTERS[kind]
+    try:
+        done = subprocess.run(
+            [str(python), "-c", f"import {extension}, {module}"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} did not run: {exc}"
+    if done.returncode:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        return f"{python} cannot import {module} ({last})"
+    return ""
+
+
+def router_versions(variants: list[str]) -> dict[str, str]:
+    """The PyPI versions of the routers the run measures."""
+    kinds = sorted({variant(v)[1] for v in variants} & ROUTERS.keys())
+    if not kinds:
+        return {}
+    packages = [ROUTERS[k][0] for k in kinds]
+    code = (
+        "import importlib.metadata as m, json, sys; "
+        "print(json.dumps({p: m.version(p) for p in sys.argv[1:]}))"
+    )
+    try:
+        return json.loads(run_text([str(router_python()), "-c", code, *packages]))
+    except ValueError:
+        return {}
+
+
 def host_meta() -> dict[str, object]:
     """What every results file says about where and on what code it was measured."""
     digest = hashlib.sha256()
@@ -775,6 +913,9 @@ def meta(args: argparse.Namespace) -> dict[str, object]:
         "proxy_cpus": args.proxy_cpus,
         "mode": args.mode,
     }
+    routers = router_versions(args.variants)
+    if routers:
+        out.update(routers=routers, routers_venv=str(ROUTERS_VENV), router_threads=ROUTER_THREADS)
     if args.mode == "saturation":
         out["burst"] = args.burst
     elif args.mode == "llm":
@@ -1014,6 +1155,9 @@ def saturation_table(result: dict[str, Any]) -> str:
             )
         _, kind, _, workers = variant(r["variant"])
         cores = max(1, workers)
+        if kind in ROUTERS:
+            threads = result["meta"].get("router_threads")
+            cores = threads or len(PROXY_CPUS or os.sched_getaffinity(0))
         others = f"other processes: {fmt(r['others_cpu_pct'], '.0f')} %"
         if limits:
             pass
@@ -1160,6 +1304,7 @@ def error_notes(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def main() -> None:
+    global MUXPROXY_SRC, BASELINE_SRC, TRACE_DIR, PROXY_CPUS, ROUTERS_VENV, ROUTER_THREADS
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1229,6 +1374,22 @@ def main() -> None:
         help="comma-separated CPU numbers: run every proxy on these and the backend, the "
         "clients and this script on the others (a proxy core of its own)",
     )
+    parser.add_argument(
+        "--routers-venv",
+        type=Path,
+        default=ROUTERS_VENV,
+        help="the venv with sglang-router and vllm-router, for the *-router variants "
+        f"(default: $MUXBENCH_ROUTERS_VENV or {ROUTERS_VENV}; "
+        + ROUTERS_INSTALL.format(venv="DIR")
+        + ")",
+    )
+    parser.add_argument(
+        "--router-threads",
+        type=int,
+        default=1,
+        help="tokio worker threads of the routers (TOKIO_WORKER_THREADS; default 1, like "
+        "nginx's one worker and HAProxy's one thread; 0: one per CPU they may use)",
+    )
     sat = parser.add_argument_group("--mode saturation")
     sat.add_argument("--burst", type=int, default=16, help="events per backend write")
     llm = parser.add_argument_group("--mode llm (see bench/llm_load.py)")
@@ -1239,7 +1400,6 @@ def main() -> None:
     llm.add_argument("--tokens", default="20,400", help="tokens per response, MIN,MAX")
     llm.add_argument("--pool-limit", type=int, default=100, help="HTTP/1.1 connections")
     args = parser.parse_args()
-    global MUXPROXY_SRC, BASELINE_SRC, TRACE_DIR, PROXY_CPUS
     MUXPROXY_SRC = args.muxproxy_src.resolve()
     BASELINE_SRC = args.baseline_src.resolve() if args.baseline_src else MUXPROXY_SRC
     PROXY_CPUS = split_cpus(parser, args.proxy_cpus)
@@ -1266,6 +1426,16 @@ def main() -> None:
         and not Path(args.nginx).exists()
     ):
         parser.error("nginx not found (apt-get install nginx-light), or leave out --variants nginx")
+    ROUTERS_VENV = args.routers_venv.absolute()
+    ROUTER_THREADS = max(0, args.router_threads)
+    for kind in sorted({variant(v)[1] for v in args.variants} & ROUTERS.keys()):
+        problem = router_missing(kind)
+        if problem:
+            parser.error(
+                f"{kind}: {problem}. Install the routers into their own venv: "
+                f"{ROUTERS_INSTALL.format(venv=ROUTERS_VENV)} (or pass --routers-venv DIR, "
+                f"or leave out the {kind} variants)"
+            )
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
     result = bench(args)
