@@ -44,12 +44,14 @@ from muxproxy.process import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    REOPEN_LOG_SIGNAL,
     STOP_SIGNALS,
     freeze_startup_heap,
     host_port,
     leaves,
     listening_line,
     listening_lines,
+    reopen_access_log,
     scheme,
 )
 
@@ -487,7 +489,7 @@ def run_server(
 
     async def serve_until_stopped() -> None:
         with trio.open_signal_receiver(
-            *STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2
+            *STOP_SIGNALS, signal.SIGHUP, REOPEN_LOG_SIGNAL, signal.SIGUSR2
         ) as signals:
             server = server_module.ProxyServer(config)
             control, state = None, None
@@ -538,8 +540,8 @@ def _on_signal(
     phase = server.phase.value
     if signum == signal.SIGHUP:
         reload_server(server, config_path, log_level=log_level)
-    elif signum == signal.SIGUSR1:
-        _reopen_access_log(server)
+    elif signum == REOPEN_LOG_SIGNAL:
+        reopen_access_log(server, log)
     elif signum == signal.SIGUSR2:
         log.warning(
             "muxproxy: SIGUSR2 ignored: a rolling restart needs workers (muxproxy serve"
@@ -569,23 +571,6 @@ def _on_signal(
         log.info(
             "muxproxy: %s: already stopping gracefully (SIGTERM or SIGINT cuts now)", signum.name
         )
-
-
-def _reopen_access_log(server: Any) -> None:
-    access = server.config.log.access
-    if access in ("stderr", "off"):
-        log.info("muxproxy: SIGUSR1: the access log is %s, no file to reopen", access)
-        return
-    try:
-        server.reopen_access_log()
-    except OSError as exc:
-        log.warning(
-            "muxproxy: SIGUSR1: cannot reopen the access log %s: %s; still writing to the old file",
-            access,
-            exc.strerror or exc,
-        )
-        return
-    log.info("muxproxy: SIGUSR1: reopened the access log %s", access)
 
 
 def reload_server(server: Any, config_path: str | None, *, log_level: str | None = None) -> bool:

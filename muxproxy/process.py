@@ -15,9 +15,10 @@ It imports neither Trio nor the proxy: ``muxproxy check`` loads it too.
 from __future__ import annotations
 
 import gc
+import logging
 import signal
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from muxproxy.config import Config
@@ -33,6 +34,31 @@ get ``timeouts.shutdown_grace`` to finish."""
 CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Stop signals that, repeated during a graceful stop, cut what still runs (as a second
 Ctrl-C does); a repeated SIGQUIT, nginx's graceful stop, stays graceful."""
+
+
+REOPEN_LOG_SIGNAL = signal.SIGUSR1
+"""Reopens the access log file at its path, after log rotation renamed it (nginx's USR1);
+a reload (SIGHUP) does it too."""
+
+
+def reopen_access_log(server: Any, log: logging.Logger) -> None:
+    """:data:`REOPEN_LOG_SIGNAL`'s work in a process that serves (``server``: its running
+    ``ProxyServer``), logged: reopened, nothing to reopen, or why it could not (the old file
+    is still written then)."""
+    access = server.config.log.access
+    if access in ("stderr", "off"):
+        log.info("muxproxy: SIGUSR1: the access log is %s, no file to reopen", access)
+        return
+    try:
+        server.reopen_access_log()
+    except OSError as exc:
+        log.warning(
+            "muxproxy: SIGUSR1: cannot reopen the access log %s: %s; still writing to the old file",
+            access,
+            exc.strerror or exc,
+        )
+        return
+    log.info("muxproxy: SIGUSR1: reopened the access log %s", access)
 
 
 def listening_lines(config: Config, bound: Sequence[tuple[str, int]]) -> list[str]:

@@ -39,6 +39,7 @@ or a connection waiting to be accepted:
   in the background; both accept from the same queue meanwhile, so no connection is refused.
   A new worker that fails to listen aborts the restart: the old one keeps its slot, and why is
   logged.
+* SIGUSR1: every worker opens the access log file again (after log rotation renamed it).
 * A worker that dies is reported on stderr and replaced on its slot, at most N times within
   :data:`RESTART_WINDOW` seconds: past that the workers stop and the supervisor exits 1,
   rather than spin on a crash loop.
@@ -80,6 +81,7 @@ from muxproxy.process import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    REOPEN_LOG_SIGNAL,
     STOP_SIGNALS,
     describe_exit,
     host_port,
@@ -113,7 +115,7 @@ RESTART_WINDOW = 10.0
 KILL_MARGIN = 5.0
 """Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
 
-HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2)
+HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2, REOPEN_LOG_SIGNAL)
 
 
 class Phase(enum.Enum):
@@ -393,6 +395,10 @@ class Supervisor:
                 self.nursery.start_soon(self.reload)
             elif signum == signal.SIGUSR2:
                 self.nursery.start_soon(self.restart)
+            elif signum == REOPEN_LOG_SIGNAL:
+                for worker in list(self.workers):
+                    if worker.state is not WorkerState.STOPPING:
+                        await self._tell(worker, {"type": "reopen_logs"})
 
     async def stop(self, *, cut: bool) -> None:
         """Tell every worker to stop (drain, or ``cut``); kill those left at the deadline."""

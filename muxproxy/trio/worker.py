@@ -18,6 +18,8 @@ supervisor      ``reload`` id, config, listeners   apply a validated Config (bas
                                                    ``listeners`` naming how many per address;
                                                    answered ``reloaded`` id, ok, generation,
                                                    error
+supervisor      ``reopen_logs``                    open the access log file again (SIGUSR1 to
+                                                   the supervisor, after log rotation)
 supervisor      ``runtime`` id, state              ``RuntimeState`` JSON; answered ``applied``
 supervisor      ``status?`` / ``metrics?`` id      answered ``status`` / ``metrics`` with
                                                    ``ProxyCore.status()`` / a measurements
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import logging
 import os
 import pickle
 import signal
@@ -49,10 +52,12 @@ import trio
 
 from ..config import Config
 from ..config.runtime import RuntimeState
-from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves
+from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves, reopen_access_log
 from .channel import Channel, ChannelError, Message
 from .handover import WorkerPayload
 from .server import ProxyServer
+
+log = logging.getLogger("muxproxy")
 
 WORKER_CODE = "from muxproxy.trio.worker import worker_main; raise SystemExit(worker_main())"
 """A worker's ``python -c`` program; its one argument is the supervisor's pid."""
@@ -155,6 +160,8 @@ class WorkerProcess:
                 self._stop(cut=True)
             elif kind == "reload":
                 await self._send(self._reload(message, fds))
+            elif kind == "reopen_logs":
+                reopen_access_log(self.server, log)
             elif kind == "runtime":
                 self.server.apply_runtime(RuntimeState.from_json(message["state"]))
                 await self._send({"type": "applied", "id": message["id"]})

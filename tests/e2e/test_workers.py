@@ -578,3 +578,29 @@ async def test_the_admin_api_of_the_supervisor_answers_for_every_worker(
             assert status["groups"]["gpus"]["servers"][0]["weight"] == 5
             assert metrics.status_code == 200
             assert "muxproxy_requests_total{" in metrics.text  # the old workers' streams
+
+
+async def test_sigusr1_has_every_worker_reopen_the_access_log(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    # Unhandled, SIGUSR1 ended the supervisor at once (what logrotate rules written for
+    # nginx send); its workers then drained and exited.
+    _, backend_port = await start_backend()
+    access, rotated = tmp_path / "access.log", tmp_path / "access.log.1"
+    config = tmp_path / "muxproxy.toml"
+    config.write_text(config_text(backend_port, "127.0.0.1:0") + f'\n[log]\naccess = "{access}"\n')
+    async with supervisor("--workers", "2", "--config", str(config)) as proxy:
+        workers = proxy.workers()
+        await proxy.request()
+        access.rename(rotated)
+        proxy.process.send_signal(signal.SIGUSR1)
+        reopened = f"muxproxy: SIGUSR1: reopened the access log {access}"
+        await wait_for(
+            "both workers reopened the log",
+            lambda: sum(reopened in line for line in proxy.proxy.stderr.lines) == 2,
+        )
+        for _ in range(4):
+            await proxy.request()
+        assert proxy.workers() == workers  # nothing restarted
+    assert len(rotated.read_text().splitlines()) == 1
+    assert len(access.read_text().splitlines()) == 4
