@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_cli import REPO, run_cli
 
 from muxproxy.config import Config, ConfigError, admin, loading, logs, parse_config, upstreams
@@ -304,3 +306,39 @@ def test_the_explain_module_runs_as_a_script() -> None:
     )
     assert result.returncode == 0
     assert result.stdout == render_markdown()
+
+
+# -- any document: a Config or a ConfigError, never a crash ---------------------------------
+
+KEY_NAMES = sorted({entry.key for entry in entries()} | set(loading._TOP_KEYS) | {"gpus"})
+scalars = st.one_of(
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["127.0.0.1:9001", "gpus", "/v1/", "header:X-Chat-ID", "round_robin"]),
+)
+keys = st.one_of(st.sampled_from(KEY_NAMES), st.text(max_size=8))
+documents = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(keys, inner, max_size=4)),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=st.sampled_from([{}, MINIMAL]),
+    extra=st.dictionaries(keys, documents, max_size=4),
+)
+def test_any_document_gives_a_config_or_problems_named_by_key(
+    base: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    data = {**base, **extra}
+    try:
+        parse_config(data, environ={})
+    except ConfigError as exc:
+        assert exc.problems
+        for problem in exc.problems:
+            path, sep, message = problem.partition(": ")
+            assert sep and path and message, problem
