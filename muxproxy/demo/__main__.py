@@ -1,0 +1,7 @@
+"""``python -m muxproxy.demo``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
