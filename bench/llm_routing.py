@@ -17,7 +17,8 @@ The policies (``--policies``, names or numbers):
 2. ``least_streams``  ``balance = "least_streams"``
 3. ``sticky``         round robin, ``sticky.sources = ["header:X-User"]`` (a user stays put)
 4. ``least_load``     ``balance = "least_load"``
-5. ``prefix``         ``least_load`` with ``affinity = "prefix"`` (length 1024, load 1.25)
+5. ``prefix``         ``least_load`` with ``affinity = "prefix"`` (length 1024, load 1.25,
+   ``balance_gap`` a quarter of the engines' slots: ``--balance-gap``)
 6. ``admission``      5, plus ``max_streams`` = the engines' slots on every server, ``queue``
    and ``load_report`` (the engines' ``/metrics`` every second)
 
@@ -146,8 +147,12 @@ def proxy_config(
     limit = f", max_streams = {args.max_running}" if policy.admission else ""
     servers = ",\n".join(f'  {{ address = "127.0.0.1:{port}"{limit} }}' for port in engines)
     group = string.Template(policy.toml).substitute(queue_timeout=f"{args.queue_timeout:g}")
-    if args.load_factor is not None and 'affinity = "prefix"' in group:
-        group += f"\nprefix = {{ load_factor = {args.load_factor:g} }}"
+    if 'affinity = "prefix"' in group:
+        options = [f"balance_gap = {args.balance_gap}"] if args.balance_gap else []
+        if args.load_factor is not None:
+            options.append(f"load_factor = {args.load_factor:g}")
+        if options:
+            group += f"\nprefix = {{ {', '.join(options)} }}"
     return (
         f'[[listeners]]\naddress = "127.0.0.1:{listen}"\n\n'
         f'[admin]\naddress = "127.0.0.1:{admin}"\n\n'
@@ -637,6 +642,12 @@ def parse_args() -> argparse.Namespace:
         help="prefix.load_factor of policies 5 and 6 (default: the proxy's, 1.25)",
     )
     parser.add_argument(
+        "--balance-gap",
+        type=int,
+        help="prefix.balance_gap of policies 5 and 6 (default: a quarter of --max-running;"
+        " 0: unset, the load_factor bound alone)",
+    )
+    parser.add_argument(
         "--proxy-cpus",
         help="comma-separated CPUs for the proxy; the rest (engines, this client) on the others",
     )
@@ -655,6 +666,10 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--policies: unknown {item!r}; choose from 1-6 or {list(BY_NAME)}")
         chosen.append(policy)
     args.chosen = chosen
+    if args.balance_gap is None:
+        args.balance_gap = max(args.max_running // 4, 1)
+    if args.balance_gap < 0:
+        parser.error(f"--balance-gap: expected 0 (unset) or more, got {args.balance_gap}")
     if args.kv_blocks is None:
         args.kv_blocks = round(6.5 * args.prompt_bytes / TOKEN_BYTES / args.block_tokens)
     args.capacity = capacity(args)

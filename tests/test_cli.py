@@ -230,6 +230,7 @@ address = "127.0.0.1:8080"
 servers = [{ address = "127.0.0.1:9001", max_streams = 64, max_waiting = 4 }, "127.0.0.1:9002"]
 balance = "least_load"
 affinity = "prefix"
+prefix = { balance_gap = 16 }
 load_report = { interval = 1 }
 tenant = "header:Authorization"
 priority = "header:X-Priority"
@@ -245,7 +246,8 @@ def test_check_summarizes_balancing_and_admission(tmp_path: Path) -> None:
     assert lines[2:9] == [
         "  upstream gpus: 2 servers (127.0.0.1:9001 max_streams=64 max_waiting=4, 127.0.0.1:9002)",
         "    balance least_load; retry on error, timeout: 3 tries within 10s, bodies up to 1 MiB",
-        "    prefix affinity on the first 1 KiB of auto prompts, bounded at 1.25 x the mean load",
+        "    prefix affinity on the first 1 KiB of auto prompts, bounded at 1.25 x the mean load"
+        " and 16 streams over the least loaded server",
         "    load reports GET /metrics every 1s (stale after 3s; no new sessions above 95% KV"
         " cache)",
         "    admission queue of 1000, 30s at most, then 429 (Retry-After 1s)",

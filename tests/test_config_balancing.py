@@ -33,7 +33,7 @@ servers = [
 balance = "least_load"
 affinity = "prefix"
 default_max_tokens = 512
-prefix = { source = "messages", length = 2048, load_factor = 1.5 }
+prefix = { source = "messages", length = 2048, load_factor = 1.5, balance_gap = 2 }
 load_report = { path = "/metrics", interval = 0.5, kv_cache_limit = 0.9 }
 queue = { max = 200, timeout = 20, retry_after = 2, affinity_wait = 0 }
 tenant = "header:Authorization"
@@ -49,7 +49,9 @@ def test_every_key(tmp_path: Path) -> None:
     assert [(s.max_streams, s.max_waiting) for s in group.servers] == [(64, 4), (32, None)]
     assert group.balance is Balance.LEAST_LOAD and group.affinity is AffinityMode.PREFIX
     assert group.default_max_tokens == 512
-    assert group.prefix == PrefixAffinity(source="messages", length=2048, load_factor=1.5)
+    assert group.prefix == PrefixAffinity(
+        source="messages", length=2048, load_factor=1.5, balance_gap=2
+    )
     assert group.load_report == LoadReporting(path="/metrics", interval=0.5, kv_cache_limit=0.9)
     assert group.load_report.poll_timeout == pytest.approx(0.4)
     assert group.queue == AdmissionQueue(max=200, timeout=20.0, retry_after=2, affinity_wait=0.0)
@@ -104,6 +106,12 @@ def problems(data: dict[str, Any]) -> list[str]:
             {"prefix": {"load_factor": 0.5}},
             "upstreams.gpus.prefix.load_factor: expected a number >= 1 (a server takes a new"
             " prefix while its streams are under load_factor x the mean; 1.25 is usual), got 0.5",
+        ),
+        (
+            {"prefix": {"balance_gap": 0}},
+            "upstreams.gpus.prefix.balance_gap: expected an integer >= 1 (a server takes a new"
+            " prefix only while within balance_gap streams of the least loaded one; about a"
+            " quarter of an engine's batch slots is usual), got 0",
         ),
         (
             {"prefix": {"source": "system"}},

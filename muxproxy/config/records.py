@@ -168,6 +168,13 @@ class PrefixAffinity:
     load_factor: float = 1.25
     """The bound of consistent hashing with bounded loads: a server takes a new key only
     while its streams are under ``load_factor`` x the (weighted) mean; at least 1."""
+    balance_gap: int | None = None
+    """A second bound: a server takes a new key only while its streams, the new one
+    counted, stay within ``balance_gap`` of the least loaded server's (per unit of weight);
+    otherwise the key goes to the next server in its order within both bounds. Near the
+    fleet's capacity this keeps a hot prompt's server from queueing requests in the engine
+    while another has free slots; about a quarter of one engine's batch slots (vLLM's
+    ``max_num_seqs``) is a start. Unset: the ``load_factor`` bound alone."""
 
 
 @attrs.frozen(kw_only=True)

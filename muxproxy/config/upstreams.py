@@ -483,6 +483,18 @@ def load_factor(check: Checker, value: Any, path: str) -> float | None:
     return float(value)
 
 
+def balance_gap(check: Checker, value: Any, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        check.add(
+            path,
+            "expected an integer >= 1 (a server takes a new prefix only while within"
+            " balance_gap streams of the least loaded one; about a quarter of an engine's"
+            f" batch slots is usual), got {describe(value)}",
+        )
+        return None
+    return value
+
+
 def fraction(check: Checker, value: Any, path: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
         check.add(path, f"expected a fraction in (0, 1], e.g. 0.95, got {describe(value)}")
@@ -606,6 +618,7 @@ _PREFIX_KEYS = {
     "source": Key(prompt_source),
     "length": Key(Checker.positive_int),
     "load_factor": Key(load_factor),
+    "balance_gap": Key(balance_gap),
 }
 _LOAD_REPORT_KEYS = {
     "path": Key(request_path),

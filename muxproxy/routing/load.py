@@ -24,7 +24,12 @@ servers are ranked by weighted rendezvous hashing (``balancer.rendezvous_order``
 first one whose streams would stay within ``ceil(c x (total + 1) x weight / total weight)``
 takes it; the others follow as fallbacks. With ``c >= 1`` some server always has room, a
 hot key spills to its second server instead of melting its first, and a key moves only when
-its server is over the bound.
+its server is over the bound. The bound is relative to the mean, so near a fleet's capacity
+it lets a hot key's server run a queue while another has free slots; ``gap``
+(``prefix.balance_gap``) adds an absolute one, as SGLang's router switches to the shortest
+queue past ``balance_abs_threshold``: a server also stays within ``gap`` streams (per unit of
+weight) of the least loaded server, counting the new one. With ``gap >= 1`` the least loaded
+server is always within both bounds.
 """
 
 from __future__ import annotations
@@ -201,18 +206,31 @@ def bounded_order(
     streams: Sequence[int],
     eligible: Iterable[int],
     factor: float,
+    gap: int | None = None,
 ) -> list[int]:
-    """The servers for ``key``: rendezvous order, with the first server within its bound
-    moved to the front (consistent hashing with bounded loads, see the module header)."""
+    """The servers for ``key``: rendezvous order, with the first server within its bounds
+    moved to the front (consistent hashing with bounded loads, and with ``gap``, bounded
+    lead over the least loaded server; see the module header)."""
     order = rendezvous_order(key, ids, weights, eligible)
     if len(order) < 2:
         return order
     total_weight = sum(weights[i] for i in order)
     total = sum(streams[i] for i in order) + 1  # this request included
+    low = order[0]
+    if gap is not None:
+        for index in order:  # the least loaded per weight, without floats
+            if streams[index] * weights[low] < streams[low] * weights[index]:
+                low = index
     for at, index in enumerate(order):
         bound = math.ceil(factor * total * weights[index] / total_weight)
-        if streams[index] + 1 <= bound:
-            if at:
-                order.insert(0, order.pop(at))
-            return order
-    return order  # unreachable for factor >= 1: the bounds sum to more than ``total``
+        if streams[index] + 1 > bound:
+            continue
+        # (streams + 1) / weight <= streams_low / weight_low + gap / weight, without floats
+        if gap is not None and (streams[index] + 1 - gap) * weights[low] > (
+            streams[low] * weights[index]
+        ):
+            continue
+        if at:
+            order.insert(0, order.pop(at))
+        return order
+    return order  # unreachable for factor >= 1 and gap >= 1: the least loaded fits both

@@ -197,8 +197,16 @@ class GroupRouter:
         if key is not None:
             ranked = rendezvous_order(key, self.ids, self.weights, fresh)
         elif prefix is not None and group.affinity is AffinityMode.PREFIX:
-            factor = group.prefix.load_factor
-            ranked = bounded_order(prefix, self.ids, self.weights, self.active, fresh, factor)
+            options = group.prefix
+            ranked = bounded_order(
+                prefix,
+                self.ids,
+                self.weights,
+                self.active,
+                fresh,
+                options.load_factor,
+                options.balance_gap,
+            )
         else:
             balance = group.balance
             if balance is Balance.LEAST_LOAD:

@@ -229,3 +229,88 @@ def test_the_chosen_server_stays_within_the_bound(
             if index == chosen:
                 break
             assert streams[index] + 1 > math.ceil(factor * total * weights[index] / sum(weights))
+
+
+# -- the balance gap: a bound on the lead over the least loaded server --------------------------
+
+
+def test_near_capacity_the_mean_bound_lets_a_hot_key_queue_where_the_gap_does_not() -> None:
+    key = b"the hot system prompt"
+    order = rendezvous_order(key, IDS, [1] * 4, range(4))
+    # Three servers at 9 streams (past an engine's 8 slots), one at 4: the mean bound
+    # (ceil(1.25 x 32 / 4) = 10) still takes a tenth on the owner, the gap sends it to the 4.
+    streams = [9, 9, 9, 9]
+    streams[order[3]] = 4
+    assert bounded_order(key, IDS, [1] * 4, streams, range(4), 1.25)[0] == order[0]
+    chosen = bounded_order(key, IDS, [1] * 4, streams, range(4), 1.25, gap=2)
+    assert chosen[0] == order[3]
+    assert sorted(chosen) == [0, 1, 2, 3]  # the others stay as fallbacks
+    assert chosen[1:] == order[:3]
+
+
+def test_within_the_gap_a_key_stays_with_its_owner() -> None:
+    key = b"system prompt A"
+    order = rendezvous_order(key, IDS, [1] * 4, range(4))
+    streams = [3, 3, 3, 3]
+    streams[order[0]] = 4  # 4 + 1 - 3 = 2: within a gap of 2
+    assert bounded_order(key, IDS, [1] * 4, streams, range(4), 1.25, gap=2)[0] == order[0]
+    streams[order[0]] = 5  # 5 + 1 - 3 = 3: over it; the next server takes the key
+    assert bounded_order(key, IDS, [1] * 4, streams, range(4), 1.25, gap=2)[0] == order[1]
+
+
+def test_one_hot_key_placed_again_and_again_keeps_servers_within_the_gap() -> None:
+    key = b"the hot system prompt"
+    order = rendezvous_order(key, IDS, [1] * 4, range(4))
+    streams = [0, 0, 0, 0]
+    for _ in range(40):
+        first = bounded_order(key, IDS, [1] * 4, streams, range(4), 1.25, gap=2)[0]
+        streams[first] += 1
+        assert max(streams) - min(streams) <= 2
+    assert streams[order[0]] == max(streams)  # the owner is used as far as the gap allows
+
+
+def test_the_gap_is_per_unit_of_weight() -> None:
+    key = b"system prompt B"
+    weights = [2, 1, 1, 1]
+    order = rendezvous_order(key, IDS, weights, range(4))
+    streams = [2, 1, 1, 1]  # per weight: 1 everywhere
+    streams[order[0]] *= 3  # the owner at 3x its share: 3 (weight 1) or 6 (weight 2)
+    low = order[1]
+    chosen = bounded_order(key, IDS, weights, streams, range(4), 100.0, gap=2)[0]
+    # (streams + 1) / weight <= streams_low / weight_low + gap / weight fails for the owner
+    lead = (streams[order[0]] + 1) * weights[low] - streams[low] * weights[order[0]]
+    assert lead > 2 * weights[low]
+    assert chosen != order[0]
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    st.lists(st.integers(1, 5), min_size=6, max_size=6),
+    st.floats(1.0, 3.0),
+    st.integers(1, 8),
+    st.binary(min_size=1, max_size=16),
+)
+def test_the_chosen_server_stays_within_both_bounds(
+    streams: list[int], weights: list[int], factor: float, gap: int, key: bytes
+) -> None:
+    n = len(streams)
+    ids = [server_id("g", f"h:{i}") for i in range(n)]
+    weights = weights[:n]
+    order = bounded_order(key, ids, weights, streams, range(n), factor, gap)
+    assert sorted(order) == list(range(n))
+    if n < 2:
+        return
+    total = sum(streams) + 1
+    low = min(streams[i] / weights[i] for i in range(n))
+
+    def within(index: int) -> bool:
+        mean_bound = math.ceil(factor * total * weights[index] / sum(weights))
+        lead = (streams[index] + 1) / weights[index] - low
+        return streams[index] + 1 <= mean_bound and lead <= gap / weights[index] + 1e-9
+
+    assert within(order[0])
+    for index in rendezvous_order(key, ids, weights, range(n)):
+        if index == order[0]:
+            break
+        assert not within(index)  # every server the hash ranks first was over a bound

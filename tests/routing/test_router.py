@@ -10,7 +10,16 @@ from collections import Counter
 
 import attrs
 
-from muxproxy.config import Balance, HealthCheck, Server, SessionSource, Sticky, Upstream
+from muxproxy.config import (
+    AffinityMode,
+    Balance,
+    HealthCheck,
+    PrefixAffinity,
+    Server,
+    SessionSource,
+    Sticky,
+    Upstream,
+)
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.router import GroupRouter
@@ -169,3 +178,27 @@ def test_status_of_a_group() -> None:
         (1, 1, "draining", 1),
         (0, 2, "draining", 0),
     ]
+
+
+def test_prefix_placement_applies_the_groups_balance_gap() -> None:
+    def placements(balance_gap: int | None) -> Counter[str]:
+        fleet = group(
+            A,
+            B,
+            C,
+            D,
+            affinity=AffinityMode.PREFIX,
+            prefix=PrefixAffinity(balance_gap=balance_gap),
+        )
+        router = GroupRouter(fleet)
+        out: Counter[str] = Counter()
+        for _ in range(20):  # one hot prompt, its streams all still running
+            index = router.candidates(None, None, 0.0, prefix=b"hot prompt")[0]
+            router.stream_started(index, None, 0.0)
+            out[fleet.servers[index].address] += 1
+        return out
+
+    # The mean bound alone lets the prompt's owner run ceil(1.25 x 20 / 4) = 7 of 20 streams;
+    # a gap of 1 keeps every server within one stream of the others: 5 each.
+    assert max(placements(None).values()) >= 7
+    assert sorted(placements(1).values()) == [5, 5, 5, 5]
