@@ -10,6 +10,11 @@ process (Trio, HTTP/1.1 with h11)::
 
     python bench/llm_routing.py                       # all six policies, ~8 minutes
     python bench/llm_routing.py --policies 1,5 --duration 30
+    python bench/llm_routing.py --pool s0.json s1.json s2.json   # runs of several --seed
+
+One seed's p99 is its two or three slowest requests, and moves with the seed's bursts more
+than with the policy: compare policies over several seeds, pooled (``--pool``: each seed's
+p99, and the percentiles of all the seeds' requests together, per load and policy variant).
 
 The policies (``--policies``, names or numbers):
 
@@ -580,6 +585,91 @@ def targets(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     return out
 
 
+# --- pooling runs of several seeds ------------------------------------------------------------
+
+
+def waited_ns(run: dict[str, Any]) -> list[int]:
+    """A run's TTFTs (ns) counted as ``summarize`` counts them: a request cut before its
+    first token with its time so far; refusals and errors left out."""
+    ns = 1_000_000_000
+    return [
+        int((r["ttft_s"] if r["ttft_s"] is not None else r["e2e_s"] or 0.0) * ns)
+        for r in run["requests"]
+        if r["result"] in ("ok", "unfinished", "timeout", "short")
+    ]
+
+
+def variant_of(run: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:
+    """(policy name, the label of its variant) of a run, from the parameters it ran with."""
+    label = f"{POLICIES.index(BY_NAME[run['policy']]) + 1}. {run['label']}"
+    if run["policy"] in ("prefix", "admission") and "balance_gap" in params:
+        gap = params["balance_gap"]
+        label += f", balance_gap {gap}" if gap else ", balance_gap unset"
+    return run["policy"], label
+
+
+def pooled(files: list[Path]) -> str:
+    """Per load and policy variant, each seed's TTFT p99 and the pooled percentiles of all
+    their requests, then the p99 cut against round robin over the same seeds."""
+    groups: dict[tuple[float, str], dict[str, Any]] = {}
+    for path in files:
+        data = json.loads(path.read_text())
+        params = data["params"]
+        load = round(params["rate"] / params["capacity"], 2)
+        for run in data["runs"]:
+            policy, label = variant_of(run, params)
+            group = groups.setdefault(
+                (load, label), {"policy": policy, "label": label, "load": load, "seeds": {}}
+            )
+            if params["seed"] in group["seeds"]:
+                raise SystemExit(f"{path}: seed {params['seed']} of {label!r} given twice")
+            group["seeds"][params["seed"]] = run
+    cols = ["load", "policy", "seeds", "TTFT p99 by seed (ms)", "pooled p50 / p90 / p99 (ms)"]
+    cols += ["requests", "KV hit rate", "in engine max/mean"]
+    lines = markdown_header(cols)
+    order = sorted(groups.values(), key=lambda g: (g["load"], POLICIES.index(BY_NAME[g["policy"]])))
+    for g in order:
+        seeds = sorted(g["seeds"])
+        runs = [g["seeds"][k] for k in seeds]
+        every = summary_ms([t for r in runs for t in waited_ns(r)])
+        hits = [r["kv_hit_rate"] for r in runs if r["kv_hit_rate"] is not None]
+        loads = [r["in_engine_max_over_mean"] for r in runs if r["in_engine_max_over_mean"]]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{g['load']:g}",
+                    g["label"],
+                    ",".join(map(str, seeds)),
+                    ", ".join(f"{r['ttft_ms'].get('p99', 0):,.0f}" for r in runs),
+                    f"{every['p50']:,.0f} / {every['p90']:,.0f} / {every['p99']:,.0f}",
+                    str(every["count"]),
+                    f"{min(hits):.0%}-{max(hits):.0%}" if hits else "-",
+                    f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-",
+                ]
+            )
+            + " |"
+        )
+    lines.append("")
+    for g in order:
+        base = groups.get((g["load"], f"1. {BY_NAME['round_robin'].label}"))
+        if base is None or g["policy"] == "round_robin":
+            continue
+        seeds = sorted(set(g["seeds"]) & set(base["seeds"]))
+        if not seeds:
+            continue
+        p99 = [
+            summary_ms([t for k in seeds for t in waited_ns(x["seeds"][k])])["p99"]
+            for x in (base, g)
+        ]
+        lines.append(
+            f"- load {g['load']:g}, {g['label']}: TTFT p99 against round robin over seeds "
+            f"{','.join(map(str, seeds))}: {p99[0]:,.0f} -> {p99[1]:,.0f} ms "
+            f"({p99[0] / p99[1]:.2f}x; target 2x)"
+        )
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -652,6 +742,14 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated CPUs for the proxy; the rest (engines, this client) on the others",
     )
     parser.add_argument("--out", type=Path, help="JSON results (default: bench/results/...)")
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: pool the results of earlier runs (one per seed) and print each"
+        " seed's p99 and the pooled percentiles per load and policy",
+    )
     parser.add_argument("--keep-tmp", action="store_true", help="keep configs and logs")
     args = parser.parse_args()
     args.proxy_cpu_set = split_cpus(parser, args.proxy_cpus)
@@ -683,6 +781,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.pool:
+        print(pooled(args.pool))
+        return
     prompts = system_prompts(args.prompts, args.prompt_bytes, args.seed)
     system_tokens = args.prompt_bytes // TOKEN_BYTES
     model = f"steps of {args.prefill_chunk} prefill tokens" if args.prefill_chunk else "no steps"
