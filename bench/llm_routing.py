@@ -22,8 +22,9 @@ The policies (``--policies``, names or numbers):
 2. ``least_streams``  ``balance = "least_streams"``
 3. ``sticky``         round robin, ``sticky.sources = ["header:X-User"]`` (a user stays put)
 4. ``least_load``     ``balance = "least_load"``
-5. ``prefix``         ``least_load`` with ``affinity = "prefix"`` (length 1024, load 1.25,
-   ``balance_gap`` a quarter of the engines' slots: ``--balance-gap``)
+5. ``prefix``         ``least_load`` with ``affinity = "prefix"`` (length 1024:
+   ``--prefix-length``, load 1.25, ``balance_gap`` a quarter of the engines' slots:
+   ``--balance-gap``)
 6. ``admission``      5, plus ``max_streams`` = the engines' slots on every server, ``queue``
    and ``load_report`` (the engines' ``/metrics`` every second)
 
@@ -154,6 +155,8 @@ def proxy_config(
     group = string.Template(policy.toml).substitute(queue_timeout=f"{args.queue_timeout:g}")
     if 'affinity = "prefix"' in group:
         options = [f"balance_gap = {args.balance_gap}"] if args.balance_gap else []
+        if args.prefix_length is not None:
+            options.append(f"length = {args.prefix_length}")
         if args.load_factor is not None:
             options.append(f"load_factor = {args.load_factor:g}")
         if options:
@@ -605,6 +608,8 @@ def variant_of(run: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:
     if run["policy"] in ("prefix", "admission") and "balance_gap" in params:
         gap = params["balance_gap"]
         label += f", balance_gap {gap}" if gap else ", balance_gap unset"
+        if params.get("prefix_length") is not None:
+            label += f", length {params['prefix_length']}"
     return run["policy"], label
 
 
@@ -730,6 +735,11 @@ def parse_args() -> argparse.Namespace:
         "--load-factor",
         type=float,
         help="prefix.load_factor of policies 5 and 6 (default: the proxy's, 1.25)",
+    )
+    parser.add_argument(
+        "--prefix-length",
+        type=int,
+        help="prefix.length of policies 5 and 6 (default: the proxy's, 1024 bytes)",
     )
     parser.add_argument(
         "--balance-gap",
