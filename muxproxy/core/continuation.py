@@ -19,6 +19,10 @@ What it obeys, and why:
   chunk is dropped, a role in a content chunk removed), so the client sees one stream, one
   role chunk and a single ``[DONE]``. A usage chunk of the continuation counts its own
   tokens only (it is passed as it is).
+- An answer cut after its last token (as many content events as its ``max_tokens`` or
+  ``max_completion_tokens`` allow, the finish chunk lost) needs no backend: the proxy ends it
+  as the engine would have (``AnswerSoFar.ending``: ``finish_reason: "length"``, then
+  ``[DONE]``), instead of asking the next server for a token the client did not ask for.
 - RFC 9110 §9.2.2 leaves retrying to the proxy, and nothing of the original is re-sent to the
   client: only what the new backend generates after the text so far.
 
@@ -86,6 +90,35 @@ class AnswerSoFar:
     @property
     def continuable(self) -> bool:
         return not self.finished and not self.broken and self.id is not None
+
+    @property
+    def exhausted(self) -> bool:
+        """Every token the request allows was relayed (a content event holds one at least)
+        and no partial event is pending: only the stream's end was lost (see the module)."""
+        limit = self._limit()
+        return limit is not None and self.content_events >= limit and not self._events.pending
+
+    def _limit(self) -> int | None:
+        """The request's token limit: ``max_completion_tokens``, else ``max_tokens``."""
+        for key in ("max_completion_tokens", "max_tokens"):
+            limit = self.document.get(key)
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                return limit
+        return None
+
+    def ending(self) -> bytes:
+        """The events that end an ``exhausted`` answer: what an OpenAI-style engine sends
+        when a generation reaches its limit, a chunk with ``finish_reason: "length"`` and an
+        empty delta, then ``[DONE]``."""
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        }
+        encoded = json.dumps(chunk, separators=(",", ":")).encode()
+        return b"data: " + encoded + b"\n\ndata: [DONE]\n\n"
 
     def feed(self, data: bytes) -> None:
         if self.broken or self.finished:

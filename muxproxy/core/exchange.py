@@ -555,6 +555,9 @@ class Exchange:
             return False
         # Counted against the server (passive health), so that the next try goes elsewhere.
         failover.failed("error", reason)
+        if answer.exhausted:
+            self._end_answer(answer)
+            return True
         if not failover.allows_continuation():
             return False
         failover.failed_mid_stream()
@@ -587,6 +590,16 @@ class Exchange:
         self.fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
         self.deadlines.watch_reading(group)
         return True
+
+    def _end_answer(self, answer: AnswerSoFar) -> None:
+        """The backend failed after the answer's last token: end the stream as the engine
+        would have, with no backend (``AnswerSoFar.ending``)."""
+        assert self.failover is not None
+        self.failover.failed_mid_stream()
+        self.deadlines.end_attempt()
+        self._release_upstream(close=True)
+        self.response_body(answer.ending())
+        self.response_end([])
 
     # -- resumable streams (``resume.py``, ``readers.py``, ``replay.py``) --------------------
 

@@ -87,6 +87,38 @@ def test_a_finished_answer_is_not_continued() -> None:
     assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
 
 
+def test_an_answer_cut_after_its_last_token_is_ended_by_the_proxy_with_no_new_backend() -> None:
+    pb = Playbook(two_servers())
+    client, up, backend = start(pb)
+    tokens = b"".join(chunk(f"tok{n} ") for n in range(9))  # max_tokens = 9: all of them
+    pb.receive(up, backend.chunk(chunk("", role=True) + tokens))
+    client.events(pb.take(1))
+    ended = pb.closed(up, "reset")  # the finish chunk and [DONE] never came
+    assert opens(ended) == []  # no server is asked for a tenth token
+    events = client.events(pb.take(1, ended))
+    out = b"".join(e.data for e in events if isinstance(e, h11.Data))
+    finish, done = out.split(b"\n\n")[:2]
+    assert json.loads(finish.removeprefix(b"data: "))["choices"] == [
+        {"index": 0, "delta": {}, "finish_reason": "length"}
+    ]
+    assert b'"id":"c-1"' in finish and b'"model":"m"' in finish
+    assert done == b"data: [DONE]"
+    assert any(isinstance(e, h11.EndOfMessage) for e in events)  # a clean end, not a cut
+    assert not any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+
+
+def test_an_answer_cut_one_token_short_still_goes_to_the_next_server() -> None:
+    pb = Playbook(two_servers())
+    _, up, backend = start(pb)
+    tokens = b"".join(chunk(f"tok{n} ") for n in range(8))  # 8 of 9
+    pb.receive(up, backend.chunk(chunk("", role=True) + tokens))
+    (again,) = opens(pb.closed(up, "reset"))
+    pb.opened(again.conn)
+    _, *rest = H1BackendPeer().events(pb.take(again.conn))
+    sent = json.loads(b"".join(e.data for e in rest if isinstance(e, h11.Data)))
+    assert sent["max_tokens"] == 1
+
+
 def test_a_continuation_answered_with_an_error_leaves_the_truncation_visible() -> None:
     pb = Playbook(two_servers())
     _, up, backend = start(pb)

@@ -99,3 +99,26 @@ async def test_without_continue_on_failure_the_truncation_stays_visible(start_ba
     chunks, done = chunks_of(raw)
     assert done == 0 and len(chunks) < TOKENS
     assert fakes[1].requests == 0
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "h2c"])
+async def test_an_answer_cut_after_its_last_token_is_ended_with_no_second_server(
+    start_backend, start_proxy, http2
+):
+    # The first backend dies after its 24th and last token, before the finish chunk.
+    fakes, proxy = await fleet(start_backend, start_proxy, [TOKENS, None])
+    with trio.fail_after(20):
+        async with (
+            httpx.AsyncClient(http1=not http2, http2=http2) as client,
+            client.stream("POST", proxy.url + "/v1/chat/completions", json=request()) as response,
+        ):
+            assert response.status_code == 200
+            raw = "".join([text async for text in response.aiter_text()])
+    chunks, done = chunks_of(raw)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)  # type: ignore[index]
+    assert text == reply_text(TOKENS)  # exactly max_tokens tokens, none asked of another server
+    assert done == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert len({c["id"] for c in chunks}) == 1
+    assert [f.aborts for f in fakes] == [1, 0]
+    assert fakes[1].requests == 0
