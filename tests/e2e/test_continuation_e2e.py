@@ -60,12 +60,8 @@ def chunks_of(raw: str) -> tuple[list[dict[str, object]], int]:
     return chunks, done
 
 
-@pytest.mark.parametrize("http2", [False, True], ids=["http1", "h2c"])
-@pytest.mark.parametrize("dies", [[5, None], [3, 9, None]], ids=["once", "twice"])
-async def test_the_answer_is_finished_by_the_next_server_as_one_stream(
-    start_backend, start_proxy, http2, dies
-):
-    fakes, proxy = await fleet(start_backend, start_proxy, dies)
+async def answer(proxy, http2: bool):  # type: ignore[no-untyped-def]
+    """Stream one chat completion through ``proxy``: its chunks, ``[DONE]`` count and text."""
     with trio.fail_after(20):
         async with (
             httpx.AsyncClient(http1=not http2, http2=http2) as client,
@@ -75,6 +71,16 @@ async def test_the_answer_is_finished_by_the_next_server_as_one_stream(
             raw = "".join([text async for text in response.aiter_text()])
     chunks, done = chunks_of(raw)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)  # type: ignore[index]
+    return chunks, done, text
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "h2c"])
+@pytest.mark.parametrize("dies", [[5, None], [3, 9, None]], ids=["once", "twice"])
+async def test_the_answer_is_finished_by_the_next_server_as_one_stream(
+    start_backend, start_proxy, http2, dies
+):
+    fakes, proxy = await fleet(start_backend, start_proxy, dies)
+    chunks, done, text = await answer(proxy, http2)
     assert text == reply_text(TOKENS)
     assert done == 1
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
@@ -107,15 +113,7 @@ async def test_an_answer_cut_after_its_last_token_is_ended_with_no_second_server
 ):
     # The first backend dies after its 24th and last token, before the finish chunk.
     fakes, proxy = await fleet(start_backend, start_proxy, [TOKENS, None])
-    with trio.fail_after(20):
-        async with (
-            httpx.AsyncClient(http1=not http2, http2=http2) as client,
-            client.stream("POST", proxy.url + "/v1/chat/completions", json=request()) as response,
-        ):
-            assert response.status_code == 200
-            raw = "".join([text async for text in response.aiter_text()])
-    chunks, done = chunks_of(raw)
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)  # type: ignore[index]
+    chunks, done, text = await answer(proxy, http2)
     assert text == reply_text(TOKENS)  # exactly max_tokens tokens, none asked of another server
     assert done == 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
