@@ -100,11 +100,8 @@ class AnswerSoFar:
 
     def _limit(self) -> int | None:
         """The request's token limit: ``max_completion_tokens``, else ``max_tokens``."""
-        for key in ("max_completion_tokens", "max_tokens"):
-            limit = self.document.get(key)
-            if isinstance(limit, int) and not isinstance(limit, bool):
-                return limit
-        return None
+        limits = _token_limits(self.document)
+        return next(iter(limits.values()), None)
 
     def ending(self) -> bytes:
         """The events that end an ``exhausted`` answer: what an OpenAI-style engine sends
@@ -169,11 +166,19 @@ class AnswerSoFar:
         document["messages"] = messages
         document["continue_final_message"] = True
         document["add_generation_prompt"] = False
-        for key in ("max_completion_tokens", "max_tokens"):
-            limit = document.get(key)
-            if isinstance(limit, int) and not isinstance(limit, bool):
-                document[key] = max(1, limit - self.content_events)
+        for key, limit in _token_limits(document).items():
+            document[key] = max(1, limit - self.content_events)
         return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _token_limits(document: dict[str, Any]) -> dict[str, int]:
+    """The request's integer token limits, ``max_completion_tokens`` first."""
+    limits = {}
+    for key in ("max_completion_tokens", "max_tokens"):
+        limit = document.get(key)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            limits[key] = limit
+    return limits
 
 
 class Splicer:
