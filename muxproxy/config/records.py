@@ -460,8 +460,10 @@ class Route:
     upstream: str
     """The name of the ``[upstreams.NAME]`` group its requests go to."""
     retry_until_first_event: bool = False
-    """Hold a text/event-stream response head until its first event, so a backend that fails
-    before its first token can still be retried."""
+    """Hold a text/event-stream response head until its first content event (one carrying a
+    token; comments, role-only and empty chunks are held with it, up to the stream's buffer),
+    so a backend that fails before its first token can still be retried: the client gets
+    nothing of the failed attempt."""
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""

@@ -14,8 +14,8 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   nothing reached the client (``failover.py``, RFC 9110 §9.2.2). A group that reads the
   request's JSON body (a body session key, ``least_load``, prefix affinity, token budgets)
   holds its start first (BUFFERING); budgets and the admission queue are ``admit.py``'s. With
-  ``retry_until_first_event`` an SSE response head is held until its first event, so a
-  backend that dies before its first token costs the user nothing.
+  ``retry_until_first_event`` an SSE response head is held until its first content event
+  (``commit.py``), so a backend that dies before its first token costs the user nothing.
 - Per-chunk flush: every backend body chunk is handed to the client side in the same call
   that received it.
 - Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
@@ -51,6 +51,7 @@ from .access import access_fields, add_to_totals, with_request_id
 from .admit import Admission, UsageScan, extra_fields
 from .body import RequestBody
 from .commands import Log
+from .commit import CommitPoint
 from .continuation import AnswerSoFar, Splicer, wants_continuation
 from .continuing import ContinuedStream
 from .deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
@@ -69,6 +70,7 @@ from .resume import RESUME_TOKEN, Resumable, State, credential_of
 from .sseids import EventStamper
 from .ssemeter import SseMeter
 from .states import step
+from .survival import Survival
 from .timers import ExchangeTimer
 from .upload import Upload
 
@@ -76,22 +78,6 @@ if TYPE_CHECKING:
     from .replay import ReplayExchange
 
 __all__ = ["VIA", "Exchange", "Phase", "RequestPhase", "Survival"]
-
-
-@attrs.define(eq=False)
-class Survival:
-    """What a stream keeps to outlive its client (resume) or its backend (continuation)."""
-
-    backend_head: ResponseHead | None = None
-    """The backend's response head, as it came (a resumed client's head is made from it)."""
-    resumable: Resumable | None = None
-    """The kept events of a resumable SSE response (``resume.py``)."""
-    stamper: EventStamper | None = None
-    """Numbers the events of a resumable response (``sseids.py``)."""
-    answer: AnswerSoFar | None = None
-    """The chat answer relayed so far, on a ``continue_on_failure`` route
-    (``continuation.py``)."""
-    continuations: int = 0
 
 
 _I = ExchangeInput
@@ -493,6 +479,7 @@ class Exchange:
         self.deadlines.upstream_at = fx.now
         if route.retry_until_first_event and 200 <= status < 300 and is_event_stream(head.headers):
             self.move(_I.HOLD)
+            self._survival().held = CommitPoint(fx.limits.high_water)  # its first event
             # The head timer is gone and ``_commit`` has not armed the idle one yet: without
             # this a backend that sends the head and then nothing would hold the client
             # forever (unless a first-token timeout is configured).
@@ -505,6 +492,8 @@ class Exchange:
         response = self.response
         assert response is not None
         self.move(_I.COMMIT)
+        if self.survival is not None:
+            self.survival = self.survival.committed()
         sse = (
             200 <= self.status < 300
             and self.head.method != b"HEAD"
@@ -734,7 +723,13 @@ class Exchange:
         if self.phase is not Phase.STREAMING:  # the per-token path looks nothing up
             if not self.move(_I.RESPONSE_BODY):
                 return
-            self._commit()  # HOLDING: the first event
+            self.deadlines.upstream_at = self.fx.now  # HOLDING: held until a content event
+            assert self.survival is not None and self.survival.held is not None
+            released = self.survival.held.take(data)
+            if released is None:
+                return
+            data = released
+            self._commit()
         now = self.fx.now
         self.deadlines.upstream_at = now
         if self.first_byte_at is None:
@@ -793,7 +788,13 @@ class Exchange:
         if not self.move(_I.RESPONSE_END):
             return
         if self.phase is Phase.HOLDING:
+            assert self.survival is not None and self.survival.held is not None
+            held = self.survival.held.held
             self._commit()
+            if held:
+                self.response_body(held)
+        if self.phase is Phase.DONE:  # the held bytes ended it (``_keep``)
+            return
         if self.stamper is not None:
             rest = self.stamper.flush()
             if rest:

@@ -160,7 +160,7 @@ class SseMeter:
         """Before the first token: split the events out and classify each."""
         buffer = self.buffer + data
         if not self.sep:
-            sep = _terminator(buffer)
+            sep = stream_terminator(buffer)
             if sep is None and len(buffer) <= INSPECT_LIMIT:
                 self.buffer = buffer
                 return
@@ -201,7 +201,7 @@ class SseMeter:
         self.stats.ttft.observe(now - self.started)
 
 
-def _terminator(data: bytes) -> bytes | None:
+def stream_terminator(data: bytes) -> bytes | None:
     """The event terminator of a stream starting with ``data``; None while no line end is
     known (no CR or LF yet, or a CR as the last byte, which may be the start of a CRLF)."""
     lf = data.find(b"\n")

@@ -493,14 +493,18 @@ async def test_sticky_cookie_pins_also_to_a_drained_server(nursery, start_proxy)
 # -- 5. retry_until_first_event -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("role_chunk", [False, True], ids=["no-event", "role-only-chunk"])
 @pytest.mark.parametrize("hold", [True, False], ids=["hold", "no-hold"])
 @pytest.mark.parametrize("protocol", ["h1", "h2"])
 async def test_death_before_the_first_event_is_retried_when_held(
-    nursery, start_proxy, protocol, hold
+    nursery, start_proxy, protocol, hold, role_chunk
 ):
     tokens = 5
-    # ``die_after=0``: the SSE head goes out, then the backend aborts before any event.
-    dying = await start_killable(nursery, backend_id="dying", tokens=tokens, die_after=0)
+    # ``die_after=0``: the SSE head goes out (with ``role_chunk``, then a role-only chunk, as
+    # vLLM and OpenAI begin), then the backend aborts before any content event.
+    dying = await start_killable(
+        nursery, backend_id="dying", tokens=tokens, die_after=0, role_chunk=role_chunk
+    )
     healthy = await start_killable(nursery, backend_id="healthy", tokens=tokens, delay=0.005)
     # The dying one is first: round-robin on a fresh proxy picks index 0 first.
     config = make_config([dying, healthy], retry_until_first_event=hold)
@@ -536,7 +540,7 @@ async def test_death_before_the_first_event_is_retried_when_held(
         # The control: without holding, the head went out and the death shows as truncation.
         assert backend == "dying"
         assert not clean
-        assert sse_events(data) == []
+        assert len(sse_events(data)) == role_chunk
         assert access["tries"] == 1
         assert access["outcome"].startswith("upstream failed mid-stream")
         assert healthy.fake.requests == 0
