@@ -36,9 +36,12 @@ class Timeouts:
     """Seconds to establish an upstream TCP (and TLS) connection."""
     response_head: float = 60.0
     """Seconds from the request being sent upstream (its body complete) to the response head
-    arriving."""
+    arriving. Time in which the proxy does not read the backend, because the client is behind,
+    is not counted: the timeout counts afresh once it reads again, and such a wait never
+    counts against the server's health."""
     read: float = 300.0
-    """Longest idle gap between two upstream body chunks."""
+    """Longest idle gap between two upstream body chunks (not counting time in which the proxy
+    does not read the backend, as for ``response_head``)."""
     send: float = 60.0
     """Longest time a connection may have unsent output without any of it being written."""
     client_header: float = 30.0

@@ -7,7 +7,12 @@ What it obeys:
   body (the backend may want all of it before it answers; a client that stopped sending is
   the ``body`` timer's to judge, RFC 9110 §15.5.9: a 408, not a 504), then the clock runs
   from the end of the request; nor while we paused the backend because the client is behind
-  (the client side has its own bound, ``Downstream``'s send and window timers). The client's
+  (the client side has its own bound, ``Downstream``'s send and window timers). A backend
+  timer that fires while we do not read the backend is armed again for a whole timeout, and
+  each one counts afresh from the moment we read it again (``resumed_at``): a backend the
+  proxy paused is never failed, nor counted against its server's passive health, for the
+  time we did not read it (the response head and first token included: a connection that
+  is behind pauses every backend it feeds, also those whose head is still due). The client's
   ``body`` timer (``timeouts.client_header``) never counts time in which we withheld its
   window.
 - A group's ``[upstreams.NAME.timeouts]`` win over the global ``[timeouts]``, both read when
@@ -80,6 +85,8 @@ class Deadlines:
     """When the client last moved the request body on."""
     request_done_at: float
     """When the request was complete (its start while the body is still coming)."""
+    resumed_at: float = 0.0
+    """When we last resumed reading the backend after pausing it (0: never paused)."""
 
     def arm(self, kind: ExchangeTimer, at: float) -> None:
         self.fx.set_timer((kind, self.ident), at)
@@ -120,10 +127,13 @@ class Deadlines:
         if kind is ExchangeTimer.READ:
             return self.read_due(idle_timeout(group, config), held=held)
         if kind is ExchangeTimer.HEAD:
-            return self.backend_late(kind, head_timeout(group, config), sending=sending)
+            timeout = head_timeout(group, config)
+            return self.backend_late(kind, timeout, sending=sending, held=held)
         if kind is ExchangeTimer.FIRST_TOKEN:
             first_token = group.timeouts.first_token
-            return not first_token or self.backend_late(kind, first_token, sending=sending)
+            return not first_token or self.backend_late(
+                kind, first_token, sending=sending, held=held
+            )
         assert kind is ExchangeTimer.CONNECT, kind
         return True
 
@@ -132,15 +142,18 @@ class Deadlines:
         paused it because the client is behind, so its silence is ours."""
         if held:
             self.upstream_at = self.fx.now
-        return self.due(ExchangeTimer.READ, self.upstream_at + idle)
+        return self.due(ExchangeTimer.READ, max(self.upstream_at, self.resumed_at) + idle)
 
-    def backend_late(self, kind: ExchangeTimer, timeout: float, *, sending: bool) -> bool:
+    def backend_late(
+        self, kind: ExchangeTimer, timeout: float, *, sending: bool, held: bool
+    ) -> bool:
         """The ``head`` or ``first_token`` timer: whether it blames the backend. ``sending``:
-        the client still sends request body bytes the backend takes (not stopped by us)."""
-        if sending:
+        the client still sends request body bytes the backend takes (not stopped by us);
+        ``held``: we do not read the backend (``read_due``)."""
+        if sending or held:
             self.arm(kind, self.fx.now + timeout)
             return False
-        return self.due(kind, self.request_done_at + timeout)
+        return self.due(kind, max(self.request_done_at, self.resumed_at) + timeout)
 
     def body_idle(self, timeout: float, *, withheld: bool) -> bool:
         """The ``body`` timer: the client sent no request body for ``timeout`` seconds.

@@ -700,6 +700,7 @@ class Exchange:
         self.client = client
         if self.response_flow.resume() and upstream is not None:
             upstream.resume()
+            self.deadlines.resumed_at = self.fx.now
         return old
 
     def let_go(self) -> None:
@@ -782,6 +783,7 @@ class Exchange:
             and self.response_flow.drained(client.buffered(self.stream), self.fx.limits)
         ):
             upstream.resume()
+            self.deadlines.resumed_at = self.fx.now  # its timers count from here
             client.release(self)
 
     def response_end(self, trailers: Headers) -> None:
