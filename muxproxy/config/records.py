@@ -47,6 +47,16 @@ class Timeouts:
     client_header: float = 30.0
     """Seconds a client has to send a complete request head (from the connection's start, or
     from the first byte of a later head); also the longest gap in a request body."""
+    client_body: float = 60.0
+    """Seconds a client has to send a whole request body, from its request head (time in
+    which the proxy does not take the body, because the backend is behind, not counted).
+    Past it: 408 (RFC 9110 §15.5.9; on HTTP/1.1 the connection closes). The gap bound
+    (``client_header``) alone never cuts a body trickled one byte at a time just under it,
+    which holds a backend slot as long as it lasts; Apache bounds the whole body too
+    (``mod_reqtimeout``), nginx only its gaps. LLM request bodies are prompts, a few MiB at
+    most, that any real client sends in well under a second: 60 s (nginx's
+    ``client_body_timeout`` default) leaves room for a slow link; raise it for large
+    uploads."""
     keepalive_idle: float = 75.0
     """Seconds an idle client connection is kept open between requests."""
     tunnel_idle: float = 3600.0

@@ -155,13 +155,6 @@ class Deadlines:
             return False
         return self.due(kind, max(self.request_done_at, self.resumed_at) + timeout)
 
-    def body_idle(self, timeout: float, *, withheld: bool) -> bool:
-        """The ``body`` timer: the client sent no request body for ``timeout`` seconds.
-        ``withheld``: we stopped it (backpressure), so the wait is ours."""
-        if withheld:
-            self.request_at = self.fx.now
-        return self.due(ExchangeTimer.BODY, self.request_at + timeout)
-
 
 class Heartbeat:
     """The SSE heartbeat of one response, armed as its head goes out."""

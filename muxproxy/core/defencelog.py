@@ -25,6 +25,7 @@ KINDS = (
     "smuggling_refused",
     "request_header_timeout",
     "request_body_timeout",
+    "request_body_deadline",
     "stream_send_timeout",
 )
 """Each is a log event and a counter of the same name:
@@ -38,6 +39,8 @@ KINDS = (
   ``timeouts.client_header`` got 408 (slowloris, RFC 9110 §15.5.9);
 - ``request_body_timeout``: a request body that stopped coming for ``timeouts.client_header``
   got 408 (HTTP/1.1) or RST_STREAM(CANCEL) (HTTP/2);
+- ``request_body_deadline``: a request body not complete within ``timeouts.client_body`` of
+  its head (one trickled just under the gap) got 408 (``bodyclock.py``);
 - ``stream_send_timeout``: an HTTP/2 stream whose window the client kept closed for
   ``timeouts.send`` got RST_STREAM(CANCEL) (the zero-window reader).
 """

@@ -29,6 +29,7 @@ import h2.errors
 
 from ..config import Api
 from . import detect, refusals
+from .bodyclock import SlowBody
 from .commands import Log, PauseReading, ResumeReading
 from .downstream_states import TIMER_INPUTS, TRANSITIONS, ClientInput, ClientState, Protocol
 from .effects import Effects
@@ -324,9 +325,11 @@ class Downstream:
             extra=extra,
         )
 
-    def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
-        """408 and close, or RST_STREAM(CANCEL) (``refusals.slow_body``)."""
-        return refusals.slow_body(self, stream, api=api, request_id=request_id)
+    def refuse_slow_body(
+        self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
+    ) -> int | None:
+        """408 (and close on HTTP/1.1), or RST_STREAM(CANCEL) (``refusals.slow_body``)."""
+        return refusals.slow_body(self, stream, slow, api=api, request_id=request_id)
 
     def abort(self, stream: int) -> None:
         """End a response without a clean end: the client must see the truncation."""

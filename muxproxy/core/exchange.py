@@ -50,6 +50,7 @@ from . import grpc
 from .access import access_fields, add_to_totals, with_request_id
 from .admit import Admission, UsageScan, extra_fields
 from .body import RequestBody
+from .bodyclock import SlowBody
 from .commands import Log
 from .commit import CommitPoint
 from .continuation import AnswerSoFar, Splicer, wants_continuation
@@ -857,8 +858,8 @@ class Exchange:
             case _T.DEADLINE:
                 self._deadline_exceeded()
             case _T.BODY:
-                if self.upload.stalled():
-                    self._refuse_slow_body()
+                if (slow := self.upload.stalled()) is not None:
+                    self._refuse_slow_body(slow)
             case _T.QUEUE:
                 self._queue_timeout()
             case _T.TUNNEL:  # the table refuses it: a tunnel's (``websocket.py``)
@@ -878,15 +879,15 @@ class Exchange:
         self.client.send_end(self.stream, fields)
         self._wrap_up("grpc-timeout exceeded")
 
-    def _refuse_slow_body(self) -> None:
-        """No request body for ``timeouts.client_header`` seconds while no response began (the
-        table ignores the ``body`` timer from then on): the client side refuses it."""
+    def _refuse_slow_body(self, slow: SlowBody) -> None:
+        """A request body too slow (``bodyclock.py``) while no response began (the table
+        ignores the ``body`` timer from then on): the client side refuses it."""
         api = self.route.api if self.route is not None else None
-        sent = self.client.refuse_slow_body(self.stream, api=api, request_id=self.request_id)
+        sent = self.client.refuse_slow_body(self.stream, slow, api=api, request_id=self.request_id)
         if sent is not None:
             self.status = 408
             self.bytes_out += sent
-        self.client_aborted("no request body within the client_header timeout")
+        self.client_aborted(slow.reason)
 
     # -- endings ---------------------------------------------------------------------------
 

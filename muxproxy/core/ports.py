@@ -29,6 +29,7 @@ import enum
 from typing import TYPE_CHECKING, Protocol
 
 from ..config import Api, Route, Upstream
+from .bodyclock import SlowBody
 from .commands import Origin
 from .messages import Fields, Headers, RequestHead, ResponseHead
 
@@ -163,9 +164,11 @@ class ClientSide(Protocol):
 
     def release(self, stream: ClientStream) -> None: ...
     def holds(self, stream: ClientStream) -> bool: ...
-    def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
-        """The request body of ``stream`` stopped coming: answer 408 (HTTP/1.1, then close;
-        returns its body bytes) or reset the stream (HTTP/2, None)."""
+    def refuse_slow_body(
+        self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
+    ) -> int | None:
+        """The request body of ``stream`` is too ``slow`` (``bodyclock.py``): answer 408
+        (returns its body bytes) or reset the stream (HTTP/2, None): ``refusals.slow_body``."""
 
     def exchange_finished(self, stream: ClientStream) -> None:
         """``stream`` is over: the connection takes the next request, goes idle or closes,

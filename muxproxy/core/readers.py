@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import Api
+from .bodyclock import SlowBody
 from .messages import Fields, Headers, ResponseHead
 from .ports import ClientStream
 
@@ -49,7 +50,9 @@ class _AfterHead:
     ) -> int:
         raise AssertionError("a resumed stream's head went out before")
 
-    def refuse_slow_body(self, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
+    def refuse_slow_body(
+        self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
+    ) -> int | None:
         return None  # the request body is complete before a stream may linger
 
     def send_raw(self, data: bytes) -> None:

@@ -5,8 +5,9 @@ Obeys:
 - RFC 9110 §15.5.14 (413) and RFC 6585 §5 (431): a request past ``limits`` is answered here
   and never forwarded; a body that grows past ``max_request_body`` once a response began
   cannot be answered any more: its stream is reset (HTTP/2), its connection closed (HTTP/1.1).
-- RFC 9110 §15.5.9 (408): a request body that stops coming for ``client_header`` is the
-  client's fault, not the backend's: 408 and close on HTTP/1.1, RST_STREAM(CANCEL) on HTTP/2.
+- RFC 9110 §15.5.9 (408): a request body that stops coming for ``client_header``, or is not
+  complete within ``client_body``, is the client's fault, not the backend's: 408 and close on
+  HTTP/1.1; on HTTP/2 RST_STREAM(CANCEL) for the first, a 408 for the second.
 - RFC 9112 §9.6 and §11.2: an HTTP/1.1 peer error (a 400, a refused smuggling shape) is
   answered with ``Connection: close`` and the connection closes, since a framing it read
   differently leaves no next request to trust; the exchange whose body it broke is aborted.
@@ -26,6 +27,7 @@ from typing import Protocol
 import h2.errors
 
 from ..config import Api, Config
+from .bodyclock import SlowBody
 from .commands import Log
 from .effects import Effects
 from .errors import error_response
@@ -200,20 +202,28 @@ def body_too_large(client: Refusing, exchange: ClientStream, flow_len: int) -> N
     client.flush()
 
 
-def slow_body(client: Refusing, stream: int, *, api: Api | None, request_id: bytes) -> int | None:
-    """``ClientSide.refuse_slow_body``: none of the request body for ``timeouts.client_header``
-    seconds while no response began. 408 and close on HTTP/1.1 (the close after the current
-    event, which flushes the 408 first, RFC 9112 §9.6), RST_STREAM(CANCEL) on HTTP/2. Returns
-    the 408's body bytes (None on HTTP/2, which sends no response)."""
-    client.host.defences.record(
-        "request_body_timeout", client.peer_ip, conn=client.conn, stream=stream
-    )
+def slow_body(
+    client: Refusing, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
+) -> int | None:
+    """``ClientSide.refuse_slow_body``: the request body is too ``slow`` while no response
+    began (``bodyclock.py``), counted as the defence ``slow.value``. 408 and close on HTTP/1.1
+    (the close after the current event, which flushes the 408 first, RFC 9112 §9.6). On
+    HTTP/2 a body past its deadline gets a 408 and RST_STREAM(NO_ERROR) for the rest of it
+    (RFC 9113 §8.1), one that stopped coming RST_STREAM(CANCEL). Returns the 408's body
+    bytes (None for a reset, which sends no response)."""
+    client.host.defences.record(slow.value, client.peer_ip, conn=client.conn, stream=stream)
+    text = "request body timeout"
     if client.h1 is not None:
-        sent = h1_error(client, 408, "request body timeout", api, request_id)
+        sent = h1_error(client, 408, text, api, request_id)
         client.request_close()
         return sent
     h2s = client.h2
     assert h2s is not None
+    if slow is SlowBody.TOO_SLOW:
+        sent = send_error(client, stream, 408, text, api=api, request_id=request_id)
+        h2s.cancel_request(stream)
+        client.flush()
+        return sent
     h2s.abort(stream, h2.errors.ErrorCodes.CANCEL)
     client.flush()
     return None

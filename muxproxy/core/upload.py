@@ -11,6 +11,9 @@ What it obeys:
   stream gets what it has not had (all of it after a rewind for a retry).
 - The request is complete with its head or with its End; the trailers go on as either
   protocol can carry them (RFC 9110 §6.5.1).
+- Slow bodies: a body must keep moving (``timeouts.client_header`` between bytes) and be
+  complete within ``timeouts.client_body`` of the head (``bodyclock.py``); time in which we
+  stopped the client counts for neither.
 - Its phase (``ports.RequestPhase``) is its own. The response side's phases are the
   exchange's (``exchange_states.py``), which calls in here only for an input it took.
 """
@@ -18,6 +21,7 @@ What it obeys:
 from __future__ import annotations
 
 from .body import RequestBody
+from .bodyclock import BodyClock, SlowBody
 from .deadlines import Deadlines
 from .effects import Effects
 from .flow import Flow
@@ -42,6 +46,8 @@ class Upload:
         self.flow = Flow()
         """The client as the body's source; its credit: HTTP/2 bytes not yet acknowledged."""
         self.trailers: Headers = []
+        self.clock = BodyClock(fx.now)
+        """The whole-body deadline (``timeouts.client_body``)."""
 
     @property
     def sending(self) -> bool:
@@ -50,19 +56,31 @@ class Upload:
 
     def watch(self) -> None:
         """Slow request bodies (slowloris on HTTP/2, a stalled upload on HTTP/1.1, also one
-        buffered for a session key): a request with a body must keep it moving. The ``body``
-        timer is lazy: armed once here, moved only when it fires (``stalled``), so a body
-        chunk costs no timer command."""
+        buffered for a session key, a body trickled just under the gap): a request with a
+        body must keep it moving and finish it in time. The ``body`` timer is lazy: armed once
+        here, moved only when it fires (``stalled``), so a body chunk costs no timer command."""
         fx = self.fx
-        self.deadlines.arm(ExchangeTimer.BODY, fx.now + fx.config.timeouts.client_header)
+        timeouts = fx.config.timeouts
+        due = min(fx.now + timeouts.client_header, self.clock.due(fx.now, timeouts.client_body))
+        self.deadlines.arm(ExchangeTimer.BODY, due)
 
-    def stalled(self) -> bool:
-        """The ``body`` timer fired: whether the client owes body bytes and sent none for
-        ``timeouts.client_header`` seconds (time in which we stopped it not counted)."""
-        timeout = self.fx.config.timeouts.client_header
-        return self.phase is RequestPhase.BODY and self.deadlines.body_idle(
-            timeout, withheld=self.flow.stopped
-        )
+    def stalled(self) -> SlowBody | None:
+        """The ``body`` timer fired: which bound the body broke, if the client still owes
+        body bytes (``bodyclock.py``); else None, and the timer is armed again."""
+        if self.phase is not RequestPhase.BODY:
+            return None
+        fx, deadlines = self.fx, self.deadlines
+        now, timeouts = fx.now, fx.config.timeouts
+        if self.flow.stopped:  # we stop it: its idle time starts when it may send again
+            deadlines.request_at = now
+        whole = self.clock.due(now, timeouts.client_body)
+        if now >= whole:
+            return SlowBody.TOO_SLOW
+        gap = deadlines.request_at + timeouts.client_header
+        if now >= gap:
+            return SlowBody.IDLE
+        deadlines.arm(ExchangeTimer.BODY, min(gap, whole))
+        return None
 
     def take(self, data: bytes, flow_len: int, upstream: UpstreamStream | None) -> None:
         """Body bytes (``flow_len`` of HTTP/2 credit): to ``upstream``, or held."""
@@ -102,11 +120,13 @@ class Upload:
         client = self.client
         limits = self.fx.limits
         if flow.filled(buffered, limits):
+            self.clock.stopped(self.fx.now)
             client.pause_source()
         elif flow.drained(buffered, limits):
             # The client could not send while we withheld its window: its idle time starts
-            # now (the ``body`` timer).
-            self.deadlines.request_at = self.fx.now
+            # now (the ``body`` timer), and its deadline moves by the time it was stopped.
+            now = self.deadlines.request_at = self.fx.now
+            self.clock.going(now)
             client.resume_source()
         credit = flow.release()
         if credit:

@@ -20,6 +20,8 @@ What is checked (``Timeouts`` in ``muxproxy.config``):
   head on a kept-alive connection; a request body that stops coming -> 408 (HTTP/1.1), not a
   504; a silent connection -> close (GOAWAY first for HTTP/2); a TLS handshake that never
   starts -> close;
+- client_body: a request body trickled just under the ``client_header`` gap -> 408 at the
+  whole-body deadline (HTTP/1.1 with the close; HTTP/2 on that stream alone), counted;
 - keepalive_idle: an idle kept-alive HTTP/1.1 connection is closed; an idle HTTP/2 connection
   gets GOAWAY then is closed; a long response is not an idle connection.
 """
@@ -47,6 +49,7 @@ from peers import (
     h1_request_bytes,
     hanging_port,
     never_answer,
+    open_h2,
     open_tcp,
     read_until_eof,
     serve_raw,
@@ -422,6 +425,56 @@ async def test_stalled_h1_request_body_gets_408_not_504(start_proxy, nursery, cl
         received, took = await until_closed(proxy.port, head + b"x" * 10)
         assert close_to(took, 10.0)
     assert received.startswith(b"HTTP/1.1 408 ")
+
+
+BODY_TIMEOUTS = Timeouts(client_header=10.0, client_body=30.0)
+"""A body byte every 9 s never breaks the gap; the whole body is due 30 s after the head."""
+
+
+async def test_h2_body_trickled_under_the_gap_gets_408_at_its_deadline(
+    start_backend, start_proxy, clock
+):
+    fake, backend = await start_backend()
+    proxy = await start_proxy([backend], timeouts=BODY_TIMEOUTS)
+    json_type = ("content-type", "application/json")
+    with trio.fail_after(100):
+        async with open_h2(proxy.port) as peer:
+            started = trio.current_time()
+            sid = await peer.request("POST", CHAT.decode(), [json_type], end_stream=False)
+            state = peer.streams[sid]
+            while not state.done:
+                peer.conn.send_data(sid, b" ")
+                await peer.flush()
+                with trio.move_on_after(9.0):
+                    await peer.wait_until(lambda: state.done)
+            assert close_to(trio.current_time() - started, 30.0)
+            assert state.status == 408
+            # The connection goes on: the next request on it is answered.
+            other = await peer.request("POST", CHAT.decode(), [json_type], chat_body(3))
+            assert (await peer.wait_done(other)).status == 200
+    assert proxy.server.core.counters["request_body_deadline"] == 1
+    assert fake.streams_completed == 1
+
+
+async def test_h1_body_trickled_under_the_gap_gets_408_and_close(start_proxy, nursery, clock):
+    port = await serve_raw(nursery, never_answer)
+    proxy = await start_proxy([port], timeouts=BODY_TIMEOUTS)
+    with trio.fail_after(100):
+        stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        async with stream:
+            started = trio.current_time()
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\ncontent-length: 100\r\n\r\n"
+            await stream.send_all(head)
+            received = b""
+            with contextlib.suppress(trio.BrokenResourceError):
+                while True:
+                    await stream.send_all(b"x")
+                    with trio.move_on_after(9.0):
+                        received = await read_until_eof(stream)
+                        break
+            assert close_to(trio.current_time() - started, 30.0)
+    assert received.startswith(b"HTTP/1.1 408 ")
+    assert proxy.server.core.counters["request_body_deadline"] == 1
 
 
 async def test_incomplete_request_head_gets_408(start_proxy, clock):
