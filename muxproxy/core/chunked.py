@@ -16,9 +16,13 @@ Grammar (RFC 9112 §7.1, with §7.1.1 extensions and §7.1.2 trailers)::
 
 As strict as h11 where it matters for framing, and stricter on sizes: a size is hex digits
 only, at most ``MAX_SIZE_DIGITS`` of them past leading zeros (16 in all), every line ends in
-CRLF, chunk data is followed by CRLF. Extensions are ignored (§7.1.1 allows it)
-but must be printable; trailer fields must be well formed, and are passed on lowercased, as
-h11 would. Anything else raises ``ChunkedError``: the response is truncated, visibly.
+CRLF, chunk data is followed by CRLF. A line that ends in a bare LF is refused as soon as the
+LF arrives: waiting for a CRLF that a client sending bare LFs never sends would hang the
+exchange until a timer, and a server that takes bare LF frames the body differently (RFC 9112
+§7.1 requires CRLF; §2.2's leniency is for the start line and fields, not chunk framing).
+Extensions are ignored (§7.1.1 allows it) but must be printable; trailer fields must be well
+formed, and are passed on lowercased, as h11 would. Anything else raises ``ChunkedError``: the
+response is truncated, visibly.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class ChunkedDecoder:
                     state = _DATA_END
             elif state == _DATA_END:
                 if end - pos < 2:
+                    if data[pos] != 13:  # not CR: no CRLF can follow (a bare LF, or junk)
+                        raise ChunkedError("chunk data not followed by CRLF")
                     self._keep_partial_line(data, pos)
                     break
                 if data[pos : pos + 2] != b"\r\n":
@@ -96,10 +102,12 @@ class ChunkedDecoder:
                 pos += 2
                 state = _SIZE
             elif state in (_SIZE, _TRAILERS):
-                line_end = data.find(b"\r\n", pos)
-                if line_end < 0:
+                line_end = data.find(b"\n", pos) - 1
+                if line_end < -1:
                     self._keep_partial_line(data, pos)
                     break
+                if line_end < pos or data[line_end] != 13:
+                    raise ChunkedError("chunk line ends in a bare LF, not CRLF")
                 start, pos = pos, line_end + 2
                 if state == _SIZE:
                     match = _SIZE_LINE.fullmatch(data, start, line_end)

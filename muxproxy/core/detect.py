@@ -4,7 +4,8 @@ Obeys RFC 9113 §3.3 and §3.4: over TLS the ALPN result decides; on a plain lis
 connection that starts with the HTTP/2 connection preface speaks h2c (prior knowledge),
 anything else HTTP/1.1. A connection that starts like the preface (``PRI * HTTP/2.0``, which no
 HTTP/1.1 request line can be, RFC 9112 §2.3) but is not it is HTTP/2 with an invalid preface:
-the adapter answers GOAWAY(PROTOCOL_ERROR) (§3.4), not an HTTP/1.1 400. And RFC 7540 §3.2 for
+the adapter answers GOAWAY(PROTOCOL_ERROR) (§3.4), not an HTTP/1.1 400; so does the exact
+preface followed by a frame other than SETTINGS (``h2preface.py``). And RFC 7540 §3.2 for
 the h2c upgrade: whether an offer is acceptable is ``h2c.py``'s; here the HTTP/2 side of the
 switch is built from the offer's settings, or refused when h2 refuses them.
 

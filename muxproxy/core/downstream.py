@@ -69,6 +69,9 @@ class Downstream:
         self.state = ClientState.SNIFFING
         """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.exchanges: dict[int, ClientStream] = {}
+        self.head_only: set[int] = set()
+        """Streams whose request is a HEAD: their response is its head alone (RFC 9110
+        §9.3.2), whatever the sender (a resume, a continuation) has for a body."""
         self.output = Output(fx, conn, self)
         self.reading_paused = False
         self.abuse_logged = False
@@ -250,6 +253,8 @@ class Downstream:
             fx.cancel_timer((ClientTimer.IDLE, self.conn))
         exchange = self.host.new_exchange(self, head)
         self.exchanges[head.stream] = exchange
+        if head.method == b"HEAD":
+            self.head_only.add(head.stream)
         exchange.start()
         if exchange.request is RequestPhase.BODY and exchange.phase is not Phase.DONE:
             exchange.watch_request_body()
@@ -267,8 +272,10 @@ class Downstream:
 
     def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
         """Send the response head; ``end_stream``: the response is complete without a body
-        (a gRPC Trailers-Only response: one HEADERS frame with END_STREAM on HTTP/2)."""
+        (a gRPC Trailers-Only response: one HEADERS frame with END_STREAM on HTTP/2, as is
+        every response to HEAD: no DATA frame follows, RFC 9113 §8.1)."""
         if self.h2 is not None:
+            end_stream = end_stream or head.stream in self.head_only
             self.h2.send_head(head, end_stream=end_stream)
             self.flush()
         elif self.h1 is not None:
@@ -281,6 +288,8 @@ class Downstream:
                 self.output.write(self.h1.send_end([]))
 
     def send_body(self, stream: int, data: bytes) -> None:
+        if self.head_only and stream in self.head_only:
+            return  # RFC 9110 §9.3.2: no content in a response to HEAD (h11 would raise)
         h2s = self.h2
         if h2s is not None:
             if h2s.send_body(stream, data):
@@ -401,6 +410,7 @@ class Downstream:
         finish."""
         follow = self.move(ClientInput.FINISHED)
         self.exchanges.pop(exchange.stream, None)
+        self.head_only.discard(exchange.stream)
         self.output.stalled.discard(exchange)
         if follow:
             self.fx.defer(self.conn, lambda: self._after_exchange(exchange))

@@ -15,6 +15,7 @@ import h2.connection
 import h2.settings
 
 from .h2decode import HeaderDecoder
+from .h2preface import SettingsFirstBuffer
 
 CONNECTION_WINDOW = 16 * 1024 * 1024
 """The connection-level receive window we open at start (RFC 9113 §6.9.2: only the stream
@@ -58,6 +59,9 @@ def server_connection(
         limit=max_header_list_size, blocks=BLOCKS_PER_READ_FACTOR * max_concurrent_streams
     )
     conn.decoder = decoder
+    # RFC 9113 §3.4: the preface is followed by SETTINGS (``h2preface``; ``incoming_buffer``
+    # is h2's public attribute, read at every ``receive_data``).
+    conn.incoming_buffer = SettingsFirstBuffer()
     settings = {
         h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
         h2.settings.SettingCodes.ENABLE_PUSH: 0,

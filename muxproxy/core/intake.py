@@ -74,6 +74,12 @@ _ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*")
 # RFC 9112 §3.2.2 absolute-form; we take the scheme and authority and keep path and query.
 _ABSOLUTE_FORM = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)([^#]*)")
 
+# RFC 9112 §3.2, RFC 3986 §3.5: a fragment is the client's own and is never sent; a target
+# with one is malformed (forwarded, a backend could route on it, or cut the path there while
+# we routed on the whole).
+_FRAGMENT = "fragment in the request target"
+_HTTP_SCHEMES = (b"http", b"https")
+
 # --- field name sets -------------------------------------------------------------------
 
 # RFC 9113 §8.3.1 request pseudo-headers, plus :protocol from RFC 8441 §4 (extended CONNECT).
@@ -127,8 +133,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
     MalformedRequest. A plain CONNECT is returned as valid (target b""); the caller decides.
     """
     pseudo: dict[bytes, bytes] = {}
-    host: bytes | None = None
-    host_count = 0
+    hosts: list[bytes] = []
     content_length: bytes | None = None
     regular: Headers = []
     append = regular.append
@@ -165,8 +170,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
             if value.lower() != b"trailers":
                 raise MalformedRequest("te other than trailers")
         elif name == b"host":
-            host = value
-            host_count += 1
+            hosts.append(value)
         elif name == b"content-length":
             content_length = _check_content_length(value, content_length)
         append(field)
@@ -190,12 +194,17 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         if not authority:
             raise MalformedRequest("empty :authority")
         _check_authority(authority)
-    elif host is not None:
+        # RFC 9113 §8.3.1: a Host field next to :authority names the same origin, else the
+        # request is malformed: a backend or log that reads Host would see another origin
+        # than the one routed on (host names compare case-insensitively, RFC 9110 §4.2.3).
+        if hosts and any(host.lower() != authority.lower() for host in hosts):
+            raise MalformedRequest(":authority and host differ")
+    elif hosts:
         # RFC 9113 §8.3.1: without :authority the Host field carries it (RFC 9112 §3.2: one).
-        if host_count > 1:
+        if len(hosts) > 1:
             raise MalformedRequest("more than one host field")
-        _check_authority(host)
-        authority = host
+        authority = hosts[0]
+        _check_authority(authority)
 
     if method == b"CONNECT" and protocol is None:
         # RFC 9113 §8.5: CONNECT has :authority (a Host field does not do) and neither :scheme
@@ -227,9 +236,15 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         raise MalformedRequest("empty :path")
     if _SCHEME.fullmatch(scheme) is None:
         raise MalformedRequest("invalid :scheme")
+    if scheme.lower() not in _HTTP_SCHEMES:
+        # RFC 9113 §8.3.1: what follows holds for http and https; the proxy serves nothing
+        # else (a "javascript:" or "file:" scheme reaching a backend or a log is a hazard).
+        raise MalformedRequest("unsupported :scheme")
     # RFC 9113 §8.3.1: for http / https, :path is origin-form, or "*" for OPTIONS.
     if _ORIGIN_FORM.fullmatch(path) is None and not (path == b"*" and method == b"OPTIONS"):
         raise MalformedRequest("invalid :path")
+    if b"#" in path:
+        raise MalformedRequest(_FRAGMENT)
     return RequestHead(
         stream=stream,
         method=method,
@@ -294,6 +309,8 @@ def request_from_h1(
         raise MalformedRequest("missing host field")
 
     authority = b"" if host is None else host
+    if b"#" in target:
+        raise MalformedRequest(_FRAGMENT)
     if target[:1] == b"/":
         # RFC 9112 §3.2.1 origin-form: the common case.
         pass

@@ -18,6 +18,11 @@ the first ``?``, is never touched):
   another keeps it in the segment), which is harmless unless a dot-segment hides behind one:
   a path that has a ``.`` or ``..`` segment once they are read as separators (``..%2f``) is
   refused with 400, since no single normalised form of it is safe to forward.
+* Likewise a ``.`` or ``..`` segment behind a path parameter (``/v1/..;/flag``,
+  ``/v1/%2e%2e;x/flag``): RFC 3986 §3.3 makes ``..;`` an ordinary segment, so it survives
+  ``remove_dot_segments``, but servers that strip ``;`` parameters before resolving
+  (Tomcat, Jetty, Spring) read it as ``..`` and leave the route's prefix. Refused with 400,
+  as is ``%3b`` in its place.
 * Also refused with 400: a raw backslash (a separator to some servers; not a character RFC
   3986 §3.3 allows in a path) and a ``%`` not followed by two hex digits (RFC 3986 §2.1).
 
@@ -40,6 +45,8 @@ _PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})?")
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 # Encoded separators: "/" and "\" (RFC 3986 §2.1: hex digits in either case).
 _ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
+# Where a segment's parameters begin (RFC 3986 §3.3), plain or encoded.
+_PARAMETERS = re.compile(rb";|%3[bB]")
 
 
 def normalise_target(target: bytes) -> bytes:
@@ -56,9 +63,12 @@ def normalise_target(target: bytes) -> bytes:
         path = _PERCENT.sub(_decode_unreserved, path)
     if b"/." in path:
         path = remove_dot_segments(path)
-    # The plain dot-segments are gone: one that is left hides behind an encoded separator.
+    # The plain dot-segments are gone: one that is left hides behind an encoded separator
+    # or a path parameter.
     if b"%" in path and _ENCODED_SEPARATOR.search(path) is not None and _hides_dot_segment(path):
         raise MalformedRequest("dot-segment behind an encoded slash in the request path")
+    if (b";" in path or b"%" in path) and _hides_dot_segment(path):
+        raise MalformedRequest("dot-segment behind a path parameter in the request path")
     return path + question + query
 
 
@@ -74,9 +84,11 @@ def _decode_unreserved(match: re.Match[bytes]) -> bytes:
 
 def _hides_dot_segment(path: bytes) -> bool:
     """Whether ``path`` has a ``.`` or ``..`` segment once ``%2f`` and ``%5c`` are read as
-    separators (after the unreserved characters were decoded and ``remove_dot_segments``)."""
+    separators and each segment's ``;`` parameters (``%3b`` too) are stripped (after the
+    unreserved characters were decoded and ``remove_dot_segments``)."""
     segments = _ENCODED_SEPARATOR.sub(b"/", path).split(b"/")
-    return any(segment in (b".", b"..") for segment in segments)
+    split = _PARAMETERS.split
+    return any(split(segment, 1)[0] in (b".", b"..") for segment in segments)
 
 
 def remove_dot_segments(path: bytes) -> bytes:

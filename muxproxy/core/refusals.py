@@ -76,10 +76,14 @@ def send_error(
         if request_id is not None:
             headers.append((b"x-request-id", request_id))
         headers.extend(extra)
-        h2s.send_head(ResponseHead(stream=stream, status=status, headers=headers))
+        # RFC 9110 §9.3.2, RFC 9113 §8.1: a response to HEAD is one HEADERS frame that ends
+        # the stream, no DATA frame.
+        h2s.send_head(
+            ResponseHead(stream=stream, status=status, headers=headers), end_stream=head_only
+        )
         if not head_only:
             h2s.send_body(stream, body)
-        h2s.send_end(stream, [])
+            h2s.send_end(stream, [])
         client.flush()
         return 0 if head_only else len(body)
     if client.h1 is not None:
@@ -140,7 +144,15 @@ def refuse_head(client: Refusing, head: RequestHead, exc: MalformedRequest) -> N
     if client.h1 is not None:
         peer_error(client, PeerError(exc.reason, exc.status), api)
         return
-    _refuse_stream(client, head.stream, exc.status, exc.reason, api, end_stream=head.end_stream)
+    _refuse_stream(
+        client,
+        head.stream,
+        exc.status,
+        exc.reason,
+        api,
+        end_stream=head.end_stream,
+        head_only=head.method == b"HEAD",
+    )
 
 
 def refuse_undecoded(client: Refusing, refused: Refused) -> None:
@@ -152,10 +164,17 @@ def refuse_undecoded(client: Refusing, refused: Refused) -> None:
 
 
 def _refuse_stream(
-    client: Refusing, stream: int, status: int, reason: str, api: Api | None, *, end_stream: bool
+    client: Refusing,
+    stream: int,
+    status: int,
+    reason: str,
+    api: Api | None,
+    *,
+    end_stream: bool,
+    head_only: bool = False,
 ) -> None:
     client.fx.emit(Log(event="request_refused", fields={"conn": client.conn, "error": reason}))
-    send_error(client, stream, status, reason, api=api)
+    send_error(client, stream, status, reason, api=api, head_only=head_only)
     if not end_stream:
         h2s = client.h2
         assert h2s is not None

@@ -119,6 +119,8 @@ class ReplayExchange(Exchange):
         assert stream is not None
         store.resumed += 1
         self._send_head(stream.head, stream.version)
+        if self._head_only():
+            return
         client = self.client
         for event in events:
             self.bytes_out += len(event)
@@ -151,6 +153,16 @@ class ReplayExchange(Exchange):
         )
         client.send_head(self.response)
         self.head_at = self.first_byte_at = self.fx.now
+
+    def _head_only(self) -> bool:
+        """A HEAD (RFC 9110 §9.3.2) is answered with the head alone, at once: it neither
+        replays events nor waits on a live stream (nor holds up a request pipelined behind
+        it). True when it was, and the exchange is over."""
+        if self.head.method != b"HEAD":
+            return False
+        self.client.send_end(self.stream, [])
+        self._finish("ok (resumed, head only)")
+        return True
 
     def _refuse(self, why: Lookup) -> None:
         accept = header_value(self.head.headers, b"accept") or b""
@@ -202,6 +214,8 @@ class ReplayExchange(Exchange):
             self.fetched_head = True
             self.host.resumes.resumed += 1
             self._send_head(_head_of(event.head, self.stream), event.head.version)
+            if self._head_only():
+                return  # ``_wrap_up`` cancels the fetch
         client = self.client
         for data in event.events:
             self.bytes_out += len(data)

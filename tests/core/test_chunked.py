@@ -111,7 +111,7 @@ def test_one_read_of_many_chunks_is_one_piece():
         (b"3\r\nabcX\r\n", "not followed by CRLF"),
         (b"11111111111111111\r\n", "bad chunk size line"),  # 17 hex digits
         (b"-1\r\n", "bad chunk size line"),
-        (b"3\nabc\r\n0\r\n\r\n", "bad chunk size line"),  # bare LF
+        (b"3\nabc\r\n0\r\n\r\n", "bare LF"),
         (b"0\r\nbad trailer\r\n\r\n", "bad trailer field"),
         (b"0\r\nx: a\x00b\r\n\r\n", "bad trailer field"),
         (b"5" * 70000, "longer than"),
@@ -280,3 +280,26 @@ def test_h1server_head_response_is_not_chunked():
     server = server_after_request(b"HEAD /s HTTP/1.1\r\nHost: a\r\n\r\n")
     server.send_head(ResponseHead(stream=1, status=200, headers=[]))
     assert not server.chunking
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"3\n",  # the size line
+        b"3\r\nabc\n",  # after the chunk data
+        b"3\r\nabc\r\n0\n",  # the last chunk
+        b"0\r\nx: y\n",  # a trailer
+        b"0\r\n\n",  # the end of the trailer section
+        b"3;ext\n",
+    ],
+    ids=["size", "data-end", "last-chunk", "trailer", "trailer-end", "extension"],
+)
+def test_a_bare_lf_is_refused_as_it_arrives_not_waited_past(body):
+    """RFC 9112 §7.1: chunk lines end in CRLF. A client that ends them in a bare LF never
+    sends the CRLF a lenient wait would need: refused at the LF, fed byte by byte."""
+    decoder = ChunkedDecoder()
+    lf = len(body) - 1  # the bare LF ends each of them
+    for i in range(lf):
+        decoder.feed(body[i : i + 1])
+    with pytest.raises(ChunkedError, match="CRLF"):
+        decoder.feed(body[lf : lf + 1])

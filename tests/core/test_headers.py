@@ -254,12 +254,17 @@ def test_request_from_h2_host_fallback() -> None:
     assert head.headers == [(b"host", b"api.example:8443")]
 
 
-def test_request_from_h2_authority_wins_over_host() -> None:
-    head = request_from_h2(1, [*GET, (b"host", b"other.example")], scheme_default=b"https")
+def test_request_from_h2_host_next_to_authority_names_the_same_origin() -> None:
+    """RFC 9113 §8.3.1: a Host field next to :authority must name the same (case aside);
+    one that differs makes the request malformed."""
+    head = request_from_h2(1, [*GET, (b"host", b"API.example")], scheme_default=b"https")
     assert head.authority == b"api.example"
-    assert head.headers == [(b"host", b"other.example")]  # untouched
+    assert head.headers == [(b"host", b"API.example")]  # untouched
     out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"muxproxy")
     assert values(out, b"host") == [b"api.example"]
+    for hosts in ([b"other.example"], [b"api.example", b"other.example"]):
+        with pytest.raises(MalformedRequest, match="differ"):
+            request_from_h2(1, [*GET, *((b"host", h) for h in hosts)], scheme_default=b"https")
 
 
 def test_request_from_h2_no_authority_at_all() -> None:
@@ -530,7 +535,7 @@ def test_upstream_x_forwarded_proto_replaced() -> None:
     assert values(out, b"x-forwarded-proto") == [b"https"]
 
 
-@pytest.mark.parametrize("claimed", [b"https", b"wss", b"javascript"])
+@pytest.mark.parametrize("claimed", [b"https", b"HTTPS"])
 def test_upstream_x_forwarded_proto_is_the_transport_not_the_h2_scheme(claimed: bytes) -> None:
     # A cleartext HTTP/2 client claiming ":scheme: https" must not make the backend think the
     # request came over TLS.
@@ -538,6 +543,13 @@ def test_upstream_x_forwarded_proto_is_the_transport_not_the_h2_scheme(claimed: 
     head = request_from_h2(1, pseudo, scheme_default=b"http")
     out = upstream_h1_headers(head, client_ip="10.0.0.1", proto=b"http", via=b"mp")
     assert values(out, b"x-forwarded-proto") == [b"http"]
+
+
+@pytest.mark.parametrize("claimed", [b"wss", b"javascript", b"file", b"ftp"])
+def test_an_h2_scheme_other_than_http_or_https_is_malformed(claimed: bytes) -> None:
+    """RFC 9113 §8.3.1: the proxy serves http and https URIs only."""
+    with pytest.raises(MalformedRequest, match="unsupported :scheme"):
+        request_from_h2(1, [GET[0], (b":scheme", claimed), *GET[2:]], scheme_default=b"http")
 
 
 @pytest.mark.parametrize("nominated", [False, True])
@@ -882,6 +894,10 @@ def test_property_upstream_from_h2(
 ) -> None:
     if length is not None:
         fields = [*fields, (b"content-length", length)]
+    # RFC 9113 §8.3.1: a Host field next to :authority names it (one that does not is refused:
+    # test_request_from_h2_host_next_to_authority_names_the_same_origin).
+    authority = dict(pseudo)[b":authority"]
+    fields = [(name, authority if name == b"host" else value) for name, value in fields]
     head = request_from_h2(1, [*pseudo, *fields], scheme_default=b"https")
     assert head.headers == fields
     out = upstream_h1_headers(

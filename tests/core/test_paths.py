@@ -59,6 +59,8 @@ def test_remove_dot_segments(path: bytes, expected: bytes) -> None:
         (b"/v1/models?next=/../x&q=%2f%2e%2e", b"/v1/models?next=/../x&q=%2f%2e%2e"),
         (b"/v1/../models?a=%2e", b"/models?a=%2e"),
         (b"/.well-known/x", b"/.well-known/x"),
+        # A path parameter is kept; only a dot-segment behind one is refused.
+        (b"/v1/models;v=1/x", b"/v1/models;v=1/x"),
         (b"*", b"*"),
         (b"", b""),
     ],
@@ -77,6 +79,15 @@ def test_normalise_target(target: bytes, expected: bytes) -> None:
         b"/v1/x%2F.%2Fy",
         b"/v1/..%5cflag",
         b"/v1/..\\flag",
+        # A dot-segment behind a path parameter (";"), which servers that strip parameters
+        # before resolving read as one.
+        b"/v1/..;/flag",
+        b"/v1/..;",
+        b"/v1/.;x/flag",
+        b"/v1/%2e%2e;x/flag",
+        b"/v1/.%2e;/flag",
+        b"/v1/..%3b/flag",
+        b"/v1/..%3Bx/flag",
         b"/v1/%zz",
         b"/v1/x%",
         b"/v1/x%4",
