@@ -30,6 +30,7 @@ import h2.errors
 from ..config import Api
 from . import detect, refusals
 from .commands import Log, PauseReading, ResumeReading
+from .credentials import check_credentials
 from .downstream_states import TIMER_INPUTS, TRANSITIONS, ClientInput, ClientState, Protocol
 from .effects import Effects
 from .h1 import H1Server, PeerError
@@ -241,6 +242,7 @@ class Downstream:
             check_request_limits(
                 head, max_fields=limits.max_header_fields, max_body=limits.max_request_body
             )
+            check_credentials(head)
         except MalformedRequest as exc:
             refusals.refuse_head(self, head, exc)
             return

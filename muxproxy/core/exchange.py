@@ -48,7 +48,7 @@ from ..routing.ratelimit import Refusal
 from ..routing.sticky import session_key_from_body, session_key_from_head
 from . import grpc
 from .access import access_fields, add_to_totals, with_request_id
-from .admit import Admission, UsageScan, extra_fields
+from .admit import Admission, UsageScan, extra_fields, repeated_tenant_field
 from .body import RequestBody
 from .commands import Log
 from .continuation import AnswerSoFar, Splicer, wants_continuation
@@ -259,6 +259,9 @@ class Exchange:
         assert group is not None
         admission = None
         if group.admits:
+            if (repeated := repeated_tenant_field(group, self.head)) is not None:
+                self.fail(400, repeated)
+                return
             admission = self.admission = Admission(self.fx, group, self.head, document)
             refusal = admission.reserve(self.host.router(group))
             if refusal is not None:
