@@ -60,11 +60,15 @@ class Downstream:
         peer_ip: str,
         tls: bool,
         alpn: str | None,
+        trusted: bool = False,
     ) -> None:
+        """``trusted``: the peer is a proxy whose forwarded fields are believed
+        (``forwarded.py``)."""
         self.fx = fx
         self.host = host
         self.conn = conn
         self.peer_ip = peer_ip
+        self.trusted = trusted
         self.scheme = b"https" if tls else b"http"
         self.state = ClientState.SNIFFING
         """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""

@@ -132,7 +132,7 @@ class Exchange:
         self.bytes_in = 0
         """Request body bytes taken from the client."""
         self.outcome = ""
-        self.request_id = self.host.request_ids.for_request(head.headers)
+        self.request_id = self.host.request_ids.for_request(head.headers, fx, client.peer_ip)
         """``X-Request-ID``: the client's when sane, else ours (``access.py``)."""
         self.head_at: float | None = None
         """When the backend's response head came (that of the attempt that answered)."""

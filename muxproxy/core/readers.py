@@ -75,6 +75,7 @@ class Nobody(_AfterHead):
 
     peer_ip = ""
     scheme = b""
+    trusted = False
     is_h2 = False
     congested = False
 
@@ -119,6 +120,7 @@ class ResumedClient(_AfterHead):
         self.conn = client.conn
         self.peer_ip = client.peer_ip
         self.scheme = client.scheme
+        self.trusted = client.trusted
 
     @property
     def is_h2(self) -> bool:
