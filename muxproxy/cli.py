@@ -33,6 +33,7 @@ from muxproxy.config import (
     Config,
     ConfigError,
     GroupTimeouts,
+    Listener,
     Route,
     Server,
     Upstream,
@@ -238,6 +239,14 @@ def _explain(key: str) -> int:
     return EXIT_USAGE
 
 
+def _describe_trust(listener: Listener) -> str:
+    """Whose forwarded fields the listener believes (``trusted_proxies``); nothing when
+    nobody's (the default)."""
+    if not listener.trusted_proxies:
+        return ""
+    return f" (forwarded fields trusted from {', '.join(map(str, listener.trusted_proxies))})"
+
+
 def describe_config(config: Config) -> list[str]:
     """A short summary of ``config``: its listeners, upstream groups, routes and stop grace.
 
@@ -247,7 +256,8 @@ def describe_config(config: Config) -> list[str]:
     in parentheses.
     """
     lines = [
-        f"listener {scheme(listener.tls)}://{listener.address}" for listener in config.listeners
+        f"listener {scheme(listener.tls)}://{listener.address}{_describe_trust(listener)}"
+        for listener in config.listeners
     ]
     for name, group in config.upstreams.items():
         count = len(group.servers)

@@ -19,8 +19,8 @@ import trustme
 
 import muxproxy
 import muxproxy.compiled
-from muxproxy.cli import main
-from muxproxy.config import quick_config
+from muxproxy.cli import describe_config, main
+from muxproxy.config import parse_config, quick_config
 from muxproxy.process import listening_lines
 
 REPO = Path(muxproxy.__file__).resolve().parent.parent
@@ -220,6 +220,22 @@ def test_check_summarizes_routing_settings(tmp_path: Path) -> None:
     ]
     assert "sk-live" not in result.stdout  # header values are not shown
     assert "s3cret" not in result.stdout
+
+
+def test_check_names_the_proxies_a_listener_trusts() -> None:
+    config = parse_config(
+        {
+            "listeners": [
+                {"address": "127.0.0.1:8080", "trusted_proxies": ["10.0.0.0/8", "::1"]},
+                {"address": "127.0.0.1:8081"},
+            ],
+            "upstreams": {"gpus": {"servers": ["127.0.0.1:9001"]}},
+        }
+    )
+    assert describe_config(config)[:2] == [
+        "listener http://127.0.0.1:8080 (forwarded fields trusted from 10.0.0.0/8, ::1/128)",
+        "listener http://127.0.0.1:8081",
+    ]
 
 
 LLM_FLEET = """\

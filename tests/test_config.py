@@ -106,6 +106,34 @@ def problems_of(data: dict[str, Any], **kwargs: Any) -> list[str]:
     return info.value.problems
 
 
+def test_trusted_proxies_are_networks_and_default_to_none() -> None:
+    assert parse_config(valid()).listeners[0].trusted_proxies == ()
+    data = valid()
+    data["listeners"][0]["trusted_proxies"] = ["10.0.0.0/8", "127.0.0.1", "2001:db8::/32"]
+    (listener,) = parse_config(data).listeners
+    assert [str(network) for network in listener.trusted_proxies] == [
+        "10.0.0.0/8",
+        "127.0.0.1/32",
+        "2001:db8::/32",
+    ]
+
+
+def test_a_trusted_proxies_entry_that_is_not_a_cidr_is_named_with_its_fix() -> None:
+    data = valid()
+    data["listeners"][0]["trusted_proxies"] = ["10.0.0.1/8", "10.0.0.300/8", 10, "10.0.0.0/8"]
+    assert problems_of(data) == [
+        'listeners[0].trusted_proxies[0]: "10.0.0.1/8" has host bits set; write "10.0.0.0/8"',
+        'listeners[0].trusted_proxies[1]: expected a CIDR such as "10.0.0.0/8" or an address'
+        ' such as "10.0.0.1", got "10.0.0.300/8"',
+        'listeners[0].trusted_proxies[2]: expected a CIDR such as "10.0.0.0/8", got 10',
+    ]
+    data["listeners"][0]["trusted_proxies"] = "10.0.0.0/8"
+    assert problems_of(data) == [
+        "listeners[0].trusted_proxies: expected an array of CIDRs, e.g."
+        ' ["10.0.0.0/8", "127.0.0.1/32"], got "10.0.0.0/8"'
+    ]
+
+
 def write_tls_pair(directory: Path, cert: str = "cert.pem", key: str = "key.pem") -> None:
     """A real certificate and its private key, PEM, as ``directory/cert`` and ``directory/key``."""
     issued = trustme.CA().issue_cert("localhost")
@@ -450,7 +478,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("listeners", 0, "port"),
             8080,
-            "listeners[0].port: unknown key; expected one of: address, tls_cert, tls_key",
+            "listeners[0].port: unknown key; expected one of: address, tls_cert, tls_key,"
+            " trusted_proxies",
         ),
         (
             ("listeners",),

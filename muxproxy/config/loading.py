@@ -8,6 +8,7 @@ live in :mod:`.upstreams`, the machinery in :mod:`.checker`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -201,10 +202,46 @@ _TOML_ERROR = re.compile(r"(?s)(.*) \(at line (\d+), column (\d+)\)\Z")
 
 _TIMEOUTS_KEYS = record_keys(Timeouts, Checker.seconds)
 _LIMITS_KEYS = record_keys(Limits, Checker.positive_int)
+
+
+def trusted_proxies(
+    check: Checker, value: Any, path: str
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+    """``[[listeners]] trusted_proxies``: an array of CIDRs (``"10.0.0.0/8"``) or addresses
+    (one host: ``/32``, ``/128``)."""
+    items = check.array(value, path, 'an array of CIDRs, e.g. ["10.0.0.0/8", "127.0.0.1/32"]')
+    if items is None:
+        return None
+    networks = []
+    valid = True
+    for index, item in enumerate(items):
+        where = f"{path}[{index}]"
+        if not isinstance(item, str):
+            check.add(where, f'expected a CIDR such as "10.0.0.0/8", got {describe(item)}')
+            valid = False
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item.strip()))
+        except ValueError:
+            valid = False
+            try:
+                loose = ipaddress.ip_network(item.strip(), strict=False)
+            except ValueError:
+                check.add(
+                    where,
+                    f'expected a CIDR such as "10.0.0.0/8" or an address such as "10.0.0.1",'
+                    f" got {describe(item)}",
+                )
+            else:
+                check.add(where, f'{describe(item)} has host bits set; write "{loose}"')
+    return tuple(networks) if valid else None
+
+
 _LISTENER_KEYS = {
     "address": Key(Checker.listen_address, required='"host:port"'),
     "tls_cert": Key(Checker.file),
     "tls_key": Key(Checker.file),
+    "trusted_proxies": Key(trusted_proxies),
 }
 
 

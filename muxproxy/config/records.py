@@ -10,6 +10,7 @@ timeouts); validation is the job of :mod:`muxproxy.config.loading`.
 from __future__ import annotations
 
 import enum
+import ipaddress
 
 import attrs
 
@@ -502,6 +503,13 @@ class Listener(_HostPort):
     HTTP/2 and HTTP/1.1 by ALPN. Without: cleartext HTTP/1.1 and h2c."""
     tls_key: str | None = None
     """The certificate's private key (PEM)."""
+    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    """The proxies in front (CIDRs, or addresses) whose forwarded fields are believed:
+    from a peer in one of them, ``X-Forwarded-For`` and ``Forwarded`` are appended to and
+    ``X-Forwarded-Proto``, ``-Host``, ``-Port`` and ``X-Real-IP`` kept; from any other, all
+    six are dropped and ``X-Forwarded-For`` and ``X-Forwarded-Proto`` set from the
+    connection. Empty (the default): no peer is trusted. See "Trust and forwarded headers" in
+    ``docs/operations.md``."""
 
     @property
     def tls(self) -> bool:

@@ -297,6 +297,7 @@ _VALUE_KINDS: dict[Any, str] = {
     Checker.file: "a file path (relative to the configuration file's directory)",
     Checker.address: '"host:port" ("[::1]:port" for IPv6)',
     Checker.listen_address: '"host:port" (port 0: any free port)',
+    loading.trusted_proxies: 'an array of CIDRs or addresses, e.g. ["10.0.0.0/8"]',
     Checker.prefix: 'a path prefix starting with "/"',
     Checker.name: "the name of an upstream group",
     upstreams.servers: 'an array of "host:port" strings or { address = ... } tables',
@@ -347,6 +348,8 @@ _EXAMPLES = {
     "listeners[].address": 'address = "0.0.0.0:8080"',
     "listeners[].tls_cert": 'address = "0.0.0.0:8443"\ntls_cert = "cert.pem"\ntls_key = "key.pem"',
     "listeners[].tls_key": 'address = "0.0.0.0:8443"\ntls_cert = "cert.pem"\ntls_key = "key.pem"',
+    "listeners[].trusted_proxies": 'address = "0.0.0.0:8080"\n'
+    'trusted_proxies = ["10.0.0.0/8", "127.0.0.1/32"]',
     f"{_GROUP}.servers": 'servers = ["10.0.0.1:8000", { address = "10.0.0.2:8000", weight = 2 }]',
     f"{_GROUP}.balance": 'balance = "least_load"',
     f"{_GROUP}.sticky": '[upstreams.gpus.sticky]\nsources = ["header:X-Chat-ID"]',

@@ -2,14 +2,16 @@
 
 Request ids (the ``X-Request-ID`` field, a de facto standard shared by nginx, Heroku and most
 tracing setups): a client's id is kept when it is sane — one field, 1 to ``MAX_REQUEST_ID``
-bytes of visible ASCII (RFC 5234 VCHAR, %x21-7E: no space, no control byte, nothing a log
-line or a header could be split by) — and replaced otherwise; a request without one gets
-one. Generated ids are ``<prefix>-<counter>``: the prefix is 12 hex digits from
-``os.urandom`` read once when the ``ProxyCore`` is built (the core reads no clock and uses no
-``random``; this is its one read of the OS, at construction), the counter counts the
-process's requests. So ids are unique within a process, and across workers and restarts
-with the probability of two 48-bit random prefixes differing. The id goes to the backend and
-back to the client in ``X-Request-ID``, and into every log record of the exchange.
+bytes of ``[A-Za-z0-9._:-]`` (UUIDs, W3C trace ids, nginx's ``$request_id`` and ours fit;
+nothing a log line, a header, a shell or a log query could be split or fooled by) — and
+replaced otherwise, with a ``request_id_replaced`` log record that holds what the client
+sent, truncated and escaped (``escaped_id``); a request without one gets one. Generated ids
+are ``<prefix>-<counter>``: the prefix is 12 hex digits from ``os.urandom`` read once when
+the ``ProxyCore`` is built (the core reads no clock and uses no ``random``; this is its one
+read of the OS, at construction), the counter counts the process's requests. So ids are
+unique within a process, and across workers and restarts with the probability of two 48-bit
+random prefixes differing. The id goes to the backend and back to the client in
+``X-Request-ID``, and into every log record of the exchange.
 
 The session field is a short hash of the session key (``blake2b``, 8 bytes, as 16 hex
 digits), personalised for muxproxy: logs can correlate the requests of one conversation
@@ -26,6 +28,7 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .commands import Log
 from .headers import header_value
 
 if TYPE_CHECKING:
@@ -34,10 +37,12 @@ if TYPE_CHECKING:
     from .messages import Headers, RequestHead
     from .ssemeter import SseMeter
 
-MAX_REQUEST_ID = 200
+MAX_REQUEST_ID = 128
 """Longest client request id kept: UUIDs (36), trace ids (32-55) and nginx's $request_id
 (32) fit with room to spare; a longer one is replaced, not truncated (a truncated id would
 match nothing upstream)."""
+LOGGED_ID = 64
+"""Bytes of a replaced client id the log record shows (escaped), at most."""
 
 REQUEST_ID = b"x-request-id"
 
@@ -56,27 +61,47 @@ class RequestIds:
         self.count += 1
         return b"%s-%d" % (self.prefix, self.count)
 
-    def for_request(self, headers: Headers) -> bytes:
-        """The client's id if it sent exactly one sane one, otherwise a new one."""
+    def for_request(self, headers: Headers, log: _Log | None = None, client: str = "") -> bytes:
+        """The client's id if it sent exactly one sane one, otherwise a new one; a client's
+        id replaced is logged (``request_id_replaced``) through ``log``, with the address
+        of the ``client``."""
         value = header_value(headers, REQUEST_ID)
-        if (
-            value is not None
-            and is_sane_id(value)
-            and sum(1 for name, _ in headers if name == REQUEST_ID) == 1
-        ):
+        if value is None:
+            return self.new()
+        if is_sane_id(value) and sum(1 for name, _ in headers if name == REQUEST_ID) == 1:
             return value
-        return self.new()
+        ours = self.new()
+        if log is not None:
+            fields = {
+                "request_id": ours.decode("ascii"),
+                "client_request_id": escaped_id(value),
+                "client": client,
+            }
+            log.emit(Log(event="request_id_replaced", fields=fields))
+        return ours
 
 
 def is_sane_id(value: bytes) -> bool:
-    """1 to ``MAX_REQUEST_ID`` bytes, each visible ASCII (%x21-7E)."""
+    """1 to ``MAX_REQUEST_ID`` bytes, each of ``[A-Za-z0-9._:-]``."""
     if not 0 < len(value) <= MAX_REQUEST_ID:
         return False
-    # Only VCHAR survives: deleting every allowed byte leaves nothing.
-    return not value.translate(None, _VCHAR)
+    # Deleting every allowed byte leaves nothing.
+    return not value.translate(None, _ID_BYTES)
 
 
-_VCHAR = bytes(range(0x21, 0x7F))
+_ID_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+
+
+def escaped_id(value: bytes) -> str:
+    """A client's id for a log record: its first ``LOGGED_ID`` bytes, each byte outside
+    ``[A-Za-z0-9._:-]`` as ``\\xNN`` (so no byte of it can end or forge a line), then
+    ``...(N bytes)`` when it was longer."""
+    shown = "".join(
+        chr(byte) if byte in _ID_BYTES else f"\\x{byte:02x}" for byte in value[:LOGGED_ID]
+    )
+    if len(value) > LOGGED_ID:
+        shown += f"...({len(value)} bytes)"
+    return shown
 
 
 def with_request_id(headers: Headers, request_id: bytes) -> Headers:
@@ -95,6 +120,10 @@ def session_hash(key: bytes | None) -> str | None:
 
 def _seconds(at: float | None, start: float) -> float | None:
     return None if at is None else round(at - start, 6)
+
+
+class _Log(Protocol):
+    def emit(self, command: Log) -> None: ...
 
 
 class _Clock(Protocol):

@@ -6,7 +6,11 @@ What it obeys:
   tokens it may generate (its ``max_tokens``, else the group's ``default_max_tokens``), its
   prefix key, its tenant and priority (``tenant``, ``priority``: any session-key source).
   The tenant is kept as a 64-bit blake2b of its value, never as sent: nothing here or in a
-  log holds a credential.
+  log holds a credential. A header's value is read in its one spelling
+  (``credentials.credential_key``: ``Bearer k``, ``bearer k`` and ``Bearer  k`` are one
+  tenant, RFC 9110 §11.1), and a request that carries its tenant's header twice is refused
+  with 400 (``repeated_tenant_field``): otherwise each spelling, or each choice of which
+  field counts, would be a budget of its own.
 - Budgets (``rate_limit``, ``routing/ratelimit.py``): on arrival the request reserves its
   expected tokens and one request from its tenant's buckets, before it waits or is sent, so
   requests in flight at once cannot spend more than the budget; a refusal is a 429 with
@@ -32,6 +36,7 @@ from ..routing.llmrequest import NOTHING, LlmRequest, read_request
 from ..routing.load import Ticket
 from ..routing.ratelimit import RateLimiter, Refusal, Reservation
 from ..routing.sticky import source_value
+from .credentials import credential_key, repeated_field
 from .effects import Effects
 from .messages import Headers, RequestHead
 from .timers import ExchangeTimer
@@ -89,7 +94,7 @@ class Admission:
             length = group.prefix.length if group.affinity is AffinityMode.PREFIX else 0
             facts = read_request(document, source=group.prefix.source, length=length)
         self.facts: LlmRequest = facts
-        self.tenant = tenant_of(_value(group.tenant, head, document))
+        self.tenant = tenant_of(_tenant_value(group.tenant, head, document))
         self.priority = priority_of(_value(group.priority, head, document))
         self.ticket = Ticket(facts.max_tokens or group.default_max_tokens)
         """The request's expected work on the server it runs on (``routing/load.py``)."""
@@ -180,6 +185,26 @@ def _value(
     if source is None:
         return None
     return source_value(source, head.headers, head.target, document)
+
+
+def _tenant_value(
+    source: SessionSource | None, head: RequestHead, document: object | None
+) -> bytes | None:
+    value = _value(source, head, document)
+    if value is not None and source is not None and source.kind == "header":
+        value = credential_key(source.name.encode("latin-1"), value)
+    return value
+
+
+def repeated_tenant_field(group: Upstream, head: RequestHead) -> str | None:
+    """The 400 answer's text when ``head`` carries the header that names its tenant in
+    ``group`` more than once (RFC 9110 §5.3; see the module header); None otherwise."""
+    source = group.tenant
+    if source is None or source.kind != "header":
+        return None
+    if repeated_field(head.headers, source.name.encode("latin-1")):
+        return f"more than one {source.name} field"
+    return None
 
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*([0-9]{1,12})')

@@ -31,6 +31,7 @@ from ..config import Api
 from . import detect, refusals
 from .bodyclock import SlowBody
 from .commands import Log, PauseReading, ResumeReading
+from .credentials import check_credentials
 from .downstream_states import TIMER_INPUTS, TRANSITIONS, ClientInput, ClientState, Protocol
 from .effects import Effects
 from .h1 import H1Server, PeerError
@@ -60,11 +61,15 @@ class Downstream:
         peer_ip: str,
         tls: bool,
         alpn: str | None,
+        trusted: bool = False,
     ) -> None:
+        """``trusted``: the peer is a proxy whose forwarded fields are believed
+        (``forwarded.py``)."""
         self.fx = fx
         self.host = host
         self.conn = conn
         self.peer_ip = peer_ip
+        self.trusted = trusted
         self.scheme = b"https" if tls else b"http"
         self.state = ClientState.SNIFFING
         """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
@@ -245,6 +250,7 @@ class Downstream:
             check_request_limits(
                 head, max_fields=limits.max_header_fields, max_body=limits.max_request_body
             )
+            check_credentials(head)
         except MalformedRequest as exc:
             refusals.refuse_head(self, head, exc)
             return

@@ -12,6 +12,7 @@ import attrs
 
 from ..config import Config
 from ..config.runtime import RuntimeState
+from .forwarded import Network
 from .timers import TimerId as TimerId
 
 ConnId = int
@@ -31,6 +32,9 @@ class ConnectionAccepted(Event):
     peer: tuple[str, int] | None
     tls: bool = False
     alpn: str | None = None
+    trusted_proxies: tuple[Network, ...] = ()
+    """The listener's ``trusted_proxies``: a peer in one of them is a proxy whose forwarded
+    fields are believed (``forwarded.py``)."""
     wall: float | None = None
     """The wall-clock time (POSIX seconds, ``time.time()``) at ``now``: the core's only way to
     the calendar, for ``Date`` fields (``dates.py``). None: the driver gives no clock."""

@@ -48,7 +48,7 @@ from ..routing.ratelimit import Refusal
 from ..routing.sticky import session_key_from_body, session_key_from_head
 from . import grpc
 from .access import access_fields, add_to_totals, with_request_id
-from .admit import Admission, UsageScan, extra_fields
+from .admit import Admission, UsageScan, extra_fields, repeated_tenant_field
 from .body import RequestBody
 from .bodyclock import SlowBody
 from .commands import Log
@@ -119,7 +119,7 @@ class Exchange:
         self.bytes_in = 0
         """Request body bytes taken from the client."""
         self.outcome = ""
-        self.request_id = self.host.request_ids.for_request(head.headers)
+        self.request_id = self.host.request_ids.for_request(head.headers, fx, client.peer_ip)
         """``X-Request-ID``: the client's when sane, else ours (``access.py``)."""
         self.head_at: float | None = None
         """When the backend's response head came (that of the attempt that answered)."""
@@ -246,6 +246,9 @@ class Exchange:
         assert group is not None
         admission = None
         if group.admits:
+            if (repeated := repeated_tenant_field(group, self.head)) is not None:
+                self.fail(400, repeated)
+                return
             admission = self.admission = Admission(self.fx, group, self.head, document)
             refusal = admission.reserve(self.host.router(group))
             if refusal is not None:

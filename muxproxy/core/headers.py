@@ -25,10 +25,9 @@ in frozensets. What they obey:
   Content-Length; an intermediary removes Content-Length in that case) for HTTP/1.1.
 * RFC 9110 §6.5.1 (trailer fields): what a trailer section must not carry, and what the other
   protocol cannot carry, is dropped, whichever way the message goes (``trailer_fields``).
-* RFC 7239 (Forwarded) is not used; we set X-Forwarded-For and X-Forwarded-Proto instead.
-  X-Forwarded-Proto names the transport the request came on (TLS or not), never what the
-  client claimed: an HTTP/2 ``:scheme`` is the client's word (RFC 9113 §8.3.1), so a
-  cleartext client saying ``https`` would otherwise make the backend believe it was TLS.
+* The forwarded fields (X-Forwarded-For, -Proto, -Host, -Port, X-Real-IP, RFC 7239
+  Forwarded) are ``forwarded.py``'s: dropped and set from the connection for an untrusted
+  peer, appended to for a proxy the listener trusts (``trusted_proxies``).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from muxproxy.core.forwarded import FORWARDED_FIELDS, append_list, forwarded_fields
 from muxproxy.core.messages import Headers, RequestHead
 
 __all__ = [
@@ -73,19 +73,13 @@ _HOP_BY_HOP = frozenset(
 # Names a Connection header may not take away from the message here: Content-Length frames the
 # body we relay (dropping it would change the message, RFC 9110 §7.6.1 forbids nominating fields
 # meant for all recipients), Host is ours (rebuilt from the authority) and TE keeps its own rule
-# (only "trailers" travels). The X-Forwarded-* and Via fields we add are never removed either.
+# (only "trailers" travels). The X-Forwarded-* and Via fields we add are never removed either
+# (a nominated one is the previous hop's, and goes: ``forwarded.py`` then sets ours).
 _NOT_NOMINATABLE = frozenset({b"content-length", b"te", b"host"})
 
 # Every request field name upstream_h1_headers treats specially; one set lookup per field on
 # the common path.
-_UPSTREAM_SPECIAL = _HOP_BY_HOP | {
-    b"host",
-    b"cookie",
-    b"content-length",
-    b"x-forwarded-for",
-    b"x-forwarded-proto",
-    b"via",
-}
+_UPSTREAM_SPECIAL = _HOP_BY_HOP | FORWARDED_FIELDS | {b"host", b"cookie", b"content-length", b"via"}
 # Every response field name response_headers treats specially.
 _RESPONSE_SPECIAL = _HOP_BY_HOP | {
     b"date",
@@ -112,25 +106,26 @@ def _tokens(value: bytes) -> set[bytes]:
     return out
 
 
-def _append_list(existing: list[bytes], item: bytes) -> bytes:
-    """`item` appended to the comma-separated list field values `existing` (RFC 9110 §5.3: field
-    lines of one name combine with ", "), skipping empty ones."""
-    return b", ".join([*(v for v in existing if v), item])
-
-
 # --- upstream (to an HTTP/1.1 backend) -----------------------------------------------------
 
 
 def upstream_h1_headers(
-    head: RequestHead, *, client_ip: str, proto: bytes, via: bytes, has_body: bool = False
+    head: RequestHead,
+    *,
+    client_ip: str,
+    proto: bytes,
+    via: bytes,
+    has_body: bool = False,
+    trusted: bool = False,
 ) -> Headers:
     """The field list to send to an HTTP/1.1 backend for `head`.
 
     Host first (from head.authority); hop-by-hop fields dropped (RFC 9110 §7.6.1) except
-    ``te: trailers``; cookies joined (RFC 9113 §8.2.3); X-Forwarded-For appended,
-    X-Forwarded-Proto set to ``proto`` (``b"https"`` when the client's connection is TLS,
-    ``b"http"`` otherwise; never ``head.scheme``, which on HTTP/2 is the client's claim), Via
-    appended (RFC 9110 §7.6.3).
+    ``te: trailers``; cookies joined (RFC 9113 §8.2.3); the forwarded fields as
+    ``forwarded.forwarded_fields`` makes them for a peer at ``client_ip`` over ``proto``
+    (``b"https"`` when the client's connection is TLS, ``b"http"`` otherwise; never
+    ``head.scheme``, which on HTTP/2 is the client's claim), ``trusted`` when the peer is a
+    proxy the listener trusts; Via appended (RFC 9110 §7.6.3).
 
     Body framing (RFC 9112 §6): Content-Length is kept. A client's Transfer-Encoding (h11 only
     accepts chunked) is replaced by our own ``transfer-encoding: chunked`` and any Content-Length
@@ -144,7 +139,7 @@ def upstream_h1_headers(
     special = _UPSTREAM_SPECIAL
     cookies: list[bytes] | None = None
     cookie_index = 0
-    xff: list[bytes] = []
+    forwarded: Headers = []
     vias: list[bytes] = []
     nominated: set[bytes] = set()
     te_sent = False
@@ -168,8 +163,8 @@ def upstream_h1_headers(
         elif name == b"content-length":
             content_length = True
             append(field)
-        elif name == b"x-forwarded-for":
-            xff.append(field[1])
+        elif name in FORWARDED_FIELDS:
+            forwarded.append(field)
         elif name == b"via":
             vias.append(field[1])
         elif name == b"te":
@@ -184,8 +179,7 @@ def upstream_h1_headers(
         elif name == b"transfer-encoding":
             # RFC 9112 §6.1: a proxy re-frames; we send chunked ourselves (below).
             chunked = True
-        # host (rebuilt), x-forwarded-proto (replaced), proxy-connection, keep-alive,
-        # upgrade, http2-settings: dropped.
+        # host (rebuilt), proxy-connection, keep-alive, upgrade, http2-settings: dropped.
 
     if cookies is not None and len(cookies) > 1:
         # Empty crumbs carry no cookie; joining them would leave a stray "; " (and h11 refuses
@@ -195,8 +189,7 @@ def upstream_h1_headers(
         nominated -= _NOT_NOMINATABLE
         if nominated:
             out = [field for field in out if field[0] not in nominated]
-            if b"x-forwarded-for" in nominated:
-                xff = []
+            forwarded = [field for field in forwarded if field[0] not in nominated]
             if b"via" in nominated:
                 vias = []
     if chunked and content_length:
@@ -213,16 +206,11 @@ def upstream_h1_headers(
         out.append((b"connection", b"upgrade"))
         out.append((b"upgrade", b"websocket"))
 
-    # X-Forwarded-For: the existing list plus the address we got the request from.
-    ip = client_ip.encode("ascii")
-    out.append((b"x-forwarded-for", _append_list(xff, ip)))
-    # X-Forwarded-Proto: the transport the client used with us, whatever it claimed before or
-    # in :scheme.
-    out.append((b"x-forwarded-proto", proto))
+    out.extend(forwarded_fields(forwarded, peer_ip=client_ip, proto=proto, trusted=trusted))
     # RFC 9110 §7.6.3: received-protocol is the client's version ("HTTP/" omitted), then our
     # pseudonym; appended to what earlier hops put there.
     ours = head.http_version + b" " + via
-    out.append((b"via", _append_list(vias, ours)))
+    out.append((b"via", append_list(vias, ours)))
     return out
 
 
@@ -341,7 +329,7 @@ def response_headers(
     # RFC 9110 §7.6.3: received-protocol is the backend's version, then our pseudonym.
     ours = upstream_version + b" " + via
     append = out.append
-    append((b"via", _append_list(vias, ours)))
+    append((b"via", append_list(vias, ours)))
     if date is not None and not dated and status >= 200:
         append((b"date", date))
     if content_type is not None and _is_event_stream_type(content_type):

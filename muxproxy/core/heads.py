@@ -4,8 +4,9 @@ What it obeys:
 
 - The request head for the backend (``backend_fields``) is the client's as
   ``headers.upstream_h1_headers`` makes it (hop-by-hop fields dropped, RFC 9110 §7.6.1;
-  X-Forwarded-For and -Proto; Via, §7.6.3), then the group's ``set_headers`` applied in order
-  (``routing.sticky.apply_header_rules``, like nginx's ``proxy_set_header``).
+  the forwarded fields, ``forwarded.py``; Via, §7.6.3), then the group's ``set_headers``
+  applied in order (``routing.sticky.apply_header_rules``, like nginx's
+  ``proxy_set_header``).
 - A relayed response head (``client_head``) carries the backend's fields as
   ``headers.response_headers`` makes them (hop-by-hop fields dropped; Via appended; the
   proxy's Date where the backend sent none, RFC 9110 §6.6.1), the exchange's
@@ -46,7 +47,12 @@ def backend_fields(
     """The fields of ``head`` (from ``client``) for a server of ``group``; ``has_body``: the
     request has a body (without a Content-Length, the HTTP/1.1 side frames it chunked)."""
     fields = upstream_h1_headers(
-        head, client_ip=client.peer_ip, proto=client.scheme, via=VIA, has_body=has_body
+        head,
+        client_ip=client.peer_ip,
+        proto=client.scheme,
+        via=VIA,
+        has_body=has_body,
+        trusted=client.trusted,
     )
     if not group.set_headers:
         return fields

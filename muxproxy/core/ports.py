@@ -111,6 +111,8 @@ class ClientSide(Protocol):
     conn: int
     peer_ip: str
     scheme: bytes
+    trusted: bool
+    """The peer is a proxy the listener trusts (``forwarded.py``)."""
 
     @property
     def is_h2(self) -> bool: ...

@@ -52,6 +52,7 @@ from .events import (
 from .exchange import Exchange
 from .faults import Fault, Isolation
 from .flow import BufferLimits
+from .forwarded import is_trusted
 from .h2pool import H2Stream
 from .loadpoll import LoadPoll
 from .measure import Measurements
@@ -398,9 +399,10 @@ class ProxyCore:
     def _accepted(self, event: ConnectionAccepted) -> None:
         if event.wall is not None:
             self.fx.date.set_wall(event.now, event.wall)
-        peer_ip = event.peer[0] if event.peer else "unknown"
+        ip = event.peer[0] if event.peer else "unknown"
+        trusted = is_trusted(ip, event.trusted_proxies)
         client = Downstream(
-            self.fx, self, event.conn, peer_ip=peer_ip, tls=event.tls, alpn=event.alpn
+            self.fx, self, event.conn, peer_ip=ip, tls=event.tls, alpn=event.alpn, trusted=trusted
         )
         self.clients[event.conn] = client
         if self.fx.shutting_down:

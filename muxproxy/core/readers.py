@@ -78,6 +78,7 @@ class Nobody(_AfterHead):
 
     peer_ip = ""
     scheme = b""
+    trusted = False
     is_h2 = False
     congested = False
 
@@ -122,6 +123,7 @@ class ResumedClient(_AfterHead):
         self.conn = client.conn
         self.peer_ip = client.peer_ip
         self.scheme = client.scheme
+        self.trusted = client.trusted
 
     @property
     def is_h2(self) -> bool:

@@ -62,6 +62,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from ..asgi import serve_lifespan
 from ..config.admin import is_loopback
 from ..config.records import ADMIN_TOKEN_ENV
+from ..core.credentials import normal_credentials
 from .control import AdminError, Control, Readiness
 
 __all__ = [
@@ -327,11 +328,12 @@ class AdminApp:
                 + f" need a token: set [admin] token in the configuration or {ADMIN_TOKEN_ENV},"
                 " and send it as Authorization: Bearer TOKEN",
             )
-        # RFC 9110 §11.1: the auth-scheme is case-insensitive.
-        scheme, _, given = headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        # RFC 9110 §11.1: the auth-scheme is case-insensitive; read as everywhere else.
+        value = headers.get("authorization", "").encode("latin-1")
+        scheme, _, given = normal_credentials(value).partition(b" ")
+        if scheme.lower() != b"bearer" or not given:
             raise AdminError(401, "missing token; send Authorization: Bearer TOKEN")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        if not hmac.compare_digest(given, token.encode()):
             raise AdminError(401, "wrong token")
 
 

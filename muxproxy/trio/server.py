@@ -555,6 +555,7 @@ class ProxyServer:
                 peer=(peer[0], peer[1]),
                 tls=tls,
                 alpn=alpn,
+                trusted_proxies=listener.trusted_proxies,
                 wall=time.time(),
             )
         )

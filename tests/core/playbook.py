@@ -50,6 +50,7 @@ from muxproxy.core.events import (
     OpenFailed,
     Wakeup,
 )
+from muxproxy.core.forwarded import Network
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.core.timers import (
     BackendTimer,
@@ -315,16 +316,20 @@ class Playbook:
         tls: bool = False,
         alpn: str | None = None,
         wall: float | None = None,
+        peer: tuple[str, int] = ("10.0.0.7", 5555),
+        trusted_proxies: tuple[Network, ...] = (),
     ) -> None:
-        """A client connection; ``wall``: the wall-clock time the driver tells the core."""
+        """A client connection; ``wall``: the wall-clock time the driver tells the core;
+        ``trusted_proxies``: the listener's."""
         self.feed(
             ConnectionAccepted(
                 now=self.now,
                 conn=conn,
                 listener="l",
-                peer=("10.0.0.7", 5555),
+                peer=peer,
                 tls=tls,
                 alpn=alpn,
+                trusted_proxies=trusted_proxies,
                 wall=wall,
             )
         )

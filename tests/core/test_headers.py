@@ -525,7 +525,11 @@ def test_upstream_x_forwarded_for() -> None:
     head = h1_request(
         [(b"x-forwarded-for", b"203.0.113.1"), (b"x-forwarded-for", b"198.51.100.2, 10.1.1.1")]
     )
+    # From a peer the listener does not trust (the default), the client's list is dropped.
     out = upstream_h1_headers(head, client_ip="2001:db8::7", proto=b"http", via=b"mp")
+    assert values(out, b"x-forwarded-for") == [b"2001:db8::7"]
+    # From a trusted proxy, it is appended to.
+    out = upstream_h1_headers(head, client_ip="2001:db8::7", proto=b"http", via=b"mp", trusted=True)
     assert values(out, b"x-forwarded-for") == [b"203.0.113.1, 198.51.100.2, 10.1.1.1, 2001:db8::7"]
 
 
