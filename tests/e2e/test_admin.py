@@ -354,6 +354,8 @@ async def test_reads_on_a_non_loopback_address_need_the_token(
         ({"weight": "2"}, "weight: expected an integer from 0 to 1000000"),
         ({"weight": 1.5}, "weight: expected an integer from 0 to 1000000"),
         ({"weight": True}, "weight: expected an integer from 0 to 1000000"),
+        ({"weight": 2**64}, "weight: expected an integer from 0 to 1000000"),
+        (b'{"weight": 1e330}', "weight: expected an integer from 0 to 1000000"),
         ({"drain": "yes"}, "drain: expected true or false"),
         ({"weight": 2, "down": 1}, "down: expected true or false"),
         (b"[" * 20_000, "body: larger than 16384 bytes"),
