@@ -21,7 +21,8 @@ still means something on one machine, as HAProxy and Envoy bound theirs:
 The keys are key paths as the reference writes them (``upstreams.NAME.servers[].weight``);
 :func:`pattern` turns a concrete path (``upstreams.gpus.servers[2].weight``) into one. A test
 walks every numeric field of every configuration record and fails for one without a range
-here, so a new numeric key cannot be added without one: add a line to :data:`RANGES`.
+here, so a new numeric key cannot be added without one: add a line to :data:`RANGES` (a new
+field of ``[timeouts]`` or a group's ``timeouts`` is a deadline, and has its range at once).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import re
 from typing import Any
 
 import attrs
+
+from .records import GroupTimeouts, Timeouts
 
 __all__ = [
     "RANGES",
@@ -98,19 +101,8 @@ SERVER_WEIGHT = Range(0, COUNT, "", "weights are relative shares")
 _G = "upstreams.NAME"
 
 RANGES: dict[str, Range] = {
-    **{
-        f"timeouts.{key}": _TIMEOUT
-        for key in (
-            "connect",
-            "response_head",
-            "read",
-            "send",
-            "client_header",
-            "keepalive_idle",
-            "tunnel_idle",
-            "shutdown_grace",
-        )
-    },
+    # Every field of [timeouts] and of a group's is a deadline, a new one included.
+    **{f"timeouts.{field.name}": _TIMEOUT for field in attrs.fields(Timeouts)},
     "limits.stream_buffer": Range(
         2048, GIB, "bytes", "at least two socket reads; at most 1 GiB held for one stream"
     ),
@@ -155,10 +147,7 @@ RANGES: dict[str, Range] = {
     f"{_G}.health_check.passes": _COUNT,
     f"{_G}.health_check.fails": _COUNT,
     f"{_G}.health_check.expect_status": Range(100, 599, "", "RFC 9110 §15: a status code"),
-    **{
-        f"{_G}.timeouts.{key}": _TIMEOUT
-        for key in ("connect", "response_head", "first_token", "idle")
-    },
+    **{f"{_G}.timeouts.{field.name}": _TIMEOUT for field in attrs.fields(GroupTimeouts)},
     f"{_G}.prefix.length": Range(1, 64 * MIB, "bytes", "64 MiB: a key is hashed per request"),
     f"{_G}.prefix.load_factor": Range(1, 100),
     f"{_G}.prefix.balance_gap": _COUNT,
