@@ -81,7 +81,6 @@ def _number(value: int | float) -> str:
 
 
 DAY = 86_400
-KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 TIB = 1024**4
@@ -135,7 +134,7 @@ RANGES: dict[str, Range] = {
     f"{_G}.servers[].max_waiting": _COUNT_OR_ZERO,
     f"{_G}.sticky.body_limit": _BUFFER,
     f"{_G}.sticky.session_idle": _TIMEOUT,
-    # RFC 6265bis §5.6.2: a user agent caps a cookie's Max-Age at 400 days.
+    # RFC 6265bis, the Max-Age attribute: a user agent caps a cookie's Max-Age at 400 days.
     f"{_G}.sticky.cookie.expires": Range(
         0, 400 * DAY, "seconds", "400 days, the most browsers keep a cookie", above_low=True
     ),
