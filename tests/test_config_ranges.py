@@ -38,6 +38,12 @@ CROSS_CHECKED = {
 }
 """Keys whose top cannot load for another rule: a check must end before the next begins,
 and the interval is at most a day too."""
+PAIRED = {
+    *CROSS_CHECKED,
+    "upstreams.NAME.health_check.interval",
+    "upstreams.NAME.load_report.interval",
+}
+"""Keys another key's value may refuse (an interval below its timeout)."""
 
 OWN_BOUNDS = {
     "upstreams.NAME.health_check.expect_status": "100..599",
@@ -209,7 +215,7 @@ def test_what_loads_is_in_range_and_what_is_not_is_refused_by_name(path: str, va
         assert mine, (path, value, found)
     elif isinstance(value, int) or path not in INTEGER_KEYS:
         # In range, of the key's kind: only another rule may refuse it.
-        assert not mine or path in CROSS_CHECKED, (path, value, found)
+        assert not mine or path in PAIRED, (path, value, found)
 
 
 # -- the operator's document ----------------------------------------------------------------
