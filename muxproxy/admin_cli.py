@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from muxproxy.config.ranges import SERVER_WEIGHT
 from muxproxy.config.records import ADMIN_TOKEN_ENV
 
 __all__ = ["DEFAULT_URL", "add_arguments", "format_status", "run"]
@@ -95,8 +96,10 @@ def _weight(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if not SERVER_WEIGHT.contains(value):
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from {SERVER_WEIGHT.text}, got {text!r}"
+        )
     return value
 
 

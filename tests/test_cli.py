@@ -339,21 +339,68 @@ def test_check_refuses_http2_settings_out_of_range_and_infinite_timeouts(tmp_pat
     assert result.stderr.splitlines() == [
         "muxproxy: big.toml: invalid configuration",
         "  timeouts.read: expected a positive, finite number of seconds, got inf",
-        f"  limits.max_concurrent_streams: expected at most {2**32 - 1} (2**32-1: it is sent"
-        " to HTTP/2 clients as SETTINGS_MAX_CONCURRENT_STREAMS, a 32-bit value, RFC 9113"
-        f" §6.5.2), got {2**32}; lower it",
-        f"  limits.max_request_head: expected at most {2**32 - 1} (2**32-1: it is sent to"
-        " HTTP/2 clients as SETTINGS_MAX_HEADER_LIST_SIZE, a 32-bit value, RFC 9113 §6.5.2),"
-        f" got {2**40}; lower it",
+        f"  limits.max_concurrent_streams: expected 1 to 1000000, got {2**32}; lower it to"
+        " 1000000 or less",
+        "  limits.max_request_head: expected 1 to 8388608 bytes (8 MiB, Envoy's largest), got"
+        f" {2**40}; lower it to 8388608 or less",
     ]
 
 
-def test_check_accepts_the_largest_http2_settings(tmp_path: Path) -> None:
-    top = 2**32 - 1
-    (tmp_path / "top.toml").write_text(LIMITS.format(streams=top, head=top, read="1e300"))
+def test_check_accepts_the_top_of_each_range(tmp_path: Path) -> None:
+    (tmp_path / "top.toml").write_text(LIMITS.format(streams=10**6, head=8 * 2**20, read=86400))
     result = run_cli("check", "--config", "top.toml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "muxproxy: top.toml: configuration is valid"
+
+
+HUGE = """\
+[[listeners]]
+address = "127.0.0.1:8080"
+
+[limits]
+stream_buffer = {big}
+
+[timeouts]
+read = 1e300
+
+[upstreams.gpus]
+servers = [{{ address = "127.0.0.1:9001", weight = {big}, max_streams = {big} }}]
+queue = {{ max = {big} }}
+rate_limit = {{ tokens_per_minute = {big} }}
+tenant = "header:Authorization"
+
+[[routes]]
+prefix = "/"
+upstream = "gpus"
+resume = {{ window = {big} }}
+"""
+
+
+def test_check_refuses_numbers_past_their_range(tmp_path: Path) -> None:
+    """The numbers an audit found accepted: 2**64 for a weight, max_streams, stream_buffer,
+    queue.max, tokens_per_minute and resume.window, 1e300 seconds for a timeout."""
+    big = 2**64
+    (tmp_path / "huge.toml").write_text(HUGE.format(big=big))
+    result = run_cli("check", "--config", "huge.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "muxproxy: huge.toml: invalid configuration",
+        "  timeouts.read: expected more than 0 and at most 86400 seconds (a day), got 1e+300;"
+        " lower it to 86400 or less",
+        "  limits.stream_buffer: expected 2048 to 1073741824 bytes (at least two socket reads;"
+        f" at most 1 GiB held for one stream), got {big}; lower it to 1073741824 or less",
+        "  upstreams.gpus.servers[0].weight: expected 0 to 1000000 (weights are relative"
+        f" shares), got {big}; lower it to 1000000 or less",
+        f"  upstreams.gpus.servers[0].max_streams: expected 1 to 1000000, got {big}; lower it"
+        " to 1000000 or less",
+        f"  upstreams.gpus.queue.max: expected 0 to 1000000, got {big}; lower it to 1000000"
+        " or less",
+        "  upstreams.gpus.rate_limit.tokens_per_minute: expected 1 to 1000000000 (a billion a"
+        f" minute), got {big}; lower it to 1000000000 or less",
+        "  routes[0].resume.window: expected 4096 to 1073741824 bytes (at least a few events;"
+        f" at most 1 GiB held for one stream), got {big}; lower it to 1073741824 or less",
+    ]
 
 
 @pytest.mark.parametrize("value", ["1e400", "nan", "-inf"])

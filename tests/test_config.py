@@ -544,7 +544,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "resume": {"window": 100}}],
-            "routes[0].resume.window: expected at least 4096 bytes (a few events), got 100",
+            "routes[0].resume.window: expected 4096 to 1073741824 bytes (at least a few events;"
+            " at most 1 GiB held for one stream), got 100; raise it to 4096 or more",
         ),
         (
             ("routes",),
@@ -1500,28 +1501,31 @@ def test_quick_config_needs_an_upstream() -> None:
 
 # --- HTTP/2 settings, nesting, TLS files --------------------------------------------------------
 
-SETTING_MAX = 2**32 - 1
-
 
 @pytest.mark.parametrize(
-    ("key", "setting"),
+    ("key", "range_"),
     [
-        ("max_concurrent_streams", "SETTINGS_MAX_CONCURRENT_STREAMS"),
-        ("max_request_head", "SETTINGS_MAX_HEADER_LIST_SIZE"),
+        ("max_concurrent_streams", "1 to 1000000"),
+        ("max_request_head", "1 to 8388608 bytes (8 MiB, Envoy's largest)"),
     ],
 )
-@pytest.mark.parametrize("value", [2**32, 2**63, 10**30])
-def test_limits_sent_as_http2_settings_fit_their_range(key: str, setting: str, value: int) -> None:
-    """RFC 9113 §6.5.1: a SETTINGS value is 32 bits; one beyond cannot even be encoded, and
-    every HTTP/2 connection would fail in its first frame."""
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(2**32, str(2**32)), (2**63, str(2**63)), (10**30, "an integer of 31 digits or more")],
+)
+def test_limits_sent_as_http2_settings_stay_in_their_range(
+    key: str, range_: str, value: int, shown: str
+) -> None:
+    """RFC 9113 §6.5.1: a SETTINGS value is 32 bits, and one beyond cannot even be encoded;
+    these ranges are tighter still (``config/ranges.py``)."""
     data = valid()
     data["limits"] = {key: value}
+    top = int(range_.split()[2])
     assert problems_of(data) == [
-        f"limits.{key}: expected at most {SETTING_MAX} (2**32-1: it is sent to HTTP/2 clients"
-        f" as {setting}, a 32-bit value, RFC 9113 §6.5.2), got {value}; lower it"
+        f"limits.{key}: expected {range_}, got {shown}; lower it to {top} or less"
     ]
-    data["limits"] = {key: SETTING_MAX}
-    assert getattr(parse_config(data).limits, key) == SETTING_MAX
+    data["limits"] = {key: top}
+    assert getattr(parse_config(data).limits, key) == top
 
 
 @pytest.mark.parametrize("window", [2**31, 2**32 + 65_535])
@@ -1529,8 +1533,8 @@ def test_connection_window_increment_fits_a_window_update(window: int) -> None:
     data = valid()
     data["limits"] = {"h2_connection_window": window}
     assert problems_of(data) == [
-        f"limits.h2_connection_window: expected 65535 to {2**31 - 1} bytes (RFC 9113 §6.9.1),"
-        f" got {window}"
+        f"limits.h2_connection_window: expected 65535 to {2**31 - 1} bytes (RFC 9113 §6.9.1:"
+        f" a flow-control window), got {window}; lower it to {2**31 - 1} or less"
     ]
 
 

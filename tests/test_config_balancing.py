@@ -104,8 +104,9 @@ def problems(data: dict[str, Any]) -> list[str]:
         ),
         (
             {"prefix": {"load_factor": 0.5}},
-            "upstreams.gpus.prefix.load_factor: expected a number >= 1 (a server takes a new"
-            " prefix while its streams are under load_factor x the mean; 1.25 is usual), got 0.5",
+            "upstreams.gpus.prefix.load_factor: expected a number from 1 to 100 (a server takes a"
+            " new prefix while its streams are under load_factor x the mean; 1.25 is usual),"
+            " got 0.5",
         ),
         (
             {"prefix": {"balance_gap": 0}},

@@ -47,8 +47,15 @@ def test_changed_refuses_unknown_fields_and_bad_values_by_name() -> None:
     state = RuntimeState.empty()
     with pytest.raises(ValueError, match=r"^wieght: unknown field; expected one of weight"):
         state.changed("gpus", A, wieght=1)
-    with pytest.raises(ValueError, match=r"^weight: expected an integer >= 0 or null, got -1"):
+    with pytest.raises(
+        ValueError, match=r"^weight: expected an integer from 0 to 1000000 .* or null, got -1"
+    ):
         state.changed("gpus", A, weight=-1)
+    with pytest.raises(ValueError, match=r"^weight: expected .* got 1000001$"):
+        state.changed("gpus", A, weight=10**6 + 1)
+    with pytest.raises(ValueError, match=r"^weight: expected .* got an integer of 31 digits or"):
+        state.changed("gpus", A, weight=10**330)
+    assert state.changed("gpus", A, weight=10**6).get("gpus", A).weight == 10**6
     with pytest.raises(ValueError, match=r"^weight: .* got True"):
         state.changed("gpus", A, weight=True)
     with pytest.raises(ValueError, match=r"^drain: expected true or false, got 'yes'"):
@@ -86,7 +93,11 @@ def test_json_round_trip_is_sorted_and_complete() -> None:
         ),
         (
             {"version": 1, "servers": [{"group": "g", "address": A, "weight": "2"}]},
-            r"^servers\[0\]\.weight: expected an integer >= 0 or null, got '2'",
+            r"^servers\[0\]\.weight: expected an integer from 0 to 1000000 .* or null, got '2'",
+        ),
+        (
+            {"version": 1, "servers": [{"group": "g", "address": A, "weight": 2**64}]},
+            rf"^servers\[0\]\.weight: expected an integer from 0 to 1000000 .* got {2**64}",
         ),
         (
             {"version": 1, "servers": [{"group": "g", "address": A, "drain": "no"}]},

@@ -7,7 +7,8 @@ that fails reports and returns None, and its caller goes on with the next key.
 
 A table is checked against a mapping of its keys to :class:`Key`, each naming the function
 that checks the key's value: a :class:`Checker` method or any function of the same shape,
-``parse(checker, value, path) -> converted value or None``.
+``parse(checker, value, path) -> converted value or None``. A number it returns is then held
+to its key's range (:mod:`.ranges`), so no checking function repeats an upper bound.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+
+from . import ranges
 
 __all__ = [
     "TOKEN",
@@ -106,7 +109,13 @@ class Checker:
         valid = True
         for key, spec in keys.items():
             if key in value:
-                converted = spec.parse(self, value[key], join(path, key))
+                where = join(path, key)
+                converted = spec.parse(self, value[key], where)
+                # Every numeric key's range (ranges.RANGES), after the check of its kind.
+                problem = None if converted is None else ranges.problem(where, converted)
+                if problem is not None:
+                    self.add(where, problem)
+                    converted = None
                 if converted is None:
                     valid = False
                 else:

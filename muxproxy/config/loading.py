@@ -121,8 +121,6 @@ def parse_config(
         check.add("listeners", "missing; " + _EXPECTED_LISTENERS)
     timeouts = check.record(Timeouts, data.get("timeouts", {}), "timeouts", _TIMEOUTS_KEYS)
     limits = check.record(Limits, data.get("limits", {}), "limits", _LIMITS_KEYS)
-    if limits is not None:
-        limits = _check_limits(check, limits)
     names: list[str] = []
     upstreams = None
     if "upstreams" in data:
@@ -268,8 +266,6 @@ def _size(check: Checker, value: Any, path: str) -> int | None:
     return value
 
 
-_RESUME_MIN_WINDOW = 4096
-
 _STORE_SCHEMES = ("redis", "rediss")
 _STORE_EXPECTED = (
     'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS),'
@@ -340,14 +336,7 @@ def _resume(check: Checker, value: Any, path: str) -> Resume | None:
     values = check.table(value, path, _RESUME_KEYS, "true or a table such as { linger = 30 }")
     if values is None:
         return None
-    resume = Resume(**values)
-    if resume.window < _RESUME_MIN_WINDOW:
-        check.add(
-            join(path, "window"),
-            f"expected at least {_RESUME_MIN_WINDOW} bytes (a few events), got {resume.window}",
-        )
-        return None
-    return resume
+    return Resume(**values)
 
 
 _ROUTE_KEYS = {
@@ -359,48 +348,6 @@ _ROUTE_KEYS = {
     "resume": Key(_resume),
     "api": Key(_api),
 }
-
-
-# RFC 9113 §6.9.1: a flow-control window is at most 2**31-1; the connection window starts at
-# 65,535 and can only be opened further (by a WINDOW_UPDATE increment of at most 2**31-1).
-_WINDOW_MIN = 65_535
-_WINDOW_MAX = 2**31 - 1
-# RFC 9113 §6.5.1: a SETTINGS value is an unsigned 32-bit integer; §6.5.2 gives no narrower
-# range for these two. A larger one cannot even be written into the SETTINGS frame.
-_SETTING_MAX = 2**32 - 1
-_H2_SETTINGS = {
-    "max_concurrent_streams": "SETTINGS_MAX_CONCURRENT_STREAMS",
-    "max_request_head": "SETTINGS_MAX_HEADER_LIST_SIZE",
-}
-"""The ``[limits]`` that each HTTP/2 client is sent as a SETTINGS value, and which one."""
-
-
-def _check_limits(check: Checker, limits: Limits) -> Limits | None:
-    """The checks of ``[limits]`` that look beyond one positive integer."""
-    valid = True
-    for key, setting in _H2_SETTINGS.items():
-        value = getattr(limits, key)
-        if value > _SETTING_MAX:
-            check.add(
-                f"limits.{key}",
-                f"expected at most {_SETTING_MAX} (2**32-1: it is sent to HTTP/2 clients as"
-                f" {setting}, a 32-bit value, RFC 9113 §6.5.2), got {value}; lower it",
-            )
-            valid = False
-    window = limits.h2_connection_window
-    if not _WINDOW_MIN <= window <= _WINDOW_MAX:
-        check.add(
-            "limits.h2_connection_window",
-            f"expected {_WINDOW_MIN} to {_WINDOW_MAX} bytes (RFC 9113 §6.9.1), got {window}",
-        )
-        valid = False
-    if limits.stream_buffer < 2048:
-        check.add(
-            "limits.stream_buffer",
-            f"expected at least 2048 bytes (two socket reads), got {limits.stream_buffer}",
-        )
-        valid = False
-    return limits if valid else None
 
 
 def _listeners(check: Checker, value: Any) -> tuple[Listener, ...] | None:

@@ -8,8 +8,8 @@ Nothing here is written twice:
   is in the reference at once;
 - a key's default is its record field's default, and its text the field's docstring in
   :mod:`.records` (read with :mod:`ast`: attrs keeps no docstrings at run time);
-- what a value looks like comes from the function that checks it (:data:`_VALUE_KINDS`); a
-  new checking function without an entry there makes :func:`entries` fail.
+- what a value looks like comes from the function that checks it (:data:`_VALUE_KINDS`), a
+  number's range from :mod:`.ranges`; a new checking function without an entry fails.
 
 ``docs/configuration.md`` is :func:`render_markdown` (``scripts/config-reference`` writes it;
 a test fails when it is out of date), ``muxproxy check --explain KEY`` prints
@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from . import admin, loading, logs, records, upstreams
+from . import admin, loading, logs, ranges, records, upstreams
 from .checker import Checker, Key, alternatives
 
 __all__ = ["Entry", "Table", "entries", "explain", "placement", "render_markdown", "tables"]
@@ -550,6 +550,7 @@ def entries() -> tuple[Entry, ...]:
                 raise LookupError(f"{path}: checked by {spec.parse!r}, which has no value kind")
             if path in _BYTES:
                 kind = kind.replace("a positive integer", "bytes (a positive integer)")
+            kind = ranges.described(path, kind)
             doc = docs.get((table.record.__name__, key))
             if doc is None:
                 raise LookupError(f"{path}: {table.record.__name__}.{key} has no docstring")

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from ..routing.balancer import server_id
+from .ranges import SERVER_WEIGHT, shown
 from .records import Config
 
 __all__ = [
@@ -49,8 +50,11 @@ _ENTRY_KEYS = frozenset({"group", "address", *_FIELDS})
 def _check_weight(_instance: object, _attribute: object, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"weight: expected an integer >= 0 or null, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not SERVER_WEIGHT.contains(value):
+        raise ValueError(
+            f"weight: expected an integer from {SERVER_WEIGHT.text} or null,"
+            f" got {shown(value) if type(value) is int else repr(value)}"
+        )
 
 
 def _check_flag(name: str) -> Any:

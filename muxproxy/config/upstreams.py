@@ -476,8 +476,8 @@ def load_factor(check: Checker, value: Any, path: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 100:
         check.add(
             path,
-            "expected a number >= 1 (a server takes a new prefix while its streams are under"
-            f" load_factor x the mean; 1.25 is usual), got {describe(value)}",
+            "expected a number from 1 to 100 (a server takes a new prefix while its streams"
+            f" are under load_factor x the mean; 1.25 is usual), got {describe(value)}",
         )
         return None
     return float(value)

@@ -61,6 +61,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ..asgi import serve_lifespan
 from ..config.admin import is_loopback
+from ..config.ranges import SERVER_WEIGHT
 from ..config.records import ADMIN_TOKEN_ENV
 from ..core.credentials import normal_credentials
 from .control import AdminError, Control, Readiness
@@ -122,7 +123,8 @@ def _error(status: int, message: str, *headers: tuple[bytes, bytes]) -> _Respons
 
 
 def parse_change(body: bytes) -> dict[str, Any]:
-    """The change a PATCH body asks for: ``weight`` (int >= 0, or null for the configured
+    """The change a PATCH body asks for: ``weight`` (an integer in the configuration's range
+    for a weight, :data:`~muxproxy.config.ranges.SERVER_WEIGHT`, or null for the configured
     weight again), ``drain`` and ``down`` (bool).
 
     Raises :class:`AdminError` (400) with a message naming the field at fault.
@@ -145,11 +147,13 @@ def parse_change(body: bytes) -> dict[str, Any]:
             raise AdminError(400, f"{key}: unknown field; expected weight, drain or down")
         if key == "weight":
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not SERVER_WEIGHT.contains(value)
             ):
                 raise AdminError(
                     400,
-                    "weight: expected an integer >= 0 (0 drains the server) or null (the"
+                    f"weight: expected an integer from {SERVER_WEIGHT.text} or null (the"
                     f" configured weight), got {_shown(value)}",
                 )
         elif not isinstance(value, bool):

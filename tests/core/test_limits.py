@@ -167,7 +167,7 @@ BASE = {"listeners": [{"address": "127.0.0.1:0"}], "upstreams": {"g": {"servers"
     [
         ({"h2_connection_window": 1000}, "limits.h2_connection_window: expected 65535 to"),
         ({"h2_connection_window": 2**31}, "limits.h2_connection_window: expected 65535 to"),
-        ({"stream_buffer": 100}, "limits.stream_buffer: expected at least 2048"),
+        ({"stream_buffer": 100}, "limits.stream_buffer: expected 2048 to"),
         ({"max_request_body": 0}, "limits.max_request_body: expected a positive integer"),
         ({"max_header_fields": "x"}, "limits.max_header_fields: expected a positive integer"),
         ({"max_client_connections": -1}, "limits.max_client_connections: expected a positive"),

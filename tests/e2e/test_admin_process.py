@@ -188,7 +188,7 @@ async def test_admin_refusals_print_the_message_and_exit_non_zero(
             assert "404 Not Found: upstream group 'llm' has no server '10.9.9.9:80'" in ran.err
             ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", "-1")
             assert ran.status == 2
-            assert "expected an integer >= 0" in ran.err
+            assert "expected an integer from 0 to 1000000" in ran.err
             ran = await admin(served.admin_url, "status")
             assert " 1 " in next(line for line in ran.out.splitlines() if f":{p0} " in line)
         ran = await admin(f"http://127.0.0.1:{await closed_port()}", "status")
@@ -241,3 +241,63 @@ async def test_serve_admin_flag_opens_the_admin_api_of_a_quick_proxy(
             ran = await admin(served.admin_url, "reload")
             assert ran.status == 1
             assert "nothing to reload" in ran.err
+
+
+async def test_a_weight_past_its_range_is_refused_and_metrics_still_answer(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    """2**64, 1e330 (JSON's infinity) and a 331-digit integer: each a 400 naming the field
+    and the range, nothing changed, and ``/metrics`` (which prints weights) still 200."""
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        async with serve(write_config(tmp_path / "muxproxy.toml", [p0])) as served:
+            server = f"{served.admin_url}/upstreams/llm/servers/127.0.0.1:{p0}"
+            auth = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+            async with httpx.AsyncClient(timeout=10) as client:
+                for weight in (str(2**64), "1e330", "1" + "0" * 330):
+                    body = '{"weight": ' + weight + "}"
+                    answer = await client.patch(server, content=body, headers=auth)
+                    assert answer.status_code == 400, (weight, answer.text)
+                    error = answer.json()["error"]
+                    assert error.startswith(
+                        "weight: expected an integer from 0 to 1000000 (weights are relative"
+                        " shares) or null (the configured weight), got "
+                    ), error
+                    metrics = await client.get(f"{served.admin_url}/metrics")
+                    assert metrics.status_code == 200, metrics.text
+                top = await client.patch(server, json={"weight": 10**6}, headers=auth)
+                assert top.status_code == 200, top.text
+                assert (await client.get(f"{served.admin_url}/metrics")).status_code == 200
+            ran = await admin(served.admin_url, "weight", "llm", f"127.0.0.1:{p0}", str(10**6 + 1))
+            assert ran.status == 2
+            assert "expected an integer from 0 to 1000000" in ran.err
+            ran = await admin(served.admin_url, "status")
+            row = next(line.split() for line in ran.out.splitlines() if f":{p0} " in line)
+            assert row[2:4] == ["1000000", "(1)"]
+
+
+async def test_admin_reload_with_a_number_past_its_range_keeps_the_running_configuration(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        _, p0 = await start_backend(backend_id="gpu0")
+        _, p1 = await start_backend(backend_id="gpu1")
+        config = write_config(tmp_path / "muxproxy.toml", [p0])
+        async with serve(config) as served:
+            text = config.read_text()
+            config.write_text(
+                text.replace(
+                    f'"127.0.0.1:{p0}"', f'{{ address = "127.0.0.1:{p1}", weight = {2**64} }}'
+                )
+            )
+            ran = await admin(served.admin_url, "reload")
+            assert ran.status == 1
+            assert "POST /reload: 422 Unprocessable" in ran.err
+            assert "the running configuration stays" in ran.err
+            assert (
+                "upstreams.llm.servers[0].weight: expected 0 to 1000000 (weights are relative"
+                f" shares), got {2**64}; lower it to 1000000 or less"
+            ) in ran.err
+            ran = await admin(served.admin_url, "status")
+            assert ran.out.startswith("generation 1;")
+            assert await backends_seen(served.url) == {"gpu0"}

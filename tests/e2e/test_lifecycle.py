@@ -455,6 +455,11 @@ INVALID = {
         lambda text: text.replace("shutdown_grace = 30.0", "shutdown_grace = -1"),
         "timeouts.shutdown_grace: expected a positive, finite number of seconds, got -1",
     ),
+    "a number past its range": (
+        lambda text: text.replace("shutdown_grace = 30.0", "shutdown_grace = 1e300"),
+        "timeouts.shutdown_grace: expected more than 0 and at most 86400 seconds (a day),"
+        " got 1e+300; lower it to 86400 or less",
+    ),
     "a TOML syntax error": (
         lambda text: text + "\n[upstreams.llm\n",
         ", line ",
