@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .admin import admin_settings, quick_admin
-from .checker import Checker, Key, describe, join, record_keys
+from .checker import TOKEN, Checker, Key, describe, join, record_keys
 from .logs import log_settings
 from .records import (
     Api,
@@ -282,10 +282,37 @@ def _store(check: Checker, value: Any, path: str) -> str | None:
     return value
 
 
+def _credential_headers(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
+    """Header names (tokens, RFC 9110 §5.1), kept in lower case: the fields a resume is bound
+    to (``core/resumebind.py``)."""
+    expected = 'expected a list of header names such as ["authorization", "x-api-key"]'
+    if not isinstance(value, list):
+        check.add(path, f"{expected}, got {describe(value)}")
+        return None
+    names: list[str] = []
+    for index, name in enumerate(value):
+        if not isinstance(name, str) or not TOKEN.match(name):
+            check.add(
+                f"{path}[{index}]",
+                f"{expected}; each a token (letters, digits and !#$%&'*+-.^_`|~),"
+                f" got {describe(name)}",
+            )
+            return None
+        if name.lower() not in names:
+            names.append(name.lower())
+    return tuple(names)
+
+
+_RESUME_LEASE = (1.0, 300.0)
+"""``resume.lease``: at least a second (it is renewed every third of it), at most 5 minutes
+(a dead owner's readers wait for it to run out)."""
+
 _RESUME_KEYS = {
     "window": Key(_size),
     "linger": Key(Checker.seconds),
     "store": Key(_store),
+    "credential_headers": Key(_credential_headers),
+    "lease": Key(Checker.seconds),
 }
 
 
@@ -308,6 +335,14 @@ def _resume(check: Checker, value: Any, path: str) -> Resume | None:
         check.add(
             join(path, "window"),
             f"expected at least {_RESUME_MIN_WINDOW} bytes (a few events), got {resume.window}",
+        )
+        return None
+    low, high = _RESUME_LEASE
+    if not low <= resume.lease <= high:
+        check.add(
+            join(path, "lease"),
+            f"expected seconds from {low:g} to {high:g} (a few: a dead owner's readers wait"
+            f" for it), got {resume.lease:g}",
         )
         return None
     return resume

@@ -133,7 +133,7 @@ class ResumeMeta:
     ``ResumeAppend`` only."""
 
     credential: bytes
-    """``resume.credential_of`` of the request that began the stream (a hash)."""
+    """``resumebind.binding_of`` of the request that began the stream (a hash)."""
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     """The backend's response head fields, from which a resume's head is made."""

@@ -10,7 +10,7 @@ What it obeys:
   this client's protocol (the reconnect may use the other one). The request body of a
   re-sent ``POST`` is read and dropped. An id that is not the proxy's goes to the backend,
   whose resume it is.
-- The credentials must be the original's (``resume.credential_of``); a stream that is not
+- The credentials must be the original's (``resumebind.binding_of``); a stream that is not
   here, not with these credentials, forgotten, moved past, or never had that event is
   refused at once and never answered with a new generation: a client that accepts
   ``text/event-stream`` gets one ``event: error`` whose data is an OpenAI-style error object
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 
-from ..routing.sticky import session_key_from_head
 from .commands import ResumeFetch, ResumeFetchCancel, ResumeFetchMore
 from .events import ResumedHead, ResumeFetched
 from .exchange import Exchange
@@ -43,7 +42,8 @@ from .headers import header_value
 from .heads import client_head
 from .messages import Headers, ResponseHead
 from .ports import Phase
-from .resume import Lookup, Resumable, State, credential_of, parse_event_id
+from .resume import Lookup, Resumable, State, parse_event_id
+from .resumebind import binding_of
 
 _I = ExchangeInput
 
@@ -95,8 +95,7 @@ class ReplayExchange(Exchange):
             return
         token, seq = event_id
         store = self.host.resumes
-        session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        credential = credential_of(head.headers, session_key)
+        credential = binding_of(route.resume, group, head)
         stream = store.find(token, credential)
         if stream is None and route.resume.store is not None:
             # Not held here: maybe by another worker or replica, through the shared store.

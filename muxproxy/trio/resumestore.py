@@ -8,7 +8,7 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   event number and a resume reads ``XRANGE 0-<after+1> +``), trimmed with ``XTRIM MINID
   0-<first_seq>`` to what the owner's own window holds (so Redis holds as many bytes per
   stream as the owner does); and ``muxproxy:resume:{<token>}:meta``, a hash: ``credential``
-  (``resume.credential_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
+  (``resumebind.binding_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
   strings), ``version``, ``state`` (``live``, ``ended``, ``broken``), ``first`` and ``last``
   (the seqs the stream holds). One append is one ``MULTI``/``EXEC``: events and meta change
   together, so a reader that sees ``state = ended`` finds every event in the stream. The

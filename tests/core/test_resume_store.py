@@ -13,6 +13,7 @@ import h11
 from playbook import H1ClientPeer, Playbook
 from test_resume import SSE, Stream, body_of, closes, linger_timer, resume, resume_config
 
+from muxproxy.config import RESUME_CREDENTIALS
 from muxproxy.core.commands import (
     Command,
     ResumeAppend,
@@ -22,7 +23,9 @@ from muxproxy.core.commands import (
     ResumeProbe,
 )
 from muxproxy.core.events import ResumedHead, ResumeFetched, ResumeProbed
-from muxproxy.core.resume import credential_of
+from muxproxy.core.resumebind import binding
+
+NAMES = [name.encode() for name in RESUME_CREDENTIALS]
 
 STORE = "redis://127.0.0.1:6379/0"
 TOKEN = b"A" * 22
@@ -49,8 +52,8 @@ def test_the_owner_appends_once_per_backend_read_with_the_meta_first_and_the_end
     first = Stream(pb, headers=[("Authorization", "Bearer k")])
     (meta,) = appends(pb.log)[opened:]
     assert meta.meta is not None and meta.events == () and meta.end is None
-    assert meta.meta.status == 200 and meta.meta.credential == credential_of(
-        [(b"authorization", b"Bearer k")], None
+    assert meta.meta.status == 200 and meta.meta.credential == binding(
+        [(b"authorization", b"Bearer k")], NAMES
     )
     assert (b"content-type", b"text/event-stream") in meta.meta.headers
     token = meta.token
@@ -112,7 +115,7 @@ def test_an_unknown_token_is_fetched_and_the_batches_make_one_response() -> None
     pb = Playbook(resume_config(store=STORE))
     client, fetch = start_fetch(pb)
     assert (fetch.store, fetch.token, fetch.after) == (STORE, TOKEN, 2)
-    assert fetch.credential == credential_of([(b"authorization", b"Bearer k")], None)
+    assert fetch.credential == binding([(b"authorization", b"Bearer k")], NAMES)
 
     first = fetched(pb, fetch.request, head=HEAD, events=(b"data: c\nid: x.3\n\n",))
     assert more(first) == [ResumeFetchMore(request=fetch.request)]
