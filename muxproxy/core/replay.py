@@ -117,6 +117,9 @@ class ReplayExchange(Exchange):
             return
         assert stream is not None
         store.resumed += 1
+        if stream.state is State.ENDED and seq == stream.last_seq:
+            self._nothing_left()
+            return
         self._send_head(stream.head, stream.version)
         client = self.client
         for event in events:
@@ -150,6 +153,20 @@ class ReplayExchange(Exchange):
         )
         client.send_head(self.response)
         self.head_at = self.first_byte_at = self.fx.now
+
+    def _nothing_left(self) -> None:
+        """The stream ended and the client had every event: 204, which tells an
+        ``EventSource`` to stop reconnecting (WHATWG HTML §9.2.3), where an empty 200 made it
+        reconnect every few seconds, forever."""
+        self.move(_I.REPLAY)
+        headers: Headers = [(b"x-request-id", self.request_id)]
+        date = self.fx.http_date()
+        if date is not None:
+            headers.insert(0, (b"date", date))
+        self.status = 204
+        self.client.send_head(ResponseHead(stream=self.stream, status=204, headers=headers))
+        self.client.send_end(self.stream, [])
+        self._finish("ok (resumed: the stream had ended, nothing left)")
 
     def _refuse(self, why: Lookup) -> None:
         accept = header_value(self.head.headers, b"accept") or b""
@@ -200,6 +217,9 @@ class ReplayExchange(Exchange):
                 return
             self.fetched_head = True
             self.host.resumes.resumed += 1
+            if state == "ended" and not event.events:
+                self._nothing_left()
+                return
             self._send_head(_head_of(event.head, self.stream), event.head.version)
         client = self.client
         for data in event.events:

@@ -221,3 +221,13 @@ def test_without_a_store_an_expired_linger_ends_the_backend_at_once() -> None:
     pb.now = 10.0
     expired = pb.wakeup(*timer.timer)
     assert probes(expired) == [] and closes(expired, first.up)
+
+
+def test_a_fetched_stream_that_ended_with_nothing_left_is_answered_204() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    client, fetch = start_fetch(pb)
+    last = fetched(pb, fetch.request, head=HEAD, events=(), state="ended")
+    assert more(last) == []
+    events = client.events(pb.take(1, last))
+    assert isinstance(events[0], h11.Response) and events[0].status_code == 204
+    assert [type(e) for e in events[1:]] == [h11.EndOfMessage]

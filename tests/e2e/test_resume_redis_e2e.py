@@ -266,3 +266,18 @@ async def test_a_stream_begun_with_a_key_is_unknown_to_a_resume_without_it_on_an
     assert len(meta[b"credential"]) == 32
     assert all(secret.encode() not in value for value in meta.values())
     assert fake.streams_started == 1
+
+
+async def test_a_resume_of_a_finished_stream_on_another_replica_is_204(
+    start_backend, start_proxy, redis_server
+):
+    fake, one, two = await two_replicas(start_backend, start_proxy, redis_server)
+    path = "/v1/chat/completions"
+    with trio.fail_after(20):
+        events = await begin(one.url + path, 10_000)  # the whole stream
+        token = ids_of(events)[0].split(".")[0]
+        await wait_state(redis_server.url, token, b"ended")
+        response = await resume(two.url + path, ids_of(events)[-1])
+    assert events[-1].startswith("data: [DONE]")
+    assert response.status_code == 204 and response.content == b""
+    assert fake.streams_started == 1
