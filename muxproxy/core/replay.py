@@ -54,8 +54,10 @@ _REASONS = {
     Lookup.EVICTED: "the events after this id are no longer kept (the resume window moved on)",
     Lookup.INVALID: "this stream never sent an event with this id",
     Lookup.UNAVAILABLE: "the resume store cannot be reached now",
+    Lookup.LOST: "the process that held this stream stopped before its end; nothing follows",
+    Lookup.CORRUPT: "the resume store returned a record that is not valid",
 }
-_STATUS = {Lookup.UNAVAILABLE: 503}
+_STATUS = {Lookup.UNAVAILABLE: 503, Lookup.CORRUPT: 502}
 """A refusal's status for a client that takes no SSE; 410 for the others."""
 _LOOKUPS = {member.value: member for member in Lookup}
 
@@ -168,9 +170,14 @@ class ReplayExchange(Exchange):
         self.client.send_end(self.stream, [])
         self._finish("ok (resumed: the stream had ended, nothing left)")
 
-    def _refuse(self, why: Lookup) -> None:
+    def _takes_sse(self) -> bool:
         accept = header_value(self.head.headers, b"accept") or b""
-        if b"text/event-stream" not in accept.lower():
+        return b"text/event-stream" in accept.lower()
+
+    def _refuse(self, why: Lookup) -> None:
+        if why is Lookup.CORRUPT or not self._takes_sse():
+            # A record that failed its checks is the store's fault: a clean 502 for every
+            # client (RFC 9110 §15.6.3), which also stops an EventSource.
             self.fail(_STATUS.get(why, 410), _REASONS[why], f"resume refused: {why.value}")
             return
         self.move(_I.REPLAY)
@@ -235,6 +242,15 @@ class ReplayExchange(Exchange):
         elif state == "ended":
             client.send_end(self.stream, [])
             self._finish("ok (resumed)")
+        elif state == "lost" and self._takes_sse():
+            # Its owner died: what the store held went out; the documented resume error
+            # tells the client that nothing follows (a reconnect would get no more).
+            self.host.resumes.refuse(Lookup.LOST)
+            body = error_event(Lookup.LOST)
+            self.bytes_out += len(body)
+            client.send_body(self.stream, body)
+            client.send_end(self.stream, [])
+            self._finish("resumed from the store: owner lost")
         else:
             # ``broken``, or the store lost the stream or could not be read meanwhile: what
             # went out ends unfinished, visibly.

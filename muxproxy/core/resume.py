@@ -94,6 +94,11 @@ class Lookup(enum.Enum):
     """The id names an event the stream never sent."""
     UNAVAILABLE = "unavailable"
     """The shared store (``Resume.store``) could not be reached."""
+    LOST = "lost"
+    """(From the shared store.) The process that held the stream died before its end (its
+    lease expired, ``resume.lease``): what the store held is all there is."""
+    CORRUPT = "corrupt"
+    """(From the shared store.) The stored record failed its checks (``storedrecords.py``)."""
 
 
 class Reader(Protocol):
@@ -130,6 +135,7 @@ class Resumable:
         self.credential = credential
         self.window = settings.window
         self.linger = settings.linger
+        self.lease = settings.lease
         self.store = settings.store
         """The shared store's URL, or None: this process only."""
         self.published_end = False
@@ -250,6 +256,7 @@ class ResumeStore:
                 last_seq=stream.last_seq,
                 end=None if end is None else end.value,
                 linger=stream.linger,
+                lease=stream.lease,
                 meta=meta,
             )
         )

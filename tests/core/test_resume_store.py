@@ -150,7 +150,14 @@ def test_refusals_from_the_store_are_answered_as_those_of_memory() -> None:
         commands = fetched(pb, fetch.request, state=state)
         body = body_of(client, pb, conn, commands)
         assert b'"code": "resume_%s"' % state.encode() in body
-    assert pb.core.resumes.refused == {"unknown": 1, "evicted": 1, "invalid": 1, "unavailable": 1}
+    assert pb.core.resumes.refused == {
+        "unknown": 1,
+        "evicted": 1,
+        "invalid": 1,
+        "unavailable": 1,
+        "lost": 0,
+        "corrupt": 0,
+    }
     # Without SSE in Accept: 503 for a store that cannot be read.
     client = H1ClientPeer()
     pb.accept(9)
@@ -231,3 +238,29 @@ def test_a_fetched_stream_that_ended_with_nothing_left_is_answered_204() -> None
     events = client.events(pb.take(1, last))
     assert isinstance(events[0], h11.Response) and events[0].status_code == 204
     assert [type(e) for e in events[1:]] == [h11.EndOfMessage]
+
+
+def test_a_corrupt_record_is_a_clean_502_for_every_client() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    for conn, headers in ((1, [*SSE, ("Authorization", "Bearer k")]), (2, [])):
+        client, commands = resume(pb, conn, TOKEN + b".2", headers)
+        (fetch,) = fetches(commands)
+        answer = fetched(pb, fetch.request, state="corrupt")
+        (response, *rest) = client.events(pb.take(conn, answer))
+        assert isinstance(response, h11.Response) and response.status_code == 502
+        assert isinstance(rest[-1], h11.EndOfMessage)
+    assert pb.core.resumes.refused["corrupt"] == 2
+
+
+def test_a_stream_whose_owner_died_ends_with_the_resume_error_after_what_was_kept() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    client, fetch = start_fetch(pb)
+    first = fetched(pb, fetch.request, head=HEAD, events=(b"data: c\n\n",))
+    pb.sent(1, len(pb.take(1, first)))
+    last = fetched(pb, fetch.request, events=(b"data: d\n\n",), state="lost")
+    events = client.events(pb.take(1, first) + pb.take(1, last))
+    body = b"".join(e.data for e in events if isinstance(e, h11.Data))
+    assert body.startswith(b"data: c\n\ndata: d\n\nevent: error\ndata: ")
+    assert b'"code": "resume_lost"' in body
+    assert isinstance(events[-1], h11.EndOfMessage)  # a clean end: the page closes on it
+    assert pb.core.resumes.refused["lost"] == 1
