@@ -560,6 +560,25 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         ),
         (
             ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"credential_headers": "x-api-key"}}],
+            "routes[0].resume.credential_headers: expected a list of header names such as"
+            ' ["authorization", "x-api-key"], got "x-api-key"',
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"credential_headers": ["x api"]}}],
+            "routes[0].resume.credential_headers[0]: expected a list of header names such as"
+            ' ["authorization", "x-api-key"]; each a token (letters, digits and'
+            ' !#$%&\'*+-.^_`|~), got "x api"',
+        ),
+        (
+            ("routes",),
+            [{"prefix": "/", "upstream": "gpus", "resume": {"lease": 0.5}}],
+            "routes[0].resume.lease: expected 1 to 300 seconds (5 minutes: renewed every third"
+            " of it, a dead owner's readers wait for it), got 0.5; raise it to 1 or more",
+        ),
+        (
+            ("routes",),
             [{"prefix": "/", "upstream": "gpus", "resume": {"lingr": 3}}],
             'routes[0].resume.lingr: unknown key; did you mean "linger"?',
         ),
@@ -1670,3 +1689,18 @@ def test_resume_takes_true_or_a_table_with_sizes_in_units() -> None:
         *(Resume(store=store) for store in SENTINEL_STORES),
     ]
     assert Resume().window == 256 * 1024 and Resume().linger == 30.0
+
+
+def test_resume_credential_headers_are_lower_cased_once_each() -> None:
+    data = valid()
+    resume = {"credential_headers": ["X-Api-Key", "x-api-key", "Cookie"], "lease": 3}
+    data["routes"] = [{"prefix": "/", "upstream": "gpus", "resume": resume}]
+    (route,) = parse_config(data).routes
+    assert route.resume == Resume(credential_headers=("x-api-key", "cookie"), lease=3.0)
+    assert set(Resume().credential_headers) == {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+    }

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .admin import admin_settings, quick_admin
-from .checker import Checker, Key, describe, join, record_keys
+from .checker import TOKEN, Checker, Key, describe, join, record_keys
 from .logs import log_settings
 from .records import (
     Api,
@@ -315,10 +315,33 @@ def _store(check: Checker, value: Any, path: str) -> str | None:
     return value
 
 
+def _credential_headers(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
+    """Header names (tokens, RFC 9110 §5.1), kept in lower case: the fields a resume is bound
+    to (``core/resumebind.py``)."""
+    expected = 'expected a list of header names such as ["authorization", "x-api-key"]'
+    if not isinstance(value, list):
+        check.add(path, f"{expected}, got {describe(value)}")
+        return None
+    names: list[str] = []
+    for index, name in enumerate(value):
+        if not isinstance(name, str) or not TOKEN.match(name):
+            check.add(
+                f"{path}[{index}]",
+                f"{expected}; each a token (letters, digits and !#$%&'*+-.^_`|~),"
+                f" got {describe(name)}",
+            )
+            return None
+        if name.lower() not in names:
+            names.append(name.lower())
+    return tuple(names)
+
+
 _RESUME_KEYS = {
     "window": Key(_size),
     "linger": Key(Checker.seconds),
     "store": Key(_store),
+    "credential_headers": Key(_credential_headers),
+    "lease": Key(Checker.seconds),
 }
 
 

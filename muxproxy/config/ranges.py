@@ -164,6 +164,12 @@ RANGES: dict[str, Range] = {
         4096, GIB, "bytes", "at least a few events; at most 1 GiB held for one stream"
     ),
     "routes[].resume.linger": _TIMEOUT,
+    "routes[].resume.lease": Range(
+        1,
+        300,
+        "seconds",
+        "5 minutes: renewed every third of it, a dead owner's readers wait for it",
+    ),
 }
 """Key path (as the reference writes it) -> its range. Every numeric key has one."""
 

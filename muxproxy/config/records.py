@@ -451,6 +451,8 @@ class Api(enum.Enum):
 
 RESUME_WINDOW = 256 * 1024
 """Bytes of events a resumable stream keeps (``resume.window``)."""
+RESUME_CREDENTIALS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
+"""The fields that carry a client's credentials (``resume.credential_headers``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -465,6 +467,13 @@ class Resume:
     store: str | None = None
     """A Redis URL (``redis://`` or ``rediss://``) where the stream's events are also kept,
     so a reconnect that reaches another worker or replica is served; None: this process only."""
+    credential_headers: tuple[str, ...] = RESUME_CREDENTIALS
+    """The request fields (lower case) a resume must carry as the request that began the
+    stream did: the stream is bound to a SHA-256 of them (``core/resumebind.py``)."""
+    lease: float = 5.0
+    """With ``store``: seconds the owner's lease on a live stream lasts in Redis (renewed
+    every third of it); a reader on another process that finds it expired (the owner died)
+    ends the resume at once with what the store holds."""
 
 
 @attrs.frozen(kw_only=True)

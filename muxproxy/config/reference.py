@@ -335,6 +335,7 @@ _VALUE_KINDS: dict[Any, str] = {
     loading._size: 'a size: bytes, or a string such as "256 KiB" (B, KiB, MiB, GiB)',
     loading._store: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
     loading._resume: "true (the defaults) or a table",
+    loading._credential_headers: "a list of header names",
     loading._api: _choices(records.Api),
     logs._access: '"stderr", "off" or a file path (appended to)',
     logs._format: _choices(records.LOG_FORMATS),

@@ -133,7 +133,7 @@ class ResumeMeta:
     ``ResumeAppend`` only."""
 
     credential: bytes
-    """``resume.credential_of`` of the request that began the stream (a hash)."""
+    """``resumebind.binding_of`` of the request that began the stream (a hash)."""
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     """The backend's response head fields, from which a resume's head is made."""
@@ -163,6 +163,9 @@ class ResumeAppend(Command):
     """Seconds the store keeps the stream past its end (and past its last append while it
     is live, plus a margin, so the keys of an owner that died go away)."""
     meta: ResumeMeta | None = None
+    lease: float = 5.0
+    """Seconds of the owner's lease on the live stream (``resume.lease``): the driver renews
+    it while the stream is live, so a reader elsewhere knows when the owner died."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

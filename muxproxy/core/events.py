@@ -144,10 +144,13 @@ class ResumedHead:
     version: str
 
 
-FETCH_STATES = ("live", "ended", "broken", "unknown", "evicted", "invalid", "unavailable")
+FETCH_STATES = (
+    "live", "ended", "broken", "lost", "unknown", "evicted", "invalid", "unavailable", "corrupt"
+)  # fmt: skip
 """``ResumeFetched.state``: ``live`` (more follows), ``ended`` or ``broken`` (the stream's
-end, after these events), or why the resume cannot be served (``resume.Lookup``):
-``unavailable`` is a store that cannot be reached."""
+end, after these events), ``lost`` (its owner died: these events are all there is), or why
+the resume cannot be served (``resume.Lookup``): ``unavailable`` is a store that cannot be
+reached, ``corrupt`` a record that failed its checks (``storedrecords.py``)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -67,7 +67,8 @@ from .messages import Fields, Headers, RequestHead, ResponseHead
 from .paths import normalise_target
 from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
 from .readers import Nobody, ResumedClient
-from .resume import RESUME_TOKEN, Resumable, State, credential_of
+from .resume import RESUME_TOKEN, Resumable, State
+from .resumebind import binding_of
 from .sseids import EventStamper
 from .ssemeter import SseMeter
 from .states import step
@@ -601,10 +602,9 @@ class Exchange:
         survival = self._survival()
         group, head, backend_head = self.group, self.head, survival.backend_head
         assert group is not None and backend_head is not None
-        session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
         stream = survival.resumable = self.host.resumes.open(
             settings,
-            credential_of(head.headers, session_key),
+            binding_of(settings, group, head),
             backend_head,
             self.upstream_version or "1.1",
             self,

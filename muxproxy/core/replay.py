@@ -10,7 +10,7 @@ What it obeys:
   this client's protocol (the reconnect may use the other one). The request body of a
   re-sent ``POST`` is read and dropped. An id that is not the proxy's goes to the backend,
   whose resume it is.
-- The credentials must be the original's (``resume.credential_of``); a stream that is not
+- The credentials must be the original's (``resumebind.binding_of``); a stream that is not
   here, not with these credentials, forgotten, moved past, or never had that event is
   refused at once and never answered with a new generation: a client that accepts
   ``text/event-stream`` gets one ``event: error`` whose data is an OpenAI-style error object
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 
-from ..routing.sticky import session_key_from_head
 from .commands import ResumeFetch, ResumeFetchCancel, ResumeFetchMore
 from .events import ResumedHead, ResumeFetched
 from .exchange import Exchange
@@ -43,7 +42,8 @@ from .headers import header_value
 from .heads import client_head
 from .messages import Headers, ResponseHead
 from .ports import Phase
-from .resume import Lookup, Resumable, State, credential_of, parse_event_id
+from .resume import Lookup, Resumable, State, parse_event_id
+from .resumebind import binding_of
 
 _I = ExchangeInput
 
@@ -54,8 +54,10 @@ _REASONS = {
     Lookup.EVICTED: "the events after this id are no longer kept (the resume window moved on)",
     Lookup.INVALID: "this stream never sent an event with this id",
     Lookup.UNAVAILABLE: "the resume store cannot be reached now",
+    Lookup.LOST: "the process that held this stream stopped before its end; nothing follows",
+    Lookup.CORRUPT: "the resume store returned a record that is not valid",
 }
-_STATUS = {Lookup.UNAVAILABLE: 503}
+_STATUS = {Lookup.UNAVAILABLE: 503, Lookup.CORRUPT: 502}
 """A refusal's status for a client that takes no SSE; 410 for the others."""
 _LOOKUPS = {member.value: member for member in Lookup}
 
@@ -95,8 +97,7 @@ class ReplayExchange(Exchange):
             return
         token, seq = event_id
         store = self.host.resumes
-        session_key, _ = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        credential = credential_of(head.headers, session_key)
+        credential = binding_of(route.resume, group, head)
         stream = store.find(token, credential)
         if stream is None and route.resume.store is not None:
             # Not held here: maybe by another worker or replica, through the shared store.
@@ -118,6 +119,9 @@ class ReplayExchange(Exchange):
             return
         assert stream is not None
         store.resumed += 1
+        if stream.state is State.ENDED and seq == stream.last_seq:
+            self._nothing_left()
+            return
         self._send_head(stream.head, stream.version)
         if self._head_only():
             return
@@ -164,9 +168,28 @@ class ReplayExchange(Exchange):
         self._finish("ok (resumed, head only)")
         return True
 
-    def _refuse(self, why: Lookup) -> None:
+    def _nothing_left(self) -> None:
+        """The stream ended and the client had every event: 204, which tells an
+        ``EventSource`` to stop reconnecting (WHATWG HTML §9.2.3), where an empty 200 made it
+        reconnect every few seconds, forever."""
+        self.move(_I.REPLAY)
+        headers: Headers = [(b"x-request-id", self.request_id)]
+        date = self.fx.http_date()
+        if date is not None:
+            headers.insert(0, (b"date", date))
+        self.status = 204
+        self.client.send_head(ResponseHead(stream=self.stream, status=204, headers=headers))
+        self.client.send_end(self.stream, [])
+        self._finish("ok (resumed: the stream had ended, nothing left)")
+
+    def _takes_sse(self) -> bool:
         accept = header_value(self.head.headers, b"accept") or b""
-        if b"text/event-stream" not in accept.lower():
+        return b"text/event-stream" in accept.lower()
+
+    def _refuse(self, why: Lookup) -> None:
+        if why is Lookup.CORRUPT or not self._takes_sse():
+            # A record that failed its checks is the store's fault: a clean 502 for every
+            # client (RFC 9110 §15.6.3), which also stops an EventSource.
             self.fail(_STATUS.get(why, 410), _REASONS[why], f"resume refused: {why.value}")
             return
         self.move(_I.REPLAY)
@@ -213,6 +236,9 @@ class ReplayExchange(Exchange):
                 return
             self.fetched_head = True
             self.host.resumes.resumed += 1
+            if state == "ended" and not event.events:
+                self._nothing_left()
+                return
             self._send_head(_head_of(event.head, self.stream), event.head.version)
             if self._head_only():
                 return  # ``_wrap_up`` cancels the fetch
@@ -230,6 +256,15 @@ class ReplayExchange(Exchange):
         elif state == "ended":
             client.send_end(self.stream, [])
             self._finish("ok (resumed)")
+        elif state == "lost" and self._takes_sse():
+            # Its owner died: what the store held went out; the documented resume error
+            # tells the client that nothing follows (a reconnect would get no more).
+            self.host.resumes.refuse(Lookup.LOST)
+            body = error_event(Lookup.LOST)
+            self.bytes_out += len(body)
+            client.send_body(self.stream, body)
+            client.send_end(self.stream, [])
+            self._finish("resumed from the store: owner lost")
         else:
             # ``broken``, or the store lost the stream or could not be read meanwhile: what
             # went out ends unfinished, visibly.

@@ -7,7 +7,7 @@ What it obeys, and why:
   writes them). WHATWG HTML §9.2.4: a client that reconnects sends the last id it saw as
   ``Last-Event-ID``; it gets the events after it. The token is unguessable, but the token
   alone opens nothing: a resume must carry the same credentials as the request that began
-  the stream (``credential_of``), and one that does not is answered as an unknown token, so
+  the stream (``resumebind.py``), and one that does not is answered as an unknown token, so
   an id tells a stranger nothing, not even that the stream exists.
 - **Bounded memory.** A stream keeps the last ``window`` bytes of its events (the events
   themselves, as they were sent), dropping the oldest; a resume from before them is refused
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import enum
-import hashlib
 import re
 import secrets
 from collections import deque
@@ -41,8 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..config import Resume
 from .commands import ResumeAppend, ResumeMeta, ResumeProbe
-from .headers import header_value
-from .messages import Headers, ResponseHead
+from .messages import ResponseHead
 from .timers import ResumeTimer
 
 if TYPE_CHECKING:
@@ -76,16 +74,6 @@ def parse_event_id(value: bytes | None) -> tuple[bytes, int] | None:
     return None if match is None else (match[1], int(match[2]))
 
 
-def credential_of(headers: Headers, session_key: bytes | None) -> bytes:
-    """What a resume must match: a hash of ``Authorization`` and of the session key read
-    from the request head (neither is kept)."""
-    digest = hashlib.blake2b(digest_size=16, person=b"muxproxy-resume")
-    for part in (header_value(headers, b"authorization"), session_key):
-        digest.update(b"\x01" + part if part is not None else b"\x00")
-        digest.update(len(part or b"").to_bytes(4, "big"))
-    return digest.digest()
-
-
 class State(enum.Enum):
     LIVE = "live"
     """The backend stream runs."""
@@ -106,6 +94,11 @@ class Lookup(enum.Enum):
     """The id names an event the stream never sent."""
     UNAVAILABLE = "unavailable"
     """The shared store (``Resume.store``) could not be reached."""
+    LOST = "lost"
+    """(From the shared store.) The process that held the stream died before its end (its
+    lease expired, ``resume.lease``): what the store held is all there is."""
+    CORRUPT = "corrupt"
+    """(From the shared store.) The stored record failed its checks (``storedrecords.py``)."""
 
 
 class Reader(Protocol):
@@ -142,6 +135,7 @@ class Resumable:
         self.credential = credential
         self.window = settings.window
         self.linger = settings.linger
+        self.lease = settings.lease
         self.store = settings.store
         """The shared store's URL, or None: this process only."""
         self.published_end = False
@@ -262,6 +256,7 @@ class ResumeStore:
                 last_seq=stream.last_seq,
                 end=None if end is None else end.value,
                 linger=stream.linger,
+                lease=stream.lease,
                 meta=meta,
             )
         )

@@ -64,6 +64,7 @@ LEVELS: dict[str, int] = {
     "send_timeout": logging.INFO,
     "client_closed": logging.DEBUG,
     "tunnel_opened": logging.DEBUG,
+    "resume_store_bad_record": logging.WARNING,
     **dict.fromkeys(DEFENCE_KINDS, logging.WARNING),
 }
 """The error log's level per event; an event not listed is INFO. A server coming back up

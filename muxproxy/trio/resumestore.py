@@ -8,7 +8,7 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   event number and a resume reads ``XRANGE 0-<after+1> +``), trimmed with ``XTRIM MINID
   0-<first_seq>`` to what the owner's own window holds (so Redis holds as many bytes per
   stream as the owner does); and ``muxproxy:resume:{<token>}:meta``, a hash: ``credential``
-  (``resume.credential_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
+  (``resumebind.binding_of``, a hash), ``status``, ``headers`` (JSON, each field as latin-1
   strings), ``version``, ``state`` (``live``, ``ended``, ``broken``), ``first`` and ``last``
   (the seqs the stream holds). One append is one ``MULTI``/``EXEC``: events and meta change
   together, so a reader that sees ``state = ended`` finds every event in the stream. The
@@ -19,6 +19,16 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   ``muxproxy:resume:{<token>}:reader`` (``SET ... PX READER_TTL_MS``, renewed as it goes);
   an owner whose linger expired asks for that mark (``ResumeProbe``, ``EXISTS``) before it
   ends the backend, so a client resumed elsewhere keeps the generation running.
+- **The owner's lease.** While a stream is live its owner holds
+  ``muxproxy:resume:{<token>}:owner`` (``SET ... PX resume.lease``, with each append and
+  renewed every second by ``_Store._renew``; deleted in the end's transaction). A fetch that
+  finds the stream ``live`` without it (one transaction) knows the owner died (SIGKILL, a
+  crash): it ends at once with what the store holds, state ``lost``, instead of waiting for
+  an end nobody will write.
+- **Nothing read is trusted.** Every meta hash, entry id and event is checked
+  (``core/storedrecords.py``) before use; a bad record is logged
+  (``resume_store_bad_record``, with the token and the reason) and the resume is ``corrupt``
+  (a 502), never relayed.
 - **Never block the core.** Appends go through a bounded queue to one task per store; a full
   queue or a failed write drops the append, counted (``ProxyCore.resumes.store_errors``,
   ``muxproxy_resume_store_errors_total``) and logged at most once per ``LOG_EVERY`` seconds.
@@ -62,6 +72,14 @@ from ..core.commands import (
     ResumeProbe,
 )
 from ..core.events import ResumedHead, ResumeFetched, ResumeProbed
+from ..core.storedrecords import (
+    BadRecord,
+    StoredMeta,
+    stored_event,
+    stored_meta,
+    stored_seq,
+    stored_state,
+)
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -88,6 +106,8 @@ READER_TTL_MS = 5000
 """How long a fetch's mark on ``muxproxy:resume:{<token>}:reader`` lasts; it renews it at least
 every ``BLOCK_MS`` (and every second while its client is behind), so an owner whose linger
 expires (``ResumeProbe``) sees a reader that follows the stream from another process."""
+LEASE_IDLE = 1.0
+"""Seconds the lease renewer sleeps while this process owns no live stream."""
 READER_RENEW = 1.0
 """Seconds between renewals of the mark while the fetch waits for its client."""
 LOG_EVERY = 10.0
@@ -109,18 +129,12 @@ def reader_key(token: bytes) -> bytes:
     return b"muxproxy:resume:{%s}:reader" % token
 
 
+def lease_key(token: bytes) -> bytes:
+    return b"muxproxy:resume:{%s}:owner" % token
+
+
 def _entry_id(seq: int) -> str:
     return f"0-{seq}"
-
-
-def _bytes(value: bytes | str) -> bytes:
-    """A stream entry's value (bytes: the client does not decode responses)."""
-    return value if isinstance(value, bytes) else value.encode("utf-8")
-
-
-def _seq_of(identifier: bytes | str) -> int:
-    text = identifier.decode("ascii") if isinstance(identifier, bytes) else identifier
-    return int(text.partition("-")[2])
 
 
 class _Store:
@@ -134,6 +148,9 @@ class _Store:
         self.ready = trio.Event()
         self.logged_at = -math.inf
         self.unlogged = 0
+        self.owned: dict[bytes, float] = {}
+        """The live streams this process owns here, with their lease (``resume.lease``):
+        the renewer keeps their leases while the process lives."""
 
     async def run(self) -> None:
         """Hold a client and write the queued appends, one transaction each; a client that
@@ -154,15 +171,33 @@ class _Store:
             await trio.sleep(RECONNECT_DELAY)
 
     async def _serve(self) -> None:
-        async with _client_of(self.url) as client:
+        async with _client_of(self.url) as client, trio.open_nursery() as nursery:
             self.client = client
             self.ready.set()
+            nursery.start_soon(self._renew, client)
             async for command in self.receive:
                 try:
                     with trio.fail_after(OP_TIMEOUT):
                         await self._write(client, command)
                 except _ERRORS as exc:
                     self.failed("append", exc)
+
+    async def _renew(self, client: coredis.Redis[bytes]) -> None:
+        """Renew the lease of every live stream owned here, every third of the shortest
+        lease: a process that dies (SIGKILL, a crash) stops renewing, and its leases run out
+        within ``resume.lease`` seconds, which tells readers elsewhere (``_follow``)."""
+        while True:
+            period = min(LEASE_IDLE, min(self.owned.values(), default=LEASE_IDLE) / 3)
+            await trio.sleep(period)
+            if not self.owned:
+                continue
+            try:
+                with trio.fail_after(OP_TIMEOUT):
+                    async with client.pipeline(transaction=False) as pipe:
+                        for token, lease in list(self.owned.items()):
+                            pipe.set(lease_key(token), b"1", px=math.ceil(lease * 1000))
+            except _ERRORS as exc:
+                self.failed("lease", exc)
 
     async def _write(self, client: coredis.Redis[bytes], command: ResumeAppend) -> None:
         events, meta = events_key(command.token), meta_key(command.token)
@@ -180,6 +215,10 @@ class _Store:
             fields[b"state"] = command.end.encode("ascii")
         ttl = math.ceil(command.linger if command.end else command.linger + LIVE_MARGIN)
         async with client.pipeline(transaction=True) as pipe:
+            if command.end is None:
+                pipe.set(lease_key(command.token), b"1", px=math.ceil(command.lease * 1000))
+            else:
+                pipe.delete([lease_key(command.token)])  # with the end, in one transaction
             for seq, data in command.events:
                 pipe.xadd(events, {b"d": data}, identifier=_entry_id(seq))
             if command.events:
@@ -259,6 +298,12 @@ class ResumeStores:
 
     def append(self, command: ResumeAppend) -> None:
         store = self._store(command.store)
+        # The core's view of what it owns, whether or not this append reaches Redis: a
+        # dropped end must not leave a lease renewed forever.
+        if command.end is not None:
+            store.owned.pop(command.token, None)
+        elif command.meta is not None:
+            store.owned[command.token] = command.lease
         try:
             store.send.send_nowait(command)
         except trio.WouldBlock as exc:
@@ -329,55 +374,70 @@ class ResumeStores:
         client = store.client
         if client is None:
             raise StoreConnectionError("the store's client is being made again")
-        events, meta = events_key(command.token), meta_key(command.token)
+        try:
+            await self._follow_checked(client, fetch)
+        except BadRecord as bad:
+            # Not ours, or damaged: never relayed (``core/storedrecords.py``).
+            self.driver._log(
+                Log(
+                    event="resume_store_bad_record",
+                    fields={
+                        "stream": command.token.decode("ascii"),
+                        "store": _redacted(store.url),
+                        "reason": bad.reason,
+                    },
+                )
+            )
+            self._deliver_last(fetch, None, (), "corrupt")
+
+    async def _meta(self, client: coredis.Redis[bytes], token: bytes) -> StoredMeta | None:
+        """The stream's meta hash, checked; None: no such stream (or it expired)."""
         with trio.fail_after(OP_TIMEOUT):
-            fields = await client.hgetall(meta)
+            fields = await client.hgetall(meta_key(token))
+        return stored_meta(fields) if fields else None
+
+    async def _follow_checked(self, client: coredis.Redis[bytes], fetch: _Fetch) -> None:
+        command = fetch.command
+        events, meta_of = events_key(command.token), meta_key(command.token)
+        with trio.fail_after(OP_TIMEOUT):
+            fields = await client.hgetall(meta_of)
         credential = fields.get(b"credential")
         if credential is None or not hmac.compare_digest(credential, command.credential):
             self._deliver_last(fetch, None, (), "unknown")
             return
+        meta: StoredMeta | None = stored_meta(fields)
         cursor = command.after
         deadline = trio.current_time() + GRACE
-        while cursor > int(fields[b"last"]):
+        while meta is not None and cursor > meta.last:
             # The client may have had events whose append is still on its way.
-            if fields[b"state"] != _LIVE or trio.current_time() > deadline:
+            if meta.state != "live" or trio.current_time() > deadline:
                 self._deliver_last(fetch, None, (), "invalid")
                 return
-            await self._wait_entry(client, events, int(fields[b"last"]))
-            with trio.fail_after(OP_TIMEOUT):
-                fields = await client.hgetall(meta)
-            if b"last" not in fields:
-                self._deliver_last(fetch, None, (), "unknown")
-                return
-        if cursor + 1 < int(fields[b"first"]):
+            await self._wait_entry(client, events, meta.last)
+            meta = await self._meta(client, command.token)
+        if meta is None:
+            self._deliver_last(fetch, None, (), "unknown")
+            return
+        if cursor + 1 < meta.first:
             self._deliver_last(fetch, None, (), "evicted")
             return
         await self._mark_reader(client, command.token)
-        head: ResumedHead | None = ResumedHead(
-            status=int(fields[b"status"]),
-            headers=tuple(
-                (name.encode("latin-1"), value.encode("latin-1"))
-                for name, value in json.loads(fields[b"headers"])
-            ),
-            version=fields[b"version"].decode("ascii"),
-        )
+        head: ResumedHead | None = meta.head
         while True:
             batch, cursor, gap = await self._range(client, events, cursor)
             if gap:
                 self._deliver_last(fetch, None, (), "evicted")  # trimmed while we lagged
                 return
             if len(batch) < BATCH:
-                with trio.fail_after(OP_TIMEOUT):
-                    state = await client.hget(meta, b"state")
-                if state != _LIVE:
-                    # Over (or its keys expired: unfinished). The end's transaction held its
-                    # last events: read what came since the range above.
+                state = await self._state(client, command.token)
+                if state != "live":
+                    # Over (its keys expired: unfinished; its owner died: lost). The end's
+                    # transaction held its last events: read what came since the range above.
                     rest, cursor, gap = await self._range(client, events, cursor)
-                    over = state.decode("ascii") if state in (_ENDED, _BROKEN) else "broken"
                     if gap:
                         self._deliver_last(fetch, None, (), "evicted")
                     else:
-                        self._deliver_last(fetch, head, batch + rest, over)
+                        self._deliver_last(fetch, head, batch + rest, state)
                     return
             if batch or head is not None:
                 await self._deliver(client, fetch, head, batch)
@@ -385,6 +445,21 @@ class ResumeStores:
             if len(batch) < BATCH:
                 await self._wait_entry(client, events, cursor)
             await self._mark_reader(client, command.token)
+
+    async def _state(self, client: coredis.Redis[bytes], token: bytes) -> str:
+        """The stream's state: ``live`` while its owner's lease holds; ``lost`` when the
+        owner died with the stream live (its lease ran out, ``resume.lease``); ``broken``
+        when its keys are gone. One transaction: the owner's end sets the state and drops
+        the lease together."""
+        with trio.fail_after(OP_TIMEOUT):
+            async with client.pipeline(transaction=True) as pipe:
+                state = pipe.hget(meta_key(token), b"state")
+                leased = pipe.exists([lease_key(token)])
+            value, owner = await state, await leased
+        if value is None:
+            return "broken"
+        checked = stored_state(value)
+        return "lost" if checked == "live" and not owner else checked
 
     async def _mark_reader(self, client: coredis.Redis[bytes], token: bytes) -> None:
         """Tell the owner that a client follows the stream from here (``READER_TTL_MS``)."""
@@ -400,10 +475,10 @@ class ResumeStores:
             entries = await client.xrange(key, _entry_id(cursor + 1), "+", count=BATCH)
         if not entries:
             return [], cursor, False
-        seqs = [_seq_of(entry.identifier) for entry in entries]
+        seqs = [stored_seq(entry.identifier) for entry in entries]
         # An append lost while Redis was away leaves a hole: never skip events silently.
         gap = seqs != list(range(cursor + 1, cursor + 1 + len(seqs)))
-        batch = [_bytes(entry.field_values[b"d"]) for entry in entries]
+        batch = [stored_event(entry.field_values.get(b"d")) for entry in entries]
         return batch, seqs[-1], gap
 
     async def _wait_entry(self, client: coredis.Redis[bytes], key: bytes, cursor: int) -> None:

@@ -413,3 +413,33 @@ def test_a_sized_event_stream_is_not_numbered() -> None:
     body = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
     assert body == b"data: a\n\n"
     assert pb.core.resumes.streams == {}
+
+
+def test_a_resume_of_an_ended_stream_with_nothing_left_is_204_so_eventsource_stops() -> None:
+    """WHATWG HTML §9.2.3: a 204 fails the EventSource's connection for good; an empty 200
+    made it reconnect with the same id every few seconds, forever."""
+    pb = Playbook(resume_config())
+    first = Stream(pb)
+    first.send(b"data: a\n\ndata: [DONE]\n\n")
+    pb.receive(first.up, first.backend.end())
+    client, commands = resume(pb, 2, first.last_id())
+    events = client.events(pb.take(2, commands))
+    assert isinstance(events[0], h11.Response) and events[0].status_code == 204
+    assert [type(e) for e in events[1:]] == [h11.EndOfMessage]
+    assert not closes(commands, 2)  # a clean answer: the connection stays
+    # Over HTTP/2 too, and one event before the end still gets the event and the end.
+    h2client = H2ClientPeer()
+    pb.accept(3)
+    pb.receive(3, h2client.preface())
+    _sid, request = h2client.request(
+        b"GET",
+        b"/v1/chat/completions",
+        headers=[(b"accept", b"text/event-stream"), (b"last-event-id", first.last_id())],
+    )
+    (head, *rest) = [
+        e for e in h2client.events(pb.take(3, pb.receive(3, request)))
+        if isinstance(e, h2.events.ResponseReceived | h2.events.DataReceived)
+    ]  # fmt: skip
+    assert (b":status", b"204") in head.headers and b"".join(e.data for e in rest) == b""
+    _, again = resume(pb, 4, first.last_id().replace(b".2", b".1"))
+    assert pb.take(4, again).startswith(b"HTTP/1.1 200 ")

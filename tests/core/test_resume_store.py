@@ -13,6 +13,7 @@ import h11
 from playbook import H1ClientPeer, Playbook
 from test_resume import SSE, Stream, body_of, closes, linger_timer, resume, resume_config
 
+from muxproxy.config import RESUME_CREDENTIALS
 from muxproxy.core.commands import (
     Command,
     ResumeAppend,
@@ -22,7 +23,9 @@ from muxproxy.core.commands import (
     ResumeProbe,
 )
 from muxproxy.core.events import ResumedHead, ResumeFetched, ResumeProbed
-from muxproxy.core.resume import credential_of
+from muxproxy.core.resumebind import binding
+
+NAMES = [name.encode() for name in RESUME_CREDENTIALS]
 
 STORE = "redis://127.0.0.1:6379/0"
 TOKEN = b"A" * 22
@@ -49,8 +52,8 @@ def test_the_owner_appends_once_per_backend_read_with_the_meta_first_and_the_end
     first = Stream(pb, headers=[("Authorization", "Bearer k")])
     (meta,) = appends(pb.log)[opened:]
     assert meta.meta is not None and meta.events == () and meta.end is None
-    assert meta.meta.status == 200 and meta.meta.credential == credential_of(
-        [(b"authorization", b"Bearer k")], None
+    assert meta.meta.status == 200 and meta.meta.credential == binding(
+        [(b"authorization", b"Bearer k")], NAMES
     )
     assert (b"content-type", b"text/event-stream") in meta.meta.headers
     token = meta.token
@@ -112,7 +115,7 @@ def test_an_unknown_token_is_fetched_and_the_batches_make_one_response() -> None
     pb = Playbook(resume_config(store=STORE))
     client, fetch = start_fetch(pb)
     assert (fetch.store, fetch.token, fetch.after) == (STORE, TOKEN, 2)
-    assert fetch.credential == credential_of([(b"authorization", b"Bearer k")], None)
+    assert fetch.credential == binding([(b"authorization", b"Bearer k")], NAMES)
 
     first = fetched(pb, fetch.request, head=HEAD, events=(b"data: c\nid: x.3\n\n",))
     assert more(first) == [ResumeFetchMore(request=fetch.request)]
@@ -147,7 +150,14 @@ def test_refusals_from_the_store_are_answered_as_those_of_memory() -> None:
         commands = fetched(pb, fetch.request, state=state)
         body = body_of(client, pb, conn, commands)
         assert b'"code": "resume_%s"' % state.encode() in body
-    assert pb.core.resumes.refused == {"unknown": 1, "evicted": 1, "invalid": 1, "unavailable": 1}
+    assert pb.core.resumes.refused == {
+        "unknown": 1,
+        "evicted": 1,
+        "invalid": 1,
+        "unavailable": 1,
+        "lost": 0,
+        "corrupt": 0,
+    }
     # Without SSE in Accept: 503 for a store that cannot be read.
     client = H1ClientPeer()
     pb.accept(9)
@@ -218,3 +228,39 @@ def test_without_a_store_an_expired_linger_ends_the_backend_at_once() -> None:
     pb.now = 10.0
     expired = pb.wakeup(*timer.timer)
     assert probes(expired) == [] and closes(expired, first.up)
+
+
+def test_a_fetched_stream_that_ended_with_nothing_left_is_answered_204() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    client, fetch = start_fetch(pb)
+    last = fetched(pb, fetch.request, head=HEAD, events=(), state="ended")
+    assert more(last) == []
+    events = client.events(pb.take(1, last))
+    assert isinstance(events[0], h11.Response) and events[0].status_code == 204
+    assert [type(e) for e in events[1:]] == [h11.EndOfMessage]
+
+
+def test_a_corrupt_record_is_a_clean_502_for_every_client() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    for conn, headers in ((1, [*SSE, ("Authorization", "Bearer k")]), (2, [])):
+        client, commands = resume(pb, conn, TOKEN + b".2", headers)
+        (fetch,) = fetches(commands)
+        answer = fetched(pb, fetch.request, state="corrupt")
+        (response, *rest) = client.events(pb.take(conn, answer))
+        assert isinstance(response, h11.Response) and response.status_code == 502
+        assert isinstance(rest[-1], h11.EndOfMessage)
+    assert pb.core.resumes.refused["corrupt"] == 2
+
+
+def test_a_stream_whose_owner_died_ends_with_the_resume_error_after_what_was_kept() -> None:
+    pb = Playbook(resume_config(store=STORE))
+    client, fetch = start_fetch(pb)
+    first = fetched(pb, fetch.request, head=HEAD, events=(b"data: c\n\n",))
+    pb.sent(1, len(pb.take(1, first)))
+    last = fetched(pb, fetch.request, events=(b"data: d\n\n",), state="lost")
+    events = client.events(pb.take(1, first) + pb.take(1, last))
+    body = b"".join(e.data for e in events if isinstance(e, h11.Data))
+    assert body.startswith(b"data: c\n\ndata: d\n\nevent: error\ndata: ")
+    assert b'"code": "resume_lost"' in body
+    assert isinstance(events[-1], h11.EndOfMessage)  # a clean end: the page closes on it
+    assert pb.core.resumes.refused["lost"] == 1

@@ -206,3 +206,25 @@ async def test_linger_runs_on_the_proxy_clock_a_mock_clock_jumps_through_it(
         await fake.wait_until(lambda: fake.disconnects >= 1)
     assert Resume().linger <= trio.current_time() - left < Resume().linger + 5
     assert fake.streams_completed == 0
+
+
+async def test_a_resume_of_a_finished_stream_read_whole_is_204(start_backend, start_proxy):
+    """An EventSource reconnects after every end; a 204 is what makes it stop."""
+    fake, proxy = await resumable_proxy(start_backend, start_proxy)
+    url = proxy.url + "/v1/chat/completions"
+    with trio.fail_after(20):
+        async with (
+            httpx.AsyncClient() as client,
+            client.stream("POST", url, json=REQUEST) as response,
+        ):
+            events = await read_events(response)
+        sent = {"Last-Event-ID": ids_of(events)[-1], "Accept": "text/event-stream"}
+        async with httpx.AsyncClient() as client:
+            again = await client.get(url, headers=sent)
+            before_last = await client.get(
+                url, headers={**sent, "Last-Event-ID": ids_of(events)[-2]}
+            )
+    assert events[-1].startswith("data: [DONE]")
+    assert again.status_code == 204 and again.content == b""
+    assert before_last.status_code == 200 and before_last.text.startswith("data: [DONE]")
+    assert fake.streams_started == 1

@@ -225,3 +225,59 @@ async def test_resumes_through_redis_work_again_once_it_is_back(
     assert content_of(before + events_of(response)) == reply_text(TOKENS)
     assert one.server.core.resumes.store_errors >= 1
     assert fake.streams_started == 2
+
+
+def comparable(response: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A response's status, fields (but its date and request id) and body."""
+    fields = [
+        (name, value)
+        for name, value in response.headers.multi_items()
+        if name not in ("date", "x-request-id")
+    ]
+    return response.status_code, fields, response.content
+
+
+@pytest.mark.parametrize(
+    "credential",
+    [{"X-Api-Key": "sk-alice"}, {"Api-Key": "azure-alice"}, {"Cookie": "session=alice"}],
+)
+async def test_a_stream_begun_with_a_key_is_unknown_to_a_resume_without_it_on_another_replica(
+    start_backend, start_proxy, redis_server, credential
+):
+    fake, one, two = await two_replicas(start_backend, start_proxy, redis_server)
+    path = "/v1/chat/completions"
+    with trio.fail_after(20):
+        before = await begin(one.url + path, 3, credential)
+        last = ids_of(before)[-1]
+        token = last.split(".")[0]
+        unknown = await resume(two.url + path, "A" * 22 + ".3")
+        nothing = await resume(two.url + path, last)
+        other = await resume(two.url + path, last, {name: "eve" for name in credential})
+        async with coredis.Redis.from_url(redis_server.url) as client:
+            meta = await client.hgetall(meta_key(token.encode()))
+        owner = await resume(two.url + path, last, credential)
+    # No oracle: what a stranger gets is what a token that never existed gets.
+    assert comparable(nothing) == comparable(other) == comparable(unknown)
+    assert '"code": "resume_unknown"' in unknown.text
+    assert content_of(before + events_of(owner)) == reply_text(TOKENS)
+    assert two.server.core.resumes.refused["unknown"] == 3
+    # Redis keeps a digest, never the credential.
+    (secret,) = credential.values()
+    assert len(meta[b"credential"]) == 32
+    assert all(secret.encode() not in value for value in meta.values())
+    assert fake.streams_started == 1
+
+
+async def test_a_resume_of_a_finished_stream_on_another_replica_is_204(
+    start_backend, start_proxy, redis_server
+):
+    fake, one, two = await two_replicas(start_backend, start_proxy, redis_server)
+    path = "/v1/chat/completions"
+    with trio.fail_after(20):
+        events = await begin(one.url + path, 10_000)  # the whole stream
+        token = ids_of(events)[0].split(".")[0]
+        await wait_state(redis_server.url, token, b"ended")
+        response = await resume(two.url + path, ids_of(events)[-1])
+    assert events[-1].startswith("data: [DONE]")
+    assert response.status_code == 204 and response.content == b""
+    assert fake.streams_started == 1

@@ -104,7 +104,9 @@ async def test_a_stream_cut_on_one_worker_is_resumed_on_the_other(
                     break
             else:
                 raise AssertionError(f"{MAX_CONNECTIONS} connections, none to the other worker")
-    assert response.status_code == 200
+    # A busy machine may have handed the first client every event in one read: then the
+    # stream is over and nothing is left, a 204 (``docs/resume.md``).
+    assert response.status_code == (204 if b"data: [DONE]" in before else 200)
     events = (before + after).split(b"\n\n")[:-1]
     ids = [found for event in events for found in ID.findall(event)]
     token = last.split(b".")[0]
