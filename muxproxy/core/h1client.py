@@ -8,8 +8,12 @@ h11's own rules:
   becomes an ``Abort`` (the exchange answers 502).
 - A chunked body is decoded here (``chunked.py``), so that every chunk a read completed becomes
   one ``Body`` at once, and a chunk-size line is bounded (RFC 9112 §7.1).
-- Bytes after the end of a response are the backend's error (RFC 9112 §9.3): the connection is
-  not reused.
+- Bytes after the end of a response, before the next request went out, are the backend's error
+  (RFC 9112 §9.3, §9.4: a server sends nothing the client did not ask for): whether they came in
+  the read that ended the response or in a later one, ``extra`` is set and the connection is
+  never reused. Kept, they would be read as the answer to the next request, another client's
+  (response splitting); this holds for every framing h11 knows the end of: Content-Length,
+  chunked, and no body at all (HEAD, 1xx before the final response, 204, 304).
 - Request heads go out through ``h1.head_bytes``: h11 frames them, the other fields follow as
   given.
 """
@@ -81,7 +85,12 @@ class H1Client:
             except h11.RemoteProtocolError as exc:
                 out.append(Abort(stream=stream, reason=f"bad response from backend: {exc}"))
                 return out
-            if event is h11.NEED_DATA or event is h11.PAUSED:
+            if event is h11.NEED_DATA:
+                return out
+            if event is h11.PAUSED:
+                # h11 pauses on bytes after a complete response (and after a 101, which
+                # returned already): what follows the response the backend owed us.
+                self.extra = self.extra or bool(conn.trailing_data[0])
                 return out
             if type(event) is h11.Data:
                 out.append(Body(stream=stream, data=h11_data(event)))
@@ -149,8 +158,10 @@ class H1Client:
         conn = self.conn
         if conn.our_state is not h11.DONE:
             return False
+        if self.extra:
+            return False
         if self.chunked is not None:
-            return self.chunked.done and not self.extra
+            return self.chunked.done
         return conn.their_state is h11.DONE
 
     def next_cycle(self) -> None:
