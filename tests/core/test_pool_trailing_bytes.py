@@ -23,7 +23,10 @@ POISON = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nPOISON"
 
 RESPONSES = {
     "content-length": ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"),
-    "chunked": ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"),
+    "chunked": (
+        "GET",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    ),
     "head": ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n"),
     "204": ("GET", b"HTTP/1.1 204 No Content\r\n\r\n"),
     "304": ("GET", b'HTTP/1.1 304 Not Modified\r\nETag: "x"\r\n\r\n'),
