@@ -96,7 +96,14 @@ class H1Client:
                 out.append(Body(stream=stream, data=h11_data(event)))
             elif type(event) is h11.Response:
                 headers = list(event.headers)
-                out.append(ResponseHead(stream=stream, status=event.status_code, headers=headers))
+                out.append(
+                    ResponseHead(
+                        stream=stream,
+                        status=event.status_code,
+                        headers=headers,
+                        reason=bytes(event.reason),
+                    )
+                )
                 if self._body_is_chunked(event.status_code, headers):
                     # RFC 9112 §6.3: h11 accepts no transfer coding but chunked, so the body
                     # is chunked. It is ours from the byte after the head.

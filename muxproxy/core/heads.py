@@ -83,7 +83,7 @@ def client_head(
     headers = with_request_id(headers, request_id)
     if pin is not None:
         headers.append(pin)
-    return ResponseHead(stream=stream, status=head.status, headers=headers)
+    return ResponseHead(stream=stream, status=head.status, headers=headers, reason=head.reason)
 
 
 def send_error_answer(

@@ -37,6 +37,9 @@ class ResponseHead:
     stream: int
     status: int
     headers: Headers
+    reason: bytes = b""
+    """An HTTP/1.1 backend's reason phrase (RFC 9112 §4); kept only for a code without a
+    standard phrase (``reasons.py``)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
