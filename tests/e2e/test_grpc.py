@@ -11,9 +11,11 @@ honoured by the proxy (DEADLINE_EXCEEDED in a Trailers-Only response); ``te: tra
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -21,6 +23,7 @@ import grpc
 import pytest
 import trio
 from peers import open_h2
+from processes import proxy_process
 
 from muxproxy.config import Config, quick_config
 
@@ -302,3 +305,27 @@ async def test_backend_certificate_that_does_not_verify_is_unavailable(
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+async def test_an_http2_server_configured_as_http11_is_named_in_the_log(
+    grpc_backend: int, tmp_path: Path
+) -> None:
+    """A gRPC server left at the default ``protocol = "h1"``: the client gets UNAVAILABLE and
+    the log of ``muxproxy serve`` names the cause and the fix, not only h11's complaint."""
+    path = tmp_path / "muxproxy.toml"
+    path.write_text(
+        '[[listeners]]\naddress = "127.0.0.1:0"\n'
+        f'[upstreams.grpc]\nservers = ["127.0.0.1:{grpc_backend}"]\n'
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        proxy_process(nursery, config=path, stop=signal.SIGTERM) as proxy,
+    ):
+        with trio.fail_after(20):
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.ports()[0]}") as channel:
+                unary = _method(channel, "unary_unary", "Unary")
+                with pytest.raises(grpc.RpcError) as info:
+                    await in_thread(lambda: unary(b"x", timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            line = await proxy.stderr.wait_for(lambda line: "HTTP/2 SETTINGS frame" in line)
+    assert 'set protocol = \\"h2\\" on this server' in line, line
