@@ -55,6 +55,16 @@ def _fail_early(request: bytes, context: grpc.ServicerContext) -> bytes:
     raise AssertionError("abort returns no value")
 
 
+PUSHBACK = (("custom-key", "custom-value"), ("grpc-retry-pushback-ms", "250"))
+"""Trailing metadata of a call that fails before any message (a Trailers-Only response)."""
+
+
+def _fail_with_metadata(request: bytes, context: grpc.ServicerContext) -> bytes:
+    context.set_trailing_metadata(PUSHBACK)
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
+    raise AssertionError("abort returns no value")
+
+
 def _fail_late(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
     yield b"first"
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of tokens")
@@ -86,6 +96,7 @@ def _handler() -> grpc.GenericRpcHandler:
             "Stream": streaming(_stream),
             "Bidi": grpc.stream_stream_rpc_method_handler(_bidi, _identity, _identity),
             "FailEarly": unary(_fail_early),
+            "FailWithMetadata": unary(_fail_with_metadata),
             "FailLate": streaming(_fail_late),
             "Slow": unary(_slow),
         },
@@ -183,6 +194,23 @@ async def test_error_status_and_message_reach_the_client(
         assert got == [b"first"]
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details() == "out of tokens"
+
+
+async def test_trailers_only_metadata_reaches_the_client(
+    grpc_backend: int, start_proxy: StartProxy
+) -> None:
+    """A Trailers-Only error keeps its metadata: grpcio reads the fields of such a response as
+    trailing metadata, which a head split from its status would hide."""
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        call = _method(channel, "unary_unary", "FailWithMetadata")
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(lambda: call(b"x", timeout=5))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details() == "slow down"
+    trailing = dict(info.value.trailing_metadata())
+    assert trailing["custom-key"] == "custom-value"
+    assert trailing["grpc-retry-pushback-ms"] == "250"
 
 
 async def test_trailers_only_passes_through_to_raw_h2_client(
