@@ -27,6 +27,7 @@ KINDS = (
     "request_body_timeout",
     "request_body_deadline",
     "stream_send_timeout",
+    "upstream_trailing_bytes",
 )
 """Each is a log event and a counter of the same name:
 
@@ -42,7 +43,11 @@ KINDS = (
 - ``request_body_deadline``: a request body not complete within ``timeouts.client_body`` of
   its head (one trickled just under the gap) got 408 (``bodyclock.py``);
 - ``stream_send_timeout``: an HTTP/2 stream whose window the client kept closed for
-  ``timeouts.send`` got RST_STREAM(CANCEL) (the zero-window reader).
+  ``timeouts.send`` got RST_STREAM(CANCEL) (the zero-window reader);
+- ``upstream_trailing_bytes``: an HTTP/1.1 backend sent bytes after a complete response, in
+  the read that ended it or while the connection waited in the pool (RFC 9112 §9.3); the
+  connection was closed, never given to the next request, which would have read them as its
+  answer (``h1client.py``). Logged with the server (``server``), not a client.
 """
 
 LOG_INTERVAL = 10.0
@@ -74,8 +79,9 @@ class DefenceLog:
         self._quiet_until: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def record(self, kind: str, client: str, **fields: Any) -> None:
-        """One act of defence ``kind`` against the client at address ``client``."""
+    def record(self, kind: str, client: str | None, **fields: Any) -> None:
+        """One act of defence ``kind`` against the client at address ``client`` (None: a
+        defence against a backend, which ``fields`` name)."""
         core = self.core
         core.counters[kind] += 1
         now = core.fx.now
@@ -84,4 +90,5 @@ class DefenceLog:
             return
         self._quiet_until[kind] = now + self.interval
         suppressed = self._suppressed.pop(kind, 0)
-        core.fx.emit(Log(event=kind, fields={"client": client, **fields, "suppressed": suppressed}))
+        peer = {} if client is None else {"client": client}
+        core.fx.emit(Log(event=kind, fields={**peer, **fields, "suppressed": suppressed}))

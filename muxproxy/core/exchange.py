@@ -514,7 +514,7 @@ class Exchange:
         if survivable and resume is not None and not self.fx.shutting_down:
             token = self._open_resume(resume)
             response.headers.append((RESUME_TOKEN, token))
-        self.client.send_head(response)
+        self.client.send_head(response, end_stream=response.end_stream)
         if self.admission is not None:
             self.usage = self.admission.usage
         deadlines = self.deadlines

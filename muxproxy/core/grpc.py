@@ -7,6 +7,11 @@ Obeys "gRPC over HTTP/2" (grpc/doc/PROTOCOL-HTTP2.md) and the gRPC status code l
   200, ``content-type: application/grpc`` and a Trailers-Only response carrying ``grpc-status``
   and ``grpc-message``. gRPC clients map an HTTP error page to a vaguer status (and lose the
   message), so a 502 page would hide why the call failed.
+- A backend's Trailers-Only response (one HEADERS frame with END_STREAM: the status fields
+  and any custom metadata, such as ``grpc-retry-pushback-ms``) reaches an HTTP/2 client as
+  Trailers-Only, whole: grpcio reads the metadata of such a response as trailing metadata,
+  which a head split from its status would hide. An HTTP/1.1 client, which cannot end a
+  response with its head, gets the status fields (``STATUS_FIELDS``) as trailers instead.
 - ``grpc-timeout`` (1-8 digits and a unit H M S m u n) bounds the whole call: the proxy gives
   up at the smaller of it and its own deadline, with DEADLINE_EXCEEDED.
 """
@@ -17,6 +22,9 @@ import re
 from collections.abc import Iterable
 
 from .messages import Headers
+
+STATUS_FIELDS = frozenset({b"grpc-status", b"grpc-message", b"grpc-status-details-bin"})
+"""The status fields of gRPC's trailers ("gRPC over HTTP/2", "Trailers")."""
 
 OK = 0
 DEADLINE_EXCEEDED = 4

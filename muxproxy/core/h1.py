@@ -60,9 +60,12 @@ from .errors import error_response
 from .h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
 from .intake import MalformedRequest, request_from_h1
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
+from .reasons import reason_phrase
 
 # What h11 adds to a response head when it frames the body chunked.
 _H11_CHUNKED = b"\r\nTransfer-Encoding: chunked\r\n"
+# Our interim answer to Expect: 100-continue, with its phrase (``reasons.py``).
+_CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 # How much of one h11.receive_data we let build up unparsed before the head is complete;
 # RFC 9112 leaves the limit to us, h11's default is 16 KiB.
@@ -249,9 +252,7 @@ class H1Server:
                 if conn.they_are_waiting_for_100_continue:
                     # RFC 9110 §10.1.1: we will read the body, so tell the client to send it
                     # now instead of making it wait for a timeout.
-                    self.interim += (
-                        conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
-                    )
+                    self.interim += conn.send(_CONTINUE) or b""
             elif type(event) is h11.EndOfMessage:
                 if self.h2c is None:
                     out.append(End(stream=self.stream, trailers=list(event.headers)))
@@ -276,7 +277,10 @@ class H1Server:
         """Switch to the protocol of the request's Upgrade (a WebSocket tunnel): (our 101's
         bytes with ``headers``, what the client sent after its request — the new protocol's
         first bytes). RFC 9110 §15.2.2; h11 is SWITCHED_PROTOCOL from here on."""
-        out = self.conn.send(h11.InformationalResponse(status_code=101, headers=headers))
+        switching = h11.InformationalResponse(
+            status_code=101, headers=headers, reason=b"Switching Protocols"
+        )
+        out = self.conn.send(switching)
         return out or b"", bytes(self.conn.trailing_data[0])
 
     def decline_h2c(self) -> list[Message]:
@@ -289,7 +293,11 @@ class H1Server:
     def send_head(self, head: ResponseHead) -> bytes:
         out = head_bytes(
             self.conn,
-            lambda fields: h11.Response(status_code=head.status, headers=fields),
+            lambda fields: h11.Response(
+                status_code=head.status,
+                headers=fields,
+                reason=reason_phrase(head.status, head.reason),
+            ),
             head.headers,
         )
         # The framing h11 chose for the body (RFC 9112 §6.3): chunked is the one it announces
@@ -334,7 +342,8 @@ class H1Server:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return b""
         headers = [*headers, (b"connection", b"close")]
-        out = self.conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        response = h11.Response(status_code=status, headers=headers, reason=reason_phrase(status))
+        out = self.conn.send(response) or b""
         if not self.head_only:
             # RFC 9110 §9.3.2: no body in a response to HEAD (h11 raises on one).
             out += self.conn.send(h11.Data(data=body)) or b""

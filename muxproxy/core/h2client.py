@@ -8,8 +8,9 @@ Obeys RFC 9113 through h2 and adds what h2 leaves to its user, mirroring ``h2.H2
   client that stops reading closes its own backend stream's window and no other's. The
   connection-level window is opened wide at the start for the same reason as on the server side.
 - Responses (RFC 9113 §8.1): 1xx heads are dropped (hop by hop for us); a HEADERS that ends the
-  stream (gRPC's Trailers-Only) is split into a head and trailers holding the gRPC status
-  fields, which every client understands, h1 chunked trailers included. h2 hands us the head
+  stream (gRPC's Trailers-Only) is a head marked ``end_stream``, whole, so that an HTTP/2
+  client gets it as it was sent (``grpc.py``); its ``End`` repeats the gRPC status fields as
+  trailers for an HTTP/1.1 client, which gets them in its chunked trailers. h2 hands us the head
   unvalidated (inbound validation is off, as on the server side): a :status that is not three
   digits, or a field that is not valid by RFC 9113 §8.2.1, makes the response malformed
   (§8.1.1): RST_STREAM(PROTOCOL_ERROR) and an ``Abort`` (a 502), never relayed.
@@ -36,15 +37,13 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from .grpc import STATUS_FIELDS
 from .h2 import CONNECTION_WINDOW
 from .h2goaway import GoawayTolerantReceiver
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
 from .intake import valid_h2_fields
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
-# gRPC's status fields (gRPC over HTTP/2, "Trailers"): in a Trailers-Only response they sit in
-# the one HEADERS frame; we move them to trailers.
-GRPC_STATUS_FIELDS = frozenset({b"grpc-status", b"grpc-message", b"grpc-status-details-bin"})
 # RFC 9113 §5.1.1: stream ids are 31 bits and never reused; a client that used them all opens a
 # new connection.
 MAX_STREAM_ID = 2**31 - 1
@@ -174,11 +173,10 @@ class H2Client:
             return [Abort(stream=sid, reason="malformed response head from backend")]
         if event.stream_ended is None:
             return [ResponseHead(stream=sid, status=status, headers=headers)]
-        trailers = [f for f in headers if f[0] in GRPC_STATUS_FIELDS]
-        head = [f for f in headers if f[0] not in GRPC_STATUS_FIELDS]
-        # StreamEnded follows in the same event list and yields the End.
-        self.trailers[sid] = trailers
-        return [ResponseHead(stream=sid, status=status, headers=head)]
+        # StreamEnded follows in the same event list and yields the End, with the status
+        # fields again as trailers (``ResponseHead.end_stream``).
+        self.trailers[sid] = [f for f in headers if f[0] in STATUS_FIELDS]
+        return [ResponseHead(stream=sid, status=status, headers=headers, end_stream=True)]
 
     def refused(self, sid: int) -> bool:
         """``sid`` is above a GOAWAY's last_stream_id: the backend never processed it."""

@@ -11,7 +11,9 @@ What it obeys:
   ``headers.response_headers`` makes them (hop-by-hop fields dropped; Via appended; the
   proxy's Date where the backend sent none, RFC 9110 §6.6.1), the exchange's
   ``X-Request-ID`` (``access.py``) and, on a group with a sticky cookie, the Set-Cookie that
-  pins the client to the server that answered (``Failover.pin``).
+  pins the client to the server that answered (``Failover.pin``). A backend's Trailers-Only
+  response (``ResponseHead.end_stream``) stays one for an HTTP/2 client; for an HTTP/1.1
+  client its gRPC status fields leave the head for the trailers (``grpc.py``).
 - An error of our own (``send_error_answer``), only while no response head went out: a gRPC
   client (``grpc.is_grpc``) gets a gRPC answer, HTTP 200 with a Trailers-Only response whose
   ``grpc-status`` maps the HTTP status (grpc/doc/http-grpc-status-mapping.md), with Date and
@@ -89,7 +91,18 @@ def client_head(
     headers = with_request_id(headers, request_id)
     if pin is not None:
         headers.append(pin)
-    return ResponseHead(stream=stream, status=head.status, headers=headers)
+    end_stream = head.end_stream and to_h2
+    if head.end_stream and not to_h2:
+        # A Trailers-Only response for HTTP/1.1: the status fields follow as trailers (its
+        # ``End`` repeats them), as a head cannot end an HTTP/1.1 response with them.
+        headers = [f for f in headers if f[0] not in grpc.STATUS_FIELDS]
+    return ResponseHead(
+        stream=stream,
+        status=head.status,
+        headers=headers,
+        reason=head.reason,
+        end_stream=end_stream,
+    )
 
 
 def send_error_answer(

@@ -37,6 +37,13 @@ class ResponseHead:
     stream: int
     status: int
     headers: Headers
+    reason: bytes = b""
+    """An HTTP/1.1 backend's reason phrase (RFC 9112 §4); kept only for a code without a
+    standard phrase (``reasons.py``)."""
+    end_stream: bool = False
+    """The response is complete with its head: an HTTP/2 HEADERS frame with END_STREAM (gRPC's
+    Trailers-Only). Its ``End`` still follows, repeating the gRPC status fields as trailers
+    for a client that cannot end a response with its head (``heads.client_head``)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -39,6 +39,7 @@ from .timers import BackendTimer
 
 if TYPE_CHECKING:
     from ..config import Upstream
+    from .defencelog import DefenceLog
 
 __all__ = ["BackendConnection", "Pool", "UpstreamConn", "UpstreamState", "UpstreamStream"]
 
@@ -211,12 +212,22 @@ class UpstreamConn:
         exchange = self.exchange
         if exchange is None:
             # Bytes from an idle backend (RFC 9112 §9.3: nothing may arrive between
-            # responses): the connection is unusable.
+            # responses): the connection is unusable, and the bytes must never be read as
+            # the answer to the next request on it.
+            if data and self.state is UpstreamState.IDLE:
+                self.pool.trailing_bytes(self)
             self.close()
             return
         if data:
             self.received = True
-        for message in self.adapter.receive(data):
+        adapter = self.adapter
+        extra = adapter.extra
+        messages = adapter.receive(data)
+        if adapter.extra and not extra:
+            # Bytes past the end of the response (``h1client.py``): ``Pool.release`` will
+            # close the connection rather than keep it.
+            self.pool.trailing_bytes(self)
+        for message in messages:
             if self.exchange is not exchange:
                 # The exchange let go of this connection while handling an earlier message
                 # of this read (e.g. a retried 503 head): the rest belongs to the abandoned
@@ -272,11 +283,14 @@ class Pool:
         fx: Effects,
         upstreams: dict[int, BackendConnection],
         new_id: Callable[[], int],
+        defences: DefenceLog,
     ) -> None:
         """``upstreams``: the core's table of backend connections by id, which the pool keeps
         (a connection is entered when opened, removed once closed); ``new_id``: a fresh
-        (negative) connection id."""
+        (negative) connection id; ``defences``: where a backend's trailing bytes are counted
+        and logged."""
         self.fx = fx
+        self.defences = defences
         self.upstreams = upstreams
         self.new_id = new_id
         self.h2 = H2Pool(fx, upstreams, new_id)
@@ -353,6 +367,16 @@ class Pool:
         upstream.resume()
         group_idle.append(upstream)
         fx.set_timer((BackendTimer.POOL, upstream.conn), fx.now + upstream.idle_timeout)
+
+    def trailing_bytes(self, upstream: UpstreamConn) -> None:
+        """``upstream``'s backend sent bytes after a complete response (RFC 9112 §9.3): the
+        connection is closed rather than reused; counted and logged (``defencelog.py``)."""
+        self.defences.record(
+            "upstream_trailing_bytes",
+            None,
+            server=str(upstream.origin),
+            conn=upstream.conn,
+        )
 
     def shutdown(self) -> None:
         """A graceful stop began: idle connections close now, busy ones when their exchange

@@ -97,7 +97,8 @@ COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 - ``internal_errors``: connections ended by a bug in muxproxy (``faults.py``), core or driver;
 - one per defence (``defencelog.KINDS``): GOAWAY(ENHANCE_YOUR_CALM) to an abusive HTTP/2
   client, refused request-smuggling shapes, request head and request body timeouts, HTTP/2
-  streams whose window stayed closed.
+  streams whose window stayed closed, HTTP/1.1 backend connections closed for bytes after a
+  response.
 """
 
 
@@ -167,7 +168,7 @@ class ProxyCore:
         self.tunnels: dict[int, Tunnel] = {}
         """Connections whose bytes belong to a tunnel, not to HTTP: an HTTP/1.1 client after
         its 101, and every tunnel's backend connection (which leaves ``upstreams``)."""
-        self.pool = Pool(self.fx, self.upstreams, self.new_upstream_id)
+        self.pool = Pool(self.fx, self.upstreams, self.new_upstream_id, self.defences)
         self._routers: dict[str, GroupRouter] = {}
         self.runtime = RuntimeState.empty()
         """The operator's server overrides (``RuntimeChanged``), applied to every router,

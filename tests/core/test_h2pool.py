@@ -17,6 +17,7 @@ from typing import Any
 import h2.errors
 import h2.events
 import h11
+import pytest
 from playbook import (
     BACKEND,
     H1ClientPeer,
@@ -194,3 +195,44 @@ def test_at_max_concurrent_streams_a_request_waits_for_a_free_stream() -> None:
     assert [c.conn for c in pb.opens()] == [-1]
     (response,) = [e for e in clients[1].events(pb.take(1)) if isinstance(e, h11.Response)]
     assert response.status_code == 204
+
+
+def data_frame(sid: int, payload: bytes) -> bytes:
+    """A raw DATA frame (RFC 9113 §6.1), no flags: what h2 refuses to send on a closed stream."""
+    return len(payload).to_bytes(3, "big") + b"\x00\x00" + sid.to_bytes(4, "big") + payload
+
+
+@pytest.mark.parametrize("same_read", [True, False])
+def test_data_after_end_stream_reaches_no_client(same_read: bool) -> None:
+    # RFC 9113 §5.1: a closed stream takes no more DATA. h2 drops it and answers
+    # RST_STREAM(STREAM_CLOSED) (a stream error: its flow-controlled length is given back to
+    # the connection's window); the bytes reach no client, and the other stream goes on.
+    pb = Playbook(h2_config())
+    clients = {1: H1ClientPeer(), 2: H1ClientPeer()}
+    backend = connect(pb, clients)
+    both_started(pb, backend)
+    backend.conn.send_headers(1, SSE)
+    backend.conn.send_data(1, b"data: one\n\n", end_stream=True)
+    backend.conn.send_headers(3, SSE)
+    ended = backend.output()
+    poison = data_frame(1, b"POISON")
+    before = len(pb.log)
+    if same_read:
+        pb.receive(-1, ended + poison)
+    else:
+        pb.receive(-1, ended)
+        before = len(pb.log)
+        pb.receive(-1, poison)
+    reset = pb.take(-1, pb.log[before:])
+    stream_closed = h2.errors.ErrorCodes.STREAM_CLOSED
+    assert (
+        b"\x00\x00\x04\x03\x00" + (1).to_bytes(4, "big") + stream_closed.to_bytes(4, "big") in reset
+    )
+    backend.conn.send_data(3, b"data: two\n\n", end_stream=True)
+    pb.receive(-1, backend.output())
+    bodies = {
+        conn: b"".join(e.data for e in client.events(pb.take(conn)) if isinstance(e, h11.Data))
+        for conn, client in clients.items()
+    }
+    assert bodies == {1: b"data: one\n\n", 2: b"data: two\n\n"}
+    assert [c.conn for c in pb.opens()] == [-1]  # the connection carries on

@@ -28,6 +28,7 @@ from playbook import (
 )
 
 from muxproxy.config import Limits, Timeouts, parse_config
+from muxproxy.config.ranges import RANGES
 from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
@@ -567,14 +568,15 @@ def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
     """Every limit sent as an HTTP/2 SETTINGS value, at the largest value the configuration
     loader accepts, still makes a valid first frame: an HTTP/2 client and, after it, an
     HTTP/1.1 client are both served (a value past 32 bits used to fail in SETTINGS)."""
-    top = 2**32 - 1
+    streams = int(RANGES["limits.max_concurrent_streams"].high)
+    head = int(RANGES["limits.max_request_head"].high)
     document = {
         "listeners": [{"address": "127.0.0.1:8080"}],
         "upstreams": {"default": {"servers": [BACKEND]}},
         "limits": {
-            "max_concurrent_streams": top,
-            "max_request_head": top,
-            "h2_connection_window": 2**31 - 1,
+            "max_concurrent_streams": streams,
+            "max_request_head": head,
+            "h2_connection_window": int(RANGES["limits.h2_connection_window"].high),
         },
     }
     pb = Playbook(parse_config(document))
@@ -586,8 +588,8 @@ def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
         e for e in client.events(pb.take(1)) if isinstance(e, h2.events.RemoteSettingsChanged)
     ]
     advertised = {code: change.new_value for code, change in settings[0].changed_settings.items()}
-    assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == top
-    assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == top
+    assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == streams
+    assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == head
     (open_cmd,) = pb.opens()
     pb.opened(open_cmd.conn)
     backend = H1BackendPeer()

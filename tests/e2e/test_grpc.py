@@ -11,9 +11,11 @@ honoured by the proxy (DEADLINE_EXCEEDED in a Trailers-Only response); ``te: tra
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -21,6 +23,7 @@ import grpc
 import pytest
 import trio
 from peers import open_h2
+from processes import proxy_process
 
 from muxproxy.config import Config, quick_config
 
@@ -49,6 +52,16 @@ def _bidi(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[
 def _fail_early(request: bytes, context: grpc.ServicerContext) -> bytes:
     # Aborting before any message: grpcio answers with a Trailers-Only response.
     context.abort(grpc.StatusCode.PERMISSION_DENIED, "not for you")
+    raise AssertionError("abort returns no value")
+
+
+PUSHBACK = (("custom-key", "custom-value"), ("grpc-retry-pushback-ms", "250"))
+"""Trailing metadata of a call that fails before any message (a Trailers-Only response)."""
+
+
+def _fail_with_metadata(request: bytes, context: grpc.ServicerContext) -> bytes:
+    context.set_trailing_metadata(PUSHBACK)
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down")
     raise AssertionError("abort returns no value")
 
 
@@ -83,6 +96,7 @@ def _handler() -> grpc.GenericRpcHandler:
             "Stream": streaming(_stream),
             "Bidi": grpc.stream_stream_rpc_method_handler(_bidi, _identity, _identity),
             "FailEarly": unary(_fail_early),
+            "FailWithMetadata": unary(_fail_with_metadata),
             "FailLate": streaming(_fail_late),
             "Slow": unary(_slow),
         },
@@ -180,6 +194,23 @@ async def test_error_status_and_message_reach_the_client(
         assert got == [b"first"]
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details() == "out of tokens"
+
+
+async def test_trailers_only_metadata_reaches_the_client(
+    grpc_backend: int, start_proxy: StartProxy
+) -> None:
+    """A Trailers-Only error keeps its metadata: grpcio reads the fields of such a response as
+    trailing metadata, which a head split from its status would hide."""
+    proxy = await start_proxy(config=h2_config(grpc_backend))
+    with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        call = _method(channel, "unary_unary", "FailWithMetadata")
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(lambda: call(b"x", timeout=5))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details() == "slow down"
+    trailing = dict(info.value.trailing_metadata())
+    assert trailing["custom-key"] == "custom-value"
+    assert trailing["grpc-retry-pushback-ms"] == "250"
 
 
 async def test_trailers_only_passes_through_to_raw_h2_client(
@@ -302,3 +333,27 @@ async def test_backend_certificate_that_does_not_verify_is_unavailable(
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+async def test_an_http2_server_configured_as_http11_is_named_in_the_log(
+    grpc_backend: int, tmp_path: Path
+) -> None:
+    """A gRPC server left at the default ``protocol = "h1"``: the client gets UNAVAILABLE and
+    the log of ``muxproxy serve`` names the cause and the fix, not only h11's complaint."""
+    path = tmp_path / "muxproxy.toml"
+    path.write_text(
+        '[[listeners]]\naddress = "127.0.0.1:0"\n'
+        f'[upstreams.grpc]\nservers = ["127.0.0.1:{grpc_backend}"]\n'
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        proxy_process(nursery, config=path, stop=signal.SIGTERM) as proxy,
+    ):
+        with trio.fail_after(20):
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.ports()[0]}") as channel:
+                unary = _method(channel, "unary_unary", "Unary")
+                with pytest.raises(grpc.RpcError) as info:
+                    await in_thread(lambda: unary(b"x", timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            line = await proxy.stderr.wait_for(lambda line: "HTTP/2 SETTINGS frame" in line)
+    assert 'set protocol = \\"h2\\" on this server' in line, line
