@@ -40,9 +40,9 @@ or a connection waiting to be accepted:
   A new worker that fails to listen aborts the restart: the old one keeps its slot, and why is
   logged.
 * SIGUSR1: every worker opens the access log file again (after log rotation renamed it).
-* A worker that dies is reported on stderr and replaced on its slot, at most N times within
-  :data:`RESTART_WINDOW` seconds: past that the workers stop and the supervisor exits 1,
-  rather than spin on a crash loop.
+* A worker that dies is logged and replaced on its slot, at most N times within
+  :data:`~muxproxy.trio.workerproc.RESTART_WINDOW` seconds: past that the workers stop and
+  the supervisor exits 1, rather than spin on a crash loop.
 * Admin API (``[admin]``): the supervisor runs it (:mod:`muxproxy.trio.admin`) over
   :class:`~muxproxy.supervision.SupervisorControl`: status, runtime server overrides, reloads
   and metrics, merged over the workers; ``muxproxy admin on ...`` follows the listening lines.
@@ -50,22 +50,28 @@ or a connection waiting to be accepted:
   It stays open until the supervisor exits, so ``GET /ready`` answers "stopping" (503) for
   the whole drain (:meth:`Supervisor.readiness`).
 
-A worker asks the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``) and
-drains; so no worker outlives the supervisor, even one killed with SIGKILL. Both that and
-``SO_REUSEPORT``'s spreading are Linux-only; so is ``--workers N``.
+* Logs: the supervisor's lines are the error log's (``<timestamp> <LEVEL> muxproxy: ...``,
+  ``[log] level``), as a worker's and one process's are; only a start that fails before
+  anything serves prints its reason plainly, as one process does.
+
+A worker that reads end of file on its control channel (the supervisor died, even by
+SIGKILL: the kernel closes the supervisor's end, which no other process holds) stops as
+"stop" does; so no worker outlives the supervisor by more than its drain. Workers are
+started from a Trio thread, which is why no ``PR_SET_PDEATHSIG`` is used: the kernel ties
+that to the thread, not the process (:mod:`muxproxy.trio.worker`). ``SO_REUSEPORT``'s
+spreading is Linux-only; so is ``--workers N``.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
+import logging
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, assert_never
@@ -75,7 +81,6 @@ import trio
 
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.series import merge
 from muxproxy.process import (
     CUT_SIGNALS,
     EXIT_FAILURE,
@@ -98,33 +103,28 @@ from muxproxy.trio.handover import (
     close_listeners,
     slot_fds,
 )
+from muxproxy.trio.logs import configure_error_log
 from muxproxy.trio.worker import WORKER_CODE, encode_config
 from muxproxy.trio.workerproc import (
     REPLY_TIMEOUT,
+    Phase,
+    RestartBudget,
+    Retired,
     Worker,
     WorkerState,
+    ask_each,
     first_of,
     gather,
-    without_gauges,
 )
+
+log = logging.getLogger("muxproxy")
 
 STARTUP_TIMEOUT = 30.0
 """Seconds a worker has to start listening; a start that hangs fails instead."""
-RESTART_WINDOW = 10.0
-"""Seconds over which replacements are counted: N workers may be replaced N times in it."""
 KILL_MARGIN = 5.0
 """Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
 
 HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2, REOPEN_LOG_SIGNAL)
-
-
-class Phase(enum.Enum):
-    STARTING = "starting"
-    """Not every worker has reported that it listens; a death fails the start."""
-    SERVING = "serving"
-    """Every worker has listened once; a death is replaced."""
-    STOPPING = "stopping"
-    """The workers were told to stop; the supervisor exits once they have."""
 
 
 def supervise(
@@ -151,6 +151,7 @@ def supervise(
 async def _supervise(
     config: Config, count: int, config_path: str | None, log_level: str | None
 ) -> int:
+    configure_error_log(config.log.level)
     with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
         supervisor = Supervisor(config, count, config_path, bind_listeners(config.listeners, count))
         supervisor.log_level = log_level
@@ -194,9 +195,8 @@ class Supervisor:
         """The worker that owns each slot (a rolling restart's old one drains beside it)."""
         self.workers: list[Worker] = []
         """Every worker process not yet exited, draining ones included."""
-        self.retired: dict[str, Any] | None = None
-        """The counters and histograms of every exited worker, merged into one snapshot, so
-        the fleet's never go backwards (their gauges went with them)."""
+        self.retired = Retired()
+        """What the exited workers measured, so the fleet's counters never go backwards."""
         self.runtime = RuntimeState.empty()
         """The operator's server overrides, as every worker has them."""
         try:
@@ -206,8 +206,7 @@ class Supervisor:
             raise OSError(f"admin.state_file: {exc}") from None
         except OSError as exc:
             raise OSError(f"admin.state_file: cannot read it: {exc}") from None
-        self.restarts: deque[float] = deque()
-        """When each recent replacement started (within :data:`RESTART_WINDOW`)."""
+        self.restarts = RestartBudget(count)
         self.lock = trio.Lock()
         """Held by a reload, a rolling restart and a replacement: one change at a time."""
         self.exit_status = EXIT_OK
@@ -241,7 +240,9 @@ class Supervisor:
                 for line in listening_lines(self.config, started[0].bound):
                     print(line, flush=True)
                 return
-        self._log(failure or f"workers did not all listen within {STARTUP_TIMEOUT:g}s")
+        self._log(
+            failure or f"workers did not all listen within {STARTUP_TIMEOUT:g}s", logging.ERROR
+        )
         self.exit_status = EXIT_FAILURE
         await self.stop(cut=True)
 
@@ -259,7 +260,7 @@ class Supervisor:
         )
         try:
             process = await trio.lowlevel.open_process(
-                [sys.executable, "-c", WORKER_CODE, str(os.getpid())],
+                [sys.executable, "-c", WORKER_CODE],
                 stdin=subprocess.PIPE,
                 pass_fds=(theirs.fileno(), *(fd for fds in listeners.values() for fd in fds)),
                 process_group=0,
@@ -293,7 +294,7 @@ class Supervisor:
         try:
             host, port = await self.nursery.start(serve_admin, address, control, control.token)
         except OSError as exc:
-            self._log(f"cannot serve: the admin API on {address}: {exc}")
+            self._log(f"cannot serve: the admin API on {address}: {exc}", logging.ERROR)
             self.exit_status = EXIT_FAILURE
             await self.stop(cut=True)
             return
@@ -310,7 +311,7 @@ class Supervisor:
                     os.close(fd)
                 self._received(worker, message)
         except ChannelError as exc:
-            self._log(f"worker {worker.pid}: {exc}; killing it")
+            self._log(f"worker {worker.pid}: {exc}; killing it", logging.ERROR)
             worker.process.kill()
         finally:
             worker.channel.close()
@@ -324,8 +325,8 @@ class Supervisor:
         was = worker.state
         worker.state = WorkerState.EXITED
         self.workers.remove(worker)
-        if worker.final is not None:
-            self._retire(worker)
+        if worker.final is not None and (why := self.retired.add(worker.final)) is not None:
+            self._log(f"worker {worker.pid}: its last measurements are not counted: {why}")
         worker.exited.set()
         if self.phase is Phase.STOPPING:
             if not self.workers:
@@ -354,32 +355,20 @@ class Supervisor:
         what = f"worker {dead.pid} {describe_exit(dead.returncode)}"
         if self.phase is Phase.STARTING:
             return  # start() reports it
-        if not self._may_restart():
-            self._log(
-                f"{what}; {len(self.restarts)} workers replaced within"
-                f" {RESTART_WINDOW:g}s, giving up"
-            )
+        if not self.restarts.spend(trio.current_time()):
+            self._log(f"{what}; {self.restarts.describe()}, giving up", logging.ERROR)
             self.exit_status = EXIT_FAILURE
             await self.stop(cut=False)
             return
-        self._log(f"{what}; starting another")
+        self._log(f"{what}; starting another", logging.WARNING)
         async with self.lock:
             if self.phase is Phase.SERVING and self.slots[dead.slot] is dead:
                 try:
                     self.slots[dead.slot] = await self._spawn(dead.slot)
                 except OSError as exc:  # EMFILE, ENOMEM, EAGAIN from fork
-                    self._log(f"cannot start a worker: {exc}; stopping")
+                    self._log(f"cannot start a worker: {exc}; stopping", logging.ERROR)
                     self.exit_status = EXIT_FAILURE
                     await self.stop(cut=False)
-
-    def _may_restart(self) -> bool:
-        now = trio.current_time()
-        while self.restarts and now - self.restarts[0] > RESTART_WINDOW:
-            self.restarts.popleft()
-        if len(self.restarts) >= self.count:
-            return False
-        self.restarts.append(now)
-        return True
 
     # ---- signals --------------------------------------------------------------------------
 
@@ -390,7 +379,7 @@ class Supervisor:
                 if not stopping or signum in CUT_SIGNALS:
                     await self.stop(cut=stopping)
             elif self.phase is Phase.STOPPING:
-                self._log(f"{signal.Signals(signum).name} ignored: stopping")
+                self._log(f"{signal.Signals(signum).name} ignored: stopping", logging.WARNING)
             elif signum == signal.SIGHUP:
                 self.nursery.start_soon(self.reload)
             elif signum == signal.SIGUSR2:
@@ -423,7 +412,7 @@ class Supervisor:
     async def _kill_stragglers(self) -> None:
         await trio.sleep_until(self._kill_at)
         for worker in list(self.workers):
-            self._log(f"worker {worker.pid} had not drained; killed")
+            self._log(f"worker {worker.pid} had not drained; killed", logging.WARNING)
             worker.process.kill()
 
     async def _tell(self, worker: Worker, message: Message) -> None:
@@ -495,21 +484,23 @@ class Supervisor:
             # Every worker has closed its copies of a removed listener's sockets.
             close_listeners(removed)
             self.config, self.generation = config, generation
+            configure_error_log(config.log.level)
             for line in listening_lines(
                 attrs.evolve(config, listeners=tuple(added)),
                 [s.getsockname()[:2] for item in added for s in new[item.address][0]],
             ):
                 print(line, flush=True)
             for error in errors:
-                self._log(f"reload: {error}")
+                self._log(f"reload: {error}", logging.WARNING)
             pids = ", ".join(str(w.pid) for w in targets if w.generation == generation)
             self._log(f"reloaded {self.config_path} (generation {generation}; workers {pids})")
             return ReloadResult(ok=not errors, errors=errors, generation=generation)
 
     def _refused(self, errors: list[str]) -> ReloadResult:
         for error in errors:
-            self._log(f"reload refused: {error}")
-        self._log(f"{self.config_path} not applied; still running generation {self.generation}")
+            self._log(f"reload refused: {error}", logging.ERROR)
+        path, generation = self.config_path, self.generation
+        self._log(f"{path} not applied; still running generation {generation}", logging.ERROR)
         return ReloadResult(ok=False, errors=errors, generation=self.generation)
 
     async def restart(self) -> ReloadResult:
@@ -524,7 +515,7 @@ class Supervisor:
                     new = await self._spawn(slot)
                 except OSError as exc:
                     error = f"rolling restart aborted: cannot start a worker: {exc}"
-                    self._log(f"{error}; the old workers keep serving")
+                    self._log(f"{error}; the old workers keep serving", logging.ERROR)
                     return ReloadResult(ok=False, errors=[error], generation=self.generation)
                 with trio.move_on_after(STARTUP_TIMEOUT):
                     await first_of(new.listening.wait, new.exited.wait)
@@ -538,7 +529,7 @@ class Supervisor:
                     new.process.kill()
                     keeps = f"worker {old.pid} keeps" if old is not None else "nobody holds"
                     error = f"rolling restart aborted: the new worker {new.pid} {why}"
-                    self._log(f"{error}; {keeps} slot {slot}")
+                    self._log(f"{error}; {keeps} slot {slot}", logging.ERROR)
                     return ReloadResult(ok=False, errors=[error], generation=self.generation)
                 self.slots[slot] = new
                 started.append(new.pid)
@@ -554,17 +545,9 @@ class Supervisor:
         self, message: Message, workers: list[Worker] | None = None
     ) -> list[tuple[Worker, Message | None]]:
         """``message`` to each live worker; each worker's answer, None for one that gave none."""
-        targets = list(self.workers) if workers is None else workers
-        answers: dict[int, Message | None] = {}
-
-        async def ask(worker: Worker) -> None:
-            try:
-                answers[id(worker)] = await worker.request(message, next(self._ids))
-            except (trio.BrokenResourceError, trio.TooSlowError):
-                answers[id(worker)] = None
-
-        await gather(*(partial(ask, worker) for worker in targets))
-        return [(worker, answers[id(worker)]) for worker in targets]
+        return await ask_each(
+            list(self.workers) if workers is None else workers, message, self._ids
+        )
 
     async def apply_runtime(self, state: RuntimeState, *, timeout: float) -> None:
         """Make ``state`` the runtime state of every worker, and of the ones to come."""
@@ -577,25 +560,8 @@ class Supervisor:
 
     async def snapshots(self) -> list[dict[str, Any]]:
         """Measurements of every worker: the live ones' now, the exited ones' last."""
-        retired = self.retired
-        snapshots = [] if retired is None else [retired]
-        answers = await self.ask_all({"type": "metrics?"})
-        for worker, answer in answers:
-            # A worker that exited meanwhile answers with its final snapshot (not yet in
-            # ``retired``); one that answered and then exited is counted by its answer.
-            if answer is not None:
-                snapshots.append(answer["snapshot"])
-            elif worker.final is not None:
-                snapshots.append(without_gauges(worker.final))
-        return snapshots
-
-    def _retire(self, worker: Worker) -> None:
-        assert worker.final is not None
-        final = without_gauges(worker.final)
-        try:
-            self.retired = final if self.retired is None else merge([self.retired, final])
-        except ValueError as exc:  # another version's metrics (a rolling restart)
-            self._log(f"worker {worker.pid}: its last measurements are not counted: {exc}")
+        retired = self.retired.snapshots()  # before a worker exits while we ask
+        return retired + Retired.answered(await self.ask_all({"type": "metrics?"}))
 
     def readiness(self) -> Readiness:
         """Ready while serving with at least one worker listening; stopping from the first
@@ -623,5 +589,6 @@ class Supervisor:
             for sock in self.sockets[listener.address][0]
         ]
 
-    def _log(self, text: str) -> None:
-        print(f"muxproxy: {text}", file=sys.stderr, flush=True)
+    def _log(self, text: str, level: int = logging.INFO) -> None:
+        """A line of the error log, as a worker's (``configure_error_log``)."""
+        log.log(level, "muxproxy: %s", text)

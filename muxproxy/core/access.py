@@ -204,18 +204,20 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
     }
 
 
-def add_to_totals(measurements: Measurements, exchange: Finished) -> None:
-    """Add what a finished ``exchange`` measured to the totals."""
+def add_to_totals(measurements: Measurements, exchange: Finished, *, cut: bool) -> None:
+    """Add what a finished ``exchange`` measured to the totals; ``cut``: its client did not
+    get the whole response (``requests_total``'s ``outcome``)."""
     group = exchange.group.name if exchange.group is not None else ""
     version = exchange.head.http_version.decode("latin-1")
-    measurements.request(group, exchange.server_address, exchange.status, version)
+    outcome = "cut" if cut else "complete"
+    measurements.request(group, exchange.server_address, exchange.status, version, outcome)
     stats = measurements.group(group)
     stats.bytes_sent += exchange.bytes_out
     stats.bytes_received += exchange.bytes_in
     meter = exchange.meter
     if meter is not None:
         stats.sse_events += meter.events
-        stats.inter_token.sum += meter.gap_sum
+        meter.stats.inter_token.sum += meter.gap_sum
         if meter.first_token_at is None:
             stats.streams_without_token += 1
         stats.stream_duration.observe(exchange.fx.now - exchange.started)

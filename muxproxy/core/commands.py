@@ -77,6 +77,12 @@ class CloseConnection(Command):
     it with ``timeouts.send``: a close issued *because* a peer stopped reading must not wait
     for it forever. Not part of equality: a close is identified by its connection, so
     ``CloseConnection(conn=c) in commands`` asks whether ``c`` is being closed."""
+    linger: bool = attrs.field(default=True, eq=False)
+    """Whether the driver, once the output is flushed and FIN sent, may still read and drop
+    what the client sends for a while before it closes (RFC 9112 §9.6: so that an RST does
+    not destroy a response the client has not read). False for a connection idle between
+    requests, whose client has nothing unanswered: nothing to protect, and a client that
+    keeps it open would hold a stop for the whole linger (nginx closes those at once too)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

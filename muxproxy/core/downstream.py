@@ -501,8 +501,9 @@ class Downstream:
         if was.protocol is not _CLOSED:
             fx.emit(Log(event="client_closed", fields={"conn": self.conn, "error": error}))
 
-    def close(self) -> None:
-        """Close after what is pending is written; exchanges still running are aborted."""
+    def close(self, *, linger: bool = True) -> None:
+        """Close after what is pending is written; exchanges still running are aborted.
+        ``linger=False``: an idle connection (``CloseConnection.linger``)."""
         # What h2 still holds goes out before the close: a connection error queues its
         # GOAWAY in ``H2Server.receive``, and the aborts of the running exchanges can reach
         # this close (via ``exchange_finished``) before ``_after_h2_receive`` flushes; once
@@ -510,7 +511,7 @@ class Downstream:
         self.flush()
         if not self.move(ClientInput.CLOSE):
             return
-        self.fx.close(self.conn)
+        self.fx.close(self.conn, linger=linger)
         for exchange in list(self.exchanges.values()):
             exchange.client_aborted("client connection closed")
 

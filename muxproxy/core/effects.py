@@ -84,10 +84,11 @@ class Effects:
     def send(self, conn: int, data: bytes) -> None:
         self.out.append(SendData(conn=conn, data=data))
 
-    def close(self, conn: int) -> None:
+    def close(self, conn: int, *, linger: bool = True) -> None:
         """Close ``conn`` once its pending output is flushed, the flush bounded by
-        ``timeouts.send`` (``CloseConnection.flush_timeout``)."""
-        self.out.append(CloseConnection(conn=conn, flush_timeout=self.config.timeouts.send))
+        ``timeouts.send`` (``CloseConnection.flush_timeout``; ``linger``: its field)."""
+        timeout = self.config.timeouts.send
+        self.out.append(CloseConnection(conn=conn, flush_timeout=timeout, linger=linger))
 
     def set_timer(self, timer: TimerId, at: float) -> None:
         self.timers[timer] = timer

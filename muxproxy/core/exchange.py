@@ -446,7 +446,7 @@ class Exchange:
             self._linger(reason)
             return
         self._release_upstream(close=True)
-        self._finish(f"client aborted: {reason}")
+        self._finish(f"client aborted: {reason}", cut=True)
 
     # -- response direction ----------------------------------------------------------------
 
@@ -520,9 +520,8 @@ class Exchange:
         deadlines = self.deadlines
         deadlines.watch_reading(self.group)
         if sse and self.group is not None:
-            meter = self.meter = SseMeter(
-                self.host.measurements.group(self.group.name), self.started
-            )
+            times = self.host.measurements.token_times(self.group.name, self.server_address)
+            meter = self.meter = SseMeter(times, self.started)
             if self.admission is not None:
                 self.admission.ticket.progress = meter  # its work left shrinks per event
             heartbeat = self.route.sse_heartbeat if self.route else None
@@ -722,7 +721,7 @@ class Exchange:
         if self.resumable is not None:
             self.host.resumes.forget(self.resumable)
         self._release_upstream(close=True)
-        self._finish(reason)
+        self._finish(reason, cut=True)
 
     def response_body(self, data: bytes) -> None:
         if self.phase is not Phase.STREAMING:  # the per-token path looks nothing up
@@ -842,7 +841,7 @@ class Exchange:
             # Truncation must be visible: never a clean end for a broken stream. (On HTTP/1.1
             # that is the close, which comes once this exchange is over: ``request_close``.)
             self.client.abort(self.stream)
-            self._finish(f"upstream failed mid-stream: {reason}")
+            self._finish(f"upstream failed mid-stream: {reason}", cut=True)
 
     # -- timers (``deadlines.py``) ----------------------------------------------------------
 
@@ -929,13 +928,14 @@ class Exchange:
         elif self.failover is not None and self.phase is Phase.CONNECTING:
             self.host.pool.forget(self)
 
-    def _finish(self, outcome: str) -> None:
+    def _finish(self, outcome: str, *, cut: bool = False) -> None:
         self.move(_I.FINISH)
-        self._wrap_up(outcome)
+        self._wrap_up(outcome, cut=cut)
 
-    def _wrap_up(self, outcome: str) -> None:
+    def _wrap_up(self, outcome: str, *, cut: bool = False) -> None:
         """The exchange is DONE: timers, the server's count, the client's credit, the
-        owner's tables, the measurements and the access record."""
+        owner's tables, the measurements and the access record. ``cut``: the client did not
+        get a whole response (an answer of our own, ``fail``, is whole)."""
         self.outcome = outcome
         self.deadlines.end_attempt()
         self.deadlines.cancel(ExchangeTimer.DEADLINE, ExchangeTimer.BODY)
@@ -956,5 +956,5 @@ class Exchange:
         self.upload.settle()
         self.host.exchange_finished(self)
         self.client.exchange_finished(self)
-        add_to_totals(self.host.measurements, self)
+        add_to_totals(self.host.measurements, self, cut=cut)
         self.fx.emit(Log(event="access", fields=access_fields(self, outcome)))

@@ -38,11 +38,13 @@ from .series import (
     HISTOGRAM_ATTRS,
     INTER_TOKEN_BUCKETS,
     METRICS,
+    PER_SERVER,
     PREFIX,
     SNAPSHOT_FORMAT,
     GroupStats,
     Histogram,
     Labels,
+    TokenTimes,
     merge,
 )
 from .ssemeter import INSPECT_LIMIT, SseMeter, is_token_event
@@ -140,6 +142,8 @@ class Measurements:
         self.retries: dict[Labels, int] = {}
         self.failures: dict[Labels, int] = {}
         self.refusals: dict[Labels, int] = {}
+        self.servers: dict[Labels, TokenTimes] = {}
+        """(group, server) -> its token times: servers are configured or discovered."""
 
     def group(self, name: str) -> GroupStats:
         stats = self.groups.get(name)
@@ -147,8 +151,15 @@ class Measurements:
             stats = self.groups[name] = GroupStats()
         return stats
 
-    def request(self, group: str, server: str, status: int, protocol: str) -> None:
-        key = (group, server, str(status), protocol)
+    def token_times(self, group: str, server: str) -> TokenTimes:
+        """Where an SSE stream from ``server`` of ``group`` records its token times."""
+        times = self.servers.get((group, server))
+        if times is None:
+            times = self.servers[(group, server)] = TokenTimes()
+        return times
+
+    def request(self, group: str, server: str, status: int, protocol: str, outcome: str) -> None:
+        key = (group, server, str(status), protocol, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def retry(self, group: str, reason: str) -> None:
@@ -177,14 +188,15 @@ class Measurements:
         events: dict[str, int] = {}
         sent: dict[str, int] = {}
         received: dict[str, int] = {}
-        gap_sums: dict[str, float] = {}
+        gap_sums: dict[int, float] = {}
         for exchange in core.exchanges.values():
             # Still running: their counts so far (added to the totals when they end).
             name = exchange.group.name if exchange.group is not None else ""
             meter = exchange.meter
             if meter is not None:
                 events[name] = events.get(name, 0) + meter.events
-                gap_sums[name] = gap_sums.get(name, 0.0) + meter.gap_sum
+                fed = id(meter.stats)  # the server's ``TokenTimes`` it feeds
+                gap_sums[fed] = gap_sums.get(fed, 0.0) + meter.gap_sum
             sent[name] = sent.get(name, 0) + exchange.bytes_out
             received[name] = received.get(name, 0) + exchange.bytes_in
         groups = self.groups
@@ -202,8 +214,15 @@ class Measurements:
             out = []
             for g in sorted(groups):
                 hist: Histogram = getattr(groups[g], attr)
-                total = hist.sum + (gap_sums.get(g, 0.0) if attr == "inter_token" else 0.0)
-                out.append([[g], list(hist.counts), total])
+                out.append([[g], list(hist.counts), hist.sum])
+            return out
+
+        def per_server(attr: str) -> list[Any]:
+            out = []
+            for labels, times in sorted(self.servers.items()):
+                hist: Histogram = getattr(times, attr)
+                live = gap_sums.get(id(times), 0.0) if attr == "inter_token" else 0.0
+                out.append([list(labels), list(hist.counts), hist.sum + live])
             return out
 
         counters: dict[str, list[Any]] = {
@@ -287,8 +306,9 @@ class Measurements:
                 metric["samples"] = gauges[name]
             else:
                 attr = HISTOGRAM_ATTRS[name]
-                metric["buckets"] = list(getattr(empty, attr).bounds)
-                metric["samples"] = histograms(attr)
+                source = TokenTimes() if name in PER_SERVER else empty
+                metric["buckets"] = list(getattr(source, attr).bounds)
+                metric["samples"] = (per_server if name in PER_SERVER else histograms)(attr)
             metrics[PREFIX + name] = metric
         return {"format": SNAPSHOT_FORMAT, "metrics": metrics}
 

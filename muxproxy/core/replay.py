@@ -138,7 +138,7 @@ class ReplayExchange(Exchange):
             self._finish("ok (resumed)")
         else:
             client.abort(self.stream)  # what is kept ends unfinished, as the backend did
-            self._finish("resumed a stream whose backend failed")
+            self._finish("resumed a stream whose backend failed", cut=True)
 
     def _send_head(self, head: ResponseHead, version: str) -> None:
         """The original response head, made for this client's protocol."""
@@ -269,13 +269,13 @@ class ReplayExchange(Exchange):
             # ``broken``, or the store lost the stream or could not be read meanwhile: what
             # went out ends unfinished, visibly.
             client.abort(self.stream)
-            self._finish(f"resumed from the store: {state}")
+            self._finish(f"resumed from the store: {state}", cut=True)
 
-    def _wrap_up(self, outcome: str) -> None:
+    def _wrap_up(self, outcome: str, *, cut: bool = False) -> None:
         if self.fetching:
             self.fetching = False
             self.fx.emit(ResumeFetchCancel(request=self.ident))
-        super()._wrap_up(outcome)
+        super()._wrap_up(outcome, cut=cut)
 
     # -- what the owner hands on -----------------------------------------------------------
 
@@ -290,7 +290,7 @@ class ReplayExchange(Exchange):
         self.reading = None
         if self.phase is not Phase.DONE:
             self.client.abort(self.stream)
-            self._finish("resume taken over by a newer connection")
+            self._finish("resume taken over by a newer connection", cut=True)
 
     # -- the client side, while resuming ---------------------------------------------------
 
@@ -313,7 +313,8 @@ class ReplayExchange(Exchange):
             super().client_aborted(reason)
             return
         if self.move(_I.CLIENT_ABORTED):
-            self._finish(f"client aborted: {reason}")  # ``let_go`` leaves the stream lingering
+            # ``let_go`` leaves the stream lingering
+            self._finish(f"client aborted: {reason}", cut=True)
 
     def client_stalled(self) -> bool:
         if self.fetched_head:

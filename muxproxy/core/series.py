@@ -8,9 +8,11 @@ snapshot); the driver renders merged snapshots (``muxproxy.trio.metrics``).
 Invariants:
 
 - Labels stay bounded: ``group`` is a configured group name ("" when no route matched),
-  ``server`` a configured server address ("" when no server was tried), ``status`` the
+  ``server`` a configured or discovered server address ("" when no server was tried; never
+  anything a request chose), ``status`` the
   status sent to the client as a number ("0" when none was: the client left first),
-  ``protocol`` the client's HTTP version ("1.0", "1.1", "2"), ``reason``/``kind`` a retry
+  ``protocol`` the client's HTTP version ("1.0", "1.1", "2"), ``outcome`` "complete" or
+  "cut" (a status says how a response began, not whether it ended), ``reason``/``kind`` a retry
   condition of the configuration (``error``, ``timeout``, ``http_NNN``) or
   ``stale_connection`` / ``mid_stream``. Nothing per session, request or path.
 - Buckets are fixed per series (``HEAD_BUCKETS`` and friends): every worker has the same, so
@@ -67,13 +69,23 @@ class Histogram:
         self.sum += value
 
 
+class TokenTimes:
+    """Time to first token and the gaps between tokens, per server (labels ``group`` and
+    ``server``): one object an SSE stream's meter holds and feeds in place."""
+
+    __slots__ = ("inter_token", "ttft")
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(HEAD_BUCKETS)
+        self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
+
+
 class GroupStats:
     """What is measured per group (label ``group``), in one object an exchange holds."""
 
     __slots__ = (
         "bytes_received",
         "bytes_sent",
-        "inter_token",
         "queue_wait",
         "reservations",
         "response_head",
@@ -82,7 +94,6 @@ class GroupStats:
         "streams_without_token",
         "tokens_reserved",
         "tokens_used",
-        "ttft",
     )
 
     def __init__(self) -> None:
@@ -91,8 +102,6 @@ class GroupStats:
         self.sse_events = 0
         self.streams_without_token = 0
         self.response_head = Histogram(HEAD_BUCKETS)
-        self.ttft = Histogram(HEAD_BUCKETS)
-        self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
         self.stream_duration = Histogram(DURATION_BUCKETS)
         self.queue_wait = Histogram(HEAD_BUCKETS)
         self.reservations = 0
@@ -108,7 +117,12 @@ GAUGE = "gauge"
 HISTOGRAM = "histogram"
 
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "requests_total": (COUNTER, ("group", "server", "status", "protocol"), "Requests answered"),
+    "requests_total": (
+        COUNTER,
+        ("group", "server", "status", "protocol", "outcome"),
+        "Requests answered; outcome: complete, or cut (the client did not get the whole"
+        " response: a backend that failed mid-stream, a client that left, a stop's deadline)",
+    ),
     "retries_total": (COUNTER, ("group", "reason"), "Requests sent again to another attempt"),
     "upstream_failures_total": (
         COUNTER,
@@ -132,12 +146,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "time_to_first_token_seconds": (
         HISTOGRAM,
-        ("group",),
+        ("group", "server"),
         "Seconds from the request head to the first SSE event carrying a token",
     ),
     "inter_token_seconds": (
         HISTOGRAM,
-        ("group",),
+        ("group", "server"),
         "Seconds between backend reads that completed SSE events, after the first token",
     ),
     "stream_duration_seconds": (
@@ -224,7 +238,10 @@ HISTOGRAM_ATTRS = {
     "stream_duration_seconds": "stream_duration",
     "queue_wait_seconds": "queue_wait",
 }
-"""A histogram metric's name -> the ``GroupStats`` attribute that holds it."""
+"""A histogram metric's name -> the ``GroupStats`` attribute that holds it (the
+``TokenTimes`` one for the per-server histograms, :data:`PER_SERVER`)."""
+PER_SERVER = frozenset({"time_to_first_token_seconds", "inter_token_seconds"})
+"""Histograms kept per server (``TokenTimes``): a new release on one server shows in them."""
 
 GAUGE_MERGE = {
     "server_up": "min",

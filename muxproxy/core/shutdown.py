@@ -13,8 +13,9 @@ What it obeys:
 - RFC 9112 §9.6 (HTTP/1.1 clients): the response whose head has not gone out yet carries
   ``Connection: close``, and the connection closes when its exchange ends (no next request
   is read; a pipelined one is the client's to retry, §9.3.2). An idle kept-alive connection
-  closes at once: its client sent nothing, so it retries on a new connection as after any
-  keep-alive close (§9.3.1). A connection whose request has begun arriving (part of a head)
+  closes at once, without lingering (``CloseConnection.linger``: a client that holds it open
+  would hold the stop): its client sent nothing, so it retries on a new connection as after
+  any keep-alive close (§9.3.1). A connection whose request has begun arriving (part of a head)
   is served like a running one, with ``Connection: close``: its client sent it already, and
   a request that is not idempotent could not be retried (§9.3.1), which would cut it.
 - A *fresh* connection, accepted an instant before the stop with not a byte read yet, is not
@@ -203,7 +204,7 @@ def stop_client(client: Downstream) -> None:
             fx = client.fx
             fx.set_timer((ClientTimer.HEADER, client.conn), fx.now + FIRST_REQUEST_WAIT)
         else:
-            client.close()
+            client.close(linger=False)  # nothing unanswered: no RST to guard against
 
 
 def refuse_client(client: Downstream) -> None:

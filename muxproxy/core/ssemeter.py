@@ -2,10 +2,10 @@
 per chunk the backend sent.
 
 Pure like the rest of the core: times are ``now`` values the caller passes (the core reads no
-clock), and the counts go into the group's ``GroupStats`` (``series.py``) in place.
+clock), and the counts go into the server's ``TokenTimes`` (``series.py``) in place.
 
 Invariant: nothing on the per-chunk path allocates or builds a dict. A stream's ``SseMeter``
-holds its group's ``GroupStats`` and histograms once, and a chunk costs a ``bytes.count`` of
+holds its server's ``TokenTimes`` and histograms once, and a chunk costs a ``bytes.count`` of
 one byte, an ``endswith`` and, when it completed an event, one bucket increment. This is the
 proxy's per-token hot path (``bench/icount.py --modes token``).
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 
-from .series import GroupStats
+from .series import TokenTimes
 
 INSPECT_LIMIT = 64 * 1024
 """Most bytes of not-yet-complete events held to classify them, before the first token."""
@@ -95,12 +95,12 @@ class SseMeter:
         "stats",
     )
 
-    def __init__(self, stats: GroupStats, started: float) -> None:
+    def __init__(self, stats: TokenTimes, started: float) -> None:
         self.stats = stats
         hist = stats.inter_token
         self.bounds = hist.bounds
         self.gaps = hist.counts
-        """The group's inter-token bucket counts, fed in place. Their sum is not added per
+        """The server's inter-token bucket counts, fed in place. Their sum is not added per
         chunk: a stream's gaps add up to ``last_event_at - first_token_at``, which
         ``gap_sum`` gives when the stream ends (and ``snapshot`` while it runs)."""
         self.started = started

@@ -470,7 +470,7 @@ class Driver:
         conn = self.conns.get(command.conn)
         if type(conn) is SocketConn:
             assert self.reactor is not None
-            self.reactor.close(conn, command.flush_timeout)
+            self.reactor.close(conn, command.flush_timeout, command.linger)
         elif type(conn) is StreamConn and not conn.closing:
             conn.closing = True
             # The flush before the close is bounded by the command: a peer that takes none

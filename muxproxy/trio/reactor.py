@@ -34,8 +34,8 @@ A client connection the core closes is closed in stages (RFC 9112 §9.6): once i
 flushed the write side is shut down (FIN), and what the peer still sends is read and dropped
 for up to ``LINGER`` seconds and ``LINGER_BYTES`` bytes before the socket is closed. Closing
 a socket with unread input makes the kernel send RST, and a client that receives RST may
-discard the response it has not read yet (the 408 for a slow request head, say). The core
-hears ``ConnectionClosed`` at the FIN.
+discard the response it has not read yet (the 408 for a slow request head, say); an idle one
+(``CloseConnection.linger``) closes at once. The core hears ``ConnectionClosed`` at the FIN.
 
 An exception in the handling of one ready socket that is the driver's own (not one out of
 ``ProxyCore.handle``) abandons that socket (``Driver.connection_failed``); the round goes on
@@ -79,7 +79,6 @@ LINGER = 2.0
 """Seconds a closed connection's input is still read and dropped (see the module docstring)."""
 LINGER_BYTES = 256 * 1024
 """Input dropped at most while lingering: a peer that keeps sending is cut off sooner."""
-
 
 MAX_ROUNDS = 4
 """Rounds served per wake-up at most, while each finds sockets ready."""
@@ -137,11 +136,7 @@ class SocketConn:
     )
 
     def __init__(
-        self,
-        ident: int,
-        sock: socket.socket,
-        on_closed: Callable[[], None] | None,
-        linger: bool,
+        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None, linger: bool
     ) -> None:
         self.ident = ident
         self.sock = sock
@@ -436,11 +431,14 @@ class Reactor:
         else:
             self._shutdown_write(conn)
 
-    def close(self, conn: SocketConn, flush_timeout: float | None = None) -> None:
+    def close(
+        self, conn: SocketConn, flush_timeout: float | None = None, linger: bool = True
+    ) -> None:
         """Stop reading; close once what is pending is written, or once the flush made no
-        progress for ``flush_timeout`` seconds (None: no bound)."""
+        progress for ``flush_timeout`` seconds (None: no bound); ``linger``: in stages."""
         if conn.closing or conn.closed:
             return
+        conn.linger_budget = conn.linger_budget if linger else 0
         if conn.connecting:
             # The core gave up on the connect (connect timeout, client gone).
             self._release(conn)

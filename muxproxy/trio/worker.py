@@ -28,16 +28,21 @@ worker          ``exited`` snapshot                drained and about to exit: th
                                                    measurements, kept by the supervisor
 =============== ================================== ===========================================
 
-SIGTERM and SIGINT to a worker, and the end of the channel (the supervisor died; the kernel
-also sends SIGTERM then, ``PR_SET_PDEATHSIG``) stop it gracefully as ``stop`` does; a second
-one cuts. A worker runs in a process group of its own, so a terminal's Ctrl-C reaches the
-supervisor alone.
+SIGTERM and SIGINT to a worker, and the end of the channel, stop it gracefully as ``stop``
+does; a second one cuts. A worker runs in a process group of its own, so a terminal's Ctrl-C
+reaches the supervisor alone.
+
+The end of the channel is how a worker learns that its supervisor died, even by SIGKILL: the
+supervisor's end of the socketpair is open in the supervisor alone (not inheritable, and no
+other child is passed it), so the kernel closes it when that process goes, and the worker
+reads end of file. Not ``PR_SET_PDEATHSIG``: its "parent" is the *thread* that forked, and
+Trio spawns from a worker thread that exits after 10 s idle, which stopped every worker every
+10 s while the supervisor lived.
 """
 
 from __future__ import annotations
 
 import base64
-import ctypes
 import logging
 import os
 import pickle
@@ -60,18 +65,20 @@ from .server import ProxyServer
 log = logging.getLogger("muxproxy")
 
 WORKER_CODE = "from muxproxy.trio.worker import worker_main; raise SystemExit(worker_main())"
-"""A worker's ``python -c`` program; its one argument is the supervisor's pid."""
-_PR_SET_PDEATHSIG = 1
-"""From ``<linux/prctl.h>``."""
+"""A worker's ``python -c`` program (arguments are ignored: a supervisor of an older version
+passes its pid)."""
 
 
 def worker_main() -> int:
-    """A worker process: ``sys.argv[1]`` is the supervisor's pid; the payload is on stdin.
+    """A worker process: the payload is on stdin.
 
-    Returns the exit status: 0 once stopped and drained, 1 when it cannot serve.
+    Returns the exit status: 0 once stopped and drained, 1 when it cannot serve (or the
+    supervisor died before it sent the payload).
     """
-    _exit_with(int(sys.argv[1]))
-    payload = WorkerPayload.loads(sys.stdin.buffer.read())
+    data = sys.stdin.buffer.read()
+    if not data:
+        return EXIT_FAILURE  # The supervisor is gone already: nobody to serve for.
+    payload = WorkerPayload.loads(data)
     try:
         # Every field, recursively: a supervisor of an older version (a rolling restart onto
         # newly installed code) may have pickled records that lack a field this one has.
@@ -220,13 +227,3 @@ class WorkerProcess:
 def encode_config(config: Config) -> str:
     """``config`` as the ``reload`` message carries it: a base64 pickle."""
     return base64.b64encode(pickle.dumps(config)).decode("ascii")
-
-
-def _exit_with(supervisor: int) -> None:
-    """Have the kernel send this process SIGTERM when the supervisor exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-    if os.getppid() != supervisor:  # It exited before the prctl: no signal will come.
-        raise SystemExit(EXIT_FAILURE)

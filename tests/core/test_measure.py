@@ -79,16 +79,21 @@ def test_an_sse_exchange_is_measured_and_logged() -> None:
     pb.receive(up, backend.end())
 
     snap = snapshot(pb)
-    assert value(snap, "muxproxy_requests_total", "default", "127.0.0.1:9001", "200", "1.1") == 1
+    assert (
+        value(
+            snap, "muxproxy_requests_total", "default", "127.0.0.1:9001", "200", "1.1", "complete"
+        )
+        == 1
+    )
     assert value(snap, "muxproxy_sse_events_total", "default") == 5
     assert value(snap, "muxproxy_streams_without_token_total", "default") == 0
     assert value(snap, "muxproxy_bytes_received_total", "default") == 2
     head_counts = value(snap, "muxproxy_response_head_seconds", "default")
     assert head_counts[HEAD_BUCKETS.index(0.05)] == 1
-    ttft = value(snap, "muxproxy_time_to_first_token_seconds", "default")
+    ttft = value(snap, "muxproxy_time_to_first_token_seconds", "default", "127.0.0.1:9001")
     # 0.2 s: measured to the token, not to the role-only chunk at 0.06
     assert ttft[HEAD_BUCKETS.index(0.25)] == 1
-    gaps = value(snap, "muxproxy_inter_token_seconds", "default")
+    gaps = value(snap, "muxproxy_inter_token_seconds", "default", "127.0.0.1:9001")
     assert sum(gaps) == 1  # one read after the first token
     duration = value(snap, "muxproxy_stream_duration_seconds", "default")
     assert duration[DURATION_BUCKETS.index(0.5)] == 1
@@ -122,7 +127,9 @@ def test_a_stream_that_ends_without_a_token_is_counted() -> None:
     snap = snapshot(pb)
     assert value(snap, "muxproxy_streams_without_token_total", "default") == 1
     assert value(snap, "muxproxy_sse_events_total", "default") == 3
-    assert sum(value(snap, "muxproxy_time_to_first_token_seconds", "default")) == 0
+    assert (
+        sum(value(snap, "muxproxy_time_to_first_token_seconds", "default", "127.0.0.1:9001")) == 0
+    )
     (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
     assert access.fields["ttft"] is None and access.fields["events"] == 3
 
@@ -158,7 +165,7 @@ def test_a_request_without_a_route_is_counted_without_group_or_server() -> None:
     pb.accept(1)
     pb.receive(1, H1ClientPeer().request("GET", "/nothing"))
     snap = snapshot(pb)
-    assert value(snap, "muxproxy_requests_total", "", "", "404", "1.1") == 1
+    assert value(snap, "muxproxy_requests_total", "", "", "404", "1.1", "complete") == 1
 
 
 # -- merge -----------------------------------------------------------------------------------
@@ -179,7 +186,18 @@ def test_merge_sums_counters_and_histograms_and_keeps_gauge_rules() -> None:
     merged = merge([a.core.measurements.snapshot(), b.core.measurements.snapshot()])
     metrics = merged["metrics"]
     assert value(metrics, "muxproxy_sse_events_total", "default") == 4
-    assert value(metrics, "muxproxy_requests_total", "default", "127.0.0.1:9001", "200", "1.1") == 2
+    assert (
+        value(
+            metrics,
+            "muxproxy_requests_total",
+            "default",
+            "127.0.0.1:9001",
+            "200",
+            "1.1",
+            "complete",
+        )
+        == 2
+    )
     assert (
         value(metrics, "muxproxy_response_head_seconds", "default")[HEAD_BUCKETS.index(0.01)] == 2
     )
@@ -204,3 +222,40 @@ def test_a_server_set_down_by_the_operator_is_not_up() -> None:
     pb.feed(RuntimeChanged(now=pb.now, state=state))
     snap = snapshot(pb)
     assert value(snap, "muxproxy_server_up", "default", "127.0.0.1:9001") == 0
+
+
+def test_token_times_are_per_server_and_a_stream_cut_mid_way_is_counted_cut() -> None:
+    # A gray release is judged by the new server's time to first token against the others'
+    # (docs/operations.md); a 200 whose stream broke is not a success.
+    group = Upstream(
+        name="gpus",
+        servers=(Server(address="127.0.0.1:9001"), Server(address="127.0.0.1:9002")),
+    )
+    config = default_config(upstreams={"gpus": group})
+    pb = Playbook(attrs.evolve(config, routes=(attrs.evolve(config.routes[0], upstream="gpus"),)))
+    first = start(pb, H1ClientPeer())
+    pb.now = 0.01
+    pb.receive(first[0], first[1].sse_head())
+    pb.receive(first[0], first[1].chunk(events(TOKEN)))
+    pb.accept(2)
+    pb.receive(2, H1ClientPeer().request("POST", "/v1/chat/completions", body=b"{}"))
+    up = pb.opens()[-1].conn
+    pb.opened(up)
+    backend = H1BackendPeer()
+    backend.events(pb.take(up))
+    pb.now = 0.5
+    pb.receive(up, backend.sse_head() + backend.chunk(events(TOKEN)))
+    pb.receive(first[0], first[1].chunk(events(DONE)) + first[1].end())
+    pb.closed(up)  # the second backend dies mid-stream
+    snap = snapshot(pb)
+    servers = {c.conn: f"{c.origin.host}:{c.origin.port}" for c in pb.opens()}
+    fast, slow = servers[first[0]], servers[up]
+    assert fast != slow
+    ttft = "muxproxy_time_to_first_token_seconds"
+    assert value(snap, ttft, "gpus", fast)[HEAD_BUCKETS.index(0.01)] == 1
+    assert value(snap, ttft, "gpus", slow)[HEAD_BUCKETS.index(0.5)] == 1
+    assert sum(value(snap, "muxproxy_inter_token_seconds", "gpus", fast)) == 1
+    requests = "muxproxy_requests_total"
+    assert value(snap, requests, "gpus", fast, "200", "1.1", "complete") == 1
+    assert value(snap, requests, "gpus", slow, "200", "1.1", "cut") == 1
+    assert value(snap, requests, "gpus", slow, "200", "1.1", "complete") is None

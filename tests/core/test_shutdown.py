@@ -248,6 +248,26 @@ def test_h1_idle_keepalive_connections_close_at_once_silent_new_ones_after_a_wai
     assert pb.core.drained
 
 
+def test_h1_idle_keepalive_connection_closes_without_lingering_a_busy_one_lingers() -> None:
+    # An idle connection's client has nothing unanswered that an RST could destroy, and
+    # one that keeps its pooled connection open (httpx, a browser) never sends the EOF a
+    # lingering close waits for: the stop waited the whole linger for it.
+    pb = Book()
+    pb.accept(1)
+    pb.accept(2)
+    busy, idle = H1ClientPeer(), H1ClientPeer()
+    up2, backend2 = h1_request(pb, busy, conn=2)
+    pb.receive(up2, backend2.sse_head() + backend2.chunk(SSE[0]))
+    up, backend = h1_request(pb, idle)
+    ok = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
+    pb.receive(up, (ok or b"") + backend.chunk(b"ok") + backend.end())
+    pb.stop(pb.now + 30)
+    pb.receive(up2, backend2.end())
+    closes = {c.conn: c.linger for c in pb.log if isinstance(c, CloseConnection)}
+    assert closes[1] is False
+    assert closes[2] is True  # its exchange ended with Connection: close
+
+
 def test_h1_request_arriving_just_after_the_stop_on_a_new_connection_is_served() -> None:
     # Accepted an instant before the stop; the request was on the wire, read after it.
     pb = Book()

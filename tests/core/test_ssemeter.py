@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muxproxy.core.series import HEAD_BUCKETS, INTER_TOKEN_BUCKETS, GroupStats
+from muxproxy.core.series import HEAD_BUCKETS, INTER_TOKEN_BUCKETS, TokenTimes
 from muxproxy.core.ssemeter import INSPECT_LIMIT, SseMeter, is_token_event
 
 ROLE_ONLY = (
@@ -26,7 +26,7 @@ DONE = b"data: [DONE]"
 
 
 def meter() -> SseMeter:
-    return SseMeter(GroupStats(), started=0.0)
+    return SseMeter(TokenTimes(), started=0.0)
 
 
 MULTI_LINE = b'event: delta\nid: 7\ndata: {"choices":[{"delta":{"content":"x"}}]}'

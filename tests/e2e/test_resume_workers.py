@@ -22,7 +22,7 @@ from test_workers import MAX_CONNECTIONS, accepting_worker, supervisor
 from muxproxy.testing.fakellm import MODEL, reply_text
 
 pytestmark = pytest.mark.skipif(
-    sys.platform != "linux", reason="--workers needs Linux (SO_REUSEPORT, PR_SET_PDEATHSIG)"
+    sys.platform != "linux", reason="--workers needs Linux (SO_REUSEPORT)"
 )
 
 TOKENS = 40

@@ -57,11 +57,14 @@ def test_render_merges_two_workers_by_summing() -> None:
     server = (("group", "default"), ("server", "127.0.0.1:9001"))
     request = (
         ("group", "default"),
+        ("outcome", "complete"),
         ("protocol", "1.1"),
         ("server", "127.0.0.1:9001"),
         ("status", "200"),
     )
     assert got[("muxproxy_requests_total", request)] == 2
+    # Per server: a new release on one server shows in its own series.
+    assert got[("muxproxy_time_to_first_token_seconds_count", server)] == 2
     assert got[("muxproxy_sse_events_total", group)] == 4
     assert got[("muxproxy_streams_without_token_total", group)] == 0
     head = "muxproxy_response_head_seconds"
