@@ -85,7 +85,7 @@ class Downstream:
         self.sniffed = b""
         self.going_away = False
         """A graceful stop began: no request after those running (``shutdown.py``)."""
-        self.window = WindowWaits(fx, conn)
+        self.window = WindowWaits(fx, conn, self.output.windowed)
         if tls:
             self._choose(detect.by_alpn(alpn))
         fx.set_timer((ClientTimer.HEADER, conn), fx.now + fx.config.timeouts.client_header)
@@ -213,7 +213,11 @@ class Downstream:
         for stream in h2s.flush_blocked():
             self.window.moved(stream)
             exchange = self.exchanges.get(stream)
-            if exchange is not None and exchange in self.output.stalled:
+            if (
+                exchange is not None
+                and exchange in self.output.stalled
+                and self.window.reopened(stream, blocked=stream in h2s.blocked)
+            ):
                 exchange.client_drained()
         h2s.window_changed = False
 
@@ -299,7 +303,9 @@ class Downstream:
         h2s = self.h2
         if h2s is not None:
             if h2s.send_body(stream, data):
-                self.window.wait(stream)
+                exchange = self.exchanges.get(stream)
+                if self.window.wait(stream, exchange) and exchange is not None:
+                    self.output.stalled.add(exchange)
             self.output.write(h2s.data_to_send())
         elif self.h1 is not None:
             self.output.write(self.h1.send_body(data))

@@ -62,6 +62,10 @@ class Output:
         self.stalled: set[ClientStream] = set()
         """Exchanges whose backend reading is paused because this side is behind: those whose
         ``response_flow`` (or tunnel's ``backend_flow``) is stopped (``flow.py``)."""
+        self.windowed: set[int] = set()
+        """HTTP/2 streams among them stopped for their closed window (``windowwait.py``): the
+        connection's drain does not resume them, a WINDOW_UPDATE that empties their queue
+        does (``WindowWaits.reopened``)."""
 
     def write(self, data: bytes) -> None:
         """Hand ``data`` to the driver (dropped once the connection is closing)."""
@@ -92,8 +96,10 @@ class Output:
         before the others get a read. In a fixed order the same streams of a busy connection
         would win every time and the last ones would starve."""
         if self.stalled and self.pending <= self.fx.limits.low_water:
+            windowed = self.windowed
             for exchange in sorted(self.stalled, key=_bytes_out):
-                exchange.client_drained()
+                if exchange.stream not in windowed:
+                    exchange.client_drained()
 
     @property
     def congested(self) -> bool:

@@ -16,6 +16,13 @@ What it obeys:
   pending for it), and the other direction goes on until it ends too: a WebSocket client
   that sends its Close frame and then ends its side still gets the backend's Close reply
   (RFC 6455 §7.1.1: the close handshake runs in both directions).
+- A TLS side cannot carry a half-close (RFC 8446 §6.1 allows one, but the driver's TLS stream
+  sends close_notify only with the whole close; ``ShutdownWrite`` does nothing there). So the
+  other side's end closes a TLS side's connection outright, after what is pending for it (as
+  nginx ends an upgraded connection at either side's EOF): its peer learns the end at once
+  instead of after its own close timeout. For a WebSocket this is the close RFC 6455 §7.1.1
+  wants of the server, after the Close frames, which a conforming endpoint sends before it
+  ends its side.
 
 Invariants, the same as for an exchange (design §4):
 
@@ -95,6 +102,10 @@ class Backend(Protocol):
     def pending(self) -> int:
         """Bytes handed to this side and not yet written."""
 
+    @property
+    def half_close(self) -> bool:
+        """Whether ``end`` reaches the backend while the other direction goes on."""
+
     def send(self, data: bytes) -> None: ...
     def end(self) -> None:
         """Our sending side ends (after what is pending): FIN, or END_STREAM."""
@@ -107,10 +118,12 @@ class Backend(Protocol):
 class RawBackend:
     """An HTTP/1.1 backend connection after its 101: its bytes are the tunnel's."""
 
-    def __init__(self, fx: Effects, conn: int, pending: int) -> None:
+    def __init__(self, fx: Effects, conn: int, pending: int, *, half_close: bool = True) -> None:
         self.fx = fx
         self.conn = conn
         self.pending = pending
+        self.half_close = half_close
+        """False over TLS: ``end`` cannot reach the backend (see the module's comment)."""
 
     def send(self, data: bytes) -> None:
         self.pending += len(data)
@@ -145,6 +158,11 @@ class StreamBackend:
     @property
     def pending(self) -> int:
         return self.stream.pending
+
+    @property
+    def half_close(self) -> bool:
+        """END_STREAM ends one direction of a stream (RFC 9113 §8.1), over TLS too."""
+        return True
 
     def send(self, data: bytes) -> None:
         self.stream.send_body(data)
@@ -191,6 +209,9 @@ class Tunnel:
         self.client = client
         self.stream = exchange.stream
         self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
+        self.client_half_close = self.kind is ClientKind.H2_STREAM or client.scheme == b"http"
+        """Whether the client can be sent a half-close: END_STREAM, or a FIN on plain TCP
+        (``scheme`` is https exactly on a TLS connection)."""
         self.backend = backend
         self.timer = timer
         self.ended = ended
@@ -304,7 +325,9 @@ class Tunnel:
         """The client ended its side: its FIN, or END_STREAM (RFC 8441 §5). Relayed to the
         backend once what the client sent before it is written; the backend goes on."""
         state = self.state
-        if state is TunnelState.OPEN:
+        if state is TunnelState.OPEN and not self.backend.half_close:
+            self._end("client ended", client=ClientEnd.END, backend=BackendEnd.END)
+        elif state is TunnelState.OPEN:
             self.state = TunnelState.CLIENT_ENDED
             self.backend.end()
         elif state is TunnelState.BACKEND_ENDED:
@@ -314,7 +337,9 @@ class Tunnel:
         """The backend ended its side: its FIN, or END_STREAM on an HTTP/2 backend stream.
         Relayed to the client after what is pending for it; the client goes on."""
         state = self.state
-        if state is TunnelState.OPEN:
+        if state is TunnelState.OPEN and not self.client_half_close:
+            self._end("backend ended", client=ClientEnd.END, backend=BackendEnd.END)
+        elif state is TunnelState.OPEN:
             self.state = TunnelState.BACKEND_ENDED
             if self.kind is ClientKind.RAW:
                 self.fx.emit(ShutdownWrite(conn=self.client.conn))

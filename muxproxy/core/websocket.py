@@ -287,7 +287,8 @@ class WebSocketExchange(Exchange):
         self.upstream = None
         pending = upstream.pending
         leftover = upstream.become_tunnel()
-        self._open_tunnel(RawBackend(self.fx, upstream.conn, pending), head, leftover)
+        backend = RawBackend(self.fx, upstream.conn, pending, half_close=not upstream.origin.tls)
+        self._open_tunnel(backend, head, leftover)
 
     def _bad_handshake(self, reason: str) -> None:
         self.fx.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))

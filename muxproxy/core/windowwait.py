@@ -6,6 +6,14 @@ its queued bytes written, so it is given up like a connection that takes no byte
 RST_STREAM(CANCEL), since the client broke no rule (not FLOW_CONTROL_ERROR) and we did not
 fail (not INTERNAL_ERROR); the stream is no longer wanted. The other streams go on.
 
+While a stream waits for its window its backend is stopped (``Exchange.client_stalled``: h1
+PauseReading, an HTTP/2 backend stream's window withheld), from the first chunk that did not
+fit: a reader that opens no window must cost nothing while it waits (no backend reads, no
+chunks queued up to ``limits.stream_buffer``), as HAProxy, whose buffer per stream is one
+read, stops reading at once. The stream's data that came before waits in its queue. The
+backend is read again once a WINDOW_UPDATE (or SETTINGS) sent all of the queue, and not
+before: a window that opens by less only lets out part of what waits (``reopened``).
+
 One ``window`` timer per connection, lazy: armed when a stream starts to wait while none
 does, moved only when it fires, so a chunk queued behind a closed window costs a dict store.
 A window that moves (a WINDOW_UPDATE or SETTINGS released queued data) starts the stream's
@@ -18,6 +26,7 @@ from __future__ import annotations
 import h2.errors
 
 from .effects import Effects
+from .ports import ClientStream
 from .refusals import Refusing
 from .timers import ClientTimer
 
@@ -25,17 +34,37 @@ from .timers import ClientTimer
 class WindowWaits:
     """Since when each waiting stream's window has not moved, and the timer that bounds it."""
 
-    def __init__(self, fx: Effects, conn: int) -> None:
+    def __init__(self, fx: Effects, conn: int, stopped: set[int]) -> None:
+        """``stopped``: the connection output's ``Output.windowed``, shared."""
         self.fx = fx
         self.timer = (ClientTimer.WINDOW, conn)
         self.since: dict[int, float] = {}
+        self.stopped = stopped
+        """Waiting streams whose backend we stopped for it (a subset of ``since``'s keys)."""
 
-    def wait(self, stream: int) -> None:
-        """``stream``'s response was queued behind a closed window."""
+    def wait(self, stream: int, exchange: ClientStream | None) -> bool:
+        """``stream``'s response was queued behind a closed window: stop its backend. True
+        when it was running (the connection then holds the exchange, ``ClientSide.hold``)."""
         fx = self.fx
         if not self.since:
             fx.set_timer(self.timer, fx.now + fx.config.timeouts.send)
         self.since[stream] = fx.now
+        if exchange is not None and exchange.client_stalled():
+            self.stopped.add(stream)
+            return True
+        return False
+
+    def reopened(self, stream: int, *, blocked: bool) -> bool:
+        """``stream``'s window moved and let queued data out: whether its backend may be read
+        again as far as the window goes. One stopped for the window waits until nothing of
+        the stream waits for window any more (``blocked`` False); the caller resumes it
+        (``Exchange.client_drained``)."""
+        if stream not in self.stopped:
+            return True
+        if blocked:
+            return False
+        self.stopped.discard(stream)
+        return True
 
     def moved(self, stream: int) -> None:
         """``stream``'s window moved: its wait starts again."""
@@ -55,11 +84,13 @@ class WindowWaits:
         for stream, start in list(since.items()):
             if not h2s.queued(stream):
                 del since[stream]
+                self.stopped.discard(stream)
                 continue
             if not h2s.window_closed(stream):
                 start = since[stream] = now
             elif now >= start + limit:
                 del since[stream]
+                self.stopped.discard(stream)
                 _cut(client, stream)
                 continue
             at = start + limit

@@ -492,7 +492,8 @@ class Driver:
         elif (
             type(conn) is StreamConn
             and not conn.closing
-            # TLS (``SSLStream``) cannot half-close: nothing is sent (see ``ShutdownWrite``).
+            # TLS (``SSLStream``) cannot half-close: nothing is sent (see ``ShutdownWrite``;
+            # a tunnel never asks it of a TLS side, ``core/tunnel.py``).
             and isinstance(conn.stream, trio.abc.HalfCloseableStream)
         ):
             conn.shutdown_wanted = True
