@@ -15,8 +15,11 @@ import trio
 from peers import h1_read_response, h1_request_bytes, open_h2, open_tcp
 
 from muxproxy.config import load_config
+from muxproxy.config.ranges import RANGES
 
-TOP = 2**32 - 1
+STREAMS = int(RANGES["limits.max_concurrent_streams"].high)
+HEAD = int(RANGES["limits.max_request_head"].high)
+WINDOW = int(RANGES["limits.h2_connection_window"].high)
 
 
 async def test_largest_http2_settings_the_loader_accepts_serve_both_protocols(
@@ -26,16 +29,16 @@ async def test_largest_http2_settings_the_loader_accepts_serve_both_protocols(
     path = tmp_path / "top.toml"
     path.write_text(
         '[[listeners]]\naddress = "127.0.0.1:0"\n'
-        f"[limits]\nmax_concurrent_streams = {TOP}\nmax_request_head = {TOP}\n"
-        f"h2_connection_window = {2**31 - 1}\n"
+        f"[limits]\nmax_concurrent_streams = {STREAMS}\nmax_request_head = {HEAD}\n"
+        f"h2_connection_window = {WINDOW}\n"
         f'[upstreams.gpus]\nservers = ["127.0.0.1:{backend}"]\n'
     )
     proxy = await start_proxy(config=load_config(path))
     with trio.fail_after(10):
         async with open_h2(proxy.port) as peer:
             advertised = peer.conn.remote_settings
-            assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == TOP
-            assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == TOP
+            assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == STREAMS
+            assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == HEAD
             sid = await peer.request("GET", "/v1/models")
             stream = await peer.wait_done(sid)
             assert stream.status == 200 and peer.terminated is None
