@@ -12,7 +12,8 @@ What it obeys, and why:
 - **Canonical, so one client's two requests agree.** RFC 9110 §5.3: several fields of one
   name are one list, in order, so each is kept in order; RFC 9110 §11.1: an auth-scheme is
   case-insensitive, so ``Bearer k`` and ``bearer k`` are one credential (the scheme is lower
-  cased, the whitespace after it made one space). RFC 9113 §8.2.3: HTTP/2 may split
+  cased, the whitespace after it made one space: ``credentials.credential_key``, the
+  reading admission's tenant uses too). RFC 9113 §8.2.3: HTTP/2 may split
   ``Cookie`` into one field per cookie-pair, and a stream begun over HTTP/1.1 may be
   resumed over HTTP/2, so the cookie-pairs of all ``Cookie`` fields are one sorted list.
 - **Never the credentials themselves.** Only a SHA-256 over the canonical values, each
@@ -32,11 +33,11 @@ from collections.abc import Iterable
 
 from ..config import Resume, SessionSource, Upstream
 from ..routing.sticky import session_key_from_head, source_value
+from .credentials import credential_key
 from .messages import Headers, RequestHead
 
 DOMAIN = b"muxproxy resume binding v1"
 """Hashed first: a digest of this kind is never equal to a digest of anything else."""
-_AUTHORIZATION = frozenset({b"authorization", b"proxy-authorization"})
 
 
 def binding_of(settings: Resume, group: Upstream, head: RequestHead) -> bytes:
@@ -72,27 +73,21 @@ def binding(
 
 def canonical_values(headers: Headers, name: bytes) -> list[bytes]:
     """The values of the fields ``name`` in ``headers``, canonical (see the module)."""
-    values = [value.strip(b" \t") for field, value in headers if field == name]
+    values = [credential_key(name, value) for field, value in headers if field == name]
     if name == b"cookie":
         pairs = (pair.strip(b" \t") for value in values for pair in value.split(b";"))
         return sorted(pair for pair in pairs if pair)
-    if name in _AUTHORIZATION:
-        return [_credentials(value) for value in values]
     return values
-
-
-def _credentials(value: bytes) -> bytes:
-    """RFC 9110 §11.4: ``auth-scheme [ 1*SP ( token68 / #auth-param ) ]``; the scheme is
-    case-insensitive (§11.1)."""
-    scheme, _, rest = value.replace(b"\t", b" ").partition(b" ")
-    rest = rest.lstrip(b" ")
-    return scheme.lower() + (b" " + rest if rest else b"")
 
 
 def _head_source(source: SessionSource | None, head: RequestHead) -> bytes | None:
     if source is None or source.kind == "body":
         return None
-    return source_value(source, head.headers, head.target, None)
+    value = source_value(source, head.headers, head.target, None)
+    if value is not None and source.kind == "header":
+        # The tenant as admission reads it (admit.py): one spelling per credential.
+        value = credential_key(source.name.encode("latin-1"), value)
+    return value
 
 
 def _framed(value: bytes) -> bytes:

@@ -16,6 +16,7 @@ from playbook import H2ClientPeer, Playbook
 from test_resume import SSE, Stream, resume, resume_config
 
 from muxproxy.config import RESUME_CREDENTIALS, SessionSource
+from muxproxy.core.credentials import credential_key
 from muxproxy.core.resumebind import binding, canonical_values
 
 NAMES = [name.encode() for name in RESUME_CREDENTIALS]
@@ -141,3 +142,17 @@ def test_the_first_client_is_unaffected_by_the_binding() -> None:
     assert first.received.startswith(b"data: a\nid: ")
     events = first.client.events(pb.take(1, pb.receive(first.up, first.backend.end())))
     assert isinstance(events[-1], h11.EndOfMessage)
+
+
+@pytest.mark.parametrize(
+    "spelling", [b"Bearer k", b"bearer k", b"BEARER  k", b"Bearer\tk", b" Bearer k "]
+)
+def test_resume_and_admission_read_one_credential_alike(spelling: bytes) -> None:
+    """The binding's reading of a credential is admission's (``credentials.credential_key``):
+    every spelling the tenant key takes as one credential is one binding too."""
+    assert canonical_values([(b"authorization", spelling)], b"authorization") == [
+        credential_key(b"authorization", spelling)
+    ]
+    assert binding([(b"authorization", spelling)], NAMES) == binding(
+        [(b"authorization", b"bearer k")], NAMES
+    )
