@@ -6,6 +6,11 @@ stream's fifth token went through, it cuts that connection. The browser reconnec
 with the ``Last-Event-ID`` the proxy gave the last event it had; the proxy answers from the
 stream it kept running (``route.resume``), and the page ends with every token exactly once, in
 order, while the backend generated the answer once.
+
+An ``EventSource`` also reconnects after a stream's normal end (WHATWG HTML §9.2.3); its resume
+of a stream it read whole is answered 204, the one answer that makes it stop (readyState
+CLOSED). An empty 200 made it reconnect every ``retry`` delay, for as long as the stream was
+kept.
 """
 
 from __future__ import annotations
@@ -49,10 +54,26 @@ PAGE = b"""<!doctype html>
 """
 
 
+# Reads the stream to its end and on, as a page that leaves its EventSource open does.
+OPEN_PAGE = b"""<!doctype html>
+<title>chat</title>
+<script>
+  window.tokens = [];
+  window.opens = 0;
+  window.errors = [];
+  window.source = new EventSource("/v1/stream");
+  source.onopen = () => { window.opens += 1; };
+  source.onmessage = (event) => { window.tokens.push(event.data); };
+  source.onerror = () => { window.errors.push(source.readyState); };
+</script>
+"""
+
+
 @attrs.define
 class ChatApp:
-    """``/``: the page; ``/v1/stream``: :data:`TOKENS` as SSE, 10 ms apart, then ``[DONE]``."""
+    """``/``: ``page``; ``/v1/stream``: :data:`TOKENS` as SSE, 10 ms apart, then ``[DONE]``."""
 
+    page: bytes = PAGE
     streams: list[dict[str, str]] = attrs.Factory(list)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -78,7 +99,7 @@ class ChatApp:
                 "headers": [(b"content-type", b"text/html; charset=utf-8")],
             }
         )
-        await send({"type": "http.response.body", "body": PAGE})
+        await send({"type": "http.response.body", "body": self.page})
 
 
 @attrs.define
@@ -124,16 +145,21 @@ class Relay:
             nursery.start_soon(pump, downstream)
 
 
-async def test_event_source_reconnects_through_a_cut_and_gets_every_token_once(
-    nursery: trio.Nursery, start_proxy: Any, browser_page: BrowserPage
-) -> None:
-    app = ChatApp()
+async def _resumable_proxy(app: ChatApp, nursery: trio.Nursery, start_proxy: Any) -> Any:
+    """The proxy in front of ``app`` (served by Hypercorn), every path resumable."""
     serve = partial(hypercorn_serve, cast("Framework", app), hypercorn_config())
     binds: list[str] = await nursery.start(serve)
     backend = binds[0].rsplit(":", 1)[1]
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{backend}"])
     route = Route(prefix="/", upstream="default", resume=Resume(linger=10))
-    proxy = await start_proxy(config=attrs.evolve(config, routes=(route,)))
+    return await start_proxy(config=attrs.evolve(config, routes=(route,)))
+
+
+async def test_event_source_reconnects_through_a_cut_and_gets_every_token_once(
+    nursery: trio.Nursery, start_proxy: Any, browser_page: BrowserPage
+) -> None:
+    app = ChatApp()
+    proxy = await _resumable_proxy(app, nursery, start_proxy)
     relay = Relay(target=proxy.port)
     port: int = await nursery.start(relay.serve)
     with trio.fail_after(30):
@@ -150,3 +176,22 @@ async def test_event_source_reconnects_through_a_cut_and_gets_every_token_once(
     # The retry block is the stream's first numbered event; tokens follow from 2.
     assert page["ids"] == [f"{token}.{n}" for n in range(2, len(TOKENS) + 2)]
     assert len(app.streams) == 1  # one generation: the reconnect never reached the backend
+
+
+async def test_event_source_stops_reconnecting_once_a_stream_it_read_whole_has_ended(
+    nursery: trio.Nursery, start_proxy: Any, browser_page: BrowserPage
+) -> None:
+    app = ChatApp(page=OPEN_PAGE)
+    proxy = await _resumable_proxy(app, nursery, start_proxy)
+    with trio.fail_after(10):
+        assert await browser_page.goto(f"http://127.0.0.1:{proxy.port}/") == 200
+        # Closed (the 204), or opened again: an answer that lets it reconnect (an empty 200).
+        await browser_page.wait_for("source.readyState === EventSource.CLOSED || opens > 1")
+        page = await browser_page.evaluate("({state: source.readyState, opens, errors, tokens})")
+    assert page["tokens"] == [*TOKENS, "[DONE]"]
+    assert page["opens"] == 1  # the stream; its resume was no stream
+    # The stream's end (CONNECTING: it reconnects), then the resume's 204 (CLOSED: it stops).
+    assert page["errors"] == [0, 2]
+    assert page["state"] == 2
+    assert proxy.server.core.resumes.resumed == 1  # the one reconnect; CLOSED makes no more
+    assert len(app.streams) == 1

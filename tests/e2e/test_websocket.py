@@ -47,6 +47,9 @@ TIMEOUT = 5
 
 @attrs.define
 class WsBackend:
+    """Echoes messages; closes with 4001 when sent "close-me"; refuses ``/reject`` with 403;
+    records how each connection ended."""
+
     port: int = 0
     closes: list[tuple[int, str | None]] = attrs.field(factory=list)
     """(code, reason) of every connection the backend saw end."""
@@ -72,13 +75,18 @@ class WsBackend:
         self.closes.append((code, reason))
         self.closed.set()
 
+    @classmethod
+    async def start(cls, nursery: trio.Nursery) -> WsBackend:
+        """A backend serving on an ephemeral port of 127.0.0.1 until ``nursery`` ends."""
+        backend = cls()
+        server = await nursery.start(serve_websocket, backend.handler, "127.0.0.1", 0, None)
+        backend.port = server.port
+        return backend
+
 
 @pytest.fixture
 async def ws_backend(nursery: trio.Nursery) -> WsBackend:
-    backend = WsBackend()
-    server = await nursery.start(serve_websocket, backend.handler, "127.0.0.1", 0, None)
-    backend.port = server.port
-    return backend
+    return await WsBackend.start(nursery)
 
 
 @pytest.fixture

@@ -1,17 +1,21 @@
 """WebSockets through the proxy's TLS listener (``wss://``, HTTP/1.1 Upgrade), with real
-peers: trio-websocket on both ends, the backend on plain TCP.
+clients in front (the ``websockets`` library's asyncio client, trio-websocket) and
+trio-websocket's server behind, on plain TCP.
 
 TLS cannot carry a half-close (trio's ``SSLStream`` sends close_notify only as part of a
 whole close), so the backend's end of the tunnel cannot reach a TLS client as a FIN: the
 proxy closes the client connection once the backend's side ended and what was pending for
 the client (the backend's Close frame) is written. Before, a client that waits for the
-server to close the TCP connection (RFC 6455 §7.1.1) waited for its own close timeout
-(``disconnect_timeout`` here; 10 s by default in the ``websockets`` library).
+server to close the TCP connection (RFC 6455 §7.1.1, as ``websockets`` does) waited for its
+own close timeout (10 s by default in ``websockets``), whichever side began the close.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,45 +23,15 @@ import attrs
 import pytest
 import trio
 import trustme
-from trio_websocket import (
-    ConnectionClosed,
-    WebSocketRequest,
-    open_websocket,
-    serve_websocket,
-)
-from wsproto import WSConnection
-from wsproto.connection import ConnectionType
-from wsproto.events import AcceptConnection, CloseConnection, Request
+import websockets
+from test_websocket import WsBackend
+from trio_websocket import ConnectionClosed, open_websocket
+from websockets.asyncio.client import connect
 
 DISCONNECT = 10
-"""The peers' own close timeout: each close must end long before it."""
-FAST = 2
+"""The clients' own close timeout (``websockets``' default): each close must end long before."""
+FAST = 1
 """What a close over TLS may take, well under ``DISCONNECT`` (it takes milliseconds)."""
-
-
-@attrs.define
-class EchoBackend:
-    """Echoes messages; closes with 4001 when asked to; records each connection's end."""
-
-    closes: list[tuple[int, str | None]] = attrs.field(factory=list)
-    closed: trio.Event = attrs.field(factory=trio.Event)
-
-    async def handler(self, request: WebSocketRequest) -> None:
-        ws = await request.accept()
-        try:
-            while True:
-                message = await ws.get_message()
-                if message == "close-me":
-                    await ws.aclose(4001, "server bye")
-                    self._ended(4001, "server bye")
-                    return
-                await ws.send_message(message)
-        except ConnectionClosed as exc:
-            self._ended(exc.reason.code, exc.reason.reason)
-
-    def _ended(self, code: int, reason: str | None) -> None:
-        self.closes.append((code, reason))
-        self.closed.set()
 
 
 @attrs.frozen
@@ -80,11 +54,122 @@ def tls(tmp_path: Path) -> TlsSetup:
     return TlsSetup(cert=str(cert), key=str(key), context=context)
 
 
-async def _start(nursery: trio.Nursery, start_proxy: Any, tls: TlsSetup) -> tuple[EchoBackend, int]:
-    backend = EchoBackend()
-    server = await nursery.start(serve_websocket, backend.handler, "127.0.0.1", 0, None)
-    proxy = await start_proxy([server.port], tls_cert=tls.cert, tls_key=tls.key)
-    return backend, proxy.port
+@attrs.frozen
+class Wss:
+    backend: WsBackend
+    port: int
+    """The proxy's TLS listener, in front of ``backend``."""
+    tls: TlsSetup
+
+
+@pytest.fixture
+async def wss(nursery: trio.Nursery, start_proxy: Any, tls: TlsSetup) -> Wss:
+    backend = await WsBackend.start(nursery)
+    proxy = await start_proxy([backend.port], tls_cert=tls.cert, tls_key=tls.key)
+    return Wss(backend, proxy.port, tls)
+
+
+# -- the websockets library (asyncio, in a thread of its own) --------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Closed:
+    """What the ``websockets`` client saw of a close, timed on its own clock (seconds)."""
+
+    code: int | None
+    reason: str
+    raised_after: float
+    """From the close's start (``close()`` called, or "close-me" sent) until ``recv()``
+    raised ConnectionClosed (or ``close()`` returned)."""
+    ended_after: float
+    """From the close's start until ``wait_closed()`` returned: the TCP connection is gone."""
+
+
+def _connect(wss: Wss) -> connect:
+    return connect(
+        f"wss://127.0.0.1:{wss.port}/ws",
+        ssl=wss.tls.context,
+        open_timeout=FAST,
+        close_timeout=DISCONNECT,
+    )
+
+
+async def _websockets_client_closes(wss: Wss) -> Closed:
+    async with _connect(wss) as ws:
+        await ws.send("hello")
+        assert await ws.recv() == "hello"
+        start = time.perf_counter()
+        # Sends Close, reads the echoed Close, then waits for the server's TCP close.
+        await ws.close(4000, "client bye")
+        raised = time.perf_counter() - start
+        await ws.wait_closed()
+        return Closed(
+            code=ws.close_code,
+            reason=ws.close_reason or "",
+            raised_after=raised,
+            ended_after=time.perf_counter() - start,
+        )
+
+
+async def _websockets_backend_closes(wss: Wss) -> Closed:
+    async with _connect(wss) as ws:
+        await ws.send("hello")
+        assert await ws.recv() == "hello"
+        start = time.perf_counter()
+        await ws.send("close-me")
+        # recv() raises only once the TCP connection is closed (the library's reader
+        # ends then), after it answered the backend's Close frame.
+        try:
+            message = await ws.recv()
+        except websockets.ConnectionClosed as exc:
+            raised = time.perf_counter() - start
+            frame = exc.rcvd
+        else:
+            raise AssertionError(f"a message instead of the close: {message!r}")
+        await ws.wait_closed()
+        assert frame is not None, "the backend's Close frame did not arrive"
+        return Closed(
+            code=frame.code,
+            reason=frame.reason,
+            raised_after=raised,
+            ended_after=time.perf_counter() - start,
+        )
+
+
+async def _in_asyncio(client: Callable[[Wss], Awaitable[Closed]], wss: Wss) -> Closed:
+    """Run ``client`` on an asyncio loop in a worker thread, bounded there and here."""
+
+    async def bounded() -> Closed:
+        try:
+            async with asyncio.timeout(DISCONNECT + FAST):
+                return await client(wss)
+        except TimeoutError:
+            raise AssertionError(f"no close within {DISCONNECT + FAST} s") from None
+
+    with trio.fail_after(DISCONNECT + 2 * FAST):
+        return await trio.to_thread.run_sync(asyncio.run, bounded(), abandon_on_cancel=True)
+
+
+async def test_websockets_client_close_over_wss_completes_at_once(wss: Wss) -> None:
+    """RFC 6455 §7.1.1: after the Close frames the client waits for the server to close the
+    TCP connection; that close must come through TLS, not after the client's timeout."""
+    closed = await _in_asyncio(_websockets_client_closes, wss)
+    assert (closed.code, closed.reason) == (4000, "client bye")  # the backend's echo
+    assert closed.ended_after < FAST, f"close() took {closed.ended_after:.3f} s"
+    with trio.fail_after(FAST):
+        await wss.backend.closed.wait()
+    assert wss.backend.closes == [(4000, "client bye")]
+
+
+async def test_websockets_backend_close_over_wss_completes_at_once(wss: Wss) -> None:
+    closed = await _in_asyncio(_websockets_backend_closes, wss)
+    assert (closed.code, closed.reason) == (4001, "server bye")
+    assert closed.raised_after < FAST, f"recv() raised after {closed.raised_after:.3f} s"
+    assert closed.ended_after < FAST, f"wait_closed() returned after {closed.ended_after:.3f} s"
+    assert wss.backend.closes == [(4001, "server bye")]
+
+
+# -- trio-websocket --------------------------------------------------------------------------
 
 
 def _wss_client(port: int, tls: TlsSetup) -> Any:
@@ -98,61 +183,23 @@ def _wss_client(port: int, tls: TlsSetup) -> Any:
     )
 
 
-async def test_wss_client_close_completes_at_once_for_a_client_that_awaits_the_server_close(
-    nursery: trio.Nursery, start_proxy: Any, tls: TlsSetup
-) -> None:
-    """RFC 6455 §7.1.1: after the Close frames the client waits for the server to close the
-    TCP connection (as the ``websockets`` library does); that close must come through TLS."""
-    backend, port = await _start(nursery, start_proxy, tls)
-    tcp = await trio.open_tcp_stream("127.0.0.1", port)
-    stream = trio.SSLStream(tcp, tls.context, server_hostname="127.0.0.1")
-    ws = WSConnection(ConnectionType.CLIENT)
-    events: list[Any] = []
-
-    async def next_event() -> Any:
-        while not events:
-            data = await stream.receive_some(65536)
-            if not data:
-                return None  # the server closed
-            ws.receive_data(bytes(data))
-            events.extend(ws.events())
-        return events.pop(0)
-
-    async with stream:
-        with trio.fail_after(FAST):  # the handshakes take milliseconds too
-            await stream.send_all(ws.send(Request(host="127.0.0.1", target="/ws")))
-            assert isinstance(await next_event(), AcceptConnection)
-            await stream.send_all(ws.send(CloseConnection(code=4000, reason="client bye")))
-            reply = await next_event()
-            assert isinstance(reply, CloseConnection) and reply.code == 4000
-            assert await next_event() is None
-            await backend.closed.wait()
-    assert backend.closes == [(4000, "client bye")]
-
-
-async def test_wss_client_close_completes_at_once(
-    nursery: trio.Nursery, start_proxy: Any, tls: TlsSetup
-) -> None:
-    backend, port = await _start(nursery, start_proxy, tls)
+async def test_wss_client_close_completes_at_once(wss: Wss) -> None:
     with trio.fail_after(FAST):  # the handshakes take milliseconds too
-        async with _wss_client(port, tls) as ws:
+        async with _wss_client(wss.port, wss.tls) as ws:
             await ws.send_message("hello")
             assert await ws.get_message() == "hello"
             await ws.aclose(4000, "client bye")
-        await backend.closed.wait()
-    assert backend.closes == [(4000, "client bye")]
+        await wss.backend.closed.wait()
+    assert wss.backend.closes == [(4000, "client bye")]
 
 
-async def test_wss_backend_close_completes_at_once(
-    nursery: trio.Nursery, start_proxy: Any, tls: TlsSetup
-) -> None:
-    backend, port = await _start(nursery, start_proxy, tls)
+async def test_wss_backend_close_completes_at_once(wss: Wss) -> None:
     with trio.fail_after(FAST):  # the handshakes take milliseconds too
-        async with _wss_client(port, tls) as ws:
+        async with _wss_client(wss.port, wss.tls) as ws:
             await ws.send_message("close-me")
             with pytest.raises(ConnectionClosed) as info:
                 await ws.get_message()
         # Leaving the block waited for the server's close of the connection.
-        await backend.closed.wait()
+        await wss.backend.closed.wait()
     assert (info.value.reason.code, info.value.reason.reason) == (4001, "server bye")
-    assert backend.closes == [(4001, "server bye")]
+    assert wss.backend.closes == [(4001, "server bye")]
