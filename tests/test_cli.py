@@ -163,12 +163,18 @@ def write_tls_pair(directory: Path) -> tuple[Path, Path]:
 # --- check, as a subprocess -------------------------------------------------------------------
 
 
-def test_check_bad_file_exits_2_with_every_problem(tmp_path: Path) -> None:
-    (tmp_path / "bad.toml").write_text(BAD)
-    result = run_cli("check", "--config", "bad.toml", cwd=tmp_path)
+def refused_by_check(directory: Path, name: str, text: str) -> list[str]:
+    """``muxproxy check --config NAME`` of a file ``name`` holding ``text`` in ``directory``,
+    which it must refuse (exit status 2, nothing on stdout): the lines it printed on stderr."""
+    (directory / name).write_text(text)
+    result = run_cli("check", "--config", name, cwd=directory)
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.splitlines() == [
+    return result.stderr.splitlines()
+
+
+def test_check_bad_file_exits_2_with_every_problem(tmp_path: Path) -> None:
+    assert refused_by_check(tmp_path, "bad.toml", BAD) == [
         "muxproxy: bad.toml: invalid configuration",
         '  timeouts.raed: unknown key; did you mean "read"?',
         "  timeouts.read: expected a positive, finite number of seconds, got -3",
@@ -273,11 +279,7 @@ def test_check_summarizes_balancing_and_admission(tmp_path: Path) -> None:
 
 
 def test_check_bad_routing_file(tmp_path: Path) -> None:
-    (tmp_path / "bad.toml").write_text(BAD_ROUTING)
-    result = run_cli("check", "--config", "bad.toml", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [
+    assert refused_by_check(tmp_path, "bad.toml", BAD_ROUTING) == [
         "muxproxy: bad.toml: invalid configuration",
         "  upstreams.gpus.servers: every server is a backup; expected at least one primary"
         " server to take the traffic: set backup = false on one of them, or add one",
@@ -332,11 +334,8 @@ servers = ["127.0.0.1:9001"]
 
 
 def test_check_refuses_http2_settings_out_of_range_and_infinite_timeouts(tmp_path: Path) -> None:
-    (tmp_path / "big.toml").write_text(LIMITS.format(streams=2**32, head=2**40, read="inf"))
-    result = run_cli("check", "--config", "big.toml", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [
+    big = LIMITS.format(streams=2**32, head=2**40, read="inf")
+    assert refused_by_check(tmp_path, "big.toml", big) == [
         "muxproxy: big.toml: invalid configuration",
         "  timeouts.read: expected a positive, finite number of seconds, got inf",
         f"  limits.max_concurrent_streams: expected 1 to 1000000, got {2**32}; lower it to"
@@ -380,11 +379,7 @@ def test_check_refuses_numbers_past_their_range(tmp_path: Path) -> None:
     """The numbers an audit found accepted: 2**64 for a weight, max_streams, stream_buffer,
     queue.max, tokens_per_minute and resume.window, 1e300 seconds for a timeout."""
     big = 2**64
-    (tmp_path / "huge.toml").write_text(HUGE.format(big=big))
-    result = run_cli("check", "--config", "huge.toml", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [
+    assert refused_by_check(tmp_path, "huge.toml", HUGE.format(big=big)) == [
         "muxproxy: huge.toml: invalid configuration",
         "  timeouts.read: expected more than 0 and at most 86400 seconds (a day), got 1e+300;"
         " lower it to 86400 or less",

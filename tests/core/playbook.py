@@ -481,12 +481,45 @@ class H2ClientPeer:
             self.conn.send_data(sid, body, end_stream=True)
         return sid, self.conn.data_to_send()
 
+    def request_as_is(self, block: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+        """A request whose whole header block is ``block``, sent without h2's checks and
+        normalisation of outbound headers: a malformed request, to see the proxy refuse it."""
+        sid = self.conn.get_next_available_stream_id()
+        config = self.conn.config
+        checks = (config.validate_outbound_headers, config.normalize_outbound_headers)
+        config.validate_outbound_headers = config.normalize_outbound_headers = False
+        try:
+            self.conn.send_headers(sid, block, end_stream=True)
+        finally:
+            config.validate_outbound_headers, config.normalize_outbound_headers = checks
+        return sid, self.conn.data_to_send()
+
     def events(self, data: bytes) -> list[h2.events.Event]:
         events = self.conn.receive_data(data)
         for event in events:
             if isinstance(event, h2.events.DataReceived):
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         return events
+
+
+def h2_request_as_is(
+    block: list[tuple[bytes, bytes]],
+) -> tuple[Playbook, H2ClientPeer, int, list[h2.events.Event]]:
+    """Client connection 1 (TLS, ALPN h2) whose first request is ``block``, sent as is (see
+    ``H2ClientPeer.request_as_is``): the playbook, the client, the request's stream id and
+    what the client decoded of the proxy's answer."""
+    pb = Playbook()
+    pb.accept(1, tls=True, alpn="h2")
+    client = H2ClientPeer()
+    pb.receive(1, client.preface())
+    sid, data = client.request_as_is(block)
+    pb.receive(1, data)
+    return pb, client, sid, client.events(pb.take(1))
+
+
+def stream_resets(events: Iterable[h2.events.Event]) -> list[tuple[int, int]]:
+    """(stream id, error code) of each RST_STREAM among ``events``."""
+    return [(e.stream_id, e.error_code) for e in events if isinstance(e, h2.events.StreamReset)]
 
 
 class H2BackendPeer:

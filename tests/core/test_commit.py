@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import h11
 import pytest
-from test_routing_exchange import Rig, fleet, header, origin, request_body
+from test_routing_exchange import Rig, fleet, header, request_body
 
 from muxproxy.core.commit import CommitPoint
 
@@ -29,30 +29,20 @@ def test_backend_dying_before_its_first_content_event_is_retried(before_death: b
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     first = rig.last_open()
-    rig.open(first.conn)
-    rig.received(first.conn)
-    rig.sse_head(first.conn, "gpu0")
+    rig.sse_start(first.conn, "gpu0")
     rig.chunk(first.conn, before_death)
     assert not rig.take(conn)  # held: neither the head nor the bytes went out
-    mark = len(rig.pb.log)
-    rig.pb.closed(first.conn)
-    (second,) = rig.opens(mark)
-    assert origin(second) != origin(first)
+    second = rig.retry_after_close(first)
     assert rig.logs("retry")[0].fields["condition"] == "error"
     assert not rig.take(conn)
-    rig.open(second.conn)
-    rig.received(second.conn)
-    rig.sse_head(second.conn, "gpu1")
+    rig.sse_start(second.conn, "gpu1")
     rig.chunk(second.conn, ROLE_ONLY)
     assert not rig.take(conn)
     rig.chunk(second.conn, CONTENT)
     rig.end(second.conn)
-    events = client.events(rig.take(conn))
-    responses = [e for e in events if isinstance(e, h11.Response)]
-    assert len(responses) == 1
-    assert header(responses[0], b"x-backend-id") == [b"gpu1"]
-    assert request_body(events) == ROLE_ONLY + CONTENT  # nothing of the first attempt
-    assert isinstance(events[-1], h11.EndOfMessage)
+    head, body = rig.sole_response(conn, client)
+    assert header(head, b"x-backend-id") == [b"gpu1"]
+    assert body == ROLE_ONLY + CONTENT  # nothing of the first attempt
     assert rig.logs("access")[0].fields["outcome"] == "ok"
 
 
@@ -60,9 +50,7 @@ def test_held_bytes_go_out_with_the_first_content_event() -> None:
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     up = rig.last_open().conn
-    rig.open(up)
-    rig.received(up)
-    rig.sse_head(up, "gpu0")
+    rig.sse_start(up, "gpu0")
     rig.chunk(up, b": ping\n\n")
     rig.chunk(up, ROLE_ONLY + CONTENT[:20])
     assert not rig.take(conn)
@@ -78,16 +66,12 @@ def test_held_response_that_ends_without_content_goes_out_whole() -> None:
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     up = rig.last_open().conn
-    rig.open(up)
-    rig.received(up)
-    rig.sse_head(up, "gpu0")
+    rig.sse_start(up, "gpu0")
     rig.chunk(up, ROLE_ONLY + b"data: [DONE]\n\n")
     assert not rig.take(conn)
     rig.end(up)
-    events = client.events(rig.take(conn))
-    assert isinstance(events[0], h11.Response)
-    assert request_body(events) == ROLE_ONLY + b"data: [DONE]\n\n"
-    assert isinstance(events[-1], h11.EndOfMessage)
+    _, body = rig.sole_response(conn, client)
+    assert body == ROLE_ONLY + b"data: [DONE]\n\n"
 
 
 def test_held_bytes_are_bounded() -> None:
@@ -96,9 +80,7 @@ def test_held_bytes_are_bounded() -> None:
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     up = rig.last_open().conn
-    rig.open(up)
-    rig.received(up)
-    rig.sse_head(up, "gpu0")
+    rig.sse_start(up, "gpu0")
     comment = b": " + b"x" * 1000 + b"\n\n"
     high_water = rig.pb.core.fx.limits.high_water
     sent = b""

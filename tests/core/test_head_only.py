@@ -7,7 +7,7 @@ from __future__ import annotations
 import h2.events
 import h11
 from playbook import H1BackendPeer, H2ClientPeer, Playbook
-from test_resume import SSE, Stream, resume_config
+from test_resume import SSE, Stream, h2_resume, resume_config
 
 UNKNOWN = b"A" * 22 + b".3"
 """An event id of the proxy's form that names no stream: a refusal, as an SSE event."""
@@ -77,15 +77,8 @@ def test_a_resume_by_head_of_a_live_stream_over_http1_is_its_head_alone_at_once(
 
 
 def h2_head(pb: Playbook, conn: int, event_id: bytes) -> list[h2.events.Event]:
-    client = H2ClientPeer()
-    pb.accept(conn)
-    pb.receive(conn, client.preface())
-    _sid, request = client.request(
-        b"HEAD",
-        b"/v1/chat",
-        headers=[(b"accept", b"text/event-stream"), (b"last-event-id", event_id)],
-    )
-    return client.events(pb.take(conn, pb.receive(conn, request)))
+    _, events = h2_resume(pb, conn, event_id, method=b"HEAD", path=b"/v1/chat")
+    return events
 
 
 def test_a_refused_resume_by_head_over_http2_sends_no_data_frame() -> None:

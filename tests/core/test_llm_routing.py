@@ -51,9 +51,7 @@ def post(rig: Rig, body: bytes, headers: list[tuple[str, str]] | None = None) ->
 def start_stream(rig: Rig) -> int:
     """Accept the last opened backend connection and answer with an SSE head."""
     cmd = rig.last_open()
-    rig.open(cmd.conn)
-    rig.received(cmd.conn)
-    rig.sse_head(cmd.conn, origin(cmd))
+    rig.sse_start(cmd.conn, origin(cmd))
     return cmd.conn
 
 

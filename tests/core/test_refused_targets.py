@@ -11,7 +11,7 @@ import h2.errors
 import h2.events
 import h11
 import pytest
-from playbook import H1ClientPeer, H2ClientPeer, Playbook
+from playbook import H1ClientPeer, H2ClientPeer, Playbook, h2_request_as_is, stream_resets
 
 from muxproxy.core.commands import CloseConnection
 
@@ -87,21 +87,9 @@ H2_HEADS = {
 
 @pytest.mark.parametrize("kind", sorted(H2_HEADS))
 def test_a_malformed_h2_request_is_reset_and_the_next_stream_goes_on(kind: str) -> None:
-    pb = Playbook()
-    pb.accept(1, tls=True, alpn="h2")
-    client = H2ClientPeer()
-    client.conn.config.validate_outbound_headers = False  # h2 refuses to send some of them
-    client.conn.config.normalize_outbound_headers = False
-    pb.receive(1, client.preface())
-    sid = client.conn.get_next_available_stream_id()
-    client.conn.send_headers(sid, H2_HEADS[kind], end_stream=True)
-    pb.receive(1, client.conn.data_to_send())
+    pb, client, sid, events = h2_request_as_is(H2_HEADS[kind])
     assert pb.opens() == []
-    events = client.events(pb.take(1))
-    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [(e.stream_id, e.error_code) for e in resets] == [
-        (sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-    ]
+    assert stream_resets(events) == [(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
     assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
     _, data = client.request()
     pb.receive(1, data)

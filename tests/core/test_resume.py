@@ -92,6 +92,24 @@ def resume(
     return client, commands
 
 
+def h2_resume(
+    pb: Playbook,
+    conn: int,
+    event_id: bytes,
+    *,
+    method: bytes = b"GET",
+    path: bytes = b"/v1/chat/completions",
+) -> tuple[H2ClientPeer, list[h2.events.Event]]:
+    """A new HTTP/2 client on ``conn`` asking for the events after ``event_id``: the client,
+    and the events it decoded of what came back at once."""
+    client = H2ClientPeer()
+    pb.accept(conn)
+    pb.receive(conn, client.preface())
+    headers = [(b"accept", b"text/event-stream"), (b"last-event-id", event_id)]
+    _sid, request = client.request(method, path, headers=headers)
+    return client, client.events(pb.take(conn, pb.receive(conn, request)))
+
+
 def test_events_get_ids_and_a_reconnect_gets_the_rest_then_the_live_tail() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
@@ -260,18 +278,7 @@ def test_resume_over_http2_of_a_stream_begun_over_http1() -> None:
     first.send(b"data: a\n\n")
     pb.closed(1)
     first.send(b"data: b\n\n")
-    client = H2ClientPeer()
-    pb.accept(2)
-    pb.receive(2, client.preface())
-    _sid, request = client.request(
-        b"GET",
-        b"/v1/chat/completions",
-        headers=[
-            (b"accept", b"text/event-stream"),
-            (b"last-event-id", first.last_id()[:-1] + b"1"),
-        ],
-    )
-    events = client.events(pb.take(2, pb.receive(2, request)))
+    client, events = h2_resume(pb, 2, first.last_id()[:-1] + b"1")
     (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
     assert dict(response.headers)[b":status"] == b"200"
     data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
@@ -428,18 +435,10 @@ def test_a_resume_of_an_ended_stream_with_nothing_left_is_204_so_eventsource_sto
     assert [type(e) for e in events[1:]] == [h11.EndOfMessage]
     assert not closes(commands, 2)  # a clean answer: the connection stays
     # Over HTTP/2 too, and one event before the end still gets the event and the end.
-    h2client = H2ClientPeer()
-    pb.accept(3)
-    pb.receive(3, h2client.preface())
-    _sid, request = h2client.request(
-        b"GET",
-        b"/v1/chat/completions",
-        headers=[(b"accept", b"text/event-stream"), (b"last-event-id", first.last_id())],
-    )
+    _, events = h2_resume(pb, 3, first.last_id())
     (head, *rest) = [
-        e for e in h2client.events(pb.take(3, pb.receive(3, request)))
-        if isinstance(e, h2.events.ResponseReceived | h2.events.DataReceived)
-    ]  # fmt: skip
+        e for e in events if isinstance(e, h2.events.ResponseReceived | h2.events.DataReceived)
+    ]
     assert (b":status", b"204") in head.headers and b"".join(e.data for e in rest) == b""
     _, again = resume(pb, 4, first.last_id().replace(b".2", b".1"))
     assert pb.take(4, again).startswith(b"HTTP/1.1 200 ")

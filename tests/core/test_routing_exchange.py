@@ -128,6 +128,14 @@ class Rig:
         body = b"".join(bytes(e.data) for e in events if isinstance(e, h11.Data))
         return head, body, events
 
+    def sole_response(self, conn: int, client: H1ClientPeer) -> tuple[h11.Response, bytes]:
+        """The whole response the client got, and nothing of an abandoned attempt: one head,
+        its body, its end."""
+        head, body, events = self.response(conn, client)
+        assert sum(isinstance(e, h11.Response) for e in events) == 1, events
+        assert isinstance(events[-1], h11.EndOfMessage), events
+        return head, body
+
     # -- backends ------------------------------------------------------------------------
 
     def opens(self, since: int = 0) -> list[OpenConnection]:
@@ -196,6 +204,12 @@ class Rig:
             backend.start_next_cycle()  # ready for the next request on a kept-alive connection
         return wire
 
+    def sse_start(self, conn: int, backend_id: str) -> list[Command]:
+        """The backend accepts ``conn``, reads the request and answers with an SSE head."""
+        self.open(conn)
+        self.received(conn)
+        return self.sse_head(conn, backend_id)
+
     def sse_head(self, conn: int, backend_id: str) -> list[Command]:
         headers = [("Content-Type", "text/event-stream"), ("X-Backend-Id", backend_id)]
         wire = self.backends[conn].send(h11.Response(status_code=200, headers=headers)) or b""
@@ -206,6 +220,15 @@ class Rig:
 
     def end(self, conn: int) -> list[Command]:
         return self.pb.receive(conn, self.backends[conn].send(h11.EndOfMessage()) or b"")
+
+    def retry_after_close(self, first: OpenConnection) -> OpenConnection:
+        """The backend of ``first`` closes before its answer went out; the one connection the
+        core opens in its place, to another server."""
+        mark = len(self.pb.log)
+        self.pb.closed(first.conn)
+        (second,) = self.opens(mark)
+        assert origin(second) != origin(first)
+        return second
 
     def serve(self, body: bytes = b"ok") -> list[str]:
         """Accept and answer 200 every connection still being opened; return their servers."""
@@ -492,9 +515,7 @@ def test_backend_death_mid_stream_truncates_and_is_not_retried() -> None:
     rig = Rig(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
     conn, client, sid = rig.h2_request()
     first = rig.last_open()
-    rig.open(first.conn)
-    rig.received(first.conn)
-    rig.sse_head(first.conn, "gpu0")
+    rig.sse_start(first.conn, "gpu0")
     rig.chunk(first.conn, b"data: 1\n\n")
     rig.pb.closed(first.conn)
     assert len(rig.opens()) == 1
@@ -531,9 +552,7 @@ def test_held_sse_head_goes_out_with_the_first_event() -> None:
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     up = rig.last_open().conn
-    rig.open(up)
-    rig.received(up)
-    rig.sse_head(up, "gpu0")
+    rig.sse_start(up, "gpu0")
     assert not rig.take(conn)  # held
     rig.chunk(up, b"data: first\n\n")
     events = client.events(rig.take(conn))
@@ -550,27 +569,17 @@ def test_backend_dying_before_the_first_event_is_retried_transparently() -> None
     rig = Rig(fleet(retry_until_first_event=True))
     conn, client = rig.request()
     first = rig.last_open()
-    rig.open(first.conn)
-    rig.received(first.conn)
-    rig.sse_head(first.conn, "gpu0")
-    mark = len(rig.pb.log)
-    rig.pb.closed(first.conn)
-    (second,) = rig.opens(mark)
-    assert origin(second) != origin(first)
+    rig.sse_start(first.conn, "gpu0")
+    second = rig.retry_after_close(first)
     assert rig.logs("retry")[0].fields["condition"] == "error"
     assert not rig.take(conn)
-    rig.open(second.conn)
-    rig.received(second.conn)
-    rig.sse_head(second.conn, "gpu1")
+    rig.sse_start(second.conn, "gpu1")
     rig.chunk(second.conn, b"data: a\n\n")
     rig.chunk(second.conn, b"data: b\n\n")
     rig.end(second.conn)
-    events = client.events(rig.take(conn))
-    responses = [e for e in events if isinstance(e, h11.Response)]
-    assert len(responses) == 1
-    assert header(responses[0], b"x-backend-id") == [b"gpu1"]
-    assert request_body(events) == b"data: a\n\ndata: b\n\n"
-    assert isinstance(events[-1], h11.EndOfMessage)
+    head, body = rig.sole_response(conn, client)
+    assert header(head, b"x-backend-id") == [b"gpu1"]
+    assert body == b"data: a\n\ndata: b\n\n"
     assert rig.logs("access")[0].fields["outcome"] == "ok"
 
 
@@ -608,9 +617,7 @@ def test_held_head_is_bounded_by_the_read_timeout() -> None:
     (second,) = rig.opens(mark)
     assert origin(second) != origin(first)
     assert rig.logs("retry")[0].fields["condition"] == "timeout"
-    rig.open(second.conn)
-    rig.received(second.conn)
-    rig.sse_head(second.conn, "gpu1")
+    rig.sse_start(second.conn, "gpu1")
     rig.chunk(second.conn, b"data: a\n\n")
     events = client.events(rig.take(conn))
     assert header(events[0], b"x-backend-id") == [b"gpu1"]
@@ -651,9 +658,7 @@ def test_first_token_timeout_after_the_head_went_out_truncates() -> None:
     rig = Rig(config)
     conn, client, sid = rig.h2_request()
     first = rig.last_open()
-    rig.open(first.conn)
-    rig.received(first.conn)
-    rig.sse_head(first.conn, "gpu0")
+    rig.sse_start(first.conn, "gpu0")
     events = client.events(rig.take(conn))
     assert any(isinstance(e, h2.events.ResponseReceived) for e in events)
     commands = rig.fire("first_token")
@@ -985,9 +990,7 @@ def test_least_streams_avoids_the_server_with_a_long_stream() -> None:
     rig.request()
     long_stream = rig.last_open()
     assert origin(long_stream) == A
-    rig.open(long_stream.conn)
-    rig.received(long_stream.conn)
-    rig.sse_head(long_stream.conn, "gpu0")  # streams on and on
+    rig.sse_start(long_stream.conn, "gpu0")  # streams on and on
     for _ in range(3):
         # Round-robin would alternate back to A; least streams keeps choosing B.
         rig.request()

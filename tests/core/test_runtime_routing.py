@@ -52,9 +52,7 @@ def sse_stream(rig: Rig, headers: list[tuple[str, str]] | None = None) -> tuple[
     peer, backend conn). The response stays open."""
     conn, client = rig.request(headers=headers)
     backend = rig.last_open().conn
-    rig.open(backend)
-    rig.received(backend)
-    rig.sse_head(backend, "x")
+    rig.sse_start(backend, "x")
     rig.chunk(backend, b"data: one\n\n")
     return conn, client, backend
 

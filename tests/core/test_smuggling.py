@@ -9,7 +9,7 @@ import h11
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
+from playbook import H1BackendPeer, H1ClientPeer, Playbook, h2_request_as_is, stream_resets
 
 from muxproxy.core.commands import CloseConnection
 from muxproxy.core.h1 import PeerError, check_raw_head
@@ -219,21 +219,9 @@ SMUGGLING_H2 = {
 
 @pytest.mark.parametrize("kind", sorted(SMUGGLING_H2))
 def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forwarded(kind):
-    pb = Playbook()
-    pb.accept(1, tls=True, alpn="h2")
-    client = H2ClientPeer()
-    client.conn.config.validate_outbound_headers = False
-    client.conn.config.normalize_outbound_headers = False
-    pb.receive(1, client.preface())
-    sid = client.conn.get_next_available_stream_id()
-    client.conn.send_headers(sid, SMUGGLING_H2[kind], end_stream=True)
-    pb.receive(1, client.conn.data_to_send())
+    pb, _, sid, events = h2_request_as_is(SMUGGLING_H2[kind])
     assert pb.opens() == []
-    events = client.events(pb.take(1))
-    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [(e.stream_id, e.error_code) for e in resets] == [
-        (sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-    ]
+    assert stream_resets(events) == [(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
     assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
 
 
@@ -241,17 +229,9 @@ def test_h2_request_without_authority_or_host_gets_400_on_its_stream():
     # RFC 9113 §8.3.1: an http(s) request carries :authority or Host; without either it is
     # answered 400 (§8.1.1 allows a response before the stream closes), never forwarded,
     # and the connection's other streams go on.
-    pb = Playbook()
-    pb.accept(1, tls=True, alpn="h2")
-    client = H2ClientPeer()
-    client.conn.config.validate_outbound_headers = False  # h2 refuses to send such a request
-    pb.receive(1, client.preface())
-    sid = client.conn.get_next_available_stream_id()
     head = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/v1/models")]
-    client.conn.send_headers(sid, head, end_stream=True)
-    pb.receive(1, client.conn.data_to_send())
+    pb, client, sid, events = h2_request_as_is(head)  # h2 refuses to send such a request
     assert pb.opens() == []
-    events = client.events(pb.take(1))
     (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
     assert response.stream_id == sid and dict(response.headers)[b":status"] == b"400"
     body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))

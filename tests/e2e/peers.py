@@ -529,6 +529,21 @@ class H2Peer:
             await self.send_body(sid, body, end_stream=end_stream)
         return sid
 
+    async def request_as_is(self, block: list[tuple[bytes, bytes]]) -> int:
+        """Open a stream whose whole header block is ``block``, sent without h2's checks and
+        normalisation of outbound headers: a malformed request, to see the server refuse it."""
+        sid = self.conn.get_next_available_stream_id()
+        self.streams[sid] = H2Stream(sid=sid)
+        config = self.conn.config
+        checks = (config.validate_outbound_headers, config.normalize_outbound_headers)
+        config.validate_outbound_headers = config.normalize_outbound_headers = False
+        try:
+            self.conn.send_headers(sid, block, end_stream=True)
+        finally:
+            config.validate_outbound_headers, config.normalize_outbound_headers = checks
+        await self.flush()
+        return sid
+
     async def send_body(
         self,
         sid: int,

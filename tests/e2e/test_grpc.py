@@ -152,6 +152,14 @@ async def in_thread(fn: Callable[[], Any]) -> Any:
     return await trio.to_thread.run_sync(fn)
 
 
+async def unary_error(channel: grpc.Channel, name: str) -> grpc.RpcError:
+    """The error that a unary call of ``name`` (request ``x``) ends with."""
+    call = _method(channel, "unary_unary", name)
+    with pytest.raises(grpc.RpcError) as info:
+        await in_thread(lambda: call(b"x", timeout=5))
+    return info.value
+
+
 async def test_unary_streaming_and_bidi_calls(grpc_backend: int, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(config=h2_config(grpc_backend))
     with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
@@ -176,11 +184,9 @@ async def test_error_status_and_message_reach_the_client(
 ) -> None:
     proxy = await start_proxy(config=h2_config(grpc_backend))
     with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-        early = _method(channel, "unary_unary", "FailEarly")
-        with pytest.raises(grpc.RpcError) as info:
-            await in_thread(lambda: early(b"x", timeout=5))
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert info.value.details() == "not for you"
+        error = await unary_error(channel, "FailEarly")
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error.details() == "not for you"
 
         late = _method(channel, "unary_stream", "FailLate")
         got: list[bytes] = []
@@ -203,12 +209,10 @@ async def test_trailers_only_metadata_reaches_the_client(
     trailing metadata, which a head split from its status would hide."""
     proxy = await start_proxy(config=h2_config(grpc_backend))
     with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-        call = _method(channel, "unary_unary", "FailWithMetadata")
-        with pytest.raises(grpc.RpcError) as info:
-            await in_thread(lambda: call(b"x", timeout=5))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert info.value.details() == "slow down"
-    trailing = dict(info.value.trailing_metadata())
+        error = await unary_error(channel, "FailWithMetadata")
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == "slow down"
+    trailing = dict(error.trailing_metadata())
     assert trailing["custom-key"] == "custom-value"
     assert trailing["grpc-retry-pushback-ms"] == "250"
 
@@ -236,11 +240,9 @@ async def test_proxy_failure_is_a_grpc_unavailable(start_proxy: StartProxy) -> N
         dead = sock.getsockname()[1]  # bound, never listening: connections are refused
         proxy = await start_proxy(config=h2_config(dead))
         with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-            unary = _method(channel, "unary_unary", "Unary")
-            with pytest.raises(grpc.RpcError) as info:
-                await in_thread(lambda: unary(b"x", timeout=5))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert info.value.details() == "upstream unavailable"
+            error = await unary_error(channel, "Unary")
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert error.details() == "upstream unavailable"
         # On the wire: HTTP 200, application/grpc, one HEADERS frame ending the stream.
         with trio.fail_after(10):
             async with open_h2(proxy.port) as peer:
@@ -303,10 +305,8 @@ async def test_grpc_over_tls_on_both_sides(start_proxy: StartProxy, tmp_path: An
             stream = _method(channel, "unary_stream", "Stream")
             got = await in_thread(lambda: list(stream(b"3", timeout=5)))
             assert got == [b"msg0", b"msg1", b"msg2"]
-            early = _method(channel, "unary_unary", "FailEarly")
-            with pytest.raises(grpc.RpcError) as info:
-                await in_thread(lambda: early(b"x", timeout=5))
-            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            error = await unary_error(channel, "FailEarly")
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         server.stop(None)
 
@@ -327,10 +327,8 @@ async def test_backend_certificate_that_does_not_verify_is_unavailable(
         )
         proxy = await start_proxy(config=config)
         with trio.fail_after(10), grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-            unary = _method(channel, "unary_unary", "Unary")
-            with pytest.raises(grpc.RpcError) as info:
-                await in_thread(lambda: unary(b"x", timeout=5))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            error = await unary_error(channel, "Unary")
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
 
@@ -351,9 +349,7 @@ async def test_an_http2_server_configured_as_http11_is_named_in_the_log(
     ):
         with trio.fail_after(20):
             with grpc.insecure_channel(f"127.0.0.1:{proxy.ports()[0]}") as channel:
-                unary = _method(channel, "unary_unary", "Unary")
-                with pytest.raises(grpc.RpcError) as info:
-                    await in_thread(lambda: unary(b"x", timeout=5))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                error = await unary_error(channel, "Unary")
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
             line = await proxy.stderr.wait_for(lambda line: "HTTP/2 SETTINGS frame" in line)
     assert 'set protocol = \\"h2\\" on this server' in line, line

@@ -23,7 +23,6 @@ import hyperframe.frame
 import pytest
 import trio
 from peers import (
-    H2Stream,
     h1_read_response,
     h1_request_bytes,
     open_h2,
@@ -90,14 +89,6 @@ async def test_a_head_resume_over_http2_is_one_headers_frame(resumable):
     assert backend.targets == [b"/control"]
 
 
-@pytest.fixture
-async def recorded(start_proxy, nursery):
-    backend = RecordingBackend()
-    port = await serve_raw(nursery, backend.handle)
-    proxy = await start_proxy([port])
-    return backend, proxy
-
-
 BASE = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
 H2_MALFORMED = {
     "fragment": [*BASE[:3], (b":path", b"/v1/models#frag")],
@@ -111,16 +102,9 @@ async def test_a_malformed_h2_request_is_reset_and_never_forwarded(recorded, kin
     backend, proxy = recorded
     with trio.fail_after(10):
         async with open_h2(proxy.port) as peer:
-            peer.conn.config.validate_outbound_headers = False
-            peer.conn.config.normalize_outbound_headers = False
-            sid = peer.conn.get_next_available_stream_id()
-            peer.streams[sid] = bad = H2Stream(sid=sid)
-            peer.conn.send_headers(sid, H2_MALFORMED[kind], end_stream=True)
-            await peer.flush()
-            await peer.wait_done(sid)
+            bad = await peer.wait_done(await peer.request_as_is(H2_MALFORMED[kind]))
             assert bad.headers is None and bad.reset == h2.errors.ErrorCodes.PROTOCOL_ERROR
             assert (backend.connections, bytes(backend.received)) == (0, b"")
-            peer.conn.config.validate_outbound_headers = True
             good = await peer.request("GET", "/control")
             assert (await peer.wait_done(good)).status == 200
             assert peer.terminated is None

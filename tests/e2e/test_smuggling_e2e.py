@@ -15,23 +15,13 @@ import h11
 import pytest
 import trio
 from peers import (
-    H2Stream,
     h1_read_response,
     h1_request_bytes,
     open_h2,
     open_tcp,
     read_until_eof,
-    serve_raw,
 )
 from stepped import RecordingBackend
-
-
-@pytest.fixture
-async def setup(start_proxy, nursery):
-    backend = RecordingBackend()
-    port = await serve_raw(nursery, backend.handle)
-    proxy = await start_proxy([port])
-    return backend, proxy
 
 
 async def h1_control(backend: RecordingBackend, port: int) -> None:
@@ -67,8 +57,8 @@ STATUS_H1 = {"version-2.0": b"505"}
 
 
 @pytest.mark.parametrize("kind", sorted(SMUGGLING_H1))
-async def test_ambiguous_h1_request_is_400_and_the_backend_gets_nothing(setup, kind):
-    backend, proxy = setup
+async def test_ambiguous_h1_request_is_400_and_the_backend_gets_nothing(recorded, kind):
+    backend, proxy = recorded
     with trio.fail_after(10):
         stream = await open_tcp(proxy.port)
         await stream.send_all(SMUGGLING_H1[kind])
@@ -82,8 +72,8 @@ async def test_ambiguous_h1_request_is_400_and_the_backend_gets_nothing(setup, k
     assert backend.targets == [b"/control"]
 
 
-async def test_smuggled_request_pipelined_behind_a_good_one_never_reaches_the_backend(setup):
-    backend, proxy = setup
+async def test_smuggled_request_pipelined_behind_a_good_one_never_reaches_the_backend(recorded):
+    backend, proxy = recorded
     good = b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n"
     with trio.fail_after(10):
         stream = await open_tcp(proxy.port)
@@ -118,22 +108,15 @@ SMUGGLING_H2 = {
 
 
 @pytest.mark.parametrize("kind", sorted(SMUGGLING_H2))
-async def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forwarded(setup, kind):
-    backend, proxy = setup
+async def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forwarded(recorded, kind):
+    backend, proxy = recorded
     with trio.fail_after(10):
         async with open_h2(proxy.port) as peer:
-            peer.conn.config.validate_outbound_headers = False
-            peer.conn.config.normalize_outbound_headers = False
-            sid = peer.conn.get_next_available_stream_id()
-            peer.streams[sid] = bad = H2Stream(sid=sid)
-            peer.conn.send_headers(sid, SMUGGLING_H2[kind], end_stream=True)
-            await peer.flush()
-            await peer.wait_done(sid)
+            bad = await peer.wait_done(await peer.request_as_is(SMUGGLING_H2[kind]))
             assert bad.headers is None
             assert bad.reset == h2.errors.ErrorCodes.PROTOCOL_ERROR
             assert (backend.connections, bytes(backend.received)) == (0, b"")
             # The connection survives: a good stream on it is served.
-            peer.conn.config.validate_outbound_headers = True
             good = await peer.request("GET", "/control")
             stream = await peer.wait_done(good)
             assert (stream.status, stream.body) == (200, b"ok")
@@ -142,19 +125,13 @@ async def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forward
     assert backend.targets == [b"/control"]
 
 
-async def test_h2_request_without_authority_or_host_is_400_and_never_forwarded(setup):
-    backend, proxy = setup
+async def test_h2_request_without_authority_or_host_is_400_and_never_forwarded(recorded):
+    backend, proxy = recorded
     with trio.fail_after(10):
         async with open_h2(proxy.port) as peer:
-            peer.conn.config.validate_outbound_headers = False
-            sid = peer.conn.get_next_available_stream_id()
-            peer.streams[sid] = bad = H2Stream(sid=sid)
             head = [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/smuggled")]
-            peer.conn.send_headers(sid, head, end_stream=True)
-            await peer.flush()
-            await peer.wait_done(sid)
+            bad = await peer.wait_done(await peer.request_as_is(head))
             assert bad.status == 400 and bad.ended
-            peer.conn.config.validate_outbound_headers = True
             good = await peer.request("GET", "/control")
             stream = await peer.wait_done(good)
             assert (stream.status, stream.body) == (200, b"ok")

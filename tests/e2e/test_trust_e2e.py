@@ -73,16 +73,24 @@ CLAIMS = [
 ]
 
 
-async def test_forwarded_fields_from_an_untrusted_peer_are_replaced(
-    tmp_path: Path, start_backend: StartBackend
-) -> None:
+async def claims_forwarded(
+    tmp_path: Path, start_backend: StartBackend, listener: str
+) -> dict[str, str]:
+    """A GET with all the ``CLAIMS`` through a proxy whose listener has ``listener``: it is
+    answered 200, and this returns the header fields the backend got."""
     fake, backend = await start_backend(tokens=1, delay=0)
-    async with serve(tmp_path, config(backend, listener="trusted_proxies = []")) as proxy:
+    async with serve(tmp_path, config(backend, listener=listener)) as proxy:
         with trio.fail_after(TEST_TIMEOUT):
             status, _ = await raw_get(proxy.port, CLAIMS)
     assert status == 200
-    seen = fake.last_request_headers
-    assert seen is not None
+    assert fake.last_request_headers is not None
+    return fake.last_request_headers
+
+
+async def test_forwarded_fields_from_an_untrusted_peer_are_replaced(
+    tmp_path: Path, start_backend: StartBackend
+) -> None:
+    seen = await claims_forwarded(tmp_path, start_backend, "trusted_proxies = []")
     assert seen["x-forwarded-for"] == "127.0.0.1"
     assert seen["x-forwarded-proto"] == "http"
     for name in ("x-forwarded-host", "forwarded", "x-real-ip"):
@@ -92,14 +100,7 @@ async def test_forwarded_fields_from_an_untrusted_peer_are_replaced(
 async def test_forwarded_fields_from_a_trusted_proxy_are_appended_to(
     tmp_path: Path, start_backend: StartBackend
 ) -> None:
-    fake, backend = await start_backend(tokens=1, delay=0)
-    listener = 'trusted_proxies = ["127.0.0.1/32"]'
-    async with serve(tmp_path, config(backend, listener=listener)) as proxy:
-        with trio.fail_after(TEST_TIMEOUT):
-            status, _ = await raw_get(proxy.port, CLAIMS)
-    assert status == 200
-    seen = fake.last_request_headers
-    assert seen is not None
+    seen = await claims_forwarded(tmp_path, start_backend, 'trusted_proxies = ["127.0.0.1/32"]')
     assert seen["x-forwarded-for"] == "203.0.113.9, 127.0.0.1"
     assert seen["x-forwarded-proto"] == "https"
     assert seen["x-forwarded-host"] == "admin.internal"
