@@ -490,6 +490,55 @@ def test_check_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+SERVE_NEEDS_NOT = (
+    "prometheus_client",  # load reports only: its import brings an HTTP server, email...
+    "http.server",
+    "email",
+    "difflib",  # did-you-mean in configuration errors only
+    "muxproxy.trio.metrics",
+    "muxproxy.trio.admin",
+    "muxproxy.trio.resumestore",
+    "muxproxy.testing.fakellm",
+    "muxproxy.demo",
+)
+"""Modules a plain ``serve`` (flags, no admin API, no load report, no resume store) must not
+hold: each costs every serving process memory for a feature it does not use
+(docs/performance.md, "Stalled HTTP/2 readers")."""
+
+
+def test_serve_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
+    """Lazy imports: a plain ``serve``, once it listens, holds none of ``SERVE_NEEDS_NOT``.
+
+    The real command runs in a fresh interpreter; the moment it prints its listening line,
+    the modules it holds are read and it is stopped as an operator would (SIGTERM)."""
+    code = (
+        "import io, signal, sys\n"
+        "from muxproxy.cli import main\n"
+        "held = []\n"
+        "class Out(io.StringIO):\n"
+        "    def write(self, text):\n"
+        "        if text.startswith('muxproxy listening') and not held:\n"
+        "            held.extend(sys.modules)\n"
+        "            signal.raise_signal(signal.SIGTERM)\n"
+        "        return super().write(text)\n"
+        "sys.stdout = Out()\n"
+        "assert main(['serve', '--listen', '127.0.0.1:0', '--upstream', '127.0.0.1:9']) == 0\n"
+        "assert held, 'never listened'\n"
+        f"loaded = [m for m in {SERVE_NEEDS_NOT!r} if m in held]\n"
+        "assert not loaded, loaded\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
 # --- in process --------------------------------------------------------------------------------
 
 

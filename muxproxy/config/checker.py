@@ -13,7 +13,6 @@ to its key's range (:mod:`.ranges`), so no checking function repeats an upper bo
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import json
 import math
@@ -82,11 +81,13 @@ class Checker:
         for key in table:
             if key in known:
                 continue
-            close = difflib.get_close_matches(key, known, n=1)
+            from difflib import get_close_matches  # only on a mistake (see ``one_of``)
+
+            close = get_close_matches(key, known, n=1)
             suggested.update(close)
             # A near-certain misspelling of a key of this table ("upstream" for
             # "upstreams") is that; otherwise a key of another table is a misplaced one.
-            near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+            near = get_close_matches(key, known, n=1, cutoff=0.8)
             elsewhere = None if near else placement(key, path)
             if elsewhere is not None:
                 hint = elsewhere + (f' (or did you mean "{close[0]}"?)' if close else "")
@@ -180,8 +181,12 @@ class Checker:
             return value
         message = f"expected {alternatives(choices)}, got {describe(value)}"
         if isinstance(value, str):
+            # difflib is imported on a mistake only: a serving process that was given a
+            # valid configuration never holds it.
+            from difflib import get_close_matches
+
             close = [choice for choice in choices if choice.lower() == value.lower()]
-            close = close or difflib.get_close_matches(value, choices, n=1)
+            close = close or get_close_matches(value, choices, n=1)
             if close:
                 message += f'; did you mean "{close[0]}"?'
         self.add(path, message)

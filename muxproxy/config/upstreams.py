@@ -8,7 +8,6 @@ returns the record, or None when something was wrong.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -244,7 +243,9 @@ def source(check: Checker, value: Any, path: str) -> SessionSource | None:
     kind, _, name = value.partition(":")
     if kind not in SOURCE_KINDS:
         message = f"unknown kind {describe(kind)}; {expected}, got {describe(value)}"
-        close = difflib.get_close_matches(kind.lower(), SOURCE_KINDS, n=1)
+        from difflib import get_close_matches  # on a mistake only (``Checker.one_of``)
+
+        close = get_close_matches(kind.lower(), SOURCE_KINDS, n=1)
         if close:
             message += f"; did you mean {describe(close[0] + ':' + name)}?"
         check.add(path, message)
@@ -447,7 +448,9 @@ def _template(check: Checker, value: Any, path: str) -> bool:
         else:
             message = f'unknown variable "${name}" in {describe(value)}'
         message += f"; expected {_EXPECTED_VARIABLES}"
-        close = difflib.get_close_matches(name, _VARIABLES, 1) if name else []
+        from difflib import get_close_matches  # on a mistake only (``Checker.one_of``)
+
+        close = get_close_matches(name, _VARIABLES, 1) if name else []
         if close:
             message += f'; did you mean "${close[0]}"?'
         check.add(path, message)

@@ -74,6 +74,9 @@ class H1Client:
         """The current request's body is chunked: it may end with trailers."""
         self.first = b""
         """The first bytes of the current response (up to a frame header): ``speaks_h2``."""
+        self.request_sent = False
+        """The request was complete when h11 was let go of a chunked response (``receive``):
+        ``conn`` is already the next cycle's."""
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> bytes:
         self.stream = stream
@@ -145,6 +148,15 @@ class H1Client:
                     # is chunked. It is ours from the byte after the head.
                     self.chunked = ChunkedDecoder(max_line=self.max_head)
                     rest, closed = conn.trailing_data
+                    if conn.our_state is h11.DONE:
+                        # Both sides of this cycle are over for h11, whose receive buffer
+                        # still holds ``rest`` (the whole read, but the head) for as long as
+                        # the body streams: a stalled stream held it twice. The fresh state
+                        # machine ``next_cycle`` would make is made now.
+                        self.conn = h11.Connection(
+                            h11.CLIENT, max_incomplete_event_size=self.max_head
+                        )
+                        self.request_sent = True
                     if rest:
                         self._receive_chunked(rest, out)
                     if closed:
@@ -206,7 +218,7 @@ class H1Client:
     @property
     def reusable(self) -> bool:
         conn = self.conn
-        if conn.our_state is not h11.DONE:
+        if not self.request_sent and conn.our_state is not h11.DONE:
             return False
         if self.extra:
             return False
@@ -217,7 +229,9 @@ class H1Client:
     def next_cycle(self) -> None:
         if self.chunked is not None:
             # h11 never saw the body: the next response starts on a fresh state machine.
-            self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.max_head)
+            if not self.request_sent:
+                self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=self.max_head)
+            self.request_sent = False
             self.chunked = None
             self.extra = False
         else:

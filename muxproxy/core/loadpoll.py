@@ -16,7 +16,7 @@ not every poll. A load poll never changes a server's health.
 from __future__ import annotations
 
 from ..config import LoadReporting, Upstream
-from ..routing.loadreport import MAX_BODY, LoadReport, ReportError, parse_load_report
+from ..routing.loadreport import MAX_BODY, LoadReport, ReportError, parse_load_report, parser
 from .commands import Log
 from .effects import Effects
 from .messages import ResponseHead
@@ -35,6 +35,7 @@ class LoadPoll(Probe):
         self, fx: Effects, host: ProbeHost, group: Upstream, index: int, ident: int
     ) -> None:
         super().__init__(fx, host, group, index, ident)
+        parser()  # imported now, with the configuration, rather than in the first poll
         self.body = bytearray()
         self.too_large = False
         self.report: LoadReport | None = None

@@ -55,9 +55,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import attrs
-from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 __all__ = [
     "MAX_BODY",
@@ -143,6 +147,7 @@ def parse_load_report(body: bytes) -> LoadReport:
         raise ReportError("body is not UTF-8") from None
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     engines: set[str] = set()
+    parse = parser()
     for count, match in enumerate(_GAUGE_LINE.finditer(text)):
         name = match.group(1)
         if count == MAX_SAMPLES:
@@ -153,7 +158,7 @@ def parse_load_report(body: bytes) -> LoadReport:
         engine, field = _GAUGES[name]
         engines.add(engine)
         try:
-            for family in text_string_to_metric_families(line):
+            for family in parse(line):
                 for sample in family.samples:
                     samples.setdefault(field, []).append((sample.labels, sample.value))
         except ValueError:  # everything the parser raises on bad text (fuzzed: nothing else)
@@ -169,6 +174,16 @@ def parse_load_report(body: bytes) -> LoadReport:
         kv_cache=None if kv_cache is None else _fraction(kv_cache),
         engine=engines.pop(),
     )
+
+
+def parser() -> Callable[[str], Iterable[Metric]]:
+    """prometheus_client's text parser, imported on first use (``LoadPoll`` asks for it when
+    it is made, so no poll pays for the import). Importing ``prometheus_client`` imports its
+    HTTP exposition server too (``http.server``, ``email``, ``urllib.request``...): some 2 MiB
+    of memory that a proxy whose groups read no load report would hold for nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families
 
 
 def _valid(value: float) -> bool:

@@ -6,6 +6,9 @@ time its monotonic ``now`` is, so these tests pick both and know the exact Date 
 
 from __future__ import annotations
 
+import email.utils
+import random
+
 import h2.events
 import h11
 import pytest
@@ -14,7 +17,7 @@ from test_tunnel import send_extended_connect
 
 from muxproxy.config import Route
 from muxproxy.core.commands import Log
-from muxproxy.core.dates import HttpDate
+from muxproxy.core.dates import HttpDate, imf_fixdate
 from muxproxy.core.events import OpenFailed
 from muxproxy.core.websocket import accept_for
 
@@ -39,6 +42,29 @@ def test_http_date_is_formatted_once_per_second() -> None:
     first = date.at(0.1)
     assert date.at(0.9) is first  # the cached bytes, not a new string
     assert date.at(1.2) is not first
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        0,
+        784111777,  # RFC 9110 §5.6.7's example
+        951782400,  # 2000-02-29, a leap day of a century year
+        1704067199,  # 2023-12-31 23:59:59
+        1704067200,  # 2024-01-01 00:00:00
+        4107542399,  # 2100-02-28 23:59:59 (2100 is not a leap year)
+        253402300799,  # 9999-12-31 23:59:59, the last four-digit year
+    ],
+)
+def test_imf_fixdate_is_the_standard_library_format(second: int) -> None:
+    """The same bytes as ``email.utils.formatdate(usegmt=True)``, which the core no longer
+    imports (the email package in every serving process, for one line)."""
+    assert imf_fixdate(second) == email.utils.formatdate(second, usegmt=True).encode("ascii")
+
+
+def test_imf_fixdate_agrees_with_the_standard_library_anywhere() -> None:
+    for second in random.Random(9110).sample(range(253402300800), 2000):
+        assert imf_fixdate(second) == email.utils.formatdate(second, usegmt=True).encode()
 
 
 def _h1_response(

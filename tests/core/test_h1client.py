@@ -1,4 +1,5 @@
-"""``core/h1client.py``: an HTTP/2 server behind a server configured as HTTP/1.1.
+"""``core/h1client.py``: an HTTP/2 server behind a server configured as HTTP/1.1; what a
+chunked response leaves in h11.
 
 Such a server (a gRPC server left at the default ``protocol = "h1"``) answers an HTTP/1.1
 request with its SETTINGS frame (RFC 9113 §3.4), which h11 calls an illegal status line. The
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import h2.config
 import h2.connection
+import h11
 import pytest
 from playbook import H1ClientPeer, Playbook
 
 from muxproxy.core.commands import Log
-from muxproxy.core.h1client import H2_HINT, speaks_h2
+from muxproxy.core.h1client import H2_HINT, H1Client, speaks_h2
+from muxproxy.core.messages import Body, End, ResponseHead
 
 
 def h2_server_opening() -> bytes:
@@ -66,3 +69,53 @@ def test_speaks_h2() -> None:
     assert not speaks_h2(b"\x00\x00\x05\x04\x00\x00\x00\x00\x00")  # not a multiple of 6
     assert not speaks_h2(b"\x00\x00\x06\x04\x00\x00\x00\x00\x01")  # not stream 0
     assert not speaks_h2(b"HTTP/1.1 200 OK\r\n")
+
+
+def _chunked_response(client: H1Client, body_chunks: list[bytes]) -> list[object]:
+    """One request (complete), then a chunked response whose head and ``body_chunks`` come in
+    one read, as a backend that wrote them before the proxy read does."""
+    client.send_head(1, b"GET", b"/sse", [(b"host", b"backend")])
+    client.send_end([])
+    backend = h11.Connection(h11.SERVER)
+    backend.receive_data(b"GET /sse HTTP/1.1\r\nhost: backend\r\n\r\n")
+    assert isinstance(backend.next_event(), h11.Request)
+    head = h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")])
+    read = backend.send(head) or b""
+    for chunk in body_chunks:
+        read += backend.send(h11.Data(data=chunk)) or b""
+    return [*client.receive(read), backend]
+
+
+def test_a_chunked_response_read_is_not_also_kept_by_h11() -> None:
+    """h11 parsed the head only; the rest of the read went to the chunked decoder. Kept in
+    h11's receive buffer too, it stayed there, a second copy, for as long as the body
+    streamed: 200 stalled streams held ~2.5 MiB for nothing (docs/performance.md)."""
+    client = H1Client()
+    chunks = [b"data: %d\n\n" % i * 40 for i in range(30)]
+    *messages, backend = _chunked_response(client, chunks)
+    assert isinstance(messages[0], ResponseHead)
+    assert [m.data for m in messages[1:] if isinstance(m, Body)] == [b"".join(chunks)]
+    assert client.conn.trailing_data == (b"", False)  # h11 holds none of the body
+    assert client.response_started and not client.reusable  # the body is still coming
+    assert isinstance(backend, h11.Connection)
+    (end,) = client.receive(backend.send(h11.EndOfMessage()) or b"")
+    assert isinstance(end, End)
+    assert client.reusable  # kept alive, as before
+    client.next_cycle()
+    chunks = [b"second response"]
+    *messages, backend = _chunked_response(client, chunks)
+    assert [m.data for m in messages if isinstance(m, Body)] == chunks
+
+
+def test_a_chunked_response_before_the_request_ended_keeps_h11() -> None:
+    """A backend may answer before the request body is all sent (RFC 9112 §9.5: an early
+    response); h11 still frames the rest of the request, so it stays until the cycle ends."""
+    client = H1Client()
+    client.send_head(1, b"POST", b"/upload", [(b"host", b"b"), (b"content-length", b"4")])
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nearly\r\n"
+    messages = client.receive(head)
+    assert [m.data for m in messages if isinstance(m, Body)] == [b"early"]
+    assert client.send_body(b"rest") == b"rest"
+    client.send_end([])
+    client.receive(b"0\r\n\r\n")
+    assert client.reusable
