@@ -41,6 +41,7 @@ from .grpc import STATUS_FIELDS
 from .h2 import CONNECTION_WINDOW
 from .h2goaway import GoawayTolerantReceiver
 from .h2send import BlockedStreams, Flushed, SendQueue, flush_queue, send_or_queue
+from .h2slimsettings import SlimSettings
 from .intake import valid_h2_fields
 from .messages import Abort, Body, End, Headers, Message, ResponseHead
 
@@ -60,7 +61,9 @@ class H2Client:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
-        self.conn.local_settings = h2.settings.Settings(
+        # Settings in a few hundred bytes rather than h2's 10 KiB (h2slimsettings).
+        self.conn.remote_settings = SlimSettings(client=False)
+        self.conn.local_settings = SlimSettings(
             client=True,
             initial_values={
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,

@@ -16,6 +16,7 @@ import h2.settings
 
 from .h2decode import HeaderDecoder
 from .h2preface import SettingsFirstBuffer
+from .h2slimsettings import SlimSettings
 
 CONNECTION_WINDOW = 16 * 1024 * 1024
 """The connection-level receive window we open at start (RFC 9113 §6.9.2: only the stream
@@ -69,7 +70,9 @@ def server_connection(
         # RFC 8441 §3: we accept extended CONNECT (WebSockets over HTTP/2, tunnel.py).
         h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
     }
-    conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
+    # Settings in a few hundred bytes rather than h2's 10 KiB per connection (h2slimsettings).
+    conn.local_settings = SlimSettings(client=False, initial_values=settings)
+    conn.remote_settings = SlimSettings(client=True)
     if upgrade_settings is None:
         conn.initiate_connection()
     else:
@@ -82,7 +85,7 @@ def server_connection(
     # is raised past anything one read can open, and ``H2Server._request`` refuses the
     # extra streams itself.
     settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = H2_ENFORCED_STREAMS
-    conn.local_settings = h2.settings.Settings(client=False, initial_values=settings)
+    conn.local_settings = SlimSettings(client=False, initial_values=settings)
     if initial_window != 65535:
         # Sent as a change rather than an initial value: h2 applies it only once the
         # client acknowledged it, so a client that sends a default 65,535-byte window
