@@ -472,8 +472,7 @@ class Resume:
     stream did: the stream is bound to a SHA-256 of them (``core/resumebind.py``)."""
     lease: float = 5.0
     """With ``store``: seconds the owner's lease on a live stream lasts in Redis (renewed
-    every third of it); a reader on another process that finds it expired (the owner died)
-    ends the resume at once with what the store holds."""
+    every third of it); a reader that finds it expired (the owner died) ends at once."""
 
 
 @attrs.frozen(kw_only=True)
@@ -513,12 +512,9 @@ class Listener(_HostPort):
     tls_key: str | None = None
     """The certificate's private key (PEM)."""
     trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-    """The proxies in front (CIDRs, or addresses) whose forwarded fields are believed:
-    from a peer in one of them, ``X-Forwarded-For`` and ``Forwarded`` are appended to and
-    ``X-Forwarded-Proto``, ``-Host``, ``-Port`` and ``X-Real-IP`` kept; from any other, all
-    six are dropped and ``X-Forwarded-For`` and ``X-Forwarded-Proto`` set from the
-    connection. Empty (the default): no peer is trusted. See "Trust and forwarded headers" in
-    ``docs/operations.md``."""
+    """The proxies in front (CIDRs, or addresses) whose forwarded fields are believed
+    (appended to); from any other peer they are dropped and set from the connection. Empty
+    (the default): no peer is trusted. See "Trust and forwarded headers" in operations.md."""
 
     @property
     def tls(self) -> bool:
