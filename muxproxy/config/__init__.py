@@ -14,7 +14,7 @@ the key path and what was expected::
 The records themselves carry no validators: code may build them directly (tests do, with
 port 0 and tiny timeouts); validation is the job of the loading functions.
 
-Modules: :mod:`.records` (the records and :func:`quick_config`), :mod:`.loading` (files,
+Modules: :mod:`.records` (the records), :mod:`.loading` (files, :func:`quick_config`,
 top-level sections, ``serve`` flags), :mod:`.upstreams` (one ``[upstreams.NAME]`` group),
 :mod:`.logs` (``[log]``) and :mod:`.checker` (the problem-collecting machinery and value
 checks). Import from here.
@@ -23,7 +23,14 @@ checks). Import from here.
 from __future__ import annotations
 
 from .checker import address_problem
-from .loading import ConfigError, load_config, parse_config, parse_quick_config
+from .fleet import FleetSettings, ResolverSettings, StoreErrorPolicy
+from .loading import (
+    ConfigError,
+    load_config,
+    parse_config,
+    parse_quick_config,
+    quick_config,
+)
 from .records import (
     ADMIN_TOKEN_ENV,
     CONDITIONS,
@@ -56,7 +63,6 @@ from .records import (
     StickyCookie,
     Timeouts,
     Upstream,
-    quick_config,
 )
 
 __all__ = [
@@ -74,6 +80,7 @@ __all__ = [
     "Balance",
     "Config",
     "ConfigError",
+    "FleetSettings",
     "GroupTimeouts",
     "HeaderRule",
     "HealthCheck",
@@ -84,12 +91,14 @@ __all__ = [
     "NextUpstream",
     "PrefixAffinity",
     "RateLimit",
+    "ResolverSettings",
     "Resume",
     "Route",
     "Server",
     "SessionSource",
     "Sticky",
     "StickyCookie",
+    "StoreErrorPolicy",
     "Timeouts",
     "Upstream",
     "address_problem",

@@ -12,25 +12,27 @@ import ipaddress
 import os
 import re
 import tomllib
-import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .admin import admin_settings, quick_admin
 from .checker import TOKEN, Checker, Key, describe, join, record_keys
+from .fleet import FleetSettings, ResolverSettings
+from .fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from .logs import log_settings
 from .records import (
+    AdminSettings,
     Api,
     Config,
     Limits,
     Listener,
     Resume,
     Route,
+    Server,
     Timeouts,
     Upstream,
-    quick_config,
 )
-from .storeurl import is_sentinel, parse_sentinel
+from .storeurl import store_url
 from .tls import tls_pair_problems
 from .upstreams import upstream
 
@@ -133,11 +135,16 @@ def parse_config(
     if "admin" in data:
         environ = os.environ if environ is None else environ
         admin = admin_settings(check, data["admin"], "admin", environ)
+    resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
+    fleet = None
+    if "fleet" in data:
+        fleet = check.record(FleetSettings, data["fleet"], "fleet", FLEET_KEYS)
 
     if check.problems:
         raise ConfigError(check.problems)
     assert listeners is not None and upstreams is not None and routes is not None
     assert timeouts is not None and limits is not None and log is not None
+    assert resolver is not None
     return Config(
         listeners=listeners,
         upstreams=upstreams,
@@ -146,6 +153,8 @@ def parse_config(
         limits=limits,
         log=log,
         admin=admin,
+        resolver=resolver,
+        fleet=fleet,
     )
 
 
@@ -191,7 +200,17 @@ def parse_quick_config(
     return quick_config(listen, upstreams, tls_cert=tls_cert, tls_key=tls_key, admin=settings)
 
 
-_TOP_KEYS = ("listeners", "timeouts", "limits", "upstreams", "routes", "log", "admin")
+_TOP_KEYS = (
+    "listeners",
+    "timeouts",
+    "limits",
+    "upstreams",
+    "routes",
+    "log",
+    "admin",
+    "resolver",
+    "fleet",
+)
 _EXPECTED_LISTENERS = 'expected at least one [[listeners]] table with address = "host:port"'
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'
@@ -266,55 +285,6 @@ def _size(check: Checker, value: Any, path: str) -> int | None:
     return value
 
 
-_STORE_SCHEMES = ("redis", "rediss")
-_STORE_EXPECTED = (
-    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS),'
-    ' or a Sentinel URL such as "redis+sentinel://127.0.0.1:26379/mymaster/0";'
-    " Cluster stores are not supported"
-)
-
-
-def _store(check: Checker, value: Any, path: str) -> str | None:
-    """``redis://host[:port][/db]`` or ``rediss://``: where streams are shared across workers
-    and replicas (``docs/resume.md``). A password may be given as ``redis://:pw@host``. Or
-    Sentinel: ``redis+sentinel://host:port[,host:port...]/service[/db]`` (:mod:`.storeurl`)."""
-    if not isinstance(value, str):
-        check.add(path, f"{_STORE_EXPECTED}, got {describe(value)}")
-        return None
-    if is_sentinel(value):
-        try:
-            parse_sentinel(value)
-        except ValueError as error:
-            check.add(path, f"{_STORE_EXPECTED}: {error}, got {value!r}")
-            return None
-        return value
-    if value.startswith("rediss+sentinel://"):
-        check.add(
-            path,
-            f"{_STORE_EXPECTED}: TLS to Sentinel (rediss+sentinel://) is not supported,"
-            f" got {value!r}",
-        )
-        return None
-    try:
-        url = urllib.parse.urlsplit(value)
-        port = url.port
-    except ValueError:
-        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
-        return None
-    db = url.path.lstrip("/")
-    if (
-        url.scheme not in _STORE_SCHEMES
-        or not url.hostname
-        or (port is not None and not 0 < port < 65536)
-        or not (db == "" or db.isdigit())
-        or url.query
-        or url.fragment
-    ):
-        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
-        return None
-    return value
-
-
 def _credential_headers(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
     """Header names (tokens, RFC 9110 §5.1), kept in lower case: the fields a resume is bound
     to (``core/resumebind.py``)."""
@@ -339,7 +309,7 @@ def _credential_headers(check: Checker, value: Any, path: str) -> tuple[str, ...
 _RESUME_KEYS = {
     "window": Key(_size),
     "linger": Key(Checker.seconds),
-    "store": Key(_store),
+    "store": Key(store_url),
     "credential_headers": Key(_credential_headers),
     "lease": Key(Checker.seconds),
 }
@@ -500,3 +470,21 @@ def _toml_error_location(exc: tomllib.TOMLDecodeError, text: str) -> tuple[str, 
     if message.endswith(suffix):
         return f"line {text.count(chr(10)) + 1} (end of file)", message.removesuffix(suffix)
     return "line ?", message
+
+
+def quick_config(
+    listen: str,
+    upstreams: list[str],
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    admin: AdminSettings | None = None,
+) -> Config:
+    """The configuration of ``muxproxy serve --listen A --upstream B ...``: one route, one group."""
+    group = Upstream(name="default", servers=tuple(Server(address=a) for a in upstreams))
+    return Config(
+        listeners=(Listener(address=listen, tls_cert=tls_cert, tls_key=tls_key),),
+        upstreams={"default": group},
+        routes=(Route(prefix="/", upstream="default"),),
+        admin=admin,
+    )

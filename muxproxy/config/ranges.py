@@ -160,6 +160,9 @@ RANGES: dict[str, Range] = {
     f"{_G}.rate_limit.tokens_per_minute": _RATE,
     f"{_G}.rate_limit.requests_per_minute": _RATE,
     "routes[].sse_heartbeat": _TIMEOUT,
+    "resolver.timeout": Range(0, 60, "seconds", "a minute: a lookup", above_low=True),
+    "resolver.attempts": Range(1, 10),
+    "fleet.sync_interval": Range(0.1, 3600, "seconds", "an hour"),
     "routes[].resume.window": Range(
         4096, GIB, "bytes", "at least a few events; at most 1 GiB held for one stream"
     ),

@@ -14,6 +14,8 @@ import ipaddress
 
 import attrs
 
+from .fleet import FleetSettings, ResolverSettings
+
 
 class _HostPort:
     """``host`` and ``port`` of a record's ``address`` (``"host:port"``, ``"[::1]:port"``),
@@ -565,6 +567,9 @@ class Config:
     log: LogSettings = LogSettings()
     admin: AdminSettings | None = None
     """None: no admin listener."""
+    resolver: ResolverSettings = attrs.field(factory=ResolverSettings)
+    fleet: FleetSettings | None = None
+    """None: every replica keeps its own runtime state, sessions and budgets."""
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.
@@ -580,21 +585,3 @@ class Config:
             ):
                 best = route
         return best
-
-
-def quick_config(
-    listen: str,
-    upstreams: list[str],
-    *,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    admin: AdminSettings | None = None,
-) -> Config:
-    """The configuration of ``muxproxy serve --listen A --upstream B ...``: one route, one group."""
-    group = Upstream(name="default", servers=tuple(Server(address=a) for a in upstreams))
-    return Config(
-        listeners=(Listener(address=listen, tls_cert=tls_cert, tls_key=tls_key),),
-        upstreams={"default": group},
-        routes=(Route(prefix="/", upstream="default"),),
-        admin=admin,
-    )

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from . import admin, loading, logs, ranges, records, upstreams
+from . import admin, fleet, fleetkeys, loading, logs, ranges, records, storeurl, upstreams
 from .checker import Checker, Key, alternatives
 
 __all__ = ["Entry", "Table", "entries", "explain", "placement", "render_markdown", "tables"]
@@ -250,6 +250,23 @@ _TABLES = (
         " Prometheus `/metrics`. Without this table there is no admin listener.",
         "[admin]",
     ),
+    Table(
+        "resolver",
+        "[resolver]",
+        fleet.ResolverSettings,
+        fleetkeys.RESOLVER_KEYS,
+        "The DNS servers that groups with `discover` ask (`docs/fleet.md`).",
+        "[resolver]",
+    ),
+    Table(
+        "fleet",
+        "[fleet]",
+        fleet.FleetSettings,
+        fleetkeys.FLEET_KEYS,
+        "One runtime state, session memory and set of budgets for every replica, through"
+        " Redis (`docs/fleet.md`). Without this table each replica keeps its own.",
+        "[fleet]",
+    ),
 )
 
 _SUB_TABLES = {
@@ -333,7 +350,7 @@ _VALUE_KINDS: dict[Any, str] = {
     upstreams.admission_queue: "a table",
     upstreams.rate_limit: "a table",
     loading._size: 'a size: bytes, or a string such as "256 KiB" (B, KiB, MiB, GiB)',
-    loading._store: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
+    storeurl.store_url: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
     loading._resume: "true (the defaults) or a table",
     loading._credential_headers: "a list of header names",
     loading._api: _choices(records.Api),
@@ -342,6 +359,8 @@ _VALUE_KINDS: dict[Any, str] = {
     logs._level: _choices(records.LOG_LEVELS),
     admin._token: "a bearer token (letters, digits and -._~+/, RFC 6750 §2.1)",
     admin._state_file: "a file path (written by the proxy)",
+    fleetkeys._store_error: _choices(fleet.StoreErrorPolicy),
+    fleetkeys._nameservers: 'a list of IP addresses, each with an optional port ("10.96.0.10:53")',
 }
 """What the value of a key checked by each function looks like."""
 
@@ -401,6 +420,10 @@ _EXAMPLES = {
     "log.access": 'access = "/var/log/muxproxy-access.log"',
     "admin.token": 'token = "change-me"  # or the environment variable MUXPROXY_ADMIN_TOKEN',
     "admin.state_file": 'state_file = "muxproxy-state.json"',
+    "resolver.nameservers": 'nameservers = ["10.96.0.10:53"]',
+    "fleet.store": 'store = "redis://redis:6379/0"',
+    "fleet.on_store_error": 'store = "redis://redis:6379/0"\non_store_error = "local"',
+    "fleet.sync_interval": 'store = "redis://redis:6379/0"\nsync_interval = 5.0',
 }
 """Examples of keys whose default is no example (required keys, keys not set by default,
 tables), as TOML lines inside the key's table (:attr:`Table.example_head`)."""
@@ -414,10 +437,14 @@ _ROUTE_KEYS_IN_EXAMPLE = ('prefix = "/v1/"', 'upstream = "gpus"')
 
 @cache
 def _record_docs() -> dict[tuple[str, str], str]:
-    """(class name, attribute name) -> the attribute's docstring, for :mod:`.records`."""
-    tree = ast.parse(inspect.getsource(records))
+    """(class name, attribute name) -> the attribute's docstring, for :mod:`.records` and
+    :mod:`.fleet`."""
+    body = [
+        *ast.parse(inspect.getsource(records)).body,
+        *ast.parse(inspect.getsource(fleet)).body,
+    ]
     docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
+    for node in body:
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body

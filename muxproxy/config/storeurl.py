@@ -12,8 +12,12 @@ settings for its Sentinel connections from a URL.
 from __future__ import annotations
 
 import re
+import urllib.parse
+from typing import Any
 
 import attrs
+
+from .checker import Checker, describe
 
 SCHEME = "redis+sentinel"
 _HOST_PORT = re.compile(r"\A(\[[0-9A-Fa-f:.]+\]|[^\s\[\]:/,@]+):([0-9]{1,5})\Z")
@@ -55,3 +59,52 @@ def parse_sentinel(url: str) -> SentinelStore:
     if db and re.fullmatch("[0-9]+", db) is None:
         raise ValueError(f"the db must be an integer, got {db!r}")
     return SentinelStore(tuple(sentinels), service, int(db or 0), password)
+
+
+_STORE_SCHEMES = ("redis", "rediss")
+_STORE_EXPECTED = (
+    'expected a Redis URL such as "redis://127.0.0.1:6379/0" (or "rediss://" for TLS),'
+    ' or a Sentinel URL such as "redis+sentinel://127.0.0.1:26379/mymaster/0";'
+    " Cluster stores are not supported"
+)
+
+
+def store_url(check: Checker, value: Any, path: str) -> str | None:
+    """``redis://host[:port][/db]`` or ``rediss://``: where streams are shared across workers
+    and replicas (``docs/resume.md``). A password may be given as ``redis://:pw@host``. Or
+    Sentinel: ``redis+sentinel://host:port[,host:port...]/service[/db]`` (:mod:`.storeurl`)."""
+    if not isinstance(value, str):
+        check.add(path, f"{_STORE_EXPECTED}, got {describe(value)}")
+        return None
+    if is_sentinel(value):
+        try:
+            parse_sentinel(value)
+        except ValueError as error:
+            check.add(path, f"{_STORE_EXPECTED}: {error}, got {value!r}")
+            return None
+        return value
+    if value.startswith("rediss+sentinel://"):
+        check.add(
+            path,
+            f"{_STORE_EXPECTED}: TLS to Sentinel (rediss+sentinel://) is not supported,"
+            f" got {value!r}",
+        )
+        return None
+    try:
+        url = urllib.parse.urlsplit(value)
+        port = url.port
+    except ValueError:
+        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
+        return None
+    db = url.path.lstrip("/")
+    if (
+        url.scheme not in _STORE_SCHEMES
+        or not url.hostname
+        or (port is not None and not 0 < port < 65536)
+        or not (db == "" or db.isdigit())
+        or url.query
+        or url.fragment
+    ):
+        check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
+        return None
+    return value

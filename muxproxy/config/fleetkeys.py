@@ -1,0 +1,81 @@
+"""Validation of ``[fleet]`` (the shared store) and ``[resolver]`` (the DNS servers discovery
+asks); the records are in :mod:`.fleet`.
+
+A nameserver is an IP address (a name would need DNS to find DNS), with an optional port
+(53, RFC 1035 §4.2, when left out), kept as ``host:port`` (``[v6]:port``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from .checker import Checker, Key, describe
+from .fleet import StoreErrorPolicy
+from .storeurl import store_url
+
+__all__ = ["FLEET_KEYS", "RESOLVER_KEYS"]
+
+
+def _store_error(check: Checker, value: Any, path: str) -> StoreErrorPolicy | None:
+    choice = check.one_of(value, path, [p.value for p in StoreErrorPolicy])
+    return None if choice is None else StoreErrorPolicy(choice)
+
+
+FLEET_KEYS = {
+    "store": Key(store_url, required='a Redis URL such as "redis://redis:6379/0"'),
+    "on_store_error": Key(_store_error),
+    "sync_interval": Key(Checker.seconds),
+}
+
+
+def _nameserver(value: Any) -> str | None:
+    """``value`` as ``host:port`` when it is an IP address with an optional port (53 when
+    left out); None when it is not one."""
+    if not isinstance(value, str):
+        return None
+    host, port = value, 53
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                return None
+            port = int(rest[1:])
+    elif value.count(":") == 1:
+        host, _, text = value.partition(":")
+        if not text.isdigit():
+            return None
+        port = int(text)
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not 0 < port < 65536:
+        return None
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+def _nameservers(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
+    items = check.array(value, path, 'an array of DNS server addresses such as "10.96.0.10:53"')
+    if items is None:
+        return None
+    out: list[str] = []
+    for index, item in enumerate(items):
+        normal = _nameserver(item)
+        if normal is None:
+            check.add(
+                f"{path}[{index}]",
+                'expected an IP address with an optional port, such as "10.96.0.10:53",'
+                f' "10.96.0.10" or "[fd00::a]:53" (a name would need DNS itself), got'
+                f" {describe(item)}",
+            )
+            return None
+        out.append(normal)
+    return tuple(out)
+
+
+RESOLVER_KEYS = {
+    "nameservers": Key(_nameservers),
+    "timeout": Key(Checker.seconds),
+    "attempts": Key(Checker.positive_int),
+}
