@@ -86,3 +86,29 @@ def test_a_fleet_and_a_resolver_load() -> None:
 def test_each_mistake_names_its_key(sections: dict[str, Any], expected: str) -> None:
     found = problems(**sections)
     assert len(found) == 1 and found[0].startswith(expected), found
+
+
+def test_the_store_from_the_environment_wins_over_the_file() -> None:
+    environ = {"MUXPROXY_FLEET_STORE": "rediss://:secret@redis:6380/1"}
+    config = parse_config(
+        {**BASE, "fleet": {"store": "redis://other:6379", "sync_interval": 2}}, environ=environ
+    )
+    assert config.fleet is not None
+    assert config.fleet.store == "rediss://:secret@redis:6380/1"
+    assert config.fleet.sync_interval == 2
+
+
+def test_the_store_from_the_environment_makes_a_fleet_of_the_defaults() -> None:
+    config = parse_config(BASE, environ={"MUXPROXY_FLEET_STORE": "redis://redis:6379/0"})
+    assert config.fleet is not None and config.fleet.store == "redis://redis:6379/0"
+    assert config.fleet.on_store_error is StoreErrorPolicy.LOCAL
+
+
+def test_a_bad_store_in_the_environment_names_the_variable() -> None:
+    try:
+        parse_config(BASE, environ={"MUXPROXY_FLEET_STORE": "redis//nohost"})
+    except ConfigError as exc:
+        assert len(exc.problems) == 1
+        assert exc.problems[0].startswith("MUXPROXY_FLEET_STORE: expected a Redis URL")
+    else:
+        raise AssertionError("a malformed MUXPROXY_FLEET_STORE was accepted")

@@ -8,13 +8,19 @@ A nameserver is an IP address (a name would need DNS to find DNS), with an optio
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from typing import Any
 
 from .checker import Checker, Key, describe
-from .fleet import StoreErrorPolicy
+from .fleet import FleetSettings, StoreErrorPolicy
 from .storeurl import store_url
 
-__all__ = ["FLEET_KEYS", "RESOLVER_KEYS"]
+__all__ = ["FLEET_KEYS", "FLEET_STORE_ENV", "RESOLVER_KEYS", "fleet_settings"]
+
+FLEET_STORE_ENV = "MUXPROXY_FLEET_STORE"
+"""When set and not empty, the store's URL, winning over ``[fleet] store`` (and making a
+``[fleet]`` table of the defaults when the file has none): a URL with a password can then
+come from a Secret rather than a file that is checked in."""
 
 
 def _store_error(check: Checker, value: Any, path: str) -> StoreErrorPolicy | None:
@@ -79,3 +85,20 @@ RESOLVER_KEYS = {
     "timeout": Key(Checker.seconds),
     "attempts": Key(Checker.positive_int),
 }
+
+
+def fleet_settings(check: Checker, value: Any, environ: Mapping[str, str]) -> FleetSettings | None:
+    """The ``[fleet]`` table (``value``, None when the file has none), its store taken from
+    :data:`FLEET_STORE_ENV` in ``environ`` when set there. None: no fleet."""
+    url = environ.get(FLEET_STORE_ENV)
+    if url:
+        if store_url(check, url, FLEET_STORE_ENV) is None:
+            return None
+        if value is not None and not isinstance(value, Mapping):
+            check.add("fleet", f"expected a table, got {describe(value)}")
+            return None
+        value = {**(value or {}), "store": url}
+    if value is None:
+        return None
+    settings: FleetSettings | None = check.record(FleetSettings, value, "fleet", FLEET_KEYS)
+    return settings

@@ -17,8 +17,8 @@ from typing import Any
 
 from .admin import admin_settings, quick_admin
 from .checker import TOKEN, Checker, Key, describe, join, record_keys
-from .fleet import FleetSettings, ResolverSettings
-from .fleetkeys import FLEET_KEYS, RESOLVER_KEYS
+from .fleet import ResolverSettings
+from .fleetkeys import RESOLVER_KEYS, fleet_settings
 from .logs import log_settings
 from .records import (
     AdminSettings,
@@ -111,7 +111,8 @@ def parse_config(
 
     ``base_dir`` is where relative TLS file and state file paths start (default: the working
     directory). ``environ`` (default ``os.environ``) may hold ``MUXPROXY_ADMIN_TOKEN``, which
-    wins over ``[admin] token``. Raises :class:`ConfigError` listing every problem found.
+    wins over ``[admin] token``, and ``MUXPROXY_FLEET_STORE``, which wins over ``[fleet]
+    store``. Raises :class:`ConfigError` listing every problem found.
     """
     check = Checker(base_dir)
     suggested = check.unknown_keys(data, _TOP_KEYS, "")
@@ -136,9 +137,7 @@ def parse_config(
         environ = os.environ if environ is None else environ
         admin = admin_settings(check, data["admin"], "admin", environ)
     resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
-    fleet = None
-    if "fleet" in data:
-        fleet = check.record(FleetSettings, data["fleet"], "fleet", FLEET_KEYS)
+    fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
 
     if check.problems:
         raise ConfigError(check.problems)

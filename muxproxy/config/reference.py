@@ -421,7 +421,8 @@ _EXAMPLES = {
     "admin.token": 'token = "change-me"  # or the environment variable MUXPROXY_ADMIN_TOKEN',
     "admin.state_file": 'state_file = "muxproxy-state.json"',
     "resolver.nameservers": 'nameservers = ["10.96.0.10:53"]',
-    "fleet.store": 'store = "redis://redis:6379/0"',
+    "fleet.store": 'store = "redis://redis:6379/0"  # or the environment variable'
+    " MUXPROXY_FLEET_STORE",
     "fleet.on_store_error": 'store = "redis://redis:6379/0"\non_store_error = "local"',
     "fleet.sync_interval": 'store = "redis://redis:6379/0"\nsync_interval = 5.0',
 }
@@ -746,7 +747,8 @@ servers = ["10.0.0.1:8000", "10.0.0.2:8000"]
 
 `muxproxy serve --listen HOST:PORT --upstream HOST:PORT ...` runs the same thing without a
 file. The environment variable `MUXPROXY_ADMIN_TOKEN`, when set, is the admin token and wins
-over `[admin] token`.
+over `[admin] token`; `MUXPROXY_FLEET_STORE`, when set, is the fleet's store and wins over
+`[fleet] store` (a URL with a password then comes from a Secret, not the file).
 """
 
 
