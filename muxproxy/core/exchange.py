@@ -274,7 +274,7 @@ class Exchange:
             case Refusal() as refusal:
                 self._refuse_budget(refusal)
             case str() as reason:
-                self.fail(503, "rate limit store unavailable", reason)
+                self.fail(503, reason)
             case None:
                 admission.count(self.host.measurements.group(group.name))
                 self._place(admission.fleet.key, admission)

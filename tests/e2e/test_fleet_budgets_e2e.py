@@ -106,7 +106,7 @@ async def test_a_token_budget_holds_across_three_replicas_under_load(
     tmp_path: Path, start_backend: Any, redis_server: Any
 ) -> None:
     budget = 3000  # tokens a minute; 60 requests of 50 tokens when full
-    fake, port = await start_backend(tokens=50, delay=0.0)
+    _, port = await start_backend(tokens=50, delay=0.0)
     config = write_config(
         tmp_path / "muxproxy.toml", port, redis_server.url, f"tokens_per_minute = {budget}"
     )
@@ -158,7 +158,7 @@ async def test_max_concurrent_holds_across_three_replicas(
         while True:
             seen = counts()
             peak = max(peak, seen[0] - seen[1] - seen[2])
-            await fake.wait_until(lambda: counts() != seen)
+            await fake.wait_until(lambda seen=seen: counts() != seen)  # type: ignore[misc]
 
     with trio.fail_after(TEST_TIMEOUT):
         async with replicas(config) as proxies, trio.open_nursery() as nursery:
@@ -192,7 +192,7 @@ async def test_max_concurrent_holds_across_three_replicas(
 async def test_the_store_killed_mid_run_and_restarted(
     tmp_path: Path, start_backend: Any, redis_server: Any, policy: str
 ) -> None:
-    fake, port = await start_backend(tokens=2, delay=0.0)
+    _, port = await start_backend(tokens=2, delay=0.0)
     config = write_config(
         tmp_path / "muxproxy.toml",
         port,

@@ -76,9 +76,7 @@ def test_a_concurrency_refusal_names_the_limit() -> None:
 
 def test_a_budget_shared_by_replicas_rounds_each_share_up() -> None:
     budget = Budget(tokens_per_minute=1000, requests_per_minute=10, max_concurrent=4)
-    assert budget.share(3) == Budget(
-        tokens_per_minute=334, requests_per_minute=4, max_concurrent=2
-    )
+    assert budget.share(3) == Budget(tokens_per_minute=334, requests_per_minute=4, max_concurrent=2)
     assert budget.share(0) == budget.share(1) == budget
     assert Budget(max_concurrent=2).share(5) == Budget(max_concurrent=1)
 
