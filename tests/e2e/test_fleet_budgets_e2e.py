@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -152,13 +153,16 @@ async def test_max_concurrent_holds_across_three_replicas(
     def counts() -> tuple[int, int, int]:
         return fake.streams_started, fake.streams_completed, fake.disconnects
 
+    def changed(seen: tuple[int, int, int]) -> bool:
+        return counts() != seen
+
     async def watch() -> None:
         """The most streams the backend ran at once, seen at each change of its counts."""
         nonlocal peak
         while True:
             seen = counts()
             peak = max(peak, seen[0] - seen[1] - seen[2])
-            await fake.wait_until(lambda seen=seen: counts() != seen)  # type: ignore[misc]
+            await fake.wait_until(functools.partial(changed, seen))
 
     with trio.fail_after(TEST_TIMEOUT):
         async with replicas(config) as proxies, trio.open_nursery() as nursery:
