@@ -140,8 +140,8 @@ def problems(data: dict[str, Any]) -> list[str]:
         ),
         (
             {"rate_limit": {}},
-            "upstreams.gpus.rate_limit: sets no budget; expected tokens_per_minute = N and/or"
-            " requests_per_minute = M, or remove rate_limit",
+            "upstreams.gpus.rate_limit: sets no budget; expected tokens_per_minute = N,"
+            " requests_per_minute = M and/or max_concurrent = C, or remove rate_limit",
         ),
         (
             {"tenant": "jwt:sub"},

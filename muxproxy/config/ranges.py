@@ -159,6 +159,7 @@ RANGES: dict[str, Range] = {
     f"{_G}.queue.affinity_wait": Range(0, DAY, "seconds", "a day"),
     f"{_G}.rate_limit.tokens_per_minute": _RATE,
     f"{_G}.rate_limit.requests_per_minute": _RATE,
+    f"{_G}.rate_limit.max_concurrent": Range(1, 1_000_000, "", "a million streams in flight"),
     "routes[].sse_heartbeat": _TIMEOUT,
     "resolver.timeout": Range(0, 60, "seconds", "a minute: a lookup", above_low=True),
     "resolver.attempts": Range(1, 10),

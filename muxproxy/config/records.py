@@ -240,6 +240,8 @@ class RateLimit:
     ``default_max_tokens``) and is settled to what it really used."""
     requests_per_minute: int | None = None
     """Requests per tenant per minute, whatever their size."""
+    max_concurrent: int | None = None
+    """Requests of one tenant in flight at once (from admission to the response's end)."""
 
 
 SOURCE_KINDS = ("cookie", "header", "query", "body")

@@ -410,6 +410,7 @@ _EXAMPLES = {
     f"{_GROUP}.load_report.timeout": "timeout = 0.5",
     f"{_GROUP}.rate_limit.tokens_per_minute": "tokens_per_minute = 100000",
     f"{_GROUP}.rate_limit.requests_per_minute": "requests_per_minute = 600",
+    f"{_GROUP}.rate_limit.max_concurrent": "max_concurrent = 8",
     "routes[].prefix": 'prefix = "/v1/"\nupstream = "gpus"',
     "routes[].upstream": 'prefix = "/v1/"\nupstream = "gpus"',
     "routes[].sse_heartbeat": 'prefix = "/v1/"\nupstream = "gpus"\nsse_heartbeat = 15',

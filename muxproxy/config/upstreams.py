@@ -545,8 +545,8 @@ def rate_limit(check: Checker, value: Any, path: str) -> RateLimit | None:
     if not values:
         check.add(
             path,
-            "sets no budget; expected tokens_per_minute = N and/or requests_per_minute = M,"
-            " or remove rate_limit",
+            "sets no budget; expected tokens_per_minute = N, requests_per_minute = M"
+            " and/or max_concurrent = C, or remove rate_limit",
         )
         return None
     return RateLimit(**values)
@@ -639,4 +639,5 @@ _GROUP_TIMEOUTS_KEYS = record_keys(GroupTimeouts, Checker.seconds)
 _RATE_LIMIT_KEYS = {
     "tokens_per_minute": Key(Checker.positive_int),
     "requests_per_minute": Key(Checker.positive_int),
+    "max_concurrent": Key(Checker.positive_int),
 }

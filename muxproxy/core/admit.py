@@ -18,7 +18,9 @@ What it obeys:
   reservation is settled to the completion tokens really used: the ``usage`` object's
   ``completion_tokens`` when the backend sent one (``UsageScan``), else the SSE events
   relayed, else (a response that is neither) what was reserved; nothing for a request that
-  got no response from a backend.
+  got no response from a backend. With a fleet store the reservation is the store's
+  (``fleetadmit.py``, ``FleetHold``) and so is the settling: a ``BudgetSettle`` command the
+  driver sends off the request's path.
 - The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
   room waits, fair between tenants and strict between priorities, for at most
   ``queue.timeout`` seconds; past ``queue.max`` waiting, or past the timeout, it is answered
@@ -31,11 +33,15 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
+import attrs
+
 from ..config import AffinityMode, SessionSource, Upstream
+from ..fleet.budgets import Ask
 from ..routing.llmrequest import NOTHING, LlmRequest, read_request
 from ..routing.load import Ticket
 from ..routing.ratelimit import RateLimiter, Refusal, Reservation
 from ..routing.sticky import source_value
+from .commands import BudgetSettle
 from .credentials import credential_key, repeated_field
 from .effects import Effects
 from .messages import Headers, RequestHead
@@ -43,6 +49,7 @@ from .timers import ExchangeTimer
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
+    from .series import GroupStats
 
 _PRIORITIES = 10
 """Priority classes 0..9 (lower first)."""
@@ -66,11 +73,24 @@ def priority_of(value: bytes | None) -> int:
     return min(max(level, 0), _PRIORITIES - 1)
 
 
+@attrs.define
+class FleetHold:
+    """A reservation asked of the fleet store (``fleetadmit.py``)."""
+
+    store: str
+    ask: Ask
+    key: bytes | None
+    """The request's session key, to route with once the store answers."""
+    reserved: bool = False
+    """The store took it: settle it at the end."""
+
+
 class Admission:
     """The facts, reservation and queue wait of one exchange in one group."""
 
     __slots__ = (
         "facts",
+        "fleet",
         "fx",
         "group",
         "home",
@@ -103,6 +123,8 @@ class Admission:
         """The budgets the reservation was taken from (they outlive a reload that keeps
         ``rate_limit``)."""
         self.usage: UsageScan | None = None
+        self.fleet: FleetHold | None = None
+        """With a fleet store: the reservation asked of it, then held."""
         self.queued_at: float | None = None
         self.home: str | None = None
         """While queued: the address of the server this request belongs on (its session
@@ -128,14 +150,30 @@ class Admission:
             self.usage = UsageScan()
         return None
 
+    def count(self, stats: GroupStats) -> None:
+        """Count the reservation taken (local or the store's) in its group's ``stats``."""
+        reserved = self.reserved
+        if reserved is not None:
+            stats.reservations += 1
+            stats.tokens_reserved += reserved
+
+    @property
+    def reserved(self) -> int | None:
+        """The tokens reserved, local or in the store; None: nothing is held."""
+        if self.reservation is not None:
+            return self.reservation.tokens
+        held = self.fleet
+        return held.ask.tokens if held is not None and held.reserved else None
+
     def settle(self, answered: bool, events: int | None) -> int | None:
         """Correct the reservation to what was used (see the module header): ``answered``,
         whether a backend's response came; ``events``: the SSE events relayed, if SSE.
         The tokens counted as used; None when nothing was reserved."""
-        reservation, limiter = self.reservation, self.limiter
-        if reservation is None or limiter is None:
+        reserved = self.reserved
+        if reserved is None:
             return None
-        self.reservation = None
+        reservation, limiter, held = self.reservation, self.limiter, self.fleet
+        self.reservation = self.fleet = None
         if not answered:
             used = 0
         elif self.usage is not None and self.usage.completion_tokens is not None:
@@ -143,8 +181,14 @@ class Admission:
         elif events is not None:
             used = events
         else:
-            used = reservation.tokens
-        limiter.settle(reservation, used, self.fx.now)
+            used = reserved
+        if reservation is not None and limiter is not None:
+            limiter.settle(reservation, used, self.fx.now)
+        if held is not None and held.reserved:
+            correction = reserved - min(max(used, 0), 2**63 - 1)
+            ask = held.ask
+            if ask.leased or (ask.budget.tokens_per_minute is not None and correction):
+                self.fx.emit(BudgetSettle(store=held.store, ask=ask, correction=correction))
         return used
 
     # -- the queue -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from ..config import Server
+from ..fleet.budgets import Ask
 from .events import ConnId, TimerId
 
 
@@ -213,3 +214,26 @@ class ResumeProbe(Command):
     token: bytes
     stream: int
     """The stream's ident in its ``ResumeStore`` (``Resumable.ident``)."""
+
+
+# -- fleet-wide budgets (``fleetadmit.py``; the driver's ``muxproxy.trio.fleetbudgets``) -------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BudgetReserve(Command):
+    """Reserve ``ask`` from its tenant's budgets in the fleet store ``store`` (one round
+    trip). Always answered by ``BudgetAnswered``, within ``fleet.budgets.RESERVE_TIMEOUT``
+    seconds: a store that is down, slow or wrong answers as an error."""
+
+    store: str
+    ask: Ask
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BudgetSettle(Command):
+    """Correct the reservation of ``ask`` by ``correction`` tokens (reserved minus used)
+    and release its lease. Fire and forget: the driver batches it, off the request's path."""
+
+    store: str
+    ask: Ask
+    correction: int

@@ -12,6 +12,7 @@ import attrs
 
 from ..config import Config
 from ..config.runtime import RuntimeState
+from ..fleet.budgets import Ask, Verdict
 from .forwarded import Network
 from .timers import TimerId as TimerId
 
@@ -170,3 +171,17 @@ class ResumeProbed(Event):
 
     stream: int
     reading: bool
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class BudgetAnswered(Event):
+    """The answer to ``BudgetReserve``: the store's verdict, or why there is none."""
+
+    store: str
+    ask: Ask
+    verdict: Verdict | None
+    """None: the store failed (down, too slow, a bad reply): ``error`` says how."""
+    error: str = ""
+    replicas: int = 1
+    """The replicas the driver last saw in the store (at least 1): ``on_store_error =
+    "local"`` enforces ``1 / replicas`` of each budget."""

@@ -46,7 +46,7 @@ from ..config import Resume, Route, Upstream
 from ..routing.llmrequest import parse_json_body
 from ..routing.ratelimit import Refusal
 from ..routing.sticky import session_key_from_body, session_key_from_head
-from . import grpc
+from . import fleetadmit, grpc
 from .access import access_fields, add_to_totals, with_request_id
 from .admit import Admission, UsageScan, extra_fields, repeated_tenant_field
 from .body import RequestBody
@@ -57,6 +57,7 @@ from .continuation import AnswerSoFar, Splicer, wants_continuation
 from .continuing import ContinuedStream
 from .deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
 from .effects import Effects
+from .events import BudgetAnswered
 from .exchange_states import TIMER_INPUTS, TRANSITIONS, ExchangeInput
 from .failover import Failover
 from .flow import Flow
@@ -251,14 +252,37 @@ class Exchange:
                 self.fail(400, repeated)
                 return
             admission = self.admission = Admission(self.fx, group, self.head, document)
+            if fleetadmit.ask_store(self.fx, group, admission, self.ident, key):
+                self.move(_I.RESERVE)  # the fleet's budgets: the store answers first
+                return
             refusal = admission.reserve(self.host.router(group))
             if refusal is not None:
                 self._refuse_budget(refusal)
                 return
-            if admission.reservation is not None:
-                stats = self.host.measurements.group(group.name)
-                stats.reservations += 1
-                stats.tokens_reserved += admission.reservation.tokens
+            admission.count(self.host.measurements.group(group.name))
+        self._place(key, admission)
+
+    def budget_answered(self, event: BudgetAnswered) -> None:
+        """RESERVING: the fleet store's answer (``fleetadmit.py``): route, or refuse."""
+        if not self.move(_I.RESERVED):
+            fleetadmit.give_back(self.fx, event)  # it ended meanwhile: the store's goes back
+            return
+        admission, group = self.admission, self.group
+        assert admission is not None and group is not None and admission.fleet is not None
+        router, measurements = self.host.router(group), self.host.measurements
+        match fleetadmit.decide(self.fx, router, measurements, admission, event):
+            case Refusal() as refusal:
+                self._refuse_budget(refusal)
+            case str() as reason:
+                self.fail(503, reason)
+            case None:
+                admission.count(self.host.measurements.group(group.name))
+                self._place(admission.fleet.key, admission)
+
+    def _place(self, key: bytes | None, admission: Admission | None) -> None:
+        """Admitted: choose the servers, then try the first with room, or wait for one."""
+        group = self.group
+        assert group is not None
         failover = self.failover = Failover(
             self.fx,
             self.host,

@@ -182,6 +182,8 @@ class Isolation:
             core.fx.cancel_timer((kind, ex.ident))
         if ex.failover is not None:
             ex.failover.leave()
+        if ex.admission is not None:
+            ex.admission.settle(False, None)  # its budget's slot and tokens go back
         ex.let_go()
         ex.phase = Phase.DONE
         ex.outcome = "internal error"

@@ -144,6 +144,12 @@ class Measurements:
         self.refusals: dict[Labels, int] = {}
         self.servers: dict[Labels, TokenTimes] = {}
         """(group, server) -> its token times: servers are configured or discovered."""
+        self.fleet_reservations: dict[Labels, int] = {}
+        """(outcome,) -> answers of the fleet store to budget reservations (``fleetadmit``)."""
+        self.fleet_store_errors = 0
+        """Operations on the fleet store's budgets that failed (counted by the driver)."""
+        self.fleet_replicas = 0
+        """The replicas the driver last saw in the fleet store (0: none asked yet)."""
 
     def group(self, name: str) -> GroupStats:
         stats = self.groups.get(name)
@@ -174,6 +180,11 @@ class Measurements:
         """A request refused by admission control (``admit.py``)."""
         key = (group, reason)
         self.refusals[key] = self.refusals.get(key, 0) + 1
+
+    def fleet_budget(self, outcome: str) -> None:
+        """A fleet store's answer to a reservation: ``reserved``, ``refused`` or ``error``."""
+        key = (outcome,)
+        self.fleet_reservations[key] = self.fleet_reservations.get(key, 0) + 1
 
     # -- snapshot ----------------------------------------------------------------------------
 
@@ -242,6 +253,8 @@ class Measurements:
                 *([[why], n] for why, n in sorted(core.resumes.refused.items())),
             ],
             "resume_store_errors_total": [[[], core.resumes.store_errors]],
+            "fleet_budget_reservations_total": _samples(self.fleet_reservations),
+            "fleet_budget_store_errors_total": [[[], self.fleet_store_errors]],
             "defences_total": [
                 [[kind], value]
                 for kind, value in sorted(core.counters.items())
@@ -280,6 +293,7 @@ class Measurements:
                 [[state], n] for state, n in sorted(core.resumes.states().items())
             ],
             "resumable_bytes": [[[], core.resumes.held_bytes]],
+            "fleet_replicas": [[[], self.fleet_replicas]] if self.fleet_replicas else [],
             "queue_length": queues,
             "rate_limit_reservations": reservations,
             "server_load_tokens": load,

@@ -50,6 +50,9 @@ class Phase(enum.Enum):
 
     BUFFERING = "buffering"
     """Holding the start of the request body to find a session key in it."""
+    RESERVING = "reserving"
+    """Waiting for the fleet store's answer to its budget reservation (``fleetadmit.py``;
+    request body bytes are held, bounded, as while CONNECTING)."""
     QUEUED = "queued"
     """Routed, waiting in the group's admission queue for a server with room (request body
     bytes are held, bounded, as while CONNECTING)."""

@@ -27,6 +27,7 @@ from mypy_extensions import mypyc_attr
 from ..config import Config, Upstream
 from ..config.runtime import RuntimeState
 from ..routing.router import GroupRouter
+from . import fleetadmit
 from .access import RequestIds
 from .commands import Command, Log, ResumeFetchCancel
 from .defencelog import KINDS as DEFENCE_KINDS
@@ -34,6 +35,7 @@ from .defencelog import DefenceLog
 from .downstream import Downstream
 from .effects import READ_SIZE, Effects
 from .events import (
+    BudgetAnswered,
     ConfigChanged,
     ConnectionAccepted,
     ConnectionClosed,
@@ -196,6 +198,7 @@ class ProxyCore:
             RuntimeChanged: self._runtime_changed,
             ResumeFetched: self._resume_fetched,
             ResumeProbed: self._resume_probed,
+            BudgetAnswered: self._budget_answered,
         }
 
     # -- what the driver and embedders read ----------------------------------------------
@@ -276,8 +279,9 @@ class ProxyCore:
             holder = stream.owner if stream is not None else None
             if isinstance(holder, Exchange):
                 return Fault(conn=holder.client.conn, event=name, error=exc)
-        if type(event) is ResumeFetched:
-            exchange = self.exchanges.get(event.request)
+        if type(event) is ResumeFetched or type(event) is BudgetAnswered:
+            request = event.ask.request if isinstance(event, BudgetAnswered) else event.request
+            exchange = self.exchanges.get(request)
             if exchange is not None:
                 return Fault(conn=exchange.client.conn, event=name, error=exc)
         conn = getattr(event, "conn", None)
@@ -489,6 +493,13 @@ class ProxyCore:
             exchange.fetched(event)
         elif event.state == "live":
             self.fx.emit(ResumeFetchCancel(request=event.request))  # its client is gone
+
+    def _budget_answered(self, event: BudgetAnswered) -> None:
+        exchange = self.exchanges.get(event.ask.request)
+        if exchange is not None:
+            exchange.budget_answered(event)
+        else:
+            fleetadmit.give_back(self.fx, event)  # it ended meanwhile
 
     def _resume_probed(self, event: ResumeProbed) -> None:
         self.resumes.probed(event.stream, event.reading)

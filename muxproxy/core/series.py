@@ -191,6 +191,23 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Appends to and reads of the shared resume store (Redis) that failed or were dropped",
     ),
+    "fleet_budget_reservations_total": (
+        COUNTER,
+        ("outcome",),
+        "Budget reservations asked of the fleet store, by its answer (reserved, refused, error:"
+        " the store failed and on_store_error decided)",
+    ),
+    "fleet_budget_store_errors_total": (
+        COUNTER,
+        (),
+        "Operations on the fleet store's budgets that failed or timed out (reservations,"
+        " settles, lease renewals, the replica's announcements)",
+    ),
+    "fleet_replicas": (
+        GAUGE,
+        (),
+        "Replicas (processes admitting requests) seen in the fleet store at the last heartbeat",
+    ),
     "resumable_streams": (
         GAUGE,
         ("state",),
@@ -244,6 +261,7 @@ PER_SERVER = frozenset({"time_to_first_token_seconds", "inter_token_seconds"})
 """Histograms kept per server (``TokenTimes``): a new release on one server shows in them."""
 
 GAUGE_MERGE = {
+    "fleet_replicas": "max",
     "server_up": "min",
     "server_weight": "max",
     "server_reported_running": "max",

@@ -16,6 +16,12 @@ the tenant then waits until it has paid the debt off. Concurrent requests cannot
 each reservation is taken from what is there when it is made, so over any window that ends
 with a reservation, the tokens taken (reservations plus corrections) are at most capacity
 plus the refill over the window (the invariant ``tests/routing/test_ratelimit.py`` checks).
+``max_concurrent`` is a count, not a bucket: a reservation holds one of the tenant's slots
+until it is settled.
+
+With a fleet store the same budgets hold fleet-wide (``fleet/budgets.py``, the same rules in
+Lua in Redis); this limiter is then the fallback while the store cannot be reached, made with
+``Budget.share`` of the replicas last seen.
 
 Invariants:
 
@@ -27,6 +33,7 @@ Invariants:
 - A debt is at most one capacity (the level never goes below -capacity): a bogus usage
   figure from a backend can lock a tenant out for two minutes at most, not for ever.
 - Tenants are the caller's integer hashes of its key: no tenant identifier is held.
+- In-flight counts are held only while above 0: at most one entry per reservation held.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ __all__ = [
     "RateLimiter",
     "Refusal",
     "Reservation",
+    "budget_headers",
     "format_duration",
 ]
 
@@ -58,6 +66,10 @@ overflow a float nor an int's string form (ValueError past 4,300 digits)."""
 
 _MIN_RETRY = 0.001
 """The shortest retry_after: a deficit of a rounding error still means "not yet"."""
+
+CONCURRENCY_RETRY = 1.0
+"""The retry_after of a refusal for ``max_concurrent``: no refill says when a slot frees; a
+second is about one short answer's time, and ``Retry-After`` counts whole seconds."""
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -77,6 +89,22 @@ class Budget:
     """Tokens (prompt and completion) per minute: the bucket's capacity."""
     requests_per_minute: int | None = attrs.field(default=None, validator=_positive_or_none)
     """Requests per minute."""
+    max_concurrent: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Requests in flight at once (reserved, not yet settled)."""
+
+    def share(self, parts: int) -> Budget:
+        """This budget split ``parts`` ways (each limit rounded up, at least 1): what one of
+        ``parts`` replicas enforces alone while they cannot share the fleet's count."""
+        parts = max(parts, 1)
+
+        def part(limit: int | None) -> int | None:
+            return None if limit is None else max(1, -(-limit // parts))
+
+        return Budget(
+            tokens_per_minute=part(self.tokens_per_minute),
+            requests_per_minute=part(self.requests_per_minute),
+            max_concurrent=part(self.max_concurrent),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +114,8 @@ class Reservation:
     tenant: int
     tokens: int
     """The tokens reserved (the request's estimate, at least 0)."""
+    leased: bool = False
+    """It holds one of the tenant's ``max_concurrent`` slots (``settle`` frees it)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -135,7 +165,7 @@ class _Bucket:
 class RateLimiter:
     """Token buckets per tenant for one ``Budget``; see the module's theory of operation."""
 
-    __slots__ = ("_buckets", "budget", "limit")
+    __slots__ = ("_buckets", "_in_flight", "budget", "limit")
 
     def __init__(self, budget: Budget, limit: int = DEFAULT_LIMIT) -> None:
         if limit < 1:
@@ -144,6 +174,8 @@ class RateLimiter:
         self.limit = limit
         """Tenants held at most."""
         self._buckets: OrderedDict[int, _Bucket] = OrderedDict()
+        self._in_flight: dict[int, int] = {}
+        """Tenant -> reservations held, with ``max_concurrent`` (none at 0)."""
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -164,6 +196,10 @@ class RateLimiter:
         bucket = self._take(tenant, now)
         short: list[str] = []
         wait = 0.0
+        most = self.budget.max_concurrent
+        if most is not None and self._in_flight.get(tenant, 0) >= most:
+            wait = CONCURRENCY_RETRY
+            short.append(f"{most} requests in flight")
         if rpm is not None and bucket.requests < 1:
             wait = (1 - bucket.requests) * 60 / rpm
             short.append(f"{rpm} requests per minute")
@@ -184,12 +220,24 @@ class RateLimiter:
         if tpm is not None:
             bucket.tokens -= tokens
         self._keep(tenant, bucket, now)
-        return Reservation(tenant=tenant, tokens=tokens)
+        if most is not None:
+            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+        return Reservation(tenant=tenant, tokens=tokens, leased=most is not None)
+
+    def in_flight(self, tenant: int) -> int:
+        """The reservations ``tenant`` holds now (counted with ``max_concurrent`` only)."""
+        return self._in_flight.get(tenant, 0)
 
     def settle(self, reservation: Reservation, used: int, now: float) -> None:
         """Correct a reservation to the tokens really ``used`` (clamped to [0, 2**63 - 1]):
         give back what was not used (up to capacity) or charge the excess (down to
-        -capacity)."""
+        -capacity); free its ``max_concurrent`` slot."""
+        if reservation.leased:
+            held = self._in_flight.get(reservation.tenant, 0) - 1
+            if held > 0:
+                self._in_flight[reservation.tenant] = held
+            else:
+                self._in_flight.pop(reservation.tenant, None)
         tpm = self.budget.tokens_per_minute
         correction = reservation.tokens - min(max(used, 0), _MAX_COUNT)
         if tpm is None or correction == 0:
@@ -259,19 +307,25 @@ class RateLimiter:
             del buckets[oldest_tenant]
 
     def _headers(self, bucket: _Bucket) -> Headers:
-        tpm = self.budget.tokens_per_minute
-        rpm = self.budget.requests_per_minute
-        limits: list[tuple[bytes, bytes]] = []
-        remaining: list[tuple[bytes, bytes]] = []
-        resets: list[tuple[bytes, bytes]] = []
-        for kind, capacity, level in (
-            (b"requests", rpm, bucket.requests),
-            (b"tokens", tpm, bucket.tokens),
-        ):
-            if capacity is None:
-                continue
-            limits.append((b"x-ratelimit-limit-" + kind, b"%d" % capacity))
-            remaining.append((b"x-ratelimit-remaining-" + kind, b"%d" % max(0, math.floor(level))))
-            reset = format_duration((capacity - level) * 60 / capacity)
-            resets.append((b"x-ratelimit-reset-" + kind, reset))
-        return (*limits, *remaining, *resets)
+        return budget_headers(self.budget, bucket.tokens, bucket.requests)
+
+
+def budget_headers(budget: Budget, tokens: float, requests: float) -> Headers:
+    """The ``x-ratelimit-*`` headers of a tenant whose buckets hold ``tokens`` and
+    ``requests`` (only those of the budgets configured): OpenAI's names and formats."""
+    tpm = budget.tokens_per_minute
+    rpm = budget.requests_per_minute
+    limits: list[tuple[bytes, bytes]] = []
+    remaining: list[tuple[bytes, bytes]] = []
+    resets: list[tuple[bytes, bytes]] = []
+    for kind, capacity, level in (
+        (b"requests", rpm, requests),
+        (b"tokens", tpm, tokens),
+    ):
+        if capacity is None:
+            continue
+        limits.append((b"x-ratelimit-limit-" + kind, b"%d" % capacity))
+        remaining.append((b"x-ratelimit-remaining-" + kind, b"%d" % max(0, math.floor(level))))
+        reset = format_duration((capacity - level) * 60 / capacity)
+        resets.append((b"x-ratelimit-reset-" + kind, reset))
+    return (*limits, *remaining, *resets)

@@ -87,6 +87,9 @@ class GroupRouter:
         """Requests waiting for a server with room (admission control)."""
         self.limiter = _limiter(group)
         """Per-tenant budgets (``rate_limit``), or None."""
+        self.share: RateLimiter | None = None
+        """With a fleet store that cannot be reached: this replica's share of the budgets
+        (``core/fleetadmit.py``), made on first use."""
         self.successor: GroupRouter | None = None
         """The router that replaced this one on a reload that changed the servers."""
         self._moved: list[int | None] = []
@@ -123,7 +126,9 @@ class GroupRouter:
         old = self.group
         self.affinity.idle = group.sticky.session_idle
         self.queue.limit = group.queue.max
-        limiter = self.limiter if old.rate_limit == group.rate_limit else _limiter(group)
+        same_budget = old.rate_limit == group.rate_limit
+        limiter = self.limiter if same_budget else _limiter(group)
+        share = self.share if same_budget else None
         if [s.address for s in group.servers] == [s.address for s in old.servers]:
             self.group = group
             self._index_servers(group)
@@ -131,6 +136,7 @@ class GroupRouter:
             loads.carry(self.loads, ((i, i) for i in range(len(group.servers))))
             self.loads = loads
             self.limiter = limiter
+            self.share = share
             self.apply_runtime(RuntimeState.empty())
             check = group.health_check
             if check is None:
@@ -153,6 +159,7 @@ class GroupRouter:
         new.loads.carry(self.loads, moves)
         new.queue = self.queue  # the requests waiting go on waiting for the new servers
         new.limiter = limiter
+        new.share = share
         self.successor = new
         self._moved = moved
         return new
@@ -402,5 +409,6 @@ def _limiter(group: Upstream) -> RateLimiter | None:
         Budget(
             tokens_per_minute=budget.tokens_per_minute,
             requests_per_minute=budget.requests_per_minute,
+            max_concurrent=budget.max_concurrent,
         )
     )

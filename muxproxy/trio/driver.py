@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..core.commands import (
+    BudgetReserve,
+    BudgetSettle,
     CancelTimer,
     CloseConnection,
     Command,
@@ -70,6 +72,7 @@ from .logs import drop_access
 from .reactor import Reactor, SocketConn
 
 if TYPE_CHECKING:
+    from .fleetbudgets import FleetBudgets
     from .resumestore import ResumeStores
 
 
@@ -166,7 +169,11 @@ class Driver:
             ResumeFetchMore: self._resume_fetch_more,
             ResumeFetchCancel: self._resume_fetch_cancel,
             ResumeProbe: self._resume_probe,
+            BudgetReserve: lambda command: self._budgets().reserve(command),
+            BudgetSettle: lambda command: self._budgets().settle(command),
         }
+        self._fleet_budgets: FleetBudgets | None = None
+        """Fleet-wide budgets (``fleetbudgets.py``), made at the start with ``[fleet]``."""
         self._resume_stores: ResumeStores | None = None
         """The shared resume stores (``resumestore.py``), made on the first command for one:
         a proxy without ``resume.store`` never imports ``coredis``."""
@@ -200,6 +207,9 @@ class Driver:
     def start(self) -> None:
         """Start the driver's own tasks: the timers and, on Linux, the reactor."""
         self.nursery.start_soon(self.run_timers)
+        fleet = self.core.config.fleet
+        if fleet is not None:
+            self._budgets().start(fleet.store)  # in the replica count before any request
         if self.reactor is not None:
             self.nursery.start_soon(self.reactor.run)
 
@@ -624,6 +634,14 @@ class Driver:
 
             stores = self._resume_stores = ResumeStores(self)
         return stores
+
+    def _budgets(self) -> FleetBudgets:
+        budgets = self._fleet_budgets
+        if budgets is None:
+            from .fleetbudgets import FleetBudgets
+
+            budgets = self._fleet_budgets = FleetBudgets(self)
+        return budgets
 
     def _resume_append(self, command: ResumeAppend) -> None:
         self._stores().append(command)

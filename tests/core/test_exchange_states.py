@@ -32,21 +32,26 @@ from playbook import H1BackendPeer, H2Client, Playbook, default_config
 
 from muxproxy.config import (
     Config,
+    FleetSettings,
     GroupTimeouts,
     NextUpstream,
+    RateLimit,
     Route,
     Server,
     SessionSource,
     Sticky,
     Upstream,
 )
-from muxproxy.core.commands import Command, SendData
-from muxproxy.core.events import Wakeup
+from muxproxy.core.commands import BudgetSettle, Command, SendData
+from muxproxy.core.events import BudgetAnswered, Wakeup
 from muxproxy.core.exchange import Exchange, Phase, RequestPhase
 from muxproxy.core.exchange_states import EVENTS, TIMER_INPUTS, TRANSITIONS, ExchangeInput
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import UpstreamUser
 from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing
+from muxproxy.fleet.budgets import Ask, Short
+from muxproxy.fleet.budgets import Verdict as StoreVerdict
+from muxproxy.routing.ratelimit import Budget
 
 _I = ExchangeInput
 PAIRS = [(phase, input) for phase in Phase for input in ExchangeInput]
@@ -60,10 +65,15 @@ KEYED = ("x-session", "k1")
 """A session key in the head: a request with a body is routed at once."""
 
 
-def config() -> Config:
+STORE = "redis://127.0.0.1:1"
+"""The fleet store of a rig whose exchange waits for it (never reached: answers are fed)."""
+BUDGET = Budget(max_concurrent=4)
+
+
+def config(*, fleet: bool = False) -> Config:
     """Two servers of one stream each (a failure is retried; a third request waits), a held
     SSE head with heartbeats, a first-token timeout, and a session key from a header or
-    else the JSON body."""
+    else the JSON body. ``fleet``: with a fleet store and a tenant budget (RESERVING)."""
     servers = (
         Server(address="127.0.0.1:9001", max_streams=1),
         Server(address="127.0.0.1:9002", max_streams=1),
@@ -79,9 +89,11 @@ def config() -> Config:
         sticky=Sticky(sources=sources),
         timeouts=GroupTimeouts(first_token=30.0),
         next_upstream=NextUpstream(on=frozenset({"error", "timeout", "http_503"})),
+        rate_limit=RateLimit(max_concurrent=4) if fleet else None,
     )
     route = Route(prefix="/", upstream="default", retry_until_first_event=True, sse_heartbeat=15)
-    return default_config(upstreams={"default": group}, routes=(route,))
+    store = FleetSettings(store=STORE) if fleet else None
+    return default_config(upstreams={"default": group}, routes=(route,), fleet=store)
 
 
 # -- bringing an exchange into a phase -----------------------------------------------------
@@ -90,8 +102,8 @@ def config() -> Config:
 class Rig:
     """One client connection (1) with one request, and the backend that answers it."""
 
-    def __init__(self, *, h2: bool) -> None:
-        self.pb = Playbook(config())
+    def __init__(self, *, h2: bool, fleet: bool = False) -> None:
+        self.pb = Playbook(config(fleet=fleet))
         self.h2client = H2Client(self.pb, 1) if h2 else None
         if self.h2client is None:
             self.pb.accept(1)
@@ -158,14 +170,25 @@ def fill(rig: Rig, streams: int) -> None:
 
 
 def reach(
-    phase: Phase, *, h2: bool, open_request: bool, sse: bool, full: bool = False
+    phase: Phase,
+    *,
+    h2: bool,
+    open_request: bool,
+    sse: bool,
+    full: bool = False,
+    fleet: bool = False,
 ) -> tuple[Rig, Exchange]:
     """A conversation that leaves its exchange in ``phase``. ``open_request``: its request
     body is still coming; ``sse``: the backend answers with an SSE head (held, then committed
     by its first event) rather than a JSON one (committed at once, before any body byte);
     ``full``: every server is full (QUEUED is reached so; BUFFERING then routes into the
-    queue)."""
-    rig = Rig(h2=h2)
+    queue); ``fleet``: with a fleet store and a budget (RESERVING is reached so; BUFFERING
+    then routes into RESERVING)."""
+    rig = Rig(h2=h2, fleet=fleet or phase is Phase.RESERVING)
+    if phase is Phase.RESERVING:
+        exchange = rig.request(body=b'{"a": 1' if open_request else None)
+        assert exchange.phase is Phase.RESERVING
+        return rig, exchange
     if full or phase is Phase.QUEUED:
         fill(rig, 1)
     if phase is Phase.QUEUED:
@@ -270,6 +293,20 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
             if variant == 1:
                 fill(rig, 0)  # a server has room: it is tried
             return exchange.admitted
+        case _I.RESERVED:
+            # Reserved (every server full: it waits), refused, or the store failed
+            # (``on_store_error = "local"``: tried at once).
+            if variant == 0:
+                fill(rig, 1)
+            ask = Ask(request=exchange.ident, group="default", tenant=0, budget=BUDGET, tokens=1)
+            short = (Short(0), Short.CONCURRENCY)[variant] if variant < 2 else None
+            verdict = None
+            if short is not None:
+                verdict = StoreVerdict(short=short, wait=1.0, tokens=0, requests=0, held=1)
+            answer = BudgetAnswered(
+                now=rig.pb.now, store=STORE, ask=ask, verdict=verdict, error="down", replicas=2
+            )
+            return lambda: exchange.budget_answered(answer)
     kind = TIMERS[input]
     timer = (kind, exchange.ident)
     if timer in rig.pb.core.fx.timers and exchange.ident in rig.pb.core.exchanges:
@@ -310,7 +347,8 @@ def check(
     # Body bytes come only while the body does (the client side's adapters see to that).
     open_request = open_request or input is _I.REQUEST_BODY
     full = phase is Phase.BUFFERING and variant == 2
-    rig, exchange = reach(phase, h2=h2, open_request=open_request, sse=sse, full=full)
+    fleet = phase is Phase.BUFFERING and variant == 1
+    rig, exchange = reach(phase, h2=h2, open_request=open_request, sse=sse, full=full, fleet=fleet)
     if variant == 2:
         rig.later(1000.0)  # the lazy deadlines have passed
     if rig.h2client is not None:
@@ -355,6 +393,10 @@ def handed_back(
     rig: Rig, exchange: Exchange, input: ExchangeInput, commands: list[Command]
 ) -> bool:
     """An ignored input caused nothing but the return of what it brought."""
+    if input is _I.RESERVED:
+        # What the store reserved for an exchange that ended goes back, and nothing else.
+        assert all(isinstance(c, BudgetSettle) for c in commands)
+        return True
     if input is _I.UPSTREAM_READY:
         assert rig.stub is not None and rig.stub.closed and rig.stub.sent == []
     if input is _I.REQUEST_BODY and rig.h2client is not None:
@@ -435,13 +477,15 @@ def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
                 moves = check(phase, input, h2=False, open_request=open_request, variant=variant)
                 if input in EVENTS:
                     taken |= {(was, made) for was, made, _ in moves if made in MOVES}
-    # The first attempt from an exchange just started, and BUFFER, are taken as it starts;
+    # The first attempt from an exchange just started, BUFFER and RESERVE, are taken as it
+    # starts;
     # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py).
     taken |= {
         (Phase.CONNECTING, _I.ATTEMPT),
         (Phase.CONNECTING, _I.BUFFER),
         (Phase.CONNECTING, _I.QUEUE),
         (Phase.CONNECTING, _I.REPLAY),
+        (Phase.CONNECTING, _I.RESERVE),
     }
     allowed = {(p, i) for (p, i), t in TRANSITIONS.items() if i in MOVES and t is not ILLEGAL}
     assert allowed - taken == set()

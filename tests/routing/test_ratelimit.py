@@ -367,3 +367,16 @@ def test_without_settles_a_minute_never_grants_more_than_two_capacities(
     for at, _ in grants:
         in_minute = sum(tokens for when, tokens in grants if at <= when < at + 60)
         assert in_minute <= 2 * capacity + 1e-6 * capacity
+
+
+def test_max_concurrent_holds_a_slot_per_reservation_until_it_is_settled() -> None:
+    limiter = RateLimiter(Budget(max_concurrent=2))
+    first, second = limiter.reserve(1, 10, 0.0), limiter.reserve(1, 10, 0.0)
+    assert isinstance(first, Reservation) and first.leased and isinstance(second, Reservation)
+    refused = limiter.reserve(1, 10, 0.0)
+    assert isinstance(refused, Refusal) and refused.reason.endswith("2 requests in flight")
+    assert refused.retry_after == 1.0 and not refused.too_large
+    assert isinstance(limiter.reserve(2, 10, 0.0), Reservation)  # another tenant's own
+    limiter.settle(first, 10, 1.0)
+    assert limiter.in_flight(1) == 1
+    assert isinstance(limiter.reserve(1, 10, 1.0), Reservation)
