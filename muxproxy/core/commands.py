@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from ..config import Server
+from ..fleet.sessions import SessionEntry
 from .events import ConnId, TimerId
 
 
@@ -213,3 +214,16 @@ class ResumeProbe(Command):
     token: bytes
     stream: int
     """The stream's ident in its ``ResumeStore`` (``Resumable.ident``)."""
+
+
+# -- the shared memory of sessions (``sessionshare.py``; the driver's ``fleetsessions``) ----
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SessionsRemembered(Command):
+    """Sessions this core sent to a server since its last batch (the latest per key), for
+    the other workers and replicas to learn (``fleet/sessions.py``). Emitted at most every
+    ``SHARE_DELAY`` seconds, and only where the driver shares them. The times are the core's
+    clock (the ``now`` of the events); the driver turns them into wall-clock time."""
+
+    entries: tuple[SessionEntry, ...]

@@ -113,7 +113,17 @@ class MeasuredCore(Protocol):
     def exchanges(self) -> Mapping[int, RunningExchange]: ...
     @property
     def resumes(self) -> ResumeCounts: ...
+    @property
+    def sessions(self) -> SessionCounts: ...
     def router(self, group: Upstream) -> GroupStatus: ...
+
+
+class SessionCounts(Protocol):
+    """What ``Measurements`` reads of the shared memory of sessions (``SessionSharing``)."""
+
+    shared: int
+    learned: int
+    store_errors: int
 
 
 class ResumeCounts(Protocol):
@@ -242,6 +252,9 @@ class Measurements:
                 *([[why], n] for why, n in sorted(core.resumes.refused.items())),
             ],
             "resume_store_errors_total": [[[], core.resumes.store_errors]],
+            "sessions_shared_total": [[[], core.sessions.shared]],
+            "sessions_learned_total": [[[], core.sessions.learned]],
+            "sessions_store_errors_total": [[[], core.sessions.store_errors]],
             "defences_total": [
                 [[kind], value]
                 for kind, value in sorted(core.counters.items())
@@ -255,6 +268,7 @@ class Measurements:
         reported: dict[str, list[Any]] = {"running": [], "waiting": [], "kv_cache": []}
         queues: list[Any] = []
         reservations: list[Any] = []
+        remembered: list[Any] = []
         for name, group in sorted(core.config.upstreams.items()):
             # What routing reports (``GroupRouter.status``): up unless unhealthy or set down
             # by the operator; the weight in force (the operator's or the configured one).
@@ -273,6 +287,7 @@ class Measurements:
                             samples.append([labels, report[key]])
             queue = cast("dict[str, int]", status["queue"])
             queues.append([[name], queue["waiting"]])
+            remembered.append([[name], status["remembered_sessions"]])
             if name in groups:
                 reservations.append([[name], groups[name].reservations])
         gauges: dict[str, list[Any]] = {
@@ -280,6 +295,7 @@ class Measurements:
                 [[state], n] for state, n in sorted(core.resumes.states().items())
             ],
             "resumable_bytes": [[[], core.resumes.held_bytes]],
+            "sessions_remembered": remembered,
             "queue_length": queues,
             "rate_limit_reservations": reservations,
             "server_load_tokens": load,

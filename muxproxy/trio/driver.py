@@ -50,6 +50,7 @@ from ..core.commands import (
     ResumeProbe,
     ResumeReading,
     SendData,
+    SessionsRemembered,
     SetTimer,
     ShutdownWrite,
 )
@@ -166,6 +167,7 @@ class Driver:
             ResumeFetchMore: self._resume_fetch_more,
             ResumeFetchCancel: self._resume_fetch_cancel,
             ResumeProbe: self._resume_probe,
+            SessionsRemembered: self._sessions_remembered,
         }
         self._resume_stores: ResumeStores | None = None
         """The shared resume stores (``resumestore.py``), made on the first command for one:
@@ -188,6 +190,9 @@ class Driver:
         self.on_settled: Callable[[float], None] | None = None
         """Called with the batch's time after each batch of commands is settled (while the
         server stops: it watches for ``ProxyCore.drained`` without polling)."""
+        self.on_sessions: Callable[[SessionsRemembered], None] | None = None
+        """Where the core's batches of remembered sessions go (``fleetsessions.py``): the
+        supervisor's channel or the fleet store; None: nowhere (they are not shared)."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
         self.sink: Callable[[Log, float], None] = drop_access
@@ -639,6 +644,12 @@ class Driver:
 
     def _resume_probe(self, command: ResumeProbe) -> None:
         self._stores().probe(command)
+
+    # -- the shared memory of sessions (``fleetsessions.py``) -------------------------------
+
+    def _sessions_remembered(self, command: SessionsRemembered) -> None:
+        if self.on_sessions is not None:
+            self.on_sessions(command)
 
     # -- logs ------------------------------------------------------------------------------
 
