@@ -107,7 +107,7 @@ if #old > 0 then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-if taken > 0 then redis.call('PUBLISH', '{CHANNEL}', ARGV[3]) end
+redis.call('PUBLISH', '{CHANNEL}', ARGV[3])
 return taken
 """
 """KEYS: the group's hash and sorted set. ARGV: the oldest time kept, the keys' expiry
