@@ -65,6 +65,7 @@ LEVELS: dict[str, int] = {
     "client_closed": logging.DEBUG,
     "tunnel_opened": logging.DEBUG,
     "resume_store_bad_record": logging.WARNING,
+    "fleet_sessions_store_error": logging.WARNING,
     **dict.fromkeys(DEFENCE_KINDS, logging.WARNING),
 }
 """The error log's level per event; an event not listed is INFO. A server coming back up
