@@ -215,19 +215,28 @@ class StoreSessions:
 
     async def run(self) -> None:
         """Hold a connection, a subscription and the writer; again after a failure."""
+        import anyio
         from coredis.exceptions import RedisError
 
-        errors = (RedisError, OSError, trio.TooSlowError)
+        # coredis runs on anyio: a connection that broke under its pub/sub may surface as
+        # anyio's errors, also while it is being closed on a cancellation.
+        errors = (
+            RedisError,
+            OSError,
+            trio.TooSlowError,
+            anyio.ClosedResourceError,
+            anyio.BrokenResourceError,
+        )
         while True:
             try:
                 await self._serve()
             except errors as exc:
                 self.failed("connection", exc)
-            except ExceptionGroup as group:
-                _, rest = group.split(errors)
+            except BaseExceptionGroup as group:
+                failures, rest = group.split(errors)
                 if rest is not None:
-                    raise
-                self.failed("connection", group)
+                    raise rest from None  # a cancellation, or a bug of ours
+                self.failed("connection", failures or group)
             self.state.up = False
             await trio.sleep(RECONNECT_DELAY)
 
