@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .config.runtime import RuntimeState
     from .trio.channel import Message
+    from .trio.fleetsessions import SessionRelay
     from .trio.workerproc import Worker
 
 RUNTIME_TIMEOUT = 1.0
@@ -98,6 +99,10 @@ class Supervised(Protocol):
     async def snapshots(self) -> list[dict[str, Any]]:
         """Measurements of every worker: the live ones' now, the exited ones' last."""
 
+    @property
+    def sessions(self) -> SessionRelay:
+        """The host's memory of sessions and its bridge to the fleet store."""
+
 
 class SupervisorControl:
     """:class:`~muxproxy.trio.control.Control` over the workers of ``supervisor``."""
@@ -127,6 +132,7 @@ class SupervisorControl:
             ],
             "bound": [host_port(*address) for address in supervisor.bound_addresses()],
         }
+        merged.setdefault("sessions", {}).update(supervisor.sessions.status())
         merged["workers"] = [
             {
                 "pid": worker.pid,
@@ -169,7 +175,8 @@ class SupervisorControl:
     async def metrics(self) -> bytes:
         from .trio.metrics import render
 
-        return render(await self.supervisor.snapshots())
+        sessions = self.supervisor.sessions.snapshot_metrics()  # the host's store bridge
+        return render([*await self.supervisor.snapshots(), sessions])
 
 
 def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -182,6 +189,8 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         if isinstance(value, int) and not isinstance(value, bool):
             merged[key] = sum(status.get(key, 0) for status in statuses)
+        elif isinstance(value, dict) and key != "groups":
+            merged[key] = _sum_counts([status.get(key, {}) for status in statuses])
         else:
             merged[key] = value
     groups: dict[str, Any] = {}
@@ -218,6 +227,16 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         groups[name] = merged_group
     merged["groups"] = groups
     return merged
+
+
+def _sum_counts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A table of counts (``sessions``) over several workers: the numbers summed, anything
+    else as the first worker has it."""
+    out = dict(parts[0])
+    for key, value in parts[0].items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = sum(part.get(key, 0) for part in parts)
+    return out
 
 
 def _worst(order: tuple[str, ...], values: Sequence[object]) -> object:

@@ -1,9 +1,9 @@
 """``muxproxy serve --workers N``: a supervisor and N worker processes on handed-over sockets.
 
-Each worker is a whole, independent proxy: its own Trio loop, ``ProxyCore``, connection pools
-and health state. Nothing is shared or synchronised between workers: sticky routing agrees
-across them because it is rendezvous hashing over the same configuration, and passive and
-active health are per worker (each learns for itself that a backend is down).
+Each worker is a whole proxy: its own Trio loop, ``ProxyCore``, connection pools and health
+state. Sticky routing agrees across them because it is rendezvous hashing over the same
+configuration, and the memory of recent sessions is the host's: each worker's batches go to
+the supervisor, which relays them (``trio/fleetsessions.py``); health is per worker.
 
 Theory of operation. The supervisor (the process the user started) never serves a request. It
 owns the listening sockets, the workers' lives and the signals, and it never drops a stream
@@ -20,8 +20,8 @@ or a connection waiting to be accepted:
   reaches the supervisor alone), reading a pickled ``WorkerPayload`` on stdin that names its
   descriptors (``pass_fds``). A Unix socketpair per worker is its control channel
   (:mod:`muxproxy.trio.channel`; the messages are listed in :mod:`muxproxy.trio.worker`):
-  "listening", "stop", "cut", "reload", "runtime", "status?", "metrics?", and the worker's
-  final measurements as it exits; end of file means the worker has gone.
+  "listening", "stop", "cut", "reload", "runtime", "status?", "metrics?", "sessions", and the
+  worker's final measurements as it exits; end of file means the worker has gone.
 * Start. Once every worker reports that it listens, the supervisor prints ``muxproxy
   listening on ...`` (as one process would). A worker that exits before that fails the
   start: exit 1, after the worker's own message saying why.
@@ -96,6 +96,7 @@ from muxproxy.process import (
 from muxproxy.supervision import SupervisorControl
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import Readiness, ReloadResult, load_runtime_state
+from muxproxy.trio.fleetsessions import SessionRelay
 from muxproxy.trio.handover import (
     SlotSockets,
     WorkerPayload,
@@ -158,6 +159,7 @@ async def _supervise(
         try:
             async with trio.open_nursery() as nursery:
                 supervisor.nursery = nursery
+                supervisor.sessions.start(nursery)
                 await supervisor.start()
                 if supervisor.phase is Phase.SERVING and config.admin is not None:
                     await supervisor.serve_admin(config.admin.address)
@@ -207,6 +209,7 @@ class Supervisor:
         except OSError as exc:
             raise OSError(f"admin.state_file: cannot read it: {exc}") from None
         self.restarts = RestartBudget(count)
+        self.sessions = SessionRelay(lambda: self.config, lambda: self.workers)
         self.lock = trio.Lock()
         """Held by a reload, a rolling restart and a replacement: one change at a time."""
         self.exit_status = EXIT_OK
@@ -257,6 +260,7 @@ class Supervisor:
             control=theirs.fileno(),
             listeners=listeners,
             runtime=runtime.to_json() if runtime.servers else None,
+            sessions=self.sessions.snapshot(),
         )
         try:
             process = await trio.lowlevel.open_process(
@@ -343,6 +347,8 @@ class Supervisor:
             worker.listening.set()
         elif kind == "exited":
             worker.final = message["snapshot"]
+        elif kind == "sessions":
+            self.sessions.from_worker(worker, message)
         elif "id" in message:
             # An answer; one that comes after its request timed out is dropped.
             if (pending := worker.replies.get(message["id"])) is not None:

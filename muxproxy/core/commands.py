@@ -12,6 +12,7 @@ import attrs
 
 from ..config import Server
 from ..fleet.budgets import Ask
+from ..fleet.sessions import SessionEntry
 from .events import ConnId, TimerId
 
 
@@ -237,3 +238,16 @@ class BudgetSettle(Command):
     store: str
     ask: Ask
     correction: int
+
+
+# -- the shared memory of sessions (``sessionshare.py``; the driver's ``fleetsessions``) ----
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SessionsRemembered(Command):
+    """Sessions this core sent to a server since its last batch (the latest per key), for
+    the other workers and replicas to learn (``fleet/sessions.py``). Emitted at most every
+    ``SHARE_DELAY`` seconds, and only where the driver shares them. The times are the core's
+    clock (the ``now`` of the events); the driver turns them into wall-clock time."""
+
+    entries: tuple[SessionEntry, ...]

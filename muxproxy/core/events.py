@@ -13,6 +13,7 @@ import attrs
 from ..config import Config
 from ..config.runtime import RuntimeState
 from ..fleet.budgets import Ask, Verdict
+from ..fleet.sessions import SessionEntry
 from .forwarded import Network
 from .timers import TimerId as TimerId
 
@@ -134,6 +135,15 @@ class RuntimeChanged(Event):
     """
 
     state: RuntimeState
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class SessionsLearned(Event):
+    """Sessions remembered by another worker or replica (``SessionsRemembered`` there): each
+    routing memory takes the entries newer than what it holds for their keys and not older
+    than ``sticky.session_idle`` (``Affinity.learn``). The times are this core's clock."""
+
+    entries: tuple[SessionEntry, ...]
 
 
 @attrs.frozen(kw_only=True, slots=True)

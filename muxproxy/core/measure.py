@@ -113,7 +113,17 @@ class MeasuredCore(Protocol):
     def exchanges(self) -> Mapping[int, RunningExchange]: ...
     @property
     def resumes(self) -> ResumeCounts: ...
+    @property
+    def sessions(self) -> SessionCounts: ...
     def router(self, group: Upstream) -> GroupStatus: ...
+
+
+class SessionCounts(Protocol):
+    """What ``Measurements`` reads of the shared memory of sessions (``SessionSharing``)."""
+
+    shared: int
+    learned: int
+    store_errors: int
 
 
 class ResumeCounts(Protocol):
@@ -255,6 +265,9 @@ class Measurements:
             "resume_store_errors_total": [[[], core.resumes.store_errors]],
             "fleet_budget_reservations_total": _samples(self.fleet_reservations),
             "fleet_budget_store_errors_total": [[[], self.fleet_store_errors]],
+            "sessions_shared_total": [[[], core.sessions.shared]],
+            "sessions_learned_total": [[[], core.sessions.learned]],
+            "sessions_store_errors_total": [[[], core.sessions.store_errors]],
             "defences_total": [
                 [[kind], value]
                 for kind, value in sorted(core.counters.items())
@@ -268,6 +281,7 @@ class Measurements:
         reported: dict[str, list[Any]] = {"running": [], "waiting": [], "kv_cache": []}
         queues: list[Any] = []
         reservations: list[Any] = []
+        remembered: list[Any] = []
         for name, group in sorted(core.config.upstreams.items()):
             # What routing reports (``GroupRouter.status``): up unless unhealthy or set down
             # by the operator; the weight in force (the operator's or the configured one).
@@ -286,6 +300,7 @@ class Measurements:
                             samples.append([labels, report[key]])
             queue = cast("dict[str, int]", status["queue"])
             queues.append([[name], queue["waiting"]])
+            remembered.append([[name], status["remembered_sessions"]])
             if name in groups:
                 reservations.append([[name], groups[name].reservations])
         gauges: dict[str, list[Any]] = {
@@ -294,6 +309,7 @@ class Measurements:
             ],
             "resumable_bytes": [[[], core.resumes.held_bytes]],
             "fleet_replicas": [[[], self.fleet_replicas]] if self.fleet_replicas else [],
+            "sessions_remembered": remembered,
             "queue_length": queues,
             "rate_limit_reservations": reservations,
             "server_load_tokens": load,

@@ -48,6 +48,7 @@ from .events import (
     ResumeFetched,
     ResumeProbed,
     RuntimeChanged,
+    SessionsLearned,
     ShutdownRequested,
     Wakeup,
 )
@@ -64,6 +65,7 @@ from .ports import BackendConnection, ClientSide
 from .probes import Probe
 from .replay import ReplayExchange, wants_resume
 from .resume import ResumeStore
+from .sessionshare import SessionSharing
 from .shutdown import Shutdown, refuse_client, stop_client
 from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer, ResumeTimer
 from .tunnel import Tunnel
@@ -172,6 +174,8 @@ class ProxyCore:
         its 101, and every tunnel's backend connection (which leaves ``upstreams``)."""
         self.pool = Pool(self.fx, self.upstreams, self.new_upstream_id, self.defences)
         self._routers: dict[str, GroupRouter] = {}
+        self.sessions = SessionSharing(self.fx, self.router, lambda: self._routers.values())
+        """The memory of sessions shared with other workers and replicas (off by default)."""
         self.runtime = RuntimeState.empty()
         """The operator's server overrides (``RuntimeChanged``), applied to every router,
         also to those of a later configuration."""
@@ -199,6 +203,7 @@ class ProxyCore:
             ResumeFetched: self._resume_fetched,
             ResumeProbed: self._resume_probed,
             BudgetAnswered: self._budget_answered,
+            SessionsLearned: self.sessions.learn,
         }
 
     # -- what the driver and embedders read ----------------------------------------------
@@ -369,6 +374,7 @@ class ProxyCore:
         router = GroupRouter(group, self.runtime)
         if self.config.upstreams.get(group.name) == group:
             self._routers[group.name] = router
+            self.sessions.attach(router)
         return router
 
     # -- event handlers --------------------------------------------------------------------
@@ -479,6 +485,8 @@ class ProxyCore:
                 if probe is not None:
                     self._waking = probe
                     probe.timer_fired(kind)
+            case CoreTimer.SESSIONS:
+                self.sessions.due()
             case CoreTimer():
                 self.stop.cut()
             case ResumeTimer():
@@ -594,6 +602,7 @@ class ProxyCore:
             "clients": len(self.clients),
             "upstream_connections": len(self.upstreams),
             "streams": len(self.exchanges),
+            "sessions": self.sessions.status(),
         }
 
     def statistics(self) -> ProxyStatistics:

@@ -208,6 +208,27 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Replicas (processes admitting requests) seen in the fleet store at the last heartbeat",
     ),
+    "sessions_shared_total": (
+        COUNTER,
+        (),
+        "Sessions remembered here and handed out to the other workers and replicas",
+    ),
+    "sessions_learned_total": (
+        COUNTER,
+        (),
+        "Sessions remembered by another worker or replica and taken into this memory",
+    ),
+    "sessions_store_errors_total": (
+        COUNTER,
+        (),
+        "Writes, reads and subscriptions of the shared session memory in the fleet store"
+        " (Redis) that failed, and batches dropped while it was down",
+    ),
+    "sessions_remembered": (
+        GAUGE,
+        ("group",),
+        "Session keys remembered with the server they were last sent to",
+    ),
     "resumable_streams": (
         GAUGE,
         ("state",),

@@ -72,6 +72,8 @@ class CoreTimer(enum.StrEnum):
 
     SHUTDOWN = "shutdown"
     """A graceful stop's deadline."""
+    SESSIONS = "sessions"
+    """The batch of sessions remembered is due (``sessionshare.py``)."""
 
 
 class ResumeTimer(enum.StrEnum):

@@ -12,13 +12,18 @@ Invariants:
   ``idle`` seconds survives a ``sent`` (expired keys are swept from the old end, a few per
   call, so no call does unbounded work).
 - Keys are kept as their hash, never as sent: the memory holds no session identifiers, and
-  each entry costs the same whatever the client sends. The hash is Python's ``hash()`` of
-  the bytes (SipHash, 64 bits, salted per process), unlike the rendezvous hashing's blake2b:
-  this memory is per process, never shared or stored, so it need not agree across processes;
-  the salt keeps clients from aiming collisions at it; and CPython caches a bytes object's
-  hash, so a request's lookup and its ``sent`` hash the key once. Two keys with the same hash
-  (about 1 in 10**9 pairs among 100,000 keys) share an entry, which can only send one of
-  them to the other's server.
+  each entry costs the same whatever the client sends. The hash (``key_hash``) is the first
+  64 bits of the key's BLAKE2b (RFC 7693), the same in every process: the memory is shared
+  with the other workers and replicas (``fleet/sessions.py``), which must find a key by the
+  same number. Unsalted, a client can make two keys of its own collide (about 2**32 tries)
+  but not one that lands on another client's key (a second preimage: 2**64), and a
+  collision can only send one key to the other's server. Two keys with the same hash
+  otherwise (about 1 in 10**9 pairs among 100,000 keys) share an entry alike.
+- Memory learned from elsewhere (``learn``) follows "newest wins": an entry replaces the one
+  held only if it was sent later, so entries that cross in flight settle the same way in
+  every process; one older than ``idle`` is not taken.
+- Sharing costs nothing unless asked for: with ``share`` set, each ``sent`` also calls it
+  with the hash, the address and the time (the core batches them, ``core/sessionshare.py``).
 - Servers are named by address, not by position: a reload that adds, removes or reorders
   servers keeps every entry meaningful, and one memory can serve the routers before and
   after it. A key of a server no longer in the group is ignored by the router and replaced
@@ -27,9 +32,11 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
-__all__ = ["DEFAULT_LIMIT", "Affinity"]
+__all__ = ["DEFAULT_LIMIT", "Affinity", "key_hash"]
 
 DEFAULT_LIMIT = 100_000
 """Keys remembered per group. An entry costs about 200 bytes (an int key, a tuple of the
@@ -43,8 +50,8 @@ _SWEEP = 8
 
 
 def key_hash(key: bytes) -> int:
-    """The hash a key is remembered by (the same for equal keys within one process)."""
-    return hash(key)
+    """The hash a key is remembered by: the same for equal keys in every process."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest())
 
 
 class Affinity:
@@ -56,12 +63,14 @@ class Affinity:
     the dict is resized), which made each sweep O(n); an ``OrderedDict``'s ends are O(1).
     """
 
-    __slots__ = ("_entries", "idle", "limit")
+    __slots__ = ("_entries", "idle", "limit", "share")
 
     def __init__(self, idle: float, limit: int = DEFAULT_LIMIT) -> None:
         self.idle = idle
         """Seconds after its last request that a key is forgotten."""
         self.limit = limit
+        self.share: Callable[[int, str, float], None] | None = None
+        """Told of every ``sent`` (hash, address, time), to share it; None: not shared."""
         self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -69,16 +78,36 @@ class Affinity:
 
     def lookup(self, key: bytes, now: float) -> str | None:
         """The address ``key`` was last sent to, if that was at most ``idle`` seconds ago."""
-        entry = self._entries.get(hash(key))
+        entry = self._entries.get(key_hash(key))
         if entry is None or now - entry[1] > self.idle:
             return None
         return entry[0]
 
     def sent(self, key: bytes, address: str, now: float) -> None:
         """Remember that ``key`` was sent to ``address`` at ``now``."""
+        digest = key_hash(key)
+        self._remember(digest, address, now, now)
+        if self.share is not None:
+            self.share(digest, address, now)
+
+    def learn(self, digest: int, address: str, at: float, now: float) -> bool:
+        """Take an entry remembered elsewhere: the key of hash ``digest`` was sent to
+        ``address`` at ``at``. True when taken: it is the newest known for the key and not
+        older than ``idle``."""
+        if now - at > self.idle:
+            return False
+        held = self._entries.get(digest)
+        if held is not None and held[1] >= at:
+            return False
+        self._remember(digest, address, at, now)
+        return True
+
+    def _remember(self, digest: int, address: str, at: float, now: float) -> None:
         entries = self._entries
-        digest = hash(key)
-        entries[digest] = (address, now)
+        entries[digest] = (address, at)
+        # Learned entries may be a little older than the newest: the front is then not
+        # always the oldest, so a sweep may stop early; ``lookup`` checks the age anyway
+        # and ``limit`` still bounds the size.
         entries.move_to_end(digest)
         oldest = entries[next(iter(entries))]
         if len(entries) > self.limit or now - oldest[1] > self.idle:

@@ -16,8 +16,8 @@ document.
   its text and a NUL; for a completion request its ``prompt`` (a string, the first of a
   list of strings, or a list of token ids as their JSON text). Content given as parts takes
   the ``text`` of its text parts and the URL of its image parts. The key is a 16-byte
-  blake2b of that, the same in every process (unlike ``affinity.py``'s per-process hash):
-  replicas agree on where a prefix goes.
+  blake2b of that, the same in every process (as ``affinity.py``'s key hash): replicas
+  agree on where a prefix goes.
 """
 
 from __future__ import annotations

@@ -377,6 +377,7 @@ class GroupRouter:
             "affinity": group.affinity.value,
             "servers": servers,
             "queue": {"waiting": len(self.queue), "max": group.queue.max},
+            "remembered_sessions": len(self.affinity),
         }
         if self.limiter is not None:
             out["rate_limited_tenants"] = len(self.limiter)

@@ -52,6 +52,7 @@ from ..core.commands import (
     ResumeProbe,
     ResumeReading,
     SendData,
+    SessionsRemembered,
     SetTimer,
     ShutdownWrite,
 )
@@ -171,6 +172,7 @@ class Driver:
             ResumeProbe: self._resume_probe,
             BudgetReserve: lambda command: self._budgets().reserve(command),
             BudgetSettle: lambda command: self._budgets().settle(command),
+            SessionsRemembered: self._sessions_remembered,
         }
         self._fleet_budgets: FleetBudgets | None = None
         """Fleet-wide budgets (``fleetbudgets.py``), made at the start with ``[fleet]``."""
@@ -195,6 +197,9 @@ class Driver:
         self.on_settled: Callable[[float], None] | None = None
         """Called with the batch's time after each batch of commands is settled (while the
         server stops: it watches for ``ProxyCore.drained`` without polling)."""
+        self.on_sessions: Callable[[SessionsRemembered], None] | None = None
+        """Where the core's batches of remembered sessions go (``fleetsessions.py``): the
+        supervisor's channel or the fleet store; None: nowhere (they are not shared)."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
         self.sink: Callable[[Log, float], None] = drop_access
@@ -657,6 +662,12 @@ class Driver:
 
     def _resume_probe(self, command: ResumeProbe) -> None:
         self._stores().probe(command)
+
+    # -- the shared memory of sessions (``fleetsessions.py``) -------------------------------
+
+    def _sessions_remembered(self, command: SessionsRemembered) -> None:
+        if self.on_sessions is not None:
+            self.on_sessions(command)
 
     # -- logs ------------------------------------------------------------------------------
 

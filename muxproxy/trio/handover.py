@@ -62,6 +62,10 @@ class WorkerPayload:
     """Listener address as configured -> descriptors of this slot's listening sockets."""
     runtime: dict[str, object] | None = None
     """The runtime state (``RuntimeState.to_json()``) to apply before serving, if any."""
+    sessions: list[list[object]] | None = None
+    """The host's memory of sessions (``entries_to_wire``), learned before serving, so a
+    worker started later routes the conversations under way as the others do. Read with
+    ``getattr``: a payload pickled by an older supervisor lacks it."""
 
     def dumps(self) -> bytes:
         return pickle.dumps(self)

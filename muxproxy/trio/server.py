@@ -38,13 +38,14 @@ import enum
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from ..config import Config, Listener
 from ..config.runtime import RuntimeState
+from ..core.commands import SessionsRemembered
 from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, ShutdownRequested
 from ..core.proxy import ProxyCore
 from .driver import Driver, set_nodelay
@@ -135,9 +136,12 @@ class ProxyServer:
         reuse_port: bool = False,
         raise_errors: bool | None = None,
         listen_sockets: ListenSockets | None = None,
+        store_sessions: bool = True,
     ) -> None:
         """``raise_errors``: an internal error escapes and stops the server instead of ending
-        the one connection it concerns (None: ``MUXPROXY_RAISE_ERRORS``, see ``ProxyCore``)."""
+        the one connection it concerns (None: ``MUXPROXY_RAISE_ERRORS``, see ``ProxyCore``).
+        ``store_sessions``: with ``[fleet] store``, share the memory of sessions through it
+        (False: a worker, whose supervisor does, ``fleetsessions.py``)."""
         self.config = config
         self.reuse_port = reuse_port
         """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
@@ -154,6 +158,10 @@ class ProxyServer:
         """The access and error logs (``[log]``); raises ``OSError`` for an access file that
         cannot be opened."""
         self.stop_summary: StopSummary | None = None
+        self.store_sessions = store_sessions
+        self.on_sessions: Callable[[SessionsRemembered], None] | None = None
+        """Where the core's batches of remembered sessions go (``Driver.on_sessions``): a
+        worker's control channel. Set before ``run``."""
         self._listen_sockets = listen_sockets or {}
         self._listening: list[Listening] = []
         self._nursery: trio.Nursery | None = None
@@ -188,7 +196,12 @@ class ProxyServer:
                 self._nursery = nursery
                 driver = self.driver = Driver(self.core, nursery)
                 driver.sink = self.logs
+                driver.on_sessions = self.on_sessions
                 driver.start()
+                if self.config.fleet is not None and self.store_sessions:
+                    from .fleetsessions import attach_store
+
+                    attach_store(self, nursery)
                 # The core's first event: it arms what runs by itself (health checks).
                 driver.feed(
                     ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())

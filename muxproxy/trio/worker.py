@@ -24,6 +24,9 @@ supervisor      ``runtime`` id, state              ``RuntimeState`` JSON; answer
 supervisor      ``status?`` / ``metrics?`` id      answered ``status`` / ``metrics`` with
                                                    ``ProxyCore.status()`` / a measurements
                                                    snapshot
+both            ``sessions`` entries               sessions remembered (``fleetsessions.py``):
+                                                   a worker's own batch to the supervisor,
+                                                   the others' (and the store's) from it
 worker          ``exited`` snapshot                drained and about to exit: the final
                                                    measurements, kept by the supervisor
 =============== ================================== ===========================================
@@ -57,12 +60,18 @@ import trio
 
 from ..config import Config
 from ..config.runtime import RuntimeState
+from ..core.commands import SessionsRemembered
+from ..fleet.sessions import entries_from_wire, entries_to_wire
 from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves, reopen_access_log
 from .channel import Channel, ChannelError, Message
+from .fleetsessions import learn, shifted, wall_offset
 from .handover import WorkerPayload
 from .server import ProxyServer
 
 log = logging.getLogger("muxproxy")
+
+SESSION_BATCHES = 64
+"""Batches of remembered sessions waiting for the control channel (``SHARE_DELAY`` apart)."""
 
 WORKER_CODE = "from muxproxy.trio.worker import worker_main; raise SystemExit(worker_main())"
 """A worker's ``python -c`` program (arguments are ignored: a supervisor of an older version
@@ -115,8 +124,18 @@ class WorkerProcess:
         control: socket.socket,
     ) -> None:
         self.payload = payload
-        self.server = ProxyServer(payload.config, reuse_port=True, listen_sockets=sockets)
+        self.server = ProxyServer(
+            payload.config, reuse_port=True, listen_sockets=sockets, store_sessions=False
+        )
         self.channel = Channel(control)
+        # The memory of sessions is the host's: batches go to the supervisor, which relays.
+        self.server.core.sessions.enable()
+        self.server.on_sessions = self._sessions_out
+        self._sessions_send, self._sessions_receive = trio.open_memory_channel[Message](
+            SESSION_BATCHES
+        )
+        self.sessions_dropped = 0
+        """Batches not sent: the supervisor had ``SESSION_BATCHES`` unread already."""
         self.stops = 0
         """``request_shutdown()`` calls so far: 1 drains, 2 cuts."""
 
@@ -128,6 +147,10 @@ class WorkerProcess:
                 if self.payload.runtime is not None:
                     # Before the first connection: no request is routed without it.
                     self.server.apply_runtime(RuntimeState.from_json(self.payload.runtime))
+                known = getattr(self.payload, "sessions", None)
+                if known:  # the host's memory, before the first connection too
+                    learn(self.server, entries_from_wire(known)[0])
+                nursery.start_soon(self._send_sessions)
                 bound = await nursery.start(self._serve, nursery.cancel_scope)
                 freeze_startup_heap()
                 await self._send(
@@ -172,6 +195,8 @@ class WorkerProcess:
             elif kind == "runtime":
                 self.server.apply_runtime(RuntimeState.from_json(message["state"]))
                 await self._send({"type": "applied", "id": message["id"]})
+            elif kind == "sessions":
+                learn(self.server, entries_from_wire(message.get("entries"))[0])
             elif kind == "status?":
                 await self._send({"type": "status", "id": message["id"], **self._status()})
             elif kind == "metrics?":
@@ -181,6 +206,18 @@ class WorkerProcess:
                 raise ChannelError(f"unknown control message {kind!r}")
         # The supervisor is gone: nobody will ever tell us to stop. Drain and exit.
         self._stop(cut=False)
+
+    def _sessions_out(self, command: SessionsRemembered) -> None:
+        """``Driver.on_sessions``: a batch for the supervisor, never waiting."""
+        entries = entries_to_wire(shifted(command.entries, wall_offset()))
+        try:
+            self._sessions_send.send_nowait({"type": "sessions", "entries": entries})
+        except trio.WouldBlock:
+            self.sessions_dropped += 1
+
+    async def _send_sessions(self) -> None:
+        async for message in self._sessions_receive:
+            await self._send(message)
 
     def _stop(self, *, cut: bool) -> None:
         wanted = 2 if cut else 1
