@@ -74,7 +74,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 import trio
@@ -93,9 +93,9 @@ from muxproxy.process import (
     leaves,
     listening_lines,
 )
-from muxproxy.supervision import SupervisorControl
+from muxproxy.supervision import SupervisorControl, follow_fleet
 from muxproxy.trio.channel import Channel, ChannelError, Message
-from muxproxy.trio.control import Readiness, ReloadResult, load_runtime_state
+from muxproxy.trio.control import Readiness, ReloadResult, saved_state
 from muxproxy.trio.handover import (
     SlotSockets,
     WorkerPayload,
@@ -116,6 +116,9 @@ from muxproxy.trio.workerproc import (
     first_of,
     gather,
 )
+
+if TYPE_CHECKING:
+    from muxproxy.trio.fleetstate import FleetSync
 
 log = logging.getLogger("muxproxy")
 
@@ -159,6 +162,8 @@ async def _supervise(
             async with trio.open_nursery() as nursery:
                 supervisor.nursery = nursery
                 await supervisor.start()
+                if supervisor.phase is Phase.SERVING and config.fleet is not None:
+                    await follow_fleet(supervisor, config.fleet)  # before the admin API
                 if supervisor.phase is Phase.SERVING and config.admin is not None:
                     await supervisor.serve_admin(config.admin.address)
                 nursery.start_soon(supervisor.handle_signals, signals)
@@ -197,15 +202,11 @@ class Supervisor:
         """Every worker process not yet exited, draining ones included."""
         self.retired = Retired()
         """What the exited workers measured, so the fleet's counters never go backwards."""
-        self.runtime = RuntimeState.empty()
+        # Starting with every weight silently reset would be worse than not starting.
+        self.runtime: RuntimeState = saved_state(config)
         """The operator's server overrides, as every worker has them."""
-        try:
-            # Starting with every weight silently reset would be worse than not starting.
-            self.runtime = load_runtime_state(config)
-        except ValueError as exc:
-            raise OSError(f"admin.state_file: {exc}") from None
-        except OSError as exc:
-            raise OSError(f"admin.state_file: cannot read it: {exc}") from None
+        self.fleet: FleetSync | None = None
+        """The fleet store's sync (``[fleet]``): the supervisor is the fleet's replica."""
         self.restarts = RestartBudget(count)
         self.lock = trio.Lock()
         """Held by a reload, a rolling restart and a replacement: one change at a time."""
