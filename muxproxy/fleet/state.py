@@ -51,6 +51,7 @@ __all__ = [
     "STATE_KEY",
     "FleetDocument",
     "Step",
+    "StoreUnavailable",
     "cas_outcome",
     "decide",
     "document_from_hash",
@@ -119,6 +120,11 @@ class FleetDocument:
     def state_json(self) -> str:
         """The state as the scripts store it (compact JSON: it is published whole)."""
         return json.dumps(self.state.to_json(), separators=(",", ":"), sort_keys=True)
+
+
+class StoreUnavailable(Exception):
+    """A change refused because the store cannot take it now; the message says why (the
+    admin API answers 503 with it)."""
 
 
 class Step(enum.Enum):

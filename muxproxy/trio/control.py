@@ -35,11 +35,12 @@ import trio
 
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
-from .fleetstate import FleetSync, StoreUnavailable
+from ..fleet.state import StoreUnavailable
 from .metrics import render
 from .server import Phase
 
 if TYPE_CHECKING:
+    from .fleetstate import FleetSync
     from .server import ProxyServer
 
 __all__ = [

@@ -37,6 +37,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+import attrs
 import coredis
 import trio
 from coredis.exceptions import RedisError
@@ -51,6 +53,7 @@ from ..fleet.state import (
     STATE_KEY,
     FleetDocument,
     Step,
+    StoreUnavailable,
     cas_outcome,
     decide,
     document_from_hash,
@@ -77,11 +80,15 @@ LOG_EVERY = 10.0
 """Seconds between two log lines about a store that stays unreachable."""
 
 Apply = Callable[[RuntimeState], Awaitable[None]]
-_ERRORS = (RedisError, OSError, trio.TooSlowError)
-
-
-class StoreUnavailable(Exception):
-    """A change refused because the store cannot take it now; the message says why."""
+_ERRORS = (
+    RedisError,
+    OSError,
+    trio.TooSlowError,
+    # coredis's connection raises these (anyio's) when it was closed under a command, and
+    # its subscription's clean-up does when it is cancelled with its connection gone.
+    anyio.ClosedResourceError,
+    anyio.BrokenResourceError,
+)
 
 
 class FleetSync:
@@ -173,8 +180,6 @@ class FleetSync:
                 self._went_down(leaves(group)[0])
             except* ValueError as group:  # a bad document: said, and read again later
                 self._went_down(leaves(group)[0], what="holds a bad record")
-            finally:
-                self._client = None
             await trio.sleep(RECONNECT_DELAY)
 
     async def _follow(self, client: coredis.Redis[bytes]) -> None:
@@ -187,12 +192,17 @@ class FleetSync:
                 await self._reconcile(client)
             self._came_up()
             self._client = client
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._listen, client, pubsub)
-                while True:
-                    await trio.sleep(self.settings.sync_interval)
-                    with trio.fail_after(OP_TIMEOUT):
-                        await self._reconcile(client)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._listen, client, pubsub)
+                    while True:
+                        await trio.sleep(self.settings.sync_interval)
+                        with trio.fail_after(OP_TIMEOUT):
+                            await self._reconcile(client)
+            finally:
+                # Before the client closes: no change may start on a client going away.
+                self._client = None
+                self.up = False
 
     async def _listen(self, client: coredis.Redis[bytes], pubsub: Any) -> None:
         while True:
@@ -233,15 +243,17 @@ class FleetSync:
 
     async def _seed(self, client: coredis.Redis[bytes]) -> None:
         held = self.held
+        lineage = secrets.token_hex(8)
         script = client.register_script(SEED_SCRIPT)
         written: Any = await script(
-            keys=[STATE_KEY],
-            args=[held.version, secrets.token_hex(8), held.state_json(), CHANNEL],
+            keys=[STATE_KEY], args=[held.version, lineage, held.state_json(), CHANNEL]
         )
         if written == 1:
+            # The store has what this replica runs: a new lineage, nothing to apply.
+            self.held = attrs.evolve(held, lineage=lineage, seeded=True)
             log.warning(
-                "muxproxy: fleet store %s held no runtime state (restarted empty?): seeded it"
-                " with this replica's, version %d",
+                "muxproxy: fleet store %s seeded with this replica's runtime state, version %d"
+                " (it held none, restarted empty, or an older replica's)",
                 shown_url(self.settings.store),
                 held.version,
             )
@@ -298,7 +310,13 @@ class FleetSync:
                 self._went_down(exc)
                 raise StoreUnavailable(self._why_down()) from None
             except ValueError as exc:
-                raise StoreUnavailable(f"the store answered what is not ours: {exc}") from None
+                raise StoreUnavailable(
+                    self._why_down(f"answered what is not ours: {exc}")
+                ) from None
+            except RuntimeError:
+                # coredis: the client's pool exited under this change (the connection to the
+                # store was lost, and the client with it, between two round trips).
+                raise StoreUnavailable(self._why_down("lost: the connection closed")) from None
         raise StoreUnavailable(
             f"the fleet's state changed {CAS_ATTEMPTS} times while this change was being made;"
             " nothing changed, try again"
@@ -318,6 +336,8 @@ class FleetSync:
             )
 
     def _went_down(self, exc: BaseException, what: str = "unreachable") -> None:
+        if trio.current_effective_deadline() == -math.inf:
+            return  # cancelled: the replica is stopping, and the connection with it
         now = trio.current_time()
         self.up = False
         self.last_error = f"{what}: {_reason(exc)}"
@@ -333,9 +353,9 @@ class FleetSync:
                 self.held.version,
             )
 
-    def _why_down(self) -> str:
+    def _why_down(self, why: str | None = None) -> str:
         store = shown_url(self.settings.store)
-        why = self.last_error or "not reached yet"
+        why = why or self.last_error or "not connected"
         return (
             f"the fleet store {store} is {why}; nothing changed (a change made on this replica"
             " alone would split the fleet)"

@@ -18,7 +18,6 @@ from ..config import Config
 from ..config.runtime import RuntimeState
 from .admin import serve_admin
 from .control import LocalControl, apply_saved_state
-from .fleetstate import FleetSync
 from .server import ProxyServer
 
 __all__ = ["serve_control", "serve_local"]
@@ -43,6 +42,8 @@ async def serve_control(
     control = LocalControl(server, config_path=config_path, state=state)
     async with trio.open_nursery() as nursery:
         if config.fleet is not None:
+            from .fleetstate import FleetSync  # coredis only where a store is configured
+
             control.fleet = FleetSync(
                 config.fleet,
                 control.state,
