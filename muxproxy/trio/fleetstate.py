@@ -212,7 +212,8 @@ class FleetSync:
             try:
                 document = document_from_message(message["data"])
             except ValueError as exc:
-                log.warning("muxproxy: fleet store: a message on %s ignored: %s", CHANNEL, exc)
+                channel = CHANNEL.decode()
+                log.warning("muxproxy: fleet store: a message on %s ignored: %s", channel, exc)
                 continue
             async with self._lock:
                 step = decide(self.held, document)

@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import trio
-from test_admin import AUTH, Proxy, admin_client, backend_of, server_entry, start_fleet, status
+from test_admin import (
+    AUTH,
+    TOKEN,
+    Proxy,
+    admin_client,
+    backend_of,
+    server_entry,
+    start_fleet,
+    status,
+)
 from test_admin import write_config as write_admin_config
+from test_admin_process import admin
 
 from muxproxy.config.runtime import RuntimeState, load_state
 from muxproxy.routing.balancer import server_id
@@ -138,3 +148,26 @@ async def test_no_request_sees_half_a_step(start_backend: StartBackend, tmp_path
                 done.set()
     assert len(served) > 30
     assert set(served) == {200}
+
+
+async def test_muxproxy_admin_weights_changes_a_group_or_says_what_is_wrong(
+    start_backend: StartBackend, tmp_path: Path
+) -> None:
+    (_, p0), (_, p1) = await start_fleet(start_backend)
+    a, b = f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"
+    config = write_admin_config(tmp_path / "muxproxy.toml", [p0, p1])
+    with trio.fail_after(40):
+        async with admin_client(config) as (proxy, client):
+            ran = await admin(proxy.admin, "weights", "llm", f"{a}=4", f"{b}=0", token=TOKEN)
+            assert ran.status == 0, ran.err
+            assert "upstream llm: 2 servers changed as one\n" in ran.out  # no fleet store
+            assert f"server {a}: weight 4 (configured 1)" in ran.out
+            assert f"server {b}: weight 0 (configured 1)" in ran.out
+            document = await status(client, proxy)
+            for usage in ([a], [f"{a}=x"], [f"{a}=-1"], [f"{a}=1", f"{a}=2"], []):
+                ran = await admin(proxy.admin, "weights", "llm", *usage, token=TOKEN)
+                assert ran.status == 2, (usage, ran.err)
+            ran = await admin(proxy.admin, "weights", "llm", f"{a}=2", "10.9.9.9:80=1", token=TOKEN)
+            assert ran.status == 1
+            assert "404 Not Found: upstream group 'llm' has no server '10.9.9.9:80'" in ran.err
+            assert await status(client, proxy) == document  # nothing changed

@@ -34,6 +34,7 @@ import coredis
 import httpx
 import trio
 from processes import ProxyProcess, proxy_process
+from prometheus_client.parser import text_string_to_metric_families
 
 from muxproxy.config import ADMIN_TOKEN_ENV
 from muxproxy.fleet.state import STATE_KEY, document_from_hash
@@ -295,6 +296,10 @@ async def test_a_dead_store_costs_nothing_but_admin_writes_and_an_empty_one_is_s
                     assert refused.status_code == 503, refused.text
                     assert "fleet store" in refused.json()["error"]
                     assert "nothing changed" in refused.json()["error"]
+                assert await fleet_metrics(client, replicas[1]) == {
+                    "muxproxy_fleet_store_up": 0,
+                    "muxproxy_fleet_state_version": version,
+                }
                 # Streams go on through every replica while the store is down.
                 while any(len(answers[url]) < at_kill[url] + 2 for url in answers):
                     await trio.sleep(0.01)
@@ -308,6 +313,7 @@ async def test_a_dead_store_costs_nothing_but_admin_writes_and_an_empty_one_is_s
                     seeded = document_from_hash(await store.hgetall(STATE_KEY))
                 assert seeded is not None and seeded.version == version
                 assert seeded.state.get("llm", a).weight == 4
+                assert (await fleet_metrics(client, replicas[1]))["muxproxy_fleet_store_up"] == 1
                 # The fleet takes changes again, and every replica gets them.
                 response = await patch(client, replicas[2], "/upstreams/llm", {"weights": {b: 2}})
                 assert response.status_code == 200, response.text
@@ -348,6 +354,17 @@ async def test_a_replica_of_two_workers_applies_a_change_in_both(
             await wait_status(client, single, lambda d: weights(d) == {a: 1, b: 0})
             assert await backends_of(pair.url, 40) == {"gpu0"}
             assert await backends_of(single.url, 8) == {"gpu0"}
+
+
+async def fleet_metrics(client: httpx.AsyncClient, replica: Replica) -> dict[str, float]:
+    """The fleet's gauges in ``replica``'s ``/metrics`` (the sync's age left out: it moves)."""
+    response = await client.get(replica.admin + "/metrics")
+    assert response.status_code == 200
+    return {
+        family.name: family.samples[0].value
+        for family in text_string_to_metric_families(response.text)
+        if family.name in ("muxproxy_fleet_store_up", "muxproxy_fleet_state_version")
+    }
 
 
 async def backends_of(url: str, count: int) -> set[str]:
