@@ -107,7 +107,8 @@ class Control(Protocol):
 
     async def status(self) -> dict[str, Any]:
         """JSON-able status: ``groups`` (``ProxyCore.status()``'s), ``listeners``,
-        ``generation`` and ``workers`` (``[{"pid", "generation"}]``)."""
+        ``generation``, ``workers`` (``[{"pid", "generation"}]``) and, with a fleet store,
+        ``fleet`` (``FleetSync.status()``)."""
         ...
 
     async def change_server(
