@@ -4,6 +4,9 @@
 
     status [--json]             groups, servers, weights, states, active streams
     weight GROUP SERVER N       set a server's weight (0: no new requests)
+    weights GROUP SERVER=N ...  set several servers' weights as one change (a gray release's
+                                step: no request sees half of it; with a fleet store, on
+                                every replica at once)
     drain GROUP SERVER          no new sessions or unkeyed requests; sessions stay
     undrain GROUP SERVER
     down GROUP SERVER           nothing new at all; streams in flight finish
@@ -70,6 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     weight = commands.add_parser("weight", help="set a server's weight")
     _server_arguments(weight)
     weight.add_argument("weight", type=_weight, metavar="N", help="the weight, 0 or more")
+    weights = commands.add_parser(
+        "weights", help="set several servers' weights as one change (a gray release's step)"
+    )
+    weights.add_argument("group", help="upstream group")
+    weights.add_argument(
+        "weights",
+        nargs="+",
+        type=_server_weight,
+        metavar="SERVER=N",
+        help="a server (address as configured, or its id) and its weight",
+    )
     for name, text in (
         ("drain", "drain a server: no new sessions or unkeyed requests"),
         ("undrain", "end a drain"),
@@ -103,6 +117,16 @@ def _weight(text: str) -> int:
     return value
 
 
+def _server_weight(text: str) -> tuple[str, int]:
+    # The last "=": neither an address nor a server id (hex) holds one.
+    server, equals, weight = text.rpartition("=")
+    if not equals or not server:
+        raise argparse.ArgumentTypeError(
+            f"expected SERVER=N, such as 10.0.0.1:8000=3, got {text!r}"
+        )
+    return server, _weight(weight)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -130,6 +154,19 @@ def run(args: argparse.Namespace) -> int:
             document = client.call("POST", path)
             done = "workers restarted" if args.restart else "reloaded"
             print(f"{done}: generation {document.get('generation')}")
+        elif command == "weights":
+            servers = [server for server, _ in args.weights]
+            twice = sorted({server for server in servers if servers.count(server) > 1})
+            if twice:
+                print(f"muxproxy admin weights: {twice[0]} given twice", file=sys.stderr)
+                return EXIT_USAGE
+            path = f"/upstreams/{quote(args.group, safe='')}"
+            answer = client.call("PATCH", path, {"weights": dict(args.weights)})
+            version = answer.get("version")
+            at = "" if version is None else f" (fleet version {version})"
+            print(f"upstream {args.group}: {len(args.weights)} servers changed as one{at}")
+            for entry in answer.get("servers", []):
+                print(f"  {_describe_server(entry)}")
         else:
             change = {"weight": args.weight} if command == "weight" else _CHANGES[command]
             path = f"/upstreams/{quote(args.group, safe='')}/servers/{quote(args.server, safe='')}"

@@ -505,7 +505,7 @@ def run_server(
         ) as signals:
             server = server_module.ProxyServer(config)
             control, state = None, None
-            if config.admin is not None:
+            if config.admin is not None or config.fleet is not None:
                 control = importlib.import_module("muxproxy.trio.control")
                 local = importlib.import_module("muxproxy.trio.local")
                 state = control.apply_saved_state(server)  # before the first accept

@@ -11,11 +11,13 @@ channel and merging the answers:
   worker learns a backend's health for itself, and one that sees it down routes around it);
   ``workers`` lists every live process with its pid, slot, the configuration generation it
   runs and whether it serves or drains.
-* ``change_server()``: the same rules as one process (``LocalControl``): resolved with
-  ``resolve_server``, saved to the state file before it is applied, one change at a time;
-  then the whole ``RuntimeState`` goes to every worker as "runtime" and each has applied it
-  (or :data:`RUNTIME_TIMEOUT` passed) before the answer. A worker that starts later gets it in
-  its payload.
+* ``change_server()`` and ``change_group()``: the same rules as one process (``LocalControl``):
+  resolved with ``resolve_server``, a group's changes validated whole, saved to the state
+  file before they are applied (with a fleet store: written to the store first), one change
+  at a time; then the whole ``RuntimeState`` goes to every worker as "runtime" and each has
+  applied it (or :data:`RUNTIME_TIMEOUT` passed) before the answer. A worker that starts
+  later gets it in its payload. The supervisor is the fleet's replica: its ``FleetSync``
+  (``Supervisor.fleet``) follows the store and sends each state to the workers the same way.
 * ``reload(restart)``: SIGHUP's and SIGUSR2's work, as they do it.
 * ``readiness()``: the supervisor's own (``Supervisor.readiness``): stopping from the stop
   signal on, ready while serving as long as one worker listens (so a rolling restart, which
@@ -35,13 +37,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from .process import host_port
-from .trio.control import AdminError, Readiness, ReloadResult, change_runtime, server_status
+from .trio.control import (
+    AdminError,
+    Readiness,
+    ReloadResult,
+    answer_of_one,
+    change_runtime,
+    group_answer,
+)
 
 if TYPE_CHECKING:
     from .config import Config
+    from .config.fleet import FleetSettings
     from .config.runtime import RuntimeState
     from .trio.channel import Message
     from .trio.fleetsessions import SessionRelay
+    from .trio.fleetstate import FleetSync
     from .trio.workerproc import Worker
 
 RUNTIME_TIMEOUT = 1.0
@@ -76,6 +87,10 @@ class Supervised(Protocol):
     def state_file(self) -> str | None:
         """Where runtime overrides are saved (``admin.state_file``)."""
 
+    @property
+    def fleet(self) -> FleetSync | None:
+        """The fleet store's sync (``[fleet]``), None without a store."""
+
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), in the configuration's order."""
 
@@ -102,6 +117,22 @@ class Supervised(Protocol):
     @property
     def sessions(self) -> SessionRelay:
         """The host's memory of sessions and its bridge to the fleet store."""
+
+
+async def follow_fleet(supervisor: Any, settings: FleetSettings) -> None:
+    """Follow the fleet store's runtime state (``[fleet]``) for ``supervisor`` (a
+    ``muxproxy.workers.Supervisor``, started): each state the store gives is sent to every
+    worker (``apply_runtime``) and saved to the state file. Call it before the admin API
+    serves, so that no change is ever made here alone."""
+    from .trio.fleetstate import FleetSync
+
+    supervisor.fleet = FleetSync(
+        settings,
+        supervisor.runtime,
+        apply=partial(supervisor.apply_runtime, timeout=RUNTIME_TIMEOUT),
+        state_file=lambda: supervisor.state_file,
+    )
+    await supervisor.nursery.start(supervisor.fleet.run)
 
 
 class SupervisorControl:
@@ -143,23 +174,30 @@ class SupervisorControl:
             }
             for worker, answer in answers
         ]
+        if supervisor.fleet is not None:
+            merged["fleet"] = supervisor.fleet.status()
         return merged
 
     async def change_server(
         self, group: str, server: str, change: Mapping[str, Any]
     ) -> dict[str, Any]:
+        return answer_of_one(await self.change_group(group, {server: change}))
+
+    async def change_group(
+        self, group: str, changes: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, Any]:
         supervisor = self.supervisor
         async with self._lock:
-            address = await change_runtime(
+            addresses, version = await change_runtime(
                 supervisor.config,
                 supervisor.runtime,
                 supervisor.state_file,
                 group,
-                server,
-                change,
+                changes,
                 apply=partial(supervisor.apply_runtime, timeout=RUNTIME_TIMEOUT),
+                fleet=supervisor.fleet,
             )
-        return server_status(await self.status(), group, address)
+        return group_answer(await self.status(), group, addresses, version)
 
     async def reload(self, restart: bool = False) -> ReloadResult:
         supervisor = self.supervisor
@@ -175,8 +213,11 @@ class SupervisorControl:
     async def metrics(self) -> bytes:
         from .trio.metrics import render
 
-        sessions = self.supervisor.sessions.snapshot_metrics()  # the host's store bridge
-        return render([*await self.supervisor.snapshots(), sessions])
+        snapshots = await self.supervisor.snapshots()
+        snapshots.append(self.supervisor.sessions.snapshot_metrics())  # the host's store bridge
+        if self.supervisor.fleet is not None:
+            snapshots.append(self.supervisor.fleet.snapshot())
+        return render(snapshots)
 
 
 def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """``muxproxy serve --workers N``: a supervisor and N worker processes on handed-over sockets.
 
 Each worker is a whole proxy: its own Trio loop, ``ProxyCore``, connection pools and health
-state. Sticky routing agrees across them because it is rendezvous hashing over the same
-configuration, and the memory of recent sessions is the host's: each worker's batches go to
-the supervisor, which relays them (``trio/fleetsessions.py``); health is per worker.
+state. Sticky routing agrees across them (rendezvous hashing over one configuration, and the
+host's memory of recent sessions, relayed by the supervisor: ``trio/fleetsessions.py``).
 
 Theory of operation. The supervisor (the process the user started) never serves a request. It
 owns the listening sockets, the workers' lives and the signals, and it never drops a stream
@@ -74,7 +73,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 import trio
@@ -93,9 +92,9 @@ from muxproxy.process import (
     leaves,
     listening_lines,
 )
-from muxproxy.supervision import SupervisorControl
+from muxproxy.supervision import SupervisorControl, follow_fleet
 from muxproxy.trio.channel import Channel, ChannelError, Message
-from muxproxy.trio.control import Readiness, ReloadResult, load_runtime_state
+from muxproxy.trio.control import Readiness, ReloadResult, saved_state
 from muxproxy.trio.fleetsessions import SessionRelay
 from muxproxy.trio.handover import (
     SlotSockets,
@@ -117,6 +116,9 @@ from muxproxy.trio.workerproc import (
     first_of,
     gather,
 )
+
+if TYPE_CHECKING:
+    from muxproxy.trio.fleetstate import FleetSync
 
 log = logging.getLogger("muxproxy")
 
@@ -161,6 +163,8 @@ async def _supervise(
                 supervisor.nursery = nursery
                 supervisor.sessions.start(nursery)
                 await supervisor.start()
+                if supervisor.phase is Phase.SERVING and config.fleet is not None:
+                    await follow_fleet(supervisor, config.fleet)  # before the admin API
                 if supervisor.phase is Phase.SERVING and config.admin is not None:
                     await supervisor.serve_admin(config.admin.address)
                 nursery.start_soon(supervisor.handle_signals, signals)
@@ -199,15 +203,11 @@ class Supervisor:
         """Every worker process not yet exited, draining ones included."""
         self.retired = Retired()
         """What the exited workers measured, so the fleet's counters never go backwards."""
-        self.runtime = RuntimeState.empty()
+        # Starting with every weight silently reset would be worse than not starting.
+        self.runtime: RuntimeState = saved_state(config)
         """The operator's server overrides, as every worker has them."""
-        try:
-            # Starting with every weight silently reset would be worse than not starting.
-            self.runtime = load_runtime_state(config)
-        except ValueError as exc:
-            raise OSError(f"admin.state_file: {exc}") from None
-        except OSError as exc:
-            raise OSError(f"admin.state_file: cannot read it: {exc}") from None
+        self.fleet: FleetSync | None = None
+        """The fleet store's sync (``[fleet]``): the supervisor is the fleet's replica."""
         self.restarts = RestartBudget(count)
         self.sessions = SessionRelay(lambda: self.config, lambda: self.workers)
         self.lock = trio.Lock()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .series import (
     COUNTER,
+    DRIVER_MEASURED,
     DURATION_BUCKETS,
     GAUGE,
     GAUGE_MERGE,
@@ -333,7 +334,7 @@ class Measurements:
                 metric["samples"] = counters[name]
             elif kind == GAUGE:
                 metric["merge"] = GAUGE_MERGE.get(name, "sum")
-                metric["samples"] = gauges[name]
+                metric["samples"] = [] if name in DRIVER_MEASURED else gauges[name]
             else:
                 attr = HISTOGRAM_ATTRS[name]
                 source = TokenTimes() if name in PER_SERVER else empty

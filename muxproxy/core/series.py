@@ -266,8 +266,22 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "1 unless the server is unhealthy or set down (a draining server is up)",
     ),
     "server_weight": (GAUGE, ("group", "server"), "The server's current weight"),
+    "fleet_store_up": (
+        GAUGE,
+        (),
+        "1 while the fleet store ([fleet] store) answers, 0 while it cannot be reached",
+    ),
+    "fleet_sync_age_seconds": (
+        GAUGE,
+        (),
+        "Seconds since the runtime state last agreed with the fleet store",
+    ),
+    "fleet_state_version": (GAUGE, (), "Version of the fleet's runtime state applied here"),
 }
 """Name (without ``PREFIX``) -> (type, label names, help)."""
+DRIVER_MEASURED = frozenset({"fleet_store_up", "fleet_sync_age_seconds", "fleet_state_version"})
+"""Gauges the driver measures, not the core (the fleet store's sync, one per replica): a
+core's snapshot has no samples of them, the replica's ``/metrics`` adds its own."""
 
 HISTOGRAM_ATTRS = {
     "response_head_seconds": "response_head",

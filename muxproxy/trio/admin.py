@@ -6,6 +6,8 @@ Endpoints (JSON in and out, but ``/metrics``)::
     GET   /status                                 groups, servers, listeners, workers
     GET   /metrics                                Prometheus text format 0.0.4
     PATCH /upstreams/{group}/servers/{server}     {"weight": N|null, "drain": B, "down": B}
+    PATCH /upstreams/{group}                      {"servers": {SERVER: CHANGE, ...}} or
+                                                  {"weights": {SERVER: N|null, ...}}
     POST  /reload[?restart=1]                     re-read the configuration file
 
 Served by Hypercorn (its HTTP/1.1 parsing, head-size limit and timeouts answer malformed and
@@ -38,6 +40,12 @@ bounded (``MAX_BODY``) and must arrive within ``BODY_TIMEOUT``; heads by ``_MAX_
 ``/ready`` too. Every change, and every refused attempt, is logged to ``muxproxy.admin`` with
 the client's address; readiness answers are not (a probe every few seconds would drown the
 log; the stop itself is logged by the process that stops).
+
+A group's PATCH (a gray release's step) changes several servers as one: the whole body is
+checked before anything is changed (any bad entry: 400 naming it, nothing changed), and the
+servers' changes are applied as one new runtime state, so no request sees half a step. With a
+fleet store (``[fleet] store``) every change is written to the store first and answered, with
+its ``version``, once the store has it; while the store cannot be reached it is 503.
 
 Nothing a client sends may stop the proxy: the application answers every request it
 understands with a status and a message, and Hypercorn answers the rest (a 500 for a bug,
@@ -73,6 +81,7 @@ __all__ = [
     "AdminApp",
     "TokenSource",
     "parse_change",
+    "parse_group_change",
     "serve_admin",
 ]
 
@@ -129,22 +138,61 @@ def parse_change(body: bytes) -> dict[str, Any]:
 
     Raises :class:`AdminError` (400) with a message naming the field at fault.
     """
+    return _change_of(_body_json(body, '{"weight": 2}'), "")
+
+
+def parse_group_change(body: bytes) -> dict[str, dict[str, Any]]:
+    """The changes a group's PATCH body asks for, server (as given) -> fields: either
+    ``{"servers": {SERVER: {"weight": N, "drain": B, "down": B}, ...}}`` or the short
+    ``{"weights": {SERVER: N, ...}}``; at least one server.
+
+    Raises :class:`AdminError` (400) naming the entry and field at fault; nothing is made
+    of a body with one bad entry.
+    """
+    example = '{"weights": {"10.0.0.1:8000": 3, "10.0.0.2:8000": 1}}'
+    data = _body_json(body, example)
+    if not isinstance(data, dict) or len(data) != 1 or set(data) - {"servers", "weights"}:
+        raise AdminError(
+            400,
+            'body: expected {"servers": {SERVER: {"weight": N, ...}}} or {"weights": {SERVER:'
+            f" N}}}} (one of them), got {_shown(data)}",
+        )
+    ((key, entries),) = data.items()
+    if not isinstance(entries, dict) or not entries:
+        raise AdminError(400, f"{key}: expected an object naming at least one server")
+    changes: dict[str, dict[str, Any]] = {}
+    for server, entry in entries.items():
+        where = f"{key}[{json.dumps(server)}]"
+        if not server:
+            raise AdminError(400, f"{where}: a server's address or id, not an empty name")
+        change = {"weight": entry} if key == "weights" else entry
+        changes[server] = _change_of(change, where + ("" if key == "weights" else "."))
+    return changes
+
+
+def _body_json(body: bytes, example: str) -> Any:
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise AdminError(
-            400, f'body: not JSON ({exc}); expected an object such as {{"weight": 2}}'
+            400, f"body: not JSON ({exc}); expected an object such as {example}"
         ) from None
+
+
+def _change_of(data: Any, where: str) -> dict[str, Any]:
+    """One server's change, checked; ``where`` prefixes the field in messages."""
+    at = where.rstrip(".") or "body"
     if not isinstance(data, dict):
         raise AdminError(
-            400, f"body: expected a JSON object with weight, drain or down, got {_kind(data)}"
+            400, f"{at}: expected a JSON object with weight, drain or down, got {_kind(data)}"
         )
     if not data:
-        raise AdminError(400, "body: empty object; set at least one of weight, drain, down")
+        raise AdminError(400, f"{at}: empty object; set at least one of weight, drain, down")
     change: dict[str, Any] = {}
     for key, value in data.items():
+        field = where + key if where.endswith(".") or not where else where
         if key not in _CHANGE_FIELDS:
-            raise AdminError(400, f"{key}: unknown field; expected weight, drain or down")
+            raise AdminError(400, f"{field}: unknown field; expected weight, drain or down")
         if key == "weight":
             if value is not None and (
                 isinstance(value, bool)
@@ -153,11 +201,11 @@ def parse_change(body: bytes) -> dict[str, Any]:
             ):
                 raise AdminError(
                     400,
-                    f"weight: expected an integer from {SERVER_WEIGHT.text} or null (the"
+                    f"{field}: expected an integer from {SERVER_WEIGHT.text} or null (the"
                     f" configured weight), got {_shown(value)}",
                 )
         elif not isinstance(value, bool):
-            raise AdminError(400, f"{key}: expected true or false, got {_shown(value)}")
+            raise AdminError(400, f"{field}: expected true or false, got {_shown(value)}")
         change[key] = value
     return change
 
@@ -301,6 +349,21 @@ class AdminApp:
                     _fields(change),
                 )
                 return _json(200, entry)
+            case ["upstreams", group] if group:
+                _allow(method, "PATCH")
+                self._authorize(headers, change=True)
+                changes = parse_group_change(await _read_body(receive, headers, self.body_timeout))
+                what = "; ".join(f"{server} {_fields(c)}" for server, c in changes.items())
+                try:
+                    answer = await self.control.change_group(group, changes)
+                except AdminError as exc:
+                    why = exc.message
+                    log.info("admin: %s: upstream %s: %s refused: %s", who, group, what, why)
+                    raise
+                version = answer["version"]
+                at = "" if version is None else f" (fleet version {version})"
+                log.info("admin: %s: upstream %s: %s%s", who, group, what, at)
+                return _json(200, answer)
             case ["reload"]:
                 _allow(method, "POST")
                 self._authorize(headers, change=True)
@@ -318,7 +381,8 @@ class AdminApp:
         raise AdminError(
             404,
             f"no such endpoint: /{'/'.join(segments)}; expected GET /ready, GET /status,"
-            " GET /metrics, PATCH /upstreams/GROUP/servers/SERVER or POST /reload",
+            " GET /metrics, PATCH /upstreams/GROUP/servers/SERVER, PATCH /upstreams/GROUP or"
+            " POST /reload",
         )
 
     def _authorize(self, headers: Mapping[str, str], *, change: bool) -> None:

@@ -5,11 +5,16 @@ it calls a ``Control``. One process serving alone is controlled by :class:`Local
 over its :class:`~muxproxy.trio.server.ProxyServer`; a supervisor of worker processes
 implements the same protocol by asking its workers, so the admin API is the same either way.
 
-Runtime changes (weight, drain, down) obey three rules. They are applied to the core as a
+Runtime changes (weight, drain, down) obey four rules. They are applied to the core as a
 whole :class:`~muxproxy.config.runtime.RuntimeState`, never as a delta, so every process
-that receives the state agrees on it. They are saved to the state file *before* they are
-applied: a change the API answered with 200 survives a crash that follows. And they are
-serialised by one lock, so two concurrent requests cannot save one state and apply another.
+that receives the state agrees on it; a change of several servers of a group (a gray
+release's step) is validated whole and applied as one state, so no request sees half of it.
+They are saved to the state file *before* they are applied: a change the API answered with
+200 survives a crash that follows. They are serialised by one lock, so two concurrent
+requests cannot save one state and apply another. And with a fleet store (``[fleet] store``,
+:class:`~muxproxy.trio.fleetstate.FleetSync`) a change is written to the store first, and
+answered once the store has it; while the store cannot be reached it is refused (503) rather
+than made on this replica alone.
 
 Readiness (:class:`Readiness`, ``GET /ready``) is read from the lifecycle's own state, the
 server's :class:`~muxproxy.trio.server.Phase` here and the supervisor's phase and workers
@@ -30,10 +35,12 @@ import trio
 
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
+from ..fleet.state import StoreUnavailable
 from .metrics import render
 from .server import Phase
 
 if TYPE_CHECKING:
+    from .fleetstate import FleetSync
     from .server import ProxyServer
 
 __all__ = [
@@ -42,9 +49,13 @@ __all__ = [
     "LocalControl",
     "Readiness",
     "ReloadResult",
+    "answer_of_one",
     "apply_saved_state",
     "change_runtime",
+    "changed_servers",
+    "group_answer",
     "load_runtime_state",
+    "saved_state",
     "server_status",
 ]
 
@@ -53,8 +64,8 @@ log = logging.getLogger("muxproxy.admin")
 
 class AdminError(Exception):
     """A request the control plane refuses: ``status`` is the HTTP status to answer with
-    (400 bad request, 404 unknown group or server, 409 not possible now), ``message`` says
-    what is wrong and how to fix it."""
+    (400 bad request, 404 unknown group or server, 409 not possible now, 503 the fleet store
+    cannot take a change now), ``message`` says what is wrong and how to fix it."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -96,7 +107,8 @@ class Control(Protocol):
 
     async def status(self) -> dict[str, Any]:
         """JSON-able status: ``groups`` (``ProxyCore.status()``'s), ``listeners``,
-        ``generation`` and ``workers`` (``[{"pid", "generation"}]``)."""
+        ``generation``, ``workers`` (``[{"pid", "generation"}]``) and, with a fleet store,
+        ``fleet`` (``FleetSync.status()``)."""
         ...
 
     async def change_server(
@@ -105,6 +117,16 @@ class Control(Protocol):
         """Set ``change`` (validated ``weight``, ``drain``, ``down``) on one server, given by
         its configured address or opaque id; returns the server's new status entry.
         Raises :class:`AdminError` (404 for an unknown group or server)."""
+        ...
+
+    async def change_group(
+        self, group: str, changes: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """Set each server's change (server -> validated fields) in ``group`` as one new state:
+        all of them or, on any error, none. Returns ``{"group", "version", "servers": [status
+        entries]}`` (``version``: the fleet store's, None without one). Raises
+        :class:`AdminError` (404 unknown group or server, 400 a bad or repeated entry, 503
+        the fleet store cannot be reached)."""
         ...
 
     async def reload(self, restart: bool = False) -> ReloadResult:
@@ -146,6 +168,8 @@ class LocalControl:
         self.server = server
         self.config_path = config_path
         self.state = RuntimeState.empty() if state is None else state
+        self.fleet: FleetSync | None = None
+        """The fleet store's sync, when ``[fleet]`` is configured (set before serving)."""
         self._lock = trio.Lock()
 
     def token(self) -> str | None:
@@ -176,24 +200,33 @@ class LocalControl:
         status["generation"] = server.generation
         status["listeners"] = _listeners(server)
         status["workers"] = [{"pid": os.getpid(), "generation": server.generation}]
+        if self.fleet is not None:
+            status["fleet"] = self.fleet.status()
         return status
 
     async def change_server(
         self, group: str, server: str, change: Mapping[str, Any]
     ) -> dict[str, Any]:
+        answer = await self.change_group(group, {server: change})
+        return answer_of_one(answer)
+
+    async def change_group(
+        self, group: str, changes: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, Any]:
         async with self._lock:
-            address = await change_runtime(
+            addresses, version = await change_runtime(
                 self.server.config,
                 self.state,
                 self.state_file,
                 group,
-                server,
-                change,
-                apply=self._apply_runtime,
+                changes,
+                apply=self.apply_runtime,
+                fleet=self.fleet,
             )
-        return server_status(await self.status(), group, address)
+        return group_answer(await self.status(), group, addresses, version)
 
-    async def _apply_runtime(self, state: RuntimeState) -> None:
+    async def apply_runtime(self, state: RuntimeState) -> None:
+        """Make ``state`` the server's runtime state (whole) from its next request on."""
         self.server.apply_runtime(state)
         self.state = state
 
@@ -228,7 +261,21 @@ class LocalControl:
             return ReloadResult(ok=True, generation=server.generation)
 
     async def metrics(self) -> bytes:
-        return render([self.server.core.measurements.snapshot()])
+        snapshots = [self.server.core.measurements.snapshot()]
+        if self.fleet is not None:
+            snapshots.append(self.fleet.snapshot())
+        return render(snapshots)
+
+
+def saved_state(config: Config) -> RuntimeState:
+    """:func:`load_runtime_state`, raising ``OSError`` naming ``admin.state_file`` for a file
+    that cannot be read or is not valid (what a process that is starting says and stops)."""
+    try:
+        return load_runtime_state(config)
+    except ValueError as exc:
+        raise OSError(f"admin.state_file: {exc}") from None
+    except OSError as exc:
+        raise OSError(f"admin.state_file: cannot read it: {exc}") from None
 
 
 def apply_saved_state(server: ProxyServer) -> RuntimeState:
@@ -239,15 +286,36 @@ def apply_saved_state(server: ProxyServer) -> RuntimeState:
     cannot be read or is not valid: starting with every weight silently reset would be worse
     than not starting.
     """
-    try:
-        state = load_runtime_state(server.config)
-    except ValueError as exc:
-        raise OSError(f"admin.state_file: {exc}") from None
-    except OSError as exc:
-        raise OSError(f"admin.state_file: cannot read it: {exc}") from None
+    state = saved_state(server.config)
     if state.servers:
         server.apply_runtime(state)
     return state
+
+
+def changed_servers(
+    config: Config, state: RuntimeState, group: str, changes: Mapping[str, Mapping[str, Any]]
+) -> tuple[RuntimeState, list[str]]:
+    """``state`` with each server's change (server as given -> fields) made in ``group``, and
+    the servers' configured addresses, in order. All or nothing: raises :class:`AdminError`
+    (404 an unknown group or server, 400 no change, a bad field or a server named twice,
+    by address and by id say) for the first entry at fault, and nothing is changed."""
+    if not changes:
+        raise AdminError(400, "no server to change; name at least one")
+    addresses: list[str] = []
+    for server, change in changes.items():
+        try:
+            address = resolve_server(config, group, server)
+        except KeyError as exc:
+            raise AdminError(404, str(exc.args[0])) from None
+        if address in addresses:
+            raise AdminError(400, f"{server}: names the server {address} a second time")
+        try:
+            state = state.changed(group, address, **change)
+        except ValueError as exc:
+            where = f"{server}: " if len(changes) > 1 else ""
+            raise AdminError(400, f"{where}{exc}") from None
+        addresses.append(address)
+    return state, addresses
 
 
 async def change_runtime(
@@ -255,27 +323,31 @@ async def change_runtime(
     state: RuntimeState,
     state_file: str | None,
     group: str,
-    server: str,
-    change: Mapping[str, Any],
+    changes: Mapping[str, Mapping[str, Any]],
     *,
     apply: Callable[[RuntimeState], Awaitable[None]],
-) -> str:
-    """``Control.change_server``'s rules (see the module header), for one process or many.
+    fleet: FleetSync | None = None,
+) -> tuple[list[str], int | None]:
+    """``Control.change_group``'s rules (see the module header), for one process or many.
 
-    Resolves ``server`` in ``group`` of ``config``, sets ``change`` on it in ``state``, saves
-    the new state to ``state_file`` (when there is one) and then hands it to ``apply``;
-    returns the server's configured address. The caller holds its lock around the call.
-    Raises :class:`AdminError`: 404 for an unknown group or server, 400 for a change that
-    is not valid, 500 when the state file cannot be written (then nothing is applied).
+    Makes ``changes`` in ``state`` (:func:`changed_servers`). Without ``fleet``: saves the new
+    state to ``state_file`` (when there is one), then hands it to ``apply``. With one: the
+    change is checked here first, then made on the fleet store's newest state and written
+    there (``FleetSync.commit``, which saves and applies it once the store has it). Returns
+    the servers' configured addresses and the store's new version (None without a store).
+    The caller holds its lock around the call. Raises :class:`AdminError`: 404 / 400 as
+    :func:`changed_servers`, 500 when the state file cannot be written (then nothing is
+    applied), 503 when the fleet store cannot take the change (nothing changed anywhere).
     """
-    try:
-        address = resolve_server(config, group, server)
-    except KeyError as exc:
-        raise AdminError(404, str(exc.args[0])) from None
-    try:
-        changed = state.changed(group, address, **change)
-    except ValueError as exc:
-        raise AdminError(400, str(exc)) from None
+    changed, addresses = changed_servers(config, state, group, changes)
+    if fleet is not None:
+        try:
+            version = await fleet.commit(
+                lambda newest: changed_servers(config, newest, group, changes)[0]
+            )
+        except StoreUnavailable as exc:
+            raise AdminError(503, str(exc)) from None
+        return addresses, version
     if state_file is not None:
         try:
             await trio.to_thread.run_sync(save_state, state_file, changed)
@@ -286,7 +358,25 @@ async def change_runtime(
                 500, f"cannot write the state file {state_file!r}: {exc}; nothing changed"
             ) from None
     await apply(changed)
-    return address
+    return addresses, None
+
+
+def group_answer(
+    status: Mapping[str, Any], group: str, addresses: list[str], version: int | None
+) -> dict[str, Any]:
+    """The answer to a change of ``group``: its changed servers' status entries and the
+    fleet store's ``version`` (None without a store)."""
+    servers = [server_status(status, group, address) for address in addresses]
+    return {"ok": True, "group": group, "version": version, "servers": servers}
+
+
+def answer_of_one(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The answer to a change of one server: its status entry, with the fleet store's
+    ``version`` when there is a store."""
+    entry = dict(answer["servers"][0])
+    if answer["version"] is not None:
+        entry["version"] = answer["version"]
+    return entry
 
 
 def server_status(status: Mapping[str, Any], group: str, address: str) -> dict[str, Any]:

@@ -31,17 +31,31 @@ async def serve_control(
     task_status: trio.TaskStatus[tuple[str, int] | None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API of ``server`` (a :class:`LocalControl`) until cancelled, when its
-    configuration has an ``[admin]`` section; otherwise return at once.
+    configuration has an ``[admin]`` section, and follow the fleet store's runtime state when
+    it has a ``[fleet]`` one (:class:`~muxproxy.trio.fleetstate.FleetSync`: started before
+    the admin API, so no change is ever made here alone); with neither, return at once.
 
     ``state``: what :func:`apply_saved_state` applied. ``task_status.started`` gets the
     admin address bound, or None. Raises ``OSError`` when the address cannot be bound.
     """
-    settings = server.config.admin
-    if settings is None:
-        task_status.started(None)
-        return
+    config = server.config
     control = LocalControl(server, config_path=config_path, state=state)
-    await serve_admin(settings.address, control, control.token, task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        if config.fleet is not None:
+            from .fleetstate import FleetSync  # coredis only where a store is configured
+
+            control.fleet = FleetSync(
+                config.fleet,
+                control.state,
+                apply=control.apply_runtime,
+                state_file=lambda: control.state_file,
+            )
+            await nursery.start(control.fleet.run)
+        settings = config.admin
+        if settings is None:
+            task_status.started(None)
+            return
+        await serve_admin(settings.address, control, control.token, task_status=task_status)
 
 
 async def serve_local(
@@ -53,7 +67,8 @@ async def serve_local(
     ] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one proxy process for ``config`` with its admin listener (when ``config.admin``
-    is set) until cancelled or the server stops; the state file is applied first.
+    is set; and its fleet store's sync, when ``config.fleet`` is) until cancelled or the server
+    stops; the state file is applied first.
 
     ``task_status.started((proxy addresses, admin address or None))``. Raises ``OSError``
     when a listener cannot be bound or the state file cannot be used.
