@@ -62,7 +62,7 @@ from ..fleet.budgets import (
     reserve_args,
     settle_args,
 )
-from .resumestore import _client_of, _redacted
+from .redis import client_of, redacted
 
 if TYPE_CHECKING:
     from coredis.commands.script import Script
@@ -128,7 +128,7 @@ class _Store:
             await trio.sleep(RECONNECT_DELAY)
 
     async def _serve(self) -> None:
-        async with _client_of(self.url) as client, trio.open_nursery() as nursery:
+        async with client_of(self.url) as client, trio.open_nursery() as nursery:
             self.scripts = {
                 name: client.register_script(text)
                 for name, text in (
@@ -252,7 +252,7 @@ class _Store:
             self.unlogged += 1
             return
         self.logged_at = now
-        fields = {"store": _redacted(self.url), "operation": what, "error": _describe(exc)}
+        fields = {"store": redacted(self.url), "operation": what, "error": _describe(exc)}
         if self.unlogged:
             fields["unlogged_before"] = str(self.unlogged)
         self.unlogged = 0
@@ -262,7 +262,7 @@ class _Store:
         self.down_until = -math.inf
         if self.down:
             self.down = False
-            fields = {"store": _redacted(self.url), "replicas": str(self.replicas)}
+            fields = {"store": redacted(self.url), "replicas": str(self.replicas)}
             self.budgets.driver._log(Log(event="fleet_budget_store_recovered", fields=fields))
 
 

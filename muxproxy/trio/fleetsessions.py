@@ -64,6 +64,7 @@ from ..fleet.sessions import (
     entries_to_wire,
 )
 from ..routing.affinity import DEFAULT_LIMIT
+from .redis import client_of, redacted
 
 if TYPE_CHECKING:
     import coredis
@@ -243,9 +244,7 @@ class StoreSessions:
     async def _serve(self) -> None:
         from coredis.retry import NoRetryPolicy
 
-        from .resumestore import _client_of
-
-        async with _client_of(self.url) as client:
+        async with client_of(self.url) as client:
             script = client.register_script(_LEARN)
             pubsub = client.pubsub(
                 channels=[CHANNEL], ignore_subscribe_messages=True, retry_policy=NoRetryPolicy()
@@ -333,7 +332,7 @@ class StoreSessions:
         if now - self._logged_at < LOG_EVERY:
             self._unlogged += 1
             return
-        fields: dict[str, Any] = {"store": _redacted(self.url), "what": what, "error": repr(exc)}
+        fields: dict[str, Any] = {"store": redacted(self.url), "what": what, "error": repr(exc)}
         if self._unlogged:
             fields["more"] = self._unlogged
         self._logged_at, self._unlogged = now, 0
@@ -349,12 +348,6 @@ def _stored_item(group: str, field: bytes | str, value: bytes | str) -> list[Any
         return [group, key, address, float(at)]
     except (UnicodeDecodeError, ValueError):
         return None
-
-
-def _redacted(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url
 
 
 # -- one process: the server's own bridge -------------------------------------------------

@@ -62,7 +62,7 @@ from ..fleet.state import (
 from ..process import leaves
 
 # The one way a store URL (redis://, rediss://, redis+sentinel://) becomes a client.
-from .resumestore import _client_of as client_of
+from .redis import client_of
 
 __all__ = ["CAS_ATTEMPTS", "FleetSync", "StoreUnavailable", "shown_url"]
 

@@ -51,18 +51,14 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import coredis
 import trio
-from coredis.connection import TCPLocation
 from coredis.exceptions import ConnectionError as StoreConnectionError
 from coredis.exceptions import RedisError
 from coredis.tokens import PureToken
 
-from ..config.storeurl import is_sentinel, parse_sentinel
 from ..core.commands import (
     Log,
     ResumeAppend,
@@ -80,6 +76,7 @@ from ..core.storedrecords import (
     stored_seq,
     stored_state,
 )
+from .redis import client_of, redacted
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -171,7 +168,7 @@ class _Store:
             await trio.sleep(RECONNECT_DELAY)
 
     async def _serve(self) -> None:
-        async with _client_of(self.url) as client, trio.open_nursery() as nursery:
+        async with client_of(self.url) as client, trio.open_nursery() as nursery:
             self.client = client
             self.ready.set()
             nursery.start_soon(self._renew, client)
@@ -237,34 +234,11 @@ class _Store:
             self.unlogged += 1
             return
         self.logged_at = now
-        fields = {"store": _redacted(self.url), "operation": what, "error": repr(exc)}
+        fields = {"store": redacted(self.url), "operation": what, "error": repr(exc)}
         if self.unlogged:
             fields["unlogged_before"] = str(self.unlogged)
         self.unlogged = 0
         self.stores.driver._log(Log(event="resume_store_error", fields=fields))
-
-
-@asynccontextmanager
-async def _client_of(url: str) -> AsyncIterator[coredis.Redis[bytes]]:
-    """A client of ``url``: ``redis://`` or ``rediss://`` as it is, ``redis+sentinel://``
-    through ``coredis.Sentinel`` (the primary it names, found again when it fails over)."""
-    if not is_sentinel(url):
-        async with coredis.Redis.from_url(url, verify_version=False) as client:
-            yield client
-        return
-    parts = parse_sentinel(url)
-    sentinel = coredis.Sentinel([TCPLocation(host, port) for host, port in parts.sentinels])
-    async with sentinel:
-        primary = sentinel.primary_for(parts.service, db=parts.db, password=parts.password)
-        async with primary:
-            yield primary
-
-
-def _redacted(url: str) -> str:
-    """``url`` without a password (it goes to the logs)."""
-    scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url
 
 
 class _Fetch:
@@ -383,7 +357,7 @@ class ResumeStores:
                     event="resume_store_bad_record",
                     fields={
                         "stream": command.token.decode("ascii"),
-                        "store": _redacted(store.url),
+                        "store": redacted(store.url),
                         "reason": bad.reason,
                     },
                 )
