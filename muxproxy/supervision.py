@@ -78,6 +78,9 @@ class Supervised(Protocol):
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), in the configuration's order."""
 
+    def discovery_status(self) -> dict[str, Any]:
+        """Per discovering group, its lookups (``trio.discovery.Discovery.status``)."""
+
     def readiness(self) -> Readiness:
         """Whether new traffic is taken now, from the supervisor's phase and workers."""
 
@@ -137,6 +140,10 @@ class SupervisorControl:
             }
             for worker, answer in answers
         ]
+        for name, entry in supervisor.discovery_status().items():
+            group = merged.get("groups", {}).get(name)
+            if isinstance(group, dict):
+                group["discovery"] = entry
         return merged
 
     async def change_server(

@@ -224,7 +224,7 @@ def servers_of(discover: Discover, targets: Sequence[Target]) -> tuple[Server, .
 
 def with_discovered(config: Config, discovered: Mapping[str, Sequence[Target]]) -> Config:
     """``config`` with each discovering group's servers made from its last good set in
-    ``discovered`` (group name -> targets); a group without one yet has no servers.
+    ``discovered`` (group name -> targets); a group not in ``discovered`` is left as it is.
 
     A configuration read again from its file has no servers in such a group: this puts the
     set back (a reload must not empty a group until DNS answers again), built with the
@@ -233,9 +233,9 @@ def with_discovered(config: Config, discovered: Mapping[str, Sequence[Target]]) 
     groups = dict(config.upstreams)
     changed = False
     for name, group in config.upstreams.items():
-        if group.discover is None:
+        if group.discover is None or name not in discovered:
             continue
-        servers = servers_of(group.discover, discovered.get(name, ()))
+        servers = servers_of(group.discover, discovered[name])
         if servers != group.servers:
             groups[name] = attrs.evolve(group, servers=servers)
             changed = True

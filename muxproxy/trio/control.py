@@ -30,6 +30,7 @@ import trio
 
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
+from .discovery import with_discovery
 from .metrics import render
 from .server import Phase
 
@@ -176,6 +177,8 @@ class LocalControl:
         status["generation"] = server.generation
         status["listeners"] = _listeners(server)
         status["workers"] = [{"pid": os.getpid(), "generation": server.generation}]
+        if server.discovery is not None:
+            with_discovery(status, server.discovery.status(trio.current_time()))
         return status
 
     async def change_server(
@@ -228,7 +231,10 @@ class LocalControl:
             return ReloadResult(ok=True, generation=server.generation)
 
     async def metrics(self) -> bytes:
-        return render([self.server.core.measurements.snapshot()])
+        snapshots = [self.server.core.measurements.snapshot()]
+        if self.server.discovery is not None:
+            snapshots.append(self.server.discovery.snapshot(trio.current_time()))
+        return render(snapshots)
 
 
 def apply_saved_state(server: ProxyServer) -> RuntimeState:
