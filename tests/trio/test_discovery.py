@@ -7,8 +7,8 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import trio
-
 from dnsserver import NXDOMAIN, REFUSE, SILENT, DnsServer, dns_server
+
 from muxproxy.config import Config, Listener, Route, Upstream
 from muxproxy.config.discovery import Discover
 from muxproxy.config.fleet import ResolverSettings
