@@ -204,3 +204,38 @@ async def test_servers_join_ramp_drain_and_survive_a_dns_outage_under_sticky_str
     during_outage = [t for t in turns if outage_at < t.began < outage_at + OUTAGE]
     assert len(during_outage) > 50
     assert sum(fakes[h].requests for h in HOSTS[3:]) > 0
+
+
+async def test_every_worker_routes_over_the_set_the_supervisor_discovered(
+    tmp_path: Path, nursery: trio.Nursery, dns: DnsServer
+) -> None:
+    _fakes, port = await start_engines(nursery)
+    dns.set_a(NAME, HOSTS[:2], ttl=1)
+    path = tmp_path / "muxproxy.toml"
+    path.write_text(config_text(dns, port))
+
+    async def spread(url: str, count: int) -> set[str | None]:
+        """``count`` turns, each on a connection of its own (spread over the workers)."""
+        seen: list[Turn] = []
+
+        async def one(number: int) -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                seen.append(await turn(client, url, f"spread-{number}-{trio.current_time()}"))
+
+        async with trio.open_nursery() as turns:
+            for number in range(count):
+                turns.start_soon(one, number)
+        assert all(t.error is None for t in seen), [t.error for t in seen if t.error]
+        return {t.backend for t in seen}
+
+    with trio.fail_after(50):
+        async with proxy_process(nursery, "--workers", "2", config=path, admin=True) as proxy:
+            url = f"{proxy.url}/v1/chat/completions"
+            assert await spread(url, 24) == set(HOSTS[:2])
+            dns.set_a(NAME, [HOSTS[1], HOSTS[2], HOSTS[3]], ttl=1)
+            group = await wait_for_servers(proxy.admin_url, HOSTS[1:4], port)
+            assert group["discovery"]["name"] == NAME
+            await trio.sleep(SLOW_START)  # ramped in every worker
+            assert await spread(url, 30) == set(HOSTS[1:4])  # none on the vanished one
+            document = await status_of(proxy.admin_url)
+            assert all(s["effective_weight"] == 1.0 for s in document["servers"])
