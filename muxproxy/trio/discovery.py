@@ -40,7 +40,7 @@ import trio
 from ..config import Config
 from ..config.discovery import Discover, RecordKind
 from ..config.fleet import ResolverSettings
-from ..core.series import COUNTER, GAUGE, SNAPSHOT_FORMAT
+from ..core.series import DISCOVERY_METRICS, PREFIX, SNAPSHOT_FORMAT
 from ..fleet.discovery import (
     Answer,
     Failure,
@@ -210,29 +210,22 @@ class Discovery:
             for g in groups
             if (k := self.known.get(g)) is not None and k.last_success is not None
         ]
-        return {
-            "format": SNAPSHOT_FORMAT,
-            "metrics": {
-                "muxproxy_discovery_lookups_total": {
-                    "type": COUNTER,
-                    "help": "DNS lookups of discovering groups, by result.",
-                    "labels": ["group", "result"],
-                    "samples": [[list(key), n] for key, n in sorted(self.lookups.items())],
-                },
-                "muxproxy_discovery_servers": {
-                    "type": GAUGE,
-                    "help": "Servers of a discovering group: its last good set.",
-                    "labels": ["group"],
-                    "samples": servers,
-                },
-                "muxproxy_discovery_last_success_age_seconds": {
-                    "type": GAUGE,
-                    "help": "Seconds since a discovering group's last good lookup.",
-                    "labels": ["group"],
-                    "samples": ages,
-                },
-            }
+        lookups = [[list(key), n] for key, n in sorted(self.lookups.items())]
+        samples = {
+            "discovery_lookups_total": lookups,
+            "discovery_servers": servers,
+            "discovery_last_success_age_seconds": ages,
         }
+        metrics = {}
+        for name, values in samples.items():
+            kind, labels, help_text = DISCOVERY_METRICS[name]
+            metrics[PREFIX + name] = {
+                "type": kind,
+                "help": help_text,
+                "labels": list(labels),
+                "samples": values,
+            }
+        return {"format": SNAPSHOT_FORMAT, "metrics": metrics}
 
     # -- running ---------------------------------------------------------------------------
 
