@@ -7,9 +7,10 @@ What is checked, so that the documents cannot drift from the code:
   listener, one group ``gpus``; the fragment's tables merged into those, its values winning)
   and the result must be accepted. File paths are relative to a fresh directory.
 - Every ``muxproxy_*`` name in the documents is a metric of ``series.METRICS`` or
-  ``series.DISCOVERY_METRICS`` (or a histogram's ``_bucket`` / ``_sum`` / ``_count`` series of one), but the sticky cookie's
-  default name. In the alert rules (the ```` ```yaml ```` block) and the Grafana panels, each
-  label a selector or a ``by (...)`` names belongs to the metrics it applies to.
+  ``series.DISCOVERY_METRICS`` (or a histogram's ``_bucket`` / ``_sum`` / ``_count`` series
+  of one), but the sticky cookie's default name. In the alert rules (the ```` ```yaml ````
+  block) and the Grafana panels, each label a selector or a ``by (...)`` names belongs to
+  the metrics it applies to.
 - The table "Every metric" lists exactly those, with their types and labels.
 - The limits table lists every field of ``Limits``, and each ``limits.*`` and ``timeouts.*``
   row's default is the record's.
