@@ -28,13 +28,8 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dns.asyncresolver
-import dns.exception
-import dns.nameserver
-import dns.rdatatype
-import dns.resolver
 import trio
 
 from ..config import Config
@@ -52,6 +47,11 @@ from ..fleet.discovery import (
     srv_targets,
 )
 
+if TYPE_CHECKING:
+    # dnspython is imported when a group discovers (it loads much, ``email`` included): a
+    # proxy without ``discover`` never holds it (``tests/test_cli.py``).
+    import dns.asyncresolver
+
 __all__ = ["ERROR_LOG_INTERVAL", "Discovery", "lookup", "make_resolver", "with_discovery"]
 
 log = logging.getLogger("muxproxy")
@@ -65,6 +65,9 @@ Sets = Mapping[str, tuple[Target, ...]]
 
 def make_resolver(settings: ResolverSettings) -> dns.asyncresolver.Resolver:
     """A resolver for ``[resolver]``: its nameservers, or the system's when none is set."""
+    import dns.asyncresolver
+    import dns.nameserver
+
     resolver = dns.asyncresolver.Resolver(configure=not settings.nameservers)
     if settings.nameservers:
         servers: list[str | dns.nameserver.Nameserver] = []
@@ -80,6 +83,9 @@ def make_resolver(settings: ResolverSettings) -> dns.asyncresolver.Resolver:
 
 async def lookup(resolver: dns.asyncresolver.Resolver, discover: Discover) -> Answer | Failure:
     """Ask DNS for ``discover``'s servers; never raises for what DNS answers or fails to."""
+    import dns.exception
+    import dns.resolver
+
     try:
         if discover.kind is RecordKind.SRV:
             return await _srv(resolver, discover.name)
@@ -104,6 +110,9 @@ async def _addresses(
 ) -> tuple[list[str], float | None]:
     """The A and AAAA addresses of ``name`` and their smallest TTL. Raises NXDOMAIN,
     timeouts and errors; a type without records is none of those."""
+    import dns.rdatatype
+    import dns.resolver
+
     hosts: list[str] = []
     ttl: float | None = None
     for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
@@ -119,6 +128,9 @@ async def _addresses(
 
 
 async def _srv(resolver: dns.asyncresolver.Resolver, name: str) -> Answer:
+    import dns.rdatatype
+    import dns.resolver
+
     try:
         answer = await resolver.resolve(name, dns.rdatatype.SRV, search=False)
     except dns.resolver.NoAnswer:
