@@ -94,6 +94,9 @@ class Supervised(Protocol):
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), in the configuration's order."""
 
+    def discovery_status(self) -> dict[str, Any]:
+        """Per discovering group, its lookups (``trio.discovery.Discovery.status``)."""
+
     def readiness(self) -> Readiness:
         """Whether new traffic is taken now, from the supervisor's phase and workers."""
 
@@ -176,6 +179,10 @@ class SupervisorControl:
         ]
         if supervisor.fleet is not None:
             merged["fleet"] = supervisor.fleet.status()
+        for name, entry in supervisor.discovery_status().items():
+            group = merged.get("groups", {}).get(name)
+            if isinstance(group, dict):
+                group["discovery"] = entry
         return merged
 
     async def change_server(

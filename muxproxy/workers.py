@@ -71,7 +71,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -80,6 +80,7 @@ import trio
 
 from muxproxy.config import Config, ConfigError, load_config
 from muxproxy.config.runtime import RuntimeState
+from muxproxy.fleet.discovery import Target, with_discovered
 from muxproxy.process import (
     CUT_SIGNALS,
     EXIT_FAILURE,
@@ -95,6 +96,7 @@ from muxproxy.process import (
 from muxproxy.supervision import SupervisorControl, follow_fleet
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import Readiness, ReloadResult, saved_state
+from muxproxy.trio.discovery import Discovery
 from muxproxy.trio.fleetsessions import SessionRelay
 from muxproxy.trio.handover import (
     SlotSockets,
@@ -104,7 +106,7 @@ from muxproxy.trio.handover import (
     slot_fds,
 )
 from muxproxy.trio.logs import configure_error_log
-from muxproxy.trio.worker import WORKER_CODE, encode_config
+from muxproxy.trio.worker import WORKER_CODE, encode_config, encode_sets
 from muxproxy.trio.workerproc import (
     REPLY_TIMEOUT,
     Phase,
@@ -162,7 +164,10 @@ async def _supervise(
             async with trio.open_nursery() as nursery:
                 supervisor.nursery = nursery
                 supervisor.sessions.start(nursery)
+                # Bounded by the resolver's timeout: the workers start with the servers.
+                await supervisor.discovery.first_round()
                 await supervisor.start()
+                nursery.start_soon(supervisor.discovery.run)
                 if supervisor.phase is Phase.SERVING and config.fleet is not None:
                     await follow_fleet(supervisor, config.fleet)  # before the admin API
                 if supervisor.phase is Phase.SERVING and config.admin is not None:
@@ -208,6 +213,10 @@ class Supervisor:
         """The operator's server overrides, as every worker has them."""
         self.fleet: FleetSync | None = None
         """The fleet store's sync (``[fleet]``): the supervisor is the fleet's replica."""
+        self.discovered: dict[str, tuple[Target, ...]] = {}
+        """Each discovering group's last good set, as every worker has it."""
+        self.discovery = Discovery(lambda: self.config, self.apply_discovered)
+        """The lookups of the groups with ``discover``: here, once for every worker."""
         self.restarts = RestartBudget(count)
         self.sessions = SessionRelay(lambda: self.config, lambda: self.workers)
         self.lock = trio.Lock()
@@ -447,6 +456,8 @@ class Supervisor:
                 return self._refused(
                     [p if p.startswith(path) else f"{path}: {p}" for p in exc.problems]
                 )
+            # The file has no servers for the groups it discovers: the last good sets stay.
+            config = with_discovered(config, self.discovered)
             current = {listener.address for listener in config.listeners}
             added = [item for item in config.listeners if item.address not in self.sockets]
             try:
@@ -500,6 +511,7 @@ class Supervisor:
                 self._log(f"reload: {error}", logging.WARNING)
             pids = ", ".join(str(w.pid) for w in targets if w.generation == generation)
             self._log(f"reloaded {self.config_path} (generation {generation}; workers {pids})")
+            self.discovery.wake()  # a group's discover table may have changed
             return ReloadResult(ok=not errors, errors=errors, generation=generation)
 
     def _refused(self, errors: list[str]) -> ReloadResult:
@@ -561,13 +573,34 @@ class Supervisor:
         with trio.move_on_after(timeout):
             await self.ask_all(self._runtime_message())
 
+    async def apply_discovered(self, sets: Mapping[str, Sequence[Target]]) -> None:
+        """Make ``sets`` (group -> last good set) the discovering groups' servers in every
+        worker (the ``discovered`` message), and in the workers to come (``config``)."""
+        async with self.lock:
+            self.discovered.update((name, tuple(targets)) for name, targets in sets.items())
+            config = with_discovered(self.config, self.discovered)
+            if config is self.config:
+                return
+            self.config = config
+            message = {
+                "type": "discovered",
+                "sets": encode_sets(self.discovered),
+                "id": next(self._ids),
+            }
+            with trio.move_on_after(REPLY_TIMEOUT):
+                await self.ask_all(message)
+
+    def discovery_status(self) -> dict[str, Any]:
+        return self.discovery.status(trio.current_time())
+
     def _runtime_message(self) -> Message:
         return {"type": "runtime", "state": self.runtime.to_json(), "id": next(self._ids)}
 
     async def snapshots(self) -> list[dict[str, Any]]:
         """Measurements of every worker: the live ones' now, the exited ones' last."""
         retired = self.retired.snapshots()  # before a worker exits while we ask
-        return retired + Retired.answered(await self.ask_all({"type": "metrics?"}))
+        answered = Retired.answered(await self.ask_all({"type": "metrics?"}))
+        return [*retired, *answered, self.discovery.snapshot(trio.current_time())]
 
     def readiness(self) -> Readiness:
         """Ready while serving with at least one worker listening; stopping from the first

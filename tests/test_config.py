@@ -667,7 +667,8 @@ def test_missing_required_keys() -> None:
     data = {"listeners": [{}], "upstreams": {"gpus": {}}}
     assert problems_of(data) == [
         'listeners[0].address: missing; expected "host:port"',
-        'upstreams.gpus.servers: missing; expected an array of "host:port" servers',
+        'upstreams.gpus.servers: missing; expected an array of "host:port" servers (or'
+        ' discover = { dns = "NAME", port = 8000 } to find them in DNS)',
     ]
 
 

@@ -6,11 +6,12 @@ What is checked, so that the documents cannot drift from the code:
   first line is ``# fragment`` shows a few sections only: it is merged into ``BASE`` (one
   listener, one group ``gpus``; the fragment's tables merged into those, its values winning)
   and the result must be accepted. File paths are relative to a fresh directory.
-- Every ``muxproxy_*`` name in the documents is a metric of ``series.METRICS`` (or a
-  histogram's ``_bucket`` / ``_sum`` / ``_count`` series of one), but the sticky cookie's
-  default name. In the alert rules (the ```` ```yaml ```` block) and the Grafana panels, each
-  label a selector or a ``by (...)`` names belongs to the metrics it applies to.
-- The table "Every metric" lists exactly ``series.METRICS``, with their types and labels.
+- Every ``muxproxy_*`` name in the documents is a metric of ``series.METRICS`` or
+  ``series.DISCOVERY_METRICS`` (or a histogram's ``_bucket`` / ``_sum`` / ``_count`` series
+  of one), but the sticky cookie's default name. In the alert rules (the ```` ```yaml ````
+  block) and the Grafana panels, each label a selector or a ``by (...)`` names belongs to
+  the metrics it applies to.
+- The table "Every metric" lists exactly those, with their types and labels.
 - The limits table lists every field of ``Limits``, and each ``limits.*`` and ``timeouts.*``
   row's default is the record's.
 - Every ``timeouts.X``, ``limits.X``, ``log.X``, ``admin.X`` (and a few group keys) named in
@@ -42,8 +43,12 @@ from muxproxy.config import (
     Timeouts,
     parse_config,
 )
-from muxproxy.core.series import HISTOGRAM, METRICS, PREFIX
+from muxproxy.core.series import DISCOVERY_METRICS, HISTOGRAM, PREFIX
+from muxproxy.core.series import METRICS as CORE_METRICS
 from muxproxy.trio.logs import LEVELS
+
+METRICS = {**CORE_METRICS, **DISCOVERY_METRICS}
+"""The core's metrics and discovery's (measured by the driver)."""
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FROM_NGINX = DOCS / "from-nginx.md"

@@ -132,6 +132,16 @@ RANGES: dict[str, Range] = {
     f"{_G}.servers[].max_connections": _CONNECTIONS,
     f"{_G}.servers[].max_streams": _COUNT,
     f"{_G}.servers[].max_waiting": _COUNT_OR_ZERO,
+    # discover: the per-server keys as a listed server's; a lookup at most once a second.
+    f"{_G}.discover.port": Range(1, 65_535, "", "a TCP port"),
+    f"{_G}.discover.interval": Range(1, 3600, "seconds", "an hour; at least a second"),
+    f"{_G}.discover.weight": SERVER_WEIGHT,
+    f"{_G}.discover.max_fails": _COUNT_OR_ZERO,
+    f"{_G}.discover.fail_timeout": _TIMEOUT,
+    f"{_G}.discover.max_connections": _CONNECTIONS,
+    f"{_G}.discover.max_streams": _COUNT,
+    f"{_G}.discover.max_waiting": _COUNT_OR_ZERO,
+    f"{_G}.slow_start": Range(0, 3600, "seconds", "an hour"),
     f"{_G}.sticky.body_limit": _BUFFER,
     f"{_G}.sticky.session_idle": _TIMEOUT,
     # RFC 6265bis, the Max-Age attribute: a user agent caps a cookie's Max-Age at 400 days.

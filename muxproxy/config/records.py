@@ -14,6 +14,7 @@ import ipaddress
 
 import attrs
 
+from .discovery import Discover
 from .fleet import FleetSettings, ResolverSettings
 
 
@@ -367,9 +368,17 @@ class HeaderRule:
 @attrs.frozen(kw_only=True)
 class Upstream:
     name: str
-    servers: tuple[Server, ...]
+    servers: tuple[Server, ...] = ()
     """The group's backends: ``"host:port"`` strings, or tables with ``address`` and the
-    server's own settings (``upstreams.NAME.servers[]``)."""
+    server's own settings (``upstreams.NAME.servers[]``). Exactly one of this and
+    ``discover``."""
+    discover: Discover | None = None
+    """Servers found in DNS instead (``docs/fleet.md``): A/AAAA (``dns``) or SRV (``srv``)
+    records, looked up again every ``interval``; the same keys as a server's beside them."""
+    slow_start: float = 0.0
+    """Seconds over which a server that joins the group (found by ``discover``, or added by
+    a reload) ramps from a weight near 0 to its own, as NGINX Plus's ``slow_start``: a
+    number or ``"30s"``, ``"500ms"``, ``"2m"``. 0: at once."""
     pool_max_idle: int = 32
     """Idle keep-alive connections kept per backend."""
     pool_idle_timeout: float = 60.0
@@ -430,9 +439,10 @@ class Upstream:
             or (self.tenant is not None and self.tenant.kind == "body")
             or (self.priority is not None and self.priority.kind == "body")
         )
+        found = self.discover
         admission = any(
             s.max_streams is not None or s.max_waiting is not None for s in self.servers
-        )
+        ) or (found is not None and (found.max_streams or found.max_waiting) is not None)
         object.__setattr__(self, "reads_body", reads_body)
         object.__setattr__(self, "admission", admission)
         object.__setattr__(self, "admits", reads_body or admission or self.rate_limit is not None)

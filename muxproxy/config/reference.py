@@ -33,7 +33,19 @@ from typing import Any
 
 import attrs
 
-from . import admin, fleet, fleetkeys, loading, logs, ranges, records, storeurl, upstreams
+from . import (
+    admin,
+    discovery,
+    discoverykeys,
+    fleet,
+    fleetkeys,
+    loading,
+    logs,
+    ranges,
+    records,
+    storeurl,
+    upstreams,
+)
 from .checker import Checker, Key, alternatives
 
 __all__ = ["Entry", "Table", "entries", "explain", "placement", "render_markdown", "tables"]
@@ -135,6 +147,16 @@ _TABLES = (
         upstreams._SERVER_KEYS,
         'One backend of a group: a `"host:port"` string, or an inline table with `address`'
         " and any of these keys.",
+        "[upstreams.gpus]",
+    ),
+    Table(
+        f"{_GROUP}.discover",
+        "upstreams.NAME.discover = { dns = ..., port = ... }",
+        discovery.Discover,
+        upstreams._DISCOVER_KEYS,
+        "The group's servers found in DNS instead of listed (`docs/fleet.md`): `dns` (A and"
+        " AAAA records, with `port`) or `srv` (SRV records), and the settings of a server"
+        " (`servers[]`) that every discovered one gets.",
         "[upstreams.gpus]",
     ),
     Table(
@@ -271,6 +293,7 @@ _TABLES = (
 
 _SUB_TABLES = {
     f"{_GROUP}.servers": f"{_GROUP}.servers[]",
+    f"{_GROUP}.discover": f"{_GROUP}.discover",
     f"{_GROUP}.sticky": f"{_GROUP}.sticky",
     f"{_GROUP}.sticky.cookie": f"{_GROUP}.sticky.cookie",
     f"{_GROUP}.next_upstream": f"{_GROUP}.next_upstream",
@@ -318,6 +341,9 @@ _VALUE_KINDS: dict[Any, str] = {
     Checker.prefix: 'a path prefix starting with "/"',
     Checker.name: "the name of an upstream group",
     upstreams.servers: 'an array of "host:port" strings or { address = ... } tables',
+    upstreams.discover: "a table",
+    discoverykeys.lookup_name: 'a DNS name, e.g. "vllm.llm.svc.cluster.local"',
+    discoverykeys.duration_or_zero: 'seconds (a number >= 0; 0: off) or "30s", "500ms", "2m"',
     upstreams.weight: "an integer >= 0 (0 drains the server)",
     upstreams.max_fails: "an integer >= 0 (0: never taken out)",
     upstreams.server_protocol: _choices(upstreams.SERVER_PROTOCOLS),
@@ -371,6 +397,18 @@ _EXAMPLES = {
     "listeners[].trusted_proxies": 'address = "0.0.0.0:8080"\n'
     'trusted_proxies = ["10.0.0.0/8", "127.0.0.1/32"]',
     f"{_GROUP}.servers": 'servers = ["10.0.0.1:8000", { address = "10.0.0.2:8000", weight = 2 }]',
+    f"{_GROUP}.discover": 'discover = { dns = "vllm.llm.svc.cluster.local", port = 8000 }',
+    f"{_GROUP}.slow_start": 'slow_start = "30s"',
+    f"{_GROUP}.discover.dns": 'discover = { dns = "vllm.llm.svc.cluster.local", port = 8000 }',
+    f"{_GROUP}.discover.srv": 'discover = { srv = "_http._tcp.vllm.llm.svc.cluster.local" }',
+    f"{_GROUP}.discover.port": 'discover = { dns = "vllm.llm.svc.cluster.local", port = 8000 }',
+    f"{_GROUP}.discover.tls_ca": 'discover = { dns = "vllm.llm.svc.cluster.local", port = 8443,'
+    ' tls = true, tls_ca = "ca.pem" }',
+    f"{_GROUP}.discover.tls_server_name": 'discover = { dns = "vllm.llm.svc.cluster.local",'
+    ' port = 8443, tls = true, tls_server_name = "vllm.internal" }',
+    f"{_GROUP}.discover.max_streams": "max_streams = 64",
+    f"{_GROUP}.discover.max_waiting": 'discover = { dns = "vllm.llm.svc.cluster.local",'
+    ' port = 8000, max_waiting = 8 }\n\n[upstreams.gpus.load_report]\npath = "/metrics"',
     f"{_GROUP}.balance": 'balance = "least_load"',
     f"{_GROUP}.sticky": '[upstreams.gpus.sticky]\nsources = ["header:X-Chat-ID"]',
     f"{_GROUP}.next_upstream": "[upstreams.gpus.next_upstream]\n"
@@ -444,6 +482,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
     body = [
         *ast.parse(inspect.getsource(records)).body,
         *ast.parse(inspect.getsource(fleet)).body,
+        *ast.parse(inspect.getsource(discovery)).body,
     ]
     docs: dict[tuple[str, str], str] = {}
     for node in body:
@@ -557,6 +596,8 @@ def _example(table: Table, key: str, default: str, path: str) -> str:
             line = "\n".join([*_ROUTE_KEYS_IN_EXAMPLE, f"resume = {{ {line} }}"])
     elif table.path.endswith(".servers[]") and not line.startswith("servers"):
         line = f'servers = [{{ address = "10.0.0.1:8000", {line} }}]'
+    elif table.path.endswith(".discover") and not line.startswith("discover"):
+        line = f'discover = {{ dns = "vllm.llm.svc.cluster.local", port = 8000, {line} }}'
     return f"{head}\n{line}"
 
 
@@ -623,6 +664,8 @@ def placement(key: str, path: str) -> str | None:
     other table, or in too many for a pointer to help (``path``, ``name``)."""
     here, group = _pattern(path)
     homes = [table for table in _TABLES if key in table.keys and table.path != here]
+    if not here.startswith(_GROUP):  # a listener's "port" is no DNS lookup's
+        homes = [table for table in homes if not table.path.endswith(".discover")]
     if not homes or len(homes) > 2:
         return None
     places = " or ".join(_place(table, group, key) for table in homes)
@@ -798,8 +841,10 @@ def _document(entry: Entry) -> str:
     table = entry.table
     if table.path == "listeners[]":
         return f"{example}\n\n{_MINIMAL_GROUP}"
-    if table.path == _GROUP or table.path.endswith(".servers[]"):
-        if "servers = " in example:  # the example sets the group's servers itself
+    if table.path == _GROUP or table.path.endswith((".servers[]", ".discover")):
+        if (
+            "servers = " in example or "discover = " in example
+        ):  # the example sets the group's servers itself
             return f"{_MINIMAL_LISTENER}\n{example}\n"
         if example.startswith("[upstreams.gpus]\n"):  # a key of the group: add its servers
             return f"{_MINIMAL_LISTENER}\n{_MINIMAL_GROUP}{example.partition(chr(10))[2]}\n"

@@ -23,6 +23,7 @@ from .checker import (
     join,
     record_keys,
 )
+from .discoverykeys import discover_keys, discover_parser, duration_or_zero
 from .records import (
     CONDITIONS,
     PROMPT_SOURCES,
@@ -85,7 +86,30 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
     values = check.table(value, path, _UPSTREAM_KEYS, what="a table with servers = [...]")
     if values is None:
         return None
+    if "servers" in values and "discover" in values:
+        check.add(
+            path,
+            "servers and discover are both set; keep one: servers lists the servers,"
+            " discover finds them in DNS",
+        )
+        return None
+    if "servers" not in values and "discover" not in values:
+        if "servers" not in value and "discover" not in value:  # not already reported
+            check.add(
+                join(path, "servers"),
+                'missing; expected an array of "host:port" servers (or discover ='
+                ' { dns = "NAME", port = 8000 } to find them in DNS)',
+            )
+        return None
     group = Upstream(name=name, **values)
+    found = group.discover
+    if found is not None and found.max_waiting is not None and group.load_report is None:
+        check.add(
+            f"{path}.discover.max_waiting",
+            "counts the requests the engine reports waiting, but the group has no load"
+            f' reports; add {path}.load_report = {{ path = "/metrics" }} or remove it',
+        )
+        return None
     if group.load_report is None:
         for index, one in enumerate(group.servers):
             if one.max_waiting is not None:
@@ -598,8 +622,12 @@ _HEALTH_CHECK_KEYS = {
     "fails": Key(Checker.positive_int),
     "expect_status": Key(status_code),
 }
+_DISCOVER_KEYS = discover_keys(_SERVER_KEYS)
+discover = discover_parser(_DISCOVER_KEYS)
 _UPSTREAM_KEYS = {
-    "servers": Key(servers, required='an array of "host:port" servers'),
+    "servers": Key(servers),
+    "discover": Key(discover),
+    "slow_start": Key(duration_or_zero),
     "pool_max_idle": Key(Checker.count),
     "pool_idle_timeout": Key(Checker.seconds),
     "balance": Key(balance),

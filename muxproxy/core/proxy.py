@@ -526,7 +526,7 @@ class ProxyCore:
         for name, group in self.config.upstreams.items():
             router = self._routers.get(name)
             if router is not None:
-                router = routers[name] = router.reconfigure(group)
+                router = routers[name] = router.reconfigure(group, event.now)
                 router.apply_runtime(self.runtime)
         self._routers = routers
         if not fx.shutting_down:  # a stopping proxy checks no health (shutdown.py)

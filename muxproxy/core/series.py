@@ -283,6 +283,22 @@ DRIVER_MEASURED = frozenset({"fleet_store_up", "fleet_sync_age_seconds", "fleet_
 """Gauges the driver measures, not the core (the fleet store's sync, one per replica): a
 core's snapshot has no samples of them, the replica's ``/metrics`` adds its own."""
 
+DISCOVERY_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "discovery_lookups_total": (
+        COUNTER,
+        ("group", "result"),
+        "DNS lookups of a discovering group; result: ok, empty, nxdomain, timeout, error",
+    ),
+    "discovery_servers": (GAUGE, ("group",), "Servers in a discovering group's last good set"),
+    "discovery_last_success_age_seconds": (
+        GAUGE,
+        ("group",),
+        "Seconds since a discovering group's last good lookup",
+    ),
+}
+"""Discovery's metrics (``trio/discovery.py``), as :data:`METRICS`: measured where the lookups
+run (the process, or the supervisor of ``--workers``), not in the core."""
+
 HISTOGRAM_ATTRS = {
     "response_head_seconds": "response_head",
     "time_to_first_token_seconds": "ttft",

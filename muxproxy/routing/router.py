@@ -37,6 +37,17 @@ which finishes on the server it started on:
 "Takes existing sessions" (pins and remembered keys) means: not down, passive and active
 health have it up, and it is not a backup while a primary is usable; a weight of 0 is fine.
 
+Slow start (the group's ``slow_start``, as NGINX Plus's): a server that joins on a new
+configuration (``reconfigure`` with ``now``: a discovered address, or one a reload added)
+takes new sessions and unkeyed requests with a weight that ramps linearly from near 0 (a
+thousandth of its own) to its own over ``slow_start`` seconds, so a cold engine is not handed
+its whole share of conversations at once. Remembered and pinned sessions are not weighed, so
+the ramp moves none of them. The ramp works on weights scaled by :data:`RAMP_SCALE` (the
+balancers take integers; every balancer here depends only on the weights' ratios, so a group
+with ``slow_start`` always routes on scaled weights, ramping or not, and the smooth
+round-robin's cycle stays the same when a ramp ends). Servers of the first configuration do
+not ramp: nothing was running on the others either.
+
 A new configuration (``reconfigure``) keeps the state of every server whose address stays,
 whatever is added, removed or reordered: passive and active health, the balancer's position,
 streams in flight and the affinity memory (runtime overrides are re-applied by the core,
@@ -48,7 +59,8 @@ they finish without corrupting the new state; those of removed servers stay in t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 from ..config import AffinityMode, Balance, Upstream
 from ..config.runtime import RuntimeState, ServerOverride
@@ -61,6 +73,10 @@ from .loadreport import LoadReport
 from .ratelimit import Budget, RateLimiter
 
 _NO_OVERRIDE = ServerOverride()
+RAMP_SCALE = 1000
+"""Routing weights of a group with ``slow_start`` are its weights times this: a ramp starts
+at 1 (a thousandth of a weight of 1) and grows in steps of a thousandth."""
+_NEVER = -math.inf
 
 
 class GroupRouter:
@@ -76,6 +92,12 @@ class GroupRouter:
         """Set down by the operator: nothing new goes there."""
         self.active = [0] * size
         """Streams in flight per server (``stream_started`` / ``stream_ended``)."""
+        self.joined = [_NEVER] * size
+        """When each server joined (``reconfigure``): its slow start runs from then."""
+        self._ramp_end = _NEVER
+        """When the last ramp ends: from then on, the scaled weights as they are."""
+        self._scaled = [weight * RAMP_SCALE for weight in self.weights]
+        """``weights`` times :data:`RAMP_SCALE` (a group with ``slow_start``)."""
         self.balancer = SmoothWeightedRoundRobin(size)
         self.passive = PassiveHealth(size)
         self.probes = ActiveHealth(size, group.health_check) if group.health_check else None
@@ -114,11 +136,34 @@ class GroupRouter:
             weight = server.weight if override.weight is None else override.weight
             self.weights[index] = 0 if override.drain else weight
             self.down[index] = override.down
+        self._scaled = [weight * RAMP_SCALE for weight in self.weights]
 
-    def reconfigure(self, group: Upstream) -> GroupRouter:
+    def routing_weights(self, now: float) -> Sequence[int]:
+        """The weights new sessions and unkeyed requests are placed by now: ``weights``, or
+        with ``slow_start`` the scaled ones, ramping for servers that joined recently."""
+        ramp = self.group.slow_start
+        if ramp <= 0:
+            return self.weights
+        if now >= self._ramp_end:
+            return self._scaled
+        out = list(self._scaled)
+        for index, joined in enumerate(self.joined):
+            elapsed = now - joined
+            if elapsed < ramp and out[index] > 0:
+                out[index] = max(1, int(out[index] * elapsed / ramp))
+        return out
+
+    def effective_weight(self, index: int, now: float) -> int | float:
+        """The weight ``index`` is placed by now, in the units of its set weight (the
+        weight itself without ``slow_start``)."""
+        weight = self.routing_weights(now)[index]
+        return round(weight / RAMP_SCALE, 3) if self.group.slow_start > 0 else weight
+
+    def reconfigure(self, group: Upstream, now: float | None = None) -> GroupRouter:
         """The router for ``group``, a new configuration of this router's group.
 
-        The state of each server whose address stays is kept (see the module header).
+        The state of each server whose address stays is kept (see the module header); a
+        server new to the group joins at ``now`` (its slow start begins; None: no ramp).
         This router, updated, when the addresses are the same in the same order; otherwise
         a new router, and this one passes the in-flight accounting of kept servers on to it.
         Runtime overrides are dropped: the caller re-applies them (``apply_runtime``).
@@ -132,6 +177,7 @@ class GroupRouter:
         if [s.address for s in group.servers] == [s.address for s in old.servers]:
             self.group = group
             self._index_servers(group)
+            self._ramp_end = max(self.joined, default=_NEVER) + group.slow_start
             loads = _loads(group)
             loads.carry(self.loads, ((i, i) for i in range(len(group.servers))))
             self.loads = loads
@@ -151,6 +197,12 @@ class GroupRouter:
         moves = [(before, after) for before, after in enumerate(moved) if after is not None]
         for before, after in moves:
             new.active[after] = self.active[before]
+        if now is not None:
+            kept = {after for _, after in moves}
+            new.joined = [now if i not in kept else _NEVER for i in range(len(group.servers))]
+        for before, after in moves:
+            new.joined[after] = self.joined[before]
+        new._ramp_end = max(new.joined, default=_NEVER) + group.slow_start
         new.passive.carry(self.passive, moves)
         new.balancer.carry(self.balancer, moves)
         if new.probes is not None and self.probes is not None:
@@ -196,19 +248,20 @@ class GroupRouter:
             out.append(known)
         usable = self._usable(now, for_new_sessions=True)
         group = self.group
+        weights = self.routing_weights(now)
         report = group.load_report
         fresh = usable
         if report is not None:
             fresh = [i for i in usable if not self.loads.kv_full(i, report.kv_cache_limit, now)]
             fresh = fresh or usable
         if key is not None:
-            ranked = rendezvous_order(key, self.ids, self.weights, fresh)
+            ranked = rendezvous_order(key, self.ids, weights, fresh)
         elif prefix is not None and group.affinity is AffinityMode.PREFIX:
             options = group.prefix
             ranked = bounded_order(
                 prefix,
                 self.ids,
-                self.weights,
+                weights,
                 self.active,
                 fresh,
                 options.load_factor,
@@ -217,11 +270,11 @@ class GroupRouter:
         else:
             balance = group.balance
             if balance is Balance.LEAST_LOAD:
-                pick = power_of_two(self.weights, self._work_at(now), fresh, self.sampler)
+                pick = power_of_two(weights, self._work_at(now), fresh, self.sampler)
             elif balance is Balance.LEAST_STREAMS:
-                pick = least_streams(self.weights, self.active, fresh, self.balancer)
+                pick = least_streams(weights, self.active, fresh, self.balancer)
             else:
-                pick = self.balancer.pick(self.weights, fresh)
+                pick = self.balancer.pick(weights, fresh)
             ranked = []
             if pick is not None:
                 # Fallbacks: the others, in order after the pick, so retries spread too.
@@ -361,6 +414,7 @@ class GroupRouter:
                     "address": server.address,
                     "id": self.ids[index].decode("ascii"),
                     "weight": weight,
+                    "effective_weight": self.effective_weight(index, now),
                     "configured_weight": server.weight,
                     "state": state,
                     "health": "healthy" if healthy else "unhealthy",

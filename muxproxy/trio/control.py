@@ -36,6 +36,7 @@ import trio
 from ..config import Config, ConfigError, load_config
 from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
 from ..fleet.state import StoreUnavailable
+from .discovery import with_discovery
 from .metrics import render
 from .server import Phase
 
@@ -202,6 +203,8 @@ class LocalControl:
         status["workers"] = [{"pid": os.getpid(), "generation": server.generation}]
         if self.fleet is not None:
             status["fleet"] = self.fleet.status()
+        if server.discovery is not None:
+            with_discovery(status, server.discovery.status(trio.current_time()))
         return status
 
     async def change_server(
@@ -264,6 +267,8 @@ class LocalControl:
         snapshots = [self.server.core.measurements.snapshot()]
         if self.fleet is not None:
             snapshots.append(self.fleet.snapshot())
+        if self.server.discovery is not None:
+            snapshots.append(self.server.discovery.snapshot(trio.current_time()))
         return render(snapshots)
 
 

@@ -38,7 +38,7 @@ import enum
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -48,6 +48,8 @@ from ..config.runtime import RuntimeState
 from ..core.commands import SessionsRemembered
 from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, ShutdownRequested
 from ..core.proxy import ProxyCore
+from ..fleet.discovery import Target, with_discovered
+from .discovery import Discovery
 from .driver import Driver, set_nodelay
 from .listeners import (
     Address,
@@ -137,12 +139,20 @@ class ProxyServer:
         raise_errors: bool | None = None,
         listen_sockets: ListenSockets | None = None,
         store_sessions: bool = True,
+        discover: bool = True,
     ) -> None:
         """``raise_errors``: an internal error escapes and stops the server instead of ending
         the one connection it concerns (None: ``MUXPROXY_RAISE_ERRORS``, see ``ProxyCore``).
         ``store_sessions``: with ``[fleet] store``, share the memory of sessions through it
-        (False: a worker, whose supervisor does, ``fleetsessions.py``)."""
+        (False: a worker, whose supervisor does, ``fleetsessions.py``). ``discover``: look up
+        the groups with ``discover`` here (False: a worker, whose supervisor looks them up and
+        hands the sets over, :meth:`apply_discovered`)."""
         self.config = config
+        """The configuration running: the file's, with the discovered sets as the servers
+        of the groups with ``discover``."""
+        self.discovered: dict[str, tuple[Target, ...]] = {}
+        """Each discovering group's last good set (``fleet/discovery.py``)."""
+        self.discovery = Discovery(lambda: self.config, self._discovered) if discover else None
         self.reuse_port = reuse_port
         """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
         self.core = ProxyCore(config, raise_errors=raise_errors)
@@ -176,6 +186,8 @@ class ProxyServer:
         """Streams running at the last batch before the deadline (what a cut at it ends)."""
         self._cut: int | None = None
         self._forced = False
+        self._core_configured = False
+        """The core had its first ``ConfigChanged``: a new set is fed to it from then on."""
 
     # -- the public lifecycle ------------------------------------------------------------------
 
@@ -202,10 +214,15 @@ class ProxyServer:
                     from .fleetsessions import attach_store
 
                     attach_store(self, nursery)
+                if self.discovery is not None:
+                    # Bounded by the resolver's timeout: the first requests find servers.
+                    await self.discovery.first_round()
+                    nursery.start_soon(self.discovery.run)
                 # The core's first event: it arms what runs by itself (health checks).
                 driver.feed(
                     ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())
                 )
+                self._core_configured = True
                 self._listening = await self._open(self.config.listeners)
                 for listening in self._listening:
                     nursery.start_soon(self._serve_listening, listening)
@@ -266,6 +283,8 @@ class ProxyServer:
         """
         if self.phase is not Phase.SERVING:
             raise RuntimeError(f"cannot reload: the server is {self.phase.value}")
+        # The file has no servers for the groups it discovers: the last good sets stay.
+        config = with_discovered(config, self.discovered)
         nursery, driver = self._nursery, self.driver
         assert nursery is not None and driver is not None
         current = dict(zip(listener_keys(self._listening), self._listening, strict=True))
@@ -306,11 +325,29 @@ class ProxyServer:
         configure_error_log(config.log.level)
         driver.feed(ConfigChanged(now=trio.current_time(), config=config, wall=time.time()))
         self.generation += 1
+        if self.discovery is not None:
+            self.discovery.wake()  # a group's discover table may have changed
         return [
             (listening.listener, address)
             for listening in added.values()
             for address in listening.addresses()
         ]
+
+    def apply_discovered(self, sets: Mapping[str, Sequence[Target]]) -> None:
+        """Make ``sets`` (group -> its last good set) the servers of the discovering groups
+        from the next request on (``ConfigChanged``: kept servers keep their state, new ones
+        ramp in, vanished ones drain). Before ``run`` it only changes ``config``."""
+        self.discovered.update((name, tuple(targets)) for name, targets in sets.items())
+        config = with_discovered(self.config, self.discovered)
+        if config is self.config:
+            return
+        self.config = config
+        if self.driver is not None and self._core_configured:
+            now = trio.current_time()
+            self.driver.feed(ConfigChanged(now=now, config=config, wall=time.time()))
+
+    async def _discovered(self, sets: Mapping[str, Sequence[Target]]) -> None:
+        self.apply_discovered(sets)
 
     def apply_runtime(self, state: RuntimeState) -> None:
         """Use the operator's runtime server state ``state`` (whole, not a delta) from the

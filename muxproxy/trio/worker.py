@@ -21,6 +21,9 @@ supervisor      ``reload`` id, config, listeners   apply a validated Config (bas
 supervisor      ``reopen_logs``                    open the access log file again (SIGUSR1 to
                                                    the supervisor, after log rotation)
 supervisor      ``runtime`` id, state              ``RuntimeState`` JSON; answered ``applied``
+supervisor      ``discovered`` id, sets            the discovering groups' servers (a JSON
+                                                   object: group -> [address, weight,
+                                                   backup, name] lists); answered ``applied``
 supervisor      ``status?`` / ``metrics?`` id      answered ``status`` / ``metrics`` with
                                                    ``ProxyCore.status()`` / a measurements
                                                    snapshot
@@ -52,7 +55,7 @@ import pickle
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -61,6 +64,7 @@ import trio
 from ..config import Config
 from ..config.runtime import RuntimeState
 from ..core.commands import SessionsRemembered
+from ..fleet.discovery import Target
 from ..fleet.sessions import entries_from_wire, entries_to_wire
 from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves, reopen_access_log
 from .channel import Channel, ChannelError, Message
@@ -124,8 +128,14 @@ class WorkerProcess:
         control: socket.socket,
     ) -> None:
         self.payload = payload
+        # The supervisor looks up the groups with ``discover`` and sends the sets, and shares
+        # the memory of sessions.
         self.server = ProxyServer(
-            payload.config, reuse_port=True, listen_sockets=sockets, store_sessions=False
+            payload.config,
+            reuse_port=True,
+            listen_sockets=sockets,
+            store_sessions=False,
+            discover=False,
         )
         self.channel = Channel(control)
         # The memory of sessions is the host's: batches go to the supervisor, which relays.
@@ -192,6 +202,9 @@ class WorkerProcess:
                 await self._send(self._reload(message, fds))
             elif kind == "reopen_logs":
                 reopen_access_log(self.server, log)
+            elif kind == "discovered":
+                self.server.apply_discovered(decode_sets(message["sets"]))
+                await self._send({"type": "applied", "id": message["id"]})
             elif kind == "runtime":
                 self.server.apply_runtime(RuntimeState.from_json(message["state"]))
                 await self._send({"type": "applied", "id": message["id"]})
@@ -259,6 +272,24 @@ class WorkerProcess:
             await self.channel.send(message)
         except trio.BrokenResourceError:
             pass  # The supervisor is gone; the end of file says so to _commands too.
+
+
+def encode_sets(sets: Mapping[str, Sequence[Target]]) -> dict[str, list[list[Any]]]:
+    """Discovered sets as the ``discovered`` message carries them (JSON)."""
+    return {
+        group: [[t.address, t.weight, t.backup, t.name] for t in targets]
+        for group, targets in sets.items()
+    }
+
+
+def decode_sets(data: Mapping[str, list[list[Any]]]) -> dict[str, tuple[Target, ...]]:
+    return {
+        group: tuple(
+            Target(address=address, weight=weight, backup=backup, name=name)
+            for address, weight, backup, name in targets
+        )
+        for group, targets in data.items()
+    }
 
 
 def encode_config(config: Config) -> str:

@@ -211,6 +211,7 @@ def test_status_reports_weights_states_health_streams_and_failures() -> None:
         "address": A,
         "id": None,
         "weight": 2,
+        "effective_weight": 2,
         "configured_weight": 2,
         "state": "down",
         "health": "unhealthy",

@@ -166,6 +166,7 @@ async def test_status_lists_groups_servers_listeners_and_workers(
         "address": f"127.0.0.1:{p0}",
         "id": server_id("llm", f"127.0.0.1:{p0}").decode(),
         "weight": 1,
+        "effective_weight": 1,
         "configured_weight": 1,
         "state": "up",
         "health": "healthy",
