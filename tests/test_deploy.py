@@ -39,6 +39,7 @@ import yaml
 from muxproxy.cli import _on_signal
 from muxproxy.config import ADMIN_TOKEN_ENV, Config, ConfigError, load_config, parse_config
 from muxproxy.config.admin import is_loopback
+from muxproxy.config.fleetkeys import FLEET_STORE_ENV
 from muxproxy.process import EXIT_USAGE, STOP_SIGNALS
 from muxproxy.trio.admin import READY_PATH
 from muxproxy.trio.local import serve_control
@@ -76,11 +77,25 @@ def manifests() -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def manifest(kind: str) -> dict[str, Any]:
-    """The one manifest of ``kind`` (Deployment, Service...)."""
-    found = [doc for docs in manifests().values() for doc in docs if doc["kind"] == kind]
+def manifest(kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one manifest of ``kind`` (Deployment, Service...), of that ``name`` if given."""
+    found = [
+        doc
+        for docs in manifests().values()
+        for doc in docs
+        if doc["kind"] == kind and name in (None, doc["metadata"]["name"])
+    ]
     assert len(found) == 1, f"{len(found)} manifests of kind {kind}"
     return found[0]
+
+
+@cache
+def examples() -> dict[str, list[dict[str, Any]]]:
+    """Every document of deploy/kubernetes/examples/*.yaml, by file name."""
+    return {
+        path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+        for path in sorted((KUBERNETES / "examples").glob("*.yaml"))
+    }
 
 
 def container() -> dict[str, Any]:
@@ -490,8 +505,7 @@ def test_rolling_update_keeps_every_replica_serving() -> None:
 def test_admin_token_comes_from_the_secret() -> None:
     (env,) = [var for var in container()["env"] if var["name"] == ADMIN_TOKEN_ENV]
     ref = env["valueFrom"]["secretKeyRef"]
-    secret = manifest("Secret")
-    assert ref["name"] == secret["metadata"]["name"]
+    secret = manifest("Secret", ref["name"])
     example_token = secret["stringData"][ref["key"]]
     # The example's placeholder is a token the configuration accepts.
     data = tomllib.loads(manifest("ConfigMap")["data"]["muxproxy.toml"])
@@ -621,3 +635,46 @@ async def test_probes_while_serving_and_draining() -> None:
             nursery.cancel_scope.cancel()
         await client.aclose()
     assert await probe(admin[1], with_token) == 1
+
+
+# -- the fleet ---------------------------------------------------------------------------------
+
+
+def test_the_fleet_store_comes_from_its_secret_and_is_a_store_the_configuration_accepts() -> None:
+    (env,) = [var for var in container()["env"] if var["name"] == FLEET_STORE_ENV]
+    ref = env["valueFrom"]["secretKeyRef"]
+    secret = manifest("Secret", ref["name"])
+    url = secret["stringData"][ref["key"]]
+    data = tomllib.loads(manifest("ConfigMap")["data"]["muxproxy.toml"])
+    assert "fleet" not in data, "the store's URL (and password) belongs in the Secret"
+    config = parse_config(data, environ={ADMIN_TOKEN_ENV: TOKEN, FLEET_STORE_ENV: url})
+    assert config.fleet is not None and config.fleet.store == url
+    # The example Secret names the example Redis's Service.
+    (redis_service,) = [doc for doc in examples()["redis.yaml"] if doc["kind"] == "Service"]
+    host = urlsplit(url).hostname
+    assert host is not None and host.split(".")[0] == redis_service["metadata"]["name"]
+    assert urlsplit(url).port == redis_service["spec"]["ports"][0]["port"]
+
+
+def test_without_the_store_the_example_runs_alone() -> None:
+    assert example_config().fleet is None
+
+
+def test_the_engines_are_discovered_through_their_headless_service() -> None:
+    config = example_config()
+    (group,) = config.upstreams.values()
+    assert group.discover is not None, "the engines are discovered, not listed pod by pod"
+    (service,) = examples()["engines-service.yaml"]
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is False
+    meta = service["metadata"]
+    assert group.discover.dns == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+    assert group.discover.port == service["spec"]["ports"][0]["port"]
+    assert group.slow_start > 0
+
+
+def test_the_example_manifests_are_not_applied_by_the_kustomization() -> None:
+    listed = manifest("Kustomization")["resources"]
+    assert not [path for path in listed if path.startswith("examples")]
+    kinds = {doc["kind"] for docs in examples().values() for doc in docs}
+    assert kinds == {"Deployment", "Service"}
