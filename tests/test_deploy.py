@@ -83,7 +83,7 @@ def manifest(kind: str, name: str | None = None) -> dict[str, Any]:
         doc
         for docs in manifests().values()
         for doc in docs
-        if doc["kind"] == kind and name in (None, doc["metadata"]["name"])
+        if doc["kind"] == kind and name in (None, doc.get("metadata", {}).get("name"))
     ]
     assert len(found) == 1, f"{len(found)} manifests of kind {kind}"
     return found[0]
@@ -552,6 +552,8 @@ def config_on_port_zero(backend_port: int) -> Config:
     for listener in data["listeners"]:
         listener["address"] = on_port_zero(listener["address"])
     data["admin"]["address"] = on_port_zero(data["admin"]["address"])
+    # The example discovers its engines in the cluster's DNS; here one is listed instead.
+    del data["upstreams"]["gpus"]["discover"]
     data["upstreams"]["gpus"]["servers"] = [{"address": f"127.0.0.1:{backend_port}"}]
     return parse_config(data, environ={ADMIN_TOKEN_ENV: TOKEN})
 
