@@ -24,9 +24,9 @@ import attrs
 import httpx
 import pytest
 import trio
-from dnsserver import DnsServer, dns_server
 from processes import proxy_process
 
+from muxproxy.testing.dnsserver import DnsServer, dns_server
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 
 NAME = "vllm.llm.svc.cluster.local"

@@ -7,12 +7,12 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import trio
-from dnsserver import NXDOMAIN, REFUSE, SILENT, DnsServer, dns_server
 
 from muxproxy.config import Config, Listener, Route, Upstream
 from muxproxy.config.discovery import Discover
 from muxproxy.config.fleet import ResolverSettings
 from muxproxy.fleet.discovery import Answer, Failure, LookupResult, Target
+from muxproxy.testing.dnsserver import NXDOMAIN, REFUSE, SILENT, DnsServer, dns_server
 from muxproxy.trio.discovery import Discovery, lookup, make_resolver
 
 NAME = "vllm.llm.svc.cluster.local"

@@ -1,4 +1,6 @@
-"""A real DNS server for tests: dnslib on a loopback UDP and TCP port, in threads.
+"""A real DNS server for tests and examples: dnslib on a loopback UDP and TCP port, in threads.
+
+It needs ``dnslib`` (the ``test`` extra); nothing in the proxy imports this module.
 
 A test sets its records (A, AAAA, SRV, each name's TTL) while it runs, makes it answer
 wrongly (``mode``: REFUSED, SERVFAIL, NXDOMAIN for every name, or silence: the client times
@@ -34,7 +36,7 @@ def _name(name: str) -> str:
     return name.lower().rstrip(".") + "."
 
 
-class _Quiet(DNSLogger):
+class _Quiet(DNSLogger):  # type: ignore[misc]  # dnslib has no type hints
     def __init__(self) -> None:
         super().__init__(log="-request,-reply,-truncated,-error,-recv,-send,-data")
 
