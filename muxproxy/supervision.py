@@ -7,9 +7,10 @@ channel and merging the answers:
 * ``status()``: each worker's ``ProxyCore.status()``, merged per server: the counts
   (``active`` streams, ``failures``, outstanding ``work``, the group's ``queue`` length,
   ``refused`` and ``reservations``, and the top-level ``clients``, ``upstream_connections``,
-  ``streams``) are summed, but ``sessions.remembered`` is the most any worker holds (each
-  holds the host's memory); ``health`` and ``state`` are the worst any worker reports (each
-  worker learns a backend's health for itself, and one that sees it down routes around it);
+  ``streams``) are summed, but ``sessions.remembered`` and a group's ``remembered_sessions``
+  are the most any worker holds (each holds the host's memory); ``health`` and ``state``
+  are the worst any worker reports (each worker learns a backend's health for itself, and
+  one that sees it down routes around it);
   ``workers`` lists every live process with its pid, slot, the configuration generation it
   runs and whether it serves or drains.
 * ``change_server()`` and ``change_group()``: the same rules as one process (``LocalControl``):
@@ -263,6 +264,10 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             merged_group["queue"] = {**queue, "waiting": waiting}
         if "reservations" in group:
             merged_group["reservations"] = sum(other.get("reservations", 0) for other in each)
+        if "remembered_sessions" in group:  # the host's memory, held by each: not a sum
+            merged_group["remembered_sessions"] = max(
+                other.get("remembered_sessions", 0) for other in each
+            )
         if "refused" in group:
             refused: dict[str, int] = {}
             for other in each:

@@ -231,9 +231,14 @@ def test_merged_sessions_count_the_hosts_memory_once() -> None:
 
     def worker(remembered: int, sent_out: int, learned: int) -> dict[str, object]:
         sessions = {"shared": True, "remembered": remembered, "sent_out": sent_out}
-        return {"groups": {}, "sessions": {**sessions, "learned": learned, "ignored": 0}}
+        group = {"servers": [], "remembered_sessions": remembered}
+        return {
+            "groups": {"g": group},
+            "sessions": {**sessions, "learned": learned, "ignored": 0},
+        }
 
-    merged = merge_statuses([worker(21, 11, 10), worker(20, 10, 10)])
+    merged = merge_statuses([worker(20, 10, 10), worker(21, 11, 10)])
+    assert merged["groups"]["g"]["remembered_sessions"] == 21
     assert merged["sessions"] == {
         "shared": True,
         "remembered": 21,

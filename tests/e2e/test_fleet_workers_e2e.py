@@ -378,8 +378,9 @@ async def test_a_dead_store_costs_only_admin_writes_and_an_empty_one_is_the_flee
                     refused = await patch_group(replica, {at["b"]: 5})
                     assert refused.status_code == 503, refused.text
                     assert "fleet store" in refused.json()["error"]
-                for replica in replicas:
+                for replica in replicas:  # counted by the workers, and by the supervisor
                     await wait_gauge(replica, "muxproxy_fleet_budget_store_errors_total", bool)
+                    await wait_gauge(replica, "muxproxy_sessions_store_errors_total", bool)
                 # Conversations begun while the store is down: kept, written on its return.
                 during = [f"during-{n}" for n in range(30)]
                 first = await turns(client, [(key, one.url) for key in during])
@@ -465,6 +466,7 @@ async def test_status_and_metrics_show_the_fleet_once_for_a_replica_of_workers(
     # Each worker holds the host's memory: the host remembers each key once.
     sessions = document["sessions"]
     assert sessions["remembered"] == sessions["host_remembered"] == len(keys) + 1, sessions
+    assert document["groups"][GROUP]["remembered_sessions"] == len(keys) + 1
     remembered = dict(
         (labels["group"], value) for labels, value in metrics["muxproxy_sessions_remembered"]
     )
