@@ -26,6 +26,8 @@ Every wait is a poll of an observable condition under ``trio.fail_after``.
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -416,6 +418,56 @@ async def test_a_dead_store_costs_only_admin_writes_and_an_empty_one_is_the_flee
             second = await turns(client, [(key, two.url) for key in first])
     assert not moved(first, second), (len(moved(first, second)), moved(first, second)[:5])
     print(f"\nstreams through a store's death and empty restart: {sum(answers.values())}, 0 failed")
+
+
+# -- a worker killed ------------------------------------------------------------------------
+
+
+async def test_a_worker_killed_is_replaced_with_the_fleets_state_memory_and_budgets(
+    tmp_path: Path, nursery: trio.Nursery, start_backend: StartBackend, redis_server: RedisServer
+) -> None:
+    ports = {}
+    for name in ("a", "b", "c", "d"):
+        _, ports[name] = await start_backend(backend_id=name, tokens=2, delay=0.0)
+    at = addresses(ports)
+    config = write(
+        tmp_path,
+        config_text(ports, store=redis_server.url, rate_limit="tokens_per_minute = 1000000"),
+    )
+    keys = [f"chat-{n}" for n in range(40)]
+    with trio.fail_after(TEST_TIMEOUT):
+        async with fleet_of_workers(nursery, config) as (one, two), fresh_client() as client:
+            response = await patch_group(one, {at["d"]: 0})
+            assert response.status_code == 200, response.text
+            await on_every_replica([one, two], response.json()["version"])
+            first = await turns(client, [(key, one.url) for key in keys])
+            assert "d" not in first.values()
+            with trio.move_on_after(10):
+                await wait_status(two, lambda d: d["sessions"]["learned"] >= WORKERS * len(keys))
+            old = {worker["pid"] for worker in (await status(two))["workers"]}
+            os.kill(min(old), signal.SIGKILL)
+            await wait_status(
+                two,
+                lambda d: (
+                    len(pids := {w["pid"] for w in d["workers"] if w["state"] == "serving"})
+                    == WORKERS
+                    and pids != old
+                ),
+            )
+            # The new worker and the old one route by the fleet's state and memory: the
+            # conversations stay where they were, a change made elsewhere reaches both.
+            response = await patch_group(one, {at["a"]: 10, at["b"]: 0, at["d"]: 0})
+            assert response.status_code == 200, response.text
+            await on_every_replica([one, two], response.json()["version"])
+            second = await turns(client, [(key, two.url) for key in keys])
+            assert "d" not in (await backends(two.url, "new", 30))
+            # Budgets: the new worker announces itself; the dead one leaves the count.
+            await turn(client, two.url, "tenant", TENANT)
+            for replica in (one, two):
+                await wait_gauge(replica, "muxproxy_fleet_replicas", lambda v: v == PROCESSES)
+            async with coredis.Redis.from_url(redis_server.url, verify_version=False) as store:
+                assert await store.zcard(REPLICAS) == PROCESSES
+    assert not moved(first, second), (len(moved(first, second)), moved(first, second)[:5])
 
 
 # -- /status and /metrics of a replica of workers ------------------------------------------
