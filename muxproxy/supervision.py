@@ -7,8 +7,10 @@ channel and merging the answers:
 * ``status()``: each worker's ``ProxyCore.status()``, merged per server: the counts
   (``active`` streams, ``failures``, outstanding ``work``, the group's ``queue`` length,
   ``refused`` and ``reservations``, and the top-level ``clients``, ``upstream_connections``,
-  ``streams``) are summed; ``health`` and ``state`` are the worst any worker reports (each
-  worker learns a backend's health for itself, and one that sees it down routes around it);
+  ``streams``) are summed, but ``sessions.remembered`` and a group's ``remembered_sessions``
+  are the most any worker holds (each holds the host's memory); ``health`` and ``state``
+  are the worst any worker reports (each worker learns a backend's health for itself, and
+  one that sees it down routes around it);
   ``workers`` lists every live process with its pid, slot, the configuration generation it
   runs and whether it serves or drains.
 * ``change_server()`` and ``change_group()``: the same rules as one process (``LocalControl``):
@@ -61,6 +63,9 @@ RUNTIME_TIMEOUT = 1.0
 _WORST_STATE = ("down", "draining", "up")
 _WORST_HEALTH = ("unhealthy", "healthy")
 _SUMMED = ("active", "failures", "work")
+_HELD_BY_EACH = frozenset({"remembered"})
+"""Counts of what every worker holds whole: ``sessions.remembered`` (each worker has the
+host's memory, the supervisor relays it), which a sum would count once per worker."""
 
 
 class Supervised(Protocol):
@@ -266,6 +271,10 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             merged_group["queue"] = {**queue, "waiting": waiting}
         if "reservations" in group:
             merged_group["reservations"] = sum(other.get("reservations", 0) for other in each)
+        if "remembered_sessions" in group:  # the host's memory, held by each: not a sum
+            merged_group["remembered_sessions"] = max(
+                other.get("remembered_sessions", 0) for other in each
+            )
         if "refused" in group:
             refused: dict[str, int] = {}
             for other in each:
@@ -278,12 +287,13 @@ def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _sum_counts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """A table of counts (``sessions``) over several workers: the numbers summed, anything
-    else as the first worker has it."""
+    """A table of counts (``sessions``) over several workers: the numbers summed (the most
+    for :data:`_HELD_BY_EACH`), anything else as the first worker has it."""
     out = dict(parts[0])
     for key, value in parts[0].items():
         if isinstance(value, int) and not isinstance(value, bool):
-            out[key] = sum(part.get(key, 0) for part in parts)
+            each = [part.get(key, 0) for part in parts]
+            out[key] = max(each) if key in _HELD_BY_EACH else sum(each)
     return out
 
 

@@ -225,6 +225,29 @@ def test_merged_status_sums_counts_and_reports_the_worst_health() -> None:
     assert merge_statuses([]) == {"groups": {}}
 
 
+def test_merged_sessions_count_the_hosts_memory_once() -> None:
+    """Each worker holds the host's memory (the supervisor relays it): ``remembered`` is the
+    most any holds, not the sum, which counted each key once per worker."""
+
+    def worker(remembered: int, sent_out: int, learned: int) -> dict[str, object]:
+        sessions = {"shared": True, "remembered": remembered, "sent_out": sent_out}
+        group = {"servers": [], "remembered_sessions": remembered}
+        return {
+            "groups": {"g": group},
+            "sessions": {**sessions, "learned": learned, "ignored": 0},
+        }
+
+    merged = merge_statuses([worker(20, 10, 10), worker(21, 11, 10)])
+    assert merged["groups"]["g"]["remembered_sessions"] == 21
+    assert merged["sessions"] == {
+        "shared": True,
+        "remembered": 21,
+        "sent_out": 21,
+        "learned": 20,
+        "ignored": 0,
+    }
+
+
 async def get_models(port: int) -> None:
     """GET /v1/models on a fresh connection, read to the end (``Connection: close``)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)

@@ -313,6 +313,7 @@ PER_SERVER = frozenset({"time_to_first_token_seconds", "inter_token_seconds"})
 
 GAUGE_MERGE = {
     "fleet_replicas": "max",
+    "sessions_remembered": "max",
     "server_up": "min",
     "server_weight": "max",
     "server_reported_running": "max",
@@ -323,7 +324,9 @@ GAUGE_MERGE = {
 every worker can use the server (health is judged per worker); ``server_weight`` is the same
 in every worker (runtime state is applied to all), ``max`` hides a moment between updates;
 an engine's reports are the same engine's whichever worker polled it (``max``: the latest
-of them, near enough, rather than a sum that would count the engine once per worker)."""
+of them, near enough, rather than a sum that would count the engine once per worker);
+``sessions_remembered``: every worker holds the host's memory (its own keys and those the
+supervisor relays), so a sum would count each key once per worker."""
 
 SNAPSHOT_FORMAT = 1
 

@@ -23,10 +23,15 @@ a process that never learns is what the test catches)."""
 
 
 def config_text(
-    ports: Mapping[str, int], *, weights: Mapping[str, int] | None = None, store: str | None = None
+    ports: Mapping[str, int],
+    *,
+    weights: Mapping[str, int] | None = None,
+    store: str | None = None,
+    rate_limit: str | None = None,
 ) -> str:
     """A listener and an admin API on port 0; one group of the fake backends ``ports``
-    (name -> port), keyed by ``X-Chat-ID``; ``[fleet] store`` when given."""
+    (name -> port), keyed by ``X-Chat-ID``; ``[fleet] store`` when given; with ``rate_limit``
+    (the table's lines), per tenant of the ``Authorization`` header."""
     servers = [
         f'  {{ address = "127.0.0.1:{port}", weight = {(weights or {}).get(name, 1)} }},'
         for name, port in ports.items()
@@ -47,13 +52,16 @@ def config_text(
         "servers = [",
         *servers,
         "]",
+        *(() if rate_limit is None else ['tenant = "header:authorization"']),
         f"[upstreams.{GROUP}.sticky]",
         'sources = ["header:X-Chat-ID"]',
         "[[routes]]",
         'prefix = "/"',
         f'upstream = "{GROUP}"',
-        "",
     ]
+    if rate_limit is not None:
+        lines += [f"[upstreams.{GROUP}.rate_limit]", rate_limit]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -63,11 +71,20 @@ def fresh_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=30, headers={"Connection": "close"})
 
 
-async def turn(client: httpx.AsyncClient, proxy_url: str, key: str) -> str:
-    """One streamed turn of conversation ``key``; the backend that answered it."""
+async def turn(
+    client: httpx.AsyncClient,
+    proxy_url: str,
+    key: str,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """One streamed turn of conversation ``key`` (``headers`` added to its own); the backend
+    that answered it."""
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": key}]}
     async with client.stream(
-        "POST", f"{proxy_url}/v1/chat/completions", json=body, headers={"X-Chat-ID": key}
+        "POST",
+        f"{proxy_url}/v1/chat/completions",
+        json=body,
+        headers={"X-Chat-ID": key, **(headers or {})},
     ) as response:
         assert response.status_code == 200, (key, response.status_code)
         text = b"".join([chunk async for chunk in response.aiter_bytes()])
