@@ -64,7 +64,7 @@ from ..fleet.sessions import (
     entries_to_wire,
 )
 from ..routing.affinity import DEFAULT_LIMIT
-from .redis import client_of, redacted
+from .redis import client_of, keep_serving, redacted, store_errors
 
 if TYPE_CHECKING:
     import coredis
@@ -216,30 +216,16 @@ class StoreSessions:
 
     async def run(self) -> None:
         """Hold a connection, a subscription and the writer; again after a failure."""
-        import anyio
-        from coredis.exceptions import RedisError
-
-        # coredis runs on anyio: a connection that broke under its pub/sub may surface as
-        # anyio's errors, also while it is being closed on a cancellation.
-        errors = (
-            RedisError,
-            OSError,
-            trio.TooSlowError,
-            anyio.ClosedResourceError,
-            anyio.BrokenResourceError,
+        await keep_serving(
+            self._serve,
+            lambda exc: self.failed("connection", exc),
+            errors=store_errors(),
+            delay=RECONNECT_DELAY,
+            reset=self._went_down,
         )
-        while True:
-            try:
-                await self._serve()
-            except errors as exc:
-                self.failed("connection", exc)
-            except BaseExceptionGroup as group:
-                failures, rest = group.split(errors)
-                if rest is not None:
-                    raise rest from None  # a cancellation, or a bug of ours
-                self.failed("connection", failures or group)
-            self.state.up = False
-            await trio.sleep(RECONNECT_DELAY)
+
+    def _went_down(self) -> None:
+        self.state.up = False
 
     async def _serve(self) -> None:
         from coredis.retry import NoRetryPolicy

@@ -10,16 +10,18 @@ or to ``/status`` is :func:`redacted`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+import trio
 
 from ..config.storeurl import is_sentinel, parse_sentinel
 
 if TYPE_CHECKING:
     import coredis
 
-__all__ = ["client_of", "redacted"]
+__all__ = ["client_of", "keep_serving", "redacted", "store_errors"]
 
 
 @asynccontextmanager
@@ -49,3 +51,46 @@ def redacted(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     at = rest.rfind("@")
     return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store that fails raises: coredis's errors, a socket's, a timeout, and anyio's
+    closed and broken resources (coredis runs on anyio: a connection closed under a command or
+    a subscription surfaces as those, also while it is closed on a cancellation)."""
+    import anyio
+    from coredis.exceptions import RedisError
+
+    return (
+        RedisError,
+        OSError,
+        trio.TooSlowError,
+        anyio.ClosedResourceError,
+        anyio.BrokenResourceError,
+    )
+
+
+async def keep_serving(
+    serve: Callable[[], Awaitable[None]],
+    failed: Callable[[BaseException], None],
+    *,
+    errors: tuple[type[BaseException], ...],
+    delay: float,
+    reset: Callable[[], None] = lambda: None,
+) -> NoReturn:
+    """Run ``serve`` (one client's life) again and again. When it fails with ``errors`` (alone,
+    or an exception group of nothing else), ``failed`` is told, ``reset`` called, and the next
+    try waits ``delay`` seconds; a store that is down costs one try per ``delay``. Anything
+    else (a cancellation, a bug of ours) propagates: a failing store never ends the proxy, and
+    nothing but a failing store is swallowed."""
+    while True:
+        try:
+            await serve()
+        except errors as exc:
+            failed(exc)
+        except BaseExceptionGroup as group:
+            failures, rest = group.split(errors)
+            if rest is not None:
+                raise
+            failed(failures or group)
+        reset()
+        await trio.sleep(delay)

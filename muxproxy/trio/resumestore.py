@@ -76,7 +76,7 @@ from ..core.storedrecords import (
     stored_seq,
     stored_state,
 )
-from .redis import client_of, redacted
+from .redis import client_of, keep_serving, redacted
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -153,19 +153,17 @@ class _Store:
         """Hold a client and write the queued appends, one transaction each; a client that
         fails as a whole is replaced after ``RECONNECT_DELAY`` (each command already
         reconnects by itself)."""
-        while True:
-            try:
-                await self._serve()
-            except _ERRORS as exc:
-                self.failed("connection", exc)
-            except ExceptionGroup as group:
-                _, rest = group.split(_ERRORS)
-                if rest is not None:
-                    raise
-                self.failed("connection", group)
-            self.client = None
-            self.ready = trio.Event()
-            await trio.sleep(RECONNECT_DELAY)
+        await keep_serving(
+            self._serve,
+            lambda exc: self.failed("connection", exc),
+            errors=_ERRORS,
+            delay=RECONNECT_DELAY,
+            reset=self._reset,
+        )
+
+    def _reset(self) -> None:
+        self.client = None
+        self.ready = trio.Event()
 
     async def _serve(self) -> None:
         async with client_of(self.url) as client, trio.open_nursery() as nursery:
