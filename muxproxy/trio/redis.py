@@ -90,7 +90,9 @@ async def keep_serving(
         except BaseExceptionGroup as group:
             failures, rest = group.split(errors)
             if rest is not None:
-                raise
+                # A cancellation, or a bug of ours, without the store's errors beside it (a
+                # connection closed under a command as it was cancelled is no news).
+                raise rest from None
             failed(failures or group)
         reset()
         await trio.sleep(delay)
