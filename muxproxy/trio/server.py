@@ -50,7 +50,7 @@ from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, Shu
 from ..core.proxy import ProxyCore
 from ..fleet.discovery import Target, with_discovered
 from .discovery import Discovery
-from .driver import Driver, set_nodelay
+from .driver import Driver
 from .listeners import (
     Address,
     ConnectionSlots,
@@ -64,6 +64,7 @@ from .listeners import (
 from .logs import LogSink, configure_error_log
 from .reactor import tune
 from .servertls import server_ssl_context
+from .sockets import set_nodelay
 
 ACCEPT_BATCH = 256
 """Connections an accept loop takes per wake-up, at most, before letting other tasks run."""
