@@ -11,7 +11,8 @@ The Trio driver that runs it on real sockets is :class:`muxproxy.trio.server.Pro
 
 from .config import Config, ConfigError, load_config, parse_config, quick_config
 from .core import commands, events
-from .core.proxy import ProxyCore, ProxyStatistics, StreamStatistics
+from .core.proxy import ProxyCore
+from .core.statistics import ProxyStatistics, StreamStatistics
 
 __all__ = [
     "Config",

@@ -21,9 +21,10 @@ channel and merging the answers:
   later gets it in its payload. The supervisor is the fleet's replica: its ``FleetSync``
   (``Supervisor.fleet``) follows the store and sends each state to the workers the same way.
 * ``reload(restart)``: SIGHUP's and SIGUSR2's work, as they do it.
-* ``readiness()``: the supervisor's own (``Supervisor.readiness``): stopping from the stop
-  signal on, ready while serving as long as one worker listens (so a rolling restart, which
-  starts a slot's new worker before it stops the old one, never turns it not-ready).
+* ``readiness()``: the supervisor's own (:func:`readiness_of` its phase and workers):
+  stopping from the stop signal on, ready while serving as long as one worker listens (so a
+  rolling restart, which starts a slot's new worker before it stops the old one, never turns
+  it not-ready).
 * ``metrics()``: ``muxproxy.trio.metrics.render`` over the live workers' snapshots and the
   counters and histograms of the workers that exited (merged into one as each exits: its
   gauges, such as streams in flight, went with it), so no counter goes backwards across a
@@ -32,9 +33,9 @@ channel and merging the answers:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, assert_never
 
 import trio
 
@@ -47,6 +48,7 @@ from .trio.control import (
     change_runtime,
     group_answer,
 )
+from .trio.workerproc import Phase, WorkerState
 
 if TYPE_CHECKING:
     from .config import Config
@@ -230,6 +232,26 @@ class SupervisorControl:
         if self.supervisor.fleet is not None:
             snapshots.append(self.supervisor.fleet.snapshot())
         return render(snapshots)
+
+
+def readiness_of(phase: Phase, workers: Iterable[Worker]) -> Readiness:
+    """The supervisor's readiness in ``phase`` with these ``workers``: ready while serving
+    with at least one worker listening; stopping from the first stop signal (or ``stop()``)
+    until the supervisor exits."""
+    match phase:
+        case Phase.SERVING:
+            # A rolling restart stops a slot's old worker only once its new one listens,
+            # so one serves throughout; none does only while every slot is being
+            # replaced (their connections wait in the sockets' backlogs meanwhile).
+            if any(worker.state is WorkerState.SERVING for worker in workers):
+                return Readiness.READY
+            return Readiness.STARTING
+        case Phase.STARTING:
+            return Readiness.STARTING
+        case Phase.STOPPING:
+            return Readiness.STOPPING
+        case unknown:
+            assert_never(unknown)
 
 
 def merge_statuses(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -31,8 +31,8 @@ or a connection waiting to be accepted:
 * SIGHUP: the configuration file is read again with ``load_config`` (the checker of ``muxproxy
   check``). An invalid file is refused, every problem logged, and the old configuration
   keeps running. Otherwise sockets are bound for new listeners and sent with "reload" to
-  every worker; a removed listener's sockets are closed once every worker has applied the new
-  configuration (and so closed its own copies).
+  every worker (:mod:`muxproxy.trio.workerreload`); a removed listener's sockets are closed
+  once every worker has applied the new configuration (and so closed its own copies).
 * SIGUSR2: a rolling restart onto the installed code. Slot by slot, a new worker starts on the
   slot's sockets, and once it reports that it listens the old one is told "stop" and drains
   in the background; both accept from the same queue meanwhile, so no connection is refused.
@@ -73,12 +73,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from muxproxy.config import Config, ConfigError, load_config
+from muxproxy.config import Config
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.fleet.discovery import Target, with_discovered
 from muxproxy.process import (
@@ -93,7 +93,7 @@ from muxproxy.process import (
     leaves,
     listening_lines,
 )
-from muxproxy.supervision import SupervisorControl, follow_fleet
+from muxproxy.supervision import SupervisorControl, follow_fleet, readiness_of
 from muxproxy.trio.channel import Channel, ChannelError, Message
 from muxproxy.trio.control import Readiness, ReloadResult, saved_state
 from muxproxy.trio.discovery import Discovery
@@ -106,7 +106,7 @@ from muxproxy.trio.handover import (
     slot_fds,
 )
 from muxproxy.trio.logs import configure_error_log
-from muxproxy.trio.worker import WORKER_CODE, encode_config, encode_sets
+from muxproxy.trio.worker import WORKER_CODE, encode_sets
 from muxproxy.trio.workerproc import (
     REPLY_TIMEOUT,
     Phase,
@@ -116,8 +116,8 @@ from muxproxy.trio.workerproc import (
     WorkerState,
     ask_each,
     first_of,
-    gather,
 )
+from muxproxy.trio.workerreload import reload_each, reread
 
 if TYPE_CHECKING:
     from muxproxy.trio.fleetstate import FleetSync
@@ -445,17 +445,9 @@ class Supervisor:
                 self._log("SIGHUP: nothing to reload (configured by --listen, not --config)")
                 why = "nothing to reload: configured by --listen, not --config"
                 return ReloadResult(ok=False, errors=[why], generation=self.generation)
-            try:
-                config = load_config(self.config_path)
-                if self.log_level is not None:
-                    config = attrs.evolve(
-                        config, log=attrs.evolve(config.log, level=self.log_level)
-                    )
-            except ConfigError as exc:
-                path = self.config_path
-                return self._refused(
-                    [p if p.startswith(path) else f"{path}: {p}" for p in exc.problems]
-                )
+            config = reread(self.config_path, self.log_level)
+            if isinstance(config, list):
+                return self._refused(config)
             # The file has no servers for the groups it discovers: the last good sets stay.
             config = with_discovered(config, self.discovered)
             current = {listener.address for listener in config.listeners}
@@ -465,31 +457,8 @@ class Supervisor:
             except OSError as exc:
                 return self._refused([f"{self.config_path}: {exc}"])
             generation = self.generation + 1
-            encoded = encode_config(config)
             targets = [w for w in self.workers if w.state is not WorkerState.STOPPING]
-            errors: list[str] = []
-
-            async def reload_one(worker: Worker) -> None:
-                fds = slot_fds(new, worker.slot)
-                message = {
-                    "type": "reload",
-                    "config": encoded,
-                    "listeners": {address: len(f) for address, f in fds.items()},
-                }
-                flat = [fd for f in fds.values() for fd in f]
-                try:
-                    reply = await worker.request(message, next(self._ids), flat)
-                except trio.BrokenResourceError:
-                    errors.append(f"worker {worker.pid} exited during the reload")
-                except trio.TooSlowError:
-                    errors.append(f"worker {worker.pid} did not answer within {REPLY_TIMEOUT:g}s")
-                else:
-                    if reply["ok"]:
-                        worker.generation = generation
-                    else:
-                        errors.append(f"worker {worker.pid}: {reply['error']}")
-
-            await gather(*(partial(reload_one, worker) for worker in targets))
+            errors = await reload_each(targets, config, new, generation, self._ids)
             if errors and not any(w.generation == generation for w in targets):
                 close_listeners(new)
                 return self._refused(errors)
@@ -603,22 +572,8 @@ class Supervisor:
         return [*retired, *answered, self.discovery.snapshot(trio.current_time())]
 
     def readiness(self) -> Readiness:
-        """Ready while serving with at least one worker listening; stopping from the first
-        stop signal (or ``stop()``) until the supervisor exits."""
-        match self.phase:
-            case Phase.SERVING:
-                # A rolling restart stops a slot's old worker only once its new one listens,
-                # so one serves throughout; none does only while every slot is being
-                # replaced (their connections wait in the sockets' backlogs meanwhile).
-                if any(worker.state is WorkerState.SERVING for worker in self.workers):
-                    return Readiness.READY
-                return Readiness.STARTING
-            case Phase.STARTING:
-                return Readiness.STARTING
-            case Phase.STOPPING:
-                return Readiness.STOPPING
-            case unknown:
-                assert_never(unknown)
+        """Whether new traffic is taken now (:func:`~muxproxy.supervision.readiness_of`)."""
+        return readiness_of(self.phase, self.workers)
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         """Every listening socket's (host, port), one per address, in the configuration's order."""

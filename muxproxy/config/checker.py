@@ -40,6 +40,8 @@ __all__ = [
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 """RFC 9110 §5.6.2 token: header names, and cookie names (RFC 6265 §4.1.1)."""
+TOKEN_CHARS = "letters, digits and !#$%&'*+-.^_`|~"
+"""What :data:`TOKEN` admits, in the words of a message."""
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 _PORT = re.compile(r"[0-9]{1,5}\Z")

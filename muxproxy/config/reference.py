@@ -4,8 +4,8 @@ meaning and an example, built from the code that checks a configuration.
 Nothing here is written twice:
 
 - the keys of each table are the :class:`~.checker.Key` mappings the loader checks that table
-  with (:mod:`.loading`, :mod:`.upstreams`, :mod:`.admin`, :mod:`.logs`), so a key added there
-  is in the reference at once;
+  with (:mod:`.loading`, :mod:`.upstreams`, :mod:`.stickykeys`, :mod:`.admin`, :mod:`.logs`),
+  so a key added there is in the reference at once;
 - a key's default is its record field's default, and its text the field's docstring in
   :mod:`.records` (read with :mod:`ast`: attrs keeps no docstrings at run time);
 - what a value looks like comes from the function that checks it (:data:`_VALUE_KINDS`), a
@@ -43,6 +43,7 @@ from . import (
     logs,
     ranges,
     records,
+    stickykeys,
     storeurl,
     upstreams,
 )
@@ -163,7 +164,7 @@ _TABLES = (
         f"{_GROUP}.sticky",
         "[upstreams.NAME.sticky]",
         records.Sticky,
-        upstreams._STICKY_KEYS,
+        stickykeys._STICKY_KEYS,
         "Session stickiness: requests of one conversation go to one server, whose KV cache"
         " holds it (`docs/balancing.md`).",
         "[upstreams.gpus.sticky]",
@@ -172,7 +173,7 @@ _TABLES = (
         f"{_GROUP}.sticky.cookie",
         "[upstreams.NAME.sticky.cookie]",
         records.StickyCookie,
-        upstreams._COOKIE_KEYS,
+        stickykeys._COOKIE_KEYS,
         "A cookie naming the chosen server by an opaque id, like nginx's `sticky cookie`.",
         "[upstreams.gpus.sticky.cookie]",
     ),
@@ -349,14 +350,14 @@ _VALUE_KINDS: dict[Any, str] = {
     upstreams.server_protocol: _choices(upstreams.SERVER_PROTOCOLS),
     upstreams.max_connections: "an integer >= 1",
     upstreams.balance: _choices(records.Balance),
-    upstreams.sticky: "a table",
-    upstreams.sources: 'an array of "kind:name" strings (cookie, header, query, body)',
-    upstreams.source: '"kind:name" (cookie, header, query or body), e.g. "header:Authorization"',
-    upstreams.sticky_cookie: "a table",
-    upstreams.cookie_name: "a cookie name (an RFC 9110 token)",
-    upstreams.cookie_domain: 'a domain, e.g. "example.com"',
-    upstreams.cookie_path: 'a path starting with "/"',
-    upstreams.same_site: _choices(upstreams._SAME_SITE),
+    stickykeys.sticky: "a table",
+    stickykeys.sources: 'an array of "kind:name" strings (cookie, header, query, body)',
+    stickykeys.source: '"kind:name" (cookie, header, query or body), e.g. "header:Authorization"',
+    stickykeys.sticky_cookie: "a table",
+    stickykeys.cookie_name: "a cookie name (an RFC 9110 token)",
+    stickykeys.cookie_domain: 'a domain, e.g. "example.com"',
+    stickykeys.cookie_path: 'a path starting with "/"',
+    stickykeys.same_site: _choices(stickykeys._SAME_SITE),
     upstreams.next_upstream: "a table",
     upstreams.conditions: "an array, each "
     + _choices(sorted(records.CONDITIONS, key=lambda c: (c.startswith("http_"), c))),

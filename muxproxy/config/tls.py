@@ -80,7 +80,7 @@ def tls_pair_problems(
 
 
 def _load_problems(cert: str, key: str) -> list[tuple[str, str]]:
-    """Load the pair as ``trio.server.server_ssl_context`` does; what OpenSSL refused."""
+    """Load the pair as ``trio.servertls.server_ssl_context`` does; what OpenSSL refused."""
     import ssl  # only when a listener has TLS: ``muxproxy check`` stays light otherwise
 
     def no_password() -> str:

@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, assert_never
 
-import attrs
 from mypy_extensions import mypyc_attr
 
 from ..config import Config, Upstream
@@ -67,30 +66,10 @@ from .replay import ReplayExchange, wants_resume
 from .resume import ResumeStore
 from .sessionshare import SessionSharing
 from .shutdown import Shutdown, refuse_client, stop_client
+from .statistics import ProxyStatistics, take_statistics
 from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer, ResumeTimer
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
-
-
-@attrs.frozen(kw_only=True)
-class StreamStatistics:
-    conn: int
-    stream: int
-    phase: str
-    response_buffered: int
-    """Response bytes accepted from the backend and not yet written to the client."""
-    request_buffered: int
-    """Request bytes accepted from the client and not yet written to the backend."""
-    upstream_paused: bool
-
-
-@attrs.frozen(kw_only=True)
-class ProxyStatistics:
-    client_connections: int
-    upstream_connections: int
-    idle_upstream_connections: int
-    streams: list[StreamStatistics]
-
 
 RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
 """Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
@@ -607,21 +586,4 @@ class ProxyCore:
 
     def statistics(self) -> ProxyStatistics:
         """A snapshot of connections and of every stream's buffered bytes."""
-        streams = [
-            StreamStatistics(
-                conn=ex.client.conn,
-                stream=ex.stream,
-                phase=ex.phase.value,
-                response_buffered=ex.client.buffered(ex.stream),
-                request_buffered=ex.request_buffered(),
-                upstream_paused=ex.upstream.paused if ex.upstream else False,
-            )
-            for ex in self.exchanges.values()
-        ]
-        idle = sum(len(v) for v in self.pool.idle.values()) + self.pool.h2.idle_count
-        return ProxyStatistics(
-            client_connections=len(self.clients),
-            upstream_connections=len(self.upstreams),
-            idle_upstream_connections=idle,
-            streams=streams,
-        )
+        return take_statistics(self.clients, self.upstreams, self.exchanges.values(), self.pool)

@@ -2,10 +2,10 @@
 
 It holds no proxy logic. Plain TCP sockets are served by the reactor (``reactor.py``): one task
 that handles every ready socket per wake-up. TLS connections have a reader task (bytes ->
-``DataReceived``) and a writer task (pending bytes -> one ``send_all`` -> ``DataSent``). One
-task runs every timer from a deadline heap. Any of them may call ``ProxyCore.handle``
-directly: Trio runs one task at a time and ``handle`` never awaits, so there is no lock and no
-hop through a channel per chunk.
+``DataReceived``) and a writer task (pending bytes -> one ``send_all`` -> ``DataSent``); TLS to
+a backend is ``backendtls.py``'s. One task runs every timer from a deadline heap
+(``timerheap.py``). Any of them may call ``ProxyCore.handle`` directly: Trio runs one task at
+a time and ``handle`` never awaits, so there is no lock and no hop through a channel per chunk.
 
 Events that the execution of a command causes (bytes written, a connection closed at once)
 are fed after the batch of commands that caused them (``settle``): ``handle`` is never
@@ -23,10 +23,7 @@ with ``ProxyCore.raise_errors``.
 from __future__ import annotations
 
 import contextlib
-import heapq
-import ipaddress
 import socket
-import ssl
 import time
 import traceback
 from collections import deque
@@ -43,7 +40,6 @@ from ..core.commands import (
     Command,
     Log,
     OpenConnection,
-    Origin,
     PauseReading,
     ResumeAppend,
     ResumeFetch,
@@ -69,8 +65,11 @@ from ..core.events import (
 )
 from ..core.proxy import ProxyCore, raised_by_handle
 from . import reactor
+from .backendtls import BackendTLS, BackendTLSError
 from .logs import drop_access
 from .reactor import Reactor, SocketConn
+from .sockets import detach_socket, is_ip_address, set_nodelay
+from .timerheap import TimerHeap
 
 if TYPE_CHECKING:
     from .fleetbudgets import FleetBudgets
@@ -79,33 +78,6 @@ if TYPE_CHECKING:
 
 def _nothing() -> None:
     """``settle``'s writer of queued reactor output where there is no reactor."""
-
-
-def set_nodelay(stream: trio.abc.Stream) -> None:
-    """TCP_NODELAY on the socket under ``stream``: a token must not wait for Nagle."""
-    while isinstance(stream, trio.SSLStream):
-        stream = stream.transport_stream
-    if isinstance(stream, trio.SocketStream):
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-
-
-class BackendTLSError(Exception):
-    """A backend's TLS handshake or ALPN result was not acceptable."""
-
-
-def is_ip_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def detach_socket(stream: trio.SocketStream) -> socket.socket:
-    """The plain socket under ``stream``, which no longer owns it."""
-    sock = stream.socket
-    family, kind, proto = sock.family, sock.type, sock.proto
-    return socket.socket(family, kind, proto, fileno=sock.detach())
 
 
 class StreamConn:
@@ -151,14 +123,11 @@ class Driver:
         self.conns: dict[int, StreamConn | SocketConn] = {}
         self.connecting: dict[int, trio.CancelScope] = {}
         self._next_client = 0
-        self._timers: dict[TimerId, float] = {}
-        self._heap: list[tuple[float, int, TimerId]] = []
-        self._seq = 0
-        self._timer_scope: trio.CancelScope | None = None
+        self.timers = TimerHeap()
         self._execute: dict[type[Command], Callable[[Any], None]] = {
             SendData: self._send_data,
-            SetTimer: self._set_timer,
-            CancelTimer: self._cancel_timer,
+            SetTimer: self.timers.set,
+            CancelTimer: self.timers.cancel,
             PauseReading: self._pause,
             ResumeReading: self._resume,
             CloseConnection: self._close,
@@ -179,7 +148,7 @@ class Driver:
         self._resume_stores: ResumeStores | None = None
         """The shared resume stores (``resumestore.py``), made on the first command for one:
         a proxy without ``resume.store`` never imports ``coredis``."""
-        self._tls_contexts: dict[tuple[str | None, str], ssl.SSLContext] = {}
+        self.backend_tls = BackendTLS()
         self.reactor = Reactor(self, core) if reactor.available() else None
         self._write_queued: Callable[[], None] = (
             self.reactor.write_queued if self.reactor is not None else _nothing
@@ -541,7 +510,7 @@ class Driver:
                 stream = await trio.open_tcp_stream(origin.host, origin.port)
                 set_nodelay(stream)
                 if origin.tls:
-                    stream = await self._tls_handshake(stream, origin)
+                    stream = await self.backend_tls.handshake(stream, origin)
             except (OSError, trio.BrokenResourceError, BackendTLSError) as exc:
                 self.connecting.pop(ident, None)
                 if stream is not None:
@@ -574,61 +543,13 @@ class Driver:
         self.feed(ConnectionOpened(now=trio.current_time(), conn=ident))
         await self.run_connection(conn)
 
-    async def _tls_handshake(
-        self, tcp: trio.SocketStream, origin: Origin
-    ) -> trio.SSLStream[trio.SocketStream]:
-        """TLS to a backend, verifying its certificate, with the ALPN protocol it must pick."""
-        key = (origin.ca, origin.alpn)
-        context = self._tls_contexts.get(key)
-        if context is None:
-            context = ssl.create_default_context(cafile=origin.ca)
-            context.set_alpn_protocols([origin.alpn])
-            self._tls_contexts[key] = context
-        stream = trio.SSLStream(tcp, context, server_hostname=origin.server_name or origin.host)
-        try:
-            await stream.do_handshake()
-        except trio.BrokenResourceError as exc:
-            await trio.aclose_forcefully(tcp)
-            raise BackendTLSError(f"TLS handshake with {origin} failed: {exc.__cause__!r}") from exc
-        chosen = stream.selected_alpn_protocol()
-        if origin.alpn == "h2" and chosen != "h2":
-            # RFC 9113 §3.2: h2 over TLS only when the server selected it by ALPN.
-            await trio.aclose_forcefully(stream)
-            raise BackendTLSError(f"{origin} did not accept h2 by ALPN (chose {chosen!r})")
-        return stream
-
     # -- timers ----------------------------------------------------------------------------
 
-    def _set_timer(self, command: SetTimer) -> None:
-        self._timers[command.timer] = command.at
-        self._seq += 1
-        heapq.heappush(self._heap, (command.at, self._seq, command.timer))
-        scope = self._timer_scope
-        if scope is not None and command.at < scope.deadline:
-            scope.deadline = command.at
-        if len(self._heap) > 2 * len(self._timers) + 256:
-            self._heap = [(at, i, t) for i, (t, at) in enumerate(self._timers.items())]
-            heapq.heapify(self._heap)
-
-    def _cancel_timer(self, command: CancelTimer) -> None:
-        self._timers.pop(command.timer, None)
-
     async def run_timers(self) -> None:
-        timers = self._timers
-        while True:
-            while self._heap and timers.get(self._heap[0][2]) != self._heap[0][0]:
-                heapq.heappop(self._heap)  # cancelled or re-set: a stale entry
-            deadline = self._heap[0][0] if self._heap else float("inf")
-            with trio.CancelScope(deadline=deadline) as scope:
-                self._timer_scope = scope
-                await trio.sleep_forever()
-            self._timer_scope = None
-            now = trio.current_time()
-            while self._heap and self._heap[0][0] <= now:
-                at, _, timer = heapq.heappop(self._heap)
-                if timers.get(timer) == at:
-                    del timers[timer]
-                    self.feed(Wakeup(now=now, timer=timer))
+        await self.timers.run(self._fire)
+
+    def _fire(self, now: float, timer: TimerId) -> None:
+        self.feed(Wakeup(now=now, timer=timer))
 
     # -- the shared resume store (``resumestore.py``) --------------------------------------
 

@@ -1,8 +1,8 @@
 """The proxy's top level: listeners, TLS with ALPN, the driver, a graceful stop and a reload.
 
-Obeys RFC 9113 §3.2 (h2 over TLS is chosen by ALPN "h2", RFC 7301) and leaves the plain
-listener's h1/h2c choice to the core, which sees the connection preface. Every accepted socket
-gets TCP_NODELAY before its first byte is read.
+Obeys RFC 9113 §3.2 (h2 over TLS is chosen by ALPN "h2", RFC 7301; each listener's context
+is ``servertls.py``'s) and leaves the plain listener's h1/h2c choice to the core, which sees the
+connection preface. Every accepted socket gets TCP_NODELAY before its first byte is read.
 
 ``limits.max_client_connections`` bounds the connections served at once, over all listeners:
 at the bound the accept loops stop calling ``accept`` until a connection ends. The kernel's
@@ -50,7 +50,7 @@ from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, Shu
 from ..core.proxy import ProxyCore
 from ..fleet.discovery import Target, with_discovered
 from .discovery import Discovery
-from .driver import Driver, set_nodelay
+from .driver import Driver
 from .listeners import (
     Address,
     ConnectionSlots,
@@ -63,33 +63,8 @@ from .listeners import (
 )
 from .logs import LogSink, configure_error_log
 from .reactor import tune
-
-
-def server_ssl_context(listener: Listener) -> ssl.SSLContext:
-    """The TLS context of ``listener``. Raises ``OSError`` naming both files when the pair
-    cannot be loaded (the configuration loaders check it first; this is the file changing
-    in between), rather than OpenSSL's ``[SSL] PEM lib`` that names neither."""
-    assert listener.tls_cert is not None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(listener.tls_cert, listener.tls_key, password=_no_password)
-    except (OSError, ValueError) as exc:
-        raise OSError(
-            f"cannot load the TLS certificate {listener.tls_cert!r} and key"
-            f" {listener.tls_key!r} of {listener.address}: {exc}"
-        ) from exc
-    # RFC 9113 §3.2: "h2" over TLS; http/1.1 for everyone else.
-    context.set_alpn_protocols(["h2", "http/1.1"])
-    # RFC 9113 §9.2: TLS 1.2 or later for HTTP/2.
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
-
-
-def _no_password() -> str:
-    # Never OpenSSL's interactive prompt for an encrypted key: a server must not wait on a
-    # terminal (the configuration loaders refuse encrypted keys).
-    raise ValueError("the private key is encrypted; muxproxy needs it unencrypted")
-
+from .servertls import server_ssl_context
+from .sockets import set_nodelay
 
 ACCEPT_BATCH = 256
 """Connections an accept loop takes per wake-up, at most, before letting other tasks run."""
