@@ -22,7 +22,7 @@ from hyperframe.frame import GoAwayFrame
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fuzz.fleetcases import HASH_FIELDS, SRV_NAMES, STORE_PARSERS
-from fuzz.harness import LLM_BIT, STOP_BIT, encode
+from fuzz.harness import BAD_REPLY, FLEET_BIT, LATE, LLM_BIT, REFUSED, RESERVED, STOP_BIT, encode
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.fleet.sessions import SessionEntry, entries_to_wire
 from muxproxy.fleet.state import FleetDocument
@@ -284,6 +284,23 @@ def with_stops(seeds: list[bytes]) -> list[bytes]:
     return seeds + stopped + llm
 
 
+FLEET_BYTES = (
+    RESERVED << 2 | REFUSED << 4 | LATE << 6,  # and on_store_error = "local"
+    BAD_REPLY << 2 | BAD_REPLY << 4 | BAD_REPLY << 6 | 2,  # a store that fails: "closed"
+)
+"""``harness.fleet_of``: the store's answers to three reservations, and ``on_store_error``."""
+
+
+def with_fleet(seeds: list[bytes]) -> list[bytes]:
+    """Each of ``seeds`` with the fleet store (``harness.fleet_of``), once per fleet byte."""
+    out = []
+    for seed in seeds:
+        at = 1 + 2 * (seed[0] % 8)
+        for fleet in FLEET_BYTES:
+            out.append(bytes([seed[0] | FLEET_BIT]) + seed[1:at] + bytes([fleet]) + seed[at:])
+    return out
+
+
 # -- the fleet's targets (``fleetcases.Reader``'s layout) ----------------------------------
 
 
@@ -411,15 +428,16 @@ def discovery() -> list[bytes]:
 
 def main() -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
-    for name, seeds in [
-        ("client_h1", client_h1()),
-        ("client_h2", client_h2()),
-        ("backend_h1", backend_h1()),
-        ("backend_h2", backend_h2()),
+    for name, seeds, fleet in [
+        # The fleet store with a request that has a tenant (and a session): the fifth.
+        ("client_h1", client_h1(), [4]),
+        ("client_h2", client_h2(), [3]),
+        ("backend_h1", backend_h1(), [1]),
+        ("backend_h2", backend_h2(), [0]),
     ]:
         folder = os.path.join(root, name)
         os.makedirs(folder, exist_ok=True)
-        for seed in with_stops(seeds):
+        for seed in with_stops(seeds) + with_fleet([seeds[i] for i in fleet]):
             path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
             with open(path, "wb") as f:
                 f.write(seed)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz.fleetcases import check_discovery, check_store
-from fuzz.harness import KINDS, check_report, decode, llm_of, run_case, stop_of
+from fuzz.harness import KINDS, check_report, decode, fleet_of, llm_of, run_case, stop_of
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -21,11 +21,13 @@ SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdi
 def test_seed_corpus_keeps_every_invariant(kind: str, path: pathlib.Path) -> None:
     raw = path.read_bytes()
     data, splits = decode(raw)
-    run_case(kind, data, splits, stop=stop_of(raw), llm=llm_of(raw))
+    run_case(kind, data, splits, stop=stop_of(raw), llm=llm_of(raw), fleet=fleet_of(raw))
 
 
 def test_every_target_has_seeds() -> None:
     assert {kind for kind, _ in SEEDS} == set(KINDS)
+    # ... and seeds with the fleet store (the RESERVING wait, shared sessions).
+    assert {kind for kind, path in SEEDS if fleet_of(path.read_bytes()) is not None} == set(KINDS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -49,7 +51,8 @@ def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> N
             mutated[at:at] = data.draw(st.binary(max_size=16))
     splits = data.draw(st.lists(st.integers(0, len(mutated)), max_size=6))
     stop = data.draw(st.sampled_from([None, 0.0, 1.0, 3.0]))
-    run_case(kind, bytes(mutated), splits, stop=stop, llm=data.draw(st.booleans()))
+    fleet = data.draw(st.none() | st.integers(0, 255))
+    run_case(kind, bytes(mutated), splits, stop=stop, llm=data.draw(st.booleans()), fleet=fleet)
 
 
 @settings(max_examples=25, deadline=None)
