@@ -18,12 +18,12 @@ with atheris.instrument_imports():
 
     import muxproxy.core.proxy  # noqa: F401
 
-from fuzz.harness import decode, llm_of, run_case, stop_of
+from fuzz.harness import decode, fleet_of, llm_of, run_case, stop_of
 
 
 def test_one_input(buf: bytes) -> None:
     data, splits = decode(buf)
-    run_case("backend_h1", data, splits, stop=stop_of(buf), llm=llm_of(buf))
+    run_case("backend_h1", data, splits, stop=stop_of(buf), llm=llm_of(buf), fleet=fleet_of(buf))
 
 
 if __name__ == "__main__":

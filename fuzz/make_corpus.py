@@ -10,6 +10,7 @@ h2 servers write in answer to the proxy's request.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 
@@ -20,7 +21,11 @@ from hyperframe.frame import GoAwayFrame
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fuzz.harness import LLM_BIT, STOP_BIT, encode
+from fuzz.fleetcases import HASH_FIELDS, SRV_NAMES, STORE_PARSERS
+from fuzz.harness import BAD_REPLY, FLEET_BIT, LATE, LLM_BIT, REFUSED, RESERVED, STOP_BIT, encode
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.fleet.sessions import SessionEntry, entries_to_wire
+from muxproxy.fleet.state import FleetDocument
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 SYSTEM_CHAT = (
@@ -279,17 +284,167 @@ def with_stops(seeds: list[bytes]) -> list[bytes]:
     return seeds + stopped + llm
 
 
+FLEET_BYTES = (
+    RESERVED << 2 | REFUSED << 4 | LATE << 6,  # and on_store_error = "local"
+    BAD_REPLY << 2 | BAD_REPLY << 4 | BAD_REPLY << 6 | 2,  # a store that fails: "closed"
+)
+"""``harness.fleet_of``: the store's answers to three reservations, and ``on_store_error``."""
+
+
+def with_fleet(seeds: list[bytes]) -> list[bytes]:
+    """Each of ``seeds`` with the fleet store (``harness.fleet_of``), once per fleet byte."""
+    out = []
+    for seed in seeds:
+        at = 1 + 2 * (seed[0] % 8)
+        for fleet in FLEET_BYTES:
+            out.append(bytes([seed[0] | FLEET_BIT]) + seed[1:at] + bytes([fleet]) + seed[at:])
+    return out
+
+
+# -- the fleet's targets (``fleetcases.Reader``'s layout) ----------------------------------
+
+
+def reply(value: object) -> bytes:
+    """``value`` as ``Reader.value`` reads it back."""
+    if isinstance(value, bool) or value is None:
+        return bytes([6]) if value is None else bytes([7, int(value)])
+    if isinstance(value, int):
+        return bytes([0]) + (value + 2**15).to_bytes(2, "big")
+    if isinstance(value, bytes):
+        return bytes([2, len(value)]) + value
+    if isinstance(value, str):
+        return bytes([3, len(value)]) + value.encode("latin-1")
+    assert isinstance(value, list)
+    return bytes([5, len(value)]) + b"".join(reply(item) for item in value)
+
+
+def store_seed(parser: str, body: bytes) -> bytes:
+    return bytes([STORE_PARSERS.index(parser)]) + body
+
+
+def fleet_store() -> list[bytes]:
+    lineage = "0123456789abcdef"
+    document = FleetDocument(
+        version=7,
+        lineage=lineage,
+        state=RuntimeState.empty()
+        .changed("gpus", "10.0.0.1:8000", weight=3)
+        .changed("gpus", "10.0.0.2:8000", drain=True, down=True),
+    )
+    fields = [(b"version", b"7"), (b"lineage", lineage.encode()), (b"seeded", b"0"),
+              (b"state", document.state_json().encode())]  # fmt: skip
+    hashed = bytes([len(fields)]) + b"".join(
+        bytes([HASH_FIELDS.index(name)]) + len(value).to_bytes(2, "big") + value
+        for name, value in fields
+    )
+    state_json = document.state_json()
+    message = f'{{"version":7,"lineage":"{lineage}","seeded":true,"state":{state_json}}}'.encode()
+    entries = [
+        SessionEntry(group="gpus", key=2**64 - 1, address="10.0.0.1:8000", at=1.7e9),
+        SessionEntry(group="gpus", key=5, address="[2001:db8::1]:8000", at=1.7e9 + 0.25),
+    ]
+    batch = json.dumps({"origin": "r1", "entries": entries_to_wire(entries)}).encode()
+    stored = [(b"%016x" % 5, b"1700000000.25 10.0.0.1:8000"), (b"ffffffffffffffff", b"1.5 a:1")]
+    return [
+        store_seed("hash", hashed),
+        store_seed("state_message", message),
+        store_seed("sessions_message", batch),
+        store_seed(
+            "sessions_hash", b"".join(bytes([len(f)]) + f + bytes([len(v)]) + v for f, v in stored)
+        ),
+        store_seed("reserve", reply([0, b"0", b"9000", b"99", 1])),
+        store_seed("reserve", reply([5, b"1.5", b"-3", b"0", 4])),
+        store_seed("reserve", reply([8, b"0", b"10000", b"100", 0])),
+        store_seed("announce", reply(3)),
+        store_seed("cas", reply([-1, 9])),
+    ]
+
+
+def host(address: str) -> bytes:
+    """A ``fleetcases._host`` of ``10.0.c.d`` or ``2001:db8::N``."""
+    if ":" in address:
+        return bytes([1]) + int(address.rsplit(":", 1)[1], 16).to_bytes(2, "big")
+    c, d = address.split(".")[2:]
+    return bytes([0, int(c), int(d)])
+
+
+def lookup(dt: int, kind: int, ttl: int, body: bytes = b"", request: bool = True) -> bytes:
+    return bytes([dt, kind]) + ttl.to_bytes(4, "big") + body + bytes([int(request)])
+
+
+def a_answer(*hosts: str) -> bytes:
+    return bytes([len(hosts)]) + b"".join(host(h) for h in hosts)
+
+
+def srv_answer(records: list[tuple[int, int, int, str]], hosts: dict[str, list[str]]) -> bytes:
+    out = bytes([len(records)])
+    for priority, weight, port, name in records:
+        out += b"".join(n.to_bytes(2, "big") for n in (priority, weight, port))
+        out += bytes([SRV_NAMES.index(name)])
+    for name in SRV_NAMES:
+        out += a_answer(*hosts.get(name, []))
+    return out
+
+
+def discovery() -> list[bytes]:
+    three = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    six = [*three, "10.0.1.1", "10.0.1.2", "2001:db8::1"]
+    failure = bytes([2])  # the third of ``LookupResult``'s failures
+    return [
+        # 3 addresses, 6, a failure, an empty answer, 2: over a 5 s interval, TTL 30.
+        bytes([4])
+        + lookup(4, 2, 30, a_answer(*three))
+        + lookup(20, 2, 30, a_answer(*six))
+        + lookup(20, 0, 0, failure)
+        + lookup(8, 1, 30)
+        + lookup(20, 2, 1, a_answer("10.0.0.2", "10.0.1.1")),
+        # SRV: a primary and a backup priority, a weight of 0, a duplicate target, TTL 0.
+        bytes([9])
+        + lookup(
+            0,
+            3,
+            0,
+            srv_answer(
+                [
+                    (10, 0, 8000, "a.svc."),
+                    (10, 60, 8001, "b.svc."),
+                    (20, 5, 8000, "c.svc."),
+                    (10, 9, 8002, "a.svc."),
+                ],
+                {
+                    "a.svc.": ["10.0.0.1", "2001:db8::a"],
+                    "b.svc.": ["10.0.0.2"],
+                    "c.svc.": ["10.0.2.1"],
+                },
+            ),
+        )
+        + lookup(40, 4, 7, srv_answer([(0, 1, 9000, "c.svc.")], {"c.svc.": ["10.0.2.1"]})),
+        # Failures in a row back off up to the interval, then an answer.
+        bytes([59])
+        + lookup(1, 0, 0, failure) * 6
+        + lookup(200, 2, 2**32 - 1, a_answer("10.0.3.7")),
+    ]
+
+
 def main() -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
-    for name, seeds in [
-        ("client_h1", client_h1()),
-        ("client_h2", client_h2()),
-        ("backend_h1", backend_h1()),
-        ("backend_h2", backend_h2()),
+    for name, seeds, fleet in [
+        # The fleet store with a request that has a tenant (and a session): the fifth.
+        ("client_h1", client_h1(), [4]),
+        ("client_h2", client_h2(), [3]),
+        ("backend_h1", backend_h1(), [1]),
+        ("backend_h2", backend_h2(), [0]),
     ]:
         folder = os.path.join(root, name)
         os.makedirs(folder, exist_ok=True)
-        for seed in with_stops(seeds):
+        for seed in with_stops(seeds) + with_fleet([seeds[i] for i in fleet]):
+            path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
+            with open(path, "wb") as f:
+                f.write(seed)
+    for name, seeds in [("fleet_store", fleet_store()), ("discovery", discovery())]:
+        folder = os.path.join(root, name)
+        os.makedirs(folder, exist_ok=True)
+        for seed in seeds:
             path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
             with open(path, "wb") as f:
                 f.write(seed)

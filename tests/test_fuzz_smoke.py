@@ -1,5 +1,6 @@
 """CI smoke run of the fuzz targets (fuzz/): the seed corpus, then bounded hypothesis inputs,
-through the same harness atheris drives (no atheris needed here)."""
+through the same harness atheris drives (no atheris needed here): the protocol targets, the
+load report, and the fleet's (the store's replies, DNS answers over time)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz.harness import KINDS, check_report, decode, llm_of, run_case, stop_of
+from fuzz.fleetcases import check_discovery, check_store
+from fuzz.harness import KINDS, check_report, decode, fleet_of, llm_of, run_case, stop_of
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -19,11 +21,13 @@ SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdi
 def test_seed_corpus_keeps_every_invariant(kind: str, path: pathlib.Path) -> None:
     raw = path.read_bytes()
     data, splits = decode(raw)
-    run_case(kind, data, splits, stop=stop_of(raw), llm=llm_of(raw))
+    run_case(kind, data, splits, stop=stop_of(raw), llm=llm_of(raw), fleet=fleet_of(raw))
 
 
 def test_every_target_has_seeds() -> None:
     assert {kind for kind, _ in SEEDS} == set(KINDS)
+    # ... and seeds with the fleet store (the RESERVING wait, shared sessions).
+    assert {kind for kind, path in SEEDS if fleet_of(path.read_bytes()) is not None} == set(KINDS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,7 +51,8 @@ def test_mutated_seeds_keep_every_invariant(kind: str, data: st.DataObject) -> N
             mutated[at:at] = data.draw(st.binary(max_size=16))
     splits = data.draw(st.lists(st.integers(0, len(mutated)), max_size=6))
     stop = data.draw(st.sampled_from([None, 0.0, 1.0, 3.0]))
-    run_case(kind, bytes(mutated), splits, stop=stop, llm=data.draw(st.booleans()))
+    fleet = data.draw(st.none() | st.integers(0, 255))
+    run_case(kind, bytes(mutated), splits, stop=stop, llm=data.draw(st.booleans()), fleet=fleet)
 
 
 @settings(max_examples=25, deadline=None)
@@ -72,3 +77,35 @@ def test_mutated_load_reports_keep_the_parsers_promises(data: st.DataObject) -> 
         at = data.draw(st.integers(0, len(seed)))
         seed[at:at] = data.draw(st.binary(max_size=12))
     check_report(bytes(seed))
+
+
+FLEET_TARGETS = {"fleet_store": check_store, "discovery": check_discovery}
+FLEET_SEEDS = sorted(
+    (target, path) for target in FLEET_TARGETS for path in (CORPUS / target).iterdir()
+)
+
+
+@pytest.mark.parametrize(
+    ("target", "path"), FLEET_SEEDS, ids=[f"{t}/{p.name}" for t, p in FLEET_SEEDS]
+)
+def test_fleet_seeds_keep_every_invariant(target: str, path: pathlib.Path) -> None:
+    FLEET_TARGETS[target](path.read_bytes())
+
+
+def test_every_fleet_target_has_seeds() -> None:
+    assert {target for target, _ in FLEET_SEEDS} == set(FLEET_TARGETS)
+
+
+@pytest.mark.parametrize("target", sorted(FLEET_TARGETS))
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_mutated_fleet_seeds_keep_every_invariant(target: str, data: st.DataObject) -> None:
+    seeds = [path for t, path in FLEET_SEEDS if t == target]
+    seed = bytearray(data.draw(st.sampled_from(seeds)).read_bytes())
+    for _ in range(data.draw(st.integers(1, 6))):
+        at = data.draw(st.integers(0, len(seed)))
+        if data.draw(st.booleans()) and at < len(seed):
+            seed[at] = data.draw(st.integers(0, 255))
+        else:
+            seed[at:at] = data.draw(st.binary(max_size=12))
+    FLEET_TARGETS[target](bytes(seed))

@@ -59,6 +59,7 @@ __all__ = [
     "limits_of",
     "read_reply",
     "refusal_of",
+    "replicas_of",
 ]
 
 PREFIX = "muxproxy:fleet:"
@@ -279,17 +280,23 @@ def settle_args(tpm: int, rpm: int, correction: int, lease: str) -> list[str | i
     return [tpm, rpm, correction, lease, BUCKET_TTL_MS]
 
 
+MAX_NUMBER = 2**53
+"""Largest magnitude of a number in a reply: Lua's numbers are doubles, exact up to here.
+A bucket level or a wait beyond it is no script's, and would overflow the arithmetic of the
+``x-ratelimit-*`` headers."""
+
+
 def _number(value: object) -> float:
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise BadReply(f"expected a number, got {value!r}")
+        raise BadReply(f"expected a number, got {value!r}"[:200])
     try:
         number = float(value)
-    except ValueError:
-        raise BadReply(f"expected a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise BadReply(f"expected a finite number, got {value!r}")
+    except (ValueError, OverflowError):  # OverflowError: an integer past every float
+        raise BadReply(f"expected a number, got {value!r}"[:200]) from None
+    if not math.isfinite(number) or abs(number) > MAX_NUMBER:
+        raise BadReply(f"expected a finite number within 2**53, got {value!r}"[:200])
     return number
 
 
@@ -303,6 +310,15 @@ def read_reply(reply: object) -> Verdict:
     return Verdict(
         short=Short(int(short)), wait=wait, tokens=tokens, requests=requests, held=int(held)
     )
+
+
+def replicas_of(reply: object) -> int:
+    """``ANNOUNCE``'s reply (the replicas present) as a count of at least 1; raises
+    ``BadReply`` for anything but a whole number >= 0."""
+    count = _number(reply)
+    if count != int(count) or count < 0:
+        raise BadReply(f"expected a count of replicas, got {reply!r}"[:200])
+    return max(1, int(count))
 
 
 def refusal_of(verdict: Verdict, budget: Budget, tokens: int) -> Refusal:

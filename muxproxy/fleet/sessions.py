@@ -33,6 +33,7 @@ store's side (Redis) is ``muxproxy.trio.fleetsessions``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
@@ -49,6 +50,8 @@ __all__ = [
     "SessionMemory",
     "entries_from_wire",
     "entries_to_wire",
+    "message_from_wire",
+    "stored_item",
 ]
 
 SHARE_DELAY = 0.05
@@ -62,6 +65,9 @@ MAX_GROUP = 256
 """Longest group name taken from a peer (configured names are far shorter)."""
 MAX_ADDRESS = 512
 """Longest server address taken from a peer (a host name of 253 and a port fit)."""
+MAX_MESSAGE = 4 * 1024 * 1024
+"""Largest published message read (bytes): :data:`MESSAGE_LIMIT` entries of the longest
+names fit; parsing anything larger would cost memory unbounded."""
 _KEY_LIMIT = 1 << 64
 
 
@@ -205,9 +211,47 @@ def _entry_of(item: object) -> SessionEntry | None:
         return None
     if not 0 <= number < _KEY_LIMIT:
         return None
-    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+    if isinstance(at, bool) or not isinstance(at, int | float):
         return None
-    return SessionEntry(group=group, key=number, address=address, at=float(at))
+    try:
+        seconds = float(at)
+    except OverflowError:  # an integer (JSON has no bound on them) past every float
+        return None
+    if not math.isfinite(seconds):
+        return None
+    return SessionEntry(group=group, key=number, address=address, at=seconds)
+
+
+def message_from_wire(data: object) -> tuple[object, list[SessionEntry], int]:
+    """A published batch, ``{"origin": ..., "entries": [...]}`` (``entries_to_wire``'s
+    form): its origin (None when it names none), its entries, and how many were refused.
+    Raises ``ValueError`` saying why for what is no such message: not bytes or text, larger
+    than :data:`MAX_MESSAGE`, not JSON (or nested too deep to parse), not an object."""
+    if not isinstance(data, bytes | str):
+        raise ValueError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"larger than {MAX_MESSAGE} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({exc})"[:200]) from None
+    if not isinstance(body, dict):
+        raise ValueError(f"expected an object, got {type(body).__name__}")
+    entries, refused = entries_from_wire(body.get("entries"))
+    return body.get("origin"), entries, refused
+
+
+def stored_item(group: str, field: bytes | str, value: bytes | str) -> list[Any] | None:
+    """A field and value of a group's hash in the store (the key's 16 hex digits; the time
+    and the address, space-separated) as ``entries_from_wire`` takes it; None for one that
+    is not text or has no number where the time goes."""
+    try:
+        key = field.decode() if isinstance(field, bytes) else field
+        text = value.decode() if isinstance(value, bytes) else value
+        at, _, address = text.partition(" ")
+        return [group, key, address, float(at)]
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def chunks(entries: list[SessionEntry]) -> Iterator[list[SessionEntry]]:

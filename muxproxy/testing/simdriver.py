@@ -16,7 +16,11 @@ What it simulates, per command:
 - ``PauseReading`` / ``ResumeReading``: ``deliver`` reads no paused connection;
 - ``SetTimer`` / ``CancelTimer``: kept in a table; ``fire_timers`` fires the due ones in time
   order, moving the clock;
-- ``Log``: kept in ``logs``.
+- ``Log``: kept in ``logs``;
+- ``BudgetReserve``: answered by ``budget_store`` (the fleet store's simulated side: it
+  returns the ``BudgetAnswered`` to feed after the batch, or None to answer later, kept in
+  ``unanswered``); without one it is kept in ``unanswered`` too. ``BudgetSettle`` and
+  ``SessionsRemembered`` are kept in ``settles`` and ``remembered``.
 
 It asserts the contract the core must keep towards a driver (an ``AssertionError`` names the
 one that broke): no ``SendData`` after ``CloseConnection`` or ``ShutdownWrite`` for that
@@ -32,10 +36,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Callable
 
 import h11
 
 from ..core.commands import (
+    BudgetReserve,
+    BudgetSettle,
     CancelTimer,
     CloseConnection,
     Command,
@@ -44,10 +51,12 @@ from ..core.commands import (
     PauseReading,
     ResumeReading,
     SendData,
+    SessionsRemembered,
     SetTimer,
     ShutdownWrite,
 )
 from ..core.events import (
+    BudgetAnswered,
     ConnectionAccepted,
     ConnectionClosed,
     ConnectionOpened,
@@ -71,11 +80,22 @@ class SimDriver:
     """Drives ``core`` like a driver on a perfect network would (see the module docstring)."""
 
     def __init__(
-        self, core: ProxyCore, *, answer_backends: bool = False, max_events: int = MAX_EVENTS
+        self,
+        core: ProxyCore,
+        *,
+        answer_backends: bool = False,
+        max_events: int = MAX_EVENTS,
+        budget_store: Callable[[BudgetReserve, float], BudgetAnswered | None] | None = None,
     ) -> None:
         self.core = core
         self.answer_backends = answer_backends
         """Backend connections get an h11 server that answers ``200 ok`` (``respond``)."""
+        self.budget_store = budget_store
+        """The fleet store's answer to a reservation, given the command and the clock; None
+        (or no store): no answer yet, the command stays in ``unanswered``."""
+        self.unanswered: list[BudgetReserve] = []
+        self.settles: list[BudgetSettle] = []
+        self.remembered: list[SessionsRemembered] = []
         self.max_events = max_events
         self.now = 0.0
         self.queue: collections.deque[Event] = collections.deque()
@@ -148,6 +168,16 @@ class SimDriver:
             self.timers.pop(command.timer, None)
         elif isinstance(command, Log):
             self.logs.append(command)
+        elif isinstance(command, BudgetReserve):
+            answer = None if self.budget_store is None else self.budget_store(command, self.now)
+            if answer is None:
+                self.unanswered.append(command)
+            else:
+                self.queue.append(answer)
+        elif isinstance(command, BudgetSettle):
+            self.settles.append(command)
+        elif isinstance(command, SessionsRemembered):
+            self.remembered.append(command)
 
     def settle(self) -> None:
         """Feed what the commands caused until nothing is left; each close once."""

@@ -59,6 +59,7 @@ from ..fleet.budgets import (
     bucket_keys,
     limits_of,
     read_reply,
+    replicas_of,
     reserve_args,
     settle_args,
 )
@@ -152,7 +153,7 @@ class _Store:
                             if members:
                                 self.scripts["renew"]([key], [LEASE_TTL, *members], client=pipe)
                     count = await seen
-                self.replicas = max(1, int(count))
+                self.replicas = replicas_of(count)
                 self.budgets.driver.core.measurements.fleet_replicas = self.replicas
                 self.recovered()
             except _ERRORS as exc:

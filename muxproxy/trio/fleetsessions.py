@@ -62,6 +62,8 @@ from ..fleet.sessions import (
     chunks,
     entries_from_wire,
     entries_to_wire,
+    message_from_wire,
+    stored_item,
 )
 from ..routing.affinity import DEFAULT_LIMIT
 from .redis import client_of, keep_serving, redacted, store_errors
@@ -250,13 +252,12 @@ class StoreSessions:
             if message.get("type") != "message":
                 continue
             try:
-                body = json.loads(message["data"])
-            except (ValueError, TypeError):
+                origin, entries, _ = message_from_wire(message["data"])
+            except ValueError:
                 self.state.errors += 1
                 continue
-            if not isinstance(body, dict) or body.get("origin") == self.origin:
+            if origin == self.origin:
                 continue
-            entries, _ = entries_from_wire(body.get("entries"))
             self.state.received += len(entries)
             if entries:
                 self.on_learned(entries)
@@ -270,7 +271,7 @@ class StoreSessions:
                 cursor, fields = await client.hscan(hash_key(group), cursor, count=SCAN_COUNT)
                 items = []
                 for field, value in fields.items():
-                    item = _stored_item(group, field, value)
+                    item = stored_item(group, field, value)
                     if item is not None and now - item[3] <= idle:
                         items.append(item)
                 entries, _ = entries_from_wire(items)
@@ -323,17 +324,6 @@ class StoreSessions:
             fields["more"] = self._unlogged
         self._logged_at, self._unlogged = now, 0
         self.log(Log(event="fleet_sessions_store_error", fields=fields))
-
-
-def _stored_item(group: str, field: bytes | str, value: bytes | str) -> list[Any] | None:
-    """A hash field and value of the store as ``entries_from_wire`` takes it, or None."""
-    try:
-        key = field.decode() if isinstance(field, bytes) else field
-        text = value.decode() if isinstance(value, bytes) else value
-        at, _, address = text.partition(" ")
-        return [group, key, address, float(at)]
-    except (UnicodeDecodeError, ValueError):
-        return None
 
 
 # -- one process: the server's own bridge -------------------------------------------------

@@ -22,6 +22,7 @@ from muxproxy.fleet.budgets import (
     bucket_keys,
     read_reply,
     refusal_of,
+    replicas_of,
     reserve_args,
     settle_args,
 )
@@ -42,11 +43,25 @@ def test_a_reply_is_read_as_a_verdict() -> None:
     "reply",
     [None, b"OK", [0, b"0", b"1", b"1"], [16, b"0", b"1", b"1", 0], [0, b"nan", b"1", b"1", 0],
      [0, b"-1", b"1", b"1", 0], [0, b"0", b"x", b"1", 0], [1.5, b"0", b"1", b"1", 0],
-     [0, b"0", b"1", b"1", -1], [True, b"0", b"1", b"1", 0]],
+     [0, b"0", b"1", b"1", -1], [True, b"0", b"1", b"1", 0],
+     [0, b"0", b"1", b"1", 10**400], [4, b"0", b"-1.7e308", b"0", 0], [4, b"1e300", b"0", b"0", 0]],
 )  # fmt: skip
 def test_a_reply_no_script_returns_is_refused(reply: object) -> None:
     with pytest.raises(BadReply):
         read_reply(reply)
+
+
+@pytest.mark.parametrize(
+    ("reply", "count"), [(0, 1), (3, 3), (b"2", 2), (2**53, 2**53)]
+)  # fmt: skip
+def test_the_replicas_seen_are_a_count_of_at_least_one(reply: object, count: int) -> None:
+    assert replicas_of(reply) == count
+
+
+@pytest.mark.parametrize("reply", [b"x", None, -1, 1.5, [3], True, 10**400])
+def test_a_count_of_replicas_no_script_returns_is_refused(reply: object) -> None:
+    with pytest.raises(BadReply):
+        replicas_of(reply)
 
 
 def test_a_refusal_says_what_one_process_would() -> None:

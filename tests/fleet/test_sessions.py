@@ -18,6 +18,8 @@ from muxproxy.fleet.sessions import (
     chunks,
     entries_from_wire,
     entries_to_wire,
+    message_from_wire,
+    stored_item,
 )
 from muxproxy.routing.affinity import Affinity, key_hash
 
@@ -88,6 +90,7 @@ def test_wire_round_trip_keeps_64_bit_hashes_exact() -> None:
         ["g", "1", "a:1", 1.0],  # not 16 digits
         ["g", "0000000000000001", "a:1", float("nan")],
         ["g", "0000000000000001", "a:1", True],
+        ["g", "0000000000000001", "a:1", 10**400],  # JSON integers have no bound
         ["g", "0000000000000001", "", 1.0],
         ["", "0000000000000001", "a:1", 1.0],
         ["g" * 300, "0000000000000001", "a:1", 1.0],
@@ -98,6 +101,40 @@ def test_wire_round_trip_keeps_64_bit_hashes_exact() -> None:
 def test_a_bad_entry_from_a_peer_is_refused_and_counted_never_raised(bad: object) -> None:
     good = ["g", "0000000000000001", "a:1", 1.0]
     assert entries_from_wire([good, bad]) == ([entry(1, "a:1", 1.0)], 1)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[" * 100_000, b"\xff", b"[]", b"1e999", "{", 7, None],
+    ids=["nested-too-deep", "not-utf8", "a-list", "a-number", "cut", "an-int", "none"],
+)
+def test_a_published_message_that_is_no_batch_raises_value_error(data: object) -> None:
+    with pytest.raises(ValueError):
+        message_from_wire(data)
+
+
+def test_a_published_batch_gives_its_origin_entries_and_refusals() -> None:
+    wire = entries_to_wire([entry(5)])
+    data = json.dumps({"origin": "o", "entries": [*wire, ["g", "x"]]}).encode()
+    assert message_from_wire(data) == ("o", [entry(5)], 1)
+    assert message_from_wire(b"{}") == (None, [], 1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "item"),
+    [
+        (b"0000000000000001", b"12.5 a:1", ["g", "0000000000000001", "a:1", 12.5]),
+        (b"0000000000000001", b"x 10.0.0.1:8000", None),
+        (b"\xff", b"1 a:1", None),
+        ("0000000000000001", "1e999", ["g", "0000000000000001", "", float("inf")]),
+    ],
+)  # fmt: skip
+def test_a_stored_field_is_read_as_a_wire_item_or_none(
+    field: bytes | str, value: bytes | str, item: list[object] | None
+) -> None:
+    assert stored_item("g", field, value) == item
+    if item is not None and item[3] == float("inf"):
+        assert entries_from_wire([item]) == ([], 1)  # no infinite time is taken
 
 
 def test_a_message_that_is_not_a_list_or_too_long_is_cut() -> None:

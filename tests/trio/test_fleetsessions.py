@@ -5,6 +5,7 @@ meanwhile: counted, logged once, written when Redis is back."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from muxproxy.core.commands import Log
-from muxproxy.fleet.sessions import SessionEntry
-from muxproxy.trio.fleetsessions import StoreSessions
+from muxproxy.fleet.sessions import SessionEntry, entries_to_wire
+from muxproxy.trio.fleetsessions import CHANNEL, StoreSessions
+from muxproxy.trio.redis import client_of
 
 if TYPE_CHECKING:
     from services import RedisServer
@@ -81,3 +83,20 @@ async def test_an_outage_is_counted_logged_once_and_costs_no_entry(
     late = Replica(redis_server.url)
     nursery.start_soon(late.store.run)
     await until(lambda: late.store.state.loads == 1 and len(late.learned) == 10)
+
+
+async def test_what_no_replica_publishes_is_counted_and_the_bridge_lives_on(
+    nursery: trio.Nursery, redis_server: RedisServer
+) -> None:
+    replica = Replica(redis_server.url)
+    nursery.start_soon(replica.store.run)
+    await until(lambda: replica.store.state.up)
+    good = json.dumps({"origin": "elsewhere", "entries": entries_to_wire([entry(7)])})
+    async with client_of(redis_server.url) as client:
+        # JSON nested past the parser's recursion limit; an integer time past every float.
+        await client.publish(CHANNEL, b"[" * 100_000)
+        huge_time = '{"origin":"x","entries":[["g","0000000000000001","a:1",1%s]]}' % ("0" * 400)
+        await client.publish(CHANNEL, huge_time)
+        await client.publish(CHANNEL, good)
+    await until(lambda: 7 in replica.learned)
+    assert replica.store.state.errors == 1 and 1 not in replica.learned
