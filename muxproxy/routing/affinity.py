@@ -93,7 +93,10 @@ class Affinity:
     def learn(self, digest: int, address: str, at: float, now: float) -> bool:
         """Take an entry remembered elsewhere: the key of hash ``digest`` was sent to
         ``address`` at ``at``. True when taken: it is the newest known for the key and not
-        older than ``idle``."""
+        older than ``idle``. An entry stamped after ``now`` (a peer whose clock is ahead, or a
+        wrong one) counts as made ``now``: it could otherwise never expire, and would refuse
+        every true update of its key until its time came."""
+        at = min(at, now)
         if now - at > self.idle:
             return False
         held = self._entries.get(digest)

@@ -148,6 +148,20 @@ def test_a_message_that_is_not_a_list_or_too_long_is_cut() -> None:
     ]
 
 
+def test_an_entry_from_the_future_counts_as_made_now() -> None:
+    memory = Affinity(idle=60.0)
+    digest = key_hash(b"chat-1")
+    assert memory.learn(digest, "a:1", 1e12, now=100.0)  # a clock far ahead, or a bad peer
+    assert memory.lookup(b"chat-1", 150.0) == "a:1"
+    # A true update from another replica a moment later wins...
+    assert memory.learn(digest, "b:1", 101.0, now=101.0)
+    assert memory.lookup(b"chat-1", 101.0) == "b:1"
+    # ... and an entry learnt from the future expires as one made when it was learnt.
+    assert memory.learn(key_hash(b"chat-2"), "a:1", 1e12, now=200.0)
+    assert memory.lookup(b"chat-2", 260.0) == "a:1"
+    assert memory.lookup(b"chat-2", 260.5) is None
+
+
 def test_affinity_learns_newest_wins_and_the_hash_is_the_same_in_every_process() -> None:
     memory = Affinity(idle=60.0)
     digest = key_hash(b"chat-1")
