@@ -27,16 +27,11 @@ from typing import Any
 import attrs
 
 from muxproxy import __version__
+from muxproxy.check import describe_config, seconds
 from muxproxy.config import (
     LOG_LEVELS,
-    AffinityMode,
     Config,
     ConfigError,
-    GroupTimeouts,
-    Listener,
-    Route,
-    Server,
-    Upstream,
     load_config,
     parse_quick_config,
 )
@@ -53,7 +48,6 @@ from muxproxy.process import (
     listening_line,
     listening_lines,
     reopen_access_log,
-    scheme,
 )
 
 log = logging.getLogger("muxproxy")
@@ -239,189 +233,6 @@ def _explain(key: str) -> int:
     return EXIT_USAGE
 
 
-def _describe_trust(listener: Listener) -> str:
-    """Whose forwarded fields the listener believes (``trusted_proxies``); nothing when
-    nobody's (the default)."""
-    if not listener.trusted_proxies:
-        return ""
-    return f" (forwarded fields trusted from {', '.join(map(str, listener.trusted_proxies))})"
-
-
-def describe_config(config: Config) -> list[str]:
-    """A short summary of ``config``: its listeners, upstream groups, routes and stop grace.
-
-    A group's settings follow it on indented lines: balancing and retries always, stickiness,
-    health checks, set headers (names only: values may hold credentials) and timeouts when
-    configured; a route's retries until the first event, resume and continuation follow it
-    in parentheses.
-    """
-    lines = [
-        f"listener {scheme(listener.tls)}://{listener.address}{_describe_trust(listener)}"
-        for listener in config.listeners
-    ]
-    for name, group in config.upstreams.items():
-        count = len(group.servers)
-        servers = ", ".join(_describe_server(server) for server in group.servers)
-        lines.append(f"upstream {name}: {count} server{'s' if count != 1 else ''} ({servers})")
-        lines.extend(f"  {line}" for line in _describe_group(group))
-    for route in config.routes:
-        notes = _describe_route(route)
-        extra = f" ({'; '.join(notes)})" if notes else ""
-        lines.append(f"route {route.prefix} -> {route.upstream}{extra}")
-    log = config.log
-    access = "off" if log.access == "off" else f"{log.access} ({log.format})"
-    lines.append(f"log: access {access}, error log level {log.level}")
-    grace = _seconds(config.timeouts.shutdown_grace)
-    lines.append(f"graceful stop: streams get {grace} to finish (timeouts.shutdown_grace)")
-    admin = config.admin
-    if admin is not None:
-        # Never the token itself: the summary may be pasted into a ticket.
-        guard = "token set" if admin.token is not None else "no token: read-only"
-        state = f", state file {admin.state_file}" if admin.state_file is not None else ""
-        lines.append(f"admin http://{admin.address} ({guard}{state})")
-    return lines
-
-
-def _describe_route(route: Route) -> list[str]:
-    """What a route does beyond routing: first-event retries, resume, continuation (a store
-    URL without its credentials)."""
-    notes = []
-    if route.retry_until_first_event:
-        notes.append("retry until first event")
-    resume = route.resume
-    if resume is not None:
-        store = "this process"
-        if resume.store is not None:
-            scheme, _, rest = resume.store.partition("://")
-            store = f"{scheme}://{rest.rpartition('@')[2]}"
-        notes.append(
-            f"resume: {resume.window // 1024} KiB of events for {resume.linger:g}s, in {store}"
-        )
-    if route.continue_on_failure:
-        notes.append("continue on failure")
-    return notes
-
-
-def _describe_server(server: Server) -> str:
-    text = server.address
-    default = Server(address=server.address)
-    if server.weight != default.weight:
-        text += f" weight={server.weight}" + (" (draining)" if server.weight == 0 else "")
-    if server.max_fails != default.max_fails:
-        text += f" max_fails={server.max_fails}"
-    if server.fail_timeout != default.fail_timeout:
-        text += f" fail_timeout={_seconds(server.fail_timeout)}"
-    if server.backup:
-        text += " backup"
-    if server.max_streams is not None:
-        text += f" max_streams={server.max_streams}"
-    if server.max_waiting is not None:
-        text += f" max_waiting={server.max_waiting}"
-    return text
-
-
-def _describe_llm(group: Upstream) -> list[str]:
-    """The lines of LLM-aware balancing and admission, for a group that uses them."""
-    lines = []
-    if group.affinity is AffinityMode.PREFIX:
-        prefix = group.prefix
-        gap = prefix.balance_gap
-        lines.append(
-            f"prefix affinity on the first {_size(prefix.length)} of {prefix.source} prompts,"
-            f" bounded at {prefix.load_factor:g} x the mean load"
-            + ("" if gap is None else f" and {gap} streams over the least loaded server")
-        )
-    report = group.load_report
-    if report is not None:
-        lines.append(
-            f"load reports GET {report.path} every {_seconds(report.interval)}"
-            f" (stale after {_seconds(3 * report.interval)}; no new sessions above"
-            f" {report.kv_cache_limit:.0%} KV cache)"
-        )
-    if group.admission:
-        queue = group.queue
-        lines.append(
-            f"admission queue of {queue.max}, {_seconds(queue.timeout)} at most, then 429"
-            f" (Retry-After {queue.retry_after}s)"
-        )
-    budget = group.rate_limit
-    if budget is not None:
-        limits = [
-            f"{value} {name} a minute"
-            for name, value in (
-                ("tokens", budget.tokens_per_minute),
-                ("requests", budget.requests_per_minute),
-            )
-            if value is not None
-        ]
-        lines.append("budget per tenant: " + ", ".join(limits))
-    who = [
-        f"{name} by {source.kind}:{source.name}"
-        for name, source in (("tenant", group.tenant), ("priority", group.priority))
-        if source is not None
-    ]
-    if who:
-        lines.append("; ".join(who))
-    return lines
-
-
-def _describe_group(group: Upstream) -> list[str]:
-    retry = group.next_upstream
-    if retry.on and retry.tries > 1:
-        conditions = sorted(retry.on, key=lambda c: (c.startswith("http_"), c))
-        replay = (
-            f"bodies up to {_size(retry.replay_buffer)}"
-            if retry.replay_buffer
-            else "bodies not replayed"
-        )
-        retries = (
-            f"retry on {', '.join(conditions)}: {retry.tries} tries within"
-            f" {_seconds(retry.tries_timeout)}, {replay}"
-        )
-    else:
-        retries = "no retries"
-    lines = [f"balance {group.balance.value}; {retries}"]
-    sticky = group.sticky
-    parts = []
-    if sticky.sources:
-        parts.append("by " + ", ".join(f"{src.kind}:{src.name}" for src in sticky.sources))
-    if sticky.cookie is not None:
-        expires = sticky.cookie.expires
-        lifetime = "session" if expires is None else _seconds(expires)
-        parts.append(f"cookie {sticky.cookie.name} ({lifetime})")
-    if parts:
-        lines.append("sticky " + "; ".join(parts))
-    health = group.health_check
-    if health is not None:
-        lines.append(
-            f"health check GET {health.path} every {_seconds(health.interval)}"
-            f" (timeout {_seconds(health.timeout)}, expect {health.expect_status},"
-            f" up after {health.passes}, down after {health.fails})"
-        )
-    lines.extend(_describe_llm(group))
-    if group.set_headers:
-        lines.append("set headers " + ", ".join(rule.name for rule in group.set_headers))
-    timeouts = [
-        f"{field.name} {_seconds(value)}"
-        for field in attrs.fields(GroupTimeouts)
-        if (value := getattr(group.timeouts, field.name)) is not None
-    ]
-    if timeouts:
-        lines.append("timeouts " + ", ".join(timeouts))
-    return lines
-
-
-def _size(value: int) -> str:
-    for unit, size in (("MiB", 1024 * 1024), ("KiB", 1024)):
-        if value % size == 0:
-            return f"{value // size} {unit}"
-    return f"{value} bytes"
-
-
-def _seconds(value: float) -> str:
-    return f"{value:g}s"
-
-
 def _print_problems(error: ConfigError, source: str | None) -> None:
     where = f"{source}: " if source is not None else ""
     print(f"muxproxy: {where}invalid configuration", file=sys.stderr)
@@ -560,7 +371,7 @@ def _on_signal(
             " --workers N, N >= 2); this process keeps serving"
         )
     elif phase == "serving":
-        grace = _seconds(server.config.timeouts.shutdown_grace)
+        grace = seconds(server.config.timeouts.shutdown_grace)
         count = server.streams_in_flight()
         server.request_shutdown()  # first: the line below means new connections are refused
         log.info(

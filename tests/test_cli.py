@@ -244,6 +244,40 @@ def test_check_names_the_proxies_a_listener_trusts() -> None:
     ]
 
 
+def test_check_says_where_a_group_discovers_its_servers_and_what_the_fleet_shares() -> None:
+    config = parse_config(
+        {
+            "listeners": [{"address": "127.0.0.1:8080"}],
+            "upstreams": {
+                "gpus": {"discover": {"dns": "vllm.llm.svc", "port": 8000}, "slow_start": 30},
+                "lora": {"discover": {"srv": "_http._tcp.lora.llm.svc", "interval": 10}},
+            },
+            "routes": [
+                {"prefix": "/v1/", "upstream": "gpus"},
+                {"prefix": "/lora/", "upstream": "lora"},
+            ],
+            "resolver": {"nameservers": ["10.96.0.10"], "attempts": 1},
+            "fleet": {"store": "rediss://:s3cret@redis:6380/1", "on_store_error": "closed"},
+        },
+        environ={},
+    )
+    lines = describe_config(config)
+    assert lines[1] == (
+        "upstream gpus: servers from DNS: A/AAAA records of vllm.llm.svc, port 8000, looked up"
+        " every 5s (or the TTL, if shorter); new servers ramp in over 30s"
+    )
+    assert (
+        "upstream lora: servers from DNS: SRV records of _http._tcp.lora.llm.svc, looked up"
+        " every 10s (or the TTL, if shorter)"
+    ) in lines
+    assert "resolver: 10.96.0.10:53 (timeout 2s, 1 attempt)" in lines
+    assert (
+        "fleet: runtime state, session memory and budgets shared through rediss://redis:6380/1"
+        " (reconciled every 5s; budgets while it is down: closed)"
+    ) in lines
+    assert not any("s3cret" in line for line in lines)
+
+
 LLM_FLEET = """\
 [[listeners]]
 address = "127.0.0.1:8080"
