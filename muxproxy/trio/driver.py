@@ -133,7 +133,7 @@ class Driver:
             CloseConnection: self._close,
             ShutdownWrite: self._shutdown_write,
             OpenConnection: self._open,
-            Log: self._log,
+            Log: self.log,
             ResumeAppend: self._resume_append,
             ResumeFetch: self._resume_fetch,
             ResumeFetchMore: self._resume_fetch_more,
@@ -256,7 +256,7 @@ class Driver:
         """A bug in the driver's code for connection ``ident`` (not in the core): log and
         count it, close the connection and tell the core as for any broken connection."""
         self.core.counters["internal_errors"] += 1
-        self._log(
+        self.log(
             Log(
                 event="internal_error",
                 fields={
@@ -592,7 +592,8 @@ class Driver:
 
     # -- logs ------------------------------------------------------------------------------
 
-    def _log(self, command: Log) -> None:
+    def log(self, command: Log) -> None:
+        """Hand ``command`` to the log sink (``on_log``); the stores log through it too."""
         if self.on_log is not None:
             self.on_log(command)
         self.sink(command, time.time())

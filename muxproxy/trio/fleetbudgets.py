@@ -68,7 +68,7 @@ from .redis import client_of, keep_serving, redacted
 if TYPE_CHECKING:
     from coredis.commands.script import Script
 
-    from .driver import Driver
+    from .storehost import StoreHost
 
 SETTLE_QUEUE = 8192
 """Settles waiting for a store's writer; past it they are dropped (and counted)."""
@@ -255,14 +255,14 @@ class _Store:
         if self.unlogged:
             fields["unlogged_before"] = str(self.unlogged)
         self.unlogged = 0
-        driver._log(Log(event="fleet_budget_store_error", fields=fields))
+        driver.log(Log(event="fleet_budget_store_error", fields=fields))
 
     def recovered(self) -> None:
         self.down_until = -math.inf
         if self.down:
             self.down = False
             fields = {"store": redacted(self.url), "replicas": str(self.replicas)}
-            self.budgets.driver._log(Log(event="fleet_budget_store_recovered", fields=fields))
+            self.budgets.driver.log(Log(event="fleet_budget_store_recovered", fields=fields))
 
 
 def _describe(exc: BaseException) -> str:
@@ -274,7 +274,7 @@ def _describe(exc: BaseException) -> str:
 class FleetBudgets:
     """The driver's fleet stores for budgets, by URL, started on their first command."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: StoreHost) -> None:
         self.driver = driver
         self.me = replica_id()
         self.stores: dict[str, _Store] = {}

@@ -46,7 +46,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -71,8 +71,9 @@ from .redis import client_of, keep_serving, redacted, store_errors
 if TYPE_CHECKING:
     import coredis
 
+    from ..core.proxy import ProxyCore
     from .channel import Message
-    from .server import ProxyServer
+    from .driver import Driver
     from .workerproc import Worker
 
 PREFIX = "muxproxy:fleet:"
@@ -136,7 +137,19 @@ def shifted(entries: Iterable[SessionEntry], offset: float) -> list[SessionEntry
     return [attrs.evolve(entry, at=entry.at + offset) for entry in entries]
 
 
-def learn(server: ProxyServer, entries: Sequence[SessionEntry]) -> None:
+class ServingProcess(Protocol):
+    """What the memory's bridges see of a process that serves (``trio/server.py``'s
+    ``ProxyServer``, which starts them: a protocol, so neither imports the other)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def core(self) -> ProxyCore: ...
+    @property
+    def driver(self) -> Driver | None: ...
+
+
+def learn(server: ServingProcess, entries: Sequence[SessionEntry]) -> None:
     """Sessions remembered by another worker or replica, with wall-clock times, into
     ``server``'s routing memories (``SessionsLearned``: the newest win)."""
     if not entries:
@@ -329,7 +342,7 @@ class StoreSessions:
 # -- one process: the server's own bridge -------------------------------------------------
 
 
-def attach_store(server: ProxyServer, nursery: trio.Nursery) -> StoreSessions:
+def attach_store(server: ServingProcess, nursery: trio.Nursery) -> StoreSessions:
     """Share ``server``'s memory of sessions through ``[fleet] store`` (one process serving
     alone; workers go through their supervisor): start the bridge in ``nursery``."""
     config = server.config

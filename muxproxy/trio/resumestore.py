@@ -79,7 +79,7 @@ from ..core.storedrecords import (
 from .redis import client_of, keep_serving, redacted
 
 if TYPE_CHECKING:
-    from .driver import Driver
+    from .storehost import StoreHost
 
 APPEND_QUEUE = 4096
 """Appends waiting for a store's writer; past it they are dropped (and counted): a store
@@ -236,7 +236,7 @@ class _Store:
         if self.unlogged:
             fields["unlogged_before"] = str(self.unlogged)
         self.unlogged = 0
-        self.stores.driver._log(Log(event="resume_store_error", fields=fields))
+        self.stores.driver.log(Log(event="resume_store_error", fields=fields))
 
 
 class _Fetch:
@@ -254,7 +254,7 @@ class _Fetch:
 class ResumeStores:
     """The driver's shared resume stores, by URL, started on their first command."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: StoreHost) -> None:
         self.driver = driver
         self.stores: dict[str, _Store] = {}
         self.fetches: dict[int, _Fetch] = {}
@@ -330,7 +330,7 @@ class ResumeStores:
                 if self.driver.raise_errors:
                     raise
                 self.driver.core.counters["internal_errors"] += 1
-                self.driver._log(
+                self.driver.log(
                     Log(
                         event="internal_error",
                         fields={"where": "driver: resume fetch", "error": repr(exc)},
@@ -350,7 +350,7 @@ class ResumeStores:
             await self._follow_checked(client, fetch)
         except BadRecord as bad:
             # Not ours, or damaged: never relayed (``core/storedrecords.py``).
-            self.driver._log(
+            self.driver.log(
                 Log(
                     event="resume_store_bad_record",
                     fields={
