@@ -45,6 +45,7 @@ from .commands import (
 from .continuing import ContinuedStream
 from .downstream import ClientState, Protocol
 from .exchange import Exchange
+from .faultplan import FaultPoint
 from .h2pool import H2State, H2Stream, H2Upstream
 from .pool import UpstreamConn, UpstreamState
 from .ports import Phase
@@ -96,6 +97,9 @@ class Isolation:
         if conn in self._faulty:
             return  # broken already: never called into again
         try:
+            planted = self.core.planted
+            if planted is not None:
+                planted.reach(FaultPoint.NEIGHBOUR, conn)
             call(*args)
         except Exception as exc:
             if self.core.raise_errors:

@@ -52,6 +52,7 @@ from .events import (
     Wakeup,
 )
 from .exchange import Exchange
+from .faultplan import FaultPlan, FaultPoint
 from .faults import Fault, Isolation
 from .flow import BufferLimits
 from .forwarded import is_trusted
@@ -165,6 +166,9 @@ class ProxyCore:
         self._next_probe = 0
         self._admitting: set[GroupRouter] = set()
         """Routers whose queue is to be served once the current input is handled."""
+        self.planted: FaultPlan | None = None
+        """Faults a test planted (``faultplan.py``); None, and so consulted at no cost, but
+        in tests."""
         self.isolation = Isolation(self)
         self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
@@ -209,8 +213,13 @@ class ProxyCore:
         """Process one event; return the commands to carry out, in order."""
         fx = self.fx
         fx.now = event.now
+        planted = self.planted
         try:
+            if planted is not None:
+                planted.reach(FaultPoint.BEFORE, event)
             self._dispatch[type(event)](event)
+            if planted is not None:
+                planted.reach(FaultPoint.AFTER, event)
         except Exception as exc:
             if self.raise_errors:
                 fx.deferred.clear()
@@ -235,6 +244,8 @@ class ProxyCore:
         while deferred:
             conn, work = deferred.popleft()
             try:
+                if self.planted is not None:
+                    self.planted.reach(FaultPoint.DEFERRED, conn)
                 work()
             except Exception as exc:
                 if self.raise_errors:
@@ -444,25 +455,25 @@ class ProxyCore:
             case ExchangeTimer():
                 exchange = self.exchanges.get(ident)
                 if exchange is not None:
-                    self._waking = exchange.client.conn
+                    self._wake(exchange.client.conn, timer)
                     exchange.timer_fired(kind)
             case ClientTimer.GOAWAY:
                 client = self.clients.get(ident)
                 if client is not None:
-                    self._waking = ident
+                    self._wake(ident, timer)
                     self.stop.goaway_due(client)
             case ClientTimer():
                 client = self.clients.get(ident)
                 if client is not None:
-                    self._waking = ident
+                    self._wake(ident, timer)
                     client.timer_fired(kind)
             case BackendTimer():
-                self._waking = ident
+                self._wake(ident, timer)
                 self.pool.idle_timeout(ident)
             case ProbeTimer():
                 probe = self.probes.get(ident)
                 if probe is not None:
-                    self._waking = probe
+                    self._wake(probe, timer)
                     probe.timer_fired(kind)
             case CoreTimer.SESSIONS:
                 self.sessions.due()
@@ -472,6 +483,12 @@ class ProxyCore:
                 self.resumes.expired(ident)
             case _:
                 assert_never(kind)
+
+    def _wake(self, owner: int | Probe, timer: object) -> None:
+        """``owner``'s timer fired: a fault from here on ends ``owner`` (``_fault``)."""
+        self._waking = owner
+        if self.planted is not None:
+            self.planted.reach(FaultPoint.TIMER, timer)
 
     def _resume_fetched(self, event: ResumeFetched) -> None:
         """A batch of a resume answered from the shared store (``replay.py``)."""

@@ -15,6 +15,7 @@ from typing import Protocol
 from .downstream import Downstream
 from .effects import Effects
 from .exchange import Exchange
+from .faultplan import FaultPlan
 from .pool import Pool
 from .ports import BackendConnection
 from .probes import Probe
@@ -27,6 +28,8 @@ class CoreTables(Protocol):
     fx: Effects
     raise_errors: bool
     """Let an internal error escape instead of containing it (tests, fuzzing)."""
+    planted: FaultPlan | None
+    """Faults a test planted (``faultplan.py``); None but in tests."""
     counters: dict[str, int]
     clients: dict[int, Downstream]
     upstreams: dict[int, BackendConnection]

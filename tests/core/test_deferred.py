@@ -9,9 +9,9 @@ import pytest
 from playbook import H1BackendPeer, H1ClientPeer, Playbook, data, opened
 
 from muxproxy.core.commands import Command, Log, OpenConnection, SendData
-from muxproxy.core.downstream import Downstream
 from muxproxy.core.events import ConnectionAccepted, DataReceived
 from muxproxy.core.exchange import Exchange
+from muxproxy.core.faultplan import FaultPoint, plant_faults
 from muxproxy.core.pool import UpstreamConn
 from muxproxy.core.proxy import ProxyCore
 
@@ -77,23 +77,14 @@ def test_a_pipelined_request_starts_after_the_exchange_before_it_ended(
     assert backend_reads == [False, False]
 
 
-@pytest.mark.patches_core
-def test_a_fault_in_deferred_work_ends_its_own_connection_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_fault_in_deferred_work_ends_its_own_connection_only() -> None:
     class Planted(Exception):
         pass
 
-    after = Downstream._after_exchange
-
-    def broken(self: Downstream, exchange: object) -> None:
-        if self.conn == 1:
-            raise Planted("planted bug")
-        after(self, exchange)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Downstream, "_after_exchange", broken)
     pb = Playbook()
     core = ProxyCore(pb.core.config, raise_errors=False)
+    # A bug in the work deferred for connection 1 (the end of its exchange), not in 2's.
+    plant_faults(core).plant(FaultPoint.DEFERRED, lambda conn: conn == 1, Planted("planted bug"))
     clients = {1: H1ClientPeer(), 2: H1ClientPeer()}
     out: list[Command] = []
     for conn, peer in clients.items():

@@ -1,8 +1,9 @@
 """Fault isolation (``core/faults.py``): a bug met while handling one connection ends that one.
 
-No peer can trigger a bug on purpose, so each test injects one: an adapter method of one
-connection is replaced by one that raises (the only mock of the suite's core tests). The
-switch that re-raises (on for the whole suite) is turned off for these cores.
+No peer can trigger a bug on purpose, so each test plants one on the core's fault plan
+(``faultplan.py``): the core raises it where the part the event concerns handles it, as a bug
+there would, in the pure-Python and the compiled build alike. The switch that re-raises (on
+for the whole suite) is turned off for these cores.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from playbook import (
 
 from muxproxy.config import HealthCheck
 from muxproxy.core.commands import CancelTimer, CloseConnection, Log, OpenConnection, SetTimer
-from muxproxy.core.events import ConfigChanged
+from muxproxy.core.events import ConfigChanged, DataReceived
+from muxproxy.core.faultplan import FaultPoint, plant_faults
 from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
+from muxproxy.core.timers import BackendTimer, ExchangeTimer, ProbeTimer
 from muxproxy.core.websocket import accept_for
 
 CHAT = b"/v1/chat/completions"
@@ -77,26 +80,27 @@ def _internal_errors(pb: Playbook) -> list[Log]:
     return [c for c in pb.log if isinstance(c, Log) and c.event == "internal_error"]
 
 
-def _boom(*args: Any, **kwargs: Any) -> Any:
-    raise Injected("planted bug")
+def _bug() -> Injected:
+    return Injected("planted bug")
 
 
-@pytest.mark.patches_core
-def test_client_fault_ends_that_connection_and_the_other_stream_completes(
-    monkeypatch: pytest.MonkeyPatch,
+def _data_on(conn: int) -> Any:
+    """Matches the bytes of connection ``conn``."""
+    return lambda event: type(event) is DataReceived and event.conn == conn
+
+
+def _plant_on_data(
+    core: ProxyCore, conn: int, point: FaultPoint = FaultPoint.BEFORE, times: int | None = None
 ) -> None:
+    plant_faults(core).plant(point, _data_on(conn), _bug(), times=times)
+
+
+def test_client_fault_ends_that_connection_and_the_other_stream_completes() -> None:
     pb = _isolating()
     client1, sid1, up1, _ = _h2_stream(pb, 1)
     client2, sid2, up2, backend2 = _h2_stream(pb, 2)
-    h2_of_1 = pb.core.clients[1].h2
-    assert h2_of_1 is not None
-    original = h2_of_1.receive
-
-    def receive_then_fail(data: bytes) -> Any:
-        original(data)  # queues its answer (a PING ACK) before the bug strikes
-        raise Injected("planted bug")
-
-    monkeypatch.setattr(h2_of_1, "receive", receive_then_fail)
+    # The bug strikes once the client's bytes are handled: their answer (a PING ACK) is queued.
+    _plant_on_data(pb.core, 1, FaultPoint.AFTER, times=1)
     client1.conn.ping(b"12345678")
     commands = pb.receive(1, client1.conn.data_to_send())
 
@@ -117,7 +121,7 @@ def test_client_fault_ends_that_connection_and_the_other_stream_completes(
     assert logged.fields["event"] == "DataReceived"
     assert logged.fields["streams"] == [sid1]
     assert "Injected: planted bug" in logged.fields["traceback"]
-    assert "receive_then_fail" in logged.fields["traceback"]
+    assert "faultplan.py" in logged.fields["traceback"]  # where the bug struck
     assert pb.core.counters["internal_errors"] == 1
 
     # Later events for the failed connections are ignored.
@@ -134,23 +138,15 @@ def test_client_fault_ends_that_connection_and_the_other_stream_completes(
     assert pb.core.counters["internal_errors"] == 1
 
 
-@pytest.mark.patches_core
-def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call() -> None:
     pb = _isolating()
     client1, sid1, up1, backend1 = _h2_stream(pb, 1)
     client2, _, up2, backend2 = _h2_stream(pb, 2)
-    downstream = pb.core.clients[1]
-    original = downstream.send_body
-
-    def send_then_fail(stream: int, data: bytes) -> None:
-        original(stream, data)  # a command for the client, queued by the backend's call
-        raise Injected("planted bug")
-
-    monkeypatch.setattr(downstream, "send_body", send_then_fail)
+    # The bug strikes once the backend's chunk is handled: a command for the client (its
+    # DATA) is queued by the backend's call.
+    _plant_on_data(pb.core, up1, FaultPoint.AFTER)
     commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
-    monkeypatch.undo()
+    plant_faults(pb.core).clear()
 
     # The backend's event failed: that backend connection is closed, and its exchange fails as
     # an upstream failure after the head: the chunk already sent, then RST(INTERNAL_ERROR).
@@ -175,11 +171,10 @@ def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call(
     assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == EVENTS[1]
 
 
-@pytest.mark.patches_core
-def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_fault_before_the_head_is_a_502() -> None:
     pb = _isolating()
     client, opened, backend = _h1_request(pb)
-    monkeypatch.setattr(pb.core.upstreams[opened.conn].adapter, "receive", _boom)
+    _plant_on_data(pb.core, opened.conn)
     pb.ignore = ()
     pb >> data(opened.conn, backend.sse_head())
     pb << CloseConnection(conn=opened.conn)  # the failed backend connection first
@@ -196,14 +191,14 @@ def test_backend_fault_before_the_head_is_a_502(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(response, h11.Response) and response.status_code == 502
 
 
-@pytest.mark.patches_core
-def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_h1_client_fault_closes_without_the_final_chunk() -> None:
     pb = _isolating()
     client, opened, backend = _h1_request(pb)
     pb.receive(opened.conn, backend.sse_head() + backend.chunk(EVENTS[0]))
     # A bug on a timer of the exchange: it belongs to the client connection.
     exchange = next(iter(pb.core.exchanges.values()))
-    monkeypatch.setattr(exchange, "timer_fired", _boom)
+    read = (ExchangeTimer.READ, exchange.ident)
+    plant_faults(pb.core).plant(FaultPoint.TIMER, lambda timer: timer == read, _bug())
     pb.now = 1000.0
     pb >> wakeup("read", exchange.ident)
     pb << CloseConnection(conn=opened.conn)
@@ -219,18 +214,13 @@ def test_h1_client_fault_closes_without_the_final_chunk(monkeypatch: pytest.Monk
     assert not pb.core.exchanges
 
 
-@pytest.mark.patches_core
-def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too() -> None:
     pb = _isolating()
     _, _, up1, backend1 = _h2_stream(pb, 1)
     client2, sid2, up2, backend2 = _h2_stream(pb, 2)
-    monkeypatch.setattr(pb.core.upstreams[up1].adapter, "receive", _boom)
-    # Failing the backend's exchange calls into its client, whose adapter is broken as well.
-    h2_of_1 = pb.core.clients[1].h2
-    assert h2_of_1 is not None
-    monkeypatch.setattr(h2_of_1, "abort", _boom)
+    _plant_on_data(pb.core, up1)
+    # Failing the backend's exchange calls into its client, which is broken as well.
+    plant_faults(pb.core).plant(FaultPoint.NEIGHBOUR, lambda conn: conn == 1, _bug())
     commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
     assert [log.fields["conn"] for log in _internal_errors(pb)] == [up1, 1]
     assert CloseConnection(conn=1) in commands
@@ -239,12 +229,11 @@ def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too(
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
 
 
-@pytest.mark.patches_core
-def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_switch_re_raises_and_the_suite_runs_with_it() -> None:
     pb = Playbook()
     assert pb.core.raise_errors  # tests/conftest.py sets MUXPROXY_RAISE_ERRORS=1
     pb.accept(1)
-    monkeypatch.setattr(pb.core.clients[1], "on_data", _boom)
+    _plant_on_data(pb.core, 1)
     with pytest.raises(Injected):
         pb.receive(1, b"GET / HTTP/1.1\r\n")
     assert raise_errors_from_environment({"MUXPROXY_RAISE_ERRORS": "1"})
@@ -252,10 +241,10 @@ def test_switch_re_raises_and_the_suite_runs_with_it(monkeypatch: pytest.MonkeyP
     assert not raise_errors_from_environment({})
 
 
-@pytest.mark.patches_core
-def test_fault_outside_any_connection_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fault_outside_any_connection_still_raises() -> None:
     core = ProxyCore(Playbook().core.config, raise_errors=False)
-    monkeypatch.setattr(core.fx, "apply", _boom)
+    changed = lambda event: type(event) is ConfigChanged  # noqa: E731
+    plant_faults(core).plant(FaultPoint.BEFORE, changed, _bug())
     with pytest.raises(Injected):
         core.handle(ConfigChanged(now=0.0, config=core.config))
 
@@ -294,17 +283,15 @@ def _tunnel(pb: Playbook) -> int:
 
 
 @pytest.mark.parametrize("side", ["client", "backend"])
-def test_fault_in_a_tunnel_closes_both_of_its_connections(
-    monkeypatch: pytest.MonkeyPatch, side: str
-) -> None:
+def test_fault_in_a_tunnel_closes_both_of_its_connections(side: str) -> None:
     pb = _isolating()
     up = _tunnel(pb)
-    tunnel = pb.core.tunnels[up]
+    assert up in pb.core.tunnels
     if side == "client":
-        monkeypatch.setattr(tunnel, "from_client", _boom)
+        _plant_on_data(pb.core, 1, times=1)
         commands = pb.receive(1, b"\x81\x05hello")
     else:
-        monkeypatch.setattr(tunnel, "from_backend", _boom)
+        _plant_on_data(pb.core, up, times=1)
         commands = pb.receive(up, b"\x81\x05world")
     assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
     assert not pb.core.tunnels and not pb.core.exchanges
@@ -319,10 +306,7 @@ def test_fault_in_a_tunnel_closes_both_of_its_connections(
     assert pb.core.counters["internal_errors"] == 1
 
 
-@pytest.mark.patches_core
-def test_fault_on_a_pooled_connections_timer_ends_that_connection(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fault_on_a_pooled_connections_timer_ends_that_connection() -> None:
     pb = _isolating()
     pb.accept(1)
     client = H1ClientPeer()
@@ -334,7 +318,8 @@ def test_fault_on_a_pooled_connections_timer_ends_that_connection(
     done = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "0")]))
     pb.receive(opened.conn, (done or b"") + backend.end())
     assert pb.core.pool.idle  # kept alive for the next request
-    monkeypatch.setattr(pb.core.upstreams[opened.conn], "on_timer", _boom)
+    pool_timer = (BackendTimer.POOL, opened.conn)
+    plant_faults(pb.core).plant(FaultPoint.TIMER, lambda timer: timer == pool_timer, _bug())
     commands = pb.wakeup("pool", opened.conn)
     assert CloseConnection(conn=opened.conn) in commands
     assert opened.conn not in pb.core.upstreams
@@ -346,10 +331,7 @@ def test_fault_on_a_pooled_connections_timer_ends_that_connection(
     assert len(pb.opens()) == 2
 
 
-@pytest.mark.patches_core
-def test_fault_in_a_probe_without_a_connection_reschedules_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fault_in_a_probe_without_a_connection_reschedules_it() -> None:
     config = Playbook().core.config
     group = config.upstreams["default"]
     group = attrs.evolve(group, health_check=HealthCheck(interval=7.0))
@@ -357,12 +339,14 @@ def test_fault_in_a_probe_without_a_connection_reschedules_it(
     pb.core.raise_errors = False
     pb.feed(ConfigChanged(now=0.0, config=pb.core.config))
     (probe,) = pb.core.probes.values()
-    monkeypatch.setattr(pb.core.pool, "acquire", _boom)
+    probe_timer = (ProbeTimer.PROBE, probe.ident)
+    plan = plant_faults(pb.core)
+    plan.plant(FaultPoint.TIMER, lambda timer: timer == probe_timer, _bug())
     commands = pb.wakeup("probe", probe.ident)
     (logged,) = _internal_errors(pb)
     assert logged.fields["probe"] == probe.ident and logged.fields["conn"] is None
     assert SetTimer(timer=("probe", probe.ident), at=7.0) in commands
-    monkeypatch.undo()
+    plan.clear()
     pb.now = 7.0
     pb.wakeup("probe", probe.ident)
     assert pb.opens()  # the next check runs as usual
