@@ -1,8 +1,8 @@
 """Fault isolation through the real server: a bug in one connection's path ends that one only.
 
-A bug cannot be triggered by a real peer on purpose, so one is planted (a method of one
-connection's adapter, or of the reactor for one socket, replaced by one that raises); the rest
-is real: sockets, an h2 client, the fake LLM backend. These proxies run with
+A bug cannot be triggered by a real peer on purpose, so one is planted (on the core's fault
+plan, ``faultplan.py``, for one connection's bytes; or in the driver, for one socket's read);
+the rest is real: sockets, an h2 client, the fake LLM backend. These proxies run with
 ``raise_errors=False``, as in production.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +22,10 @@ import trustme
 from peers import H1Peer, open_h2
 
 from muxproxy.config import quick_config
-from muxproxy.core.commands import Command, Log
-from muxproxy.core.events import ConnectionAccepted, Event
+from muxproxy.core.commands import Log
+from muxproxy.core.events import ConnectionAccepted, DataReceived, Event
+from muxproxy.core.faultplan import FaultPoint, plant_faults
 from muxproxy.trio.driver import StreamConn
-from muxproxy.trio.reactor import SocketConn
 from muxproxy.trio.server import ProxyServer
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ TOKENS = 12
 
 class Injected(RuntimeError):
     """The planted bug."""
+
+
+def _bytes_of(conn: int) -> Callable[[object], bool]:
+    """Matches the bytes read from connection ``conn``."""
+    return lambda event: type(event) is DataReceived and event.conn == conn
 
 
 def _knobs(tokens: int) -> list[tuple[str, str]]:
@@ -61,9 +67,8 @@ async def _served(port: int) -> int | None:
     return response.status
 
 
-@pytest.mark.patches_core
 async def test_client_fault_does_not_stop_another_connections_stream(
-    start_backend: StartBackend, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+    start_backend: StartBackend, start_proxy: StartProxy
 ) -> None:
     _fake, port = await start_backend(delay=0.02)
     proxy = await start_proxy([port], raise_errors=False)
@@ -76,13 +81,9 @@ async def test_client_fault_does_not_stop_another_connections_stream(
             await doomed.wait_until(lambda: len(doomed.streams[first].frames) >= 1)
             await other.wait_until(lambda: len(other.streams[sid].frames) >= 1)
             # The first connection accepted has the lowest id.
-            adapter = core.clients[min(core.clients)].h2
-            assert adapter is not None
-
-            def broken(data: bytes) -> Any:
-                raise Injected("planted bug")
-
-            monkeypatch.setattr(adapter, "receive", broken)
+            victim = min(core.clients)
+            assert core.clients[victim].h2 is not None
+            plant_faults(core).plant(FaultPoint.BEFORE, _bytes_of(victim), Injected("planted bug"))
             doomed.conn.ping(b"01234567")
             await doomed.flush()
             await doomed.wait_until(lambda: doomed.closed)
@@ -98,7 +99,6 @@ async def test_client_fault_does_not_stop_another_connections_stream(
     assert "Injected: planted bug" in logged.fields["traceback"]
 
 
-@pytest.mark.patches_core
 async def test_driver_fault_closes_only_its_socket(
     start_backend: StartBackend, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,21 +107,21 @@ async def test_driver_fault_closes_only_its_socket(
     logs = _events(proxy)
     driver = proxy.server.driver
     assert driver is not None and driver.reactor is not None
-    reactor = driver.reactor
     with trio.fail_after(10):
         async with open_h2(proxy.port) as doomed, open_h2(proxy.port) as other:
             first = await doomed.request("POST", CHAT, _knobs(500), BODY)
             sid = await other.request("POST", CHAT, _knobs(TOKENS), BODY)
             await doomed.wait_until(lambda: len(doomed.streams[first].frames) >= 1)
             victim = min(proxy.server.core.clients)
-            read = reactor._read
+            feed = driver.feed
 
-            def read_or_fail(conn: SocketConn) -> None:
-                if conn.ident == victim:
+            def feed_or_fail(event: Event) -> None:
+                # The driver's own code, as the reactor reads the victim's socket.
+                if _bytes_of(victim)(event):
                     raise Injected("planted driver bug")
-                read(conn)
+                feed(event)
 
-            monkeypatch.setattr(reactor, "_read", read_or_fail)
+            monkeypatch.setattr(driver, "feed", feed_or_fail)
             doomed.conn.ping(b"01234567")
             await doomed.flush()
             await doomed.wait_until(lambda: doomed.closed)
@@ -143,17 +143,19 @@ async def _crash(server: ProxyServer, plant: Any) -> None:
     """Run ``server``; once a client is accepted plant a bug, then the client's request comes
     (through the reactor's round)."""
     accepted = trio.Event()
-    handle = server.core.handle
 
-    def handle_and_watch(event: Event) -> list[Command]:
-        commands = handle(event)
-        if isinstance(event, ConnectionAccepted):
-            accepted.set()
-        return commands
-
-    server.core.handle = handle_and_watch  # type: ignore[method-assign]  # watch the accept
     async with trio.open_nursery() as nursery:
         addresses = await nursery.start(server.run)
+        driver = server.driver
+        assert driver is not None
+        feed = driver.feed
+
+        def feed_and_watch(event: Event) -> None:
+            feed(event)
+            if isinstance(event, ConnectionAccepted):
+                accepted.set()
+
+        driver.feed = feed_and_watch  # type: ignore[method-assign]  # watch the accept
         peer = await H1Peer.connect(addresses[0][1])
         await accepted.wait()
         plant()
@@ -161,7 +163,6 @@ async def _crash(server: ProxyServer, plant: Any) -> None:
         await trio.sleep_forever()
 
 
-@pytest.mark.patches_core
 async def test_bug_in_the_reactor_round_itself_still_crashes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -179,19 +180,16 @@ async def test_bug_in_the_reactor_round_itself_still_crashes(
     assert info.group_contains(Injected, depth=None)
 
 
-@pytest.mark.patches_core
 async def test_bug_while_isolating_still_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
     server = ProxyServer(quick_config("127.0.0.1:0", ["127.0.0.1:9"]), raise_errors=False)
     core = server.core
 
     def plant() -> None:
-        def broken(*args: Any) -> None:
-            raise Injected("planted bug")
-
         def broken_cleanup(*args: Any) -> None:
             raise Injected("planted bug in the cleanup")
 
-        monkeypatch.setattr("muxproxy.core.downstream.Downstream.on_data", broken)
+        clients = lambda event: type(event) is DataReceived and event.conn > 0  # noqa: E731
+        plant_faults(core).plant(FaultPoint.BEFORE, clients, Injected("planted bug"))
         monkeypatch.setattr(core.isolation, "_isolate", broken_cleanup)
 
     with trio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
