@@ -37,6 +37,7 @@ import h2.events
 import h2.settings
 import h11
 import trio
+from h2client import H2Frame, H2Stream
 
 __all__ = [
     "H1Data",
@@ -380,64 +381,6 @@ class H1Peer:
 
 
 # ---- HTTP/2 ------------------------------------------------------------------------------
-
-
-@attrs.define
-class H2Frame:
-    """One DATA frame's payload and the arrival time of the read that brought it."""
-
-    at: float
-    data: bytes
-    flow_len: int
-
-
-@attrs.define
-class H2Stream:
-    sid: int
-    headers: list[tuple[bytes, bytes]] | None = None
-    frames: list[H2Frame] = attrs.field(factory=list)
-    ended: bool = False
-    """END_STREAM arrived (``h2.events.StreamEnded``)."""
-    reset: h2.errors.ErrorCodes | int | None = None
-    """Error code of an RST_STREAM from the server."""
-    trailers: list[tuple[bytes, bytes]] | None = None
-    held: bool = False
-    """Received data is not acknowledged while held (its stream window closes)."""
-    unacked: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.ended or self.reset is not None
-
-    @property
-    def status(self) -> int | None:
-        for name, value in self.headers or ():
-            if name == b":status":
-                return int(value)
-        return None
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(f.data for f in self.frames)
-
-    @property
-    def data_frames(self) -> list[H2Frame]:
-        """The frames that carried data (not an empty DATA frame holding only END_STREAM)."""
-        return [f for f in self.frames if f.data]
-
-    def field(self, name: bytes) -> bytes | None:
-        """The first response field ``name`` (lower case), as received."""
-        for key, value in self.headers or ():
-            if key == name:
-                return value
-        return None
-
-    def header(self, name: str) -> str | None:
-        wanted = name.lower().encode()
-        for key, value in self.headers or ():
-            if key == wanted:
-                return value.decode("latin-1")
-        return None
 
 
 class H2Peer:

@@ -26,6 +26,7 @@ import hpack
 import openai
 import pytest
 import trio
+from h2client import H2Client, h2_request_headers
 from peers import (
     H2Stream,
     closed_port,
@@ -36,7 +37,6 @@ from peers import (
     read_until_eof,
     serve_raw,
 )
-from stepped import H2Client, h2_request_headers
 
 from muxproxy.config import Api, Config, Limits, Listener, Route, Server, Timeouts, Upstream
 from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer

@@ -22,7 +22,8 @@ import h2.errors
 import h2.settings
 import pytest
 import trio
-from peers import H1Peer, H2Peer, H2Stream, open_h2, serve_raw
+from h2client import H2Stream
+from peers import H1Peer, H2Peer, open_h2, serve_raw
 from stepped import RecordingBackend
 
 from muxproxy.config import Limits

@@ -32,8 +32,8 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from peers import H2Stream, open_h2, serve_raw
-from stepped import H2Client
+from h2client import H2Client, H2Stream
+from peers import open_h2, serve_raw
 
 from muxproxy.config import GroupTimeouts, Limits, Server, Timeouts, quick_config
 from muxproxy.core.commands import Log

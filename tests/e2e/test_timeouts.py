@@ -43,6 +43,7 @@ import pytest
 import trio
 import trio.testing
 import trustme
+from h2client import H2Client
 from peers import (
     closed_port,
     h1_read_response,
@@ -54,7 +55,6 @@ from peers import (
     read_until_eof,
     serve_raw,
 )
-from stepped import H2Client
 
 from muxproxy.config import Timeouts, quick_config
 from muxproxy.core.commands import Log

@@ -27,12 +27,14 @@ import openai
 import pytest
 import trio
 import trio.testing
+from h2client import H2Client, h2_request_headers
 
 from muxproxy.testing import fakellm
 from muxproxy.testing.fakellm import FakeLLM, reply_text, serve_fakellm
 
 Start = Callable[..., Awaitable[tuple[FakeLLM, int]]]
 CHAT = "/v1/chat/completions"
+CHAT_POST = h2_request_headers(CHAT.encode(), b"POST")
 
 
 @pytest.fixture
@@ -131,94 +133,6 @@ def header(response: h11.Response, name: str) -> str | None:
 # ---- raw h2c (prior knowledge) ---------------------------------------------------------
 
 
-@attrs.define
-class H2Stream:
-    headers: dict[str, str] = attrs.field(factory=dict)
-    data: bytearray = attrs.field(factory=bytearray)
-    data_frames: int = 0
-    ended: bool = False
-    reset: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.ended or self.reset is not None
-
-
-@attrs.define
-class H2Client:
-    sock: trio.SocketStream
-    conn: h2.connection.H2Connection = attrs.field(
-        factory=lambda: h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding="latin-1")
-        )
-    )
-    streams: dict[int, H2Stream] = attrs.field(factory=dict)
-    remote_settings_seen: bool = False
-
-    @classmethod
-    async def connect(cls, port: int) -> H2Client:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port))
-        client.conn.initiate_connection()
-        await client.flush()
-        return client
-
-    async def flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data:
-            await self.sock.send_all(data)
-
-    async def request(
-        self,
-        path: str,
-        method: str = "POST",
-        headers: Sequence[tuple[str, str]] = (),
-        body: bytes = b"",
-    ) -> int:
-        sid = self.conn.get_next_available_stream_id()
-        self.streams[sid] = H2Stream()
-        base = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "fake")]
-        self.conn.send_headers(sid, [*base, *headers], end_stream=not body)
-        view = memoryview(body)
-        while view:  # bodies in these tests stay inside the initial 64 KiB window
-            size = min(len(view), self.conn.max_outbound_frame_size)
-            self.conn.send_data(sid, bytes(view[:size]), end_stream=size == len(view))
-            view = view[size:]
-        await self.flush()
-        return sid
-
-    async def pump(self) -> None:
-        """Read once from the socket and fold the events into ``streams``."""
-        data = await self.sock.receive_some(65536)
-        assert data, "h2 connection closed by the server"
-        for event in self.conn.receive_data(data):
-            if isinstance(event, h2.events.RemoteSettingsChanged):
-                self.remote_settings_seen = True
-            sid = getattr(event, "stream_id", 0)
-            if not sid or sid not in self.streams:
-                continue
-            state = self.streams[sid]
-            if isinstance(event, h2.events.ResponseReceived):
-                state.headers = {str(k): str(v) for k, v in event.headers}
-            elif isinstance(event, h2.events.DataReceived):
-                state.data += event.data
-                state.data_frames += 1
-                self.conn.acknowledge_received_data(event.flow_controlled_length, sid)
-            elif isinstance(event, h2.events.StreamEnded):
-                state.ended = True
-            elif isinstance(event, h2.events.StreamReset):
-                state.reset = event.error_code
-        await self.flush()
-
-    async def wait(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self.pump()
-
-    async def exchange(self, path: str, **kwargs: Any) -> H2Stream:
-        sid = await self.request(path, **kwargs)
-        await self.wait(lambda: self.streams[sid].done)
-        return self.streams[sid]
-
-
 @pytest.fixture
 async def h2_factory() -> AsyncIterator[Callable[[int], Awaitable[H2Client]]]:
     clients: list[H2Client] = []
@@ -230,7 +144,7 @@ async def h2_factory() -> AsyncIterator[Callable[[int], Awaitable[H2Client]]]:
 
     yield connect
     for client in clients:
-        await client.sock.aclose()
+        await client.aclose()
 
 
 # ---- the ASGI app directly -------------------------------------------------------------
@@ -560,12 +474,12 @@ async def test_h2c_and_http11_on_one_port(start: Start, h2_factory: Any) -> None
         client: H2Client = await h2_factory(port)
         stream = await client.exchange(CHAT, body=chat_body(True))
         sink = await client.exchange(CHAT, headers=[("x-fake-sink", "1")], body=b"z" * 40000)
-    assert contents(parse_sse(h1.body)) == contents(parse_sse(bytes(stream.data))) == reply_text(3)
+    assert contents(parse_sse(h1.body)) == contents(parse_sse(stream.body)) == reply_text(3)
     assert stream.ended
-    assert stream.headers[":status"] == "200"
-    assert stream.headers["x-backend-id"] == "h2"
-    assert stream.headers["content-type"] == "text/event-stream"
-    assert json.loads(sink.data)["received_bytes"] == 40000
+    assert stream.header(":status") == "200"
+    assert stream.header("x-backend-id") == "h2"
+    assert stream.header("content-type") == "text/event-stream"
+    assert json.loads(sink.body)["received_bytes"] == 40000
     assert fake.streams_completed == 2
 
 
@@ -574,16 +488,16 @@ async def test_h2_many_concurrent_streams_one_connection(start: Start, h2_factor
     n = 150
     with trio.fail_after(15):
         client: H2Client = await h2_factory(port)
-        await client.wait(lambda: client.remote_settings_seen)
+        await client.wait(lambda: client.settings_received)
         assert client.conn.remote_settings.max_concurrent_streams >= 1000
-        sids = [await client.request(CHAT, body=chat_body(True)) for _ in range(n)]
+        sids = [await client.request(CHAT_POST, chat_body(True)) for _ in range(n)]
         # The client has not read a byte yet, so its h2 state holds all n streams open at
         # once: opening them at all needs the server's SETTINGS_MAX_CONCURRENT_STREAMS >= n.
         await fake.wait_until(lambda: fake.streams_started == n)
         await client.wait(lambda: all(client.streams[s].done for s in sids))
     for sid in sids:
         assert client.streams[sid].ended
-        assert contents(parse_sse(bytes(client.streams[sid].data))) == reply_text(3)
+        assert contents(parse_sse(client.streams[sid].body)) == reply_text(3)
     assert fake.streams_completed == n
 
 
@@ -641,9 +555,9 @@ async def test_die_after_h2_resets_stream(start: Start, h2_factory: Any) -> None
         after = await client.exchange(CHAT, body=chat_body(True))
     assert died.reset == h2.errors.ErrorCodes.INTERNAL_ERROR
     assert not died.ended
-    assert died.headers[":status"] == "200"
-    assert contents(parse_sse(bytes(died.data))) == "tok0 tok1 "
-    assert after.ended and contents(parse_sse(bytes(after.data))) == reply_text(5)
+    assert died.header(":status") == "200"
+    assert contents(parse_sse(died.body)) == "tok0 tok1 "
+    assert after.ended and contents(parse_sse(after.body)) == reply_text(5)
     assert (fake.aborts, fake.streams_completed) == (1, 1)
 
 
@@ -682,15 +596,15 @@ async def test_h2_client_reset_is_seen_at_once(start: Start, h2_factory: Any) ->
     fake, port = await start(tokens=5, delay=30)
     with trio.fail_after(5):
         client: H2Client = await h2_factory(port)
-        sid = await client.request(CHAT, body=chat_body(True))
-        await client.wait(lambda: b"\n\n" in client.streams[sid].data)
+        sid = await client.request(CHAT_POST, chat_body(True))
+        await client.wait(lambda: b"\n\n" in client.streams[sid].body)
         client.conn.reset_stream(sid, error_code=h2.errors.ErrorCodes.CANCEL)
         await client.flush()
     with trio.fail_after(1):
         await fake.wait_disconnect()
     with trio.fail_after(5):
         health = await client.exchange("/health", method="GET")
-    assert bytes(health.data) == b"ok"
+    assert health.body == b"ok"
     assert (fake.disconnects, fake.streams_completed) == (1, 0)
 
 
