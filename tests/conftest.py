@@ -35,8 +35,9 @@ unless every module of the compiled build is imported compiled."""
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "patches_core: replaces a method of a core object to inject a fault or record its "
-        "moves; a compiled class refuses that, so the test runs in the pure-Python build only",
+        "patches_core: replaces a method of a core object to record its moves (a fault is "
+        "planted on the core's FaultPlan instead, faultplan.py); a compiled class refuses "
+        "that, so the test runs in the pure-Python build only",
     )
 
 
