@@ -34,6 +34,7 @@ MODULES = [
     "muxproxy.core.sse",
     "muxproxy.core.timers",
     "muxproxy.trio.reactor",
+    "muxproxy.trio.socketconn",
 ]
 
 

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muxproxy.config import ConfigError, parse_config, records
+from muxproxy.config.keydocs import entries, iter_examples
+from muxproxy.config.layout import tables
 from muxproxy.config.ranges import RANGES, Range, pattern, render_markdown, with_table
-from muxproxy.config.reference import entries, iter_examples, tables
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 

@@ -21,9 +21,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cli import REPO, run_cli
 
-from muxproxy.config import Config, ConfigError, admin, loading, logs, parse_config, upstreams
+from muxproxy.config import (
+    Config,
+    ConfigError,
+    admin,
+    loading,
+    logs,
+    parse_config,
+    sections,
+    upstreams,
+)
 from muxproxy.config.checker import Key
-from muxproxy.config.reference import entries, explain, iter_examples, render_markdown, tables
+from muxproxy.config.keydocs import entries, iter_examples
+from muxproxy.config.layout import tables
+from muxproxy.config.reference import explain, render_markdown
 from muxproxy.config.resolve import unresolved_servers
 
 REFERENCE = REPO / "docs" / "configuration.md"
@@ -53,7 +64,7 @@ def test_the_script_finds_the_file_up_to_date() -> None:
 def key_tables() -> list[tuple[str, dict[str, Key]]]:
     """Every module-level table of keys the loader checks a configuration table with."""
     found = []
-    for module in (loading, upstreams, admin, logs):
+    for module in (loading, sections, upstreams, admin, logs):
         for name, value in vars(module).items():
             if (
                 isinstance(value, dict)

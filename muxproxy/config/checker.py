@@ -9,6 +9,11 @@ A table is checked against a mapping of its keys to :class:`Key`, each naming th
 that checks the key's value: a :class:`Checker` method or any function of the same shape,
 ``parse(checker, value, path) -> converted value or None``. A number it returns is then held
 to its key's range (:mod:`.ranges`), so no checking function repeats an upper bound.
+
+A key unknown in its table gets a "did you mean" from that table's keys, or, given a
+:data:`Placement` (:func:`.layout.placement`, which knows every table), a pointer to the table
+it belongs in. The placement is handed in, not imported: the tables are made of the checking
+functions built on this module, so this module stays below them all.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from typing import Any
 
 import attrs
 
-from . import ranges
+from .ranges import problem as range_problem
 
 __all__ = [
     "TOKEN",
     "Checker",
     "Key",
+    "Placement",
     "ValueParser",
     "address_problem",
     "alternatives",
@@ -50,6 +56,10 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 ValueParser = Callable[["Checker", Any, str], Any]
 """Checks one value at a key path: the converted value, or None after reporting a problem."""
 
+Placement = Callable[[str, str], str | None]
+"""Where a key unknown in the table at a path belongs instead (``placement(key, path)``), as a
+hint (``"first_token" belongs in [upstreams.NAME.timeouts]``), or None."""
+
 
 @attrs.frozen
 class Key:
@@ -63,9 +73,11 @@ class Key:
 class Checker:
     """Validates the parts of a configuration, collecting problems instead of stopping."""
 
-    def __init__(self, base_dir: str | None) -> None:
+    def __init__(self, base_dir: str | None, *, placement: Placement | None = None) -> None:
         self.base_dir = base_dir
         self.problems: list[str] = []
+        self.placement = placement
+        """Points a key unknown in its table at the table it belongs in; None: no pointer."""
 
     def add(self, path: str, message: str) -> None:
         self.problems.append(f"{path}: {message}")
@@ -74,10 +86,6 @@ class Checker:
 
     def unknown_keys(self, table: Mapping[str, Any], known: Iterable[str], path: str) -> set[str]:
         """Report the keys of ``table`` not in ``known``; returns the known keys suggested."""
-        # The reference knows every table's keys, and so imports every module that checks
-        # one (this one included): imported here, when a key is unknown.
-        from .reference import placement
-
         known = list(known)
         suggested: set[str] = set()
         for key in table:
@@ -90,7 +98,7 @@ class Checker:
             # A near-certain misspelling of a key of this table ("upstream" for
             # "upstreams") is that; otherwise a key of another table is a misplaced one.
             near = get_close_matches(key, known, n=1, cutoff=0.8)
-            elsewhere = None if near else placement(key, path)
+            elsewhere = None if near or self.placement is None else self.placement(key, path)
             if elsewhere is not None:
                 hint = elsewhere + (f' (or did you mean "{close[0]}"?)' if close else "")
             elif close:
@@ -115,7 +123,7 @@ class Checker:
                 where = join(path, key)
                 converted = spec.parse(self, value[key], where)
                 # Every numeric key's range (ranges.RANGES), after the check of its kind.
-                problem = None if converted is None else ranges.problem(where, converted)
+                problem = None if converted is None else range_problem(where, converted)
                 if problem is not None:
                     self.add(where, problem)
                     converted = None

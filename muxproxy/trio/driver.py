@@ -67,7 +67,8 @@ from ..core.proxy import ProxyCore, raised_by_handle
 from . import reactor
 from .backendtls import BackendTLS, BackendTLSError
 from .logs import drop_access
-from .reactor import Reactor, SocketConn
+from .reactor import Reactor
+from .socketconn import SocketConn
 from .sockets import detach_socket, is_ip_address, set_nodelay
 from .timerheap import TimerHeap
 

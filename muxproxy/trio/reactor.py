@@ -46,7 +46,8 @@ narrow interfaces and nothing else: the reactor reaches the driver through a ``s
 (feed an event, hold ``settle`` for a round, report bytes sent and connections closed) and the
 driver reaches the reactor through its public methods (the core's commands, and
 ``write_queued`` from ``settle``); neither touches the other's attributes. The reactor imports
-nothing from ``driver.py``.
+nothing from ``driver.py``. The state of one connection is a ``socketconn.SocketConn``, which
+only the reactor reads and writes.
 
 Linux only (epoll), like the deployments this proxy is for; elsewhere the driver falls back to
 tasks per socket.
@@ -68,6 +69,7 @@ import trio
 from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
 from ..core.proxy import ProxyCore, raised_by_handle
 from .sink import Sink
+from .socketconn import SocketConn
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)
@@ -107,72 +109,6 @@ def tune(sock: socket.socket) -> None:
     if lowat is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, lowat, NOTSENT_LOWAT)
-
-
-class SocketConn:
-    """One plain TCP connection in the reactor: no task of its own."""
-
-    __slots__ = (
-        "blocked_since",
-        "born",
-        "closed",
-        "closing",
-        "connecting",
-        "fd",
-        "fed_by",
-        "flush_deadline",
-        "flush_timeout",
-        "ident",
-        "input_ended",
-        "linger_budget",
-        "lingering",
-        "mask",
-        "on_closed",
-        "paused",
-        "pending",
-        "queued",
-        "shutdown_wanted",
-        "sock",
-    )
-
-    def __init__(
-        self, ident: int, sock: socket.socket, on_closed: Callable[[], None] | None, linger: bool
-    ) -> None:
-        self.ident = ident
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.born = -1
-        """The reactor's round this connection was added in (see ``Reactor.run``)."""
-        self.pending = bytearray()
-        self.queued = False
-        """In one of the reactor's outboxes: ``pending`` is written by ``_write_outbox``."""
-        self.fed_by = 0
-        """The connection whose handling last queued output here (0: none, or not a socket's)."""
-        self.paused = False
-        self.closing = False
-        self.closed = False
-        self.connecting = False
-        """A non-blocking connect in progress: EPOLLOUT tells its outcome."""
-        self.lingering = False
-        """Write side shut down, input read and dropped until EOF or ``flush_deadline``."""
-        self.input_ended = False
-        """The peer's EOF was read (``InputEnded``): never read again."""
-        self.shutdown_wanted = False
-        """``ShutdownWrite`` came with output pending: shut down once it is written."""
-        self.linger_budget = LINGER_BYTES if linger else 0
-        """Bytes still to drop while lingering (0: close at once, no lingering)."""
-        self.mask = 0
-        """The epoll events registered now (0: not in the set)."""
-        self.blocked_since: float | None = None
-        """When the kernel last took bytes while some are still pending (None: none pending)."""
-        self.flush_deadline = math.inf
-        self.flush_timeout = math.inf
-        """While closing: how long the flush may go without progress (``CloseConnection``)."""
-        self.on_closed = on_closed
-        """Called once when the socket is closed (the server frees a connection slot)."""
-
-    def __repr__(self) -> str:
-        return f"<SocketConn {self.ident} fd={self.fd} pending={len(self.pending)}>"
 
 
 class Reactor:
@@ -216,7 +152,7 @@ class Reactor:
         ``linger``: close it in stages when the core closes it (client connections).
         """
         sock.setblocking(False)
-        return self._register(SocketConn(ident, sock, on_closed, linger))
+        return self._register(SocketConn(ident, sock, on_closed, LINGER_BYTES if linger else 0))
 
     def _register(self, conn: SocketConn) -> SocketConn:
         conn.born = self._round
@@ -241,7 +177,7 @@ class Reactor:
         except OSError:
             sock.close()
             raise
-        conn = SocketConn(ident, sock, None, False)
+        conn = SocketConn(ident, sock, None, 0)
         conn.connecting = True
         return self._register(conn)
 
