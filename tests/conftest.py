@@ -19,7 +19,7 @@ import trio
 
 import muxproxy.compiled
 from muxproxy.config import Config, Limits, Timeouts, quick_config
-from muxproxy.core.proxy import RAISE_ERRORS_ENV
+from muxproxy.core.raising import RAISE_ERRORS_ENV
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 from muxproxy.trio.server import ProxyServer
 

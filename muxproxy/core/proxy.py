@@ -17,8 +17,7 @@ re-raises.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, assert_never
 
 from mypy_extensions import mypyc_attr
@@ -63,6 +62,7 @@ from .messages import RequestHead
 from .pool import Pool, UpstreamConn
 from .ports import BackendConnection, ClientSide
 from .probes import Probe
+from .raising import raise_errors_from_environment
 from .replay import ReplayExchange, wants_resume
 from .resume import ResumeStore
 from .sessionshare import SessionSharing
@@ -71,9 +71,6 @@ from .statistics import ProxyStatistics, take_statistics
 from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer, ResumeTimer
 from .tunnel import Tunnel
 from .websocket import WebSocketExchange, wants_tunnel
-
-RAISE_ERRORS_ENV = "MUXPROXY_RAISE_ERRORS"
-"""Set to anything but "" or "0": internal errors re-raise instead of ending one connection."""
 
 COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 """The names in ``ProxyCore.counters``, each counted from 0 since the core started:
@@ -86,34 +83,8 @@ COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 """
 
 
-def raise_errors_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``MUXPROXY_RAISE_ERRORS`` asks for internal errors to re-raise."""
-    return environ.get(RAISE_ERRORS_ENV, "") not in ("", "0")
-
-
 ADMIT_LOOKAHEAD = 32
 """Waiting requests looked at, in fair order, for one that belongs on a server with room."""
-
-
-_HANDLE_FILE = "muxproxy/core/proxy.py"
-"""``ProxyCore.handle``'s source as its frames name it: the absolute path in pure Python, the
-path relative to the package's parent in the compiled build (whose frames mypyc makes for
-tracebacks only, with no code object of the method to compare against)."""
-
-
-def raised_by_handle(exc: BaseException) -> bool:
-    """Whether ``exc`` (or one in its group) came out of ``ProxyCore.handle``: for a driver,
-    a broken invariant of the core (stop), not a failure of the driver's own code for one
-    connection (abandon that one)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return any(raised_by_handle(inner) for inner in exc.exceptions)
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "handle" and code.co_filename.replace("\\", "/").endswith(_HANDLE_FILE):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 # The compiled build (``muxproxy/compiled.py``) keeps this class open to Python subclasses: an

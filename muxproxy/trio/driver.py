@@ -7,9 +7,8 @@ a backend is ``backendtls.py``'s. One task runs every timer from a deadline heap
 (``timerheap.py``). Any of them may call ``ProxyCore.handle`` directly: Trio runs one task at
 a time and ``handle`` never awaits, so there is no lock and no hop through a channel per chunk.
 
-Events that the execution of a command causes (bytes written, a connection closed at once)
-are fed after the batch of commands that caused them (``settle``): ``handle`` is never
-re-entered.
+Events that executing a command causes (bytes written, a connection closed at once) are fed
+after the batch that caused them (``settle``): ``handle`` is never re-entered.
 
 Fault isolation, as in the core (``core/faults.py``): an exception in the driver's own code for
 one connection (executing a command for it, reading or writing its socket, its tasks) closes
@@ -63,7 +62,8 @@ from ..core.events import (
     TimerId,
     Wakeup,
 )
-from ..core.proxy import ProxyCore, raised_by_handle
+from ..core.proxy import ProxyCore
+from ..core.raising import raised_by_handle
 from . import reactor
 from .backendtls import BackendTLS, BackendTLSError
 from .logs import drop_access

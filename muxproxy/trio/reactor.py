@@ -67,7 +67,8 @@ from time import perf_counter
 import trio
 
 from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
-from ..core.proxy import ProxyCore, raised_by_handle
+from ..core.proxy import ProxyCore
+from ..core.raising import raised_by_handle
 from .sink import Sink
 from .socketconn import SocketConn
 

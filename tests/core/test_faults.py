@@ -30,7 +30,8 @@ from muxproxy.config import HealthCheck
 from muxproxy.core.commands import CancelTimer, CloseConnection, Log, OpenConnection, SetTimer
 from muxproxy.core.events import ConfigChanged, DataReceived
 from muxproxy.core.faultplan import FaultPoint, plant_faults
-from muxproxy.core.proxy import ProxyCore, raise_errors_from_environment
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.raising import raise_errors_from_environment
 from muxproxy.core.timers import BackendTimer, ExchangeTimer, ProbeTimer
 from muxproxy.core.websocket import accept_for
 
