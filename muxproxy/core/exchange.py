@@ -9,13 +9,9 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   current phase (a late event after the end is ignored; one that only a bug can bring raises
   ``IllegalTransition``), and each decision (route, retry, hold, commit, fail, finish) is a
   move the table must allow.
-- Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
-  the backend gets; the servers are tried in the group's order, on failure only while
-  nothing reached the client (``failover.py``, RFC 9110 §9.2.2). A group that reads the
-  request's JSON body (a body session key, ``least_load``, prefix affinity, token budgets)
-  holds its start first (BUFFERING); budgets and the admission queue are ``admit.py``'s. With
-  ``retry_until_first_event`` an SSE response head is held until its first content event
-  (``commit.py``), so a backend that dies before its first token costs the user nothing.
+- Its parts, which see it through ``exchangeports.py``: where it goes (route, budgets, queue,
+  servers, retries: RFC 9110 §9.2.2) is ``placement.py``'s; what outlives its client or its
+  backend (resume, continuation) ``surviving.py``'s; a held SSE head ``commit.py``'s.
 - Per-chunk flush: every backend body chunk is handed to the client side in the same call
   that received it.
 - Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
@@ -59,7 +55,7 @@ from .headers import header_value, is_event_stream, trailer_fields
 from .heads import VIA, backend_fields, client_head, send_error_answer
 from .messages import Fields, Headers, RequestHead, ResponseHead
 from .ports import ClientSide, Phase, RequestPhase, UpstreamStream
-from .resume import RESUME_TOKEN, Reader, Resumable, State
+from .resume import Reader, Resumable, State
 from .sseids import EventStamper
 from .ssemeter import SseMeter
 from .states import step
@@ -183,23 +179,6 @@ class Exchange:
         room after all: it waits again, at the back."""
         return placement.admitted(self)
 
-    def _retry_or_fail(self, condition: str, reason: str) -> None:
-        """The current attempt failed before anything reached the client."""
-        failover = self.failover
-        assert failover is not None
-        failover.failed(condition, reason)
-        self.deadlines.end_attempt()
-        self.release_upstream(close=True)
-        if failover.allows(condition):
-            failover.leave()
-            failover.count_retry(condition, reason, self.request_id)
-            self.move(_I.RETRY)
-            failover.attempt()
-        elif condition == "timeout":
-            self.fail(504, "upstream timed out", reason)
-        else:
-            self.fail(502, "upstream unavailable", reason)
-
     # -- request direction -----------------------------------------------------------------
 
     def upstream_ready(self, upstream: UpstreamStream) -> None:
@@ -297,7 +276,7 @@ class Exchange:
         status = head.status
         condition = f"http_{status}"
         if failover.allows(condition):
-            self._retry_or_fail(condition, f"backend answered {status}")
+            placement.retry_or_fail(self, condition, f"backend answered {status}")
             return
         failover.succeeded()
         if route.resume is not None:
@@ -341,14 +320,9 @@ class Exchange:
         )
         # A sized body cannot take the ids of resume nor a continuation's spliced bytes
         # (RFC 9112 §6.3): those are for streams of unknown length, as SSE backends send.
-        survivable = sse and header_value(response.headers, b"content-length") is None
-        if survivable and self.route is not None and self.route.continue_on_failure:
-            surviving.keep_answer(self)
+        if sse and header_value(response.headers, b"content-length") is None:
+            surviving.commit(self, response)
         self.upload.body.commit()
-        resume = self.route.resume if self.route else None
-        if survivable and resume is not None and not self.fx.shutting_down:
-            token = surviving.open_resume(self, resume)
-            response.headers.append((RESUME_TOKEN, token))
         self.client.send_head(response, end_stream=response.end_stream)
         if self.admission is not None:
             self.usage = self.admission.usage
@@ -358,7 +332,7 @@ class Exchange:
             times = self.host.measurements.token_times(self.group.name, self.server_address)
             meter = self.meter = SseMeter(times, self.started)
             if self.admission is not None:
-                self.admission.ticket.progress = meter  # its work left shrinks per event
+                self.admission.streaming(meter)
             heartbeat = self.route.sse_heartbeat if self.route else None
             self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, response.headers)
 
@@ -395,11 +369,8 @@ class Exchange:
         return old
 
     def let_go(self) -> None:
-        """This exchange ends (or fault isolation drops it): a stream it owns keeps its
-        events for a late reader, as one whose backend failed, and no longer names it."""
-        stream = self.resumable
-        if stream is not None and stream.owner is self:
-            self.host.resumes.ended(stream, State.BROKEN)
+        """This exchange ends (or fault isolation drops it): ``surviving.let_go``."""
+        surviving.let_go(self)
 
     def abandon(self, reason: str) -> None:
         """``resume.Owner``: nobody came back in time, or the window overflowed while
@@ -488,12 +459,8 @@ class Exchange:
                 self.response_body(held)
         if self.phase is Phase.DONE:  # the held bytes ended it (``_keep``)
             return
-        if self.stamper is not None:
-            rest = self.stamper.flush()
-            if rest:
-                self.client.send_body(self.stream, rest)
-        if self.resumable is not None:
-            self.host.resumes.ended(self.resumable, State.ENDED)
+        if self.survival is not None:
+            surviving.end(self)
         # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
         self.client.send_end(self.stream, trailer_fields(trailers) if trailers else trailers)
         self.release_upstream(close=False)
@@ -503,26 +470,17 @@ class Exchange:
         """The backend connection broke, could not be opened, or timed out."""
         if not self.move(_I.UPSTREAM_FAILED):
             return
-        failover = self.failover
-        if (
-            # A reused keep-alive connection failed before any response byte: once, a new
-            # connection to the same server, if the request may go again (``failover.py``).
-            stale
-            and self.phase is Phase.WAITING_HEAD
-            and failover is not None
-            and failover.allows_stale(self.head, self.upstream)
-        ):
-            self.deadlines.end_attempt()
-            self.release_upstream(close=True)
-            self.move(_I.RETRY)  # the server's health and ``tries`` are untouched
-            failover.attempt_fresh(reason, self.request_id)
+        # A reused keep-alive connection failed before any response byte: once, a new
+        # connection to the same server, if the request may go again (``failover.py``).
+        if stale and self.phase is Phase.WAITING_HEAD and placement.retry_stale(self, reason):
+            pass
         elif self.phase is not Phase.STREAMING:
-            self._retry_or_fail("timeout" if timeout else "error", reason)
+            placement.retry_or_fail(self, "timeout" if timeout else "error", reason)
         elif self.answer is not None and surviving.continue_answer(self, reason):
             pass  # the next server finishes the answer (``continuing.py``)
         else:
-            if failover is not None:
-                failover.failed_mid_stream()
+            if self.failover is not None:
+                self.failover.failed_mid_stream()
             if self.resumable is not None:
                 self.host.resumes.ended(self.resumable, State.BROKEN)
             self.release_upstream(close=True)

@@ -12,7 +12,9 @@ What it obeys:
 - Admission: a request every candidate of whose group is full waits in the group's queue
   (QUEUED), or gets 429 when the queue is full or its wait runs out (``queue.retry_after``).
   A request the queue admits is routed again, with the group as configured now.
-- The servers, in the group's order (``failover.py``): no usable one is 503.
+- The servers, in the group's order (``failover.py``): no usable one is 503; a try that
+  fails before anything reached the client goes to the next one where ``next_upstream``
+  allows (RFC 9110 §9.2.2), else 504 for a timeout and 502 for any other failure.
 
 It sees the exchange through ``exchangeports.Routed`` alone: it sets the members it decides
 (the normalised head, the route, the group, the failover, the admission) and moves the
@@ -157,6 +159,40 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         return
     exchange.move(_I.ATTEMPT)
     failover.attempt()
+
+
+def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
+    """The current try failed before anything reached the client: the next server, if
+    ``next_upstream`` allows, else 504 (a timeout) or 502."""
+    failover = exchange.failover
+    assert failover is not None
+    failover.failed(condition, reason)
+    exchange.deadlines.end_attempt()
+    exchange.release_upstream(close=True)
+    if failover.allows(condition):
+        failover.leave()
+        failover.count_retry(condition, reason, exchange.request_id)
+        exchange.move(_I.RETRY)
+        failover.attempt()
+    elif condition == "timeout":
+        exchange.fail(504, "upstream timed out", reason)
+    else:
+        exchange.fail(502, "upstream unavailable", reason)
+
+
+def retry_stale(exchange: Routed, reason: str) -> bool:
+    """The stale retry: a reused keep-alive connection failed before any response byte (RFC
+    9112 §9.3.1). A fresh connection to the same server, if the request may go again
+    (``Failover.allows_stale``), without touching the server's health or ``tries``. False:
+    not taken."""
+    failover = exchange.failover
+    if failover is None or not failover.allows_stale(exchange.head, exchange.upstream):
+        return False
+    exchange.deadlines.end_attempt()
+    exchange.release_upstream(close=True)
+    exchange.move(_I.RETRY)
+    failover.attempt_fresh(reason, exchange.request_id)
+    return True
 
 
 # -- the admission queue (``admit.py``) ---------------------------------------------------

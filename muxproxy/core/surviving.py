@@ -31,12 +31,27 @@ from .continuation import AnswerSoFar, Splicer, wants_continuation
 from .continuing import ContinuedStream
 from .exchangeports import Outliving
 from .heads import backend_fields
+from .messages import ResponseHead
 from .ports import Phase, RequestPhase
 from .readers import Nobody, ResumedClient
-from .resume import Reader, State
+from .resume import RESUME_TOKEN, Reader, State
 from .resumebind import binding_of
 from .sseids import EventStamper
 from .timers import ExchangeTimer
+
+
+def commit(exchange: Outliving, response: ResponseHead) -> None:
+    """An SSE response of unknown length goes out (``response``, the client's head): follow
+    its answer (``continue_on_failure``; before the request body is let go) and make it
+    resumable (``resume``: its token goes in ``response``)."""
+    route = exchange.route
+    if route is None:
+        return
+    if route.continue_on_failure:
+        keep_answer(exchange)
+    if route.resume is not None and not exchange.fx.shutting_down:
+        response.headers.append((RESUME_TOKEN, open_resume(exchange, route.resume)))
+
 
 # -- continuation -------------------------------------------------------------------------
 
@@ -215,3 +230,23 @@ def reader_left(exchange: Outliving) -> None:
     exchange.hand_to(Nobody(exchange.client.conn))
     stream.read_by(None)
     exchange.host.resumes.unread(stream)
+
+
+def end(exchange: Outliving) -> None:
+    """The backend's response ended: the events it completed go out, and a resumable stream
+    keeps them for a late reader as one that ended."""
+    stamper, stream = exchange.stamper, exchange.resumable
+    if stamper is not None:
+        rest = stamper.flush()
+        if rest:
+            exchange.client.send_body(exchange.stream, rest)
+    if stream is not None:
+        exchange.host.resumes.ended(stream, State.ENDED)
+
+
+def let_go(exchange: Outliving) -> None:
+    """The exchange ends (or fault isolation drops it): a stream it owns keeps its events for
+    a late reader, as one whose backend failed, and no longer names it."""
+    stream = exchange.resumable
+    if stream is not None and stream.owner is exchange:
+        exchange.host.resumes.ended(stream, State.BROKEN)
