@@ -21,6 +21,10 @@ MODULES = [
     "muxproxy.core.h1client",
     "muxproxy.core.chunked",
     "muxproxy.core.exchange",
+    # Where an exchange goes (every request) and what outlives its client or backend (per
+    # token on a resumable route): the exchange's parts, called from it.
+    "muxproxy.core.placement",
+    "muxproxy.core.surviving",
     # The exchange's subclasses: an interpreted class cannot subclass a compiled one.
     "muxproxy.core.replay",
     "muxproxy.core.websocket",

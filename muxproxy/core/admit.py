@@ -38,7 +38,7 @@ import attrs
 from ..config import AffinityMode, SessionSource, Upstream
 from ..fleet.budgets import Ask
 from ..routing.llmrequest import NOTHING, LlmRequest, read_request
-from ..routing.load import Ticket
+from ..routing.load import Progress, Ticket
 from ..routing.ratelimit import RateLimiter, Refusal, Reservation
 from ..routing.sticky import source_value
 from .commands import BudgetSettle
@@ -129,6 +129,10 @@ class Admission:
         self.home: str | None = None
         """While queued: the address of the server this request belongs on (its session
         key's or prefix's first candidate), None for one that may go anywhere."""
+
+    def streaming(self, progress: Progress) -> None:
+        """The response streams: its work left shrinks as ``progress`` counts its events."""
+        self.ticket.progress = progress
 
     @property
     def prefix_key(self) -> bytes | None:

@@ -11,15 +11,11 @@ continue again, within ``next_upstream.tries``, or end the stream visibly trunca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .continuation import Splicer
+from .exchangeports import ContinuedOwner
 from .headers import is_event_stream
 from .messages import Headers, ResponseHead
 from .ports import Backends, UpstreamStream, UpstreamUser
-
-if TYPE_CHECKING:
-    from .exchange import Exchange
 
 
 class ContinuedStream:
@@ -27,12 +23,12 @@ class ContinuedStream:
 
     def __init__(
         self,
-        exchange: Exchange,
+        exchange: ContinuedOwner,
         pool: Backends,
         splicer: Splicer,
         request: tuple[bytes, Headers, bytes],
     ) -> None:
-        self.owner: Exchange | None = exchange
+        self.owner: ContinuedOwner | None = exchange
         self.exchange: UpstreamUser | None = exchange
         """``UpstreamStream.exchange``: who this stream talks to."""
         self.pool = pool

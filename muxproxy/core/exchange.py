@@ -9,13 +9,9 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
   current phase (a late event after the end is ignored; one that only a bug can bring raises
   ``IllegalTransition``), and each decision (route, retry, hold, commit, fail, finish) is a
   move the table must allow.
-- Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
-  the backend gets; the servers are tried in the group's order, on failure only while
-  nothing reached the client (``failover.py``, RFC 9110 §9.2.2). A group that reads the
-  request's JSON body (a body session key, ``least_load``, prefix affinity, token budgets)
-  holds its start first (BUFFERING); budgets and the admission queue are ``admit.py``'s. With
-  ``retry_until_first_event`` an SSE response head is held until its first content event
-  (``commit.py``), so a backend that dies before its first token costs the user nothing.
+- Its parts, which see it through ``exchangeports.py``: where it goes (route, budgets, queue,
+  servers, retries: RFC 9110 §9.2.2) is ``placement.py``'s; what outlives its client or its
+  backend (resume, continuation) ``surviving.py``'s; a held SSE head ``commit.py``'s.
 - Per-chunk flush: every backend body chunk is handed to the client side in the same call
   that received it.
 - Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
@@ -38,47 +34,34 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, assert_never
+from typing import assert_never
 
-import attrs
-
-from ..config import Resume, Route, Upstream
-from ..routing.llmrequest import parse_json_body
-from ..routing.ratelimit import Refusal
-from ..routing.sticky import session_key_from_body, session_key_from_head
-from . import fleetadmit, grpc
+from ..config import Route, Upstream
+from . import grpc, placement, surviving
 from .access import access_fields, add_to_totals, with_request_id
-from .admit import Admission, UsageScan, extra_fields, repeated_tenant_field
-from .body import RequestBody
+from .admit import Admission, UsageScan
 from .bodyclock import SlowBody
 from .commands import Log
 from .commit import CommitPoint
-from .continuation import AnswerSoFar, Splicer, wants_continuation
-from .continuing import ContinuedStream
+from .continuation import AnswerSoFar
 from .deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
 from .effects import Effects
 from .events import BudgetAnswered
 from .exchange_states import TIMER_INPUTS, TRANSITIONS, ExchangeInput
+from .exchangeports import ExchangeHost
 from .failover import Failover
 from .flow import Flow
 from .headers import header_value, is_event_stream, trailer_fields
 from .heads import VIA, backend_fields, client_head, send_error_answer
-from .intake import MalformedRequest
 from .messages import Fields, Headers, RequestHead, ResponseHead
-from .paths import normalise_target
-from .ports import ClientSide, ExchangeHost, Phase, RequestPhase, UpstreamStream
-from .readers import Nobody, ResumedClient
-from .resume import RESUME_TOKEN, Resumable, State
-from .resumebind import binding_of
+from .ports import ClientSide, Phase, RequestPhase, UpstreamStream
+from .resume import Reader, Resumable, State
 from .sseids import EventStamper
 from .ssemeter import SseMeter
 from .states import step
 from .survival import Survival
 from .timers import ExchangeTimer
 from .upload import Upload
-
-if TYPE_CHECKING:
-    from .replay import ReplayExchange
 
 __all__ = ["VIA", "Exchange", "Phase", "RequestPhase", "Survival"]
 
@@ -151,12 +134,6 @@ class Exchange:
     def answer(self) -> AnswerSoFar | None:
         return self.survival.answer if self.survival is not None else None
 
-    def _survival(self) -> Survival:
-        survival = self.survival
-        if survival is None:
-            survival = self.survival = Survival()
-        return survival
-
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
         ``IllegalTransition`` where it cannot happen."""
@@ -187,207 +164,20 @@ class Exchange:
     def tries(self) -> int:
         return self.failover.tries if self.failover else 0
 
-    # -- routing ---------------------------------------------------------------------------
+    # -- routing and admission (``placement.py``) ------------------------------------------
 
     def start(self) -> None:
-        if self._locate():
-            self._begin()
-
-    def _locate(self) -> bool:
-        """Find the route and the group (False: answered with an error instead)."""
-        fx = self.fx
-        head = self.head
-        timeout = grpc.grpc_timeout(head.headers) if grpc.is_grpc(head.headers) else None
-        if timeout is not None:
-            # The whole call's deadline, across retries (gRPC's grpc-timeout).
-            fx.set_timer((ExchangeTimer.DEADLINE, self.ident), fx.now + timeout)
-        try:
-            target = normalise_target(head.target)
-        except MalformedRequest as exc:
-            self.fail(exc.status, exc.reason)
-            return False
-        if target is not head.target:
-            # Routed and forwarded as normalised (paths.py): the backend has nothing left to
-            # resolve that could take it out of the route's prefix.
-            head = self.head = attrs.evolve(head, target=target)
-        route = self.route = fx.config.route_for(head.target)
-        if route is None:
-            self.fail(404, "no route for this path")
-            return False
-        group = self.group = fx.config.upstreams[route.upstream]
-        self.upload.body = RequestBody(group.next_upstream.replay_buffer)
-        return True
-
-    def _begin(self) -> None:
-        """Route, reading the body first where the group needs it."""
-        group, head = self.group, self.head
-        assert group is not None
-        key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
-        if (need_body or group.reads_body) and self.upload.phase is RequestPhase.BODY:
-            self.move(_I.BUFFER)
-            return
-        self._route(key, None)
-
-    def _route_by_body(self) -> None:
-        """BUFFERING: route once the body is complete or as much of it is held as may be."""
-        group, head, body = self.group, self.head, self.upload.body
-        assert group is not None
-        complete = self.upload.phase is RequestPhase.COMPLETE
-        if complete or body.size >= min(group.sticky.body_limit, self.fx.limits.high_water):
-            prefix = body.prefix()
-            document = parse_json_body(prefix) if complete else None
-            sources = group.sticky.sources
-            key = session_key_from_body(
-                sources, head.headers, head.target, prefix, complete, document
-            )
-            self._route(key, document)
-
-    def _route(self, key: bytes | None, document: object | None) -> None:
-        """Route with the session ``key``; ``document``: the parsed body, if it was read."""
-        group = self.group
-        assert group is not None
-        admission = None
-        if group.admits:
-            if (repeated := repeated_tenant_field(group, self.head)) is not None:
-                self.fail(400, repeated)
-                return
-            admission = self.admission = Admission(self.fx, group, self.head, document)
-            if fleetadmit.ask_store(self.fx, group, admission, self.ident, key):
-                self.move(_I.RESERVE)  # the fleet's budgets: the store answers first
-                return
-            refusal = admission.reserve(self.host.router(group))
-            if refusal is not None:
-                self._refuse_budget(refusal)
-                return
-            admission.count(self.host.measurements.group(group.name))
-        self._place(key, admission)
+        if placement.locate(self):
+            placement.begin(self)
 
     def budget_answered(self, event: BudgetAnswered) -> None:
         """RESERVING: the fleet store's answer (``fleetadmit.py``): route, or refuse."""
-        if not self.move(_I.RESERVED):
-            fleetadmit.give_back(self.fx, event)  # it ended meanwhile: the store's goes back
-            return
-        admission, group = self.admission, self.group
-        assert admission is not None and group is not None and admission.fleet is not None
-        router, measurements = self.host.router(group), self.host.measurements
-        match fleetadmit.decide(self.fx, router, measurements, admission, event):
-            case Refusal() as refusal:
-                self._refuse_budget(refusal)
-            case str() as reason:
-                self.fail(503, reason)
-            case None:
-                admission.count(self.host.measurements.group(group.name))
-                self._place(admission.fleet.key, admission)
-
-    def _place(self, key: bytes | None, admission: Admission | None) -> None:
-        """Admitted: choose the servers, then try the first with room, or wait for one."""
-        group = self.group
-        assert group is not None
-        failover = self.failover = Failover(
-            self.fx,
-            self.host,
-            self,
-            self.ident,
-            group,
-            self.head,
-            self.upload.body,
-            key,
-            prefix=admission.prefix_key if admission else None,
-            ticket=admission.ticket if admission else None,
-        )
-        if not failover.candidates:
-            self.fail(503, "no backend available")
-            return
-        if group.admission and not failover.choose_room():
-            self._wait()
-            return
-        self.move(_I.ATTEMPT)
-        failover.attempt()
-
-    # -- admission (``admit.py``) ----------------------------------------------------------
-
-    def _wait(self) -> None:
-        """Every candidate is full: wait in the group's queue, or 429 when it is full."""
-        admission, failover = self.admission, self.failover
-        assert admission is not None and failover is not None
-        if not admission.enqueue(failover.router, self, self.ident, self._home(failover)):
-            self.host.measurements.admission(failover.group.name, "queue_full")
-            self._refuse_busy("every server is busy and the queue is full")
-            return
-        self.move(_I.QUEUE)
+        placement.budget_answered(self, event)
 
     def admitted(self) -> bool:
-        """The queue admits this exchange (a server has room): route it again, with the
-        group as configured now, and try. True when it found no room after all: it waits
-        again, at the back."""
-        if not self.move(_I.ADMITTED):
-            return False
-        admission, failover = self.admission, self.failover
-        assert admission is not None and failover is not None and self.group is not None
-        self._left_queue(admission, failover)
-        group = self.fx.config.upstreams.get(self.group.name)
-        if group is None:
-            self.fail(503, "no backend available", "the upstream group was removed")
-            return False
-        self.group = group
-        failover.readmit(group)
-        if not failover.candidates:
-            self.fail(503, "no backend available")
-            return False
-        if not failover.choose_room():
-            if admission.enqueue(failover.router, self, self.ident, self._home(failover)):
-                return True
-            self._refuse_busy("every server is busy and the queue is full")
-            return False
-        self.move(_I.ATTEMPT)
-        failover.attempt()
-        return False
-
-    def _home(self, failover: Failover) -> str | None:
-        """The server a keyed request belongs on (its first candidate); None: any."""
-        if failover.session_key is None and failover.prefix is None:
-            return None
-        return failover.group.servers[failover.candidates[0]].address
-
-    def _left_queue(self, admission: Admission, failover: Failover) -> None:
-        waited = admission.leave_queue(failover.router, self, self.ident)
-        if waited is not None:
-            self.host.measurements.group(failover.group.name).queue_wait.observe(waited)
-
-    def _queue_timeout(self) -> None:
-        failover = self.failover
-        assert failover is not None
-        self.host.measurements.admission(failover.group.name, "queue_timeout")
-        self._refuse_busy("every server stayed busy for the queue's timeout")
-
-    def _refuse_busy(self, text: str) -> None:
-        """429: the queue is full or the wait ran out (``Retry-After: queue.retry_after``)."""
-        assert self.group is not None
-        retry = str(self.group.queue.retry_after).encode("ascii")
-        self.fail(429, text, extra=[(b"retry-after", retry)])
-
-    def _refuse_budget(self, refusal: Refusal) -> None:
-        """429: the tenant's budget is spent (or the request can never fit in it)."""
-        assert self.group is not None
-        self.host.measurements.admission(self.group.name, "rate_limited")
-        self.fail(429, refusal.reason, extra=extra_fields(refusal))
-
-    def _retry_or_fail(self, condition: str, reason: str) -> None:
-        """The current attempt failed before anything reached the client."""
-        failover = self.failover
-        assert failover is not None
-        failover.failed(condition, reason)
-        self.deadlines.end_attempt()
-        self._release_upstream(close=True)
-        if failover.allows(condition):
-            failover.leave()
-            failover.count_retry(condition, reason, self.request_id)
-            self.move(_I.RETRY)
-            failover.attempt()
-        elif condition == "timeout":
-            self.fail(504, "upstream timed out", reason)
-        else:
-            self.fail(502, "upstream unavailable", reason)
+        """The queue admits this exchange (``placement.admitted``). True when it found no
+        room after all: it waits again, at the back."""
+        return placement.admitted(self)
 
     # -- request direction -----------------------------------------------------------------
 
@@ -424,7 +214,7 @@ class Exchange:
         self.bytes_in += len(data)
         self.upload.take(data, flow_len, self.upstream)
         if self.phase is Phase.BUFFERING:
-            self._route_by_body()
+            placement.route_by_body(self)
         self._check_request_flow()
 
     def request_end(self, trailers: Headers) -> None:
@@ -433,7 +223,7 @@ class Exchange:
             and self.upload.end(trailers, self.upstream)
             and self.phase is Phase.BUFFERING
         ):
-            self._route_by_body()
+            placement.route_by_body(self)
 
     @property
     def request_size(self) -> int:
@@ -466,10 +256,10 @@ class Exchange:
         stream is resumable: then it lingers)."""
         if not self.move(_I.CLIENT_ABORTED):
             return
-        if self.resumable is not None and self._may_linger():
-            self._linger(reason)
+        if self.resumable is not None and surviving.may_linger(self):
+            surviving.linger(self, reason)
             return
-        self._release_upstream(close=True)
+        self.release_upstream(close=True)
         self._finish(f"client aborted: {reason}", cut=True)
 
     # -- response direction ----------------------------------------------------------------
@@ -486,11 +276,11 @@ class Exchange:
         status = head.status
         condition = f"http_{status}"
         if failover.allows(condition):
-            self._retry_or_fail(condition, f"backend answered {status}")
+            placement.retry_or_fail(self, condition, f"backend answered {status}")
             return
         failover.succeeded()
         if route.resume is not None:
-            self._survival().backend_head = head
+            self.survive().backend_head = head
         self.status = status
         self.head_at = fx.now
         self.host.measurements.group(group.name).response_head.observe(fx.now - self.started)
@@ -508,7 +298,7 @@ class Exchange:
         self.deadlines.upstream_at = fx.now
         if route.retry_until_first_event and 200 <= status < 300 and is_event_stream(head.headers):
             self.move(_I.HOLD)
-            self._survival().held = CommitPoint(fx.limits.high_water)  # its first event
+            self.survive().held = CommitPoint(fx.limits.high_water)  # its first event
             # The head timer is gone and ``_commit`` has not armed the idle one yet: without
             # this a backend that sends the head and then nothing would hold the client
             # forever (unless a first-token timeout is configured).
@@ -530,14 +320,9 @@ class Exchange:
         )
         # A sized body cannot take the ids of resume nor a continuation's spliced bytes
         # (RFC 9112 §6.3): those are for streams of unknown length, as SSE backends send.
-        survivable = sse and header_value(response.headers, b"content-length") is None
-        if survivable and self.route is not None and self.route.continue_on_failure:
-            self._keep_answer()
+        if sse and header_value(response.headers, b"content-length") is None:
+            surviving.commit(self, response)
         self.upload.body.commit()
-        resume = self.route.resume if self.route else None
-        if survivable and resume is not None and not self.fx.shutting_down:
-            token = self._open_resume(resume)
-            response.headers.append((RESUME_TOKEN, token))
         self.client.send_head(response, end_stream=response.end_stream)
         if self.admission is not None:
             self.usage = self.admission.usage
@@ -547,179 +332,32 @@ class Exchange:
             times = self.host.measurements.token_times(self.group.name, self.server_address)
             meter = self.meter = SseMeter(times, self.started)
             if self.admission is not None:
-                self.admission.ticket.progress = meter  # its work left shrinks per event
+                self.admission.streaming(meter)
             heartbeat = self.route.sse_heartbeat if self.route else None
             self.heartbeat = Heartbeat.for_response(deadlines, heartbeat, response.headers)
 
-    # -- continuation (``continuation.py``, ``continuing.py``) --------------------------------
+    # -- what outlives the client or the backend (``surviving.py``) -------------------------
 
-    def _keep_answer(self) -> None:
-        """Follow the answer, if the request is a chat completion kept whole."""
-        upload = self.upload
-        if upload.phase is not RequestPhase.COMPLETE or not upload.body.replayable:
-            return
-        document = parse_json_body(upload.body.prefix())
-        if wants_continuation(self.head.target, document):
-            assert isinstance(document, dict)
-            self._survival().answer = AnswerSoFar(document)
+    def survive(self) -> Survival:
+        """The survival record, made on first need."""
+        survival = self.survival
+        if survival is None:
+            survival = self.survival = Survival()
+        return survival
 
-    def _continue(self, reason: str) -> bool:
-        """The backend failed mid-answer: ask the next server to finish it. False: it cannot
-        be continued (finished, not followed, no try left)."""
-        answer, failover, group = self.answer, self.failover, self.group
-        assert answer is not None and failover is not None and group is not None
-        if not answer.continuable:
-            return False
-        # Counted against the server (passive health), so that the next try goes elsewhere.
-        failover.failed("error", reason)
-        if answer.exhausted:
-            self._end_answer(answer)
-            return True
-        if not failover.allows_continuation():
-            return False
-        failover.failed_mid_stream()
-        self.deadlines.end_attempt()
-        self._release_upstream(close=True)
-        failover.leave()
-        failover.count_retry("continuation", reason, self.request_id)
-        body = answer.continuation_body()
-        fields = [
-            field
-            for field in backend_fields(
-                self.head, self.client, group, session_key=failover.session_key, has_body=True
-            )
-            if field[0] not in (b"content-length", b"transfer-encoding")
-        ]
-        fields.append((b"content-length", str(len(body)).encode("ascii")))
-        fields = with_request_id(fields, self.request_id)
-        stream = ContinuedStream(
-            self, self.host.pool, Splicer(answer), (self.head.target, fields, body)
-        )
-        self.upstream = stream
-        self._survival().continuations += 1
-        failover.user = stream
-        try:
-            failover.attempt()
-        finally:
-            failover.user = self
-        # The connect is bounded by the read timeout (``timeouts.read``): this exchange's
-        # ``connect`` timer belongs to its phases before the head.
-        self.fx.cancel_timer((ExchangeTimer.CONNECT, self.ident))
-        self.deadlines.watch_reading(group)
-        return True
-
-    def _end_answer(self, answer: AnswerSoFar) -> None:
-        """The backend failed after the answer's last token: end the stream as the engine
-        would have, with no backend (``AnswerSoFar.ending``)."""
-        assert self.failover is not None
-        self.failover.failed_mid_stream()
-        self.deadlines.end_attempt()
-        self._release_upstream(close=True)
-        self.response_body(answer.ending())
-        self.response_end([])
-
-    # -- resumable streams (``resume.py``, ``readers.py``, ``replay.py``) --------------------
-
-    def _open_resume(self, settings: Resume) -> bytes:
-        """Make the response resumable; returns its token (``RESUME_TOKEN``)."""
-        survival = self._survival()
-        group, head, backend_head = self.group, self.head, survival.backend_head
-        assert group is not None and backend_head is not None
-        stream = survival.resumable = self.host.resumes.open(
-            settings,
-            binding_of(settings, group, head),
-            backend_head,
-            self.upstream_version or "1.1",
-            self,
-        )
-        survival.stamper = EventStamper(stream.token, limit=settings.window)
-        return stream.token
-
-    def _keep(self, data: bytes) -> bytes:
-        """Follow the answer (continuation) and number its events (resume); the bytes for
-        the client (b"" when there are none now, or the backend was ended)."""
-        if self.answer is not None:
-            self.answer.feed(data)
-        if self.stamper is not None:
-            data = self._stamp(data)
-        return data
-
-    def _stamp(self, data: bytes) -> bytes:
-        """``data`` with the events it completed numbered and kept; b"" when the backend
-        was ended (the window overflowed while the client was away)."""
-        stamper, stream = self.stamper, self.resumable
-        assert stamper is not None and stream is not None
-        out, events = stamper.feed(data)
-        store = self.host.resumes
-        for seq, event in events:
-            if not store.append(stream, seq, event):
-                self.abandon("resume window overflowed, or memory limit, while the client was away")
-                return b""
-        if stream.store is not None:
-            store.publish(stream, events)
-        if not stamper.stamping:
-            # The backend's own ids (its resume is its own), or an event over the window.
-            assert self.survival is not None
-            self.survival.stamper = self.survival.resumable = None
-            if stream.reader is None and stream.attached:
-                self.host.resumes.forget(stream)
-            else:
-                self.host.resumes.ended(stream, State.BROKEN)
-        return out
-
-    def _may_linger(self) -> bool:
-        stream = self.resumable
-        return (
-            stream is not None
-            and stream.attached
-            and self.phase is Phase.STREAMING
-            and self.upstream is not None
-            and self.upload.phase is RequestPhase.COMPLETE
-            and not self.fx.shutting_down
-        )
-
-    def _linger(self, reason: str) -> None:
-        """The client went away from a resumable stream: keep the backend running into the
-        kept events for ``linger`` seconds (``ResumeStore.unread``)."""
-        stream = self.resumable
-        assert stream is not None
-        old = self._hand_to(Nobody(self.client.conn))  # the window bounds what it may send
-        stream.attached = False
-        self.host.resumes.unread(stream)
-        self.fx.emit(
-            Log(
-                event="resume_linger",
-                fields={"request_id": self.request_id.decode("latin-1"), "reason": reason},
-            )
-        )
-        old.exchange_finished(self)
-
-    def take_reader(self, reader: ReplayExchange) -> None:
-        """``reader`` resumed this stream: from now on the response goes to its client. Its
-        first client, or an earlier reader, is cut (it may not know yet that it is gone)."""
-        stream = self.resumable
-        assert stream is not None
-        previous = stream.reader
-        old = self._hand_to(ResumedClient(reader))  # its connection holds the backend back
-        if stream.attached:
-            stream.attached = False
-            old.abort(self.stream)
-            old.exchange_finished(self)
-        stream.reader = reader
-        self.host.resumes.read(stream)
-        if previous is not None:
-            previous.taken_over()
+    def take_reader(self, reader: Reader) -> None:
+        """``resume.Owner``: ``reader`` resumed this stream (``surviving.take_reader``)."""
+        surviving.take_reader(self, reader)
 
     def reader_left(self) -> None:
         """The resumed client went away too: linger again."""
-        stream = self.resumable
-        if stream is None or self.phase is Phase.DONE:
-            return
-        self._hand_to(Nobody(self.client.conn))
-        stream.reader = None
-        self.host.resumes.unread(stream)
+        surviving.reader_left(self)
 
-    def _hand_to(self, client: ClientSide) -> ClientSide:
+    def continue_with(self, upstream: UpstreamStream) -> None:
+        """The stream that continues the answer is the backend from now on."""
+        self.upstream = upstream
+
+    def hand_to(self, client: ClientSide) -> ClientSide:
         """The response goes to ``client`` from now on; a backend the old one held back runs
         again (the new one holds it as it needs). Returns the old one."""
         old, upstream = self.client, self.upstream
@@ -731,11 +369,8 @@ class Exchange:
         return old
 
     def let_go(self) -> None:
-        """This exchange ends (or fault isolation drops it): a stream it owns keeps its
-        events for a late reader, as one whose backend failed, and no longer names it."""
-        stream = self.resumable
-        if stream is not None and stream.owner is self:
-            self.host.resumes.ended(stream, State.BROKEN)
+        """This exchange ends (or fault isolation drops it): ``surviving.let_go``."""
+        surviving.let_go(self)
 
     def abandon(self, reason: str) -> None:
         """``resume.Owner``: nobody came back in time, or the window overflowed while
@@ -744,7 +379,7 @@ class Exchange:
             return
         if self.resumable is not None:
             self.host.resumes.forget(self.resumable)
-        self._release_upstream(close=True)
+        self.release_upstream(close=True)
         self._finish(reason, cut=True)
 
     def response_body(self, data: bytes) -> None:
@@ -774,7 +409,7 @@ class Exchange:
         if heartbeat is not None:
             heartbeat.boundary.feed(data)
         if self.survival is not None:  # resume or continuation: one test on the per-token path
-            data = self._keep(data)
+            data = surviving.keep(self, data)
             if not data:
                 return
         client = self.client
@@ -824,44 +459,31 @@ class Exchange:
                 self.response_body(held)
         if self.phase is Phase.DONE:  # the held bytes ended it (``_keep``)
             return
-        if self.stamper is not None:
-            rest = self.stamper.flush()
-            if rest:
-                self.client.send_body(self.stream, rest)
-        if self.resumable is not None:
-            self.host.resumes.ended(self.resumable, State.ENDED)
+        if self.survival is not None:
+            surviving.end(self)
         # RFC 9110 §6.5.1: only trailer fields either protocol can carry go on.
         self.client.send_end(self.stream, trailer_fields(trailers) if trailers else trailers)
-        self._release_upstream(close=False)
+        self.release_upstream(close=False)
         self._finish("ok")
 
     def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
         """The backend connection broke, could not be opened, or timed out."""
         if not self.move(_I.UPSTREAM_FAILED):
             return
-        failover = self.failover
-        if (
-            # A reused keep-alive connection failed before any response byte: once, a new
-            # connection to the same server, if the request may go again (``failover.py``).
-            stale
-            and self.phase is Phase.WAITING_HEAD
-            and failover is not None
-            and failover.allows_stale(self.head, self.upstream)
-        ):
-            self.deadlines.end_attempt()
-            self._release_upstream(close=True)
-            self.move(_I.RETRY)  # the server's health and ``tries`` are untouched
-            failover.attempt_fresh(reason, self.request_id)
+        # A reused keep-alive connection failed before any response byte: once, a new
+        # connection to the same server, if the request may go again (``failover.py``).
+        if stale and self.phase is Phase.WAITING_HEAD and placement.retry_stale(self, reason):
+            pass
         elif self.phase is not Phase.STREAMING:
-            self._retry_or_fail("timeout" if timeout else "error", reason)
-        elif self.answer is not None and self._continue(reason):
+            placement.retry_or_fail(self, "timeout" if timeout else "error", reason)
+        elif self.answer is not None and surviving.continue_answer(self, reason):
             pass  # the next server finishes the answer (``continuing.py``)
         else:
-            if failover is not None:
-                failover.failed_mid_stream()
+            if self.failover is not None:
+                self.failover.failed_mid_stream()
             if self.resumable is not None:
                 self.host.resumes.ended(self.resumable, State.BROKEN)
-            self._release_upstream(close=True)
+            self.release_upstream(close=True)
             # Truncation must be visible: never a clean end for a broken stream. (On HTTP/1.1
             # that is the close, which comes once this exchange is over: ``request_close``.)
             self.client.abort(self.stream)
@@ -887,7 +509,7 @@ class Exchange:
                 if (slow := self.upload.stalled()) is not None:
                     self._refuse_slow_body(slow)
             case _T.QUEUE:
-                self._queue_timeout()
+                placement.queue_timeout(self)
             case _T.TUNNEL:  # the table refuses it: a tunnel's (``websocket.py``)
                 pass
             case _:
@@ -896,7 +518,7 @@ class Exchange:
     def _deadline_exceeded(self) -> None:
         """The gRPC call's ``grpc-timeout`` passed: DEADLINE_EXCEEDED in any phase."""
         self.deadlines.end_attempt()
-        self._release_upstream(close=True)
+        self.release_upstream(close=True)
         if self.phase is not Phase.STREAMING:
             self.fail(504, "deadline exceeded (grpc-timeout)")
             return
@@ -936,7 +558,7 @@ class Exchange:
         self.move(_I.FAIL)
         self._wrap_up(reason or text)
 
-    def _release_upstream(self, *, close: bool) -> None:
+    def release_upstream(self, *, close: bool) -> None:
         upstream = self.upstream
         self.upstream = None
         if upstream is not None:
@@ -968,14 +590,8 @@ class Exchange:
         if failover is not None:
             admission = self.admission
             if admission is not None:
-                if admission.queued_at is not None:  # it ended while it waited
-                    self._left_queue(admission, failover)
                 events = self.meter.events if self.meter is not None else None
-                used = admission.settle(self.head_at is not None, events)
-                if used is not None:
-                    stats = self.host.measurements.group(failover.group.name)
-                    stats.reservations -= 1
-                    stats.tokens_used += used
+                placement.settle(self, admission, failover, self.head_at is not None, events)
             failover.leave()
         self.upload.settle()
         self.host.exchange_finished(self)

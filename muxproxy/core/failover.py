@@ -18,7 +18,7 @@ What it obeys:
   that has room (``GroupRouter.has_room``); a first try that finds none makes the exchange
   wait in the group's queue (``admit.py``), a retry that finds none is not made. A try
   that ends frees room: the queue's next request is admitted after the current input
-  (``ExchangeHost.room_freed``).
+  (``ServerHost.room_freed``).
 - The stale retry: a reused keep-alive connection that fails before any response byte most
   likely met the backend's close (RFC 9112 §9.3.1). It is retried once on a fresh connection
   to the same server, whatever ``next_upstream`` says, without counting a try or touching the
@@ -41,7 +41,7 @@ from .deadlines import connect_timeout
 from .effects import Effects
 from .headers import header_value
 from .messages import RequestHead
-from .ports import ExchangeHost, UpstreamStream, UpstreamUser
+from .ports import ServerHost, UpstreamStream, UpstreamUser
 from .timers import ExchangeTimer
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Failover:
     def __init__(
         self,
         fx: Effects,
-        host: ExchangeHost,
+        host: ServerHost,
         user: UpstreamUser,
         ident: int,
         group: Upstream,
@@ -97,8 +97,9 @@ class Failover:
         self.origin: Origin | None = None
         self.stale_retried = False
 
-    def attempt(self) -> None:
-        """Ask for a stream to the next candidate (counted as a try)."""
+    def attempt(self, *, user: UpstreamUser | None = None) -> None:
+        """Ask for a stream to the next candidate (counted as a try); ``user``: who gets it,
+        if not the exchange (the stream that continues its answer, ``continuing.py``)."""
         fx = self.fx
         index = self.server = self.candidates[self.tries]
         self.tries += 1
@@ -106,7 +107,7 @@ class Failover:
         server = self.group.servers[index]
         self.address = server.address
         self.server_id = self.router.ids[index].decode("ascii")
-        self._connect(Origin.of(server))
+        self._connect(Origin.of(server), user=user)
 
     def attempt_fresh(self, reason: str, request_id: bytes) -> None:
         """The stale retry: a fresh connection to the same server."""
@@ -115,12 +116,14 @@ class Failover:
         self.count_retry("stale_connection", reason, request_id)
         self._connect(self.origin, fresh=True)
 
-    def _connect(self, origin: Origin, *, fresh: bool = False) -> None:
+    def _connect(
+        self, origin: Origin, *, fresh: bool = False, user: UpstreamUser | None = None
+    ) -> None:
         fx = self.fx
         self.origin = origin
         at = fx.now + connect_timeout(self.group, fx.config)
         fx.set_timer((ExchangeTimer.CONNECT, self.ident), at)
-        self.host.pool.acquire(origin, self.group, self.user, fresh=fresh)
+        self.host.pool.acquire(origin, self.group, user or self.user, fresh=fresh)
 
     def leave(self) -> None:
         """The current try no longer counts as a stream on its server."""

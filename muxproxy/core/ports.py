@@ -17,8 +17,9 @@ has the shape its port names.
 - ``UpstreamUser``: whoever a backend stream talks to (an exchange, a health probe);
 - ``BackendConnection``: a backend connection as the core hands it driver events;
 - ``Backends``: the pool, as those who need a backend stream see it;
-- ``ExchangeHost``, ``ClientHost``, ``ProbeHost``: what an exchange, a client connection and a
-  probe need of their owner (``ProxyCore``), besides the effects.
+- ``ServerHost``, ``ClientHost``, ``ProbeHost``: what a failover, a client connection and a
+  probe need of their owner (``ProxyCore``), besides the effects (an exchange's own host,
+  and what the exchange's helpers see of it, are ``exchangeports.py``'s).
 
 Also here: the phases of an exchange, which both sides read.
 """
@@ -35,10 +36,8 @@ from .messages import Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
     from ..routing.router import GroupRouter
-    from .access import RequestIds
     from .defencelog import DefenceLog
     from .measure import Measurements
-    from .resume import ResumeStore
 
 
 class Phase(enum.Enum):
@@ -262,21 +261,14 @@ class Backends(Protocol):
 # -- what the parts need of their owner ---------------------------------------------------
 
 
-class ExchangeHost(Protocol):
-    """What an exchange needs of the core that runs it."""
+class ServerHost(Protocol):
+    """What the servers of an exchange's group need of the core that runs it (``failover.py``)."""
 
     @property
     def pool(self) -> Backends: ...
     @property
     def measurements(self) -> Measurements: ...
-    @property
-    def request_ids(self) -> RequestIds: ...
-    @property
-    def resumes(self) -> ResumeStore:
-        """The resumable streams of this process (``resume.py``)."""
-
     def router(self, group: Upstream) -> GroupRouter: ...
-    def exchange_finished(self, exchange: object) -> None: ...
     def room_freed(self, router: GroupRouter) -> None:
         """A stream left one of ``router``'s servers: admit who waits there, after the
         current input."""

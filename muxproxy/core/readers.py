@@ -17,15 +17,11 @@ calls are bugs, and raise.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..config import Api
 from .bodyclock import SlowBody
 from .messages import Fields, Headers, ResponseHead
 from .ports import ClientStream
-
-if TYPE_CHECKING:
-    from .replay import ReplayExchange
+from .resume import Reader
 
 
 class _AfterHead:
@@ -117,7 +113,7 @@ class Nobody(_AfterHead):
 class ResumedClient(_AfterHead):
     """The connection of the client that resumed, as the owner sees it."""
 
-    def __init__(self, replay: ReplayExchange) -> None:
+    def __init__(self, replay: Reader) -> None:
         self.replay = replay
         self.client = client = replay.client
         self.conn = client.conn

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 
+from . import placement
 from .commands import ResumeFetch, ResumeFetchCancel, ResumeFetchMore
 from .events import ResumedHead, ResumeFetched
 from .exchange import Exchange
@@ -87,13 +88,13 @@ class ReplayExchange(Exchange):
     """The fetch waits for our ``ResumeFetchMore``, which goes once the client drained."""
 
     def start(self) -> None:
-        if not self._locate():
+        if not placement.locate(self):
             return
         route, group, head = self.route, self.group, self.head
         assert route is not None and group is not None
         event_id = parse_event_id(header_value(head.headers, LAST_EVENT_ID))
         if route.resume is None or event_id is None:
-            self._begin()  # the backend's own resume, if any
+            placement.begin(self)  # the backend's own resume, if any
             return
         token, seq = event_id
         store = self.host.resumes

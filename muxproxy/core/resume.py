@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Protocol
 from ..config import Resume
 from .commands import ResumeAppend, ResumeMeta, ResumeProbe
 from .messages import ResponseHead
+from .ports import ClientSide, ClientStream
 from .timers import ResumeTimer
 
 if TYPE_CHECKING:
     from .effects import Effects
-    from .replay import ReplayExchange
 
 TOKEN_BITS = 128
 RESUME_TOKEN = b"x-resume-token"
@@ -101,17 +101,24 @@ class Lookup(enum.Enum):
     """(From the shared store.) The stored record failed its checks (``storedrecords.py``)."""
 
 
-class Reader(Protocol):
-    """Whoever reads a resumable stream now, as the stream sees it (``replay.Replay``)."""
+class Reader(ClientStream, Protocol):
+    """Whoever reads a resumable stream now (``replay.ReplayExchange``), as the stream and its
+    owner see it: an exchange of its own client, to whose connection the owner writes
+    (``readers.ResumedClient``)."""
+
+    client: ClientSide
 
     def taken_over(self) -> None:
         """Another client resumed the stream: stop reading it."""
+
+    def owner_finished(self) -> None:
+        """The owner's backend stream ended (its end or abort went to our client)."""
 
 
 class Owner(Protocol):
     """The exchange whose backend feeds the stream, as the table and a resume see it."""
 
-    def take_reader(self, reader: ReplayExchange) -> None:
+    def take_reader(self, reader: Reader) -> None:
         """``reader`` resumed the stream: the rest of the response goes to its client."""
 
     def abandon(self, reason: str) -> None:
@@ -156,6 +163,18 @@ class Resumable:
         self.reader: Reader | None = None
         self.attached = True
         """The first client still reads the stream (through the owner itself)."""
+
+    def detach(self) -> None:
+        """The first client went away (its owner's backend may run on)."""
+        self.attached = False
+
+    def read_by(self, reader: Reader | None) -> Reader | None:
+        """``reader`` reads the stream from now on (None: nobody, it lingers); the first
+        client no longer does. Returns the reader before it."""
+        previous = self.reader
+        self.reader = reader
+        self.attached = False
+        return previous
 
     @property
     def lingering(self) -> bool:

@@ -42,12 +42,13 @@ from .commands import Log
 from .effects import Effects
 from .exchange import Exchange
 from .exchange_states import ExchangeInput
+from .exchangeports import ExchangeHost
 from .h2pool import H2Stream
 from .headers import header_value, is_websocket_upgrade, response_headers
 from .heads import VIA, backend_fields
 from .messages import Headers, RequestHead, ResponseHead
 from .pool import UpstreamConn
-from .ports import ClientSide, ExchangeHost, RequestPhase, UpstreamStream
+from .ports import ClientSide, RequestPhase, UpstreamStream
 from .timers import ExchangeTimer
 from .tunnel import Backend, RawBackend, StreamBackend, Tunnel
 
@@ -293,7 +294,7 @@ class WebSocketExchange(Exchange):
     def _bad_handshake(self, reason: str) -> None:
         self.fx.emit(Log(event="websocket_handshake_failed", fields={"reason": reason}))
         self.deadlines.end_attempt()
-        self._release_upstream(close=True)
+        self.release_upstream(close=True)
         self.fail(502, "bad WebSocket handshake from upstream", reason)
 
     def _open_tunnel(self, backend: Backend, head: ResponseHead, leftover: bytes = b"") -> None:
