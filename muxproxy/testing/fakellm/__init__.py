@@ -2,7 +2,9 @@
 
 Modules, one job each: ``app.py``, the ASGI 3 application (:class:`FakeLLM`: what it
 answers, its counters); ``answer.py``, the text it answers (one fixed token sequence, and
-continuing a partial one: ``continue_final_message``); ``responses.py``, its whole-body
+continuing a partial one: ``continue_final_message``); ``completions.py``, the
+chat-completion objects it sends (chunks, server-sent events, the whole completion, usage);
+``responses.py``, its whole-body
 responses (JSON, bytes, OpenAI-style errors, with the common headers); ``knobs.py``, its
 knobs (the ``x-fake-*`` request headers and the command-line options, with the table of
 what each does); ``server.py``, serving it with Hypercorn's Trio worker

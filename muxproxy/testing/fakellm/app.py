@@ -9,7 +9,8 @@ What it obeys:
 * The OpenAI chat-completions wire format, closely enough for the ``openai`` Python SDK:
   ``POST /v1/chat/completions`` (``stream`` true: ``text/event-stream`` of
   ``chat.completion.chunk`` objects, one ASGI body message per event, closed by
-  ``data: [DONE]``; ``stream`` false: one ``chat.completion`` object with ``usage``),
+  ``data: [DONE]``; ``stream`` false: one ``chat.completion`` object with ``usage``; the
+  objects and messages themselves are ``completions.py``'s),
   ``GET /v1/models`` (a list holding the one model ``fake-llm``) and ``GET /health``
   (``200 ok``). Other paths answer 404, a wrong method 405 (with ``allow``).
 * ``GET /metrics``: the engine model's state in Prometheus text under vLLM's metric names
@@ -88,6 +89,17 @@ import trio
 
 from ...asgi import serve_lifespan
 from .answer import BadContinuation, Reply, plan_reply
+from .completions import (
+    body_message,
+    chunk,
+    completion_base,
+    done_event,
+    sse_event,
+    stream_head,
+    usage_chunk,
+    usage_of,
+    whole_completion,
+)
 from .engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
 from .knobs import (
     HEADER_ECHO,
@@ -384,18 +396,9 @@ class FakeLLM:
         include_usage = isinstance(stream_options, dict) and bool(
             stream_options.get("include_usage")
         )
-        usage = {
-            "prompt_tokens": _prompt_tokens(request.get("messages")),
-            "completion_tokens": reply.count,
-        }
-        usage["total_tokens"] = usage["prompt_tokens"] + reply.count
+        usage = usage_of(request.get("messages"), reply.count)
         completion_id = f"chatcmpl-{self.backend_id}-{next(self._ids)}"
-        base = {
-            "id": completion_id,
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": self.backend_id,
-        }
+        base = completion_base(completion_id, int(time.time()), model, self.backend_id)
         die_after = knobs.die_after
         if die_after is not None and die_after > reply.count:
             die_after = None
@@ -493,41 +496,16 @@ class FakeLLM:
         start = trio.current_time()
         self.streams_started += 1
         self._notify()
-        head = {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [
-                (b"content-type", b"text/event-stream"),
-                (b"cache-control", b"no-cache"),
-                *self._responder().common,
-            ],
-        }
-        if not await self._send_or_gone(send, head, progress):
+        if not await self._send_or_gone(send, stream_head(self._responder().common), progress):
             return False
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None, first: bool) -> dict[str, Any]:
-            obj: dict[str, Any] = {
-                **base,
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-                ],
-            }
-            if first and echo is not None:
-                obj["request_headers"] = echo
-            return obj
-
-        def event(obj: object, more_body: bool = True) -> dict[str, Any]:
-            return {
-                "type": "http.response.body",
-                "body": b"data: " + dumps(obj) + b"\n\n",
-                "more_body": more_body,
-            }
+        def event(delta: dict[str, Any], finish_reason: str | None, first: bool) -> dict[str, Any]:
+            return sse_event(chunk(base, delta, finish_reason, echo if first else None))
 
         role_only = knobs.role_chunk
         if role_only:
             role = {"role": "assistant", "content": ""}
-            if not await self._send_or_gone(send, event(chunk(role, None, True)), progress):
+            if not await self._send_or_gone(send, event(role, None, True), progress):
                 return False
         # The engine model, when on, lets the generation in and prefills it before the
         # clock's first token. vLLM too sends a stream's head before the request is scheduled.
@@ -541,7 +519,7 @@ class FakeLLM:
                 first = i == 0 and not role_only
                 if first:
                     delta = {"role": "assistant", **delta}
-                if not await self._send_or_gone(send, event(chunk(delta, None, first)), progress):
+                if not await self._send_or_gone(send, event(delta, None, first), progress):
                     return False
             if die_after is not None:  # die_after == n_tokens: die before the finish chunk
                 progress.finished = True
@@ -550,26 +528,18 @@ class FakeLLM:
             await clock.wait_generated(n_tokens)
             no_role_yet = n_tokens == 0 and not role_only
             last_delta: dict[str, Any] = {"role": "assistant", "content": ""} if no_role_yet else {}
-            if not await self._send_or_gone(
-                send, event(chunk(last_delta, "stop", no_role_yet)), progress
+            if not await self._send_or_gone(send, event(last_delta, "stop", no_role_yet), progress):
+                return False
+            if usage is not None and not await self._send_or_gone(
+                send, sse_event(usage_chunk(base, usage)), progress
             ):
                 return False
-            if usage is not None:
-                usage_chunk = {
-                    **base,
-                    "object": "chat.completion.chunk",
-                    "choices": [],
-                    "usage": usage,
-                }
-                if not await self._send_or_gone(send, event(usage_chunk), progress):
-                    return False
         # Counted before the send: Hypercorn returns from it only once the data is written
         # (h2) or the connection recycled (h1), after the client may already have seen it.
         progress.finished = True
         self.streams_completed += 1
         self._notify()
-        done = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
-        await self._send_or_gone(send, done, progress)
+        await self._send_or_gone(send, done_event(), progress)
         return False
 
     async def _produce_whole(
@@ -589,53 +559,17 @@ class FakeLLM:
         generated = reply.count if die_after is None else die_after
         async with self._generating(prompt, start, knobs, generated) as clock:
             await clock.wait_generated(generated)
-        obj: dict[str, Any] = {
-            **base,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": reply.text},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": usage,
-        }
-        if echo is not None:
-            obj["request_headers"] = echo
-        payload = dumps(obj)
+        payload = dumps(whole_completion(base, reply.text, usage, echo))
         progress.finished = True
         head = self._responder().json_head(200, len(payload))
         if not await self._send_or_gone(send, head, progress):
             return False
         if die_after is not None:
-            half = {
-                "type": "http.response.body",
-                "body": payload[: len(payload) // 2],
-                "more_body": True,
-            }
+            half = body_message(payload[: len(payload) // 2], more_body=True)
             await self._send_or_gone(send, half, progress)
             return not progress.client_gone
-        await self._send_or_gone(
-            send, {"type": "http.response.body", "body": payload, "more_body": False}, progress
-        )
+        await self._send_or_gone(send, body_message(payload, more_body=False), progress)
         return False
 
     def _responder(self) -> Responder:
         return Responder.for_backend(self.backend_id, self.model_version)
-
-
-# ---- helpers ---------------------------------------------------------------------------
-
-
-def _prompt_tokens(messages: object) -> int:
-    """A crude prompt size: whitespace-separated words of the string contents."""
-    if not isinstance(messages, list):
-        return 0
-    total = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content.split())
-    return total
