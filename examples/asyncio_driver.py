@@ -80,7 +80,8 @@ from muxproxy.core.events import (
     TimerId,
     Wakeup,
 )
-from muxproxy.core.proxy import ProxyCore, raised_by_handle
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.raising import raised_by_handle
 
 IO_ERRORS = (OSError, EOFError, asyncio.IncompleteReadError)
 FLUSH_TIME = 2.0
