@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -143,30 +142,33 @@ async def test_a_token_budget_holds_across_three_replicas_under_load(
     assert used >= 0.9 * allowed - 50 * 3  # and the budget was not starved either
 
 
+class Peak:
+    """The most streams ``fake`` ran at once, seen at each change of its counts (``watch``)."""
+
+    def __init__(self, fake: Any) -> None:
+        self.fake = fake
+        self.most = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.fake.streams_started, self.fake.streams_completed, self.fake.disconnects
+
+    async def watch(self) -> None:
+        while True:
+            seen = self.counts()
+            self.most = max(self.most, seen[0] - seen[1] - seen[2])
+            await self.fake.wait_until(lambda seen=seen: self.counts() != seen)
+
+
 async def test_max_concurrent_holds_across_three_replicas(
     tmp_path: Path, start_backend: Any, redis_server: Any
 ) -> None:
     fake, port = await start_backend(tokens=20, delay=0.1)  # each stream lasts about 2 s
     config = write_config(tmp_path / "muxproxy.toml", port, redis_server.url, "max_concurrent = 4")
-    peak = 0
-
-    def counts() -> tuple[int, int, int]:
-        return fake.streams_started, fake.streams_completed, fake.disconnects
-
-    def changed(seen: tuple[int, int, int]) -> bool:
-        return counts() != seen
-
-    async def watch() -> None:
-        """The most streams the backend ran at once, seen at each change of its counts."""
-        nonlocal peak
-        while True:
-            seen = counts()
-            peak = max(peak, seen[0] - seen[1] - seen[2])
-            await fake.wait_until(functools.partial(changed, seen))
+    peak = Peak(fake)
 
     with trio.fail_after(TEST_TIMEOUT):
         async with replicas(config) as proxies, trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
+            nursery.start_soon(peak.watch)
             statuses: list[int] = []
 
             async def stream(index: int) -> None:
@@ -182,7 +184,7 @@ async def test_max_concurrent_holds_across_three_replicas(
                 for index in range(12):
                     clients.start_soon(stream, index)
             assert sorted(statuses) == [200] * 4 + [429] * 8
-            assert peak == 4
+            assert peak.most == 4
             # Every lease went back at its stream's end: four at once are admitted again.
             statuses.clear()
             async with trio.open_nursery() as again:

@@ -25,7 +25,6 @@ Every wait is a poll of an observable condition under ``trio.fail_after``.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
@@ -40,7 +39,7 @@ import trio
 from conversations import AUTH, GROUP, admin, config_text, fresh_client, moved, turn, turns
 from processes import ProxyProcess, proxy_process
 from prometheus_client.parser import text_string_to_metric_families
-from test_fleet_budgets_e2e import completion_tokens, request
+from test_fleet_budgets_e2e import Peak, completion_tokens, request
 
 from muxproxy.fleet.budgets import REPLICAS
 from muxproxy.fleet.state import STATE_KEY, document_from_hash
@@ -251,21 +250,7 @@ async def test_max_concurrent_holds_across_two_replicas_of_two_workers(
     config = write(
         tmp_path, config_text({"a": port}, store=redis_server.url, rate_limit="max_concurrent = 3")
     )
-    peak = 0
-
-    def counts() -> tuple[int, int, int]:
-        return fake.streams_started, fake.streams_completed, fake.disconnects
-
-    def changed(seen: tuple[int, int, int]) -> bool:
-        return counts() != seen
-
-    async def watch() -> None:
-        """The most streams the backend ran at once, seen at each change of its counts."""
-        nonlocal peak
-        while True:
-            seen = counts()
-            peak = max(peak, seen[0] - seen[1] - seen[2])
-            await fake.wait_until(functools.partial(changed, seen))
+    peak = Peak(fake)
 
     statuses: list[int] = []
 
@@ -282,12 +267,12 @@ async def test_max_concurrent_holds_across_two_replicas_of_two_workers(
         async with fleet_of_workers(nursery, config) as replicas, trio.open_nursery() as watching:
             for replica in replicas:
                 await wait_gauge(replica, "muxproxy_fleet_replicas", lambda v: v == PROCESSES)
-            watching.start_soon(watch)
+            watching.start_soon(peak.watch)
             async with trio.open_nursery() as clients:
                 for index in range(12):
                     clients.start_soon(stream, replicas[index % 2].url)
             assert sorted(statuses) == [200] * 3 + [429] * 9
-            assert peak == 3
+            assert peak.most == 3
             watching.cancel_scope.cancel()
 
 
