@@ -19,6 +19,7 @@ from muxproxy.config import (
     Server,
     Upstream,
 )
+from muxproxy.config.storeurl import redacted
 from muxproxy.process import scheme
 
 __all__ = ["describe_config", "seconds"]
@@ -67,7 +68,7 @@ def describe_config(config: Config) -> list[str]:
     if fleet is not None:
         lines.append(
             f"fleet: runtime state, session memory and budgets shared through"
-            f" {_without_password(fleet.store)} (reconciled every {seconds(fleet.sync_interval)};"
+            f" {redacted(fleet.store)} (reconciled every {seconds(fleet.sync_interval)};"
             f" budgets while it is down: {fleet.on_store_error.value})"
         )
     admin = config.admin
@@ -87,18 +88,13 @@ def _describe_route(route: Route) -> list[str]:
         notes.append("retry until first event")
     resume = route.resume
     if resume is not None:
-        store = "this process" if resume.store is None else _without_password(resume.store)
+        store = "this process" if resume.store is None else redacted(resume.store)
         notes.append(
             f"resume: {resume.window // 1024} KiB of events for {resume.linger:g}s, in {store}"
         )
     if route.continue_on_failure:
         notes.append("continue on failure")
     return notes
-
-
-def _without_password(url: str) -> str:
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
 def _describe_servers(group: Upstream) -> str:

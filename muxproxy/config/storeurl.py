@@ -108,3 +108,10 @@ def store_url(check: Checker, value: Any, path: str) -> str | None:
         check.add(path, f"{_STORE_EXPECTED}, got {value!r}")
         return None
     return value
+
+
+def redacted(url: str) -> str:
+    """``url`` without a password (it goes to the logs)."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from ..config.storeurl import is_sentinel, parse_sentinel
+from ..config.storeurl import is_sentinel, parse_sentinel, redacted
 
 if TYPE_CHECKING:
     import coredis
@@ -44,13 +44,6 @@ async def client_of(url: str) -> AsyncIterator[coredis.Redis[bytes]]:
         primary = sentinel.primary_for(parts.service, db=parts.db, password=parts.password)
         async with primary:
             yield primary
-
-
-def redacted(url: str) -> str:
-    """``url`` without a password (it goes to the logs)."""
-    scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    return f"{scheme}{sep}{rest[at + 1 :]}" if at >= 0 else url
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
