@@ -83,7 +83,7 @@ def select_h11(which: str) -> None:
 
 def h11_in_use() -> str:
     """Name, version and build of the h11 module the core actually imported."""
-    import muxproxy.core.h1 as h1
+    import muxproxy.core.http1.h1 as h1
 
     module = h1.h11
     connection = sys.modules[module.__name__ + "._connection"]

@@ -31,8 +31,8 @@ def run(case: str, n: int) -> None:
     import h2.connection
     import h2.settings
 
-    from muxproxy.core.h1 import H1Server
-    from muxproxy.core.h2 import H2Server
+    from muxproxy.core.http1.h1 import H1Server
+    from muxproxy.core.http2.h2 import H2Server
     from muxproxy.core.messages import ResponseHead
 
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))

@@ -175,7 +175,7 @@ def main() -> None:
     sys.path.insert(0, os.getcwd())
     instrument()
     atexit.register(lambda: args.out.write_text(json.dumps(summary(args.skip), indent=1)))
-    from muxproxy.cli import main as muxproxy_main
+    from muxproxy.process.cli import main as muxproxy_main
 
     raise SystemExit(muxproxy_main(rest))
 

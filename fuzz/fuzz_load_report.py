@@ -2,7 +2,7 @@
 
 python fuzz/fuzz_load_report.py /tmp/work fuzz/corpus/load_report -max_total_time=300
 
-The body is what any backend may send to a load poll (``core/loadpoll.py``): a peer's input
+The body is what any backend may send to a load poll (``core/upstream/loadpoll.py``): a peer's input
 like the others. The invariants are ``harness.check_report``'s.
 """
 

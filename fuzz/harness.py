@@ -79,10 +79,10 @@ from muxproxy.config import (
     StoreErrorPolicy,
     quick_config,
 )
-from muxproxy.core import resume
 from muxproxy.core.commands import BudgetReserve
 from muxproxy.core.events import BudgetAnswered, SessionsLearned
 from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.streams import resume
 from muxproxy.fleet.budgets import BadReply, read_reply
 from muxproxy.fleet.sessions import SessionEntry
 from muxproxy.routing.affinity import key_hash

@@ -9,10 +9,10 @@ The Trio driver that runs it on real sockets is :class:`muxproxy.trio.server.Pro
 :func:`load_config` raises :class:`ConfigError` listing every problem of a configuration file.
 """
 
-from .config import Config, ConfigError, load_config, parse_config, quick_config
-from .core import commands, events
-from .core.proxy import ProxyCore
-from .core.statistics import ProxyStatistics, StreamStatistics
+from muxproxy.config import Config, ConfigError, load_config, parse_config, quick_config
+from muxproxy.core import commands, events
+from muxproxy.core.observe.statistics import ProxyStatistics, StreamStatistics
+from muxproxy.core.proxy import ProxyCore
 
 __all__ = [
     "Config",

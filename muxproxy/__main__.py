@@ -1,5 +1,5 @@
-"""``python -m muxproxy``: the :mod:`muxproxy.cli` command line."""
+"""``python -m muxproxy``: the :mod:`muxproxy.process.cli` command line."""
 
-from muxproxy.cli import main
+from muxproxy.process.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Tests of the ``muxproxy`` command line (:mod:`muxproxy.cli`, ``python -m muxproxy``)."""
+"""Tests of the ``muxproxy`` command line (:mod:`muxproxy.process.cli`, ``python -m muxproxy``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import trustme
 
 import muxproxy
 import muxproxy.compiled
-from muxproxy.cli import describe_config, main
 from muxproxy.config import parse_config, quick_config
-from muxproxy.process import listening_lines
+from muxproxy.process.cli import describe_config, main
+from muxproxy.process.common import listening_lines
 
 REPO = Path(muxproxy.__file__).resolve().parent.parent
 
@@ -511,7 +511,7 @@ def test_check_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
     (tmp_path / "good.toml").write_text(GOOD)
     code = (
         "import sys\n"
-        "from muxproxy.cli import main\n"
+        "from muxproxy.process.cli import main\n"
         "assert main(['check', '--config', 'good.toml']) == 0\n"
         "loaded = [m for m in ('trio', 'muxproxy.trio.server', 'muxproxy.testing.fakellm',"
         " 'muxproxy.demo') if m in sys.modules]\n"
@@ -547,7 +547,7 @@ def test_serve_imports_nothing_it_does_not_need(tmp_path: Path) -> None:
     the modules it holds are read and it is stopped as an operator would (SIGTERM)."""
     code = (
         "import io, signal, sys\n"
-        "from muxproxy.cli import main\n"
+        "from muxproxy.process.cli import main\n"
         "held = []\n"
         "class Out(io.StringIO):\n"
         "    def write(self, text):\n"

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from muxproxy.cli import main
 from muxproxy.config import (
     ADMIN_TOKEN_ENV,
     AdminSettings,
@@ -18,6 +17,7 @@ from muxproxy.config import (
     parse_config,
     parse_quick_config,
 )
+from muxproxy.process.cli import main
 
 BASE = {
     "listeners": [{"address": "127.0.0.1:8080"}],

@@ -36,15 +36,15 @@ import pytest
 import trio
 import yaml
 
-from muxproxy.cli import _on_signal
 from muxproxy.config import ADMIN_TOKEN_ENV, Config, ConfigError, load_config, parse_config
 from muxproxy.config.admin import is_loopback
 from muxproxy.config.fleetkeys import FLEET_STORE_ENV
-from muxproxy.process import EXIT_USAGE, STOP_SIGNALS
+from muxproxy.process.cli import _on_signal
+from muxproxy.process.common import EXIT_USAGE, STOP_SIGNALS
+from muxproxy.process.workers import HANDLED_SIGNALS, KILL_MARGIN
 from muxproxy.trio.admin import READY_PATH
 from muxproxy.trio.local import serve_control
 from muxproxy.trio.server import FLUSH_TIME, Phase, ProxyServer
-from muxproxy.workers import HANDLED_SIGNALS, KILL_MARGIN
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -171,7 +171,7 @@ def copied_to(source: str) -> str:
 
 @attrs.define
 class FakeServer:
-    """What ``muxproxy.cli._on_signal`` touches of a running ``ProxyServer``."""
+    """What ``muxproxy.process.cli._on_signal`` touches of a running ``ProxyServer``."""
 
     config: Config
     phase: Phase = Phase.SERVING

@@ -43,8 +43,8 @@ from muxproxy.config import (
     Timeouts,
     parse_config,
 )
-from muxproxy.core.series import DISCOVERY_METRICS, HISTOGRAM, PREFIX
-from muxproxy.core.series import METRICS as CORE_METRICS
+from muxproxy.core.observe.series import DISCOVERY_METRICS, HISTOGRAM, PREFIX
+from muxproxy.core.observe.series import METRICS as CORE_METRICS
 from muxproxy.trio.logs import LEVELS
 
 METRICS = {**CORE_METRICS, **DISCOVERY_METRICS}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from muxproxy.cli import main
 from muxproxy.config import ADMIN_TOKEN_ENV, Config, parse_config
+from muxproxy.process.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

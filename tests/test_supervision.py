@@ -1,6 +1,6 @@
-"""The admin ``Control`` of ``serve --workers N`` (:mod:`muxproxy.supervision`).
+"""The admin ``Control`` of ``serve --workers N`` (:mod:`muxproxy.process.supervision`).
 
-A :class:`~muxproxy.workers.Supervisor` runs in the test's Trio loop with real worker
+A :class:`~muxproxy.process.workers.Supervisor` runs in the test's Trio loop with real worker
 processes (``python -c``, on sockets it binds), so what is asserted is what the workers
 answered over their control channels. Every wait is bounded.
 """
@@ -18,11 +18,11 @@ import pytest
 import trio
 
 from muxproxy.config import Config, Listener, quick_config
-from muxproxy.supervision import SupervisorControl, merge_statuses
+from muxproxy.process.supervision import SupervisorControl, merge_statuses
+from muxproxy.process.workers import Phase, Supervisor
 from muxproxy.trio.control import AdminError
 from muxproxy.trio.handover import bind_listeners, close_listeners
 from muxproxy.trio.workerproc import Worker
-from muxproxy.workers import Phase, Supervisor
 
 if TYPE_CHECKING:
     from conftest import StartBackend

@@ -22,16 +22,16 @@ checks). Import from here.
 
 from __future__ import annotations
 
-from .checker import address_problem
-from .fleet import FleetSettings, ResolverSettings, StoreErrorPolicy
-from .loading import (
+from muxproxy.config.checker import address_problem
+from muxproxy.config.fleet import FleetSettings, ResolverSettings, StoreErrorPolicy
+from muxproxy.config.loading import (
     ConfigError,
     load_config,
     parse_config,
     parse_quick_config,
     quick_config,
 )
-from .records import (
+from muxproxy.config.records import (
     ADMIN_TOKEN_ENV,
     CONDITIONS,
     LOG_FORMATS,

@@ -20,9 +20,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import Checker, Key, describe
-from .records import ADMIN_TOKEN_ENV, AdminSettings
-from .runtime import load_state
+from muxproxy.config.checker import Checker, Key, describe
+from muxproxy.config.records import ADMIN_TOKEN_ENV, AdminSettings
+from muxproxy.config.runtime import load_state
 
 __all__ = ["admin_settings", "is_loopback", "quick_admin"]
 

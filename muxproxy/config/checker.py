@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from .ranges import problem as range_problem
+from muxproxy.config.ranges import problem as range_problem
 
 __all__ = [
     "TOKEN",

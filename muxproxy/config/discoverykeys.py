@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import Checker, Key, describe, join
-from .discovery import Discover
+from muxproxy.config.checker import Checker, Key, describe, join
+from muxproxy.config.discovery import Discover
 
 __all__ = ["discover_keys", "discover_parser", "duration_or_zero", "lookup_name"]
 

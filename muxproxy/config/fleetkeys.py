@@ -11,9 +11,9 @@ import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import Checker, Key, describe
-from .fleet import FleetSettings, StoreErrorPolicy
-from .storeurl import store_url
+from muxproxy.config.checker import Checker, Key, describe
+from muxproxy.config.fleet import FleetSettings, StoreErrorPolicy
+from muxproxy.config.storeurl import store_url
 
 __all__ = ["FLEET_KEYS", "FLEET_STORE_ENV", "RESOLVER_KEYS", "fleet_settings"]
 

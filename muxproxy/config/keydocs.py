@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from . import (
+from muxproxy.config import (
     admin,
     discovery,
     discoverykeys,
@@ -43,8 +43,8 @@ from . import (
     storeurl,
     upstreams,
 )
-from .checker import Checker, alternatives
-from .layout import GROUP, SUB_TABLES, TABLES, Table
+from muxproxy.config.checker import Checker, alternatives
+from muxproxy.config.layout import GROUP, SUB_TABLES, TABLES, Table
 
 __all__ = ["OWN_KEYS", "PHRASES", "Entry", "entries", "iter_examples"]
 

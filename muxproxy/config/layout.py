@@ -22,13 +22,13 @@ from typing import Any
 
 import attrs
 
-from .admin import _ADMIN_KEYS
-from .checker import Key
-from .discovery import Discover
-from .fleet import FleetSettings, ResolverSettings
-from .fleetkeys import FLEET_KEYS, RESOLVER_KEYS
-from .logs import _LOG_KEYS
-from .records import (
+from muxproxy.config.admin import _ADMIN_KEYS
+from muxproxy.config.checker import Key
+from muxproxy.config.discovery import Discover
+from muxproxy.config.fleet import FleetSettings, ResolverSettings
+from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
+from muxproxy.config.logs import _LOG_KEYS
+from muxproxy.config.records import (
     AdminSettings,
     AdmissionQueue,
     GroupTimeouts,
@@ -48,9 +48,15 @@ from .records import (
     Timeouts,
     Upstream,
 )
-from .sections import LIMITS_KEYS, LISTENER_KEYS, RESUME_KEYS, ROUTE_KEYS, TIMEOUTS_KEYS
-from .stickykeys import _COOKIE_KEYS, _STICKY_KEYS
-from .upstreams import (
+from muxproxy.config.sections import (
+    LIMITS_KEYS,
+    LISTENER_KEYS,
+    RESUME_KEYS,
+    ROUTE_KEYS,
+    TIMEOUTS_KEYS,
+)
+from muxproxy.config.stickykeys import _COOKIE_KEYS, _STICKY_KEYS
+from muxproxy.config.upstreams import (
     _DISCOVER_KEYS,
     _GROUP_TIMEOUTS_KEYS,
     _HEALTH_CHECK_KEYS,

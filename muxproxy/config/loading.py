@@ -19,14 +19,23 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .admin import admin_settings, quick_admin
-from .checker import Checker
-from .fleet import ResolverSettings
-from .fleetkeys import RESOLVER_KEYS, fleet_settings
-from .layout import placement
-from .logs import log_settings
-from .records import AdminSettings, Config, Limits, Listener, Route, Server, Timeouts, Upstream
-from .sections import (
+from muxproxy.config.admin import admin_settings, quick_admin
+from muxproxy.config.checker import Checker
+from muxproxy.config.fleet import ResolverSettings
+from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
+from muxproxy.config.layout import placement
+from muxproxy.config.logs import log_settings
+from muxproxy.config.records import (
+    AdminSettings,
+    Config,
+    Limits,
+    Listener,
+    Route,
+    Server,
+    Timeouts,
+    Upstream,
+)
+from muxproxy.config.sections import (
     EXPECTED_LISTENERS,
     LIMITS_KEYS,
     TIMEOUTS_KEYS,
@@ -34,7 +43,7 @@ from .sections import (
     route_tables,
     upstream_groups,
 )
-from .tls import tls_pair_problems
+from muxproxy.config.tls import tls_pair_problems
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
 

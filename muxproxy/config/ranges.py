@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from .records import GroupTimeouts, Timeouts
+from muxproxy.config.records import GroupTimeouts, Timeouts
 
 __all__ = [
     "RANGES",

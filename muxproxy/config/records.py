@@ -14,8 +14,8 @@ import ipaddress
 
 import attrs
 
-from .discovery import Discover
-from .fleet import FleetSettings, ResolverSettings
+from muxproxy.config.discovery import Discover
+from muxproxy.config.fleet import FleetSettings, ResolverSettings
 
 
 class _HostPort:
@@ -103,11 +103,11 @@ class Limits:
     connection_buffer: int = 1024 * 1024
     """Bytes of output one client connection may have handed to the socket and not yet seen
     written. Past it every backend feeding the connection is paused; they resume once it is
-    at or below half (and each stream at or below its low water). See ``core/output.py``."""
+    at or below half (and each stream at or below its low water). See ``core/client/output.py``."""
     h2_reset_budget: int = 100
     """HTTP/2 streams a client may reset before their response is complete, beyond those paid
     back by completed responses (one each), before GOAWAY(ENHANCE_YOUR_CALM): rapid reset,
-    CVE-2023-44487. See ``muxproxy.core.h2guard``."""
+    CVE-2023-44487. See ``muxproxy.core.http2.h2guard``."""
     h2_control_frame_budget: int = 1000
     """HTTP/2 SETTINGS / PING / PRIORITY / WINDOW_UPDATE / empty DATA frames a client may send
     beyond those paid back by responses, before GOAWAY(ENHANCE_YOUR_CALM)."""
@@ -115,7 +115,7 @@ class Limits:
     """Bytes the resumable streams of one process may keep in all (routes with ``resume``).
     Past it the streams nobody reads are let go, oldest first (their backends ended), so a
     flood of clients that never come back cannot exhaust memory; streams being read are
-    never cut for it. See ``muxproxy.core.resume``."""
+    never cut for it. See ``muxproxy.core.streams.resume``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -428,7 +428,7 @@ class Upstream:
     admission: bool = attrs.field(init=False, repr=False, eq=False)
     """Whether any server has a limit that can make a request wait (derived)."""
     admits: bool = attrs.field(init=False, repr=False, eq=False)
-    """Whether a request goes through admission (``core/admit.py``): its body is read,
+    """Whether a request goes through admission (``core/exchange/admit.py``): its body is read,
     servers have limits, or tenants have budgets (derived)."""
 
     def __attrs_post_init__(self) -> None:
@@ -483,7 +483,7 @@ class Resume:
     so a reconnect that reaches another worker or replica is served; None: this process only."""
     credential_headers: tuple[str, ...] = RESUME_CREDENTIALS
     """The request fields (lower case) a resume must carry as the request that began the
-    stream did: the stream is bound to a SHA-256 of them (``core/resumebind.py``)."""
+    stream did: the stream is bound to a SHA-256 of them (``core/streams/resumebind.py``)."""
     lease: float = 5.0
     """With ``store``: seconds the owner's lease on a live stream lasts in Redis (renewed
     every third of it); a reader that finds it expired (the owner died) ends at once."""
@@ -505,15 +505,15 @@ class Route:
     comment (``: keep-alive``), written between events only; None: never."""
     continue_on_failure: bool = False
     """When a chat completion's backend fails mid-stream, have the next server finish the
-    answer from the text relayed so far (``continue_final_message``; ``core/continuation.py``),
-    within ``next_upstream.tries``."""
+    answer from the text relayed so far (``continue_final_message``;
+    ``core/streams/continuation.py``), within ``next_upstream.tries``."""
     resume: Resume | None = None
     """Number the events of text/event-stream responses and keep them, so that a client
-    that reconnects with ``Last-Event-ID`` gets the rest (``core/resume.py``); None: off."""
+    that reconnects with ``Last-Event-ID`` gets the rest (``core/streams/resume.py``); None: off."""
     api: Api | None = None
     """With ``"openai"`` (``Api.OPENAI``) the proxy's own errors on this route (502, 503,
     504, 413, 431...) carry the OpenAI error object instead of plain text
-    (``muxproxy.core.errors``)."""
+    (``muxproxy.core.http.errors``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -586,7 +586,7 @@ class Config:
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.
 
-        The exchange passes the request target normalised by ``muxproxy.core.paths`` (dot-
+        The exchange passes the request target normalised by ``muxproxy.core.http.paths`` (dot-
         segments resolved, encoded unreserved characters decoded), never the raw one: a prefix
         is a boundary only on a path the backend has nothing left to resolve in."""
         text = path.decode("latin-1")

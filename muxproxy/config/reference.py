@@ -13,8 +13,8 @@ from __future__ import annotations
 import difflib
 import textwrap
 
-from .keydocs import OWN_KEYS, PHRASES, Entry, entries
-from .layout import TABLES, Table, table_pattern
+from muxproxy.config.keydocs import OWN_KEYS, PHRASES, Entry, entries
+from muxproxy.config.layout import TABLES, Table, table_pattern
 
 __all__ = ["explain", "lookup", "render_markdown", "suggestions"]
 

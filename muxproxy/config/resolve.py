@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 
-from .records import Config
+from muxproxy.config.records import Config
 
 __all__ = ["unresolved_servers"]
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import attrs
 
-from ..routing.balancer import server_id
-from .ranges import SERVER_WEIGHT, shown
-from .records import Config
+from muxproxy.config.ranges import SERVER_WEIGHT, shown
+from muxproxy.config.records import Config
+from muxproxy.routing.balancer import server_id
 
 __all__ = [
     "STATE_VERSION",

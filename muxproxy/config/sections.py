@@ -17,11 +17,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import TOKEN, Checker, Key, describe, join, record_keys
-from .records import Api, Limits, Listener, Resume, Route, Timeouts, Upstream
-from .storeurl import store_url
-from .tls import tls_pair_problems
-from .upstreams import upstream
+from muxproxy.config.checker import TOKEN, Checker, Key, describe, join, record_keys
+from muxproxy.config.records import Api, Limits, Listener, Resume, Route, Timeouts, Upstream
+from muxproxy.config.storeurl import store_url
+from muxproxy.config.tls import tls_pair_problems
+from muxproxy.config.upstreams import upstream
 
 __all__ = [
     "EXPECTED_LISTENERS",
@@ -112,7 +112,7 @@ def size(check: Checker, value: Any, path: str) -> int | None:
 
 def credential_headers(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
     """Header names (tokens, RFC 9110 §5.1), kept in lower case: the fields a resume is bound
-    to (``core/resumebind.py``)."""
+    to (``core/streams/resumebind.py``)."""
     expected = 'expected a list of header names such as ["authorization", "x-api-key"]'
     if not isinstance(value, list):
         check.add(path, f"{expected}, got {describe(value)}")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .checker import TOKEN, TOKEN_CHARS, Checker, Key, describe, is_host_name, join
-from .records import SOURCE_KINDS, SessionSource, Sticky, StickyCookie
+from muxproxy.config.checker import TOKEN, TOKEN_CHARS, Checker, Key, describe, is_host_name, join
+from muxproxy.config.records import SOURCE_KINDS, SessionSource, Sticky, StickyCookie
 
 __all__ = ["source", "sticky"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from .checker import Checker, describe
+from muxproxy.config.checker import Checker, describe
 
 SCHEME = "redis+sentinel"
 _HOST_PORT = re.compile(r"\A(\[[0-9A-Fa-f:.]+\]|[^\s\[\]:/,@]+):([0-9]{1,5})\Z")

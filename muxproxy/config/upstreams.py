@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .checker import (
+from muxproxy.config.checker import (
     TOKEN,
     TOKEN_CHARS,
     Checker,
@@ -23,8 +23,8 @@ from .checker import (
     join,
     record_keys,
 )
-from .discoverykeys import discover_keys, discover_parser, duration_or_zero
-from .records import (
+from muxproxy.config.discoverykeys import discover_keys, discover_parser, duration_or_zero
+from muxproxy.config.records import (
     CONDITIONS,
     PROMPT_SOURCES,
     AdmissionQueue,
@@ -40,7 +40,7 @@ from .records import (
     Server,
     Upstream,
 )
-from .stickykeys import source, sticky
+from muxproxy.config.stickykeys import source, sticky
 
 __all__ = ["upstream"]
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import attrs
 
-from ..config import Server
-from ..fleet.budgets import Ask
-from ..fleet.sessions import SessionEntry
-from .events import ConnId, TimerId
+from muxproxy.config import Server
+from muxproxy.core.events import ConnId, TimerId
+from muxproxy.fleet.budgets import Ask
+from muxproxy.fleet.sessions import SessionEntry
 
 
 @attrs.frozen(kw_only=True, slots=True)

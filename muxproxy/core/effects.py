@@ -34,11 +34,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ..config import Config
-from .commands import CancelTimer, CloseConnection, Command, SendData, SetTimer
-from .dates import HttpDate
-from .events import TimerId
-from .flow import BufferLimits
+from muxproxy.config import Config
+from muxproxy.core.commands import CancelTimer, CloseConnection, Command, SendData, SetTimer
+from muxproxy.core.events import TimerId
+from muxproxy.core.flow import BufferLimits
+from muxproxy.core.http.dates import HttpDate
 
 # The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
 READ_SIZE = 64 * 1024

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import attrs
 
-from ..config import Config
-from ..config.runtime import RuntimeState
-from ..fleet.budgets import Ask, Verdict
-from ..fleet.sessions import SessionEntry
-from .forwarded import Network
-from .timers import TimerId as TimerId
+from muxproxy.config import Config
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.http.forwarded import Network
+from muxproxy.core.timers import TimerId as TimerId
+from muxproxy.fleet.budgets import Ask, Verdict
+from muxproxy.fleet.sessions import SessionEntry
 
 ConnId = int
 

@@ -34,7 +34,8 @@ import attrs
 import h2.errors
 import hyperframe.frame
 
-from .commands import (
+from muxproxy.core.client.downstream import ClientState, Protocol
+from muxproxy.core.commands import (
     CloseConnection,
     Log,
     PauseReading,
@@ -42,18 +43,17 @@ from .commands import (
     SendData,
     ShutdownWrite,
 )
-from .continuing import ContinuedStream
-from .downstream import ClientState, Protocol
-from .exchange import Exchange
-from .faultplan import FaultPoint
-from .h2pool import H2State, H2Stream, H2Upstream
-from .pool import UpstreamConn, UpstreamState
-from .ports import Phase
-from .probes import Probe, ProbeState
-from .tables import CoreTables
-from .timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
-from .tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
-from .websocket import WebSocketExchange
+from muxproxy.core.exchange.exchange import Exchange
+from muxproxy.core.faultplan import FaultPoint
+from muxproxy.core.ports import Phase
+from muxproxy.core.streams.continuing import ContinuedStream
+from muxproxy.core.tables import CoreTables
+from muxproxy.core.timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
+from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
+from muxproxy.core.tunnel.websocket import WebSocketExchange
+from muxproxy.core.upstream.h2pool import H2State, H2Stream, H2Upstream
+from muxproxy.core.upstream.pool import UpstreamConn, UpstreamState
+from muxproxy.core.upstream.probes import Probe, ProbeState
 
 # Commands addressed to a connection that a failed call may have queued for it.
 _CONN_COMMANDS = (SendData, PauseReading, ResumeReading, ShutdownWrite, CloseConnection)

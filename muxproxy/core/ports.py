@@ -29,15 +29,15 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Protocol
 
-from ..config import Api, Route, Upstream
-from .bodyclock import SlowBody
-from .commands import Origin
-from .messages import Fields, Headers, RequestHead, ResponseHead
+from muxproxy.config import Api, Route, Upstream
+from muxproxy.core.commands import Origin
+from muxproxy.core.exchange.bodyclock import SlowBody
+from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
-    from ..routing.router import GroupRouter
-    from .defencelog import DefenceLog
-    from .measure import Measurements
+    from muxproxy.core.observe.defencelog import DefenceLog
+    from muxproxy.core.observe.measure import Measurements
+    from muxproxy.routing.router import GroupRouter
 
 
 class Phase(enum.Enum):

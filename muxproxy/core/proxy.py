@@ -22,17 +22,12 @@ from typing import Any, assert_never
 
 from mypy_extensions import mypyc_attr
 
-from ..config import Config, Upstream
-from ..config.runtime import RuntimeState
-from ..routing.router import GroupRouter
-from . import fleetadmit
-from .access import RequestIds
-from .commands import Command, Log, ResumeFetchCancel
-from .defencelog import KINDS as DEFENCE_KINDS
-from .defencelog import DefenceLog
-from .downstream import Downstream
-from .effects import READ_SIZE, Effects
-from .events import (
+from muxproxy.config import Config, Upstream
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.client.downstream import Downstream
+from muxproxy.core.commands import Command, Log, ResumeFetchCancel
+from muxproxy.core.effects import READ_SIZE, Effects
+from muxproxy.core.events import (
     BudgetAnswered,
     ConfigChanged,
     ConnectionAccepted,
@@ -50,27 +45,39 @@ from .events import (
     ShutdownRequested,
     Wakeup,
 )
-from .exchange import Exchange
-from .faultplan import FaultPlan, FaultPoint
-from .faults import Fault, Isolation
-from .flow import BufferLimits
-from .forwarded import is_trusted
-from .h2pool import H2Stream
-from .loadpoll import LoadPoll
-from .measure import Measurements
-from .messages import RequestHead
-from .pool import Pool, UpstreamConn
-from .ports import BackendConnection, ClientSide
-from .probes import Probe
-from .raising import raise_errors_from_environment
-from .replay import ReplayExchange, wants_resume
-from .resume import ResumeStore
-from .sessionshare import SessionSharing
-from .shutdown import Shutdown, refuse_client, stop_client
-from .statistics import ProxyStatistics, take_statistics
-from .timers import BackendTimer, ClientTimer, CoreTimer, ExchangeTimer, ProbeTimer, ResumeTimer
-from .tunnel import Tunnel
-from .websocket import WebSocketExchange, wants_tunnel
+from muxproxy.core.exchange import fleetadmit
+from muxproxy.core.exchange.exchange import Exchange
+from muxproxy.core.exchange.sessionshare import SessionSharing
+from muxproxy.core.faultplan import FaultPlan, FaultPoint
+from muxproxy.core.faults import Fault, Isolation
+from muxproxy.core.flow import BufferLimits
+from muxproxy.core.http.forwarded import is_trusted
+from muxproxy.core.messages import RequestHead
+from muxproxy.core.observe.access import RequestIds
+from muxproxy.core.observe.defencelog import KINDS as DEFENCE_KINDS
+from muxproxy.core.observe.defencelog import DefenceLog
+from muxproxy.core.observe.measure import Measurements
+from muxproxy.core.observe.statistics import ProxyStatistics, take_statistics
+from muxproxy.core.ports import BackendConnection, ClientSide
+from muxproxy.core.raising import raise_errors_from_environment
+from muxproxy.core.shutdown import Shutdown, refuse_client, stop_client
+from muxproxy.core.streams.replay import ReplayExchange, wants_resume
+from muxproxy.core.streams.resume import ResumeStore
+from muxproxy.core.timers import (
+    BackendTimer,
+    ClientTimer,
+    CoreTimer,
+    ExchangeTimer,
+    ProbeTimer,
+    ResumeTimer,
+)
+from muxproxy.core.tunnel.tunnel import Tunnel
+from muxproxy.core.tunnel.websocket import WebSocketExchange, wants_tunnel
+from muxproxy.core.upstream.h2pool import H2Stream
+from muxproxy.core.upstream.loadpoll import LoadPoll
+from muxproxy.core.upstream.pool import Pool, UpstreamConn
+from muxproxy.core.upstream.probes import Probe
+from muxproxy.routing.router import GroupRouter
 
 COUNTERS = ("internal_errors", *DEFENCE_KINDS)
 """The names in ``ProxyCore.counters``, each counted from 0 since the core started:

@@ -57,12 +57,12 @@ from collections.abc import Callable
 
 import h2.errors
 
-from .commands import Log
-from .downstream import ClientInput, Downstream
-from .faults import Fault, Isolation
-from .h2 import H2State
-from .tables import CoreTables
-from .timers import ClientTimer, CoreTimer
+from muxproxy.core.client.downstream import ClientInput, Downstream
+from muxproxy.core.commands import Log
+from muxproxy.core.faults import Fault, Isolation
+from muxproxy.core.http2.h2 import H2State
+from muxproxy.core.tables import CoreTables
+from muxproxy.core.timers import ClientTimer, CoreTimer
 
 GOAWAY_ACK_WAIT = 1.0
 """Seconds a graceful stop waits for the ACK of the PING sent with the first GOAWAY before the

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .downstream import Downstream
-from .effects import Effects
-from .exchange import Exchange
-from .faultplan import FaultPlan
-from .pool import Pool
-from .ports import BackendConnection
-from .probes import Probe
-from .tunnel import Tunnel
+from muxproxy.core.client.downstream import Downstream
+from muxproxy.core.effects import Effects
+from muxproxy.core.exchange.exchange import Exchange
+from muxproxy.core.faultplan import FaultPlan
+from muxproxy.core.ports import BackendConnection
+from muxproxy.core.tunnel.tunnel import Tunnel
+from muxproxy.core.upstream.pool import Pool
+from muxproxy.core.upstream.probes import Probe
 
 
 class CoreTables(Protocol):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..process import leaves
+from muxproxy.process.common import leaves
 
 EXIT_INTERRUPTED = 130
 """The exit status after Ctrl-C during the scripted run (as a shell reports SIGINT)."""
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed :func:`add_arguments` options; returns the exit status."""
     import trio
 
-    from .show import make_console, run_demo
-    from .stage import Settings
+    from muxproxy.demo.show import make_console, run_demo
+    from muxproxy.demo.stage import Settings
 
     settings = Settings(
         duration=args.duration,

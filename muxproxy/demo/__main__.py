@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from muxproxy.demo import main
 
 sys.exit(main())

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from ..testing.fakellm import reply_text
+from muxproxy.testing.fakellm import reply_text
 
 EVENTS_KEPT = 200
 """Event log lines kept (the live view shows the last few, the summary counts them all)."""

@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 import trio
 
-from ..config import Config, parse_config
-from ..testing.fakellm import FakeLLM, serve_fakellm
-from ..trio.local import serve_control
-from ..trio.server import ProxyServer
+from muxproxy.config import Config, parse_config
+from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
+from muxproxy.trio.local import serve_control
+from muxproxy.trio.server import ProxyServer
 
 GROUP = "gpus"
 CHAT_PATH = "/v1/chat/completions"

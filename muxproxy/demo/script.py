@@ -23,10 +23,10 @@ import signal
 
 import trio
 
-from .clients import admin_request
-from .fleet import GROUP, FakeGPU
-from .stage import Demo, read_status
-from .traffic import run_traffic
+from muxproxy.demo.clients import admin_request
+from muxproxy.demo.fleet import GROUP, FakeGPU
+from muxproxy.demo.stage import Demo, read_status
+from muxproxy.demo.traffic import run_traffic
 
 KILL_AT = 0.28
 """When the kill phase begins (a fraction of the duration)."""

@@ -13,11 +13,11 @@ import trio
 from rich.console import Console, RenderableType
 from rich.live import Live
 
-from ..testing.fakellm import MODEL
-from .fleet import CHAT_PATH, GROUP, SESSION_HEADER
-from .script import run_script, wait_for_interrupt
-from .stage import Demo, Settings, start_demo, watch_status
-from .view import Traffic, event_line, live_view, print_summary
+from muxproxy.demo.fleet import CHAT_PATH, GROUP, SESSION_HEADER
+from muxproxy.demo.script import run_script, wait_for_interrupt
+from muxproxy.demo.stage import Demo, Settings, start_demo, watch_status
+from muxproxy.demo.view import Traffic, event_line, live_view, print_summary
+from muxproxy.testing.fakellm import MODEL
 
 REFRESH = 0.25
 """Seconds between two frames of the live view."""

@@ -14,11 +14,19 @@ from functools import partial
 import attrs
 import trio
 
-from ..core.commands import Log
-from ..testing.fakellm import FakeLLM
-from .board import Backend, Board, plural
-from .clients import H1Client, H2Client, admin_request
-from .fleet import GROUP, FakeGPU, Proxy, build_config, config_table, start_gpu, start_proxy
+from muxproxy.core.commands import Log
+from muxproxy.demo.board import Backend, Board, plural
+from muxproxy.demo.clients import H1Client, H2Client, admin_request
+from muxproxy.demo.fleet import (
+    GROUP,
+    FakeGPU,
+    Proxy,
+    build_config,
+    config_table,
+    start_gpu,
+    start_proxy,
+)
+from muxproxy.testing.fakellm import FakeLLM
 
 STATUS_EVERY = 0.25
 """Seconds between two reads of the admin API's ``/status`` (the view's weights and states)."""

@@ -17,11 +17,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..testing.fakellm import MODEL
-from .board import Conversation, Turn
-from .clients import H1Client, RequestFailed
-from .fleet import CHAT_PATH, SESSION_HEADER
-from .stage import Demo
+from muxproxy.demo.board import Conversation, Turn
+from muxproxy.demo.clients import H1Client, RequestFailed
+from muxproxy.demo.fleet import CHAT_PATH, SESSION_HEADER
+from muxproxy.demo.stage import Demo
+from muxproxy.testing.fakellm import MODEL
 
 TURNS = (3, 5)
 """Turns per conversation, at least and at most."""

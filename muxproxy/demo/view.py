@@ -16,7 +16,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from .board import BackendFigures, Board, Stickiness, percentile, plural
+from muxproxy.demo.board import BackendFigures, Board, Stickiness, percentile, plural
 
 EVENTS_SHOWN = 10
 """Event log lines in the live view."""

@@ -41,7 +41,7 @@ import math
 
 import attrs
 
-from ..routing.ratelimit import CONCURRENCY_RETRY, Budget, Refusal, budget_headers
+from muxproxy.routing.ratelimit import CONCURRENCY_RETRY, Budget, Refusal, budget_headers
 
 __all__ = [
     "ANNOUNCE",

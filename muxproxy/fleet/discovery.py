@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from ..config import Config, Server
-from ..config.discovery import Discover
+from muxproxy.config import Config, Server
+from muxproxy.config.discovery import Discover
 
 __all__ = [
     "MIN_INTERVAL",

@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from ..config.runtime import RuntimeState
+from muxproxy.config.runtime import RuntimeState
 
 __all__ = [
     "CAS_SCRIPT",

@@ -23,7 +23,8 @@ Invariants:
   held only if it was sent later, so entries that cross in flight settle the same way in
   every process; one older than ``idle`` is not taken.
 - Sharing costs nothing unless asked for: with ``share`` set, each ``sent`` also calls it
-  with the hash, the address and the time (the core batches them, ``core/sessionshare.py``).
+  with the hash, the address and the time (the core batches them,
+  ``core/exchange/sessionshare.py``).
 - Servers are named by address, not by position: a reload that adds, removes or reorders
   servers keeps every entry meaningful, and one memory can serve the routers before and
   after it. A key of a server no longer in the group is ignored by the router and replaced

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..config import HealthCheck, Server
+from muxproxy.config import HealthCheck, Server
 
 __all__ = ["ActiveHealth", "PassiveHealth", "usable_servers"]
 

@@ -38,8 +38,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from .balancer import rendezvous_order
-from .loadreport import LoadReport
+from muxproxy.routing.balancer import rendezvous_order
+from muxproxy.routing.loadreport import LoadReport
 
 __all__ = [
     "REPORT_LIFETIMES",

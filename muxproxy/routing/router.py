@@ -62,15 +62,20 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 
-from ..config import AffinityMode, Balance, Upstream
-from ..config.runtime import RuntimeState, ServerOverride
-from .admission import FairQueue
-from .affinity import Affinity
-from .balancer import SmoothWeightedRoundRobin, least_streams, rendezvous_order, server_id
-from .health import ActiveHealth, PassiveHealth, usable_servers
-from .load import Sampler, ServerLoads, Ticket, bounded_order, power_of_two
-from .loadreport import LoadReport
-from .ratelimit import Budget, RateLimiter
+from muxproxy.config import AffinityMode, Balance, Upstream
+from muxproxy.config.runtime import RuntimeState, ServerOverride
+from muxproxy.routing.admission import FairQueue
+from muxproxy.routing.affinity import Affinity
+from muxproxy.routing.balancer import (
+    SmoothWeightedRoundRobin,
+    least_streams,
+    rendezvous_order,
+    server_id,
+)
+from muxproxy.routing.health import ActiveHealth, PassiveHealth, usable_servers
+from muxproxy.routing.load import Sampler, ServerLoads, Ticket, bounded_order, power_of_two
+from muxproxy.routing.loadreport import LoadReport
+from muxproxy.routing.ratelimit import Budget, RateLimiter
 
 _NO_OVERRIDE = ServerOverride()
 RAMP_SCALE = 1000
@@ -111,7 +116,7 @@ class GroupRouter:
         """Per-tenant budgets (``rate_limit``), or None."""
         self.share: RateLimiter | None = None
         """With a fleet store that cannot be reached: this replica's share of the budgets
-        (``core/fleetadmit.py``), made on first use."""
+        (``core/exchange/fleetadmit.py``), made on first use."""
         self.successor: GroupRouter | None = None
         """The router that replaced this one on a reload that changed the servers."""
         self._moved: list[int | None] = []
@@ -322,7 +327,7 @@ class GroupRouter:
         )
 
     def load_reported(self, index: int, report: LoadReport, now: float) -> None:
-        """The engine of ``index`` reported its load (``core/loadpoll.py``)."""
+        """The engine of ``index`` reported its load (``core/upstream/loadpoll.py``)."""
         self.loads.report(index, report, now)
 
     def _takes_existing(self, index: int, now: float) -> bool:

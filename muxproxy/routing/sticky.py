@@ -16,8 +16,8 @@ import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import unquote_to_bytes
 
-from ..config import HeaderRule, SessionSource, StickyCookie
-from .llmrequest import parse_json_body
+from muxproxy.config import HeaderRule, SessionSource, StickyCookie
+from muxproxy.routing.llmrequest import parse_json_body
 
 __all__ = [
     "apply_header_rules",

@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import h11
 
-from ..core.commands import (
+from muxproxy.core.commands import (
     BudgetReserve,
     BudgetSettle,
     CancelTimer,
@@ -55,7 +55,7 @@ from ..core.commands import (
     SetTimer,
     ShutdownWrite,
 )
-from ..core.events import (
+from muxproxy.core.events import (
     BudgetAnswered,
     ConnectionAccepted,
     ConnectionClosed,
@@ -68,7 +68,7 @@ from ..core.events import (
     TimerId,
     Wakeup,
 )
-from ..core.proxy import ProxyCore
+from muxproxy.core.proxy import ProxyCore
 
 MAX_EVENTS = 20_000
 """Events one conversation may cause by default; a well-formed one needs a few hundred."""

@@ -67,12 +67,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from ..asgi import serve_lifespan
-from ..config.admin import is_loopback
-from ..config.ranges import SERVER_WEIGHT
-from ..config.records import ADMIN_TOKEN_ENV
-from ..core.credentials import normal_credentials
-from .control import AdminError, Control, Readiness
+from muxproxy.asgi import serve_lifespan
+from muxproxy.config.admin import is_loopback
+from muxproxy.config.ranges import SERVER_WEIGHT
+from muxproxy.config.records import ADMIN_TOKEN_ENV
+from muxproxy.core.http.credentials import normal_credentials
+from muxproxy.trio.control import AdminError, Control, Readiness
 
 __all__ = [
     "BODY_TIMEOUT",

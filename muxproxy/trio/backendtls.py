@@ -22,7 +22,7 @@ import ssl
 
 import trio
 
-from ..core.commands import Origin
+from muxproxy.core.commands import Origin
 
 __all__ = ["BackendTLS", "BackendTLSError"]
 

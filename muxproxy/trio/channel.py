@@ -1,4 +1,4 @@
-"""The control channel between the supervisor and one worker (:mod:`muxproxy.workers`).
+"""The control channel between the supervisor and one worker (:mod:`muxproxy.process.workers`).
 
 One ``AF_UNIX`` ``SOCK_STREAM`` socketpair per worker; both ends speak the same framing:
 

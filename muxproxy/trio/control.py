@@ -33,16 +33,16 @@ from typing import TYPE_CHECKING, Any, Protocol, assert_never
 import attrs
 import trio
 
-from ..config import Config, ConfigError, load_config
-from ..config.runtime import RuntimeState, load_state, resolve_server, save_state
-from ..fleet.state import StoreUnavailable
-from .discovery import with_discovery
-from .metrics import render
-from .server import Phase
+from muxproxy.config import Config, ConfigError, load_config
+from muxproxy.config.runtime import RuntimeState, load_state, resolve_server, save_state
+from muxproxy.fleet.state import StoreUnavailable
+from muxproxy.trio.discovery import with_discovery
+from muxproxy.trio.metrics import render
+from muxproxy.trio.server import Phase
 
 if TYPE_CHECKING:
-    from .fleetstate import FleetSync
-    from .server import ProxyServer
+    from muxproxy.trio.fleetstate import FleetSync
+    from muxproxy.trio.server import ProxyServer
 
 __all__ = [
     "AdminError",

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..config import Config
-from ..config.discovery import Discover, RecordKind
-from ..config.fleet import ResolverSettings
-from ..core.series import DISCOVERY_METRICS, PREFIX, SNAPSHOT_FORMAT
-from ..fleet.discovery import (
+from muxproxy.config import Config
+from muxproxy.config.discovery import Discover, RecordKind
+from muxproxy.config.fleet import ResolverSettings
+from muxproxy.core.observe.series import DISCOVERY_METRICS, PREFIX, SNAPSHOT_FORMAT
+from muxproxy.fleet.discovery import (
     Answer,
     Failure,
     Known,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..core.commands import (
+from muxproxy.core.commands import (
     BudgetReserve,
     BudgetSettle,
     CancelTimer,
@@ -51,7 +51,7 @@ from ..core.commands import (
     SetTimer,
     ShutdownWrite,
 )
-from ..core.events import (
+from muxproxy.core.events import (
     ConnectionClosed,
     ConnectionOpened,
     DataReceived,
@@ -62,19 +62,19 @@ from ..core.events import (
     TimerId,
     Wakeup,
 )
-from ..core.proxy import ProxyCore
-from ..core.raising import raised_by_handle
-from . import reactor
-from .backendtls import BackendTLS, BackendTLSError
-from .logs import drop_access
-from .reactor import Reactor
-from .socketconn import SocketConn
-from .sockets import detach_socket, is_ip_address, set_nodelay
-from .timerheap import TimerHeap
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.raising import raised_by_handle
+from muxproxy.trio import reactor
+from muxproxy.trio.backendtls import BackendTLS, BackendTLSError
+from muxproxy.trio.logs import drop_access
+from muxproxy.trio.reactor import Reactor
+from muxproxy.trio.socketconn import SocketConn
+from muxproxy.trio.sockets import detach_socket, is_ip_address, set_nodelay
+from muxproxy.trio.timerheap import TimerHeap
 
 if TYPE_CHECKING:
-    from .fleetbudgets import FleetBudgets
-    from .resumestore import ResumeStores
+    from muxproxy.trio.fleetbudgets import FleetBudgets
+    from muxproxy.trio.resumestore import ResumeStores
 
 
 def _nothing() -> None:
@@ -478,7 +478,7 @@ class Driver:
             type(conn) is StreamConn
             and not conn.closing
             # TLS (``SSLStream``) cannot half-close: nothing is sent (see ``ShutdownWrite``;
-            # a tunnel never asks it of a TLS side, ``core/tunnel.py``).
+            # a tunnel never asks it of a TLS side, ``core/tunnel/tunnel.py``).
             and isinstance(conn.stream, trio.abc.HalfCloseableStream)
         ):
             conn.shutdown_wanted = True
@@ -557,7 +557,7 @@ class Driver:
     def _stores(self) -> ResumeStores:
         stores = self._resume_stores
         if stores is None:
-            from .resumestore import ResumeStores
+            from muxproxy.trio.resumestore import ResumeStores
 
             stores = self._resume_stores = ResumeStores(self)
         return stores
@@ -565,7 +565,7 @@ class Driver:
     def _budgets(self) -> FleetBudgets:
         budgets = self._fleet_budgets
         if budgets is None:
-            from .fleetbudgets import FleetBudgets
+            from muxproxy.trio.fleetbudgets import FleetBudgets
 
             budgets = self._fleet_budgets = FleetBudgets(self)
         return budgets

@@ -1,4 +1,5 @@
-"""Fleet-wide budgets, the driver's side: the store's round trips for ``core/fleetadmit.py``.
+"""Fleet-wide budgets, the driver's side: the store's round trips for
+``core/exchange/fleetadmit.py``.
 
 What it obeys, and why (the scripts and their rules are ``fleet/budgets.py``):
 
@@ -42,9 +43,9 @@ import coredis
 import trio
 from coredis.exceptions import RedisError
 
-from ..core.commands import BudgetReserve, BudgetSettle, Log
-from ..core.events import BudgetAnswered
-from ..fleet.budgets import (
+from muxproxy.core.commands import BudgetReserve, BudgetSettle, Log
+from muxproxy.core.events import BudgetAnswered
+from muxproxy.fleet.budgets import (
     ANNOUNCE,
     HEARTBEAT,
     LEASE_TTL,
@@ -63,12 +64,12 @@ from ..fleet.budgets import (
     reserve_args,
     settle_args,
 )
-from .redis import client_of, keep_serving, redacted
+from muxproxy.trio.redis import client_of, keep_serving, redacted
 
 if TYPE_CHECKING:
     from coredis.commands.script import Script
 
-    from .storehost import StoreHost
+    from muxproxy.trio.storehost import StoreHost
 
 SETTLE_QUEUE = 8192
 """Settles waiting for a store's writer; past it they are dropped (and counted)."""

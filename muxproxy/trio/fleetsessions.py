@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
-from ..config import Config
-from ..core.commands import Log, SessionsRemembered
-from ..core.events import SessionsLearned
-from ..core.series import METRICS, SNAPSHOT_FORMAT
-from ..core.series import PREFIX as PREFIX_METRICS
-from ..fleet.sessions import (
+from muxproxy.config import Config
+from muxproxy.core.commands import Log, SessionsRemembered
+from muxproxy.core.events import SessionsLearned
+from muxproxy.core.observe.series import METRICS, SNAPSHOT_FORMAT
+from muxproxy.core.observe.series import PREFIX as PREFIX_METRICS
+from muxproxy.fleet.sessions import (
     SessionEntry,
     SessionMemory,
     chunks,
@@ -65,16 +65,16 @@ from ..fleet.sessions import (
     message_from_wire,
     stored_item,
 )
-from ..routing.affinity import DEFAULT_LIMIT
-from .redis import client_of, keep_serving, redacted, store_errors
+from muxproxy.routing.affinity import DEFAULT_LIMIT
+from muxproxy.trio.redis import client_of, keep_serving, redacted, store_errors
 
 if TYPE_CHECKING:
     import coredis
 
-    from ..core.proxy import ProxyCore
-    from .channel import Message
-    from .driver import Driver
-    from .workerproc import Worker
+    from muxproxy.core.proxy import ProxyCore
+    from muxproxy.trio.channel import Message
+    from muxproxy.trio.driver import Driver
+    from muxproxy.trio.workerproc import Worker
 
 PREFIX = "muxproxy:fleet:"
 CHANNEL = PREFIX + "sessions"
@@ -475,7 +475,7 @@ class SessionRelay:
         return out
 
     def snapshot_metrics(self) -> dict[str, Any]:
-        """The supervisor's own measurements (a snapshot, ``core/series.py``'s format): the
+        """The supervisor's own measurements (a snapshot, ``core/observe/series.py``'s format): the
         failures of its bridge to the store, which the workers' snapshots cannot count."""
         name = PREFIX_METRICS + "sessions_store_errors_total"
         kind, labels, help_text = METRICS["sessions_store_errors_total"]

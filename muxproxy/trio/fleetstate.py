@@ -43,10 +43,10 @@ import coredis
 import trio
 from coredis.exceptions import RedisError
 
-from ..config.fleet import FleetSettings
-from ..config.runtime import RuntimeState, save_state
-from ..core.series import GAUGE, METRICS, PREFIX, SNAPSHOT_FORMAT
-from ..fleet.state import (
+from muxproxy.config.fleet import FleetSettings
+from muxproxy.config.runtime import RuntimeState, save_state
+from muxproxy.core.observe.series import GAUGE, METRICS, PREFIX, SNAPSHOT_FORMAT
+from muxproxy.fleet.state import (
     CAS_SCRIPT,
     CHANNEL,
     SEED_SCRIPT,
@@ -59,10 +59,10 @@ from ..fleet.state import (
     document_from_hash,
     document_from_message,
 )
-from ..process import leaves
+from muxproxy.process.common import leaves
 
 # The one way a store URL (redis://, rediss://, redis+sentinel://) becomes a client.
-from .redis import client_of
+from muxproxy.trio.redis import client_of
 
 __all__ = ["CAS_ATTEMPTS", "FleetSync", "StoreUnavailable", "shown_url"]
 
@@ -138,7 +138,7 @@ class FleetSync:
         }
 
     def snapshot(self) -> dict[str, Any]:
-        """The fleet's metrics as a measurements snapshot (``muxproxy.core.series``)."""
+        """The fleet's metrics as a measurements snapshot (``muxproxy.core.observe.series``)."""
         age = self._sync_age()
         if age is None:  # never synced: as old as the process's wait for the store
             now = trio.current_time()

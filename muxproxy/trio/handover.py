@@ -1,7 +1,7 @@
 """Listening sockets the supervisor binds and hands to its workers, and the worker's payload.
 
-The supervisor of ``serve --workers N`` (:mod:`muxproxy.workers`) binds every listening socket
-itself, so that sockets outlive any one worker: a connection waiting in an accept queue is
+The supervisor of ``serve --workers N`` (:mod:`muxproxy.process.workers`) binds every listening
+socket itself, so that sockets outlive any one worker: a connection waiting in an accept queue is
 never lost when the worker that would have accepted it stops, because the socket (and its
 queue) is still open in the supervisor and in the worker that takes the slot over.
 
@@ -43,8 +43,8 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from ..config import Config, Listener
-from .listeners import BACKLOG
+from muxproxy.config import Config, Listener
+from muxproxy.trio.listeners import BACKLOG
 
 SlotSockets = list[list[socket.socket]]
 """Per slot, the sockets of one listener address (one per resolved address)."""

@@ -5,7 +5,7 @@ bound on the client connections served at once (:class:`ConnectionSlots`).
 :func:`open_listeners` and :func:`bind_listeners` are ``trio.open_tcp_listeners`` with one
 addition, ``reuse_port``, and plain ``socket.socket`` results (the accept loops call
 ``accept`` on them directly). With ``reuse_port`` every socket sets ``SO_REUSEPORT`` before
-``bind``, so several worker processes (see :mod:`muxproxy.workers`) can listen on the same
+``bind``, so several worker processes (see :mod:`muxproxy.process.workers`) can listen on the same
 address and the Linux kernel spreads new connections across them by a hash of the 4-tuple.
 Every socket in such a group must set the option, and all must belong to the same user; a
 socket that is bound but not listening (the supervisor's port reservation) is in the group but
@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..config import Listener
+from muxproxy.config import Listener
 
 BACKLOG = max(4096, socket.SOMAXCONN)
 """Listen backlog: a burst of connects queues in the kernel, which costs us nothing, rather

@@ -14,11 +14,11 @@ from functools import partial
 
 import trio
 
-from ..config import Config
-from ..config.runtime import RuntimeState
-from .admin import serve_admin
-from .control import LocalControl, apply_saved_state
-from .server import ProxyServer
+from muxproxy.config import Config
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.trio.admin import serve_admin
+from muxproxy.trio.control import LocalControl, apply_saved_state
+from muxproxy.trio.server import ProxyServer
 
 __all__ = ["serve_control", "serve_local"]
 
@@ -42,7 +42,9 @@ async def serve_control(
     control = LocalControl(server, config_path=config_path, state=state)
     async with trio.open_nursery() as nursery:
         if config.fleet is not None:
-            from .fleetstate import FleetSync  # coredis only where a store is configured
+            from muxproxy.trio.fleetstate import (
+                FleetSync,  # coredis only where a store is configured
+            )
 
             control.fleet = FleetSync(
                 config.fleet,

@@ -36,10 +36,10 @@ import sys
 from collections.abc import Mapping
 from typing import IO, Any
 
-from ..config import LogSettings
-from ..core.access import FIELDS
-from ..core.commands import Log
-from ..core.defencelog import KINDS as DEFENCE_KINDS
+from muxproxy.config import LogSettings
+from muxproxy.core.commands import Log
+from muxproxy.core.observe.access import FIELDS
+from muxproxy.core.observe.defencelog import KINDS as DEFENCE_KINDS
 
 error_log = logging.getLogger("muxproxy")
 """The error log. Driver code that has something to say (a refused reload, an admin change)

@@ -1,7 +1,7 @@
 """The Prometheus exposition of the core's measurements: ``render(snapshots) -> bytes``.
 
-The core measures (``muxproxy.core.measure``: plain counters and fixed-bucket histograms) and
-hands out snapshots as data; each worker's snapshot reaches whoever serves ``/metrics``, which
+The core measures (``muxproxy.core.observe.measure``: plain counters and fixed-bucket histograms)
+and hands out snapshots as data; each worker's snapshot reaches whoever serves ``/metrics``, which
 merges them (``series.merge``: sums, and min / max for the gauges that say so) and renders
 the result here with prometheus_client's public API: a ``Collector`` yielding metric families
 into a private ``CollectorRegistry``, written by ``generate_latest`` in the text format
@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..core.series import COUNTER, GAUGE, merge
+from muxproxy.core.observe.series import COUNTER, GAUGE, merge
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Content-Type of what ``render`` returns (Prometheus text format 0.0.4)."""

@@ -66,11 +66,11 @@ from time import perf_counter
 
 import trio
 
-from ..core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
-from ..core.proxy import ProxyCore
-from ..core.raising import raised_by_handle
-from .sink import Sink
-from .socketconn import SocketConn
+from muxproxy.core.events import ConnectionOpened, DataReceived, InputEnded, OpenFailed
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.raising import raised_by_handle
+from muxproxy.trio.sink import Sink
+from muxproxy.trio.socketconn import SocketConn
 
 EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)

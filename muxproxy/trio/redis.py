@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from ..config.storeurl import is_sentinel, parse_sentinel, redacted
+from muxproxy.config.storeurl import is_sentinel, parse_sentinel, redacted
 
 if TYPE_CHECKING:
     import coredis

@@ -1,7 +1,7 @@
 """The shared resume store: resumable SSE streams kept in Redis, for other workers and replicas.
 
-What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`` and
-``core/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
+What it obeys, and why (``docs/resume.md``; the core's side is ``core/streams/resume.py`` and
+``core/streams/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
 
 - **Layout.** Per stream token two keys: ``muxproxy:resume:{<token>}:events``, a Redis Stream
   whose entry ids are ``0-<seq>`` (``XADD`` with explicit ids, so an entry's id *is* its
@@ -26,7 +26,7 @@ What it obeys, and why (``docs/resume.md``; the core's side is ``core/resume.py`
   crash): it ends at once with what the store holds, state ``lost``, instead of waiting for
   an end nobody will write.
 - **Nothing read is trusted.** Every meta hash, entry id and event is checked
-  (``core/storedrecords.py``) before use; a bad record is logged
+  (``core/streams/storedrecords.py``) before use; a bad record is logged
   (``resume_store_bad_record``, with the token and the reason) and the resume is ``corrupt``
   (a 502), never relayed.
 - **Never block the core.** Appends go through a bounded queue to one task per store; a full
@@ -59,7 +59,7 @@ from coredis.exceptions import ConnectionError as StoreConnectionError
 from coredis.exceptions import RedisError
 from coredis.tokens import PureToken
 
-from ..core.commands import (
+from muxproxy.core.commands import (
     Log,
     ResumeAppend,
     ResumeFetch,
@@ -67,8 +67,8 @@ from ..core.commands import (
     ResumeFetchMore,
     ResumeProbe,
 )
-from ..core.events import ResumedHead, ResumeFetched, ResumeProbed
-from ..core.storedrecords import (
+from muxproxy.core.events import ResumedHead, ResumeFetched, ResumeProbed
+from muxproxy.core.streams.storedrecords import (
     BadRecord,
     StoredMeta,
     stored_event,
@@ -76,10 +76,10 @@ from ..core.storedrecords import (
     stored_seq,
     stored_state,
 )
-from .redis import client_of, keep_serving, redacted
+from muxproxy.trio.redis import client_of, keep_serving, redacted
 
 if TYPE_CHECKING:
-    from .storehost import StoreHost
+    from muxproxy.trio.storehost import StoreHost
 
 APPEND_QUEUE = 4096
 """Appends waiting for a store's writer; past it they are dropped (and counted): a store
@@ -349,7 +349,7 @@ class ResumeStores:
         try:
             await self._follow_checked(client, fetch)
         except BadRecord as bad:
-            # Not ours, or damaged: never relayed (``core/storedrecords.py``).
+            # Not ours, or damaged: never relayed (``core/streams/storedrecords.py``).
             self.driver.log(
                 Log(
                     event="resume_store_bad_record",

@@ -22,8 +22,8 @@ LLM fleets expect):
   kernel; sockets it adopted (``listen_sockets``, handed over by a supervisor that gives the
   same socket to the next process) are only no longer accepted on. The core gets
   ``ShutdownRequested(deadline=now + timeouts.shutdown_grace)``: it takes no new request and
-  lets the running streams finish. The driver reports after each batch of commands, so the
-  moment the core is ``drained`` is seen without polling.
+  lets the running streams finish; the driver reports after each batch of commands, so a
+  ``drained`` core is seen without polling.
 * ``CUTTING``: the deadline passed, or a second ``request_shutdown``: the core gets
   ``ShutdownRequested(deadline=now)`` and cuts what is left.
 * Either way, once drained (or ``FLUSH_TIME`` after the cut), the last client sockets get
@@ -43,15 +43,15 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import trio
 
-from ..config import Config, Listener
-from ..config.runtime import RuntimeState
-from ..core.commands import SessionsRemembered
-from ..core.events import ConfigChanged, ConnectionAccepted, RuntimeChanged, ShutdownRequested
-from ..core.proxy import ProxyCore
-from ..fleet.discovery import Target, with_discovered
-from .discovery import Discovery
-from .driver import Driver
-from .listeners import (
+from muxproxy.config import Config, Listener
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core import events
+from muxproxy.core.commands import SessionsRemembered
+from muxproxy.core.proxy import ProxyCore
+from muxproxy.fleet.discovery import Target, with_discovered
+from muxproxy.trio.discovery import Discovery
+from muxproxy.trio.driver import Driver
+from muxproxy.trio.listeners import (
     Address,
     ConnectionSlots,
     Listening,
@@ -61,10 +61,10 @@ from .listeners import (
     listener_keys,
     open_listeners,
 )
-from .logs import LogSink, configure_error_log
-from .reactor import tune
-from .servertls import server_ssl_context
-from .sockets import set_nodelay
+from muxproxy.trio.logs import LogSink, configure_error_log
+from muxproxy.trio.reactor import tune
+from muxproxy.trio.servertls import server_ssl_context
+from muxproxy.trio.sockets import set_nodelay
 
 ACCEPT_BATCH = 256
 """Connections an accept loop takes per wake-up, at most, before letting other tasks run."""
@@ -129,7 +129,7 @@ class ProxyServer:
         """Each discovering group's last good set (``fleet/discovery.py``)."""
         self.discovery = Discovery(lambda: self.config, self._discovered) if discover else None
         self.reuse_port = reuse_port
-        """Listen with ``SO_REUSEPORT``: a worker sharing its ports (:mod:`muxproxy.workers`)."""
+        """Listen with ``SO_REUSEPORT``: a worker sharing its ports (``process/workers.py``)."""
         self.core = ProxyCore(config, raise_errors=raise_errors)
         self.driver: Driver | None = None
         self.phase = Phase.NEW
@@ -186,7 +186,7 @@ class ProxyServer:
                 driver.on_sessions = self.on_sessions
                 driver.start()
                 if self.config.fleet is not None and self.store_sessions:
-                    from .fleetsessions import attach_store
+                    from muxproxy.trio.fleetsessions import attach_store
 
                     attach_store(self, nursery)
                 if self.discovery is not None:
@@ -194,9 +194,8 @@ class ProxyServer:
                     await self.discovery.first_round()
                     nursery.start_soon(self.discovery.run)
                 # The core's first event: it arms what runs by itself (health checks).
-                driver.feed(
-                    ConfigChanged(now=trio.current_time(), config=self.config, wall=time.time())
-                )
+                now = trio.current_time()
+                driver.feed(events.ConfigChanged(now=now, config=self.config, wall=time.time()))
                 self._core_configured = True
                 self._listening = await self._open(self.config.listeners)
                 for listening in self._listening:
@@ -235,7 +234,7 @@ class ProxyServer:
                 assert driver is not None
                 # Before the event: feeding it may drain the core at once (nothing running).
                 driver.on_settled = self._settled
-                driver.feed(ShutdownRequested(now=now, deadline=self._deadline))
+                driver.feed(events.ShutdownRequested(now=now, deadline=self._deadline))
                 self._stop_begun.set()
             case Phase.DRAINING:
                 self._cut_now(now, forced=True)
@@ -298,7 +297,7 @@ class ProxyServer:
         self.config = config
         self.connection_slots.resize(config.limits.max_client_connections)
         configure_error_log(config.log.level)
-        driver.feed(ConfigChanged(now=trio.current_time(), config=config, wall=time.time()))
+        driver.feed(events.ConfigChanged(now=trio.current_time(), config=config, wall=time.time()))
         self.generation += 1
         if self.discovery is not None:
             self.discovery.wake()  # a group's discover table may have changed
@@ -319,7 +318,7 @@ class ProxyServer:
         self.config = config
         if self.driver is not None and self._core_configured:
             now = trio.current_time()
-            self.driver.feed(ConfigChanged(now=now, config=config, wall=time.time()))
+            self.driver.feed(events.ConfigChanged(now=now, config=config, wall=time.time()))
 
     async def _discovered(self, sets: Mapping[str, Sequence[Target]]) -> None:
         self.apply_discovered(sets)
@@ -330,9 +329,9 @@ class ProxyServer:
         ``run`` the core takes it at once and keeps it for the configuration to come."""
         if self.driver is None:
             # Nothing runs yet (maybe no Trio either): the core keeps it; its Log is dropped.
-            self.core.handle(RuntimeChanged(now=self.core.now, state=state))
+            self.core.handle(events.RuntimeChanged(now=self.core.now, state=state))
         else:
-            self.driver.feed(RuntimeChanged(now=trio.current_time(), state=state))
+            self.driver.feed(events.RuntimeChanged(now=trio.current_time(), state=state))
 
     def streams_in_flight(self) -> int:
         """Streams (exchanges) running now."""
@@ -376,7 +375,7 @@ class ProxyServer:
             self._grace_scope.deadline = now
         driver = self.driver
         assert driver is not None
-        driver.feed(ShutdownRequested(now=now, deadline=now))
+        driver.feed(events.ShutdownRequested(now=now, deadline=now))
 
     def _settled(self, now: float) -> None:
         """After each batch of commands while stopping (``Driver.on_settled``)."""
@@ -573,7 +572,7 @@ class ProxyServer:
         """Tell the core about client connection ``ident`` (registered with the driver)."""
         assert self.driver is not None
         self.driver.feed(
-            ConnectionAccepted(
+            events.ConnectionAccepted(
                 now=trio.current_time(),
                 conn=ident,
                 listener=listener.address,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ssl
 
-from ..config import Listener
+from muxproxy.config import Listener
 
 __all__ = ["server_ssl_context"]
 

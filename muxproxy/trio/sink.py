@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..core.events import Event
+from muxproxy.core.events import Event
 
 
 class Sink(Protocol):

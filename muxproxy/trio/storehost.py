@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import trio
 
-    from ..core.commands import Log
-    from ..core.events import Event
-    from ..core.proxy import ProxyCore
+    from muxproxy.core.commands import Log
+    from muxproxy.core.events import Event
+    from muxproxy.core.proxy import ProxyCore
 
 __all__ = ["StoreHost"]
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import trio
 
-from ..core.commands import CancelTimer, SetTimer
-from ..core.events import TimerId
+from muxproxy.core.commands import CancelTimer, SetTimer
+from muxproxy.core.events import TimerId
 
 __all__ = ["TimerHeap"]
 

@@ -1,7 +1,7 @@
 """A worker process of ``muxproxy serve --workers N``, steered by its supervisor.
 
-The supervisor (:mod:`muxproxy.workers`) starts it as ``python -c`` (:data:`WORKER_CODE`) with
-a pickled :class:`~muxproxy.trio.handover.WorkerPayload` on stdin: the configuration, the
+The supervisor (:mod:`muxproxy.process.workers`) starts it as ``python -c`` (:data:`WORKER_CODE`)
+with a pickled :class:`~muxproxy.trio.handover.WorkerPayload` on stdin: the configuration, the
 listening sockets of its slot (already bound and listening; the worker never binds) and its
 end of the control channel (:mod:`muxproxy.trio.channel`). It serves them with one
 :class:`~muxproxy.trio.server.ProxyServer` and talks to the supervisor in JSON lines:
@@ -61,16 +61,22 @@ from typing import Any
 import attrs
 import trio
 
-from ..config import Config
-from ..config.runtime import RuntimeState
-from ..core.commands import SessionsRemembered
-from ..fleet.discovery import Target
-from ..fleet.sessions import entries_from_wire, entries_to_wire
-from ..process import EXIT_FAILURE, EXIT_OK, freeze_startup_heap, leaves, reopen_access_log
-from .channel import Channel, ChannelError, Message
-from .fleetsessions import learn, shifted, wall_offset
-from .handover import WorkerPayload
-from .server import ProxyServer
+from muxproxy.config import Config
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.commands import SessionsRemembered
+from muxproxy.fleet.discovery import Target
+from muxproxy.fleet.sessions import entries_from_wire, entries_to_wire
+from muxproxy.process.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    freeze_startup_heap,
+    leaves,
+    reopen_access_log,
+)
+from muxproxy.trio.channel import Channel, ChannelError, Message
+from muxproxy.trio.fleetsessions import learn, shifted, wall_offset
+from muxproxy.trio.handover import WorkerPayload
+from muxproxy.trio.server import ProxyServer
 
 log = logging.getLogger("muxproxy")
 

@@ -1,6 +1,6 @@
 """One worker process of ``serve --workers N`` as its supervisor sees it.
 
-:class:`Worker` is the supervisor's record of one process (:mod:`muxproxy.workers`): its
+:class:`Worker` is the supervisor's record of one process (:mod:`muxproxy.process.workers`): its
 slot, its control channel (:mod:`muxproxy.trio.channel`), the state it is in and its
 answers. A request to a worker carries an ``id`` that its answer repeats; an answer that
 comes after its request gave up waiting is dropped by the supervisor. Below: the
@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..core.series import GAUGE, merge
-from .channel import Channel, Message
+from muxproxy.core.observe.series import GAUGE, merge
+from muxproxy.trio.channel import Channel, Message
 
 REPLY_TIMEOUT = 5.0
 """Seconds a worker has to answer a request on its control channel."""

@@ -1,6 +1,6 @@
 """A reload of ``serve --workers N`` (SIGHUP, or ``POST /reload``), as the workers take it.
 
-The supervisor (:mod:`muxproxy.workers`) decides whether a reload is applied; this module
+The supervisor (:mod:`muxproxy.process.workers`) decides whether a reload is applied; this module
 does its two steps that stand alone:
 
 * :func:`reread`: the configuration file read again with ``load_config`` (the checker of
@@ -22,10 +22,10 @@ from functools import partial
 import attrs
 import trio
 
-from ..config import Config, ConfigError, load_config
-from .handover import SlotSockets, slot_fds
-from .worker import encode_config
-from .workerproc import REPLY_TIMEOUT, Worker, gather
+from muxproxy.config import Config, ConfigError, load_config
+from muxproxy.trio.handover import SlotSockets, slot_fds
+from muxproxy.trio.worker import encode_config
+from muxproxy.trio.workerproc import REPLY_TIMEOUT, Worker, gather
 
 __all__ = ["reload_each", "reread"]
 

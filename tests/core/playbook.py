@@ -50,7 +50,7 @@ from muxproxy.core.events import (
     OpenFailed,
     Wakeup,
 )
-from muxproxy.core.forwarded import Network
+from muxproxy.core.http.forwarded import Network
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.core.timers import (
     BackendTimer,

@@ -1,4 +1,4 @@
-"""The access record and X-Request-ID (``muxproxy.core.access``), driven with bytes only."""
+"""The access record and X-Request-ID (``muxproxy.core.observe.access``), driven with bytes only."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
 
 from muxproxy.config import Route, SessionSource, Sticky
-from muxproxy.core.access import MAX_REQUEST_ID, RequestIds, is_sane_id, session_hash
 from muxproxy.core.commands import Log
+from muxproxy.core.observe.access import MAX_REQUEST_ID, RequestIds, is_sane_id, session_hash
 
 
 def access(pb: Playbook) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The whole-body deadline (``timeouts.client_body``, ``core/bodyclock.py``): a request body
-trickled just under the gap bound (``timeouts.client_header``) is cut once its deadline
+"""The whole-body deadline (``timeouts.client_body``, ``core/exchange/bodyclock.py``): a request
+body trickled just under the gap bound (``timeouts.client_header``) is cut once its deadline
 passes, with a 408 over HTTP/1.1 (and the close) and HTTP/2 (and RST_STREAM(NO_ERROR) for the
 rest; the connection's other streams go on), and counted; time in which the proxy stopped the
 client is not counted. Bytes from real h11/h2 peers; time moves only through ``pb.now``.

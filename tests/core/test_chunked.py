@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muxproxy.core.chunked import MAX_SIZE_DIGITS, ChunkedDecoder, ChunkedError
-from muxproxy.core.h1 import H1Server
-from muxproxy.core.h1client import H1Client
+from muxproxy.core.http1.chunked import MAX_SIZE_DIGITS, ChunkedDecoder, ChunkedError
+from muxproxy.core.http1.h1 import H1Server
+from muxproxy.core.http1.h1client import H1Client
 from muxproxy.core.messages import Abort, Body, End, RequestHead, ResponseHead
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

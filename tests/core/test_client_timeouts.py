@@ -16,7 +16,7 @@ from test_routing_exchange import BODY_KEY, Rig, fleet
 
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import CloseConnection, Log, PauseReading, SetTimer
-from muxproxy.core.exchange import Phase
+from muxproxy.core.exchange.exchange import Phase
 
 CANCEL = h2.errors.ErrorCodes.CANCEL
 

@@ -1,7 +1,7 @@
-"""The commit point of a held SSE response (``retry_until_first_event``, ``core/commit.py``):
-the first complete content event, not the first byte. A backend that sends a comment, half an
-event or a role-only chunk and then dies is retried, and the client sees only the answer of
-the server that was used (its head included). Bytes only, through the whole core.
+"""The commit point of a held SSE response (``retry_until_first_event``,
+``core/streams/commit.py``): the first complete content event, not the first byte. A backend that
+sends a comment, half an event or a role-only chunk and then dies is retried, and the client sees
+only the answer of the server that was used (its head included). Bytes only, through the whole core.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import h11
 import pytest
 from test_routing_exchange import Rig, fleet, header, request_body
 
-from muxproxy.core.commit import CommitPoint
+from muxproxy.core.streams.commit import CommitPoint
 
 ROLE_ONLY = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 CONTENT = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'

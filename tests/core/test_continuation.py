@@ -10,7 +10,7 @@ from playbook import H1BackendPeer, H1ClientPeer, Playbook
 
 from muxproxy.config import Config, Route, quick_config
 from muxproxy.core.commands import CloseConnection, Command, OpenConnection
-from muxproxy.core.continuation import AnswerSoFar, Splicer
+from muxproxy.core.streams.continuation import AnswerSoFar, Splicer
 
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 9}

@@ -1,4 +1,4 @@
-"""One spelling per credential, one field per request (``muxproxy.core.credentials``), and
+"""One spelling per credential, one field per request (``muxproxy.core.http.credentials``), and
 the tenant budgets that rely on it (``admit.py``), driven with bytes only.
 
 Every spelling of one credential (RFC 9110 §11.1: the auth-scheme is case-insensitive; OWS
@@ -17,8 +17,8 @@ from playbook import H2ClientPeer
 from test_routing_exchange import A, Rig, fleet
 
 from muxproxy.config import RateLimit, SessionSource
-from muxproxy.core.admit import tenant_of
-from muxproxy.core.credentials import credential_key, normal_credentials
+from muxproxy.core.exchange.admit import tenant_of
+from muxproxy.core.http.credentials import credential_key, normal_credentials
 
 AUTHORIZATION = SessionSource(kind="header", name="authorization")
 

@@ -1,4 +1,4 @@
-"""The Date field (RFC 9110 §6.6.1): ``muxproxy.core.dates`` and the responses that carry it.
+"""The Date field (RFC 9110 §6.6.1): ``muxproxy.core.http.dates`` and the responses that carry it.
 
 The core has no clock: the driver's ``wall`` on ``ConnectionAccepted`` says what wall-clock
 time its monotonic ``now`` is, so these tests pick both and know the exact Date to expect.
@@ -17,9 +17,9 @@ from test_tunnel import send_extended_connect
 
 from muxproxy.config import Route
 from muxproxy.core.commands import Log
-from muxproxy.core.dates import HttpDate, imf_fixdate
 from muxproxy.core.events import OpenFailed
-from muxproxy.core.websocket import accept_for
+from muxproxy.core.http.dates import HttpDate, imf_fixdate
+from muxproxy.core.tunnel.websocket import accept_for
 
 # RFC 9110 §5.6.7's example: 784111777 is "Sun, 06 Nov 1994 08:49:37 GMT".
 WALL = 784111777.0

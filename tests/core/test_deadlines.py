@@ -1,5 +1,5 @@
-"""An exchange's backend timers (``core/deadlines.py``) count only the time in which the proxy
-reads the backend: a backend the proxy paused because the client is behind (its connection
+"""An exchange's backend timers (``core/exchange/deadlines.py``) count only the time in which the
+proxy reads the backend: a backend the proxy paused because the client is behind (its connection
 above ``connection_buffer``, or this stream's own buffer full) is not late, is not failed and
 is not counted against its server's passive health; its timers count afresh once it is read
 again. Bytes from real h2/h11 peers; time moves only through ``pb.now``, and every timer fires

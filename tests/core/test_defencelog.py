@@ -1,5 +1,5 @@
 """What the defences do is counted and logged, at most one line per kind per interval
-(``core/defencelog.py``): the attacks are real bytes from real h11/h2 peers."""
+(``core/observe/defencelog.py``): the attacks are real bytes from real h11/h2 peers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from playbook import H1ClientPeer, H2ClientPeer, Playbook, default_config
 
 from muxproxy.config import Limits
 from muxproxy.core.commands import Log
-from muxproxy.core.defencelog import KINDS, LOG_INTERVAL
+from muxproxy.core.observe.defencelog import KINDS, LOG_INTERVAL
 from muxproxy.core.proxy import COUNTERS
 
 SMUGGLED = (

@@ -10,10 +10,10 @@ from playbook import H1BackendPeer, H1ClientPeer, Playbook, data, opened
 
 from muxproxy.core.commands import Command, Log, OpenConnection, SendData
 from muxproxy.core.events import ConnectionAccepted, DataReceived
-from muxproxy.core.exchange import Exchange
+from muxproxy.core.exchange.exchange import Exchange
 from muxproxy.core.faultplan import FaultPoint, plant_faults
-from muxproxy.core.pool import UpstreamConn
 from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.upstream.pool import UpstreamConn
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``core/detect.py``: which protocol a client connection speaks (RFC 9113 §3.3, §3.4).
+"""``core/client/detect.py``: which protocol a client connection speaks (RFC 9113 §3.3, §3.4).
 
 The first bytes are fed whole and byte by byte: a proper start of the preface is never decided
 early, anything else is decided at its first byte that departs from the preface.
@@ -12,11 +12,11 @@ import h2.settings
 import pytest
 from playbook import default_config
 
-from muxproxy.core.detect import PREFACE_LINE, by_alpn, h2c_server, sniff
-from muxproxy.core.downstream_states import Protocol
+from muxproxy.core.client.detect import PREFACE_LINE, by_alpn, h2c_server, sniff
+from muxproxy.core.client.downstream_states import Protocol
 from muxproxy.core.effects import Effects
-from muxproxy.core.h2 import PREFACE
-from muxproxy.core.h2c import H2cUpgrade
+from muxproxy.core.http1.h2c import H2cUpgrade
+from muxproxy.core.http2.h2 import PREFACE
 from muxproxy.core.messages import RequestHead
 
 REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: proxy.example\r\n\r\n"

@@ -1,4 +1,4 @@
-"""``core/downstream.py`` as whole conversations: one client connection and its timers.
+"""``core/client/downstream.py`` as whole conversations: one client connection and its timers.
 
 The rules under test: HTTP/1.1 requests on a kept-alive connection are served one after the
 other (RFC 9112 §9.3), pipelined ones too; an idle connection closes after

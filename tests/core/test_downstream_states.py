@@ -1,4 +1,4 @@
-"""The state table of ``core/downstream_states.py`` and the ``Downstream`` that takes it.
+"""The state table of ``core/client/downstream_states.py`` and the ``Downstream`` that takes it.
 
 In the manner of h2's ``test_state_machines.py``: Hypothesis draws every (state, input) pair.
 A real ``ProxyCore`` (a Playbook conversation) brings a client connection to the state; the
@@ -34,9 +34,9 @@ from test_client_timeouts import CHUNK, zero_window_book
 from test_downstream import served_once
 from test_h2c import h2_upgrade_client
 
+from muxproxy.core.client.downstream import ClientInput, ClientState, Downstream, Protocol
+from muxproxy.core.client.downstream_states import TIMER_INPUTS, TRANSITIONS
 from muxproxy.core.commands import CloseConnection, SetTimer
-from muxproxy.core.downstream import ClientInput, ClientState, Downstream, Protocol
-from muxproxy.core.downstream_states import TIMER_INPUTS, TRANSITIONS
 from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.messages import RequestHead
 from muxproxy.core.ports import RequestPhase

@@ -1,4 +1,4 @@
-"""The proxy's own error responses (``muxproxy.core.errors``): plain text, or the OpenAI shape
+"""The proxy's own error responses (``muxproxy.core.http.errors``): plain text, or the OpenAI shape
 on ``api = "openai"`` routes, whichever side found the error."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from playbook import H1ClientPeer, H2ClientPeer, Playbook, default_config
 
 from muxproxy.config import Api, Config, Limits, Route
-from muxproxy.core.errors import error_response
 from muxproxy.core.events import OpenFailed
+from muxproxy.core.http.errors import error_response
 
 
 @pytest.mark.parametrize(

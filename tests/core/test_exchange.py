@@ -1,4 +1,4 @@
-"""``core/exchange.py`` as whole conversations: every command the core emits, in order.
+"""``core/exchange/exchange.py`` as whole conversations: every command the core emits, in order.
 
 The exchange's rules under test: per-chunk flush, bounded buffers with backpressure on the
 backend (``high_water`` / ``low_water``), retries only before the first response byte with

@@ -1,4 +1,5 @@
-"""The phases of ``Exchange`` as data: ``core/exchange_states.py`` and the exchange that obeys it.
+"""The phases of ``Exchange`` as data: ``core/exchange/exchange_states.py`` and the exchange that
+obeys it.
 
 In the manner of h2's ``test_state_machines.py``: Hypothesis draws every (phase, input) pair
 of the table. A real ``ProxyCore`` conversation (an HTTP/1.1 or HTTP/2 client, HTTP/1.1
@@ -44,8 +45,8 @@ from muxproxy.config import (
 )
 from muxproxy.core.commands import BudgetSettle, Command, SendData
 from muxproxy.core.events import BudgetAnswered, Wakeup
-from muxproxy.core.exchange import Exchange, Phase, RequestPhase
-from muxproxy.core.exchange_states import EVENTS, TIMER_INPUTS, TRANSITIONS, ExchangeInput
+from muxproxy.core.exchange.exchange import Exchange, Phase, RequestPhase
+from muxproxy.core.exchange.exchange_states import EVENTS, TIMER_INPUTS, TRANSITIONS, ExchangeInput
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import UpstreamUser
 from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing

@@ -33,7 +33,7 @@ from muxproxy.core.faultplan import FaultPoint, plant_faults
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.core.raising import raise_errors_from_environment
 from muxproxy.core.timers import BackendTimer, ExchangeTimer, ProbeTimer
-from muxproxy.core.websocket import accept_for
+from muxproxy.core.tunnel.websocket import accept_for
 
 CHAT = b"/v1/chat/completions"
 EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(3)]

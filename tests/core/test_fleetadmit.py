@@ -1,4 +1,4 @@
-"""``core/fleetadmit.py``: an exchange waits in RESERVING for the fleet store's answer.
+"""``core/exchange/fleetadmit.py``: an exchange waits in RESERVING for the fleet store's answer.
 
 Real h11 peers on both sides (``playbook.py``); the store's answers are fed as the driver
 would feed them (``BudgetAnswered``), and its commands (``BudgetReserve``, ``BudgetSettle``)

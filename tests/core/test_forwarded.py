@@ -1,4 +1,4 @@
-"""Forwarded fields and the client's request id (``muxproxy.core.forwarded``, ``access.py``),
+"""Forwarded fields and the client's request id (``muxproxy.core.http.forwarded``, ``access.py``),
 driven with bytes only: a real h11 (or h2) client, the request the h11 backend receives.
 
 From a peer outside the listener's ``trusted_proxies`` (by default every peer), the client's
@@ -15,9 +15,9 @@ import h11
 import pytest
 from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
 
-from muxproxy.core.access import MAX_REQUEST_ID
 from muxproxy.core.commands import Log
-from muxproxy.core.forwarded import forwarded_fields, is_trusted
+from muxproxy.core.http.forwarded import forwarded_fields, is_trusted
+from muxproxy.core.observe.access import MAX_REQUEST_ID
 
 LB = "10.0.0.7"
 """The peer the client connects from (a load balancer, when trusted)."""

@@ -1,5 +1,5 @@
-"""gRPC's Trailers-Only responses from an HTTP/2 backend (``core/grpc.py``, ``h2client.py``,
-``heads.client_head``), driven with bytes only.
+"""gRPC's Trailers-Only responses from an HTTP/2 backend (``core/exchange/grpc.py``,
+``h2client.py``, ``heads.client_head``), driven with bytes only.
 
 A backend's Trailers-Only response (one HEADERS frame with END_STREAM, "gRPC over HTTP/2")
 carries the call's status and its metadata. An HTTP/2 client gets it as it was sent, so that

@@ -1,5 +1,5 @@
-"""The HTTP/1.1 adapters' errors by blame (core/h1.py): a client's bad bytes become a 4xx whose
-body is fixed text, never a repr of what it sent; our own misuse of h11 raises."""
+"""The HTTP/1.1 adapters' errors by blame (core/http1/h1.py): a client's bad bytes become a 4xx
+whose body is fixed text, never a repr of what it sent; our own misuse of h11 raises."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from playbook import H1ClientPeer, Playbook
 
-from muxproxy.core.h1 import H1Server, PeerError
+from muxproxy.core.http1.h1 import H1Server, PeerError
 
 MARK = b"ZQXJ"
 # Requests h11 refuses with a text that quotes the offending bytes, and what we answer.

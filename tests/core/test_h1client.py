@@ -1,4 +1,4 @@
-"""``core/h1client.py``: an HTTP/2 server behind a server configured as HTTP/1.1; what a
+"""``core/http1/h1client.py``: an HTTP/2 server behind a server configured as HTTP/1.1; what a
 chunked response leaves in h11.
 
 Such a server (a gRPC server left at the default ``protocol = "h1"``) answers an HTTP/1.1
@@ -16,7 +16,7 @@ import pytest
 from playbook import H1ClientPeer, Playbook
 
 from muxproxy.core.commands import Log
-from muxproxy.core.h1client import H2_HINT, H1Client, speaks_h2
+from muxproxy.core.http1.h1client import H2_HINT, H1Client, speaks_h2
 from muxproxy.core.messages import Body, End, ResponseHead
 
 

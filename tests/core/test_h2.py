@@ -1,6 +1,6 @@
-"""The HTTP/2 server adapter (core/h2.py, core/h2decode.py) driven through ProxyCore with bytes
-only: stream errors that stay stream errors (Content-Length, trailers, header list size), the
-client's GOAWAY, HPACK errors and the connection preface."""
+"""The HTTP/2 server adapter (core/http2/h2.py, core/http2/h2decode.py) driven through ProxyCore
+with bytes only: stream errors that stay stream errors (Content-Length, trailers, header list size),
+the client's GOAWAY, HPACK errors and the connection preface."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from playbook import H1BackendPeer, Playbook, default_config
 
 from muxproxy.config import Limits
 from muxproxy.core.commands import CloseConnection, SetTimer
-from muxproxy.core.h2 import PREFACE, H2Server
+from muxproxy.core.http2.h2 import PREFACE, H2Server
 from muxproxy.core.messages import End, RequestHead
 
 PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR

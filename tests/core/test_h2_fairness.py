@@ -6,8 +6,8 @@ import h2.config
 import h2.connection
 import h2.events
 
-from muxproxy.core.h2 import H2Server
-from muxproxy.core.h2send import BlockedStreams
+from muxproxy.core.http2.h2 import H2Server
+from muxproxy.core.http2.h2send import BlockedStreams
 from muxproxy.core.messages import ResponseHead
 
 STREAMS = (1, 3, 5, 7)

@@ -16,7 +16,7 @@ from test_h2guard import Book, closed_conns, parse
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import PauseReading, ResumeReading
 from muxproxy.core.events import ShutdownRequested
-from muxproxy.core.h2 import SHUTDOWN_PING
+from muxproxy.core.http2.h2 import SHUTDOWN_PING
 
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 CANCEL = h2.errors.ErrorCodes.CANCEL
@@ -209,7 +209,7 @@ def test_connection_buffer_pauses_every_backend_and_resumes_below_half() -> None
             commands = pb.receive(up, chunk)
             peak = max(peak, down.pending)
             paused |= {c.conn for c in commands if isinstance(c, PauseReading)}
-    # The bound documented in ``core/output.py`` (control frames aside: none here).
+    # The bound documented in ``core/client/output.py`` (control frames aside: none here).
     assert peak <= bound + (len(ups) + 1) * out_per_read
     assert paused == set(ups)
     stats = core.statistics().streams

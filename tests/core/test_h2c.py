@@ -11,7 +11,7 @@ import h11
 import pytest
 from playbook import H1BackendPeer, H1ClientPeer, Playbook
 
-from muxproxy.core.h2c import h2c_offer
+from muxproxy.core.http1.h2c import h2c_offer
 from muxproxy.core.messages import RequestHead
 
 SSE = [b'data: {"token": 0}\n\n', b"data: [DONE]\n\n"]

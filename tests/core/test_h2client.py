@@ -1,4 +1,5 @@
-"""The HTTP/2 upstream adapter (core/h2client.py, core/h2pool.py), driven with bytes only.
+"""The HTTP/2 upstream adapter (core/http2/h2client.py, core/upstream/h2pool.py), driven with bytes
+only.
 
 Real h2 peers play the client and the backend: every frame the proxy sends is decoded by an
 ``h2.H2Connection``, every frame it receives is built by one.

@@ -1,6 +1,6 @@
-"""HTTP/2 attack defences (core/h2guard.py, wired in core/h2.py): bytes from a real h2 client,
-raw frames from hyperframe where h2 refuses to produce them; every test checks both the answer
-to the abuse and what happened to the other streams and backend connections."""
+"""HTTP/2 attack defences (core/http2/h2guard.py, wired in core/http2/h2.py): bytes from a real h2
+client, raw frames from hyperframe where h2 refuses to produce them; every test checks both the
+answer to the abuse and what happened to the other streams and backend connections."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from playbook import H1BackendPeer, H2ClientPeer, Playbook, default_config, h2_s
 
 from muxproxy.config import Limits
 from muxproxy.core.commands import CloseConnection, Log, PauseReading
-from muxproxy.core.h2guard import STREAM_ID_DRAIN, H2Guard
+from muxproxy.core.http2.h2guard import STREAM_ID_DRAIN, H2Guard
 
 CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 

@@ -1,5 +1,5 @@
-"""``core/h2pool.py`` as whole conversations: client requests as streams of one shared HTTP/2
-backend connection.
+"""``core/upstream/h2pool.py`` as whole conversations: client requests as streams of one shared
+HTTP/2 backend connection.
 
 The rules under test (RFC 9113): streams start only after the backend's first SETTINGS
 (§3.4), several exchanges share one connection with their own stream ids (§5.1.1), each

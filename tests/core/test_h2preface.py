@@ -1,4 +1,4 @@
-"""``core/h2preface.py``: the client preface is the 24 octets followed by a SETTINGS frame
+"""``core/http2/h2preface.py``: the client preface is the 24 octets followed by a SETTINGS frame
 (RFC 9113 §3.4), on the shared plain port (prior knowledge), the TLS port and after an h2c
 upgrade; anything else is GOAWAY(PROTOCOL_ERROR) and the close. h2spec's 3.5/1 and 3.5/2 as
 bytes. Fed whole and byte by byte."""
@@ -15,8 +15,8 @@ import pytest
 from playbook import H1ClientPeer, Playbook
 
 from muxproxy.core.commands import CloseConnection
-from muxproxy.core.h2 import PREFACE
-from muxproxy.core.h2preface import SettingsFirstBuffer
+from muxproxy.core.http2.h2 import PREFACE
+from muxproxy.core.http2.h2preface import SettingsFirstBuffer
 
 PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
 SETTINGS = hyperframe.frame.SettingsFrame(0, settings={0x4: 65535}).serialize()

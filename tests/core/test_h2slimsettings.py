@@ -13,8 +13,8 @@ import h2.settings
 import pytest
 from h2.settings import SettingCodes
 
-from muxproxy.core.h2settings import server_connection
-from muxproxy.core.h2slimsettings import SlimSettings
+from muxproxy.core.http2.h2settings import server_connection
+from muxproxy.core.http2.h2slimsettings import SlimSettings
 
 INITIAL = {SettingCodes.MAX_CONCURRENT_STREAMS: 100, SettingCodes.MAX_HEADER_LIST_SIZE: 65536}
 

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muxproxy.core.h1 import H11_FIELDS, H1Server, head_bytes
-from muxproxy.core.h1client import H1Client
-from muxproxy.core.headers import trailer_fields
+from muxproxy.core.http.headers import trailer_fields
+from muxproxy.core.http1.h1 import H11_FIELDS, H1Server, head_bytes
+from muxproxy.core.http1.h1client import H1Client
 from muxproxy.core.messages import Headers, ResponseHead
 
 Fields = list[tuple[bytes, bytes]]

@@ -1,4 +1,5 @@
-"""Tests for muxproxy.core.headers: HTTP/2 and HTTP/1.1 intake, upstream and response fields."""
+"""Tests for muxproxy.core.http.headers: HTTP/2 and HTTP/1.1 intake, upstream and response
+fields."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from muxproxy.core.headers import (
+from muxproxy.core.http.headers import (
     header_value,
     is_event_stream,
     response_headers,
     upstream_h1_headers,
 )
-from muxproxy.core.intake import MalformedRequest, request_from_h1, request_from_h2
+from muxproxy.core.http.intake import MalformedRequest, request_from_h1, request_from_h2
 from muxproxy.core.messages import Headers, RequestHead
 
 HOP_BY_HOP = {b"connection", b"proxy-connection", b"keep-alive", b"te", b"transfer-encoding"}

@@ -1,6 +1,6 @@
-"""Measurements (``muxproxy.core.measure``) and their merge (``muxproxy.core.series``):
-whole SSE exchanges through ``ProxyCore`` with h11 peers, read by
-``core.measurements.snapshot()``. The SSE meter alone is tested in ``test_ssemeter.py``.
+"""Measurements (``muxproxy.core.observe.measure``) and their merge
+(``muxproxy.core.observe.series``): whole SSE exchanges through ``ProxyCore`` with h11 peers, read
+by ``core.measurements.snapshot()``. The SSE meter alone is tested in ``test_ssemeter.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from muxproxy.config import NextUpstream, Route, Server, Upstream
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.core.commands import Log
 from muxproxy.core.events import OpenFailed, RuntimeChanged
-from muxproxy.core.series import DURATION_BUCKETS, HEAD_BUCKETS, merge
+from muxproxy.core.observe.series import DURATION_BUCKETS, HEAD_BUCKETS, merge
 
 ROLE_ONLY = (
     b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'

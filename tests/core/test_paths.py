@@ -1,4 +1,4 @@
-"""Request-path normalisation (``muxproxy.core.paths``): RFC 3986 §5.2.4 and §6.2.2."""
+"""Request-path normalisation (``muxproxy.core.http.paths``): RFC 3986 §5.2.4 and §6.2.2."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muxproxy.core.intake import MalformedRequest
-from muxproxy.core.paths import normalise_target, remove_dot_segments
+from muxproxy.core.http.intake import MalformedRequest
+from muxproxy.core.http.paths import normalise_target, remove_dot_segments
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""``core/pool.py`` as whole conversations: HTTP/1.1 backend connections kept alive.
+"""``core/upstream/pool.py`` as whole conversations: HTTP/1.1 backend connections kept alive.
 
 The pool's rules under test (RFC 9112 §9.3): a connection whose request and response both
 completed goes back to the pool and carries the next request without a new connect; one the

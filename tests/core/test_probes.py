@@ -1,4 +1,4 @@
-"""``core/probes.py`` as whole conversations: active health checks.
+"""``core/upstream/probes.py`` as whole conversations: active health checks.
 
 The rules under test: a check is a ``GET <path>`` over a pooled backend connection (the next
 check reuses it, RFC 9112 §9.3); ``fails`` failed checks in a row take the server down, which

@@ -1,4 +1,4 @@
-"""``core/reasons.py``: every HTTP/1.1 status line the proxy writes carries a reason phrase.
+"""``core/http1/reasons.py``: every HTTP/1.1 status line the proxy writes carries a reason phrase.
 
 RFC 9112 §4 makes the phrase optional, but clients such as h2load count ``HTTP/1.1 200 `` as a
 failure. A relayed response gets the standard phrase of its code whatever the backend wrote
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from playbook import H1ClientPeer, Playbook
 
-from muxproxy.core.reasons import reason_phrase
+from muxproxy.core.http1.reasons import reason_phrase
 
 
 def status_line(pb: Playbook, conn: int = 1) -> bytes:

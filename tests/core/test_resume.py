@@ -20,8 +20,8 @@ from muxproxy.core.commands import CloseConnection, Command, SetTimer
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.messages import ResponseHead
-from muxproxy.core.resume import Resumable, ResumeStore, State
-from muxproxy.core.sseids import EventStamper
+from muxproxy.core.streams.resume import Resumable, ResumeStore, State
+from muxproxy.core.streams.sseids import EventStamper
 
 SSE = [("Accept", "text/event-stream")]
 ID = re.compile(rb"id: ([A-Za-z0-9_-]{22})\.([0-9]+)")

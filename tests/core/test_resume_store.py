@@ -23,7 +23,7 @@ from muxproxy.core.commands import (
     ResumeProbe,
 )
 from muxproxy.core.events import ResumedHead, ResumeFetched, ResumeProbed
-from muxproxy.core.resumebind import binding
+from muxproxy.core.streams.resumebind import binding
 
 NAMES = [name.encode() for name in RESUME_CREDENTIALS]
 

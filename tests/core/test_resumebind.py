@@ -1,4 +1,5 @@
-"""A resumable stream is bound to every credential its request carried (``core/resumebind.py``).
+"""A resumable stream is bound to every credential its request carried
+(``core/streams/resumebind.py``).
 
 Through the core with bytes (the playbook's HTTP/1.1 and HTTP/2 peers): a stream begun with
 an API key, an Azure-style ``api-key``, a cookie or ``Proxy-Authorization`` is resumed only
@@ -16,8 +17,8 @@ from playbook import H2ClientPeer, Playbook
 from test_resume import SSE, Stream, resume, resume_config
 
 from muxproxy.config import RESUME_CREDENTIALS, SessionSource
-from muxproxy.core.credentials import credential_key
-from muxproxy.core.resumebind import binding, canonical_values
+from muxproxy.core.http.credentials import credential_key
+from muxproxy.core.streams.resumebind import binding, canonical_values
 
 NAMES = [name.encode() for name in RESUME_CREDENTIALS]
 UNKNOWN = b"A" * 22 + b".1"

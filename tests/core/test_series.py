@@ -1,5 +1,5 @@
-"""The series (``muxproxy.core.series``): bucket rules and the merge of hand-written snapshots.
-Snapshots taken from a running core are merged in ``test_measure.py``."""
+"""The series (``muxproxy.core.observe.series``): bucket rules and the merge of hand-written
+snapshots. Snapshots taken from a running core are merged in ``test_measure.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from muxproxy.core.series import GAUGE, HISTOGRAM, SNAPSHOT_FORMAT, Histogram, merge
+from muxproxy.core.observe.series import GAUGE, HISTOGRAM, SNAPSHOT_FORMAT, Histogram, merge
 
 
 def test_an_observation_on_a_bound_falls_in_that_bucket_and_above_the_last_in_inf() -> None:

@@ -1,4 +1,4 @@
-"""The core's side of the shared memory of sessions (``core/sessionshare.py``), driven with
+"""The core's side of the shared memory of sessions (``core/exchange/sessionshare.py``), driven with
 bytes only: what a core remembers leaves in one batch per ``SHARE_DELAY`` (one timer, one
 command), nothing at all while sharing is off, and what it learns from elsewhere routes a
 conversation to the server it was on (newest wins, expired and unknown entries ignored).

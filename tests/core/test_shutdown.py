@@ -17,8 +17,8 @@ from test_tunnel import _open_h1, _switch
 
 from muxproxy.core.commands import CloseConnection, Command, Log, SetTimer
 from muxproxy.core.events import ShutdownRequested
-from muxproxy.core.h2 import SHUTDOWN_PING
-from muxproxy.core.h2goaway import GoawayTolerantReceiver
+from muxproxy.core.http2.h2 import SHUTDOWN_PING
+from muxproxy.core.http2.h2goaway import GoawayTolerantReceiver
 from muxproxy.core.shutdown import FIRST_REQUEST_WAIT, GOAWAY_ACK_WAIT
 
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR

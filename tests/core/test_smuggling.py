@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from playbook import H1BackendPeer, H1ClientPeer, Playbook, h2_request_as_is, stream_resets
 
 from muxproxy.core.commands import CloseConnection
-from muxproxy.core.h1 import PeerError, check_raw_head
+from muxproxy.core.http1.h1 import PeerError, check_raw_head
 
 # Each is a complete request the client sends in one piece; h11 would accept (and normalise)
 # every one of the first six.

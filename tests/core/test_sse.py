@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muxproxy.core.sse import HEARTBEAT, EventBoundary
+from muxproxy.core.streams.sse import HEARTBEAT, EventBoundary
 
 Dispatched = tuple[str, str, str]
 """(event type, data, last event id) of one dispatched event."""

@@ -9,7 +9,7 @@ from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, defaul
 
 from muxproxy.config import Config, Route
 from muxproxy.core.commands import CancelTimer, Command, SendData, SetTimer
-from muxproxy.core.sse import HEARTBEAT
+from muxproxy.core.streams.sse import HEARTBEAT
 
 
 def heartbeat_config(**route: object) -> Config:

@@ -1,4 +1,4 @@
-"""The SSE meter (``muxproxy.core.ssemeter``): events, first tokens and gaps, fed bytes as a
+"""The SSE meter (``muxproxy.core.observe.ssemeter``): events, first tokens and gaps, fed bytes as a
 backend would send them, whole, byte by byte and cut anywhere."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muxproxy.core.series import HEAD_BUCKETS, INTER_TOKEN_BUCKETS, TokenTimes
-from muxproxy.core.ssemeter import INSPECT_LIMIT, SseMeter, is_token_event
+from muxproxy.core.observe.series import HEAD_BUCKETS, INTER_TOKEN_BUCKETS, TokenTimes
+from muxproxy.core.observe.ssemeter import INSPECT_LIMIT, SseMeter, is_token_event
 
 ROLE_ONLY = (
     b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'

@@ -33,11 +33,9 @@ from playbook import (
 )
 
 from muxproxy.config import Config, Server, Upstream
-from muxproxy.core import h2, h2pool, pool
 from muxproxy.core.events import ShutdownRequested
-from muxproxy.core.h2 import SHUTDOWN_PING, H2Input, H2Server, H2State
-from muxproxy.core.h2pool import H2Upstream
-from muxproxy.core.pool import UpstreamConn, UpstreamInput, UpstreamState
+from muxproxy.core.http2 import h2
+from muxproxy.core.http2.h2 import SHUTDOWN_PING, H2Input, H2Server, H2State
 from muxproxy.core.states import (
     IGNORED,
     ILLEGAL,
@@ -47,6 +45,9 @@ from muxproxy.core.states import (
     missing,
     step,
 )
+from muxproxy.core.upstream import h2pool, pool
+from muxproxy.core.upstream.h2pool import H2Upstream
+from muxproxy.core.upstream.pool import UpstreamConn, UpstreamInput, UpstreamState
 
 S = TypeVar("S", bound=enum.Enum)
 In = TypeVar("In", bound=enum.Enum)

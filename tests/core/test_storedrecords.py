@@ -1,4 +1,4 @@
-"""What a shared resume store returns is checked before use (``core/storedrecords.py``)."""
+"""What a shared resume store returns is checked before use (``core/streams/storedrecords.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from muxproxy.core.storedrecords import (
+from muxproxy.core.streams.storedrecords import (
     MAX_EVENT_BYTES,
     MAX_FIELDS,
     BadRecord,

@@ -10,7 +10,7 @@ import pytest
 from playbook import BACKEND, H1BackendPeer, H1ClientPeer, H2Client, H2ClientPeer, Playbook
 from test_h2client import connect_backend, h2_config, requests
 
-from muxproxy.core.headers import trailer_fields
+from muxproxy.core.http.headers import trailer_fields
 
 # What a backend (or a client) may put in a trailer section that must not go on: framing,
 # routing, hop-by-hop and connection-specific fields, and values no protocol can carry.

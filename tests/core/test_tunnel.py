@@ -51,7 +51,7 @@ from muxproxy.core.commands import (
     ShutdownWrite,
 )
 from muxproxy.core.events import InputEnded
-from muxproxy.core.websocket import accept_for
+from muxproxy.core.tunnel.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
 TUNNEL = ("tunnel", 1)

@@ -11,7 +11,7 @@ from playbook import BACKEND, H1BackendPeer, Playbook, data, default_config, sub
 from muxproxy.config import Server, Upstream
 from muxproxy.core.commands import CancelTimer, CloseConnection, Log, SendData, ShutdownWrite
 from muxproxy.core.events import InputEnded
-from muxproxy.core.websocket import accept_for
+from muxproxy.core.tunnel.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
 TUNNEL = ("tunnel", 1)

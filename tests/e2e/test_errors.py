@@ -41,7 +41,7 @@ from peers import (
 from muxproxy.config import Api, Config, Limits, Listener, Route, Server, Timeouts, Upstream
 from muxproxy.core.commands import CloseConnection, Log, OpenConnection, SendData, SetTimer
 from muxproxy.core.events import ConnectionAccepted, DataReceived, Wakeup
-from muxproxy.core.h2 import PREFACE
+from muxproxy.core.http2.h2 import PREFACE
 from muxproxy.core.proxy import ProxyCore
 
 CHAT = b"/v1/chat/completions"

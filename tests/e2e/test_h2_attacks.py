@@ -1,5 +1,5 @@
 """End to end: HTTP/2 abuse on real sockets is answered with GOAWAY(ENHANCE_YOUR_CALM), its
-backend requests are cancelled, and other clients are not disturbed (core/h2guard.py)."""
+backend requests are cancelled, and other clients are not disturbed (core/http2/h2guard.py)."""
 
 from __future__ import annotations
 

@@ -8,12 +8,12 @@ Every server is taken out by a single failure (``max_fails = 1``) for longer tha
 lasts, and both what the admin API answers (status, metrics) and the access log are checked.
 
 - An HTTP/2 client that opens no stream window (SETTINGS_INITIAL_WINDOW_SIZE 0): its backend
-  is paused at the first chunk that does not fit (``core/windowwait.py``); the ``read``
-  timer does not count the pause (``core/deadlines.py``). Once the client opens its window it
-  gets the whole answer.
+  is paused at the first chunk that does not fit (``core/http2/windowwait.py``); the ``read``
+  timer does not count the pause (``core/exchange/deadlines.py``). Once the client opens its window
+  it gets the whole answer.
 - An HTTP/2 client that stops reading its connection while another of its streams is busy:
   the connection's output passes ``limits.connection_buffer`` and every backend feeding it is
-  paused (``core/output.py``), also one whose response head, or first token, has not come
+  paused (``core/client/output.py``), also one whose response head, or first token, has not come
   yet; neither the ``response_head`` nor the group's ``first_token`` timer counts the pause.
   The client stops reading; it does not shrink its socket buffers: the kernel's own buffers
   fill, as they do in front of any client that is behind.

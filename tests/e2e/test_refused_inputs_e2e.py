@@ -34,7 +34,7 @@ from processes import proxy_process
 from stepped import RecordingBackend
 
 from muxproxy.config import Resume, Route, quick_config
-from muxproxy.core.h2 import PREFACE
+from muxproxy.core.http2.h2 import PREFACE
 
 UNKNOWN_ID = b"A" * 22 + b".3"
 

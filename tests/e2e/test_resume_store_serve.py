@@ -22,7 +22,7 @@ import trio
 from processes import proxy_process
 
 from muxproxy.config import RESUME_CREDENTIALS
-from muxproxy.core.resumebind import binding
+from muxproxy.core.streams.resumebind import binding
 from muxproxy.testing.fakellm import MODEL
 from muxproxy.trio.resumestore import events_key, lease_key, meta_key
 

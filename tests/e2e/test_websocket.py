@@ -40,7 +40,7 @@ from wsproto.events import (
 )
 
 from muxproxy.config import Timeouts
-from muxproxy.core.websocket import accept_for
+from muxproxy.core.tunnel.websocket import accept_for
 
 TIMEOUT = 5
 

@@ -35,7 +35,7 @@ import trio
 from peers import h1_read_response, h1_request_bytes, open_tcp, sse_events
 from processes import ProxyProcess, log_message, proxy_process
 
-from muxproxy.cli import main
+from muxproxy.process.cli import main
 from muxproxy.testing.fakellm import FakeLLM
 
 if TYPE_CHECKING:

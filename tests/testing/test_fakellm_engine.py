@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from test_fakellm import ready_line
 
-from muxproxy.cli import main as muxproxy_main
+from muxproxy.process.cli import main as muxproxy_main
 from muxproxy.testing.fakellm import FakeLLM, add_arguments, reply_text
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fakellm import ready_line
 
-from muxproxy.cli import main as muxproxy_main
+from muxproxy.process.cli import main as muxproxy_main
 from muxproxy.testing.fakellm import FakeLLM, add_arguments, reply_text
 from muxproxy.testing.fakellm.batch import Batch
 from muxproxy.testing.fakellm.engine import EngineConfig

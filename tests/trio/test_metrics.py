@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
 
 from playbook import H1BackendPeer, H1ClientPeer, Playbook
 
-from muxproxy.core.series import HEAD_BUCKETS
+from muxproxy.core.observe.series import HEAD_BUCKETS
 from muxproxy.trio.metrics import render
 
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'

@@ -20,10 +20,10 @@ package hands on their public names.
 
 from __future__ import annotations
 
-from .answer import reply_text, tokens_text
-from .app import MODEL, FakeBackendDied, FakeLLM
-from .knobs import add_arguments
-from .server import hypercorn_config, main, run, serve_fakellm
+from muxproxy.testing.fakellm.answer import reply_text, tokens_text
+from muxproxy.testing.fakellm.app import MODEL, FakeBackendDied, FakeLLM
+from muxproxy.testing.fakellm.knobs import add_arguments
+from muxproxy.testing.fakellm.server import hypercorn_config, main, run, serve_fakellm
 
 __all__ = [
     "MODEL",

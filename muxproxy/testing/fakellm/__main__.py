@@ -2,6 +2,6 @@
 
 import sys
 
-from .server import main
+from muxproxy.testing.fakellm.server import main
 
 sys.exit(main())

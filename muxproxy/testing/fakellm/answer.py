@@ -45,7 +45,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from .engine import content_text
+from muxproxy.testing.fakellm.engine import content_text
 
 CONTINUE = "continue_final_message"
 GENERATION_PROMPT = "add_generation_prompt"

@@ -87,9 +87,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ...asgi import serve_lifespan
-from .answer import BadContinuation, Reply, plan_reply
-from .completions import (
+from muxproxy.asgi import serve_lifespan
+from muxproxy.testing.fakellm.answer import BadContinuation, Reply, plan_reply
+from muxproxy.testing.fakellm.completions import (
     body_message,
     chunk,
     completion_base,
@@ -100,8 +100,8 @@ from .completions import (
     usage_of,
     whole_completion,
 )
-from .engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
-from .knobs import (
+from muxproxy.testing.fakellm.engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
+from muxproxy.testing.fakellm.knobs import (
     HEADER_ECHO,
     HEADER_SINK,
     BadKnob,
@@ -110,9 +110,9 @@ from .knobs import (
     is_true,
     read_knobs,
 )
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .responses import Responder, dumps
-from .scheduler import Engine
+from muxproxy.testing.fakellm.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from muxproxy.testing.fakellm.responses import Responder, dumps
+from muxproxy.testing.fakellm.scheduler import Engine
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""

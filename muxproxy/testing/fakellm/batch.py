@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .steps import plan_step, step_seconds
+from muxproxy.testing.fakellm.steps import plan_step, step_seconds
 
 
 @attrs.define(eq=False)

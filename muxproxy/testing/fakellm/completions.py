@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .responses import dumps
+from muxproxy.testing.fakellm.responses import dumps
 
 
 def completion_base(

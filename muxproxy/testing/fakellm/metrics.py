@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from ...trio.metrics import CONTENT_TYPE
+from muxproxy.trio.metrics import CONTENT_TYPE
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics"]
 

@@ -22,9 +22,15 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .batch import Batch, BatchedGeneration
-from .engine import Admission, EngineConfig, PrefixCache, Prompt, token_count
-from .metrics import EngineMetrics
+from muxproxy.testing.fakellm.batch import Batch, BatchedGeneration
+from muxproxy.testing.fakellm.engine import (
+    Admission,
+    EngineConfig,
+    PrefixCache,
+    Prompt,
+    token_count,
+)
+from muxproxy.testing.fakellm.metrics import EngineMetrics
 
 
 @attrs.define

@@ -38,8 +38,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from .app import App, FakeBackendDied, FakeLLM, Receive, Scope, Send
-from .knobs import add_arguments
+from muxproxy.testing.fakellm.app import App, FakeBackendDied, FakeLLM, Receive, Scope, Send
+from muxproxy.testing.fakellm.knobs import add_arguments
 
 _ABORT_DRAIN_TIMEOUT = 1.0
 """Longest wait for queued h2 DATA to leave before the RST_STREAM of a die-after."""

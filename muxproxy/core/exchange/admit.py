@@ -1,0 +1,290 @@
+"""Admission: one exchange's way past its group's budgets and through its queue.
+
+What it obeys:
+
+- The request's facts are read once, when it is routed (``routing/llmrequest.py``): the
+  tokens it may generate (its ``max_tokens``, else the group's ``default_max_tokens``), its
+  prefix key, its tenant and priority (``tenant``, ``priority``: any session-key source).
+  The tenant is kept as a 64-bit blake2b of its value, never as sent: nothing here or in a
+  log holds a credential. A header's value is read in its one spelling
+  (``credentials.credential_key``: ``Bearer k``, ``bearer k`` and ``Bearer  k`` are one
+  tenant, RFC 9110 §11.1), and a request that carries its tenant's header twice is refused
+  with 400 (``repeated_tenant_field``): otherwise each spelling, or each choice of which
+  field counts, would be a budget of its own.
+- Budgets (``rate_limit``, ``routing/ratelimit.py``): on arrival the request reserves its
+  expected tokens and one request from its tenant's buckets, before it waits or is sent, so
+  requests in flight at once cannot spend more than the budget; a refusal is a 429 with
+  ``Retry-After`` and the ``x-ratelimit-*`` fields (OpenAI's). When the exchange ends, the
+  reservation is settled to the completion tokens really used: the ``usage`` object's
+  ``completion_tokens`` when the backend sent one (``UsageScan``), else the SSE events
+  relayed, else (a response that is neither) what was reserved; nothing for a request that
+  got no response from a backend. With a fleet store the reservation is the store's
+  (``fleetadmit.py``, ``FleetHold``) and so is the settling: a ``BudgetSettle`` command the
+  driver sends off the request's path.
+- The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
+  room waits, fair between tenants and strict between priorities, for at most
+  ``queue.timeout`` seconds; past ``queue.max`` waiting, or past the timeout, it is answered
+  429 with ``Retry-After: queue.retry_after``. Its wait is measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import TYPE_CHECKING
+
+import attrs
+
+from muxproxy.config import AffinityMode, SessionSource, Upstream
+from muxproxy.core.commands import BudgetSettle
+from muxproxy.core.effects import Effects
+from muxproxy.core.http.credentials import credential_key, repeated_field
+from muxproxy.core.messages import Headers, RequestHead
+from muxproxy.core.timers import ExchangeTimer
+from muxproxy.fleet.budgets import Ask
+from muxproxy.routing.llmrequest import NOTHING, LlmRequest, read_request
+from muxproxy.routing.load import Progress, Ticket
+from muxproxy.routing.ratelimit import RateLimiter, Refusal, Reservation
+from muxproxy.routing.sticky import source_value
+
+if TYPE_CHECKING:
+    from muxproxy.core.observe.series import GroupStats
+    from muxproxy.routing.router import GroupRouter
+
+_PRIORITIES = 10
+"""Priority classes 0..9 (lower first)."""
+
+
+def tenant_of(value: bytes | None) -> int:
+    """The tenant a source value names, as a stable 64-bit hash (0: no tenant)."""
+    if not value:
+        return 0
+    return int.from_bytes(hashlib.blake2b(value, digest_size=8, person=b"mux-tenant").digest())
+
+
+def priority_of(value: bytes | None) -> int:
+    """A priority class from a source value: an integer clamped to 0..9; else 0."""
+    if value is None:
+        return 0
+    try:
+        level = int(value.strip() or b"x")
+    except ValueError:
+        return 0
+    return min(max(level, 0), _PRIORITIES - 1)
+
+
+@attrs.define
+class FleetHold:
+    """A reservation asked of the fleet store (``fleetadmit.py``)."""
+
+    store: str
+    ask: Ask
+    key: bytes | None
+    """The request's session key, to route with once the store answers."""
+    reserved: bool = False
+    """The store took it: settle it at the end."""
+
+
+class Admission:
+    """The facts, reservation and queue wait of one exchange in one group."""
+
+    __slots__ = (
+        "facts",
+        "fleet",
+        "fx",
+        "group",
+        "home",
+        "limiter",
+        "priority",
+        "queued_at",
+        "reservation",
+        "tenant",
+        "ticket",
+        "usage",
+    )
+
+    def __init__(
+        self, fx: Effects, group: Upstream, head: RequestHead, document: object | None
+    ) -> None:
+        """``document``: the parsed request body, None when it was not read."""
+        self.fx = fx
+        self.group = group
+        facts = NOTHING
+        if document is not None:
+            length = group.prefix.length if group.affinity is AffinityMode.PREFIX else 0
+            facts = read_request(document, source=group.prefix.source, length=length)
+        self.facts: LlmRequest = facts
+        self.tenant = tenant_of(_tenant_value(group.tenant, head, document))
+        self.priority = priority_of(_value(group.priority, head, document))
+        self.ticket = Ticket(facts.max_tokens or group.default_max_tokens)
+        """The request's expected work on the server it runs on (``routing/load.py``)."""
+        self.reservation: Reservation | None = None
+        self.limiter: RateLimiter | None = None
+        """The budgets the reservation was taken from (they outlive a reload that keeps
+        ``rate_limit``)."""
+        self.usage: UsageScan | None = None
+        self.fleet: FleetHold | None = None
+        """With a fleet store: the reservation asked of it, then held."""
+        self.queued_at: float | None = None
+        self.home: str | None = None
+        """While queued: the address of the server this request belongs on (its session
+        key's or prefix's first candidate), None for one that may go anywhere."""
+
+    def streaming(self, progress: Progress) -> None:
+        """The response streams: its work left shrinks as ``progress`` counts its events."""
+        self.ticket.progress = progress
+
+    @property
+    def prefix_key(self) -> bytes | None:
+        return self.facts.prefix_key
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def reserve(self, router: GroupRouter) -> Refusal | None:
+        """Take this request's share of its tenant's budgets; the refusal if they are spent."""
+        limiter = router.limiter
+        if limiter is None:
+            return None
+        result = limiter.reserve(self.tenant, self.ticket.expected, self.fx.now)
+        if isinstance(result, Refusal):
+            return result
+        self.reservation = result
+        self.limiter = limiter
+        if router.group.rate_limit is not None and router.group.rate_limit.tokens_per_minute:
+            self.usage = UsageScan()
+        return None
+
+    def count(self, stats: GroupStats) -> None:
+        """Count the reservation taken (local or the store's) in its group's ``stats``."""
+        reserved = self.reserved
+        if reserved is not None:
+            stats.reservations += 1
+            stats.tokens_reserved += reserved
+
+    @property
+    def reserved(self) -> int | None:
+        """The tokens reserved, local or in the store; None: nothing is held."""
+        if self.reservation is not None:
+            return self.reservation.tokens
+        held = self.fleet
+        return held.ask.tokens if held is not None and held.reserved else None
+
+    def settle(self, answered: bool, events: int | None) -> int | None:
+        """Correct the reservation to what was used (see the module header): ``answered``,
+        whether a backend's response came; ``events``: the SSE events relayed, if SSE.
+        The tokens counted as used; None when nothing was reserved."""
+        reserved = self.reserved
+        if reserved is None:
+            return None
+        reservation, limiter, held = self.reservation, self.limiter, self.fleet
+        self.reservation = self.fleet = None
+        if not answered:
+            used = 0
+        elif self.usage is not None and self.usage.completion_tokens is not None:
+            used = self.usage.completion_tokens
+        elif events is not None:
+            used = events
+        else:
+            used = reserved
+        if reservation is not None and limiter is not None:
+            limiter.settle(reservation, used, self.fx.now)
+        if held is not None and held.reserved:
+            correction = reserved - min(max(used, 0), 2**63 - 1)
+            ask = held.ask
+            if ask.leased or (ask.budget.tokens_per_minute is not None and correction):
+                self.fx.emit(BudgetSettle(store=held.store, ask=ask, correction=correction))
+        return used
+
+    # -- the queue -------------------------------------------------------------------------
+
+    def enqueue(self, router: GroupRouter, exchange: object, ident: int, home: str | None) -> bool:
+        """Wait in ``router``'s queue, for a slot on ``home`` preferably; False when the
+        queue is full."""
+        if not router.queue.push(exchange, self.tenant, self.priority):
+            return False
+        self.home = home
+        fx = self.fx
+        self.queued_at = fx.now
+        fx.set_timer((ExchangeTimer.QUEUE, ident), fx.now + self.group.queue.timeout)
+        return True
+
+    def may_go(self, rooms: set[str], now: float) -> bool:
+        """Whether a slot on one of ``rooms`` (addresses) may be this request's now: it has no
+        home, its home is one of them, or it waited ``queue.affinity_wait`` already."""
+        home, at = self.home, self.queued_at
+        if home is None or home in rooms or at is None:
+            return True
+        return now - at >= self.group.queue.affinity_wait
+
+    def leave_queue(self, router: GroupRouter, exchange: object, ident: int) -> float | None:
+        """No longer waiting (admitted, timed out, gone): the seconds it waited, if it did."""
+        at = self.queued_at
+        if at is None:
+            return None
+        self.queued_at = None
+        router.queue.remove(exchange)
+        self.fx.cancel_timer((ExchangeTimer.QUEUE, ident))
+        return self.fx.now - at
+
+
+def _value(
+    source: SessionSource | None, head: RequestHead, document: object | None
+) -> bytes | None:
+    if source is None:
+        return None
+    return source_value(source, head.headers, head.target, document)
+
+
+def _tenant_value(
+    source: SessionSource | None, head: RequestHead, document: object | None
+) -> bytes | None:
+    value = _value(source, head, document)
+    if value is not None and source is not None and source.kind == "header":
+        value = credential_key(source.name.encode("latin-1"), value)
+    return value
+
+
+def repeated_tenant_field(group: Upstream, head: RequestHead) -> str | None:
+    """The 400 answer's text when ``head`` carries the header that names its tenant in
+    ``group`` more than once (RFC 9110 §5.3; see the module header); None otherwise."""
+    source = group.tenant
+    if source is None or source.kind != "header":
+        return None
+    if repeated_field(head.headers, source.name.encode("latin-1")):
+        return f"more than one {source.name} field"
+    return None
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*([0-9]{1,12})')
+_TAIL = 64
+"""Bytes of a chunk kept for the next one: a field split between two chunks is still seen."""
+
+
+class UsageScan:
+    """The last ``"completion_tokens": N`` in a response body (OpenAI's ``usage`` object,
+    in a JSON response or the last SSE chunk), found chunk by chunk in bounded memory."""
+
+    __slots__ = ("completion_tokens", "tail")
+
+    def __init__(self) -> None:
+        self.completion_tokens: int | None = None
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        text = self.tail + data
+        found = None
+        for match in _COMPLETION_TOKENS.finditer(text):
+            found = match
+        if found is not None and found.end() < len(text):  # digits complete: something after
+            self.completion_tokens = int(found[1])
+        self.tail = text[-_TAIL:]
+
+
+def extra_fields(refusal: Refusal) -> Headers:
+    """The fields of a 429 for a budget: ``Retry-After`` (RFC 9110 §10.2.3, whole seconds,
+    rounded up) unless the request can never fit, and the ``x-ratelimit-*`` fields."""
+    fields = list(refusal.headers)
+    if not refusal.too_large:
+        seconds = max(1, -int(-refusal.retry_after // 1))
+        fields.insert(0, (b"retry-after", str(seconds).encode("ascii")))
+    return fields

@@ -1,0 +1,289 @@
+"""Where an exchange goes: its route, its group's budgets and admission queue, its servers.
+
+What it obeys:
+
+- Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
+  the backend gets. A group that reads the request's JSON body (a body session key,
+  ``least_load``, prefix affinity, token budgets) holds its start first (BUFFERING) until
+  the body is complete or as much of it is held as may be (``sticky.body_limit``, bounded by
+  ``high_water``).
+- Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
+  with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
+- Admission: a request every candidate of whose group is full waits in the group's queue
+  (QUEUED), or gets 429 when the queue is full or its wait runs out (``queue.retry_after``).
+  A request the queue admits is routed again, with the group as configured now.
+- The servers, in the group's order (``failover.py``): no usable one is 503; a try that
+  fails before anything reached the client goes to the next one where ``next_upstream``
+  allows (RFC 9110 §9.2.2), else 504 for a timeout and 502 for any other failure.
+
+It sees the exchange through ``exchangeports.Routed`` alone: it sets the members it decides
+(the normalised head, the route, the group, the failover, the admission) and moves the
+exchange's phase through ``move``, so the exchange's table still says what may happen when.
+Functions, not an object per exchange: the per-request path makes no record for them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from muxproxy.core.events import BudgetAnswered
+from muxproxy.core.exchange import fleetadmit, grpc
+from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
+from muxproxy.core.exchange.body import RequestBody
+from muxproxy.core.exchange.exchange_states import ExchangeInput
+from muxproxy.core.exchange.exchangeports import Routed
+from muxproxy.core.exchange.failover import Failover
+from muxproxy.core.http.intake import MalformedRequest
+from muxproxy.core.http.paths import normalise_target
+from muxproxy.core.ports import RequestPhase
+from muxproxy.core.timers import ExchangeTimer
+from muxproxy.routing.llmrequest import parse_json_body
+from muxproxy.routing.ratelimit import Refusal
+from muxproxy.routing.sticky import session_key_from_body, session_key_from_head
+
+_I = ExchangeInput
+
+
+def locate(exchange: Routed) -> bool:
+    """Find the route and the group (False: answered with an error instead)."""
+    fx = exchange.fx
+    head = exchange.head
+    timeout = grpc.grpc_timeout(head.headers) if grpc.is_grpc(head.headers) else None
+    if timeout is not None:
+        # The whole call's deadline, across retries (gRPC's grpc-timeout).
+        fx.set_timer((ExchangeTimer.DEADLINE, exchange.ident), fx.now + timeout)
+    try:
+        target = normalise_target(head.target)
+    except MalformedRequest as exc:
+        exchange.fail(exc.status, exc.reason)
+        return False
+    if target is not head.target:
+        # Routed and forwarded as normalised (paths.py): the backend has nothing left to
+        # resolve that could take it out of the route's prefix.
+        head = exchange.head = attrs.evolve(head, target=target)
+    route = exchange.route = fx.config.route_for(head.target)
+    if route is None:
+        exchange.fail(404, "no route for this path")
+        return False
+    group = exchange.group = fx.config.upstreams[route.upstream]
+    exchange.upload.body = RequestBody(group.next_upstream.replay_buffer)
+    return True
+
+
+def begin(exchange: Routed) -> None:
+    """Route, reading the body first where the group needs it."""
+    group, head = exchange.group, exchange.head
+    assert group is not None
+    key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
+    if (need_body or group.reads_body) and exchange.upload.phase is RequestPhase.BODY:
+        exchange.move(_I.BUFFER)
+        return
+    _route(exchange, key, None)
+
+
+def route_by_body(exchange: Routed) -> None:
+    """BUFFERING: route once the body is complete or as much of it is held as may be."""
+    group, head, upload = exchange.group, exchange.head, exchange.upload
+    body = upload.body
+    assert group is not None
+    complete = upload.phase is RequestPhase.COMPLETE
+    if complete or body.size >= min(group.sticky.body_limit, exchange.fx.limits.high_water):
+        prefix = body.prefix()
+        document = parse_json_body(prefix) if complete else None
+        sources = group.sticky.sources
+        key = session_key_from_body(sources, head.headers, head.target, prefix, complete, document)
+        _route(exchange, key, document)
+
+
+def _route(exchange: Routed, key: bytes | None, document: object | None) -> None:
+    """Route with the session ``key``; ``document``: the parsed body, if it was read."""
+    group = exchange.group
+    assert group is not None
+    admission = None
+    if group.admits:
+        if (repeated := repeated_tenant_field(group, exchange.head)) is not None:
+            exchange.fail(400, repeated)
+            return
+        fx, host = exchange.fx, exchange.host
+        admission = exchange.admission = Admission(fx, group, exchange.head, document)
+        if fleetadmit.ask_store(fx, group, admission, exchange.ident, key):
+            exchange.move(_I.RESERVE)  # the fleet's budgets: the store answers first
+            return
+        refusal = admission.reserve(host.router(group))
+        if refusal is not None:
+            _refuse_budget(exchange, refusal)
+            return
+        admission.count(host.measurements.group(group.name))
+    _place(exchange, key, admission)
+
+
+def budget_answered(exchange: Routed, event: BudgetAnswered) -> None:
+    """RESERVING: the fleet store's answer (``fleetadmit.py``): route, or refuse."""
+    if not exchange.move(_I.RESERVED):
+        fleetadmit.give_back(exchange.fx, event)  # it ended meanwhile: the store's goes back
+        return
+    admission, group, host = exchange.admission, exchange.group, exchange.host
+    assert admission is not None and group is not None and admission.fleet is not None
+    router, measurements = host.router(group), host.measurements
+    match fleetadmit.decide(exchange.fx, router, measurements, admission, event):
+        case Refusal() as refusal:
+            _refuse_budget(exchange, refusal)
+        case str() as reason:
+            exchange.fail(503, reason)
+        case None:
+            admission.count(measurements.group(group.name))
+            _place(exchange, admission.fleet.key, admission)
+
+
+def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> None:
+    """Admitted: choose the servers, then try the first with room, or wait for one."""
+    group = exchange.group
+    assert group is not None
+    failover = exchange.failover = Failover(
+        exchange.fx,
+        exchange.host,
+        exchange,
+        exchange.ident,
+        group,
+        exchange.head,
+        exchange.upload.body,
+        key,
+        prefix=admission.prefix_key if admission else None,
+        ticket=admission.ticket if admission else None,
+    )
+    if not failover.candidates:
+        exchange.fail(503, "no backend available")
+        return
+    if group.admission and not failover.choose_room():
+        _wait(exchange)
+        return
+    exchange.move(_I.ATTEMPT)
+    failover.attempt()
+
+
+def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
+    """The current try failed before anything reached the client: the next server, if
+    ``next_upstream`` allows, else 504 (a timeout) or 502."""
+    failover = exchange.failover
+    assert failover is not None
+    failover.failed(condition, reason)
+    exchange.deadlines.end_attempt()
+    exchange.release_upstream(close=True)
+    if failover.allows(condition):
+        failover.leave()
+        failover.count_retry(condition, reason, exchange.request_id)
+        exchange.move(_I.RETRY)
+        failover.attempt()
+    elif condition == "timeout":
+        exchange.fail(504, "upstream timed out", reason)
+    else:
+        exchange.fail(502, "upstream unavailable", reason)
+
+
+def retry_stale(exchange: Routed, reason: str) -> bool:
+    """The stale retry: a reused keep-alive connection failed before any response byte (RFC
+    9112 §9.3.1). A fresh connection to the same server, if the request may go again
+    (``Failover.allows_stale``), without touching the server's health or ``tries``. False:
+    not taken."""
+    failover = exchange.failover
+    if failover is None or not failover.allows_stale(exchange.head, exchange.upstream):
+        return False
+    exchange.deadlines.end_attempt()
+    exchange.release_upstream(close=True)
+    exchange.move(_I.RETRY)
+    failover.attempt_fresh(reason, exchange.request_id)
+    return True
+
+
+# -- the admission queue (``admit.py``) ---------------------------------------------------
+
+
+def _wait(exchange: Routed) -> None:
+    """Every candidate is full: wait in the group's queue, or 429 when it is full."""
+    admission, failover = exchange.admission, exchange.failover
+    assert admission is not None and failover is not None
+    if not admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
+        exchange.host.measurements.admission(failover.group.name, "queue_full")
+        _refuse_busy(exchange, "every server is busy and the queue is full")
+        return
+    exchange.move(_I.QUEUE)
+
+
+def admitted(exchange: Routed) -> bool:
+    """The queue admits ``exchange`` (a server has room): route it again, with the group as
+    configured now, and try. True when it found no room after all: it waits again, at the
+    back."""
+    if not exchange.move(_I.ADMITTED):
+        return False
+    admission, failover = exchange.admission, exchange.failover
+    assert admission is not None and failover is not None and exchange.group is not None
+    left_queue(exchange, admission, failover)
+    group = exchange.fx.config.upstreams.get(exchange.group.name)
+    if group is None:
+        exchange.fail(503, "no backend available", "the upstream group was removed")
+        return False
+    exchange.group = group
+    failover.readmit(group)
+    if not failover.candidates:
+        exchange.fail(503, "no backend available")
+        return False
+    if not failover.choose_room():
+        if admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
+            return True
+        _refuse_busy(exchange, "every server is busy and the queue is full")
+        return False
+    exchange.move(_I.ATTEMPT)
+    failover.attempt()
+    return False
+
+
+def _home(failover: Failover) -> str | None:
+    """The server a keyed request belongs on (its first candidate); None: any."""
+    if failover.session_key is None and failover.prefix is None:
+        return None
+    return failover.group.servers[failover.candidates[0]].address
+
+
+def left_queue(exchange: Routed, admission: Admission, failover: Failover) -> None:
+    """``exchange`` is out of the queue (admitted, or ended while it waited): its wait is
+    measured."""
+    waited = admission.leave_queue(failover.router, exchange, exchange.ident)
+    if waited is not None:
+        exchange.host.measurements.group(failover.group.name).queue_wait.observe(waited)
+
+
+def queue_timeout(exchange: Routed) -> None:
+    """The ``queue`` timer: every server stayed busy for the queue's timeout."""
+    failover = exchange.failover
+    assert failover is not None
+    exchange.host.measurements.admission(failover.group.name, "queue_timeout")
+    _refuse_busy(exchange, "every server stayed busy for the queue's timeout")
+
+
+def _refuse_busy(exchange: Routed, text: str) -> None:
+    """429: the queue is full or the wait ran out (``Retry-After: queue.retry_after``)."""
+    assert exchange.group is not None
+    retry = str(exchange.group.queue.retry_after).encode("ascii")
+    exchange.fail(429, text, extra=[(b"retry-after", retry)])
+
+
+def _refuse_budget(exchange: Routed, refusal: Refusal) -> None:
+    """429: the tenant's budget is spent (or the request can never fit in it)."""
+    assert exchange.group is not None
+    exchange.host.measurements.admission(exchange.group.name, "rate_limited")
+    exchange.fail(429, refusal.reason, extra=extra_fields(refusal))
+
+
+def settle(
+    exchange: Routed, admission: Admission, failover: Failover, answered: bool, events: int | None
+) -> None:
+    """The exchange ended: out of the queue if it waited, its reservation settled with what
+    it used (``answered``: a response head came; ``events``: the SSE events it relayed, if it
+    counted them)."""
+    if admission.queued_at is not None:  # it ended while it waited
+        left_queue(exchange, admission, failover)
+    used = admission.settle(answered, events)
+    if used is not None:
+        stats = exchange.host.measurements.group(failover.group.name)
+        stats.reservations -= 1
+        stats.tokens_used += used
