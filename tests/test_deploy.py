@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,10 @@ import yaml
 from muxproxy.config import ADMIN_TOKEN_ENV, Config, ConfigError, load_config, parse_config
 from muxproxy.config.admin import is_loopback
 from muxproxy.config.fleetkeys import FLEET_STORE_ENV
-from muxproxy.process.cli import _on_signal
-from muxproxy.process.common import EXIT_USAGE, STOP_SIGNALS
-from muxproxy.process.workers import HANDLED_SIGNALS, KILL_MARGIN
+from muxproxy.process.cli import OneProcess
+from muxproxy.process.common import EXIT_USAGE
+from muxproxy.process.signals import HANDLED_SIGNALS, STOP_SIGNALS, obey
+from muxproxy.process.workers import KILL_MARGIN
 from muxproxy.trio.admin import READY_PATH
 from muxproxy.trio.local import serve_control
 from muxproxy.trio.server import FLUSH_TIME, Phase, ProxyServer
@@ -171,7 +172,7 @@ def copied_to(source: str) -> str:
 
 @attrs.define
 class FakeServer:
-    """What ``muxproxy.process.cli._on_signal`` touches of a running ``ProxyServer``."""
+    """What ``muxproxy.process.cli.OneProcess`` touches of a running ``ProxyServer``."""
 
     config: Config
     phase: Phase = Phase.SERVING
@@ -199,7 +200,11 @@ def handled_as(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
     if signum not in HANDLED_SIGNALS:  # never delivered to the handler: the default action
         return "nothing"
     server = FakeServer(config=example_config())
-    _on_signal(server, signum, str(EXAMPLE), None)
+
+    async def received() -> AsyncIterator[int]:
+        yield int(signum)
+
+    trio.run(obey, received(), OneProcess(server, str(EXAMPLE), None))
     assert server.shutdowns + len(server.reloads) <= 1
     return "stop" if server.shutdowns else "reload" if server.reloads else "nothing"
 

@@ -36,19 +36,17 @@ from muxproxy.config import (
 )
 from muxproxy.process.check import describe_config, seconds
 from muxproxy.process.common import (
-    CUT_SIGNALS,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    REOPEN_LOG_SIGNAL,
-    STOP_SIGNALS,
     freeze_startup_heap,
     host_port,
-    leaves,
     listening_line,
     listening_lines,
     reopen_access_log,
 )
+from muxproxy.process.signals import HANDLED_SIGNALS, obey
+from muxproxy.trio.excgroups import leaves
 
 log = logging.getLogger("muxproxy")
 
@@ -311,9 +309,7 @@ def run_server(
         return EXIT_FAILURE
 
     async def serve_until_stopped() -> None:
-        with trio.open_signal_receiver(
-            *STOP_SIGNALS, signal.SIGHUP, REOPEN_LOG_SIGNAL, signal.SIGUSR2
-        ) as signals:
+        with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
             server = server_module.ProxyServer(config)
             control, state = None, None
             if config.admin is not None or config.fleet is not None:
@@ -337,8 +333,7 @@ def run_server(
                     print(line, flush=True)
                 if admin is not None:
                     print(f"muxproxy admin on http://{host_port(*admin)}", flush=True)
-                async for signum in signals:
-                    _on_signal(server, signal.Signals(signum), config_path, log_level)
+                await obey(signals, OneProcess(server, config_path, log_level))
             _log_stopped(server)
 
     try:
@@ -356,24 +351,33 @@ def run_server(
     return EXIT_OK
 
 
-def _on_signal(
-    server: Any, signum: signal.Signals, config_path: str | None, log_level: str | None
-) -> None:
-    """Act on one signal received by :func:`run_server` (``server`` is its ``ProxyServer``)."""
-    phase = server.phase.value
-    if signum == signal.SIGHUP:
-        reload_server(server, config_path, log_level=log_level)
-    elif signum == REOPEN_LOG_SIGNAL:
-        reopen_access_log(server, log)
-    elif signum == signal.SIGUSR2:
-        log.warning(
-            "muxproxy: SIGUSR2 ignored: a rolling restart needs workers (muxproxy serve"
-            " --workers N, N >= 2); this process keeps serving"
-        )
-    elif phase == "serving":
-        grace = seconds(server.config.timeouts.shutdown_grace)
+class OneProcess:
+    """The signals of one serving process (``process/signals.py``), acted on its
+    ``ProxyServer``."""
+
+    def __init__(self, server: Any, config_path: str | None, log_level: str | None) -> None:
+        self.server = server
+        self.config_path = config_path
+        self.log_level = log_level
+
+    def stopping(self) -> bool:
+        return bool(self.server.phase.value != "serving")
+
+    async def on_stop(self, signum: signal.Signals, *, cut: bool) -> None:
+        server = self.server
+        if cut and server.phase.value != "draining":
+            return  # already cutting
         count = server.streams_in_flight()
         server.request_shutdown()  # first: the line below means new connections are refused
+        if cut:
+            log.info(
+                "muxproxy: %s again: cutting %d stream%s now (exit status stays 0)",
+                signum.name,
+                count,
+                "" if count == 1 else "s",
+            )
+            return
+        grace = seconds(server.config.timeouts.shutdown_grace)
         log.info(
             "muxproxy: stopping: %d stream%s in flight, grace %s (%s)",
             count,
@@ -381,19 +385,26 @@ def _on_signal(
             grace,
             signum.name,
         )
-    elif phase == "draining" and signum in CUT_SIGNALS:
-        count = server.streams_in_flight()
-        server.request_shutdown()
-        log.info(
-            "muxproxy: %s again: cutting %d stream%s now (exit status stays 0)",
-            signum.name,
-            count,
-            "" if count == 1 else "s",
-        )
-    elif phase == "draining":
+
+    async def on_keep_stopping(self, signum: signal.Signals) -> None:
         log.info(
             "muxproxy: %s: already stopping gracefully (SIGTERM or SIGINT cuts now)", signum.name
         )
+
+    async def on_reload(self) -> None:
+        reload_server(self.server, self.config_path, log_level=self.log_level)
+
+    async def on_reopen_logs(self) -> None:
+        reopen_access_log(self.server, log)
+
+    async def on_restart(self) -> None:
+        log.warning(
+            "muxproxy: SIGUSR2 ignored: a rolling restart needs workers (muxproxy serve"
+            " --workers N, N >= 2); this process keeps serving"
+        )
+
+    async def on_refused(self, signum: signal.Signals) -> None:
+        log.info("muxproxy: %s ignored: the server is %s", signum.name, self.server.phase.value)
 
 
 def reload_server(server: Any, config_path: str | None, *, log_level: str | None = None) -> bool:

@@ -1,13 +1,12 @@
 """What every serving process of muxproxy says and does alike: one process, a supervisor of
 ``--workers N`` and each of its workers.
 
-Exit statuses, the stop signals and what repeating one means, the ``muxproxy listening on
-...`` lines, the wording of a process's exit, the unwrapping of Trio's exception groups and
-the start-up heap freeze. :mod:`muxproxy.process.cli` (one process), :mod:`muxproxy.process.workers`
-(the supervisor) and :mod:`muxproxy.trio.worker` (a worker) all import this module and none of them
-imports another for these: the one-process command line and the supervisor stay independent
-of each other, and the supervisor's process looks to an operator exactly as one process does
-(the same lines, the same statuses, the same signals).
+Exit statuses, the ``muxproxy listening on ...`` lines, the wording of a process's exit, the
+access log's reopening and the start-up heap freeze (the signals are ``signals.py``'s).
+``cli.py`` (one process), ``workers.py`` (the supervisor) and ``worker.py`` (a worker) all
+import this module and none of them imports another for these: the one-process command line
+and the supervisor stay independent of each other, and the supervisor's process looks to an
+operator exactly as one process does (the same lines, the same statuses, the same signals).
 
 It imports neither Trio nor the proxy: ``muxproxy check`` loads it too.
 """
@@ -27,18 +26,6 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 """Bad usage or an invalid configuration."""
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
-"""Signals that stop gracefully, as nginx's: no new connection or request; running streams
-get ``timeouts.shutdown_grace`` to finish."""
-CUT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""Stop signals that, repeated during a graceful stop, cut what still runs (as a second
-Ctrl-C does); a repeated SIGQUIT, nginx's graceful stop, stays graceful."""
-
-
-REOPEN_LOG_SIGNAL = signal.SIGUSR1
-"""Reopens the access log file at its path, after log rotation renamed it (nginx's USR1);
-a reload (SIGHUP) does it too."""
 
 
 def reopen_access_log(server: Any, log: logging.Logger) -> None:
@@ -105,13 +92,6 @@ def describe_exit(returncode: int | None) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
-
-
-def leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, or ``[exc]``."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
-    return [exc]
 
 
 def freeze_startup_heap() -> None:

@@ -8,17 +8,17 @@ Theory of operation. The supervisor (the process the user started) never serves 
 owns the listening sockets, the workers' lives and the signals, and it never drops a stream
 or a connection waiting to be accepted:
 
-* Sockets. It binds every listening socket itself (:mod:`muxproxy.trio.handover`): per
+* Sockets. It binds every listening socket itself (:mod:`muxproxy.process.handover`): per
   listener, one ``SO_REUSEPORT`` socket per worker slot, so the kernel spreads connections
   over the slots as it did when each worker bound its own, and each connection wakes one
   process. A worker adopts its slot's sockets (``ProxyServer(listen_sockets=...)``) and never
   binds. Because the supervisor keeps every socket open, a worker that stops or dies takes no
   accept queue with it: what waits there is accepted by the worker that takes the slot over.
-* Workers. Each is ``python -c`` (:data:`~muxproxy.trio.worker.WORKER_CODE`, so it imports the
+* Workers. Each is ``python -c`` (:data:`~muxproxy.process.worker.WORKER_CODE`, so it imports the
   code installed at the time it starts) in a process group of its own (a terminal's Ctrl-C
   reaches the supervisor alone), reading a pickled ``WorkerPayload`` on stdin that names its
   descriptors (``pass_fds``). A Unix socketpair per worker is its control channel
-  (:mod:`muxproxy.trio.channel`; the messages are listed in :mod:`muxproxy.trio.worker`):
+  (:mod:`muxproxy.trio.channel`; the messages are listed in :mod:`muxproxy.process.worker`):
   "listening", "stop", "cut", "reload", "runtime", "status?", "metrics?", "sessions", and the
   worker's final measurements as it exits; end of file means the worker has gone.
 * Start. Once every worker reports that it listens, the supervisor prints ``muxproxy
@@ -31,7 +31,7 @@ or a connection waiting to be accepted:
 * SIGHUP: the configuration file is read again with ``load_config`` (the checker of ``muxproxy
   check``). An invalid file is refused, every problem logged, and the old configuration
   keeps running. Otherwise sockets are bound for new listeners and sent with "reload" to
-  every worker (:mod:`muxproxy.trio.workerreload`); a removed listener's sockets are closed
+  every worker (:mod:`muxproxy.process.workerreload`); a removed listener's sockets are closed
   once every worker has applied the new configuration (and so closed its own copies).
 * SIGUSR2: a rolling restart onto the installed code. Slot by slot, a new worker starts on the
   slot's sockets, and once it reports that it listens the old one is told "stop" and drains
@@ -40,7 +40,7 @@ or a connection waiting to be accepted:
   logged.
 * SIGUSR1: every worker opens the access log file again (after log rotation renamed it).
 * A worker that dies is logged and replaced on its slot, at most N times within
-  :data:`~muxproxy.trio.workerproc.RESTART_WINDOW` seconds: past that the workers stop and
+  :data:`~muxproxy.process.workerproc.RESTART_WINDOW` seconds: past that the workers stop and
   the supervisor exits 1, rather than spin on a crash loop.
 * Admin API (``[admin]``): the supervisor runs it (:mod:`muxproxy.trio.admin`) over
   :class:`~muxproxy.process.supervision.SupervisorControl`: status, runtime server overrides,
@@ -57,7 +57,7 @@ A worker that reads end of file on its control channel (the supervisor died, eve
 SIGKILL: the kernel closes the supervisor's end, which no other process holds) stops as
 "stop" does; so no worker outlives the supervisor by more than its drain. Workers are
 started from a Trio thread, which is why no ``PR_SET_PDEATHSIG`` is used: the kernel ties
-that to the thread, not the process (:mod:`muxproxy.trio.worker`). ``SO_REUSEPORT``'s
+that to the thread, not the process (:mod:`muxproxy.process.worker`). ``SO_REUSEPORT``'s
 spreading is Linux-only; so is ``--workers N``.
 """
 
@@ -71,7 +71,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -82,32 +82,24 @@ from muxproxy.config import Config
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.fleet.discovery import Target, with_discovered
 from muxproxy.process.common import (
-    CUT_SIGNALS,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    REOPEN_LOG_SIGNAL,
-    STOP_SIGNALS,
     describe_exit,
     host_port,
-    leaves,
     listening_lines,
 )
-from muxproxy.process.supervision import SupervisorControl, follow_fleet, readiness_of
-from muxproxy.trio.channel import Channel, ChannelError, Message
-from muxproxy.trio.control import Readiness, ReloadResult, saved_state
-from muxproxy.trio.discovery import Discovery
-from muxproxy.trio.fleetsessions import SessionRelay
-from muxproxy.trio.handover import (
+from muxproxy.process.handover import (
     SlotSockets,
     WorkerPayload,
     bind_listeners,
     close_listeners,
     slot_fds,
 )
-from muxproxy.trio.logs import configure_error_log
-from muxproxy.trio.worker import WORKER_CODE, encode_sets
-from muxproxy.trio.workerproc import (
+from muxproxy.process.signals import HANDLED_SIGNALS, obey
+from muxproxy.process.supervision import SupervisorControl, follow_fleet, readiness_of
+from muxproxy.process.worker import WORKER_CODE, encode_sets
+from muxproxy.process.workerproc import (
     REPLY_TIMEOUT,
     Phase,
     RestartBudget,
@@ -117,7 +109,13 @@ from muxproxy.trio.workerproc import (
     ask_each,
     first_of,
 )
-from muxproxy.trio.workerreload import reload_each, reread
+from muxproxy.process.workerreload import reload_each, reread
+from muxproxy.trio.channel import Channel, ChannelError, Message
+from muxproxy.trio.control import Readiness, ReloadResult, saved_state
+from muxproxy.trio.discovery import Discovery
+from muxproxy.trio.excgroups import leaves
+from muxproxy.trio.fleetsessions import SessionRelay
+from muxproxy.trio.logs import configure_error_log
 
 if TYPE_CHECKING:
     from muxproxy.trio.fleetstate import FleetSync
@@ -128,8 +126,6 @@ STARTUP_TIMEOUT = 30.0
 """Seconds a worker has to start listening; a start that hangs fails instead."""
 KILL_MARGIN = 5.0
 """Seconds past ``timeouts.shutdown_grace`` before a worker that has not exited is killed."""
-
-HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGUSR2, REOPEN_LOG_SIGNAL)
 
 
 def supervise(
@@ -172,7 +168,7 @@ async def _supervise(
                     await follow_fleet(supervisor, config.fleet)  # before the admin API
                 if supervisor.phase is Phase.SERVING and config.admin is not None:
                     await supervisor.serve_admin(config.admin.address)
-                nursery.start_soon(supervisor.handle_signals, signals)
+                nursery.start_soon(obey, signals, supervisor)
                 await supervisor.done.wait()
                 nursery.cancel_scope.cancel()
         finally:
@@ -387,22 +383,29 @@ class Supervisor:
 
     # ---- signals --------------------------------------------------------------------------
 
-    async def handle_signals(self, signals: AsyncIterator[int]) -> None:
-        async for signum in signals:
-            if signum in STOP_SIGNALS:
-                stopping = self.phase is Phase.STOPPING
-                if not stopping or signum in CUT_SIGNALS:
-                    await self.stop(cut=stopping)
-            elif self.phase is Phase.STOPPING:
-                self._log(f"{signal.Signals(signum).name} ignored: stopping", logging.WARNING)
-            elif signum == signal.SIGHUP:
-                self.nursery.start_soon(self.reload)
-            elif signum == signal.SIGUSR2:
-                self.nursery.start_soon(self.restart)
-            elif signum == REOPEN_LOG_SIGNAL:
-                for worker in list(self.workers):
-                    if worker.state is not WorkerState.STOPPING:
-                        await self._tell(worker, {"type": "reopen_logs"})
+    # The signals' actions (``process/signals.py``).
+
+    def stopping(self) -> bool:
+        return self.phase is Phase.STOPPING
+
+    async def on_stop(self, signum: signal.Signals, *, cut: bool) -> None:
+        await self.stop(cut=cut)
+
+    async def on_keep_stopping(self, signum: signal.Signals) -> None:
+        self._log(f"{signum.name}: already stopping gracefully (SIGTERM or SIGINT cuts now)")
+
+    async def on_reload(self) -> None:
+        self.nursery.start_soon(self.reload)
+
+    async def on_restart(self) -> None:
+        self.nursery.start_soon(self.restart)
+
+    async def on_reopen_logs(self) -> None:
+        for worker in list(self.workers):
+            await self._tell(worker, {"type": "reopen_logs"})
+
+    async def on_refused(self, signum: signal.Signals) -> None:
+        self._log(f"{signum.name} ignored: stopping", logging.WARNING)
 
     async def stop(self, *, cut: bool) -> None:
         """Tell every worker to stop (drain, or ``cut``); kill those left at the deadline."""

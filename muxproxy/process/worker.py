@@ -1,7 +1,7 @@
 """A worker process of ``muxproxy serve --workers N``, steered by its supervisor.
 
 The supervisor (:mod:`muxproxy.process.workers`) starts it as ``python -c`` (:data:`WORKER_CODE`)
-with a pickled :class:`~muxproxy.trio.handover.WorkerPayload` on stdin: the configuration, the
+with a pickled :class:`~muxproxy.process.handover.WorkerPayload` on stdin: the configuration, the
 listening sockets of its slot (already bound and listening; the worker never binds) and its
 end of the control channel (:mod:`muxproxy.trio.channel`). It serves them with one
 :class:`~muxproxy.trio.server.ProxyServer` and talks to the supervisor in JSON lines:
@@ -52,7 +52,6 @@ import base64
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -70,12 +69,13 @@ from muxproxy.process.common import (
     EXIT_FAILURE,
     EXIT_OK,
     freeze_startup_heap,
-    leaves,
     reopen_access_log,
 )
+from muxproxy.process.handover import WorkerPayload
+from muxproxy.process.signals import WORKER_SIGNALS, Action, action_of
 from muxproxy.trio.channel import Channel, ChannelError, Message
+from muxproxy.trio.excgroups import leaves
 from muxproxy.trio.fleetsessions import learn, shifted, wall_offset
-from muxproxy.trio.handover import WorkerPayload
 from muxproxy.trio.server import ProxyServer
 
 log = logging.getLogger("muxproxy")
@@ -83,7 +83,7 @@ log = logging.getLogger("muxproxy")
 SESSION_BATCHES = 64
 """Batches of remembered sessions waiting for the control channel (``SHARE_DELAY`` apart)."""
 
-WORKER_CODE = "from muxproxy.trio.worker import worker_main; raise SystemExit(worker_main())"
+WORKER_CODE = "from muxproxy.process.worker import worker_main; raise SystemExit(worker_main())"
 """A worker's ``python -c`` program (arguments are ignored: a supervisor of an older version
 passes its pid)."""
 
@@ -157,7 +157,7 @@ class WorkerProcess:
 
     async def run(self) -> None:
         """Serve until stopped and drained."""
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(*WORKER_SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, signals)
                 if self.payload.runtime is not None:
@@ -189,8 +189,9 @@ class WorkerProcess:
         done.cancel()
 
     async def _signals(self, signals: AsyncIterator[int]) -> None:
-        async for _ in signals:
-            self._stop(cut=self.stops > 0)
+        async for signum in signals:
+            action = action_of(signum, stopping=self.stops > 0)
+            self._stop(cut=action is Action.CUT)
 
     async def _commands(self) -> None:
         while (received := await self.channel.receive()) is not None:
