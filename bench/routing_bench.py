@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 
 from muxproxy.config import Server, SessionSource, Sticky, Upstream
+from muxproxy.config.serverid import server_id
 from muxproxy.routing.balancer import (
     SmoothWeightedRoundRobin,
     least_streams,
     rendezvous_order,
-    server_id,
 )
 from muxproxy.routing.health import PassiveHealth, usable_servers
 from muxproxy.routing.router import GroupRouter

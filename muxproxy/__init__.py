@@ -11,8 +11,8 @@ The Trio driver that runs it on real sockets is :class:`muxproxy.trio.server.Pro
 
 from muxproxy.config import Config, ConfigError, load_config, parse_config, quick_config
 from muxproxy.core import commands, events
-from muxproxy.core.observe.statistics import ProxyStatistics, StreamStatistics
 from muxproxy.core.proxy import ProxyCore
+from muxproxy.core.statistics import ProxyStatistics, StreamStatistics
 
 __all__ = [
     "Config",

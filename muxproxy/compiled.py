@@ -24,9 +24,9 @@ MODULES = [
     # Where an exchange goes (every request) and what outlives its client or backend (per
     # token on a resumable route): the exchange's parts, called from it.
     "muxproxy.core.exchange.placement",
-    "muxproxy.core.streams.surviving",
+    "muxproxy.core.exchange.surviving",
     # The exchange's subclasses: an interpreted class cannot subclass a compiled one.
-    "muxproxy.core.streams.replay",
+    "muxproxy.core.exchange.replay",
     "muxproxy.core.tunnel.websocket",
     "muxproxy.core.observe.ssemeter",
     "muxproxy.core.client.downstream",

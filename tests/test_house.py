@@ -160,3 +160,92 @@ def test_no_module_over_the_size_limit() -> None:
         f"OVERSIZE_ALLOWED lists modules no longer over {MAX_LINES} lines (or gone):"
         " remove them:\n" + "\n".join(f"muxproxy/{path}: {sizes.get(path)}" for path in stale)
     )
+
+
+# -- layers: no arrow runs back up ----------------------------------------------------------
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("asgi", "compiled"),
+    ("config",),
+    ("routing",),
+    ("fleet",),
+    ("core: vocabulary",),
+    ("core/http",),
+    ("core/http1", "core/http2", "core/observe"),
+    ("core: effects and ports",),
+    ("core/streams",),
+    ("core/client", "core/upstream"),
+    ("core/exchange",),
+    ("core/tunnel",),
+    ("core: the owner",),
+    ("testing", "trio"),
+    ("testing/fakellm", "process"),
+    ("demo",),
+    ("the package's face",),
+)
+"""The package's parts from the bottom up (``docs/architecture.md``, "The layout"): a part
+imports only parts of layers below its own; two parts of one layer import neither the other.
+``core/``'s own modules are three parts: the vocabulary every part speaks, the effects and
+ports every part holds (they name a few pure rules' types), and the owner that builds them."""
+
+CORE_OWNER = frozenset({"proxy", "tables", "faults", "shutdown", "statistics"})
+CORE_EFFECTS_AND_PORTS = frozenset({"effects", "ports"})
+
+
+def part_of(module: str) -> str:
+    """The part of ``LAYERS`` a module of the package belongs to."""
+    parts = module.split(".")[1:]
+    if not parts or parts == ["__main__"]:
+        return "the package's face"
+    if parts[0] == "core" and len(parts) <= 2:
+        name = parts[1] if len(parts) == 2 else ""
+        if name in CORE_OWNER:
+            return "core: the owner"
+        if name in CORE_EFFECTS_AND_PORTS:
+            return "core: effects and ports"
+        if PACKAGE.joinpath("core", name).is_dir() and name:
+            return f"core/{name}"
+        return "core: vocabulary"
+    if parts[0] in ("core", "testing") and len(parts) >= 3:
+        return "/".join(parts[:2])
+    if parts[0] == "testing" and len(parts) == 2 and PACKAGE.joinpath(*parts).is_dir():
+        return "/".join(parts)
+    return parts[0]
+
+
+def upward_imports(graph: Mapping[str, set[str]]) -> list[str]:
+    """Each import of a part by a part that is not above it, as ``a -> b (part -> part)``.
+
+    Importing the bare package (``from muxproxy import __version__``) is left out: its
+    ``__init__`` runs before any of its modules anyway."""
+    rank = {part: level for level, parts in enumerate(LAYERS) for part in parts}
+    found = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            here, there = part_of(module), part_of(target)
+            if target == PACKAGE.name or here == there:
+                continue
+            assert here in rank and there in rank, f"{module} or {target}: a part not in LAYERS"
+            if rank[there] >= rank[here]:
+                found.append(f"{module} -> {target} ({here} -> {there})")
+    return found
+
+
+def test_every_part_of_the_package_has_its_layer() -> None:
+    parts = {part_of(module) for module in modules()}
+    listed = {part for layer in LAYERS for part in layer}
+    assert parts == listed, (
+        f"not in LAYERS: {sorted(parts - listed)}; gone: {sorted(listed - parts)}"
+    )
+
+
+def test_no_import_runs_back_up_the_layers() -> None:
+    found = upward_imports(import_graph(modules()))
+    assert not found, "imports that run back up (or across one layer):\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_import_up_the_layers() -> None:
+    graph = {"muxproxy.routing.router": {"muxproxy.core.exchange.exchange"}}
+    assert upward_imports(graph) == [
+        "muxproxy.routing.router -> muxproxy.core.exchange.exchange (routing -> core/exchange)"
+    ]

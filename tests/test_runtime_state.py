@@ -18,7 +18,7 @@ from muxproxy.config.runtime import (
     resolve_server,
     save_state,
 )
-from muxproxy.routing.balancer import server_id
+from muxproxy.config.serverid import server_id
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 

@@ -18,11 +18,11 @@ import pytest
 import trio
 
 from muxproxy.config import Config, Listener, quick_config
+from muxproxy.process.handover import bind_listeners, close_listeners
 from muxproxy.process.supervision import SupervisorControl, merge_statuses
+from muxproxy.process.workerproc import Worker
 from muxproxy.process.workers import Phase, Supervisor
 from muxproxy.trio.control import AdminError
-from muxproxy.trio.handover import bind_listeners, close_listeners
-from muxproxy.trio.workerproc import Worker
 
 if TYPE_CHECKING:
     from conftest import StartBackend

@@ -29,7 +29,7 @@ import attrs
 
 from muxproxy.config.ranges import SERVER_WEIGHT, shown
 from muxproxy.config.records import Config
-from muxproxy.routing.balancer import server_id
+from muxproxy.config.serverid import server_id
 
 __all__ = [
     "STATE_VERSION",
@@ -257,7 +257,7 @@ def resolve_server(config: Config, group: str, server: str) -> str:
     """The address, as configured, of ``server`` in ``group``.
 
     ``server`` is an address as written in the configuration, or the server's opaque id
-    (``routing.balancer.server_id``, as ``/status`` and the sticky cookie show it). Raises
+    (``config/serverid.py``, as ``/status`` and the sticky cookie show it). Raises
     ``KeyError`` with a message naming the unknown group or server and what is known.
     """
     upstream = config.upstreams.get(group)

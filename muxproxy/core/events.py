@@ -8,11 +8,12 @@ client connections are chosen by the driver (positive), ids of upstream connecti
 
 from __future__ import annotations
 
+import ipaddress
+
 import attrs
 
 from muxproxy.config import Config
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.http.forwarded import Network
 from muxproxy.core.timers import TimerId as TimerId
 from muxproxy.fleet.budgets import Ask, Verdict
 from muxproxy.fleet.sessions import SessionEntry
@@ -34,7 +35,7 @@ class ConnectionAccepted(Event):
     peer: tuple[str, int] | None
     tls: bool = False
     alpn: str | None = None
-    trusted_proxies: tuple[Network, ...] = ()
+    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     """The listener's ``trusted_proxies``: a peer in one of them is a proxy whose forwarded
     fields are believed (``forwarded.py``)."""
     wall: float | None = None

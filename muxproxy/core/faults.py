@@ -43,10 +43,10 @@ from muxproxy.core.commands import (
     SendData,
     ShutdownWrite,
 )
+from muxproxy.core.exchange.continuing import ContinuedStream
 from muxproxy.core.exchange.exchange import Exchange
 from muxproxy.core.faultplan import FaultPoint
 from muxproxy.core.ports import Phase
-from muxproxy.core.streams.continuing import ContinuedStream
 from muxproxy.core.tables import CoreTables
 from muxproxy.core.timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
 from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel, TunnelState

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from muxproxy.config import Api, Route, Upstream
 from muxproxy.core.commands import Origin
-from muxproxy.core.exchange.bodyclock import SlowBody
+from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:

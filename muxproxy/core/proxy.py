@@ -47,6 +47,7 @@ from muxproxy.core.events import (
 )
 from muxproxy.core.exchange import fleetadmit
 from muxproxy.core.exchange.exchange import Exchange
+from muxproxy.core.exchange.replay import ReplayExchange, wants_resume
 from muxproxy.core.exchange.sessionshare import SessionSharing
 from muxproxy.core.faultplan import FaultPlan, FaultPoint
 from muxproxy.core.faults import Fault, Isolation
@@ -57,11 +58,10 @@ from muxproxy.core.observe.access import RequestIds
 from muxproxy.core.observe.defencelog import KINDS as DEFENCE_KINDS
 from muxproxy.core.observe.defencelog import DefenceLog
 from muxproxy.core.observe.measure import Measurements
-from muxproxy.core.observe.statistics import ProxyStatistics, take_statistics
 from muxproxy.core.ports import BackendConnection, ClientSide
 from muxproxy.core.raising import raise_errors_from_environment
 from muxproxy.core.shutdown import Shutdown, refuse_client, stop_client
-from muxproxy.core.streams.replay import ReplayExchange, wants_resume
+from muxproxy.core.statistics import ProxyStatistics, take_statistics
 from muxproxy.core.streams.resume import ResumeStore
 from muxproxy.core.timers import (
     BackendTimer,

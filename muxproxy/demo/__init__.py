@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from muxproxy.process.common import leaves
+from muxproxy.trio.excgroups import leaves
 
 EXIT_INTERRUPTED = 130
 """The exit status after Ctrl-C during the scripted run (as a shell reports SIGINT)."""

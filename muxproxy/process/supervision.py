@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, assert_never
 import trio
 
 from muxproxy.process.common import host_port
+from muxproxy.process.workerproc import Phase, WorkerState
 from muxproxy.trio.control import (
     AdminError,
     Readiness,
@@ -48,16 +49,15 @@ from muxproxy.trio.control import (
     change_runtime,
     group_answer,
 )
-from muxproxy.trio.workerproc import Phase, WorkerState
 
 if TYPE_CHECKING:
     from muxproxy.config import Config
     from muxproxy.config.fleet import FleetSettings
     from muxproxy.config.runtime import RuntimeState
+    from muxproxy.process.workerproc import Worker
     from muxproxy.trio.channel import Message
     from muxproxy.trio.fleetsessions import SessionRelay
     from muxproxy.trio.fleetstate import FleetSync
-    from muxproxy.trio.workerproc import Worker
 
 RUNTIME_TIMEOUT = 1.0
 """Seconds within which every worker applies a runtime change."""

@@ -8,9 +8,9 @@ does its two steps that stand alone:
   file gives every problem, each naming the file, so the log says which file was refused.
 * :func:`reload_each`: the "reload" message to every worker at once, each with the new
   configuration and its own slot's sockets of the listeners added
-  (:func:`~muxproxy.trio.handover.slot_fds`, sent with the message as ``SCM_RIGHTS``). A
+  (:func:`~muxproxy.process.handover.slot_fds`, sent with the message as ``SCM_RIGHTS``). A
   worker that applied it runs the new generation from then on; one that refused it, exited
-  or gave no answer within :data:`~muxproxy.trio.workerproc.REPLY_TIMEOUT` is named in the
+  or gave no answer within :data:`~muxproxy.process.workerproc.REPLY_TIMEOUT` is named in the
   errors returned, and keeps running the generation it had.
 """
 
@@ -23,9 +23,9 @@ import attrs
 import trio
 
 from muxproxy.config import Config, ConfigError, load_config
-from muxproxy.trio.handover import SlotSockets, slot_fds
-from muxproxy.trio.worker import encode_config
-from muxproxy.trio.workerproc import REPLY_TIMEOUT, Worker, gather
+from muxproxy.process.handover import SlotSockets, slot_fds
+from muxproxy.process.worker import encode_config
+from muxproxy.process.workerproc import REPLY_TIMEOUT, Worker, gather
 
 __all__ = ["reload_each", "reread"]
 

@@ -20,7 +20,6 @@ __all__ = [
     "SmoothWeightedRoundRobin",
     "least_streams",
     "rendezvous_order",
-    "server_id",
 ]
 
 
@@ -146,18 +145,3 @@ def rendezvous_order(
         scored.append((weight / log(u), index))  # log(u) < 0, so this is -score
     scored.sort()
     return [index for _, index in scored]
-
-
-def server_id(group: str, address: str, secret: str = "") -> bytes:
-    """A stable, opaque id of a server: 16 lower-case hex digits (ASCII bytes).
-
-    Used as the server's rendezvous-hashing identity and as the sticky cookie's value. It is
-    ``blake2b(f"{group}\\0{address}", digest_size=8)`` keyed with ``secret`` (secrets longer
-    than blake2b's 64-byte key limit are hashed to 64 bytes first), so it does not reveal
-    the address, and with a secret it cannot be computed from the address either.
-    """
-    key = secret.encode()
-    if len(key) > hashlib.blake2b.MAX_KEY_SIZE:
-        key = hashlib.blake2b(key, digest_size=hashlib.blake2b.MAX_KEY_SIZE).digest()
-    digest = hashlib.blake2b(f"{group}\0{address}".encode(), digest_size=8, key=key)
-    return digest.hexdigest().encode("ascii")

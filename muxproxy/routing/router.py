@@ -64,13 +64,13 @@ from collections.abc import Callable, Sequence
 
 from muxproxy.config import AffinityMode, Balance, Upstream
 from muxproxy.config.runtime import RuntimeState, ServerOverride
+from muxproxy.config.serverid import server_id
 from muxproxy.routing.admission import FairQueue
 from muxproxy.routing.affinity import Affinity
 from muxproxy.routing.balancer import (
     SmoothWeightedRoundRobin,
     least_streams,
     rendezvous_order,
-    server_id,
 )
 from muxproxy.routing.health import ActiveHealth, PassiveHealth, usable_servers
 from muxproxy.routing.load import Sampler, ServerLoads, Ticket, bounded_order, power_of_two

@@ -72,9 +72,8 @@ if TYPE_CHECKING:
     import coredis
 
     from muxproxy.core.proxy import ProxyCore
-    from muxproxy.trio.channel import Message
+    from muxproxy.trio.channel import Channel, Message
     from muxproxy.trio.driver import Driver
-    from muxproxy.trio.workerproc import Worker
 
 PREFIX = "muxproxy:fleet:"
 CHANNEL = PREFIX + "sessions"
@@ -374,12 +373,25 @@ def attach_store(server: ServingProcess, nursery: trio.Nursery) -> StoreSessions
 # -- workers: the supervisor's relay ------------------------------------------------------
 
 
+class RelayPeer(Protocol):
+    """A worker as the relay sees it (``process/workerproc.py``'s ``Worker``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def live(self) -> bool: ...
+
+    @property
+    def channel(self) -> Channel: ...
+
+
 class SessionRelay:
     """The supervisor's side: the host's memory, the relay between its workers, and (with
     ``[fleet] store``) the host's one bridge to the store. Times are wall-clock."""
 
     def __init__(
-        self, config: Callable[[], Config], workers: Callable[[], Sequence[Worker]]
+        self, config: Callable[[], Config], workers: Callable[[], Sequence[RelayPeer]]
     ) -> None:
         """``config``: the configuration in force (a reload changes the groups' idle
         times, read again when it changes); ``workers``: the live workers."""
@@ -418,7 +430,7 @@ class SessionRelay:
         """The live memory, as a worker that starts now is given it (its payload)."""
         return entries_to_wire(self.memory.live(time.time()))
 
-    def from_worker(self, sender: Worker, message: Message) -> None:
+    def from_worker(self, sender: RelayPeer, message: Message) -> None:
         """A worker's batch: remember it, send it on to the others and to the store."""
         self._follow_config()
         entries, refused = entries_from_wire(message.get("entries"))
@@ -436,7 +448,7 @@ class SessionRelay:
         if taken:
             self._relay(taken, None)
 
-    def _relay(self, entries: list[SessionEntry], sender: Worker | None) -> None:
+    def _relay(self, entries: list[SessionEntry], sender: RelayPeer | None) -> None:
         nursery = self._nursery
         if nursery is None:
             return
@@ -451,7 +463,7 @@ class SessionRelay:
             self.relayed += len(entries)
             nursery.start_soon(self._send, worker, message)
 
-    async def _send(self, worker: Worker, message: Message) -> None:
+    async def _send(self, worker: RelayPeer, message: Message) -> None:
         try:
             await worker.channel.send(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -59,7 +59,7 @@ from muxproxy.fleet.state import (
     document_from_hash,
     document_from_message,
 )
-from muxproxy.process.common import leaves
+from muxproxy.trio.excgroups import leaves
 
 # The one way a store URL (redis://, rediss://, redis+sentinel://) becomes a client.
 from muxproxy.trio.redis import client_of

@@ -1,7 +1,7 @@
 """The shared resume store: resumable SSE streams kept in Redis, for other workers and replicas.
 
 What it obeys, and why (``docs/resume.md``; the core's side is ``core/streams/resume.py`` and
-``core/streams/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
+``core/exchange/replay.py``, which stay pure: this module does all the I/O, with ``coredis``):
 
 - **Layout.** Per stream token two keys: ``muxproxy:resume:{<token>}:events``, a Redis Stream
   whose entry ids are ``0-<seq>`` (``XADD`` with explicit ids, so an entry's id *is* its

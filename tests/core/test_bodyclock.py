@@ -1,4 +1,4 @@
-"""The whole-body deadline (``timeouts.client_body``, ``core/exchange/bodyclock.py``): a request
+"""The whole-body deadline (``timeouts.client_body``, ``core/http/bodyclock.py``): a request
 body trickled just under the gap bound (``timeouts.client_header``) is cut once its deadline
 passes, with a 408 over HTTP/1.1 (and the close) and HTTP/2 (and RST_STREAM(NO_ERROR) for the
 rest; the connection's other streams go on), and counted; time in which the proxy stopped the

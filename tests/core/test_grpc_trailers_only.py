@@ -1,4 +1,4 @@
-"""gRPC's Trailers-Only responses from an HTTP/2 backend (``core/exchange/grpc.py``,
+"""gRPC's Trailers-Only responses from an HTTP/2 backend (``core/http/grpc.py``,
 ``h2client.py``, ``heads.client_head``), driven with bytes only.
 
 A backend's Trailers-Only response (one HEADERS frame with END_STREAM, "gRPC over HTTP/2")

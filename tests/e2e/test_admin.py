@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from muxproxy.config import ADMIN_TOKEN_ENV, load_config, parse_quick_config
 from muxproxy.config.runtime import RuntimeState, load_state
-from muxproxy.routing.balancer import server_id
+from muxproxy.config.serverid import server_id
 from muxproxy.testing.fakellm import FakeLLM
 from muxproxy.trio.admin import serve_admin
 from muxproxy.trio.control import LocalControl

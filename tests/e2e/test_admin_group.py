@@ -32,7 +32,7 @@ from test_admin import write_config as write_admin_config
 from test_admin_process import admin
 
 from muxproxy.config.runtime import RuntimeState, load_state
-from muxproxy.routing.balancer import server_id
+from muxproxy.config.serverid import server_id
 
 if TYPE_CHECKING:
     from conftest import StartBackend

@@ -8,7 +8,7 @@ Every server is taken out by a single failure (``max_fails = 1``) for longer tha
 lasts, and both what the admin API answers (status, metrics) and the access log are checked.
 
 - An HTTP/2 client that opens no stream window (SETTINGS_INITIAL_WINDOW_SIZE 0): its backend
-  is paused at the first chunk that does not fit (``core/http2/windowwait.py``); the ``read``
+  is paused at the first chunk that does not fit (``core/client/windowwait.py``); the ``read``
   timer does not count the pause (``core/exchange/deadlines.py``). Once the client opens its window
   it gets the whole answer.
 - An HTTP/2 client that stops reading its connection while another of its streams is busy:

@@ -44,7 +44,7 @@ from peers import H1Peer, open_h2, open_tcp, socket_of
 
 from muxproxy.config import Limits
 from muxproxy.core.events import DataReceived
-from muxproxy.core.observe.statistics import StreamStatistics
+from muxproxy.core.statistics import StreamStatistics
 from muxproxy.testing.fakellm import FakeLLM, serve_fakellm
 from muxproxy.trio.reactor import SocketConn
 

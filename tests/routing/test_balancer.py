@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
+from muxproxy.config.serverid import server_id
 from muxproxy.routing.balancer import (
     SmoothWeightedRoundRobin,
     least_streams,
     rendezvous_order,
-    server_id,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,7 +114,8 @@ def test_least_streams_skips_ineligible_and_draining() -> None:
 IDS = [server_id("gpus", f"10.0.0.{i}:8000") for i in range(1, 6)]
 RENDEZVOUS_SCRIPT = """
 import json, sys
-from muxproxy.routing.balancer import rendezvous_order, server_id
+from muxproxy.config.serverid import server_id
+from muxproxy.routing.balancer import rendezvous_order
 ids = [server_id("gpus", f"10.0.0.{i}:8000") for i in range(1, 6)]
 print(json.dumps([rendezvous_order(b"key-%d" % k, ids, [1, 2, 3, 1, 1], range(5))
                   for k in range(200)]))

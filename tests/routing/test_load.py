@@ -9,7 +9,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muxproxy.routing.balancer import rendezvous_order, server_id
+from muxproxy.config.serverid import server_id
+from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.load import (
     REPORT_LIFETIMES,
     Sampler,

@@ -37,14 +37,14 @@ from muxproxy.core.client.downstream_states import (
     Protocol,
 )
 from muxproxy.core.client.output import Output
+from muxproxy.core.client.windowwait import WindowWaits
 from muxproxy.core.commands import Log, PauseReading, ResumeReading
 from muxproxy.core.effects import Effects
-from muxproxy.core.exchange.bodyclock import SlowBody
+from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.credentials import check_credentials
 from muxproxy.core.http.intake import MalformedRequest, check_request_limits
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
-from muxproxy.core.http2.windowwait import WindowWaits
 from muxproxy.core.messages import (
     Abort,
     Body,

@@ -29,7 +29,7 @@ import h2.errors
 from muxproxy.config import Api, Config
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
-from muxproxy.core.exchange.bodyclock import SlowBody
+from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.errors import error_response
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target

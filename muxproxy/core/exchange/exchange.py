@@ -39,9 +39,8 @@ from muxproxy.config import Route, Upstream
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import BudgetAnswered
-from muxproxy.core.exchange import grpc, placement
+from muxproxy.core.exchange import placement, surviving
 from muxproxy.core.exchange.admit import Admission, UsageScan
-from muxproxy.core.exchange.bodyclock import SlowBody
 from muxproxy.core.exchange.deadlines import BACKEND_TIMEOUTS, Deadlines, Heartbeat
 from muxproxy.core.exchange.exchange_states import TIMER_INPUTS, TRANSITIONS, ExchangeInput
 from muxproxy.core.exchange.exchangeports import ExchangeHost
@@ -49,13 +48,14 @@ from muxproxy.core.exchange.failover import Failover
 from muxproxy.core.exchange.heads import VIA, backend_fields, client_head, send_error_answer
 from muxproxy.core.exchange.upload import Upload
 from muxproxy.core.flow import Flow
+from muxproxy.core.http import grpc
+from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fields
 from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
 from muxproxy.core.observe.ssemeter import SseMeter
 from muxproxy.core.ports import ClientSide, Phase, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
-from muxproxy.core.streams import surviving
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.streams.continuation import AnswerSoFar
 from muxproxy.core.streams.resume import Reader, Resumable, State

@@ -27,7 +27,7 @@ Functions only: the exchange decides when; this module knows nothing of its phas
 from __future__ import annotations
 
 from muxproxy.config import Api, Upstream
-from muxproxy.core.exchange import grpc
+from muxproxy.core.http import grpc
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
 from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import REQUEST_ID, with_request_id

@@ -27,12 +27,13 @@ from __future__ import annotations
 import attrs
 
 from muxproxy.core.events import BudgetAnswered
-from muxproxy.core.exchange import fleetadmit, grpc
+from muxproxy.core.exchange import fleetadmit
 from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
 from muxproxy.core.exchange.exchangeports import Routed
 from muxproxy.core.exchange.failover import Failover
+from muxproxy.core.http import grpc
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.ports import RequestPhase

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from muxproxy.config import Resume
 from muxproxy.core.commands import Log
+from muxproxy.core.exchange.continuing import ContinuedStream
 from muxproxy.core.exchange.exchangeports import Outliving
 from muxproxy.core.exchange.heads import backend_fields
 from muxproxy.core.messages import ResponseHead
 from muxproxy.core.observe.access import with_request_id
 from muxproxy.core.ports import Phase, RequestPhase
 from muxproxy.core.streams.continuation import AnswerSoFar, Splicer, wants_continuation
-from muxproxy.core.streams.continuing import ContinuedStream
 from muxproxy.core.streams.readers import Nobody, ResumedClient
 from muxproxy.core.streams.resume import RESUME_TOKEN, Reader, State
 from muxproxy.core.streams.resumebind import binding_of

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from muxproxy.core.effects import Effects
 from muxproxy.core.exchange.body import RequestBody
-from muxproxy.core.exchange.bodyclock import BodyClock, SlowBody
 from muxproxy.core.exchange.deadlines import Deadlines
 from muxproxy.core.flow import Flow
+from muxproxy.core.http.bodyclock import BodyClock, SlowBody
 from muxproxy.core.http.headers import trailer_fields
 from muxproxy.core.messages import Headers
 from muxproxy.core.ports import ClientSide, RequestPhase, UpstreamStream

@@ -37,7 +37,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from muxproxy.core.exchange.grpc import STATUS_FIELDS
+from muxproxy.core.http.grpc import STATUS_FIELDS
 from muxproxy.core.http.intake import valid_h2_fields
 from muxproxy.core.http2.h2 import CONNECTION_WINDOW
 from muxproxy.core.http2.h2goaway import GoawayTolerantReceiver

@@ -18,7 +18,7 @@ calls are bugs, and raise.
 from __future__ import annotations
 
 from muxproxy.config import Api
-from muxproxy.core.exchange.bodyclock import SlowBody
+from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.messages import Fields, Headers, ResponseHead
 from muxproxy.core.ports import ClientStream
 from muxproxy.core.streams.resume import Reader

@@ -18,7 +18,7 @@ What it obeys, and why:
   ``DIGEST_BYTES``, a state one of ``live``, ``ended``, ``broken``.
 - A record that breaks any of these raises ``BadRecord`` with the reason; the caller drops
   it (it is not used), logs the reason with the stream's token, and answers the client
-  cleanly (a 502 before the head, a visible truncation after it: ``core/streams/replay.py``).
+  cleanly (a 502 before the head, a visible truncation after it: ``core/exchange/replay.py``).
 
 Pure: functions of what was read.
 """
