@@ -112,6 +112,17 @@ def h2_response(
     return check
 
 
+def h2_ended(sid: int) -> Check:
+    """Stream ``sid`` ended (END_STREAM), not reset."""
+
+    def check(events: Sequence[Any]) -> None:
+        mine = on_stream(events, sid)
+        assert any(isinstance(e, h2.events.StreamEnded) for e in mine), events
+        assert not any(isinstance(e, h2.events.StreamReset) for e in mine), events
+
+    return check
+
+
 def h2_resets(*expected: tuple[int, int]) -> Check:
     """Exactly these (stream id, error code) RST_STREAMs, in order, and no GOAWAY."""
 
