@@ -8,10 +8,22 @@ import attrs
 import h2.events
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from checks import h1_body, h1_request, h1_response, h2_ended, h2_response
+from playbook import (
+    ANY,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    data,
+    default_config,
+    opened,
+    sent,
+)
 
 from muxproxy.config import Route, SessionSource, Sticky
-from muxproxy.core.commands import Log
+from muxproxy.core.commands import CancelTimer, CloseConnection, Log, OpenConnection, SetTimer
 from muxproxy.core.observe.access import MAX_REQUEST_ID, RequestIds, is_sane_id, session_hash
 
 
@@ -24,19 +36,33 @@ def exchange(
     pb: Playbook, headers: list[tuple[str, str]] | None = None, body: bytes = b'{"m":1}'
 ) -> tuple[h11.Request, h11.Response]:
     """One HTTP/1.1 POST answered 200 by the backend; what the backend and client saw."""
-    client = H1ClientPeer()
+    client, backend = H1ClientPeer(), H1BackendPeer()
     pb.accept(1)
-    pb.receive(1, client.request("POST", "/v1/chat/completions", headers=headers, body=body))
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    request = backend.events(pb.take(up))[0]
-    pb.sent(up, len(pb.take(up)))
+    pb >> data(1, client.request("POST", "/v1/chat/completions", headers=headers, body=body))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << SetTimer(timer=("body", 1), at=30.0)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (forwarded := Sends(-1, backend, h1_request(b"POST", body=body)))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb >> sent(-1, len(forwarded.data))
     answer = backend.conn.send(
         h11.Response(status_code=200, headers=[("Content-Length", "5"), ("X-Request-ID", "b")])
     )
-    pb.receive(up, (answer or b"") + (backend.chunk(b"hello")) + backend.end())
-    response = client.events(pb.take(1))[0]
+    pb >> data(-1, (answer or b"") + (backend.chunk(b"hello")) + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << (reply := Sends(1, client, h1_response(200)))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, lambda events: h1_body(events) == b"hello")
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    request, response = forwarded.events[0], reply.events[0]
     assert isinstance(request, h11.Request) and isinstance(response, h11.Response)
     return request, response
 
@@ -91,10 +117,12 @@ def test_the_proxy_own_error_carries_the_request_id() -> None:
     pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("GET", "/x", headers=[("X-Request-ID", "abc")]))
-    response = client.events(pb.take(1))[0]
-    assert response.status_code == 404
-    assert request_ids(response) == [b"abc"]
+    pb >> data(1, client.request("GET", "/x", headers=[("X-Request-ID", "abc")]))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(404, headers={b"x-request-id": b"abc"}))
+    pb << CloseConnection(conn=1)
+    pb.done()
     fields = access(pb)
     assert fields["request_id"] == "abc" and fields["group"] is None and fields["server"] is None
     assert fields["bytes_out"] > 0 and fields["tries"] == 0
@@ -116,18 +144,31 @@ def test_the_session_field_is_a_hash_of_the_key_never_the_key() -> None:
 
 def test_an_h2_client_is_logged_as_version_2() -> None:
     pb = Playbook()
-    client = H2ClientPeer()
+    client, backend = H2ClientPeer(), H1BackendPeer()
     pb.accept(1)
     pb.receive(1, client.preface())
-    _, data = client.request(headers=[(b"x-request-id", b"h2-id")])
-    pb.receive(1, data)
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    assert request_ids(backend.events(pb.take(up))[0]) == [b"h2-id"]
+    client.events(pb.take(1))
+    sid, request = client.request(headers=[(b"x-request-id", b"h2-id")])
+    pb >> data(1, request)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (forwarded := Sends(-1, backend, h1_request(b"GET", b"/v1/models")))
+    assert request_ids(forwarded.events[0]) == [b"h2-id"]
+    pb << SetTimer(timer=("head", 1), at=60.0)
     answer = backend.conn.send(h11.Response(status_code=204, headers=[]))
-    pb.receive(up, (answer or b"") + backend.end())
-    received = [e for e in client.events(pb.take(1)) if isinstance(e, h2.events.ResponseReceived)]
+    pb >> data(-1, (answer or b"") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << (reply := Sends(1, client, h2_response(sid, 204)))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, h2_ended(sid))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    received = [e for e in reply.events if isinstance(e, h2.events.ResponseReceived)]
     assert (b"x-request-id", b"h2-id") in received[0].headers
     fields = access(pb)
     assert fields["version"] == "2" and fields["upstream_version"] == "1.1"

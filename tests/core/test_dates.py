@@ -12,12 +12,25 @@ import random
 import h2.events
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from checks import h1_body, h1_request, h1_response, h2_body, h2_response
+from playbook import (
+    ANY,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    Where,
+    data,
+    default_config,
+    open_failed,
+    opened,
+    subset,
+)
 from test_tunnel import send_extended_connect
 
 from muxproxy.config import Route
-from muxproxy.core.commands import Log
-from muxproxy.core.events import OpenFailed
+from muxproxy.core.commands import CancelTimer, CloseConnection, Log, OpenConnection, SetTimer
 from muxproxy.core.http.dates import HttpDate, imf_fixdate
 from muxproxy.core.tunnel.websocket import accept_for
 
@@ -70,18 +83,33 @@ def test_imf_fixdate_agrees_with_the_standard_library_anywhere() -> None:
 def _h1_response(
     pb: Playbook, client: H1ClientPeer, headers: list[tuple[str, str]]
 ) -> h11.Response:
-    pb.receive(1, client.request("GET", "/v1/models"))
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    """A GET whose backend answers, 2.5 s after the accept, with ``headers`` and a body:
+    the head the client got."""
     backend = H1BackendPeer()
-    backend.events(pb.take(up))
+    t = pb.now
+    pb >> data(1, client.request("GET", "/v1/models"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=t + 5)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << Sends(-1, backend, h1_request(b"GET", b"/v1/models"))
+    pb << SetTimer(timer=("head", 1), at=t + 60)
     pb.now += 2.5
     head = backend.conn.send(h11.Response(status_code=200, headers=headers)) or b""
-    commands = pb.receive(up, head + backend.chunk(b"{}") + backend.end())
-    response = client.events(pb.take(1, commands))[0]
-    assert isinstance(response, h11.Response)
-    return response
+    pb >> data(-1, head + backend.chunk(b"{}") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=t + 62.5)
+    pb << (response := Sends(1, client, h1_response(200)))
+    pb << SetTimer(timer=("read", 1), at=t + 302.5)
+    pb << Sends(1, client, lambda events: h1_body(events) == b"{}")
+    pb << SetTimer(timer=("pool", -1), at=t + 62.5)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=t + 77.5)
+    pb.done()
+    head_event = response.events[0]
+    assert isinstance(head_event, h11.Response)
+    return head_event
 
 
 def test_backend_response_without_date_gets_the_proxys() -> None:
@@ -111,55 +139,60 @@ def test_no_date_without_a_wall_clock() -> None:
     assert [v for n, v in response.headers if n == b"date"] == []
 
 
-def _access(pb: Playbook) -> Log:
-    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
-    return access
-
-
 @pytest.mark.parametrize("method", ["GET", "HEAD"])
 def test_h1_own_404_has_a_date_and_logs_its_bytes(method: str) -> None:
-    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)), ignore=())
     pb.accept(1, wall=WALL)
     client = H1ClientPeer()
-    events = client.events(pb.take(1, pb.receive(1, client.request(method, "/other"))))
-    response = events[0]
-    assert isinstance(response, h11.Response) and response.status_code == 404
-    headers = dict(response.headers)
-    assert headers[b"date"] == DATE
-    body = b"".join(e.data for e in events if isinstance(e, h11.Data))
-    assert _access(pb).fields["bytes_out"] == len(body)
+    pb >> data(1, client.request(method, "/other"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << (reply := Sends(1, client, h1_response(404, headers={b"date": DATE})))
+    body = h1_body(reply.events)
+    pb << Log(event="access", fields=subset({"status": 404, "bytes_out": len(body)}))
+    pb << CloseConnection(conn=1)
+    pb.done()
     if method == "GET":
-        assert len(body) == int(headers[b"content-length"]) > 0
+        assert len(body) == int(dict(reply.events[0].headers)[b"content-length"]) > 0
     else:
         assert body == b""
 
 
 def test_h2_own_404_has_a_date_and_logs_its_bytes() -> None:
-    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)), ignore=())
     pb.accept(1, wall=WALL)
     client = H2ClientPeer()
-    _, data = client.request(b"GET", b"/other")
-    events = client.events(pb.take(1, pb.receive(1, client.preface() + data)))
-    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    sid, request = client.request(b"GET", b"/other")
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client)  # our SETTINGS
+    pb << CancelTimer(timer=("header", 1))
+    pb << (reply := Sends(1, client, h2_response(sid, 404, ended=True)))
+    (head,) = [e for e in reply.events if isinstance(e, h2.events.ResponseReceived)]
     headers = dict(head.headers)
-    assert headers[b":status"] == b"404"
     assert headers[b"date"] == DATE
-    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    body = h2_body(reply.events, sid)
     assert len(body) == int(headers[b"content-length"]) > 0
-    assert _access(pb).fields["bytes_out"] == len(body)
+    pb << Log(event="access", fields=subset({"status": 404, "bytes_out": len(body)}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_own_502_has_a_date() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     pb.accept(1, wall=WALL)
     client = H1ClientPeer()
-    pb.receive(1, client.request("GET", "/v1/models"))
-    (open_cmd,) = pb.opens()
-    commands = pb.feed(OpenFailed(now=pb.now, conn=open_cmd.conn, reason="refused"))
-    response = client.events(pb.take(1, commands))[0]
-    assert isinstance(response, h11.Response) and response.status_code == 502
-    assert dict(response.headers)[b"date"] == DATE
-    assert _access(pb).fields["bytes_out"] > 0
+    pb >> data(1, client.request("GET", "/v1/models"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> open_failed(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(502, headers={b"date": DATE}))
+    pb << Where(Log, lambda log: log.event == "access" and log.fields["bytes_out"] > 0)
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_extended_connect_200_gets_a_date() -> None:
@@ -167,7 +200,7 @@ def test_extended_connect_200_gets_a_date() -> None:
     # backend's 101 behind it (a 1xx) carries none.
     pb = Playbook()
     peer = H2ClientPeer()
-    _, up = send_extended_connect(pb, peer, wall=WALL)
+    sid, up = send_extended_connect(pb, peer, wall=WALL)
     backend = H1BackendPeer()
     (request, _) = backend.events(pb.take(up))
     key = dict(request.headers)[b"sec-websocket-key"]
@@ -179,8 +212,10 @@ def test_extended_connect_200_gets_a_date() -> None:
             ("Sec-WebSocket-Accept", accept_for(key).decode()),
         ],
     )
-    commands = pb.receive(up, backend.conn.send(switch) or b"")
-    events = peer.events(pb.take(1, commands))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert (b":status", b"200") in response.headers
+    pb >> data(up, backend.conn.send(switch) or b"")
+    pb << CancelTimer(timer=("head", sid))
+    pb << (opening := Sends(1, peer, h2_response(sid, 200, ended=False)))
+    pb << SetTimer(timer=("tunnel", 1), at=3600.0)
+    pb.done()
+    (response,) = [e for e in opening.events if isinstance(e, h2.events.ResponseReceived)]
     assert [v for n, v in response.headers if n == b"date"] == [DATE]

@@ -13,9 +13,22 @@ from typing import Any
 
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook
+from checks import h1_request, h1_response
+from playbook import (
+    ANY,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    Where,
+    data,
+    opened,
+    sent,
+    subset,
+)
 
-from muxproxy.core.commands import Log
+from muxproxy.core.commands import CancelTimer, Log, OpenConnection, SetTimer
 from muxproxy.core.http.forwarded import forwarded_fields, is_trusted
 from muxproxy.core.observe.access import MAX_REQUEST_ID
 
@@ -45,15 +58,23 @@ def forwarded_upstream(
     """One HTTP/1.1 GET from ``peer`` on a listener trusting ``trusted``: the fields the
     backend received (name -> values, in order)."""
     pb = Playbook()
-    client = H1ClientPeer()
+    client, backend = H1ClientPeer(), H1BackendPeer()
     pb.accept(1, peer=(peer, 5555), trusted_proxies=trusted, tls=tls)
-    pb.receive(1, client.request("GET", "/v1/models", headers=headers))
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    (request, *_) = H1BackendPeer().events(pb.take(up))
-    assert isinstance(request, h11.Request)
+    pb >> data(1, client.request("GET", "/v1/models", headers=headers))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, h1_request(b"GET", b"/v1/models")))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb.done()
+    return fields_of(request.events[0])
+
+
+def fields_of(head: Any) -> dict[bytes, list[bytes]]:
     out: dict[bytes, list[bytes]] = {}
-    for name, value in request.headers:
+    for name, value in head.headers:
         out.setdefault(bytes(name), []).append(bytes(value))
     return out
 
@@ -108,18 +129,25 @@ def test_a_forwarded_field_nominated_by_connection_is_dropped_even_from_a_truste
 
 def test_an_h2_clients_claims_are_dropped_too() -> None:
     pb = Playbook()
-    client = H2ClientPeer()
+    client, backend = H2ClientPeer(), H1BackendPeer()
     pb.accept(1)
     claims = [(name.lower().encode(), value.encode()) for name, value in CLAIMS]
-    _, data = client.request(headers=claims)
-    pb.receive(1, client.preface() + data)
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    (request, *_) = H1BackendPeer().events(pb.take(up))
-    assert isinstance(request, h11.Request)
-    names = [bytes(name) for name, _ in request.headers]
-    assert dict(request.headers)[b"x-forwarded-for"] == LB.encode()
-    assert b"forwarded" not in names and b"x-forwarded-host" not in names
+    _, request = client.request(headers=claims)
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client)  # our SETTINGS
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << Sends(1, client)  # the SETTINGS ACK
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (forwarded := Sends(-1, backend, h1_request(b"GET", b"/v1/models")))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb.done()
+    seen = fields_of(forwarded.events[0])
+    assert seen[b"x-forwarded-for"] == [LB.encode()]
+    assert b"forwarded" not in seen and b"x-forwarded-host" not in seen
 
 
 @pytest.mark.parametrize(
@@ -150,23 +178,41 @@ def test_an_ipv6_peer_is_quoted_in_its_forwarded_element() -> None:
 
 def request_id_round_trip(value: str | None) -> tuple[bytes, bytes, list[Log]]:
     """The id the backend got, the one the client got back, and the replacement logs."""
-    pb = Playbook()
-    client = H1ClientPeer()
+    pb = Playbook(ignore=())
+    client, backend = H1ClientPeer(), H1BackendPeer()
     pb.accept(1)
     headers = [] if value is None else [("X-Request-ID", value)]
-    pb.receive(1, client.request("GET", "/v1/models", headers=headers))
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    sent = pb.take(up)
-    (request, *_) = backend.events(sent)
-    pb.sent(up, len(sent))
+    replaced: list[Log] = []
+
+    def replacement(log: Log) -> None:
+        assert log.event == "request_id_replaced", log
+        replaced.append(log)
+
+    pb >> data(1, client.request("GET", "/v1/models", headers=headers))
+    pb << CancelTimer(timer=("header", 1))
+    if pb.queue and isinstance(pb.queue[0], Log):  # the tests say whether one must be here
+        pb << Where(Log, replacement)
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, h1_request(b"GET", b"/v1/models")))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb >> sent(-1, len(request.data))
     answer = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "0")]))
-    pb.receive(up, (answer or b"") + backend.end())
-    (response, *_) = client.events(pb.take(1))
-    assert isinstance(request, h11.Request) and isinstance(response, h11.Response)
-    logs = [c for c in pb.log if isinstance(c, Log) and c.event == "request_id_replaced"]
-    return dict(request.headers)[b"x-request-id"], dict(response.headers)[b"x-request-id"], logs
+    pb >> data(-1, (answer or b"") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << (response := Sends(1, client, h1_response(200, b"", end=True)))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << Log(event="access", fields=subset({"status": 200, "outcome": "ok"}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    upstream = dict(request.events[0].headers)[b"x-request-id"]
+    back = dict(response.events[0].headers)[b"x-request-id"]
+    return upstream, back, replaced
 
 
 @pytest.mark.parametrize(

@@ -7,23 +7,19 @@ import attrs
 import h2.errors
 import h2.events
 import pytest
-from playbook import H1ClientPeer, H2ClientPeer, Playbook, default_config
+from checks import h1_response, h2_resets, h2_response
+from playbook import ANY, H1ClientPeer, H2ClientPeer, Playbook, Sends, data, default_config
 
 from muxproxy.config import ConfigError, Limits, parse_config
-from muxproxy.core.commands import CloseConnection
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection, SetTimer
 
 
 def playbook(**limits: int) -> Playbook:
     return Playbook(default_config(limits=Limits(**limits)))
 
 
-def h1_status(pb: Playbook) -> int:
-    client = H1ClientPeer()
-    client.request()
-    return int(client.events(pb.take(1))[0].status_code)
-
-
 def h2_open(pb: Playbook) -> H2ClientPeer:
+    """Client connection 1 (TLS, ALPN h2) past the prefaces, before the conversation."""
     pb.accept(1, tls=True, alpn="h2")
     client = H2ClientPeer()
     pb.receive(1, client.preface())
@@ -31,105 +27,113 @@ def h2_open(pb: Playbook) -> H2ClientPeer:
     return client
 
 
-def h2_response(client: H2ClientPeer, pb: Playbook, sid: int) -> list[h2.events.Event]:
-    return [e for e in client.events(pb.take(1)) if getattr(e, "stream_id", None) == sid]
+def h2_post_head(client: H2ClientPeer, extra: list[tuple[bytes, bytes]] | None = None) -> int:
+    sid = client.conn.get_next_available_stream_id()
+    head = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
+    client.conn.send_headers(sid, head + (extra or []))
+    return sid
 
 
 def test_too_many_h1_fields_is_431_and_not_forwarded():
     pb = playbook(max_header_fields=8)
+    client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request(headers=[(f"x-{i}", "1") for i in range(8)]))
-    assert pb.opens() == []
-    assert h1_status(pb) == 431
-    assert any(isinstance(c, CloseConnection) for c in pb.log)
+    pb >> data(1, client.request(headers=[(f"x-{i}", "1") for i in range(8)]))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(431))
+    pb << CloseConnection(conn=1)
+    pb.done()  # no OpenConnection: nothing forwarded
 
 
 def test_fields_up_to_the_limit_are_forwarded():
     pb = playbook(max_header_fields=8)
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request(headers=[(f"x-{i}", "1") for i in range(7)]))
-    assert len(pb.opens()) == 1
+    pb >> data(1, H1ClientPeer().request(headers=[(f"x-{i}", "1") for i in range(7)]))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb.done()
 
 
 def test_too_large_h1_head_is_431():
     pb = playbook(max_request_head=1024)
+    client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request(headers=[("x-big", "a" * 2000)]))
-    assert pb.opens() == []
-    assert h1_status(pb) == 431
+    pb >> data(1, client.request(headers=[("x-big", "a" * 2000)]))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(431))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_too_many_h2_fields_is_431_on_its_stream_only():
     pb = playbook(max_header_fields=8)
     client = h2_open(pb)
-    sid, data = client.request(headers=[(f"x-{i}".encode(), b"1") for i in range(9)])
-    pb.receive(1, data)
-    assert pb.opens() == []
-    events = h2_response(client, pb, sid)
-    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(head.headers)[b":status"] == b"431"
-    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
-    assert not any(isinstance(c, CloseConnection) for c in pb.log)
+    sid, request = client.request(headers=[(f"x-{i}".encode(), b"1") for i in range(9)])
+    pb >> data(1, request)
+    pb << Sends(1, client, h2_response(sid, 431, ended=True))
+    pb.done()  # nothing forwarded, and the connection stays open
 
 
 def test_content_length_above_max_request_body_is_413_before_forwarding():
     pb = playbook(max_request_body=100)
+    client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request("POST", body=b"x" * 101))
-    assert pb.opens() == []
-    assert h1_status(pb) == 413
+    pb >> data(1, client.request("POST", body=b"x" * 101))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(413))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_h2_content_length_above_max_request_body_is_413_and_cancels_the_upload():
     pb = playbook(max_request_body=100)
     client = h2_open(pb)
-    sid = client.conn.get_next_available_stream_id()
-    client.conn.send_headers(
-        sid,
-        [
-            (b":method", b"POST"),
-            (b":scheme", b"http"),
-            (b":authority", b"a"),
-            (b":path", b"/"),
-            (b"content-length", b"1000"),
-        ],
-    )
-    pb.receive(1, client.conn.data_to_send())
-    assert pb.opens() == []
-    events = h2_response(client, pb, sid)
-    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(head.headers)[b":status"] == b"413"
-    (reset,) = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert reset.error_code == h2.errors.ErrorCodes.NO_ERROR
+    sid = h2_post_head(client, [(b"content-length", b"1000")])
+    pb >> data(1, client.conn.data_to_send())
+    pb << Sends(1, client, h2_response(sid, 413, reset=h2.errors.ErrorCodes.NO_ERROR))
+    pb.done()  # nothing forwarded
 
 
 def test_chunked_body_growing_past_the_limit_is_413_and_closes():
     pb = playbook(max_request_body=100)
+    client = H1ClientPeer()
+    client.request()  # the client peer only decodes; the request goes as raw chunks
     pb.accept(1)
     head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-    pb.receive(1, head + b"50\r\n" + b"x" * 80 + b"\r\n")
-    assert len(pb.opens()) == 1
-    pb.receive(1, b"50\r\n" + b"x" * 80 + b"\r\n")
-    assert h1_status(pb) == 413
-    assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    pb >> data(1, head + b"50\r\n" + b"x" * 80 + b"\r\n")
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << SetTimer(timer=("body", 1), at=30.0)
+    pb >> data(1, b"50\r\n" + b"x" * 80 + b"\r\n")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(413))
+    pb << CloseConnection(conn=-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_h2_body_growing_past_the_limit_is_413_while_no_response_began():
     pb = playbook(max_request_body=100)
     client = h2_open(pb)
-    sid = client.conn.get_next_available_stream_id()
-    client.conn.send_headers(
-        sid, [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
-    )
+    sid = h2_post_head(client)
     client.conn.send_data(sid, b"x" * 80)
-    pb.receive(1, client.conn.data_to_send())
-    assert len(pb.opens()) == 1
+    pb >> data(1, client.conn.data_to_send())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << SetTimer(timer=("body", 1), at=30.0)
     client.conn.send_data(sid, b"x" * 80)
-    pb.receive(1, client.conn.data_to_send())
-    events = h2_response(client, pb, sid)
-    (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(head.headers)[b":status"] == b"413"
-    assert not any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    pb >> data(1, client.conn.data_to_send())
+    pb << CloseConnection(conn=-1)  # the attempt is abandoned, the client's connection kept
+    pb << CancelTimer(timer=("connect", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << Sends(1, client, h2_response(sid, 413))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_h2_connection_window_is_the_configured_one():
@@ -147,16 +151,18 @@ def test_stream_past_max_concurrent_streams_is_refused_alone():
     wire = client.preface()
     sids = []
     for _ in range(3):
-        sid, data = client.request()
+        sid, request = client.request()
         sids.append(sid)
-        wire += data
-    pb.receive(1, wire)
-    events = client.events(pb.take(1))
-    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
-    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [(e.stream_id, e.error_code) for e in resets] == [
-        (sids[2], h2.errors.ErrorCodes.REFUSED_STREAM)
-    ]
+        wire += request
+    client.events(pb.take(1))  # our SETTINGS, sent on accept
+    pb >> data(1, wire)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << OpenConnection(conn=-2, origin=ANY)
+    pb << Sends(1, client, h2_resets((sids[2], h2.errors.ErrorCodes.REFUSED_STREAM)))
+    pb.done()
 
 
 BASE = {"listeners": [{"address": "127.0.0.1:0"}], "upstreams": {"g": {"servers": ["a:1"]}}}

@@ -9,27 +9,61 @@ answers (an error, 100 Continue) carry theirs. Checked on the bytes the client r
 from __future__ import annotations
 
 import pytest
-from playbook import H1ClientPeer, Playbook
+from playbook import (
+    ANY,
+    H1BackendPeer,
+    H1ClientPeer,
+    Playbook,
+    Sends,
+    Where,
+    closed,
+    data,
+    opened,
+    sent,
+)
 
+from muxproxy.core.commands import (
+    CancelTimer,
+    CloseConnection,
+    OpenConnection,
+    SendData,
+    SetTimer,
+)
 from muxproxy.core.http1.reasons import reason_phrase
 
 
-def status_line(pb: Playbook, conn: int = 1) -> bytes:
-    """The first line the client received."""
-    return pb.take(conn).split(b"\r\n", 1)[0]
+def status_line(line: bytes) -> Where:
+    """The next command: bytes to client connection 1 that start with the status ``line``."""
+    return Where(SendData, lambda c: c.conn == 1 and c.data.split(b"\r\n", 1)[0] == line)
 
 
-def relayed(backend_line: bytes) -> bytes:
-    """The client's status line for a backend response that starts with ``backend_line``."""
+def relayed(backend_line: bytes, client_line: bytes) -> None:
+    """The client gets ``client_line`` for a backend response that starts with ``backend_line``."""
     pb = Playbook()
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("GET", "/one"))
-    (open_cmd,) = pb.opens()
-    pb.opened(open_cmd.conn)
-    pb.sent(open_cmd.conn, len(pb.take(open_cmd.conn)))
-    pb.receive(open_cmd.conn, backend_line + b"\r\nContent-Length: 2\r\n\r\nok")
-    return status_line(pb)
+    pb >> data(1, client.request("GET", "/one"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, H1BackendPeer()))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb >> sent(-1, len(request.data))
+    pb >> data(-1, backend_line + b"\r\nContent-Length: 2\r\n\r\nok")
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << status_line(client_line)
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << SendData(conn=1, data=b"ok")
+    if backend_line.startswith(b"HTTP/1.1"):
+        pb << SetTimer(timer=("pool", -1), at=60.0)  # kept alive
+    else:
+        pb << CloseConnection(conn=-1)  # an HTTP/1.0 backend closes after its answer
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 @pytest.mark.parametrize(
@@ -46,17 +80,23 @@ def relayed(backend_line: bytes) -> bytes:
 def test_a_relayed_status_line_carries_the_standard_reason_phrase(
     backend: bytes, client: bytes
 ) -> None:
-    assert relayed(backend) == client
+    relayed(backend, client)
 
 
 def test_the_proxys_own_error_carries_its_reason_phrase() -> None:
     pb = Playbook()
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("GET", "/one"))
-    (open_cmd,) = pb.opens()
-    pb.closed(open_cmd.conn, "connection refused")  # the connect failed: 502
-    assert status_line(pb) == b"HTTP/1.1 502 Bad Gateway"
+    pb >> data(1, client.request("GET", "/one"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb >> closed(-1, "connection refused")  # the connect failed: 502
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << status_line(b"HTTP/1.1 502 Bad Gateway")
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_100_continue_carries_its_reason_phrase() -> None:
@@ -64,8 +104,14 @@ def test_100_continue_carries_its_reason_phrase() -> None:
     client = H1ClientPeer()
     pb.accept(1)
     head = client.request("POST", "/one", headers=[("Expect", "100-continue")], body=b"{}")
-    pb.receive(1, head[: head.index(b"\r\n\r\n") + 4])
-    assert status_line(pb) == b"HTTP/1.1 100 Continue"
+    pb >> data(1, head[: head.index(b"\r\n\r\n") + 4])
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << SendData(conn=1, data=b"HTTP/1.1 100 Continue\r\n\r\n")
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ANY)
+    pb << SetTimer(timer=("body", 1), at=30.0)
+    pb.done()
 
 
 def test_reason_phrase_table() -> None:
