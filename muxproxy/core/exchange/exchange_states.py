@@ -147,9 +147,9 @@ _I = ExchangeInput
 _X = ILLEGAL
 # One row per input: its targets in AWAITING_HOOK, BUFFERING, RESERVING, QUEUED, CONNECTING,
 # WAITING_HEAD, HOLDING, STREAMING, DONE. A live phase's own name: the event is taken there.
-# RESERVING and QUEUED have no backend stream and no pool request: only the client side, its body timer,
-# the gRPC deadline and their own input (the store's answer, the queue's timer) reach them;
-# AWAITING_HOOK likewise (the hook's answer).
+# AWAITING_HOOK, RESERVING and QUEUED have no backend stream and no pool request: only the
+# client side, its body timer, the gRPC deadline and their own input (the hook's answer, the
+# store's answer, the queue's timer) reach them.
 _ROWS: dict[ExchangeInput, tuple[Phase | Verdict, ...]] = {
     # A stream is asked for in CONNECTING only; the pool forgets who stopped waiting.
     _I.UPSTREAM_READY: (_X, _X, _X, _X, _C, _X, _X, _X, IGNORED),
