@@ -166,6 +166,7 @@ def test_no_module_over_the_size_limit() -> None:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("asgi", "compiled"),
+    ("extensions",),
     ("config",),
     ("routing",),
     ("fleet",),
@@ -186,7 +187,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """The package's parts from the bottom up (``docs/architecture.md``, "The layout"): a part
 imports only parts of layers below its own; two parts of one layer import neither the other.
 ``core/``'s own modules are three parts: the vocabulary every part speaks, the effects and
-ports every part holds (they name a few pure rules' types), and the owner that builds them."""
+ports every part holds (they name a few pure rules' types), and the owner that builds them.
+``extensions`` (the interface an extension implements) imports nothing of the package: the
+configuration loads extensions and the core calls them."""
 
 CORE_OWNER = frozenset({"proxy", "tables", "faults", "shutdown", "statistics"})
 CORE_EFFECTS_AND_PORTS = frozenset({"effects", "ports"})

@@ -33,6 +33,8 @@ from muxproxy.config import (
     admin,
     discovery,
     discoverykeys,
+    extensionkeys,
+    extensions,
     fleet,
     fleetkeys,
     logs,
@@ -157,8 +159,14 @@ _VALUE_KINDS: dict[Any, str] = {
     admin._state_file: "a file path (written by the proxy)",
     fleetkeys._store_error: _choices(fleet.StoreErrorPolicy),
     fleetkeys._nameservers: 'a list of IP addresses, each with an optional port ("10.96.0.10:53")',
+    extensionkeys._module: '"package.module:Class"',
+    extensionkeys._settings: "a table (its keys are the extension's)",
+    extensionkeys._on_error: _choices(extensions.HookErrorPolicy),
 }
 """What the value of a key checked by each function looks like."""
+
+_EXTENSION = '"muxproxy.extensions:Extension"'
+"""The base class, which does nothing: an extension every example can load."""
 
 _EXAMPLES = {
     "listeners[].address": 'address = "0.0.0.0:8080"',
@@ -233,6 +241,10 @@ _EXAMPLES = {
     " MUXPROXY_FLEET_STORE",
     "fleet.on_store_error": 'store = "redis://redis:6379/0"\non_store_error = "local"',
     "fleet.sync_interval": 'store = "redis://redis:6379/0"\nsync_interval = 5.0',
+    "extensions[].module": f"module = {_EXTENSION}",
+    "extensions[].settings": f'module = {_EXTENSION}\nsettings = {{ keys = "keys.txt" }}',
+    "extensions[].timeout": f"module = {_EXTENSION}\ntimeout = 1.0",
+    "extensions[].on_error": f'module = {_EXTENSION}\non_error = "continue"',
 }
 """Examples of keys whose default is no example (required keys, keys not set by default,
 tables), as TOML lines inside the key's table (:attr:`Table.example_head`)."""
@@ -252,6 +264,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
         *ast.parse(inspect.getsource(records)).body,
         *ast.parse(inspect.getsource(fleet)).body,
         *ast.parse(inspect.getsource(discovery)).body,
+        *ast.parse(inspect.getsource(extensions)).body,
     ]
     docs: dict[tuple[str, str], str] = {}
     for node in body:
@@ -341,6 +354,8 @@ def _default(table: Table, key: str, field: attrs.Attribute[Any] | None, path: s
         return OWN_KEYS if default is not None else "not set"
     if default is None:
         return "not set"
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs's own class
+        return "none"
     if path == f"{GROUP}.set_headers" and default == ():
         return "none"
     text = _toml(default)

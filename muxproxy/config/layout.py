@@ -25,6 +25,8 @@ import attrs
 from muxproxy.config.admin import _ADMIN_KEYS
 from muxproxy.config.checker import Key
 from muxproxy.config.discovery import Discover
+from muxproxy.config.extensionkeys import EXTENSION_KEYS
+from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from muxproxy.config.logs import _LOG_KEYS
@@ -281,6 +283,16 @@ TABLES = (
         "One runtime state, session memory and set of budgets for every replica, through"
         " Redis (`docs/fleet.md`). Without this table each replica keeps its own.",
         "[fleet]",
+    ),
+    Table(
+        "extensions[]",
+        "[[extensions]]",
+        ExtensionConfig,
+        EXTENSION_KEYS,
+        "Extension hooks (`docs/extending.md`): Python classes that may answer, rewrite or"
+        " route a request, pick its server and see its events. They run in configuration"
+        " order.",
+        "[[extensions]]",
     ),
 )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from muxproxy.config.admin import admin_settings, quick_admin
 from muxproxy.config.checker import Checker
+from muxproxy.config.extensionkeys import extension_tables
 from muxproxy.config.fleet import ResolverSettings
 from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
 from muxproxy.config.layout import placement
@@ -147,6 +148,7 @@ def parse_config(
         admin = admin_settings(check, data["admin"], "admin", environ)
     resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
     fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
+    extensions = extension_tables(check, data.get("extensions"))
 
     if check.problems:
         raise ConfigError(check.problems)
@@ -163,6 +165,7 @@ def parse_config(
         admin=admin,
         resolver=resolver,
         fleet=fleet,
+        extensions=extensions,
     )
 
 
@@ -218,6 +221,7 @@ _TOP_KEYS = (
     "admin",
     "resolver",
     "fleet",
+    "extensions",
 )
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

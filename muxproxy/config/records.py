@@ -1,11 +1,9 @@
 """The configuration records the core reads: frozen attrs classes, no validation.
 
 Every record is frozen: a new configuration is a new object (``ConfigChanged``), never a
-mutation under a running exchange. Durations are seconds (float), sizes bytes (int).
-
-The records carry no validators: code may build them directly (tests do, with port 0 and tiny
-timeouts); validation is the job of :mod:`muxproxy.config.loading`.
-"""
+mutation under a running exchange. Durations are seconds (float), sizes bytes (int). The
+records carry no validators: code may build them directly (tests do, with port 0 and tiny
+timeouts); validation is the job of :mod:`muxproxy.config.loading`."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import ipaddress
 import attrs
 
 from muxproxy.config.discovery import Discover
+from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 
 
@@ -582,6 +581,8 @@ class Config:
     resolver: ResolverSettings = attrs.field(factory=ResolverSettings)
     fleet: FleetSettings | None = None
     """None: every replica keeps its own runtime state, sessions and budgets."""
+    extensions: tuple[ExtensionConfig, ...] = ()
+    """The extension hooks, in the order they run (``docs/extending.md``)."""
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.

@@ -12,6 +12,7 @@ import attrs
 
 from muxproxy.config import Server
 from muxproxy.core.events import ConnId, TimerId
+from muxproxy.extensions.api import Extension, Request
 from muxproxy.fleet.budgets import Ask
 from muxproxy.fleet.sessions import SessionEntry
 
@@ -251,3 +252,20 @@ class SessionsRemembered(Command):
     clock (the ``now`` of the events); the driver turns them into wall-clock time."""
 
     entries: tuple[SessionEntry, ...]
+
+
+# -- extension hooks (``exchange/hooked.py``; the driver's ``muxproxy.trio.hookcalls``) -------
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ExtensionCall(Command):
+    """Await ``extension.on_request_head_async(view)`` for exchange ``request``, at most
+    ``timeout`` seconds. Always answered by ``ExtensionAnswered`` (an error when the hook
+    raised or ran out of time)."""
+
+    request: int
+    position: int
+    """Where the extension is in the request-head chain (echoed in the answer)."""
+    extension: Extension
+    view: Request
+    timeout: float

@@ -196,3 +196,15 @@ class BudgetAnswered(Event):
     replicas: int = 1
     """The replicas the driver last saw in the store (at least 1): ``on_store_error =
     "local"`` enforces ``1 / replicas`` of each budget."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class ExtensionAnswered(Event):
+    """The answer to ``ExtensionCall``: the hook's decision, or why there is none."""
+
+    request: int
+    position: int
+    decision: object
+    """What the hook returned (a ``Decision`` or None; anything else is its error)."""
+    error: str = ""
+    """Not empty: the hook raised or timed out (``decision`` is then None)."""

@@ -55,6 +55,9 @@ class Phase(enum.Enum):
     QUEUED = "queued"
     """Routed, waiting in the group's admission queue for a server with room (request body
     bytes are held, bounded, as while CONNECTING)."""
+    AWAITING_HOOK = "awaiting_hook"
+    """Waiting for an extension's async request-head hook (``hooked.py``; request body bytes
+    are held, bounded, as while CONNECTING)."""
     CONNECTING = "connecting"
     """Waiting for a backend connection; request body bytes are held (bounded)."""
     WAITING_HEAD = "waiting_head"

@@ -36,6 +36,7 @@ from muxproxy.core.events import (
     DataReceived,
     DataSent,
     Event,
+    ExtensionAnswered,
     InputEnded,
     OpenFailed,
     ResumeFetched,
@@ -45,7 +46,7 @@ from muxproxy.core.events import (
     ShutdownRequested,
     Wakeup,
 )
-from muxproxy.core.exchange import fleetadmit
+from muxproxy.core.exchange import fleetadmit, placement
 from muxproxy.core.exchange.exchange import Exchange
 from muxproxy.core.exchange.replay import ReplayExchange, wants_resume
 from muxproxy.core.exchange.sessionshare import SessionSharing
@@ -164,6 +165,7 @@ class ProxyCore:
             ResumeFetched: self._resume_fetched,
             ResumeProbed: self._resume_probed,
             BudgetAnswered: self._budget_answered,
+            ExtensionAnswered: self._extension_answered,
             SessionsLearned: self.sessions.learn,
         }
 
@@ -252,7 +254,7 @@ class ProxyCore:
             holder = stream.owner if stream is not None else None
             if isinstance(holder, Exchange):
                 return Fault(conn=holder.client.conn, event=name, error=exc)
-        if type(event) is ResumeFetched or type(event) is BudgetAnswered:
+        if isinstance(event, ResumeFetched | BudgetAnswered | ExtensionAnswered):
             request = event.ask.request if isinstance(event, BudgetAnswered) else event.request
             exchange = self.exchanges.get(request)
             if exchange is not None:
@@ -283,6 +285,8 @@ class ProxyCore:
     def exchange_finished(self, exchange: object) -> None:
         assert isinstance(exchange, Exchange)
         self.exchanges.pop(exchange.ident, None)
+        if exchange.hooks is not None:
+            exchange.hooks.finish(exchange)
 
     def client_closed(self, conn: int) -> None:
         self.clients.pop(conn, None)
@@ -475,6 +479,12 @@ class ProxyCore:
             exchange.fetched(event)
         elif event.state == "live":
             self.fx.emit(ResumeFetchCancel(request=event.request))  # its client is gone
+
+    def _extension_answered(self, event: ExtensionAnswered) -> None:
+        exchange = self.exchanges.get(event.request)
+        hooks = exchange.hooks if exchange is not None else None
+        if exchange is not None and hooks is not None and hooks.answered(exchange, event):
+            placement.begin(exchange)
 
     def _budget_answered(self, event: BudgetAnswered) -> None:
         exchange = self.exchanges.get(event.ask.request)

@@ -20,6 +20,7 @@ from muxproxy.config import (
     Upstream,
 )
 from muxproxy.config.storeurl import redacted
+from muxproxy.extensions.api import HOOKS, defines
 from muxproxy.process.common import scheme
 
 __all__ = ["describe_config", "seconds"]
@@ -63,6 +64,12 @@ def describe_config(config: Config) -> list[str]:
         lines.append(
             f"resolver: {where} (timeout {seconds(resolver.timeout)},"
             f" {resolver.attempts} attempt{'s' if resolver.attempts != 1 else ''})"
+        )
+    for extension in config.extensions:
+        hooks = [hook for hook in HOOKS if defines(extension.instance, hook)]
+        lines.append(
+            f"extension {extension.module}: {', '.join(hooks) or 'no hooks'} (async timeout"
+            f" {seconds(extension.timeout)}, on error {extension.on_error.value})"
         )
     fleet = config.fleet
     if fleet is not None:

@@ -7,8 +7,8 @@ a backend is ``backendtls.py``'s. One task runs every timer from a deadline heap
 (``timerheap.py``). Any of them may call ``ProxyCore.handle`` directly: Trio runs one task at
 a time and ``handle`` never awaits, so there is no lock and no hop through a channel per chunk.
 
-Events that executing a command causes (bytes written, a connection closed at once) are fed
-after the batch that caused them (``settle``): ``handle`` is never re-entered.
+Events a command causes (bytes written, a connection closed) are fed after the batch that
+caused them (``settle``): ``handle`` is never re-entered. Async hooks: ``hookcalls.py``.
 
 Fault isolation, as in the core (``core/faults.py``): an exception in the driver's own code for
 one connection (executing a command for it, reading or writing its socket, its tasks) closes
@@ -37,6 +37,7 @@ from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
     Command,
+    ExtensionCall,
     Log,
     OpenConnection,
     PauseReading,
@@ -66,6 +67,7 @@ from muxproxy.core.proxy import ProxyCore
 from muxproxy.core.raising import raised_by_handle
 from muxproxy.trio import reactor
 from muxproxy.trio.backendtls import BackendTLS, BackendTLSError
+from muxproxy.trio.hookcalls import call_hook
 from muxproxy.trio.logs import drop_access
 from muxproxy.trio.reactor import Reactor
 from muxproxy.trio.socketconn import SocketConn
@@ -143,6 +145,7 @@ class Driver:
             BudgetReserve: lambda command: self._budgets().reserve(command),
             BudgetSettle: lambda command: self._budgets().settle(command),
             SessionsRemembered: self._sessions_remembered,
+            ExtensionCall: lambda command: self.nursery.start_soon(call_hook, self, command),
         }
         self._fleet_budgets: FleetBudgets | None = None
         """Fleet-wide budgets (``fleetbudgets.py``), made at the start with ``[fleet]``."""
@@ -156,8 +159,7 @@ class Driver:
         )
         """Bound once: ``settle`` calls it."""
         self._gave_output = False
-        """``Reactor.send`` left output for ``write_queued`` since ``settle`` last called it:
-        ``settle`` calls it only then, not once per event it feeds."""
+        """``Reactor.send`` left output since ``settle`` last called ``write_queued``."""
         self._in_round = False
         """While the reactor handles a round of ready sockets: ``feed`` leaves ``settle`` to it."""
         self._sent_now: dict[int, int] = {}
@@ -165,16 +167,14 @@ class Driver:
         self._later: deque[Event] = deque()
         """Connections closed or failed to open, not yet reported."""
         self.on_settled: Callable[[float], None] | None = None
-        """Called with the batch's time after each batch of commands is settled (while the
-        server stops: it watches for ``ProxyCore.drained`` without polling)."""
+        """Called with the batch's time after each batch is settled (while the server stops)."""
         self.on_sessions: Callable[[SessionsRemembered], None] | None = None
         """Where the core's batches of remembered sessions go (``fleetsessions.py``): the
         supervisor's channel or the fleet store; None: nowhere (they are not shared)."""
         self.on_log: Callable[[Log], None] | None = None
         """Tests hook here to see the core's ``Log`` commands."""
         self.sink: Callable[[Log, float], None] = drop_access
-        """Where ``Log`` commands go, with the wall-clock time: ``ProxyServer`` installs a
-        ``logs.LogSink`` (the access and error logs)."""
+        """Where ``Log`` commands go, with the wall time (``ProxyServer``'s ``logs.LogSink``)."""
         self.raise_errors = core.raise_errors
         """Let a bug in per-connection code crash the driver instead of closing the one
         connection (``ProxyCore.raise_errors``)."""

@@ -67,6 +67,7 @@ LEVELS: dict[str, int] = {
     "resume_store_bad_record": logging.WARNING,
     "fleet_budget_store_error": logging.WARNING,
     "fleet_sessions_store_error": logging.WARNING,
+    "extension_error": logging.WARNING,
     **dict.fromkeys(DEFENCE_KINDS, logging.WARNING),
 }
 """The error log's level per event; an event not listed is INFO. A server coming back up

@@ -43,13 +43,17 @@ from muxproxy.config import (
     Sticky,
     Upstream,
 )
+from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.core.commands import BudgetSettle, Command, SendData
-from muxproxy.core.events import BudgetAnswered, Wakeup
+from muxproxy.core.events import BudgetAnswered, ExtensionAnswered, Wakeup
+from muxproxy.core.exchange import placement
 from muxproxy.core.exchange.exchange import Exchange, Phase, RequestPhase
 from muxproxy.core.exchange.exchange_states import EVENTS, TIMER_INPUTS, TRANSITIONS, ExchangeInput
+from muxproxy.core.exchange.hooked import ExchangeHooks
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import UpstreamUser
 from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing
+from muxproxy.extensions import Answer, Decision, Extension, Request
 from muxproxy.fleet.budgets import Ask, Short
 from muxproxy.fleet.budgets import Verdict as StoreVerdict
 from muxproxy.routing.ratelimit import Budget
@@ -71,7 +75,14 @@ STORE = "redis://127.0.0.1:1"
 BUDGET = Budget(max_concurrent=4)
 
 
-def config(*, fleet: bool = False) -> Config:
+class Waits(Extension):
+    """An extension whose async request-head hook the tests answer themselves."""
+
+    async def on_request_head_async(self, request: Request) -> Decision | None:
+        return None
+
+
+def config(*, fleet: bool = False, hook: bool = False) -> Config:
     """Two servers of one stream each (a failure is retried; a third request waits), a held
     SSE head with heartbeats, a first-token timeout, and a session key from a header or
     else the JSON body. ``fleet``: with a fleet store and a tenant budget (RESERVING)."""
@@ -94,7 +105,10 @@ def config(*, fleet: bool = False) -> Config:
     )
     route = Route(prefix="/", upstream="default", retry_until_first_event=True, sse_heartbeat=15)
     store = FleetSettings(store=STORE) if fleet else None
-    return default_config(upstreams={"default": group}, routes=(route,), fleet=store)
+    waits = (ExtensionConfig(module="tests:Waits", instance=Waits({})),) if hook else ()
+    return default_config(
+        upstreams={"default": group}, routes=(route,), fleet=store, extensions=waits
+    )
 
 
 # -- bringing an exchange into a phase -----------------------------------------------------
@@ -103,8 +117,8 @@ def config(*, fleet: bool = False) -> Config:
 class Rig:
     """One client connection (1) with one request, and the backend that answers it."""
 
-    def __init__(self, *, h2: bool, fleet: bool = False) -> None:
-        self.pb = Playbook(config(fleet=fleet))
+    def __init__(self, *, h2: bool, fleet: bool = False, hook: bool = False) -> None:
+        self.pb = Playbook(config(fleet=fleet, hook=hook))
         self.h2client = H2Client(self.pb, 1) if h2 else None
         if self.h2client is None:
             self.pb.accept(1)
@@ -185,7 +199,11 @@ def reach(
     ``full``: every server is full (QUEUED is reached so; BUFFERING then routes into the
     queue); ``fleet``: with a fleet store and a budget (RESERVING is reached so; BUFFERING
     then routes into RESERVING)."""
-    rig = Rig(h2=h2, fleet=fleet or phase is Phase.RESERVING)
+    rig = Rig(h2=h2, fleet=fleet or phase is Phase.RESERVING, hook=phase is Phase.AWAITING_HOOK)
+    if phase is Phase.AWAITING_HOOK:  # an extension's async hook runs (``hooked.py``)
+        exchange = rig.request(body=b'{"a": 1' if open_request else None)
+        assert exchange.phase is Phase.AWAITING_HOOK
+        return rig, exchange
     if phase is Phase.RESERVING:
         exchange = rig.request(body=b'{"a": 1' if open_request else None)
         assert exchange.phase is Phase.RESERVING
@@ -308,6 +326,23 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
                 now=rig.pb.now, store=STORE, ask=ask, verdict=verdict, error="down", replicas=2
             )
             return lambda: exchange.budget_answered(answer)
+        case _I.HOOK_ANSWERED:
+            # The hook let it go on, failed (``reject``: 503), or answered (401).
+            hooks = exchange.hooks or ExchangeHooks(config(hook=True).extensions, exchange)
+            decision = Decision(answer=Answer(status=401, message="no")) if variant == 2 else None
+            answered = ExtensionAnswered(
+                now=rig.pb.now,
+                request=exchange.ident,
+                position=0,
+                decision=decision,
+                error="timed out" if variant == 1 else "",
+            )
+
+            def hook_answered() -> None:
+                if hooks.answered(exchange, answered):
+                    placement.begin(exchange)
+
+            return hook_answered
     kind = TIMERS[input]
     timer = (kind, exchange.ident)
     if timer in rig.pb.core.fx.timers and exchange.ident in rig.pb.core.exchanges:
@@ -480,8 +515,10 @@ def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
                     taken |= {(was, made) for was, made, _ in moves if made in MOVES}
     # The first attempt from an exchange just started, BUFFER and RESERVE, are taken as it
     # starts;
-    # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py).
+    # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py); AWAIT_HOOK as an extension's
+    # async hook starts (``reach``, tests/core/test_hooks.py).
     taken |= {
+        (Phase.CONNECTING, _I.AWAIT_HOOK),
         (Phase.CONNECTING, _I.ATTEMPT),
         (Phase.CONNECTING, _I.BUFFER),
         (Phase.CONNECTING, _I.QUEUE),

@@ -4,31 +4,29 @@ The exchange relays version-neutral messages between a client stream (``Downstre
 backend stream (``pool.UpstreamStream``: a whole HTTP/1.1 connection or one stream of a shared
 HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 
-- Phases as data: ``phase`` changes through ``move`` alone, as the table of
-  ``exchange_states.py`` says. Each entry point asks it whether its event is taken in the
-  current phase (a late event after the end is ignored; one that only a bug can bring raises
-  ``IllegalTransition``), and each decision (route, retry, hold, commit, fail, finish) is a
-  move the table must allow.
+- Phases as data: ``phase`` changes through ``move`` alone, as ``exchange_states.py`` says.
+  Each entry point asks it whether its event is taken in the current phase (a late event is
+  ignored; one only a bug can bring raises ``IllegalTransition``), and each decision (route,
+  retry, hold, commit, fail, finish) is a move the table must allow.
 - Its parts, which see it through ``exchangeports.py``: where it goes (route, budgets, queue,
   servers, retries: RFC 9110 §9.2.2) is ``placement.py``'s; what outlives its client or its
-  backend (resume, continuation) ``surviving.py``'s; a held SSE head ``commit.py``'s.
-- Per-chunk flush: each backend body chunk goes to the client side in the call that brought it.
+  backend (resume, continuation) ``surviving.py``'s; a held SSE head ``commit.py``'s; its
+  extensions' hooks ``hooked.py``'s. Each backend body chunk goes out in the call that brought it.
 - Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
   holds ``high_water`` bytes of this stream, or its connection is behind, and resumed at
   ``low_water``; the client's request body likewise (``upload.py``).
-- Cancellation propagates: a client that goes away closes the backend connection at once,
-  which is what stops a GPU generating tokens nobody reads.
-- Truncation is visible: a backend that fails after the response head went out makes the
-  client side abort the stream (RST_STREAM on HTTP/2, no final chunk on HTTP/1.1).
+- Cancellation propagates: a client that goes away closes the backend connection at once
+  (which stops a GPU generating tokens nobody reads). Truncation is visible: a backend that
+  fails after the response head makes the client side abort the stream (RST_STREAM on
+  HTTP/2, no final chunk on HTTP/1.1).
 - Errors before the head map to answers of our own (``heads.py``): no route 404, no usable
   backend 503, refused or broken backend 502, timeout 504 (RFC 9110 §15.6); the access log
-  counts their body bytes like a backend's.
-- Timeouts blame the party that is late (``deadlines.py``): the backend's never count time
-  in which it waits for us, the client's ``body`` timer never time in which we withheld its
-  window (408 / RST_STREAM, ``Downstream.refuse_slow_body``); a client that stops reading is
-  cut by the send timeouts of ``Downstream``.
-- Date (RFC 9110 §6.6.1): a response the backend sent without one gets the proxy's, as do
-  the proxy's own (``dates.py``: from the wall time the driver gives).
+  counts their body bytes like a backend's. Date (RFC 9110 §6.6.1): a response without one,
+  the backend's or ours, gets the proxy's (``dates.py``: from the wall time the driver gives).
+- Timeouts blame the party that is late (``deadlines.py``): the backend's never count time it
+  waits for us, the client's ``body`` timer never time we withheld its window (408 /
+  RST_STREAM, ``Downstream.refuse_slow_body``); ``Downstream``'s send timeouts cut a client
+  that stops reading.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ from muxproxy.core.exchange.exchange_states import TIMER_INPUTS, TRANSITIONS, Ex
 from muxproxy.core.exchange.exchangeports import ExchangeHost
 from muxproxy.core.exchange.failover import Failover
 from muxproxy.core.exchange.heads import VIA, backend_fields, client_head, send_error_answer
+from muxproxy.core.exchange.hooked import ExchangeHooks
 from muxproxy.core.exchange.upload import Upload
 from muxproxy.core.flow import Flow
 from muxproxy.core.http import grpc
@@ -90,8 +89,7 @@ class Exchange:
         self.response: ResponseHead | None = None
         self.response_flow = Flow()
         """The backend as the response's source: stopped while the client is behind (this
-        stream's bytes, or ``client_stalled``); then the client side holds us
-        (``ClientSide.hold``)."""
+        stream's bytes, or ``client_stalled``; the client side holds us: ``hold``)."""
         now = self.started = fx.now
         self.deadlines = Deadlines(
             fx=fx, ident=ident, upstream_at=now, request_at=now, request_done_at=now
@@ -121,6 +119,7 @@ class Exchange:
         """On a route with ``resume`` or ``continue_on_failure``: what the stream keeps to
         outlive its client or its backend (one attribute, so that an exchange keeps few enough
         for CPython's shared-key instance dicts: its attributes are on the per-token path)."""
+        self.hooks = ExchangeHooks(fx.config.extensions, self) if fx.config.extensions else None
 
     @property
     def resumable(self) -> Resumable | None:
@@ -135,8 +134,7 @@ class Exchange:
         return self.survival.answer if self.survival is not None else None
 
     def move(self, input: ExchangeInput) -> bool:
-        """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
-        ``IllegalTransition`` where it cannot happen."""
+        """Take ``input`` as ``TRANSITIONS`` says: False if ignored, else raises if illegal."""
         target = TRANSITIONS[(self.phase, input)]
         if type(target) is Phase:  # taken: the common case, without a call
             self.phase = target
@@ -175,8 +173,7 @@ class Exchange:
         placement.budget_answered(self, event)
 
     def admitted(self) -> bool:
-        """The queue admits this exchange (``placement.admitted``). True when it found no
-        room after all: it waits again, at the back."""
+        """The queue admits it (``placement.admitted``); True: no room after all, it waits again."""
         return placement.admitted(self)
 
     # -- request direction -----------------------------------------------------------------
@@ -295,6 +292,8 @@ class Exchange:
             request_id=self.request_id,
             pin=failover.pin(),
         )
+        if self.hooks is not None and not self.hooks.response_head(self):
+            return  # an extension failed, and its policy answered 502
         self.deadlines.upstream_at = fx.now
         if route.retry_until_first_event and 200 <= status < 300 and is_event_stream(head.headers):
             self.move(_I.HOLD)
@@ -330,7 +329,8 @@ class Exchange:
         deadlines.watch_reading(self.group)
         if sse and self.group is not None:
             times = self.host.measurements.token_times(self.group.name, self.server_address)
-            meter = self.meter = SseMeter(times, self.started)
+            make = self.hooks.meter if self.hooks else SseMeter  # extensions' may tap events
+            meter = self.meter = make(times, self.started)
             if self.admission is not None:
                 self.admission.streaming(meter)
             heartbeat = self.route.sse_heartbeat if self.route else None
@@ -594,7 +594,7 @@ class Exchange:
                 placement.settle(self, admission, failover, self.head_at is not None, events)
             failover.leave()
         self.upload.settle()
-        self.host.exchange_finished(self)
+        self.host.exchange_finished(self)  # and its extensions' ``on_finish``
         self.client.exchange_finished(self)
         add_to_totals(self.host.measurements, self, cut=cut)
         self.fx.emit(Log(event="access", fields=access_fields(self, outcome)))

@@ -73,6 +73,9 @@ class ExchangeInput(enum.Enum):
     # -- from the fleet store (``fleetadmit.py``) ----------------------------------------------
     RESERVED = "reserved"
     """The store answered the budget reservation (or failed to)."""
+    # -- from an extension's async hook (``hooked.py``) ----------------------------------------
+    HOOK_ANSWERED = "hook_answered"
+    """The driver's answer of an async request-head hook (or its failure)."""
     # -- timers (``ExchangeTimer``) ----------------------------------------------------------
     CONNECT_TIMER = "connect_timer"
     HEAD_TIMER = "head_timer"
@@ -90,6 +93,10 @@ class ExchangeInput(enum.Enum):
     """The session key is in the request body: hold its start before routing."""
     RESERVE = "reserve"
     """The budgets are the fleet's: wait for the store's answer to the reservation."""
+    AWAIT_HOOK = "await_hook"
+    """An extension's async request-head hook runs: wait for its answer."""
+    HOOKED = "hooked"
+    """The async hook answered and let the request go on: routing continues."""
     QUEUE = "queue"
     """Every candidate server is full: wait in the group's admission queue."""
     ATTEMPT = "attempt"
@@ -125,7 +132,8 @@ TIMER_INPUTS: dict[ExchangeTimer, ExchangeInput] = {
 }
 """The input each of an exchange's timers is."""
 
-_B, _R, _Q, _C, _W, _H, _S, _D = (
+_A, _B, _R, _Q, _C, _W, _H, _S, _D = (
+    Phase.AWAITING_HOOK,
     Phase.BUFFERING,
     Phase.RESERVING,
     Phase.QUEUED,
@@ -137,63 +145,78 @@ _B, _R, _Q, _C, _W, _H, _S, _D = (
 )
 _I = ExchangeInput
 _X = ILLEGAL
-# One row per input: its targets in BUFFERING, RESERVING, QUEUED, CONNECTING, WAITING_HEAD,
-# HOLDING, STREAMING, DONE. A live phase's own name: the event is taken there. RESERVING and
-# QUEUED have no backend stream and no pool request: only the client side, its body timer,
-# the gRPC deadline and their own input (the store's answer, the queue's timer) reach them.
+# One row per input: its targets in AWAITING_HOOK, BUFFERING, RESERVING, QUEUED, CONNECTING,
+# WAITING_HEAD, HOLDING, STREAMING, DONE. A live phase's own name: the event is taken there.
+# AWAITING_HOOK, RESERVING and QUEUED have no backend stream and no pool request: only the
+# client side, its body timer, the gRPC deadline and their own input (the hook's answer, the
+# store's answer, the queue's timer) reach them.
 _ROWS: dict[ExchangeInput, tuple[Phase | Verdict, ...]] = {
     # A stream is asked for in CONNECTING only; the pool forgets who stopped waiting.
-    _I.UPSTREAM_READY: (_X, _X, _X, _C, _X, _X, _X, IGNORED),
-    _I.UPSTREAM_DRAINED: (_X, _X, _X, _X, _W, _H, _S, IGNORED),
-    _I.RESPONSE_HEAD: (_X, _X, _X, _X, _W, _X, _X, IGNORED),
+    _I.UPSTREAM_READY: (_X, _X, _X, _X, _C, _X, _X, _X, IGNORED),
+    _I.UPSTREAM_DRAINED: (_X, _X, _X, _X, _X, _W, _H, _S, IGNORED),
+    _I.RESPONSE_HEAD: (_X, _X, _X, _X, _X, _W, _X, _X, IGNORED),
     # HOLDING: the first event commits the held head.
-    _I.RESPONSE_BODY: (_X, _X, _X, _X, _X, _H, _S, IGNORED),
-    _I.RESPONSE_END: (_X, _X, _X, _X, _X, _H, _S, IGNORED),
+    _I.RESPONSE_BODY: (_X, _X, _X, _X, _X, _X, _H, _S, IGNORED),
+    _I.RESPONSE_END: (_X, _X, _X, _X, _X, _X, _H, _S, IGNORED),
     # CONNECTING: a connect failed (or a shared connection had no stream for us).
-    _I.UPSTREAM_FAILED: (_X, _X, _X, _C, _W, _H, _S, IGNORED),
-    _I.REQUEST_BODY: (_B, _R, _Q, _C, _W, _H, _S, IGNORED),
-    _I.REQUEST_END: (_B, _R, _Q, _C, _W, _H, _S, IGNORED),
-    _I.CLIENT_ABORTED: (_B, _R, _Q, _C, _W, _H, _S, IGNORED),
+    _I.UPSTREAM_FAILED: (_X, _X, _X, _X, _C, _W, _H, _S, IGNORED),
+    _I.REQUEST_BODY: (_A, _B, _R, _Q, _C, _W, _H, _S, IGNORED),
+    _I.REQUEST_END: (_A, _B, _R, _Q, _C, _W, _H, _S, IGNORED),
+    _I.CLIENT_ABORTED: (_A, _B, _R, _Q, _C, _W, _H, _S, IGNORED),
     # The client connection asks every exchange it carries; one without a backend has
     # nothing to stop.
-    _I.CLIENT_STALLED: (IGNORED, IGNORED, IGNORED, IGNORED, _W, _H, _S, IGNORED),
+    _I.CLIENT_STALLED: (IGNORED, IGNORED, IGNORED, IGNORED, IGNORED, _W, _H, _S, IGNORED),
     # A connection holds only an exchange whose backend it stopped, until that is released.
-    _I.CLIENT_DRAINED: (_X, _X, _X, _X, _W, _H, _S, IGNORED),
+    _I.CLIENT_DRAINED: (_X, _X, _X, _X, _X, _W, _H, _S, IGNORED),
     # The store's answer comes to an exchange that waits for it; DONE: it ended meanwhile
     # (``fleetadmit.py`` gives back what the store reserved).
-    _I.RESERVED: (_X, _R, _X, _X, _X, _X, _X, IGNORED),
+    _I.RESERVED: (_X, _X, _R, _X, _X, _X, _X, _X, IGNORED),
     # The queue holds only exchanges that wait (leaving the phase leaves the queue); DONE:
     # one that fault isolation ended while it waited.
-    _I.ADMITTED: (_X, _X, _Q, _X, _X, _X, _X, IGNORED),
-    _I.CONNECT_TIMER: (_X, _X, _X, _C, _X, _X, _X, IGNORED),
-    _I.HEAD_TIMER: (_X, _X, _X, _X, _W, _X, _X, IGNORED),
+    _I.ADMITTED: (_X, _X, _X, _Q, _X, _X, _X, _X, IGNORED),
+    _I.CONNECT_TIMER: (_X, _X, _X, _X, _C, _X, _X, _X, IGNORED),
+    _I.HEAD_TIMER: (_X, _X, _X, _X, _X, _W, _X, _X, IGNORED),
     # Armed with the request head, cancelled by the first body byte.
-    _I.FIRST_TOKEN_TIMER: (_X, _X, _X, _X, _W, _H, _S, IGNORED),
+    _I.FIRST_TOKEN_TIMER: (_X, _X, _X, _X, _X, _W, _H, _S, IGNORED),
     # Armed when the head is held or relayed.
-    _I.READ_TIMER: (_X, _X, _X, _X, _X, _H, _S, IGNORED),
-    _I.HEARTBEAT_TIMER: (_X, _X, _X, _X, _X, _X, _S, IGNORED),
+    _I.READ_TIMER: (_X, _X, _X, _X, _X, _X, _H, _S, IGNORED),
+    _I.HEARTBEAT_TIMER: (_X, _X, _X, _X, _X, _X, _X, _S, IGNORED),
     # The gRPC call's deadline, from the start to the end.
-    _I.DEADLINE_TIMER: (_B, _R, _Q, _C, _W, _H, _S, IGNORED),
-    _I.BODY_TIMER: (_B, _R, _Q, _C, _W, IGNORED, IGNORED, IGNORED),
-    _I.TUNNEL_TIMER: (_X, _X, _X, _X, _X, _X, _X, IGNORED),
+    _I.DEADLINE_TIMER: (_A, _B, _R, _Q, _C, _W, _H, _S, IGNORED),
+    _I.BODY_TIMER: (_A, _B, _R, _Q, _C, _W, IGNORED, IGNORED, IGNORED),
+    _I.TUNNEL_TIMER: (_X, _X, _X, _X, _X, _X, _X, _X, IGNORED),
+    _I.HOOK_ANSWERED: (_A, _X, _X, _X, _X, _X, _X, _X, IGNORED),
     # Armed on entering QUEUED, cancelled on leaving it.
-    _I.QUEUE_TIMER: (_X, _X, _Q, _X, _X, _X, _X, IGNORED),
+    _I.QUEUE_TIMER: (_X, _X, _X, _Q, _X, _X, _X, _X, IGNORED),
     # Moves.
-    _I.BUFFER: (_X, _X, _X, _B, _X, _X, _X, _X),  # from ``start`` (an exchange begins CONNECTING)
+    _I.BUFFER: (
+        _X,
+        _X,
+        _X,
+        _X,
+        _B,
+        _X,
+        _X,
+        _X,
+        _X,
+    ),  # from ``start`` (an exchange begins CONNECTING)
     # Routed, and the budgets are the fleet store's.
-    _I.RESERVE: (_R, _X, _X, _R, _X, _X, _X, _X),
-    _I.QUEUE: (_Q, _Q, _X, _Q, _X, _X, _X, _X),  # routed, and no candidate has room
+    _I.RESERVE: (_X, _R, _X, _X, _R, _X, _X, _X, _X),
+    # From ``start`` (an exchange begins CONNECTING), after the route is found; back.
+    _I.AWAIT_HOOK: (_X, _X, _X, _X, _A, _X, _X, _X, _X),
+    _I.HOOKED: (_C, _X, _X, _X, _X, _X, _X, _X, _X),
+    _I.QUEUE: (_X, _Q, _Q, _X, _Q, _X, _X, _X, _X),  # routed, and no candidate has room
     # Routed from the head or from the buffered body, or admitted from the queue.
-    _I.ATTEMPT: (_C, _C, _C, _C, _X, _X, _X, _X),
-    _I.RETRY: (_X, _X, _X, _C, _C, _C, _X, _X),
-    _I.REQUEST_SENT: (_X, _X, _X, _W, _X, _X, _X, _X),
-    _I.HOLD: (_X, _X, _X, _X, _H, _X, _X, _X),
-    _I.COMMIT: (_X, _X, _X, _X, _S, _S, _X, _X),
-    _I.FAIL: (_D, _D, _D, _D, _D, _D, _X, _X),
-    _I.REPLAY: (_X, _X, _X, _S, _X, _X, _X, _X),  # from ``start``, before any routing
-    _I.FINISH: (_D, _D, _D, _D, _D, _D, _D, _X),
+    _I.ATTEMPT: (_X, _C, _C, _C, _C, _X, _X, _X, _X),
+    _I.RETRY: (_X, _X, _X, _X, _C, _C, _C, _X, _X),
+    _I.REQUEST_SENT: (_X, _X, _X, _X, _W, _X, _X, _X, _X),
+    _I.HOLD: (_X, _X, _X, _X, _X, _H, _X, _X, _X),
+    _I.COMMIT: (_X, _X, _X, _X, _X, _S, _S, _X, _X),
+    _I.FAIL: (_D, _D, _D, _D, _D, _D, _D, _X, _X),
+    _I.REPLAY: (_X, _X, _X, _X, _S, _X, _X, _X, _X),  # from ``start``, before any routing
+    _I.FINISH: (_D, _D, _D, _D, _D, _D, _D, _D, _X),
 }
-_PHASES = (_B, _R, _Q, _C, _W, _H, _S, _D)
+_PHASES = (_A, _B, _R, _Q, _C, _W, _H, _S, _D)
 
 TRANSITIONS: Transitions[Phase, ExchangeInput] = {
     (phase, input): target
@@ -212,9 +235,11 @@ EVENTS = frozenset(_I) - {
     _I.HOLD,
     _I.COMMIT,
     _I.FAIL,
+    _I.AWAIT_HOOK,
+    _I.HOOKED,
     _I.REPLAY,
     _I.FINISH,
 }
 """The inputs that are events (the others are moves)."""
 
-del _B, _R, _Q, _C, _W, _H, _S, _D, _I, _X
+del _A, _B, _R, _Q, _C, _W, _H, _S, _D, _I, _X

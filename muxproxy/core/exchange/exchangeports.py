@@ -23,7 +23,7 @@ exchange either.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from muxproxy.core.ports import (
     ClientSide,
@@ -71,6 +71,24 @@ class ContinuedOwner(UpstreamUser, Protocol):
     failover: Failover | None
 
 
+class Hooks(Protocol):
+    """An exchange's extension hooks as placement sees them (``hooked.ExchangeHooks``)."""
+
+    @property
+    def tenant(self) -> int | None:
+        """The tenant an extension set, hashed (``admit.tenant_of``); None: the group's."""
+
+    @property
+    def chooses(self) -> bool:
+        """Whether an extension has ``choose_server``."""
+
+    def request_head(self, exchange: Any) -> bool:
+        """Run the request-head hooks; True: route now (False: answered, or waiting)."""
+
+    def choose_server(self, exchange: Any, failover: Failover) -> bool:
+        """Let the extensions put a candidate first; False: answered."""
+
+
 class Routed(UpstreamUser, Protocol):
     """The exchange as ``placement.py`` sees it (also the pool's ``UpstreamUser``, on whose
     behalf a failover asks for streams, and the admission queue's waiter)."""
@@ -91,6 +109,8 @@ class Routed(UpstreamUser, Protocol):
     def phase(self) -> Phase: ...
     @property
     def upstream(self) -> UpstreamStream | None: ...
+    @property
+    def hooks(self) -> Hooks | None: ...
     def move(self, input: ExchangeInput) -> bool: ...
     def release_upstream(self, *, close: bool) -> None: ...
     def fail(self, status: int, text: str, reason: str = "", *, extra: Fields = ()) -> None: ...

@@ -68,7 +68,8 @@ def locate(exchange: Routed) -> bool:
         return False
     group = exchange.group = fx.config.upstreams[route.upstream]
     exchange.upload.body = RequestBody(group.next_upstream.replay_buffer)
-    return True
+    hooks = exchange.hooks  # extensions may answer, rewrite, pick the group, or wait
+    return hooks is None or hooks.request_head(exchange)
 
 
 def begin(exchange: Routed) -> None:
@@ -107,6 +108,8 @@ def _route(exchange: Routed, key: bytes | None, document: object | None) -> None
             return
         fx, host = exchange.fx, exchange.host
         admission = exchange.admission = Admission(fx, group, exchange.head, document)
+        if exchange.hooks is not None and exchange.hooks.tenant is not None:
+            admission.tenant = exchange.hooks.tenant  # an extension's (``hooked.py``)
         if fleetadmit.ask_store(fx, group, admission, exchange.ident, key):
             exchange.move(_I.RESERVE)  # the fleet's budgets: the store answers first
             return
@@ -154,6 +157,9 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
     )
     if not failover.candidates:
         exchange.fail(503, "no backend available")
+        return
+    hooks = exchange.hooks
+    if hooks is not None and hooks.chooses and not hooks.choose_server(exchange, failover):
         return
     if group.admission and not failover.choose_room():
         _wait(exchange)

@@ -157,6 +157,10 @@ class Measurements:
         """(group, server) -> its token times: servers are configured or discovered."""
         self.fleet_reservations: dict[Labels, int] = {}
         """(outcome,) -> answers of the fleet store to budget reservations (``fleetadmit``)."""
+        self.extension_errors: dict[Labels, int] = {}
+        """(extension, hook) -> hooks that raised, timed out or answered wrong (``hooked.py``)."""
+        self.extension_logged: dict[Labels, float] = {}
+        """(extension, hook) -> when its last ``extension_error`` line was logged."""
         self.fleet_store_errors = 0
         """Operations on the fleet store's budgets that failed (counted by the driver)."""
         self.fleet_replicas = 0
@@ -266,6 +270,7 @@ class Measurements:
             "resume_store_errors_total": [[[], core.resumes.store_errors]],
             "fleet_budget_reservations_total": _samples(self.fleet_reservations),
             "fleet_budget_store_errors_total": [[[], self.fleet_store_errors]],
+            "extension_errors_total": _samples(self.extension_errors),
             "sessions_shared_total": [[[], core.sessions.shared]],
             "sessions_learned_total": [[[], core.sessions.learned]],
             "sessions_store_errors_total": [[[], core.sessions.store_errors]],

@@ -203,6 +203,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Operations on the fleet store's budgets that failed or timed out (reservations,"
         " settles, lease renewals, the replica's announcements)",
     ),
+    "extension_errors_total": (
+        COUNTER,
+        ("extension", "hook"),
+        "Extension hooks that raised, timed out or answered what they may not (the request"
+        " then followed the extension's on_error)",
+    ),
     "fleet_replicas": (
         GAUGE,
         (),

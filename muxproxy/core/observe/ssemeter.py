@@ -47,6 +47,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 
+from mypy_extensions import mypyc_attr
+
 from muxproxy.core.observe.series import TokenTimes
 
 INSPECT_LIMIT = 64 * 1024
@@ -77,6 +79,9 @@ def is_token_event(event: bytes) -> bool:
     return _JSON_DATA.search(event) is None
 
 
+# The compiled build keeps the class open to Python subclasses: an extension's stream meter
+# (``exchange/hooked.py``'s ``EventTap``) is one.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SseMeter:
     """One SSE response's events, first token and gaps (see the module's rules)."""
 

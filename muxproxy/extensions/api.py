@@ -1,0 +1,188 @@
+"""The extension interface: the hooks an embedder or operator writes, and the records they see.
+
+An extension is a class derived from :class:`Extension`, named in the configuration
+(``[[extensions]] module = "pkg.mod:Class"``) and made once per configuration (and per worker)
+with its ``settings`` table. Each hook is optional: the base class's does nothing, and the
+proxy calls only the hooks a class overrides. The hooks follow one request's life, as
+Pingora's ``ProxyHttp`` and Envoy's HTTP filters do:
+
+============================  ==============================================================
+``on_request_head``           the request head is routed; may answer, rewrite headers, pick
+                              the group, set the tenant (:class:`Decision`)
+``on_request_head_async``     the same, for a hook that does I/O; run by the driver under
+                              the extension's ``timeout``
+``choose_server``             the servers the balancer would try; may name the first one
+``on_response_head``          a backend's response head; may rewrite its headers
+``on_sse_event``              each event of an SSE response (observe only)
+``on_finish``                 the request ended (:class:`Outcome`)
+============================  ==============================================================
+
+Rules every hook obeys (``docs/extending.md``):
+
+- **Synchronous hooks run in the proxy's core**, one event at a time, for every connection
+  of the worker: they must not block (no socket, no file, no sleep), or every stream of the
+  worker waits with them. I/O belongs in ``on_request_head_async``.
+- **Records are copies**: a hook gets frozen views (:class:`Request`), never the proxy's
+  state, and changes the request only through what it returns. It keeps no reference to a
+  request past ``on_finish``.
+- **A failing hook is the extension's failure, not the proxy's**: an exception (or, for the
+  async hook, a timeout) is handled by the extension's ``on_error`` policy, logged (rate
+  limited) and counted (``muxproxy_extension_errors_total``); the connection and the worker
+  go on.
+
+Pure: no import from the rest of muxproxy, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "Answer",
+    "Decision",
+    "Extension",
+    "HeaderRewrite",
+    "Outcome",
+    "Request",
+]
+
+
+@attrs.frozen(kw_only=True)
+class Request:
+    """What a hook sees of a request: a copy, made once per request for its hooks."""
+
+    method: str
+    path: str
+    """The request target, normalised as it is routed and forwarded."""
+    headers: tuple[tuple[str, str], ...]
+    """The request's fields in order, names lower case (latin-1 text)."""
+    client: str
+    """The client's address (the peer's, or the trusted proxy's ``X-Forwarded-For``)."""
+    route: str
+    """The prefix of the route that matched."""
+    group: str
+    """The upstream group chosen so far (the route's, or an earlier extension's)."""
+    request_id: str
+    """``X-Request-ID`` as logged and forwarded."""
+
+    def header(self, name: str) -> str | None:
+        """The value of the first field called ``name`` (any case); None when absent."""
+        wanted = name.lower()
+        for key, value in self.headers:
+            if key == wanted:
+                return value
+        return None
+
+
+@attrs.frozen(kw_only=True)
+class Answer:
+    """A response of the proxy's own instead of the backend's: the shape the route's API
+    gives its errors (an OpenAI error object on ``api = "openai"`` routes, a text body
+    otherwise), with ``status`` and ``message``."""
+
+    status: int
+    """100..599; a status under 400 is answered as given, with ``message`` as its body."""
+    message: str
+    headers: Sequence[tuple[str, str]] = ()
+    """More fields, e.g. ``("www-authenticate", "Bearer")`` on a 401."""
+
+
+@attrs.frozen(kw_only=True)
+class HeaderRewrite:
+    """Fields to set (replacing every field of that name) and to remove."""
+
+    set: Mapping[str, str] = attrs.field(factory=dict)
+    remove: Sequence[str] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Decision(HeaderRewrite):
+    """What ``on_request_head`` decides; every part optional. With ``answer`` the request
+    ends there (the first extension that answers wins; the next ones are not called)."""
+
+    answer: Answer | None = None
+    group: str | None = None
+    """Send the request to this upstream group (it must exist) instead of the route's."""
+    tenant: str | None = None
+    """The tenant the group's budgets and queue count this request under (instead of the
+    group's ``tenant`` source)."""
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """How a request ended, for ``on_finish``."""
+
+    status: int
+    """The status the client got (0: none, the client left first)."""
+    bytes_sent: int
+    """Response body bytes sent to the client."""
+    bytes_received: int
+    """Request body bytes taken from the client."""
+    tokens: int | None
+    """Completion tokens, where known (the ``usage`` object of a budgeted group's response,
+    else the SSE events relayed); None otherwise."""
+    duration: float
+    """Seconds from the request head to the end."""
+    reason: str
+    """``"ok"`` for a whole response, else why it ended (as the access log's ``outcome``)."""
+    server: str
+    """The backend's address (empty when none was tried)."""
+
+
+class Extension:
+    """The base of every extension; override the hooks you need (see the module).
+
+    The constructor takes the ``settings`` table of the configuration; raising there (a
+    missing setting, an unreadable file) makes the configuration invalid, with the message.
+    """
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        self.settings = settings
+
+    def on_request_head(self, request: Request) -> Decision | None:
+        """The request head, once routed; None: no change. Must not block."""
+        return None
+
+    async def on_request_head_async(self, request: Request) -> Decision | None:
+        """As ``on_request_head``, for I/O (checking a key with a remote service): run by the
+        driver, bounded by the extension's ``timeout``; the request waits for it. Called
+        after this extension's ``on_request_head``, in configuration order."""
+        return None
+
+    def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
+        """The usable servers of the group (``host:port``), in the order the balancer would
+        try them; the one to try first, or None to keep the balancer's choice. Must not
+        block."""
+        return None
+
+    def on_response_head(
+        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
+    ) -> HeaderRewrite | None:
+        """A backend's response head before it goes to the client; None: no change."""
+        return None
+
+    def on_sse_event(self, request: Request, event: bytes) -> None:
+        """One event of an SSE response (its bytes, without the blank line that ends it).
+        Called per event: keep it cheap."""
+
+    def on_finish(self, request: Request, outcome: Outcome) -> None:
+        """The request ended, whatever way. The last hook a request gets."""
+
+
+HOOKS = (
+    "on_request_head",
+    "on_request_head_async",
+    "choose_server",
+    "on_response_head",
+    "on_sse_event",
+    "on_finish",
+)
+"""The hooks, in the order of a request's life."""
+
+
+def defines(extension: Extension, hook: str) -> bool:
+    """Whether ``extension``'s class overrides ``hook`` (the proxy skips the others)."""
+    return getattr(type(extension), hook) is not getattr(Extension, hook)

@@ -1,0 +1,210 @@
+"""``core/exchange/hooked.py``: each extension hook's effect on a request, through the core.
+
+Real h11 peers on both sides (``playbook.py``); an async hook's answer is fed as the driver
+would feed it (``ExtensionAnswered``), and its ``ExtensionCall`` read back as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import h11
+from playbook import BACKEND, H1BackendPeer, H1ClientPeer, Playbook, default_config
+
+from muxproxy.config import RateLimit, Route, Server, Upstream
+from muxproxy.config.extensions import ExtensionConfig, HookErrorPolicy
+from muxproxy.core.commands import ExtensionCall, Log, OpenConnection
+from muxproxy.core.events import ExtensionAnswered
+from muxproxy.core.exchange.admit import tenant_of
+from muxproxy.core.ports import Phase
+from muxproxy.extensions import Answer, Decision, Extension, HeaderRewrite, Outcome, Request
+
+CANARY = "127.0.0.1:9009"
+
+
+class Recorder(Extension):
+    """Does what its settings say, and records what it saw."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.events: list[bytes] = []
+        self.outcomes: list[Outcome] = []
+
+    def on_request_head(self, request: Request) -> Decision | None:
+        decide = self.settings.get("decide")
+        return decide(request) if decide else None
+
+    def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
+        choose = self.settings.get("choose")
+        return choose(candidates) if choose else None
+
+    def on_response_head(
+        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
+    ) -> HeaderRewrite | None:
+        return HeaderRewrite(set={"x-seen-by": "recorder"}, remove=["x-backend-id"])
+
+    def on_sse_event(self, request: Request, event: bytes) -> None:
+        self.events.append(event)
+
+    def on_finish(self, request: Request, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+class Waits(Extension):
+    async def on_request_head_async(self, request: Request) -> Decision | None:
+        raise AssertionError("the tests answer for the driver")
+
+
+def config(extension: Extension, on_error: HookErrorPolicy = HookErrorPolicy.REJECT) -> Any:
+    base = default_config()
+    servers = (Server(address=BACKEND), Server(address="127.0.0.1:9002"))
+    group = Upstream(name="default", servers=servers, rate_limit=RateLimit(max_concurrent=5))
+    canary = Upstream(name="canary", servers=(Server(address=CANARY),))
+    entry = ExtensionConfig(module="tests:X", instance=extension, on_error=on_error)
+    return attrs.evolve(
+        base,
+        upstreams={"default": group, "canary": canary},
+        routes=(Route(prefix="/", upstream="default"),),
+        extensions=(entry,),
+    )
+
+
+def start(extension: Extension, **kw: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
+    pb, client = Playbook(config(extension, **kw), ignore=()), H1ClientPeer()
+    pb.accept(1)
+    headers = [("Authorization", "Bearer k1"), ("X-Drop", "1")]
+    commands = pb.receive(1, client.request("GET", "/v1/models", headers))
+    return pb, client, commands
+
+
+def opened(commands: list[Any]) -> list[OpenConnection]:
+    return [c for c in commands if isinstance(c, OpenConnection)]
+
+
+def status(pb: Playbook, client: H1ClientPeer) -> int:
+    (response, *_) = [e for e in client.events(pb.take(1)) if isinstance(e, h11.Response)]
+    return int(response.status_code)
+
+
+def test_an_answer_ends_the_request_before_any_backend() -> None:
+    answer = Answer(status=401, message="unknown key", headers=[("WWW-Authenticate", "Bearer")])
+    pb, client, commands = start(Recorder({"decide": lambda r: Decision(answer=answer)}))
+    assert opened(commands) == []
+    events = client.events(pb.take(1))
+    assert events[0].status_code == 401
+    assert (b"www-authenticate", b"Bearer") in events[0].headers
+    assert b"unknown key" in b"".join(e.data for e in events if isinstance(e, h11.Data))
+
+
+def test_a_rewrite_reaches_the_backend_and_the_tenant_the_budget() -> None:
+    decide = lambda r: Decision(set={"x-user": "alice"}, remove=["x-drop"], tenant="alice")  # noqa: E731
+    pb, _, commands = start(Recorder({"decide": decide}))
+    (opening,) = opened(commands)
+    backend = H1BackendPeer()
+    (request, *_) = backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    assert (b"x-user", b"alice") in request.headers
+    assert not [v for k, v in request.headers if k == b"x-drop"]
+    (exchange,) = pb.core.exchanges.values()
+    assert exchange.admission is not None and exchange.admission.tenant == tenant_of(b"alice")
+
+
+def test_a_picked_group_is_where_the_request_goes() -> None:
+    _, _, commands = start(Recorder({"decide": lambda r: Decision(group="canary")}))
+    (opening,) = opened(commands)
+    assert opening.origin.port == 9009
+
+
+def test_an_unknown_group_is_a_500_naming_the_extension() -> None:
+    pb, client, commands = start(Recorder({"decide": lambda r: Decision(group="nope")}))
+    assert opened(commands) == [] and status(pb, client) == 500
+    (line,) = [c for c in commands if isinstance(c, Log) and c.event == "extension_error"]
+    assert "extension X chose group 'nope'" in line.fields["error"]
+
+
+def test_choose_server_overrides_the_balancer() -> None:
+    _, _, commands = start(Recorder({"choose": lambda candidates: "127.0.0.1:9002"}))
+    (opening,) = opened(commands)
+    assert opening.origin.port == 9002
+
+
+def test_a_server_that_is_no_candidate_follows_on_error() -> None:
+    pb, client, commands = start(Recorder({"choose": lambda c: "10.9.9.9:1"}))
+    assert opened(commands) == [] and status(pb, client) == 503
+    _, _, commands = start(
+        Recorder({"choose": lambda c: "10.9.9.9:1"}), on_error=HookErrorPolicy.CONTINUE
+    )
+    assert len(opened(commands)) == 1
+
+
+def test_response_head_rewrite_sse_events_and_finish_outcome() -> None:
+    recorder = Recorder({})
+    pb, client, commands = start(recorder)
+    (opening,) = opened(commands)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    pb.receive(opening.conn, backend.sse_head())
+    pb.receive(opening.conn, backend.chunk(b"data: a\n\ndata: b"))
+    pb.receive(opening.conn, backend.chunk(b"\n\n") + backend.end())
+    events = client.events(pb.take(1))
+    assert (b"x-seen-by", b"recorder") in events[0].headers
+    assert not [v for k, v in events[0].headers if k == b"x-backend-id"]
+    assert recorder.events == [b"data: a", b"data: b"]
+    (outcome,) = recorder.outcomes
+    assert outcome.status == 200 and outcome.reason == "ok" and outcome.tokens == 2
+    assert outcome.server == BACKEND
+
+
+def test_a_raising_hook_rejects_its_request_alone_and_is_counted() -> None:
+    def boom(request: Request) -> Decision:
+        if request.header("authorization") == "Bearer k1":
+            raise RuntimeError("key service down")
+        return Decision()
+
+    pb, client, _ = start(Recorder({"decide": boom}))
+    assert status(pb, client) == 503
+    assert pb.core.measurements.extension_errors == {("X", "on_request_head"): 1}
+    # Another client's request on the same worker goes on.
+    other = H1ClientPeer()
+    pb.accept(2)
+    more = pb.receive(2, other.request("GET", "/v1/models", [("Authorization", "Bearer k2")]))
+    assert len(opened(more)) == 1
+
+
+def async_start(**kw: Any) -> tuple[Playbook, H1ClientPeer, ExtensionCall]:
+    pb, client, commands = start(Waits({}), **kw)
+    (call,) = [c for c in commands if isinstance(c, ExtensionCall)]
+    assert opened(commands) == []
+    (exchange,) = pb.core.exchanges.values()
+    assert exchange.phase is Phase.AWAITING_HOOK
+    assert call.view.header("authorization") == "Bearer k1" and call.timeout == 1.0
+    return pb, client, call
+
+
+def answer(pb: Playbook, call: ExtensionCall, decision: object = None, error: str = "") -> Any:
+    event = ExtensionAnswered(
+        now=pb.now, request=call.request, position=call.position, decision=decision, error=error
+    )
+    return pb.feed(event)
+
+
+def test_an_async_hook_that_lets_it_go_on_routes_the_request() -> None:
+    pb, _, call = async_start()
+    assert len(opened(answer(pb, call, Decision(group="canary")))) == 1
+
+
+def test_an_async_hook_that_fails_rejects_or_continues_by_policy() -> None:
+    pb, client, call = async_start()
+    commands = answer(pb, call, error="no answer within 1 s")
+    assert opened(commands) == [] and status(pb, client) == 503
+    pb, client, call = async_start(on_error=HookErrorPolicy.CONTINUE)
+    assert len(opened(answer(pb, call, error="RuntimeError: down"))) == 1
+    assert pb.core.measurements.extension_errors == {("X", "on_request_head_async"): 1}
+
+
+def test_a_client_that_leaves_while_an_async_hook_runs_ends_the_exchange() -> None:
+    pb, _, call = async_start()
+    pb.closed(1)
+    assert pb.core.exchanges == {}
+    assert opened(answer(pb, call, Decision())) == []  # the late answer finds nobody

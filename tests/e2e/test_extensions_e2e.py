@@ -1,0 +1,100 @@
+"""The two extension examples (``examples/extensions/``) in a real proxy (``ProxyServer``)
+before real fake-LLM backends, with httpx as the client.
+
+- API keys: no key or an unknown one is 401 with the OpenAI error object and reaches no
+  backend; a known key is served, and its tenant's token budget refuses it (429) once spent
+  while another key's budget still admits.
+- Header canary: ``x-canary: always`` lands on the canary group's backend, other requests on
+  the route's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from muxproxy.config import load_config
+from muxproxy.testing.fakellm import MODEL
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "extensions"
+TEST_TIMEOUT = 10.0
+
+
+@pytest.fixture(autouse=True)
+def examples_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+def example(name: str, tmp_path: Path, ports: list[int], **replace: str) -> Path:
+    """The example's TOML, listening on any port, with the backends at ``ports``."""
+    text = (EXAMPLES / name).read_text().replace('"127.0.0.1:8080"', '"127.0.0.1:0"')
+    for index, port in enumerate(ports):
+        text = text.replace(f'"127.0.0.1:900{index + 1}"', f'"127.0.0.1:{port}"')
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def chat(max_tokens: int = 10) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+
+
+async def test_api_keys_answer_401_serve_known_keys_and_budget_each_key(
+    tmp_path: Path, start_backend: Any, start_proxy: Any
+) -> None:
+    fake, port = await start_backend(tokens=10, delay=0.0)
+    keys = str(EXAMPLES / "keys.txt")
+    path = example(
+        "apikeys.toml",
+        tmp_path,
+        [port],
+        **{
+            "examples/extensions/keys.txt": keys,
+            "tokens_per_minute = 20000": "tokens_per_minute = 25",
+        },
+    )
+    proxy = await start_proxy(config=load_config(path))
+    url = proxy.url + "/v1/chat/completions"
+    team_a = {"authorization": "Bearer sk-team-a-0123456789"}
+    team_b = {"authorization": "Bearer sk-team-b-9876543210"}
+    with trio.fail_after(TEST_TIMEOUT):
+        async with httpx.AsyncClient() as client:
+            for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+                refused = await client.post(url, json=chat(), headers=headers)
+                assert refused.status_code == 401
+                assert refused.json()["error"]["message"] == "invalid API key"
+            assert fake.requests == 0
+            # 25 tokens a minute, 10 a request: team a's third is refused, team b's served.
+            statuses = [
+                (await client.post(url, json=chat(), headers=team_a)).status_code for _ in range(3)
+            ]
+            assert statuses == [200, 200, 429]
+            assert (await client.post(url, json=chat(), headers=team_b)).status_code == 200
+
+
+async def test_header_canary_sends_always_to_the_canary_group(
+    tmp_path: Path, start_backend: Any, start_proxy: Any
+) -> None:
+    stable, stable_port = await start_backend(backend_id="stable", tokens=2, delay=0.0)
+    canary, canary_port = await start_backend(backend_id="canary", tokens=2, delay=0.0)
+    path = example("header_canary.toml", tmp_path, [stable_port, canary_port])
+    proxy = await start_proxy(config=load_config(path))
+    url = proxy.url + "/v1/chat/completions"
+    with trio.fail_after(TEST_TIMEOUT):
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):
+                response = await client.post(url, json=chat(), headers={"x-canary": "always"})
+                assert response.status_code == 200
+            response = await client.post(url, json=chat(), headers={"x-canary": "never"})
+            assert response.status_code == 200
+    assert (canary.requests, stable.requests) == (3, 1)
