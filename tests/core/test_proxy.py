@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import h2.errors
@@ -11,6 +13,18 @@ import h2.events
 import h2.settings
 import h11
 import pytest
+from checks import (
+    Check,
+    both,
+    h1_body,
+    h1_request,
+    h1_response,
+    h2_body,
+    h2_ended,
+    h2_resets,
+    h2_response,
+    on_stream,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from playbook import (
@@ -20,10 +34,15 @@ from playbook import (
     H2ClientPeer,
     Playbook,
     Sends,
+    Where,
+    accepted,
     closed,
     data,
     default_config,
+    open_failed,
+    opened,
     sent,
+    subset,
     wakeup,
 )
 
@@ -34,6 +53,7 @@ from muxproxy.core.commands import (
     CloseConnection,
     Log,
     OpenConnection,
+    Origin,
     PauseReading,
     ResumeReading,
     SendData,
@@ -43,6 +63,7 @@ from muxproxy.core.events import ConfigChanged, InputEnded
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "muxproxy"
 FORBIDDEN = {"trio", "asyncio", "socket", "ssl", "select", "selectors", "time"}
+ORIGIN = Origin(host="127.0.0.1", port=9001)
 SSE_EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(5)]
 
 
@@ -74,116 +95,230 @@ def _start_h1(pb: Playbook, request: bytes) -> tuple[int, H1BackendPeer]:
     return open_cmd.conn, backend
 
 
+def _h1_asks(pb: Playbook, request: bytes, *, body: bool = False, connect: float = 5.0) -> None:
+    """Client connection 1 (accepted here) sends ``request``: the proxy connects to the
+    backend (connection -1); ``body``: the request has a body, whose timer is armed."""
+    pb.accept(1)
+    pb >> data(1, request)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=connect)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    if body:
+        pb << SetTimer(timer=("body", 1), at=30.0)
+
+
+def _h2_asks(
+    pb: Playbook,
+    client: H2ClientPeer,
+    method: bytes = b"GET",
+    path: bytes = b"/v1/models",
+    **request: Any,
+) -> int:
+    """Client connection 1 (accepted here) opens HTTP/2 and sends one request: the proxy
+    answers the preface with its SETTINGS and their ack, then connects to the backend
+    (connection -1). Returns the stream id."""
+    pb.accept(1)
+    pb >> data(1, client.preface())
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _settings)
+    sid, payload = client.request(method, path, **request)
+    pb >> data(1, payload)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    if request.get("body") is not None:
+        pb << SetTimer(timer=("body", 1), at=30.0)
+    return sid
+
+
+def _settings(events: Sequence[Any]) -> None:
+    """The proxy's SETTINGS, and nothing for any stream."""
+    assert any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events), events
+    assert not [e for e in events if getattr(e, "stream_id", 0)], events
+
+
+def _forwarded(
+    pb: Playbook, backend: H1BackendPeer, check: Check | None = None, *, head: float = 60.0
+) -> Sends:
+    """Backend connection -1 opens: the request goes out on it (``check`` on what the
+    backend decoded) and the response-head timer is armed."""
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, check or h1_request()))
+    pb << SetTimer(timer=("head", 1), at=head)
+    return request
+
+
+def _served_ok(pb: Playbook, conn: int, client: H1ClientPeer, backend: H1BackendPeer) -> None:
+    """Backend connection -1 answers ``200 ok`` (Content-Length: 2), relayed to client
+    connection ``conn`` (exchange ``conn``); the backend connection goes back to the pool."""
+    response = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
+    pb >> data(-1, (response or b"") + backend.chunk(b"ok") + backend.end())
+    pb << CancelTimer(timer=("head", conn))
+    pb << SetTimer(timer=("send", conn), at=60.0)
+    pb << Sends(conn, client, h1_response(200))
+    pb << SetTimer(timer=("read", conn), at=300.0)
+    pb << Sends(conn, client, both(lambda e: h1_body(e) == b"ok", _ends))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", conn))
+    pb << SetTimer(timer=("idle", conn), at=75.0)
+
+
+def _ends(events: Sequence[Any]) -> None:
+    assert isinstance(events[-1], h11.EndOfMessage), events
+
+
+def _not_ended(events: Sequence[Any]) -> None:
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in events), events
+
+
+def _served_204(pb: Playbook, client: H1ClientPeer, backend: H1BackendPeer) -> None:
+    """Client connection 1's request, answered ``204`` by backend connection -1, which goes
+    back to the pool for ``pool_idle_timeout``."""
+    _h1_asks(pb, client.request())
+    _forwarded(pb, backend)
+    response = backend.conn.send(h11.Response(status_code=204, headers=[]))
+    pb >> data(-1, (response or b"") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(204, end=True))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    idle = pb.core.config.upstreams["default"].pool_idle_timeout
+    pb << SetTimer(timer=("pool", -1), at=idle)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+
+
 @pytest.mark.parametrize("split", [0, 1])
 def test_h1_client_sse_stream_is_relayed_chunk_by_chunk(split: int) -> None:
-    pb = Playbook(split=split)
+    pb = Playbook(split=split, ignore=())
     client = H1ClientPeer()
     body = b'{"stream": true}'
-    up, backend = _start_h1(
-        pb, client.request("POST", "/v1/chat/completions", [("Cookie", "a=1")], body)
+    _h1_asks(
+        pb, client.request("POST", "/v1/chat/completions", [("Cookie", "a=1")], body), body=True
     )
-    received = backend.events(pb.take(up))
-    request = received[0]
-    assert isinstance(request, h11.Request)
-    assert request.target == b"/v1/chat/completions"
-    headers = dict(request.headers)
-    assert headers[b"host"] == b"proxy.example"
-    assert headers[b"x-forwarded-for"] == b"10.0.0.7"
-    assert headers[b"via"] == b"1.1 muxproxy"
-    assert b"".join(e.data for e in received if isinstance(e, h11.Data)) == body
-    assert isinstance(received[-1], h11.EndOfMessage)
+    backend = H1BackendPeer()
 
-    head = pb.receive(up, backend.sse_head())
-    response = client.events(pb.take(1, head))
-    assert isinstance(response[0], h11.Response)
-    assert dict(response[0].headers)[b"x-accel-buffering"] == b"no"
+    def forwarded(events: Sequence[Any]) -> None:
+        h1_request(b"POST", b"/v1/chat/completions", body)(events)
+        headers = dict(events[0].headers)
+        assert headers[b"host"] == b"proxy.example"
+        assert headers[b"x-forwarded-for"] == b"10.0.0.7"
+        assert headers[b"via"] == b"1.1 muxproxy"
+
+    _forwarded(pb, backend, forwarded)
+    pb >> data(-1, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(200, headers={b"x-accel-buffering": b"no"}))
+    pb << SetTimer(timer=("read", 1), at=300.0)
     for event in SSE_EVENTS:
-        commands = pb.receive(up, backend.chunk(event))
+
+        def relayed(decoded: Sequence[Any], event: bytes = event) -> None:
+            assert h1_body(decoded) == event
+            if not split:
+                assert len(decoded) == 1
+
         # Per-chunk flush: what arrives leaves in the very call that brought it.
-        decoded = client.events(pb.take(1, commands))
-        assert b"".join(d.data for d in decoded) == event
-        if not split:
-            assert len(decoded) == 1
-    final = client.events(pb.take(1, pb.receive(up, backend.end())))
-    assert isinstance(final[-1], h11.EndOfMessage)
-    (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
-    assert access.fields["status"] == 200
-    assert access.fields["outcome"] == "ok"
+        pb >> data(-1, backend.chunk(event))
+        pb << Sends(1, client, relayed)
+    pb >> data(-1, backend.end())
+    pb << Sends(1, client, lambda events: isinstance(events[-1], h11.EndOfMessage))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << Log(event="access", fields=subset({"status": 200, "outcome": "ok"}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 @pytest.mark.parametrize("split", [0, 1, 7])
 def test_h2_client_streams_are_relayed_per_data_frame(split: int) -> None:
     pb = Playbook(split=split)
-    pb.accept(1)
     client = H2ClientPeer()
-    sid, data = client.request(
-        b"POST",
-        b"/v1/chat/completions",
-        headers=[(b"cookie", b"a=1"), (b"cookie", b"b=2")],
-        body=b"{}",
-    )
-    pb.receive(1, client.preface() + data)
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    cookies = [(b"cookie", b"a=1"), (b"cookie", b"b=2")]
+    sid = _h2_asks(pb, client, b"POST", b"/v1/chat/completions", headers=cookies, body=b"{}")
     backend = H1BackendPeer()
-    request = backend.events(pb.take(up))[0]
-    headers = dict(request.headers)
-    # RFC 9113 §8.2.3: cookies arrive joined for HTTP/1.1.
-    assert headers[b"cookie"] == b"a=1; b=2"
-    assert headers[b"host"] == b"proxy.example"
-    assert headers[b"via"] == b"2 muxproxy"
 
-    events = client.events(pb.take(1, pb.receive(up, backend.sse_head())))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(response.headers)[b":status"] == b"200"
+    def forwarded(events: Sequence[Any]) -> None:
+        headers = dict(events[0].headers)
+        # RFC 9113 §8.2.3: cookies arrive joined for HTTP/1.1.
+        assert headers[b"cookie"] == b"a=1; b=2"
+        assert headers[b"host"] == b"proxy.example"
+        assert headers[b"via"] == b"2 muxproxy"
+
+    _forwarded(pb, backend, both(h1_request(b"POST"), forwarded))
+    pb >> data(-1, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, client, h2_response(sid, 200))
+    pb << SetTimer(timer=("read", 1), at=300.0)
     for chunk in SSE_EVENTS:
-        events = client.events(pb.take(1, pb.receive(up, backend.chunk(chunk))))
-        frames = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
-        assert b"".join(frames) == chunk
-        if not split:
-            assert len(frames) == 1
-    events = client.events(pb.take(1, pb.receive(up, backend.end())))
-    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+
+        def relayed(events: Sequence[Any], chunk: bytes = chunk) -> None:
+            frames = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
+            assert b"".join(frames) == chunk
+            if not split:
+                assert len(frames) == 1
+
+        pb >> data(-1, backend.chunk(chunk))
+        pb << Sends(1, client, relayed)
+    pb >> data(-1, backend.end())
+    pb << Sends(1, client, h2_ended(sid))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_plain_listener_tells_h1_from_h2_by_the_preface_byte_by_byte() -> None:
     pb = Playbook(split=1)
     pb.accept(1)
     client = H2ClientPeer()
-    _, data = client.request()
-    pb.receive(1, client.preface() + data)
-    assert len(pb.opens()) == 1  # the request was parsed as HTTP/2
-    out = client.events(pb.take(1))
-    assert any(isinstance(e, h2.events.RemoteSettingsChanged) for e in out)
+    _, request = client.request()
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _settings)  # SETTINGS and their ack: it speaks HTTP/2
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)  # the request was parsed as HTTP/2
+    pb.done()
 
 
 def test_tls_alpn_h2_needs_no_sniffing() -> None:
     pb = Playbook()
-    pb.accept(1, tls=True, alpn="h2")
-    # The server preface (SETTINGS) goes out at once, before any client byte.
-    assert pb.take(1)
     client = H2ClientPeer()
-    _, data = client.request()
-    pb.receive(1, client.preface() + data)
-    assert len(pb.opens()) == 1
+    # The server preface (SETTINGS) goes out at once, before any client byte.
+    pb >> accepted(1, tls=True, alpn="h2")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _settings)
+    pb << SetTimer(timer=("header", 1), at=30.0)
+    _, request = client.request()
+    pb >> data(1, client.preface() + request)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb << Sends(1, client)  # the ack of the client's SETTINGS
+    pb.done()
 
 
 def test_backend_pool_reuses_the_kept_alive_connection() -> None:
     pb = Playbook()
     client = H1ClientPeer()
-    up, backend = _start_h1(pb, client.request())
-    backend.events(pb.take(up))
-    response = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
-    pb.receive(up, (response or b"") + backend.chunk(b"ok") + backend.end())
-    assert [type(e) for e in client.events(pb.take(1))][-1] is h11.EndOfMessage
+    backend = H1BackendPeer()
+    _h1_asks(pb, client.request())
+    _forwarded(pb, backend)
+    _served_ok(pb, 1, client, backend)
     client.conn.start_next_cycle()
     backend.conn.start_next_cycle()
-    before = len(pb.log)
-    pb.receive(1, client.request())
-    assert len(pb.opens()) == 1  # no new connection
-    request = backend.events(pb.take(up, pb.log[before:]))[0]
-    assert isinstance(request, h11.Request)
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("idle", 1))
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << CancelTimer(timer=("pool", -1))  # no new connection: the pooled one carries it
+    pb << CancelTimer(timer=("connect", 2))
+    pb << Sends(-1, backend, h1_request(b"GET"))
+    pb << SetTimer(timer=("head", 2), at=60.0)
+    pb.done()
     assert pb.core.statistics().upstream_connections == 1
 
 
@@ -221,21 +356,30 @@ def test_stalled_h2_stream_does_not_stall_its_neighbour() -> None:
     client = H2ClientPeer()
     stalled, data1 = client.request(path=b"/a")
     other, data2 = client.request(path=b"/b")
-    pb.receive(1, client.preface() + data1 + data2)
-    up_stalled, up_other = (c.conn for c in pb.opens())
-    backends = {}
-    for up in (up_stalled, up_other):
-        pb.opened(up)
-        backends[up] = H1BackendPeer()
-        backends[up].events(pb.take(up))
-        pb.receive(up, backends[up].sse_head())
-    client.conn.receive_data(pb.take(1))  # settings and both response heads
-    pb.receive(1, client.conn.data_to_send())
+    pb >> data(1, client.preface() + data1 + data2)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _settings)
+    pb << CancelTimer(timer=("header", 1))
+    for ex, up in ((1, -1), (2, -2)):
+        pb << SetTimer(timer=("connect", ex), at=5.0)
+        pb << OpenConnection(conn=up, origin=ORIGIN)
+    pb << Sends(1, client)  # the ack of the client's SETTINGS
+    backends = {-1: H1BackendPeer(), -2: H1BackendPeer()}
+    for ex, up, sid, path in ((1, -1, stalled, b"/a"), (2, -2, other, b"/b")):
+        pb >> opened(up)
+        pb << CancelTimer(timer=("connect", ex))
+        pb << Sends(up, backends[up], h1_request(b"GET", path))
+        pb << SetTimer(timer=("head", ex), at=60.0)
+        pb >> data(up, backends[up].sse_head())
+        pb << CancelTimer(timer=("head", ex))
+        pb << Sends(1, client, h2_response(sid, 200))
+        pb << SetTimer(timer=("read", ex), at=300.0)
+    pb >> data(1, client.conn.data_to_send())  # the client acks the proxy's SETTINGS
     # The client reads everything but never gives window back for the stalled stream.
     received: dict[int, int] = {stalled: 0, other: 0}
 
-    def deliver(commands: list) -> None:
-        for event in client.conn.receive_data(pb.take(1, commands)):
+    def delivered(events: Sequence[Any]) -> None:
+        for event in events:
             if isinstance(event, h2.events.DataReceived):
                 received[event.stream_id] += len(event.data)
                 if event.stream_id == other:
@@ -246,28 +390,32 @@ def test_stalled_h2_stream_does_not_stall_its_neighbour() -> None:
                     # Like any real h2 client, give the connection-level window back for
                     # data it buffered, but keep the stream's window closed.
                     client.conn.increment_flow_control_window(event.flow_controlled_length)
-        pb.receive(1, client.conn.data_to_send())
+
+    class Reader:
+        def events(self, payload: bytes) -> list[h2.events.Event]:
+            return client.conn.receive_data(payload)
+
+    def relay(up: int, *, pause: bool = False) -> None:
+        pb >> data(up, backends[up].chunk(chunk))
+        if pause:
+            pb << SetTimer(timer=("window", 1), at=60.0)
+            pb << PauseReading(conn=up)
+        pb << (out := Sends(1, Reader(), delivered))
+        window = client.conn.data_to_send()
+        if window:
+            pb >> data(1, window)
+        pb >> sent(1, len(out.data))
 
     chunk = b"data: " + b"y" * 8000 + b"\n\n"
-    paused = False
-    for _ in range(40):
-        commands = pb.receive(up_stalled, backends[up_stalled].chunk(chunk))
-        paused = paused or PauseReading(conn=up_stalled) in commands
-        deliver(commands)
-        for c in commands:
-            if isinstance(c, SendData) and c.conn == 1:
-                pb.sent(1, len(c.data))
-        if paused:
-            break
-    assert paused
+    # The stalled stream's 64 KiB window takes this many whole chunks; the next one fills
+    # it, and the backend behind it is paused.
+    for _ in range(65535 // len(chunk)):
+        relay(-1)
+    relay(-1, pause=True)
     before = received[other]
     for _ in range(20):
-        commands = pb.receive(up_other, backends[up_other].chunk(chunk))
-        assert PauseReading(conn=up_other) not in commands
-        deliver(commands)
-        for c in commands:
-            if isinstance(c, SendData) and c.conn == 1:
-                pb.sent(1, len(c.data))
+        relay(-2)  # never paused
+    pb.done()
     assert received[other] - before == 20 * (len(chunk))
     by_stream = {s.stream: s for s in pb.core.statistics().streams}
     assert by_stream[stalled].upstream_paused
@@ -309,22 +457,20 @@ def test_h1_client_disconnect_closes_the_backend_connection() -> None:
 
 def test_backend_death_mid_stream_resets_the_h2_stream() -> None:
     pb = Playbook()
-    pb.accept(1)
     client = H2ClientPeer()
-    sid, data = client.request()
-    pb.receive(1, client.preface() + data)
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+    sid = _h2_asks(pb, client)
     backend = H1BackendPeer()
-    backend.events(pb.take(up))
-    pb.receive(up, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
-    events = client.events(pb.take(1, pb.closed(up)))
-    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [(r.stream_id, r.error_code) for r in resets] == [
-        (sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
-    ]
-    assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
+    _forwarded(pb, backend)
+    pb >> data(-1, backend.sse_head() + backend.chunk(SSE_EVENTS[0]))
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, client, h2_response(sid, 200))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, lambda events: h2_body(events, sid) == SSE_EVENTS[0])
+    pb >> closed(-1)
+    pb << Sends(1, client, both(h2_resets((sid, h2.errors.ErrorCodes.INTERNAL_ERROR)), _not_ended))
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_backend_death_mid_stream_closes_h1_without_last_chunk() -> None:
@@ -349,17 +495,16 @@ def test_backend_death_mid_stream_closes_h1_without_last_chunk() -> None:
 def test_timeouts_before_the_head_answer_504(timer: str, status: int) -> None:
     pb = Playbook(default_config(timeouts=Timeouts(connect=2, response_head=3)))
     client = H1ClientPeer()
-    pb.accept(1)
-    pb.receive(1, client.request())
-    (open_cmd,) = pb.opens()
+    _h1_asks(pb, client.request(), connect=2.0)
     if timer == "head":
-        pb.opened(open_cmd.conn)
-    armed = [c for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == timer]
-    assert armed and armed[-1].at == (2 if timer == "connect" else 3)
-    pb.now = armed[-1].at
-    commands = pb.wakeup(timer, armed[-1].timer[1])
-    response = client.events(pb.take(1, commands))[0]
-    assert response.status_code == status
+        _forwarded(pb, H1BackendPeer(), head=3.0)
+    pb.now = 2.0 if timer == "connect" else 3.0
+    pb >> wakeup(timer, 1)
+    pb << CloseConnection(conn=-1)
+    pb << SetTimer(timer=("send", 1), at=pb.now + 60.0)
+    pb << Sends(1, client, h1_response(status))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_read_timeout_is_lazy_and_moves_with_every_chunk() -> None:
@@ -388,18 +533,14 @@ def test_read_timeout_is_lazy_and_moves_with_every_chunk() -> None:
 
 
 def test_refused_backend_answers_502() -> None:
-    from muxproxy.core.events import OpenFailed
-
     pb = Playbook()
     client = H2ClientPeer()
-    pb.accept(1)
-    _, data = client.request()
-    pb.receive(1, client.preface() + data)
-    (open_cmd,) = pb.opens()
-    commands = pb.feed(OpenFailed(now=0, conn=open_cmd.conn, reason="refused"))
-    events = client.events(pb.take(1, commands))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(response.headers)[b":status"] == b"502"
+    sid = _h2_asks(pb, client)
+    pb >> open_failed(-1, "refused")
+    pb << CancelTimer(timer=("connect", 1))
+    pb << Sends(1, client, h2_response(sid, 502))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_malformed_h1_request_gets_400_and_close() -> None:
@@ -417,26 +558,20 @@ def test_malformed_h1_request_gets_400_and_close() -> None:
 
 
 def test_malformed_h2_request_resets_only_its_stream() -> None:
-    import h2.config
-    import h2.connection
-
     pb = Playbook()
     pb.accept(1)
-    config = h2.config.H2Configuration(
-        client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
-    )
-    conn = h2.connection.H2Connection(config=config)
-    conn.initiate_connection()
+    client = H2ClientPeer()
     base = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
-    conn.send_headers(1, [*base, (b"connection", b"keep-alive")], end_stream=True)
-    conn.send_headers(3, base, end_stream=True)
-    pb.receive(1, conn.data_to_send())
-    events = conn.receive_data(pb.take(1))
-    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
-    assert [(r.stream_id, r.error_code) for r in resets] == [
-        (1, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-    ]
-    assert len(pb.opens()) == 1  # stream 3 goes on to the backend
+    _, bad = client.request_as_is([*base, (b"connection", b"keep-alive")])
+    _, good = client.request_as_is(base)
+    pb >> data(1, client.preface() + bad + good)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, both(_settings, h2_resets()))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)  # stream 3 goes on to the backend
+    pb << Sends(1, client, h2_resets((1, h2.errors.ErrorCodes.PROTOCOL_ERROR)))
+    pb.done()
 
 
 @settings(max_examples=60, deadline=None)
@@ -475,18 +610,24 @@ def test_any_chunking_gives_the_same_relayed_stream(data: st.DataObject) -> None
 
 
 def test_open_connection_carries_the_origin() -> None:
+    def origin(command: OpenConnection) -> None:
+        assert command.conn == -1
+        assert attrs.asdict(command.origin) == {
+            "host": "127.0.0.1",
+            "port": 9001,
+            "tls": False,
+            "alpn": "http/1.1",
+            "ca": None,
+            "server_name": None,
+        }
+
     pb = Playbook()
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request())
-    assert pb.opens() == [OpenConnection(conn=-1, origin=pb.opens()[0].origin)]
-    assert attrs.asdict(pb.opens()[0].origin) == {
-        "host": "127.0.0.1",
-        "port": 9001,
-        "tls": False,
-        "alpn": "http/1.1",
-        "ca": None,
-        "server_name": None,
-    }
+    pb >> data(1, H1ClientPeer().request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << Where(OpenConnection, origin)
+    pb.done()
 
 
 def test_expect_100_continue_is_answered_by_the_proxy() -> None:
@@ -500,68 +641,78 @@ def test_expect_100_continue_is_answered_by_the_proxy() -> None:
             headers=[("Host", "a"), ("Content-Length", "2"), ("Expect", "100-continue")],
         )
     )
-    commands = pb.receive(1, head or b"")
-    (interim,) = client.events(pb.take(1, commands))
-    assert isinstance(interim, h11.InformationalResponse)
-    assert interim.status_code == 100
+
+    def interim(events: Sequence[Any]) -> None:
+        (response,) = events
+        assert isinstance(response, h11.InformationalResponse)
+        assert response.status_code == 100
+
+    pb >> data(1, head or b"")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, interim)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb << SetTimer(timer=("body", 1), at=30.0)
+    pb.done()
 
 
 def test_idle_pooled_connection_is_closed_after_the_pool_idle_timeout() -> None:
     pb = Playbook()
-    client = H1ClientPeer()
-    up, backend = _start_h1(pb, client.request())
-    backend.events(pb.take(up))
-    response = backend.conn.send(h11.Response(status_code=204, headers=[]))
-    pb.receive(up, (response or b"") + backend.end())
-    (armed,) = [c for c in pb.log if isinstance(c, SetTimer) and c.timer == ("pool", up)]
-    assert armed.at == pb.core.config.upstreams["default"].pool_idle_timeout
+    _served_204(pb, H1ClientPeer(), H1BackendPeer())
     assert pb.core.statistics().idle_upstream_connections == 1
-    pb.now = armed.at
-    assert CloseConnection(conn=up) in pb.wakeup("pool", up)
+    pb.now = pb.core.config.upstreams["default"].pool_idle_timeout
+    pb >> wakeup("pool", -1)
+    pb << CloseConnection(conn=-1)
+    pb.done()
     assert pb.core.statistics().idle_upstream_connections == 0
 
 
 def test_backend_closing_an_idle_pooled_connection_just_drops_it() -> None:
     pb = Playbook()
     client = H1ClientPeer()
-    up, backend = _start_h1(pb, client.request())
-    backend.events(pb.take(up))
-    response = backend.conn.send(h11.Response(status_code=204, headers=[]))
-    pb.receive(up, (response or b"") + backend.end())
-    assert pb.closed(up) == [CancelTimer(timer=("pool", up))]
-    client.events(pb.take(1))
+    _served_204(pb, client, H1BackendPeer())
+    pb >> closed(-1)
+    pb << CancelTimer(timer=("pool", -1))
     client.conn.start_next_cycle()
-    pb.receive(1, client.request())
-    assert len(pb.opens()) == 2  # the next request opens a fresh connection
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("idle", 1))
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << OpenConnection(conn=-2, origin=ORIGIN)  # the next request opens a fresh connection
+    pb.done()
 
 
 @pytest.mark.parametrize("malformed", [False, True])
 def test_request_reset_in_the_same_read_is_answered_by_nothing(malformed: bool) -> None:
     """h2 processes the RST_STREAM before the proxy answers the request it cancels: a
     response made at once (here 404: no route) must not reach a closed stream."""
-    import h2.config
-    import h2.connection
-
     pb = Playbook(default_config(routes=(attrs.evolve(default_config().routes[0], prefix="/v1/"),)))
     pb.accept(1)
-    config = h2.config.H2Configuration(
-        client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
-    )
-    conn = h2.connection.H2Connection(config=config)
-    conn.initiate_connection()
+    client = H2ClientPeer()
+    preface = client.preface()
     headers = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a")]
     headers.append((b":path", b"/elsewhere"))
     if malformed:
         headers.append((b"connection", b"close"))
-    conn.send_headers(1, headers, end_stream=True)
-    conn.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
-    pb.receive(1, conn.data_to_send())
-    conn.receive_data(pb.take(1))
+    sid, request = client.request_as_is(headers)
+    client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    pb >> data(1, preface + request + client.conn.data_to_send())
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _settings)
+    if not malformed:
+        pb << CancelTimer(timer=("header", 1))
+        pb << Sends(1, client, lambda events: not on_stream(events, sid))  # the ack alone
+        pb << SetTimer(timer=("idle", 1), at=75.0)
     # The connection is still usable: a next request is answered.
-    conn.send_headers(3, [*headers[:3], (b":path", b"/elsewhere")], end_stream=True)
-    events = conn.receive_data(pb.take(1, pb.receive(1, conn.data_to_send())))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(response.headers)[b":status"] == b"404"
+    sid, request = client.request_as_is([*headers[:3], (b":path", b"/elsewhere")])
+    pb >> data(1, request)
+    if malformed:
+        pb << CancelTimer(timer=("header", 1))
+    else:
+        pb << CancelTimer(timer=("idle", 1))
+    pb << Sends(1, client, h2_response(sid, 404))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
 
 
 def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
@@ -580,36 +731,46 @@ def test_largest_settings_the_loader_accepts_serve_http2_and_http1() -> None:
         },
     }
     pb = Playbook(parse_config(document))
-    pb.accept(1)
+
+    def advertised(events: Sequence[Any]) -> None:
+        settings = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
+        values = {code: change.new_value for code, change in settings[0].changed_settings.items()}
+        assert values[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == streams
+        assert values[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == head
+
     client = H2ClientPeer()
-    _, data = client.request()
-    pb.receive(1, client.preface() + data)
-    settings = [
-        e for e in client.events(pb.take(1)) if isinstance(e, h2.events.RemoteSettingsChanged)
-    ]
-    advertised = {code: change.new_value for code, change in settings[0].changed_settings.items()}
-    assert advertised[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == streams
-    assert advertised[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == head
-    (open_cmd,) = pb.opens()
-    pb.opened(open_cmd.conn)
+    pb.accept(1)
+    sid, request = client.request()
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, advertised)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb << Sends(1, client)  # the ack of the client's SETTINGS
     backend = H1BackendPeer()
-    backend.events(pb.take(open_cmd.conn))
-    reply = backend.sse_head() + backend.chunk(b"data: 1\n\n") + backend.end()
-    events = client.events(pb.take(1, pb.receive(open_cmd.conn, reply)))
-    assert [type(e) for e in events if not isinstance(e, h2.events.WindowUpdated)][-1:] == [
-        h2.events.StreamEnded
-    ]
+    _forwarded(pb, backend)
+    pb >> data(-1, backend.sse_head() + backend.chunk(b"data: 1\n\n") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, client, h2_response(sid, 200))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, both(h2_ended(sid), lambda e: h2_body(e, sid) == b"data: 1\n\n"))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
     backend.conn.start_next_cycle()
     h1_client = H1ClientPeer()
-    pb.accept(2)
-    mark = len(pb.log)
-    pb.receive(2, h1_client.request())
-    assert len(pb.opens()) == 1  # the kept-alive backend connection carries it
-    backend.events(pb.take(open_cmd.conn, pb.log[mark:]))
-    head = backend.conn.send(h11.Response(status_code=200, headers=[("Content-Length", "2")]))
-    pb.receive(open_cmd.conn, (head or b"") + backend.chunk(b"ok") + backend.end())
-    events = h1_client.events(pb.take(2))
-    assert events[0].status_code == 200 and type(events[-1]) is h11.EndOfMessage
+    pb >> accepted(2)
+    pb << SetTimer(timer=("header", 2), at=30.0)
+    pb >> data(2, h1_client.request())
+    pb << CancelTimer(timer=("header", 2))
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << CancelTimer(timer=("pool", -1))  # the kept-alive backend connection carries it
+    pb << CancelTimer(timer=("connect", 2))
+    pb << Sends(-1, backend, h1_request(b"GET"))
+    pb << SetTimer(timer=("head", 2), at=60.0)
+    _served_ok(pb, 2, h1_client, backend)
+    pb.done()
 
 
 def test_every_close_carries_the_send_timeout_as_its_flush_bound() -> None:
@@ -617,19 +778,24 @@ def test_every_close_carries_the_send_timeout_as_its_flush_bound() -> None:
     # the configuration: clients and backends alike get ``timeouts.send``.
     pb = Playbook(default_config(timeouts=Timeouts(send=7.5)))
     client = H1ClientPeer()
-    up, _ = _start_h1(pb, client.request("POST", "/v1/chat/completions", [], b"{}"))
-    pb.feed(InputEnded(now=pb.now, conn=1))  # the client goes away mid-exchange
-    closes = [c for c in pb.log if isinstance(c, CloseConnection)]
-    assert {c.conn for c in closes} == {1, up}
-    assert [c.flush_timeout for c in closes] == [7.5, 7.5]
+    _h1_asks(pb, client.request("POST", "/v1/chat/completions", [], b"{}"), body=True)
+    _forwarded(pb, H1BackendPeer())
+    pb >> InputEnded(now=pb.now, conn=1)  # the client goes away mid-exchange
+    pb << Where(CloseConnection, lambda c: c.conn == 1 and c.flush_timeout == 7.5)
+    pb << Where(CloseConnection, lambda c: c.conn == -1 and c.flush_timeout == 7.5)
+    pb << CancelTimer(timer=("head", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb.done()
     # The bound is no part of a close's identity (``CloseConnection.flush_timeout``).
-    assert CloseConnection(conn=1) in closes
+    assert CloseConnection(conn=1) in pb.log
 
 
 def test_config_changed_moves_the_flush_bound_of_later_closes() -> None:
     pb = Playbook()
-    pb.feed(ConfigChanged(now=pb.now, config=default_config(timeouts=Timeouts(send=0.25))))
+    pb >> ConfigChanged(now=pb.now, config=default_config(timeouts=Timeouts(send=0.25)))
     pb.accept(1)
-    commands = pb.receive(1, b"NOT HTTP\r\n\r\n")  # answered 400, then closed
-    (close,) = [c for c in commands if isinstance(c, CloseConnection)]
-    assert close.conn == 1 and close.flush_timeout == 0.25
+    pb >> data(1, b"NOT HTTP\r\n\r\n")  # answered 400, then closed
+    pb << SetTimer(timer=("send", 1), at=0.25)
+    pb << Sends(1, H1ClientPeer(), h1_response(400))
+    pb << Where(CloseConnection, lambda c: c.conn == 1 and c.flush_timeout == 0.25)
+    pb.done()

@@ -7,12 +7,16 @@ byte strings where WebSocket frames would travel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import attrs
 import h2.config
 import h2.connection
 import h2.events
 import h2.settings
 import h11
+from checks import h1_response
 from playbook import (
     BACKEND,
     H1BackendPeer,
@@ -25,6 +29,7 @@ from playbook import (
     data,
     default_config,
     h2_sse_stream,
+    opened,
     sent,
     subset,
     wakeup,
@@ -44,6 +49,8 @@ from muxproxy.core.commands import (
     CloseConnection,
     Command,
     Log,
+    OpenConnection,
+    Origin,
     PauseReading,
     ResumeReading,
     SendData,
@@ -54,6 +61,7 @@ from muxproxy.core.events import InputEnded
 from muxproxy.core.tunnel.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
+ORIGIN = Origin(host="127.0.0.1", port=9001)
 TUNNEL = ("tunnel", 1)
 HANDSHAKE = [
     ("Upgrade", "websocket"),
@@ -90,6 +98,39 @@ def _open_h1(pb: Playbook, extra: bytes = b"") -> tuple[int, H1BackendPeer, h11.
     return up, backend, request
 
 
+def _upgrades(pb: Playbook, extra: bytes = b"") -> tuple[H1BackendPeer, Sends]:
+    """Client connection 1 (accepted here) asks to upgrade to a WebSocket (``extra``: bytes
+    right after its request): the proxy connects to backend connection -1 and forwards the
+    handshake. Returns the backend peer and what it decoded."""
+    pb.accept(1)
+    pb >> data(1, _upgrade_request(extra=extra))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    backend = H1BackendPeer()
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, lambda e: isinstance(e[0], h11.Request)))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    return backend, request
+
+
+class _HandshakeClient:
+    """The client's side of the handshake: decodes the proxy's answer to ``GET /ws``."""
+
+    def __init__(self) -> None:
+        self.conn = h11.Connection(h11.CLIENT)
+        self.conn.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
+        self.conn.send(h11.EndOfMessage())
+
+    def events(self, payload: bytes) -> list[Any]:
+        self.conn.receive_data(payload)
+        out = []
+        while (event := self.conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+            out.append(event)
+        return out
+
+
 def _tunnel_timer(pb: Playbook) -> tuple[str, int]:
     (timer,) = {c.timer for c in pb.log if isinstance(c, SetTimer) and c.timer[0] == "tunnel"}
     return timer
@@ -102,8 +143,9 @@ def _closed_log(pb: Playbook) -> Log:
 
 def test_upgrade_goes_to_the_backend_with_only_the_websocket_upgrade_fields() -> None:
     pb = Playbook()
-    _, _, request = _open_h1(pb)
-    headers = request.headers
+    _, forwarded = _upgrades(pb)
+    pb.done()
+    headers = forwarded.events[0].headers
     assert (b"upgrade", b"websocket") in headers
     assert (b"connection", b"upgrade") in headers
     assert (b"sec-websocket-key", KEY) in headers
@@ -113,28 +155,31 @@ def test_upgrade_goes_to_the_backend_with_only_the_websocket_upgrade_fields() ->
 
 def test_101_switches_both_connections_to_raw_bytes() -> None:
     pb = Playbook()
-    up, backend, _ = _open_h1(pb, extra=b"early-frame")
-    before = len(pb.log)
-    # The backend's first frame arrives in the same read as its 101.
-    pb.receive(up, _switch(backend) + b"server-frame")
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
-    client.send(h11.EndOfMessage())
-    client.receive_data(pb.take(1, pb.log[before:]))
-    switched = client.next_event()
-    assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
-    fields = dict(switched.headers)
-    assert fields[b"upgrade"] == b"websocket"
-    assert fields[b"sec-websocket-accept"] == accept_for(KEY)
-    assert client.our_state is h11.SWITCHED_PROTOCOL
-    assert client.trailing_data[0] == b"server-frame"
-    # What the client sent right after its request is the tunnel's first bytes upstream.
-    assert pb.take(up, pb.log[before:]) == b"early-frame"
+    backend, _ = _upgrades(pb, extra=b"early-frame")
+    client = _HandshakeClient()
 
-    commands = pb.receive(1, b"\x81\x05hello")
-    assert pb.take(up, commands) == b"\x81\x05hello"
-    commands = pb.receive(up, b"\x81\x05world")
-    assert pb.take(1, commands) == b"\x81\x05world"
+    def switched(events: Sequence[Any]) -> None:
+        (response,) = events
+        assert isinstance(response, h11.InformationalResponse) and response.status_code == 101
+        fields = dict(response.headers)
+        assert fields[b"upgrade"] == b"websocket"
+        assert fields[b"sec-websocket-accept"] == accept_for(KEY)
+        assert client.conn.our_state is h11.SWITCHED_PROTOCOL
+
+    # The backend's first frame arrives in the same read as its 101.
+    pb >> data(-1, _switch(backend) + b"server-frame")
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, switched)
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    # What the client sent right after its request is the tunnel's first bytes upstream.
+    pb << SendData(conn=-1, data=b"early-frame")
+    pb << SendData(conn=1, data=b"server-frame")
+    pb >> data(1, b"\x81\x05hello")
+    pb << SendData(conn=-1, data=b"\x81\x05hello")
+    pb >> data(-1, b"\x81\x05world")
+    pb << SendData(conn=1, data=b"\x81\x05world")
+    pb.done()
 
 
 def test_backend_close_closes_the_client_after_flushing() -> None:
@@ -287,18 +332,21 @@ def test_idle_tunnel_is_closed_on_both_sides_by_a_lazy_timer() -> None:
 
 def test_refused_upgrade_is_an_ordinary_response() -> None:
     pb = Playbook()
-    up, backend, _ = _open_h1(pb)
+    backend, _ = _upgrades(pb)
+    client = _HandshakeClient()
     response = (
         backend.conn.send(h11.Response(status_code=403, headers=[("Content-Length", "2")])) or b""
     )
-    response += backend.chunk(b"no") + backend.end()
-    pb.receive(up, response)
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
-    client.send(h11.EndOfMessage())
-    client.receive_data(pb.take(1))
-    head = client.next_event()
-    assert isinstance(head, h11.Response) and head.status_code == 403
+    pb >> data(-1, response + backend.chunk(b"no") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(403))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, lambda e: isinstance(e[-1], h11.EndOfMessage))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
     assert not pb.core.tunnels
 
 
