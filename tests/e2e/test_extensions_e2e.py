@@ -10,12 +10,16 @@ before real fake-LLM backends, with httpx as the client.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from processes import proxy_process
 
 from muxproxy.config import load_config
 from muxproxy.testing.fakellm import MODEL
@@ -98,3 +102,34 @@ async def test_header_canary_sends_always_to_the_canary_group(
             response = await client.post(url, json=chat(), headers={"x-canary": "never"})
             assert response.status_code == 200
     assert (canary.requests, stable.requests) == (3, 1)
+
+
+async def test_api_keys_in_muxproxy_serve_with_two_workers(
+    tmp_path: Path, start_backend: Any
+) -> None:
+    """The example as an operator runs it: ``muxproxy serve --workers 2`` with the module on
+    ``PYTHONPATH``. Each worker builds its own instance from the configuration it is sent,
+    so every connection (whichever worker accepts it) is checked against the key file."""
+    fake, port = await start_backend(tokens=2, delay=0.0)
+    path = example(
+        "apikeys.toml",
+        tmp_path,
+        [port],
+        **{"examples/extensions/keys.txt": str(EXAMPLES / "keys.txt")},
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), *sys.path])}
+    known = {"authorization": "Bearer sk-team-a-0123456789"}
+    with trio.fail_after(3 * TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            async with proxy_process(
+                nursery, "--workers", "2", config=path, env=env, stop=signal.SIGTERM
+            ) as proxy:
+                url = proxy.url + "/v1/chat/completions"
+                for _ in range(4):  # fresh connections: the kernel spreads them over workers
+                    async with httpx.AsyncClient() as client:
+                        refused = await client.post(url, json=chat())
+                        served = await client.post(url, json=chat(), headers=known)
+                    assert refused.status_code == 401
+                    assert served.status_code == 200
+            nursery.cancel_scope.cancel()
+    assert fake.requests == 4
