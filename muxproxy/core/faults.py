@@ -49,7 +49,8 @@ from muxproxy.core.ports import Phase
 from muxproxy.core.streams.continuing import ContinuedStream
 from muxproxy.core.tables import CoreTables
 from muxproxy.core.timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
-from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
+from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel
+from muxproxy.core.tunnel.tunnel_states import TunnelState
 from muxproxy.core.tunnel.websocket import WebSocketExchange
 from muxproxy.core.upstream.h2pool import H2State, H2Stream, H2Upstream
 from muxproxy.core.upstream.pool import UpstreamConn, UpstreamState
