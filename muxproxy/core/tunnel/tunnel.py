@@ -52,7 +52,7 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading, ShutdownWri
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import TimerId
 from muxproxy.core.flow import Flow
-from muxproxy.core.ports import ClientSide, ClientStream
+from muxproxy.core.ports import ClientStream, TunnelClient
 from muxproxy.core.states import step
 from muxproxy.core.tunnel.tunnel_states import (
     BACKEND_FLOWS,
@@ -193,7 +193,7 @@ class Tunnel:
         fx: Effects,
         tunnels: dict[int, Tunnel],
         exchange: ClientStream,
-        client: ClientSide,
+        client: TunnelClient,
         *,
         backend: Backend,
         timer: TimerId,
@@ -205,7 +205,7 @@ class Tunnel:
         self.tunnels = tunnels
         self.exchange = exchange
         """The exchange that opened the tunnel: the client connection holds it while the
-        backend is stopped for the client (``ClientSide.hold``)."""
+        backend is stopped for the client (``ResponseSink.hold``)."""
         self.client = client
         self.stream = exchange.stream
         self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
