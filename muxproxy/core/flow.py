@@ -39,7 +39,8 @@ applies to the streams already running as it always did. The users:
   and the connection asks them to once its output is down to ``low_water``. The connection's
   marks are here too (``BufferLimits.connection_full``, ``congested``, ``connection_drained``),
   so that every stop and resume of the proxy is decided in this one module; ``output.py``
-  only asks.
+  only asks (asked only while a source is stopped; per write it reads ``connection_high``,
+  the one comparison of ``connection_full``, without a call).
 
 The hot path (one SSE chunk) calls ``filled`` once: one method call, no allocation.
 """
@@ -86,15 +87,15 @@ class BufferLimits:
         """A client connection's output holds ``held`` bytes: every source it feeds stops."""
         return held > self.connection_high
 
-    def congested(self, held: int, stopped: bool) -> bool:
-        """The output holds ``held`` bytes and some source is ``stopped`` for it: that one
-        stays stopped (the gap between the connection's stop and its resume)."""
-        return stopped and held > self.connection_congested
+    def congested(self, held: int) -> bool:
+        """The output holds ``held`` bytes, and some source is stopped for it: that one stays
+        stopped (the gap between the connection's stop and its resume)."""
+        return held > self.connection_congested
 
-    def connection_drained(self, held: int, stopped: bool) -> bool:
-        """The output went down to ``held`` bytes: the sources ``stopped`` for it resume
-        (each by its own flow), once it is at ``low_water``."""
-        return stopped and held <= self.low_water
+    def connection_drained(self, held: int) -> bool:
+        """The output went down to ``held`` bytes, and some sources are stopped for it: they
+        resume (each by its own flow), once it is at ``low_water``."""
+        return held <= self.low_water
 
 
 @attrs.define

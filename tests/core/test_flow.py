@@ -27,16 +27,13 @@ def test_connection_stops_above_its_bound_and_resumes_at_low_water_with_a_gap() 
     limits = BufferLimits.for_stream_buffer(256 * 1024, 16 * 1024, 1024 * 1024)
     assert not limits.connection_full(1024 * 1024)
     assert limits.connection_full(1024 * 1024 + 1)
-    # Stopped sources stay stopped above half the bound, and nothing is congested while no
-    # source is stopped.
-    assert limits.congested(512 * 1024 + 1, stopped=True)
-    assert not limits.congested(512 * 1024, stopped=True)
-    assert not limits.congested(1024 * 1024 + 1, stopped=False)
+    # Stopped sources stay stopped above half the bound.
+    assert limits.congested(512 * 1024 + 1)
+    assert not limits.congested(512 * 1024)
     # They are asked to resume only at the stream's low water, below the congestion mark.
     assert limits.low_water < 512 * 1024
-    assert not limits.connection_drained(limits.low_water + 1, stopped=True)
-    assert limits.connection_drained(limits.low_water, stopped=True)
-    assert not limits.connection_drained(0, stopped=False)
+    assert not limits.connection_drained(limits.low_water + 1)
+    assert limits.connection_drained(limits.low_water)
 
 
 def test_filled_stops_once_at_high_water() -> None:

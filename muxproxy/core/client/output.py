@@ -80,7 +80,8 @@ class Output:
                 fx.set_timer(self.timer, fx.now + fx.config.timeouts.send)
         self.pending += len(data)
         fx.send(self.conn, data)
-        if fx.limits.connection_full(self.pending):
+        # ``BufferLimits.connection_full``, without a call on the per-token path.
+        if self.pending > fx.limits.connection_high:
             self._stall_all()
 
     def _stall_all(self) -> None:
@@ -96,7 +97,7 @@ class Output:
         sockets in the order they became ready), and they may fill the connection again
         before the others get a read. In a fixed order the same streams of a busy connection
         would win every time and the last ones would starve."""
-        if self.fx.limits.connection_drained(self.pending, bool(self.stalled)):
+        if self.stalled and self.fx.limits.connection_drained(self.pending):
             windowed = self.windowed
             for exchange in sorted(self.stalled, key=_bytes_out):
                 if exchange.stream not in windowed:
@@ -106,7 +107,7 @@ class Output:
     def congested(self) -> bool:
         """Above half of ``limits.connection_buffer`` while some backend is stalled: stalled
         backends stay paused and queued HTTP/2 data stays queued."""
-        return self.fx.limits.congested(self.pending, bool(self.stalled))
+        return bool(self.stalled) and self.fx.limits.congested(self.pending)
 
     def timed_out(self) -> bool:
         """The ``send`` timer fired: True if the client took no byte for ``timeouts.send``
