@@ -89,6 +89,8 @@ STREAM: Transitions[StreamState, StreamInput] = {
     (StreamState.DONE, StreamInput.FINISH): IGNORED,  # an exchange's close after the reset
 }
 
+_OPEN = StreamState.OPEN  # bound once: read off its class, a member costs a metaclass lookup
+
 
 class H2Stream:
     """One exchange's stream on a shared backend connection (``pool.UpstreamStream``)."""
@@ -150,12 +152,12 @@ class H2Stream:
             up.retire()
 
     def send_body(self, data: bytes) -> None:
-        if self.state is StreamState.OPEN:
+        if self.state is _OPEN:
             self.upstream.client.send_body(self.sid, data)
             self.upstream.flush()
 
     def send_end(self, trailers: Headers) -> None:
-        if self.state is StreamState.OPEN:
+        if self.state is _OPEN:
             fields = [(name.lower(), value) for name, value in trailers]
             self.upstream.client.send_end(self.sid, fields)
             self.upstream.flush()
@@ -185,7 +187,7 @@ class H2Stream:
 
     def close(self) -> None:
         """The exchange gives up on the stream: RST_STREAM(CANCEL) if it is still open."""
-        if self.state is StreamState.OPEN:
+        if self.state is _OPEN:
             self.upstream.client.cancel(self.sid)
             self.upstream.flush()
         self._finish()
