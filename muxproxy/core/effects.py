@@ -54,7 +54,9 @@ class Effects:
         self.config = config
         self.read_size = read_size
         """How many bytes the driver may read from a socket at once."""
-        self.limits = BufferLimits.for_stream_buffer(config.limits.stream_buffer, read_size)
+        self.limits = BufferLimits.for_stream_buffer(
+            config.limits.stream_buffer, read_size, config.limits.connection_buffer
+        )
         self.apply(config)
         self.date = HttpDate()
         """The ``Date`` of responses, from the wall time the driver gives (``dates.py``)."""
@@ -76,7 +78,9 @@ class Effects:
         self.config = config
         stream_buffer = config.limits.stream_buffer
         self.read_size = min(self._max_read_size, stream_buffer // 2)
-        self.limits = BufferLimits.for_stream_buffer(stream_buffer, self.read_size)
+        self.limits = BufferLimits.for_stream_buffer(
+            stream_buffer, self.read_size, config.limits.connection_buffer
+        )
 
     def emit(self, command: Command) -> None:
         self.out.append(command)

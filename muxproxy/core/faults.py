@@ -49,9 +49,10 @@ from muxproxy.core.faultplan import FaultPoint
 from muxproxy.core.ports import Phase
 from muxproxy.core.tables import CoreTables
 from muxproxy.core.timers import BackendTimer, ClientTimer, ExchangeTimer, ProbeTimer
-from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel, TunnelState
+from muxproxy.core.tunnel.tunnel import RawBackend, StreamBackend, Tunnel
+from muxproxy.core.tunnel.tunnel_states import TunnelState
 from muxproxy.core.tunnel.websocket import WebSocketExchange
-from muxproxy.core.upstream.h2pool import H2State, H2Stream, H2Upstream
+from muxproxy.core.upstream.h2pool import H2State, H2Stream, H2Upstream, StreamState
 from muxproxy.core.upstream.pool import UpstreamConn, UpstreamState
 from muxproxy.core.upstream.probes import Probe, ProbeState
 
@@ -255,7 +256,7 @@ class Isolation:
             for h2stream in backend.streams.values():
                 users.append(h2stream.exchange)
                 h2stream.exchange = None
-                h2stream.done = True
+                h2stream.state = StreamState.DONE
             backend.streams.clear()
             core.pool.h2.discard(backend, UPSTREAM_REASON)
         tunnel = core.tunnels.get(conn)

@@ -35,7 +35,12 @@ applies to the streams already running as it always did. The users:
   exchange (or by the client connection);
 - ``Downstream``: above ``limits.connection_buffer`` it stops every response source it feeds
   (``Flow.stop`` of each exchange's ``response_flow``), and it lets none resume while its
-  output is above half of that (``Downstream.congested``); each one resumes by its own flow.
+  output is above half of that (``Downstream.congested``); each one resumes by its own flow,
+  and the connection asks them to once its output is down to ``low_water``. The connection's
+  marks are here too (``BufferLimits.connection_full``, ``congested``, ``connection_drained``),
+  so that every stop and resume of the proxy is decided in this one module; ``output.py``
+  only asks (asked only while a source is stopped; per write it reads ``connection_high``,
+  the one comparison of ``connection_full``, without a call).
 
 The hot path (one SSE chunk) calls ``filled`` once: one method call, no allocation.
 """
@@ -56,13 +61,41 @@ class BufferLimits:
 
     high_water: int
     low_water: int
+    connection_high: int = 2**62
+    """A client connection's output above this (``limits.connection_buffer``) stops every
+    source it feeds."""
+    connection_congested: int = 2**62
+    """Above this (half of ``connection_buffer``) a stopped source of the connection stays
+    stopped, and its queued HTTP/2 data queued."""
 
     @classmethod
-    def for_stream_buffer(cls, stream_buffer: int, read_size: int) -> BufferLimits:
+    def for_stream_buffer(
+        cls, stream_buffer: int, read_size: int, connection_buffer: int = 2**62
+    ) -> BufferLimits:
         high = stream_buffer - read_size
         # Half: a resumed source has half the buffer to fill before it is stopped again, and
         # the sink half of it to send meanwhile.
-        return cls(high_water=high, low_water=high // 2)
+        return cls(
+            high_water=high,
+            low_water=high // 2,
+            connection_high=connection_buffer,
+            # Half, for the same reason as ``low_water``, with the stream's own resume below.
+            connection_congested=connection_buffer // 2,
+        )
+
+    def connection_full(self, held: int) -> bool:
+        """A client connection's output holds ``held`` bytes: every source it feeds stops."""
+        return held > self.connection_high
+
+    def congested(self, held: int) -> bool:
+        """The output holds ``held`` bytes, and some source is stopped for it: that one stays
+        stopped (the gap between the connection's stop and its resume)."""
+        return held > self.connection_congested
+
+    def connection_drained(self, held: int) -> bool:
+        """The output went down to ``held`` bytes, and some sources are stopped for it: they
+        resume (each by its own flow), once it is at ``low_water``."""
+        return held <= self.low_water
 
 
 @attrs.define

@@ -110,17 +110,23 @@ class ClientStream(Protocol):
         drains, ``ClientSide.hold``)."""
 
 
-class ClientSide(Protocol):
-    """A client connection as the exchanges (and tunnels) it carries see it."""
+class RequestSource(Protocol):
+    """A client connection as the source of a request body or a tunnel's upstream bytes: what
+    flow control (``flow.py``) stops, resumes and gives credit back to (``upload.py``,
+    ``tunnel.py``)."""
 
-    conn: int
-    peer_ip: str
-    scheme: bytes
-    trusted: bool
-    """The peer is a proxy the listener trusts (``forwarded.py``)."""
+    def acknowledge(self, stream: int, nbytes: int) -> None:
+        """HTTP/2: the request body bytes of ``stream`` moved on: open the client's window."""
 
-    @property
-    def is_h2(self) -> bool: ...
+    def pause_source(self) -> None:
+        """Stop reading the client (HTTP/1.1; an HTTP/2 client is held by its window)."""
+
+    def resume_source(self) -> None: ...
+
+
+class ResponseSink(Protocol):
+    """A client connection as the sink of a stream's response bytes: what they are written to
+    and what holds a backend stopped while the connection is behind."""
 
     @property
     def congested(self) -> bool:
@@ -130,12 +136,46 @@ class ClientSide(Protocol):
     def buffered(self, stream: int) -> int:
         """Bytes of ``stream``'s response held here and not yet written to the socket."""
 
-    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None: ...
     def send_body(self, stream: int, data: bytes) -> None: ...
     def send_end(self, stream: int, trailers: Headers) -> None: ...
+    def abort(self, stream: int) -> None:
+        """End ``stream``'s response visibly unfinished (RST_STREAM; an HTTP/1.1 close)."""
+
+    def hold(self, stream: ClientStream) -> None:
+        """``stream``'s backend is stopped because this connection is behind; call its
+        ``client_drained`` once the output drains."""
+
+    def release(self, stream: ClientStream) -> None: ...
+    def holds(self, stream: ClientStream) -> bool: ...
+
+
+class TunnelClient(RequestSource, ResponseSink, Protocol):
+    """A client connection as a byte tunnel's client side (``tunnel.py``)."""
+
+    conn: int
+    scheme: bytes
+
+    @property
+    def is_h2(self) -> bool: ...
+
     def send_raw(self, data: bytes) -> None:
         """Bytes for the socket as they are (an HTTP/1.1 tunnel's)."""
 
+    def request_close(self) -> None:
+        """Close the connection once its output is written, after the current event."""
+
+    def keep_receiving(self, stream: int) -> None: ...
+
+
+class ClientSide(TunnelClient, Protocol):
+    """A client connection as the exchanges it carries see it: all of the narrower views
+    above (a tunnel, the request body's flow, the response's sink) and the exchange's own."""
+
+    peer_ip: str
+    trusted: bool
+    """The peer is a proxy the listener trusts (``forwarded.py``)."""
+
+    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None: ...
     def switch_protocols(self, headers: Headers) -> bytes:
         """HTTP/1.1: send the 101 with ``headers`` (RFC 9110 §15.2.2) and hand back the bytes
         the client sent after its request, which belong to the new protocol."""
@@ -151,26 +191,6 @@ class ClientSide(Protocol):
         request_id: bytes | None = None,
         extra: Fields = (),
     ) -> int: ...
-    def abort(self, stream: int) -> None:
-        """End ``stream``'s response visibly unfinished (RST_STREAM; an HTTP/1.1 close)."""
-
-    def request_close(self) -> None:
-        """Close the connection once its output is written, after the current event."""
-
-    def keep_receiving(self, stream: int) -> None: ...
-    def acknowledge(self, stream: int, nbytes: int) -> None:
-        """HTTP/2: the request body bytes of ``stream`` moved on: open the client's window."""
-
-    def pause_source(self) -> None:
-        """Stop reading the client (HTTP/1.1; an HTTP/2 client is held by its window)."""
-
-    def resume_source(self) -> None: ...
-    def hold(self, stream: ClientStream) -> None:
-        """``stream``'s backend is stopped because this connection is behind; call its
-        ``client_drained`` once the output drains."""
-
-    def release(self, stream: ClientStream) -> None: ...
-    def holds(self, stream: ClientStream) -> bool: ...
     def refuse_slow_body(
         self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
     ) -> int | None:

@@ -23,6 +23,19 @@ def test_limits_leave_one_read_above_high_water() -> None:
     assert 0 < limits.low_water < limits.high_water
 
 
+def test_connection_stops_above_its_bound_and_resumes_at_low_water_with_a_gap() -> None:
+    limits = BufferLimits.for_stream_buffer(256 * 1024, 16 * 1024, 1024 * 1024)
+    assert not limits.connection_full(1024 * 1024)
+    assert limits.connection_full(1024 * 1024 + 1)
+    # Stopped sources stay stopped above half the bound.
+    assert limits.congested(512 * 1024 + 1)
+    assert not limits.congested(512 * 1024)
+    # They are asked to resume only at the stream's low water, below the congestion mark.
+    assert limits.low_water < 512 * 1024
+    assert not limits.connection_drained(limits.low_water + 1)
+    assert limits.connection_drained(limits.low_water)
+
+
 def test_filled_stops_once_at_high_water() -> None:
     flow = Flow()
     assert not flow.filled(999, LIMITS)

@@ -21,7 +21,7 @@ import hyperframe.frame
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from machines import Moves, spy
+from machines import take
 from playbook import (
     BACKEND,
     H1BackendPeer,
@@ -104,36 +104,6 @@ def test_step_moves_ignores_and_refuses() -> None:
 
 
 # -- driving the machines ------------------------------------------------------------------
-
-
-def take(
-    table: Transitions[S, In],
-    machine: Any,
-    state: S,
-    input: In,
-    deliver: Callable[[], object],
-    *,
-    unreachable: bool = False,
-) -> Moves:
-    """Give ``machine`` (in ``state``) ``input`` and check it does what ``table`` says."""
-    assert machine.state is state
-    moves = spy(machine)
-    act: Callable[[], object] = (lambda: machine.move(input)) if unreachable else deliver
-    target = table[(state, input)]
-    if target is ILLEGAL:
-        with pytest.raises(IllegalTransition) as refused:
-            act()
-        assert (refused.value.state, refused.value.input) == (state, input)
-        assert machine.state is state
-        return moves
-    act()
-    assert moves, f"{input.name} moved nothing"
-    assert moves[0] == (state, input, state if target is IGNORED else target)
-    for before, later, after in moves[1:]:
-        then = table[(before, later)]
-        assert then is not ILLEGAL
-        assert after is (before if then is IGNORED else then), (before, later, after)
-    return moves
 
 
 # -- h2.H2Server ---------------------------------------------------------------------------

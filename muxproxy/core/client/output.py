@@ -1,6 +1,7 @@
 """The output of one client connection: bytes handed to the driver and not yet written.
 
-What it obeys (``flow.py`` has the rules of every bound; this is the connection's):
+What it obeys (``flow.py`` has the rules of every bound, the connection's marks included;
+this module asks it and keeps the connection's bytes):
 
 - ``pending`` counts the bytes of ``SendData`` commands not yet reported by ``DataSent``.
   With an HTTP/2 stream's send queue it is what an exchange measures for backpressure
@@ -79,7 +80,8 @@ class Output:
                 fx.set_timer(self.timer, fx.now + fx.config.timeouts.send)
         self.pending += len(data)
         fx.send(self.conn, data)
-        if self.pending > fx.config.limits.connection_buffer:
+        # ``BufferLimits.connection_full``, without a call on the per-token path.
+        if self.pending > fx.limits.connection_high:
             self._stall_all()
 
     def _stall_all(self) -> None:
@@ -95,7 +97,7 @@ class Output:
         sockets in the order they became ready), and they may fill the connection again
         before the others get a read. In a fixed order the same streams of a busy connection
         would win every time and the last ones would starve."""
-        if self.stalled and self.pending <= self.fx.limits.low_water:
+        if self.stalled and self.fx.limits.connection_drained(self.pending):
             windowed = self.windowed
             for exchange in sorted(self.stalled, key=_bytes_out):
                 if exchange.stream not in windowed:
@@ -105,7 +107,7 @@ class Output:
     def congested(self) -> bool:
         """Above half of ``limits.connection_buffer`` while some backend is stalled: stalled
         backends stay paused and queued HTTP/2 data stays queued."""
-        return bool(self.stalled) and self.pending > self.fx.config.limits.connection_buffer // 2
+        return bool(self.stalled) and self.fx.limits.congested(self.pending)
 
     def timed_out(self) -> bool:
         """The ``send`` timer fired: True if the client took no byte for ``timeouts.send``

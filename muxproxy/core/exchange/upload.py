@@ -27,7 +27,7 @@ from muxproxy.core.flow import Flow
 from muxproxy.core.http.bodyclock import BodyClock, SlowBody
 from muxproxy.core.http.headers import trailer_fields
 from muxproxy.core.messages import Headers
-from muxproxy.core.ports import ClientSide, RequestPhase, UpstreamStream
+from muxproxy.core.ports import RequestPhase, RequestSource, UpstreamStream
 from muxproxy.core.timers import ExchangeTimer
 
 
@@ -35,7 +35,7 @@ class Upload:
     """The request body of one exchange (client stream ``stream``)."""
 
     def __init__(
-        self, fx: Effects, client: ClientSide, stream: int, deadlines: Deadlines, complete: bool
+        self, fx: Effects, client: RequestSource, stream: int, deadlines: Deadlines, complete: bool
     ) -> None:
         self.fx = fx
         self.client = client

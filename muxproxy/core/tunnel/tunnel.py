@@ -32,7 +32,8 @@ Invariants, the same as for an exchange (design §4):
   (HTTP/1.1 client and backend: PauseReading; HTTP/2 client or backend stream: its
   WINDOW_UPDATEs are withheld); at ``low_water`` it resumes: a ``Flow`` per direction
   (``flow.py``), ``client_flow`` and ``backend_flow``.
-- ``state`` says which directions still flow. Once both ended, both sides are closed; a
+- ``state`` says which directions still flow, moved by ``TRANSITIONS``
+  (``tunnel_states.py``) alone. Once both ended, both sides are closed; a
   failure or reset of either side (or a client that goes away) closes both at once, the
   other side after what is pending for it is written (``CloseConnection`` flushes; on
   HTTP/2 END_STREAM queues behind the data).
@@ -51,19 +52,18 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading, ShutdownWri
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import TimerId
 from muxproxy.core.flow import Flow
-from muxproxy.core.ports import ClientSide, ClientStream
+from muxproxy.core.ports import ClientStream, TunnelClient
+from muxproxy.core.states import step
+from muxproxy.core.tunnel.tunnel_states import (
+    BACKEND_FLOWS,
+    CLIENT_FLOWS,
+    TRANSITIONS,
+    TunnelInput,
+    TunnelState,
+)
 
 if TYPE_CHECKING:
     from muxproxy.core.upstream.h2pool import H2Stream
-
-
-class TunnelState(enum.Enum):
-    OPEN = "open"
-    CLIENT_ENDED = "client_ended"
-    """The client ended its side (relayed to the backend); backend to client still flows."""
-    BACKEND_ENDED = "backend_ended"
-    """The backend ended its side (relayed to the client); client to backend still flows."""
-    CLOSED = "closed"
 
 
 class ClientEnd(enum.Enum):
@@ -193,7 +193,7 @@ class Tunnel:
         fx: Effects,
         tunnels: dict[int, Tunnel],
         exchange: ClientStream,
-        client: ClientSide,
+        client: TunnelClient,
         *,
         backend: Backend,
         timer: TimerId,
@@ -205,7 +205,7 @@ class Tunnel:
         self.tunnels = tunnels
         self.exchange = exchange
         """The exchange that opened the tunnel: the client connection holds it while the
-        backend is stopped for the client (``ClientSide.hold``)."""
+        backend is stopped for the client (``ResponseSink.hold``)."""
         self.client = client
         self.stream = exchange.stream
         self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
@@ -216,6 +216,7 @@ class Tunnel:
         self.timer = timer
         self.ended = ended
         self.state = TunnelState.OPEN
+        """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.client_flow = Flow()
         """The client as the source; its credit: HTTP/2 flow-controlled bytes of the
         client's DATA not yet given back."""
@@ -228,6 +229,13 @@ class Tunnel:
         if self.kind is ClientKind.RAW:
             tunnels[self.client.conn] = self
         fx.set_timer(timer, fx.now + fx.config.timeouts.tunnel_idle)
+
+    def move(self, input: TunnelInput) -> TunnelState | None:
+        """Take ``input`` as ``TRANSITIONS`` says: the state after it, None where ignored."""
+        target = step(TRANSITIONS, "Tunnel", self.state, input)
+        if target is not None:
+            self.state = target
+        return target
 
     # -- client to backend -----------------------------------------------------------------
 
@@ -247,8 +255,8 @@ class Tunnel:
 
     def from_client(self, data: bytes, flow_len: int) -> None:
         """Bytes from the client: raw HTTP/1.1 bytes, or one DATA payload (``flow_len``)."""
-        state = self.state
-        if state is TunnelState.CLOSED or state is TunnelState.CLIENT_ENDED:
+        if self.state not in CLIENT_FLOWS:
+            self.move(TunnelInput.CLIENT_BYTES)  # refused, or ignored: the credit goes back
             if flow_len:
                 self.client.acknowledge(self.stream, flow_len)
             return
@@ -269,12 +277,10 @@ class Tunnel:
     def backend_drained(self) -> None:
         """The backend side wrote some of its pending bytes."""
         flow = self.client_flow
-        if flow.stopped or flow.withheld:
+        if (flow.stopped or flow.withheld) and self.move(TunnelInput.BACKEND_DRAINED) is not None:
             self._check_client_flow()
 
     def _check_client_flow(self) -> None:
-        if self.state is TunnelState.CLOSED:
-            return
         flow = self.client_flow
         limits = self.fx.limits
         pending = self.backend.pending
@@ -291,8 +297,10 @@ class Tunnel:
     # -- backend to client -----------------------------------------------------------------
 
     def from_backend(self, data: bytes) -> None:
-        state = self.state
-        if state is TunnelState.CLOSED or state is TunnelState.BACKEND_ENDED or not data:
+        if not data:
+            return
+        if self.state not in BACKEND_FLOWS:
+            self.move(TunnelInput.BACKEND_BYTES)  # refused, or ignored
             return
         self.last_activity = self.fx.now
         self.bytes_down += len(data)
@@ -313,7 +321,7 @@ class Tunnel:
         flow = self.backend_flow
         if (
             flow.stopped
-            and self.state is not TunnelState.CLOSED
+            and self.move(TunnelInput.CLIENT_DRAINED) is not None
             and flow.drained(self.client.buffered(self.stream), self.fx.limits)
         ):
             self.backend.resume()
@@ -324,30 +332,29 @@ class Tunnel:
     def client_end(self) -> None:
         """The client ended its side: its FIN, or END_STREAM (RFC 8441 §5). Relayed to the
         backend once what the client sent before it is written; the backend goes on."""
-        state = self.state
-        if state is TunnelState.OPEN and not self.backend.half_close:
-            self._end("client ended", client=ClientEnd.END, backend=BackendEnd.END)
-        elif state is TunnelState.OPEN:
-            self.state = TunnelState.CLIENT_ENDED
+        target = self.move(TunnelInput.CLIENT_END)
+        if target is TunnelState.CLIENT_ENDED and self.backend.half_close:
             self.backend.end()
-        elif state is TunnelState.BACKEND_ENDED:
-            self._end("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
+        elif target is TunnelState.CLIENT_ENDED:
+            # A TLS backend cannot be told of a half-close: its connection closes.
+            self._end("client ended", client=ClientEnd.END, backend=BackendEnd.END)
+        elif target is TunnelState.CLOSED:
+            self._closed("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
 
     def backend_end(self) -> None:
         """The backend ended its side: its FIN, or END_STREAM on an HTTP/2 backend stream.
         Relayed to the client after what is pending for it; the client goes on."""
-        state = self.state
-        if state is TunnelState.OPEN and not self.client_half_close:
+        target = self.move(TunnelInput.BACKEND_END)
+        if target is TunnelState.BACKEND_ENDED and not self.client_half_close:
+            # A TLS client cannot be told of a half-close: its connection closes.
             self._end("backend ended", client=ClientEnd.END, backend=BackendEnd.END)
-        elif state is TunnelState.OPEN:
-            self.state = TunnelState.BACKEND_ENDED
-            if self.kind is ClientKind.RAW:
-                self.fx.emit(ShutdownWrite(conn=self.client.conn))
-            else:
-                self.client.keep_receiving(self.stream)
-                self.client.send_end(self.stream, [])
-        elif state is TunnelState.CLIENT_ENDED:
-            self._end("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
+        elif target is TunnelState.BACKEND_ENDED and self.kind is ClientKind.RAW:
+            self.fx.emit(ShutdownWrite(conn=self.client.conn))
+        elif target is TunnelState.BACKEND_ENDED:
+            self.client.keep_receiving(self.stream)
+            self.client.send_end(self.stream, [])
+        elif target is TunnelState.CLOSED:
+            self._closed("both sides ended", client=ClientEnd.END, backend=BackendEnd.END)
 
     def client_gone(self, reason: str) -> None:
         """The client connection closed, or (HTTP/2) reset the stream."""
@@ -362,7 +369,7 @@ class Tunnel:
             self._end(reason, client=ClientEnd.ABORT, backend=BackendEnd.KEEP)
 
     def timer_fired(self) -> None:
-        if self.state is TunnelState.CLOSED:
+        if self.move(TunnelInput.IDLE_TIMER) is None:
             return
         fx = self.fx
         due = self.last_activity + fx.config.timeouts.tunnel_idle
@@ -374,10 +381,12 @@ class Tunnel:
     def _end(
         self, outcome: str, *, client: ClientEnd, backend: BackendEnd = BackendEnd.ABORT
     ) -> None:
-        if self.state is TunnelState.CLOSED:
-            return
         # CLOSED first: whatever the ends below lead to finds the tunnel over.
-        self.state = TunnelState.CLOSED
+        if self.move(TunnelInput.CLOSE) is not None:
+            self._closed(outcome, client=client, backend=backend)
+
+    def _closed(self, outcome: str, *, client: ClientEnd, backend: BackendEnd) -> None:
+        """The tunnel is CLOSED now: end both sides as ``client`` and ``backend`` say."""
         fx = self.fx
         fx.cancel_timer(self.timer)
         if isinstance(self.backend, RawBackend):

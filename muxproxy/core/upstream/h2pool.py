@@ -29,10 +29,15 @@ they arrive (once each, seen by what ``H2Client`` knew before and after a read);
 before the connect opened and no stream is opened before READY, so those pairs are refused.
 The timer is the start timer until READY and the keep-alive after; what it ends, it ends by
 ``close`` (``CLOSE``).
+
+A stream's own life (``StreamState``: no id yet, open, done) is the small table ``STREAM``:
+its id comes with its head, once; it is done once (its slot freed, or its connection gone), and
+a second end is one already on its way.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
@@ -44,7 +49,7 @@ from muxproxy.core.http.headers import upstream_h2_headers
 from muxproxy.core.http2.h2client import H2Client
 from muxproxy.core.messages import Abort, Body, End, Headers, ResponseHead
 from muxproxy.core.ports import BackendConnection, UpstreamUser
-from muxproxy.core.states import step
+from muxproxy.core.states import IGNORED, ILLEGAL, Transitions, step
 from muxproxy.core.timers import BackendTimer
 from muxproxy.core.upstream.h2upstream_states import TRANSITIONS as TRANSITIONS
 from muxproxy.core.upstream.h2upstream_states import H2Input as H2Input
@@ -60,6 +65,33 @@ MAX_WAITING = 1024
 PING_INTERVAL = 20.0
 
 
+class StreamState(enum.Enum):
+    UNSTARTED = "unstarted"
+    """Granted a slot; its head (and so its id) not sent yet."""
+    OPEN = "open"
+    DONE = "done"
+    """Ended (its slot freed), or its connection went away."""
+
+
+class StreamInput(enum.Enum):
+    START = "start"
+    """Its head goes out and it gets its id (``send_head``)."""
+    FINISH = "finish"
+    """It ends: released, cancelled, reset by the backend, or its connection closed."""
+
+
+STREAM: Transitions[StreamState, StreamInput] = {
+    (StreamState.UNSTARTED, StreamInput.START): StreamState.OPEN,
+    (StreamState.UNSTARTED, StreamInput.FINISH): StreamState.DONE,
+    (StreamState.OPEN, StreamInput.START): ILLEGAL,  # one head per stream
+    (StreamState.OPEN, StreamInput.FINISH): StreamState.DONE,
+    (StreamState.DONE, StreamInput.START): ILLEGAL,  # its exchange let go of it
+    (StreamState.DONE, StreamInput.FINISH): IGNORED,  # an exchange's close after the reset
+}
+
+_OPEN = StreamState.OPEN  # bound once: read off its class, a member costs a metaclass lookup
+
+
 class H2Stream:
     """One exchange's stream on a shared backend connection (``pool.UpstreamStream``)."""
 
@@ -72,9 +104,19 @@ class H2Stream:
         self.flow = Flow()
         """Stopped by the exchange (``pause`` / ``resume``, its ``response_flow`` decides);
         its credit: response flow-controlled bytes withheld from the backend meanwhile."""
-        self.done = False
+        self.state = StreamState.UNSTARTED
+        """Changed by ``move`` alone, as ``STREAM`` says."""
         self.refused = False
-        """The backend's GOAWAY said it will not process this stream (RFC 9113 §6.8)."""
+        """The backend's GOAWAY said it will not process this stream (RFC 9113 §6.8): how it
+        ended, kept after it is DONE for the retry's question (``written``)."""
+
+    def move(self, input: StreamInput) -> bool:
+        """Take ``input`` as ``STREAM`` says: False where it is ignored."""
+        target = step(STREAM, "H2Stream", self.state, input)
+        if target is None:
+            return False
+        self.state = target
+        return True
 
     @property
     def pending(self) -> int:
@@ -97,6 +139,7 @@ class H2Stream:
         protocol: bytes | None = None,
     ) -> None:
         """Open the stream; ``protocol``: an RFC 8441 extended CONNECT (``:protocol``)."""
+        self.move(StreamInput.START)
         up = self.upstream
         scheme = b"https" if up.origin.tls else b"http"
         fields = upstream_h2_headers(method, scheme, target, headers)
@@ -109,12 +152,12 @@ class H2Stream:
             up.retire()
 
     def send_body(self, data: bytes) -> None:
-        if self.sid and not self.done:
+        if self.state is _OPEN:
             self.upstream.client.send_body(self.sid, data)
             self.upstream.flush()
 
     def send_end(self, trailers: Headers) -> None:
-        if self.sid and not self.done:
+        if self.state is _OPEN:
             fields = [(name.lower(), value) for name, value in trailers]
             self.upstream.client.send_end(self.sid, fields)
             self.upstream.flush()
@@ -144,7 +187,7 @@ class H2Stream:
 
     def close(self) -> None:
         """The exchange gives up on the stream: RST_STREAM(CANCEL) if it is still open."""
-        if not self.done and self.sid:
+        if self.state is _OPEN:
             self.upstream.client.cancel(self.sid)
             self.upstream.flush()
         self._finish()
@@ -157,8 +200,7 @@ class H2Stream:
 
     def _finish(self) -> None:
         self.exchange = None
-        if not self.done:
-            self.done = True
+        if self.move(StreamInput.FINISH):
             self.upstream.stream_finished(self)
 
 
@@ -254,9 +296,8 @@ class H2Upstream:
                 # The adapter already forgot the stream, so the exchange's close sends no RST.
                 stream.refused = client.refused(message.stream)
                 exchange.upstream_failed(message.reason, stale=stream.refused)
-                if not stream.done:
+                if stream.move(StreamInput.FINISH):
                     stream.exchange = None
-                    stream.done = True
                     self.stream_finished(stream)
         if client.window_changed:
             for sid in client.flush_blocked():
@@ -285,7 +326,7 @@ class H2Upstream:
         for stream in list(self.streams.values()):
             exchange = stream.exchange
             stream.exchange = None
-            stream.done = True
+            stream.move(StreamInput.FINISH)
             if exchange is not None:
                 exchange.upstream_failed(reason)
         self.streams.clear()

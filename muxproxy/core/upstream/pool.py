@@ -20,6 +20,13 @@ opens, or from the idle pool), the idle timer runs only while it is idle, and th
 reports ``OpenFailed`` only for a connect under way; anything else is a bug and refused. What
 the driver reports again or late (a second ``ConnectionOpened``, a close of what is closed) is
 ignored.
+
+What the current request has come to on its connection (``Progress``) is a second, smaller
+table, ``PROGRESS``: nothing of it written yet, written, answered. With the number of requests
+the connection carried it tells a stale connection (RFC 9112 §9.3.1: a kept connection that
+fails before any byte of the answer) and whether the request may have reached the backend.
+Once it is answered, or written, further bytes change nothing and take no lookup (the
+per-chunk path).
 """
 
 from __future__ import annotations
@@ -41,7 +48,14 @@ if TYPE_CHECKING:
     from muxproxy.config import Upstream
     from muxproxy.core.observe.defencelog import DefenceLog
 
-__all__ = ["BackendConnection", "Pool", "UpstreamConn", "UpstreamState", "UpstreamStream"]
+__all__ = [
+    "BackendConnection",
+    "Pool",
+    "Progress",
+    "UpstreamConn",
+    "UpstreamState",
+    "UpstreamStream",
+]
 
 
 class UpstreamState(enum.Enum):
@@ -114,6 +128,56 @@ TRANSITIONS: Transitions[UpstreamState, UpstreamInput] = {
 del _S, _I
 
 
+class Progress(enum.Enum):
+    """What the connection's current request has come to."""
+
+    UNWRITTEN = "unwritten"
+    """No byte of it reached the kernel yet (it may be sent elsewhere, whatever its method)."""
+    WRITTEN = "written"
+    """Some byte of it reached the kernel (a ``DataSent``); nothing of its answer arrived."""
+    ANSWERED = "answered"
+    """Some byte of its response arrived."""
+
+
+class ProgressInput(enum.Enum):
+    ASSIGNED = "assigned"
+    """An exchange takes the connection (new or from the idle pool): its answer is to come."""
+    HEAD_SENT = "head_sent"
+    """The request's head is handed to the driver: nothing of this request written yet."""
+    SENT = "sent"
+    """The driver wrote some bytes (``DataSent``)."""
+    RECEIVED = "received"
+    """Some bytes of the response arrived."""
+
+
+_P = Progress
+_PI = ProgressInput
+PROGRESS: dict[tuple[Progress, ProgressInput], Progress] = {
+    (_P.UNWRITTEN, _PI.ASSIGNED): _P.UNWRITTEN,
+    (_P.UNWRITTEN, _PI.HEAD_SENT): _P.UNWRITTEN,
+    (_P.UNWRITTEN, _PI.SENT): _P.WRITTEN,
+    (_P.UNWRITTEN, _PI.RECEIVED): _P.ANSWERED,
+    # Kept (the last request's bytes were written) until this request's head goes out.
+    (_P.WRITTEN, _PI.ASSIGNED): _P.WRITTEN,
+    (_P.WRITTEN, _PI.HEAD_SENT): _P.UNWRITTEN,
+    (_P.WRITTEN, _PI.SENT): _P.WRITTEN,
+    (_P.WRITTEN, _PI.RECEIVED): _P.ANSWERED,
+    (_P.ANSWERED, _PI.ASSIGNED): _P.WRITTEN,  # the answered request was written
+    (_P.ANSWERED, _PI.HEAD_SENT): _P.ANSWERED,  # bytes came first: never stale
+    (_P.ANSWERED, _PI.SENT): _P.ANSWERED,
+    (_P.ANSWERED, _PI.RECEIVED): _P.ANSWERED,
+}
+del _P, _PI
+# The members the per-request and per-chunk paths name, bound once: an enum member read off
+# its class goes through the metaclass, some ten times the cost of a global.
+_UNWRITTEN = Progress.UNWRITTEN
+_ANSWERED = Progress.ANSWERED
+_ASSIGNED = ProgressInput.ASSIGNED
+_HEAD_SENT = ProgressInput.HEAD_SENT
+_SENT = ProgressInput.SENT
+_RECEIVED = ProgressInput.RECEIVED
+
+
 class UpstreamConn:
     http_version = b"1.1"
 
@@ -130,12 +194,10 @@ class UpstreamConn:
         """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.pending = 0
         self.paused = False
-        self.reused = False
-        """The current request is not the connection's first (it came from the idle pool)."""
-        self.received = False
-        """Some byte of the current request's response arrived."""
-        self.written = False
-        """Some byte of the current request reached the kernel (a ``DataSent``)."""
+        self.requests = 0
+        """The requests it was given, the current one included (more than one: reused)."""
+        self.progress = Progress.UNWRITTEN
+        """Changed by ``advance`` alone, as ``PROGRESS`` says."""
 
     def move(self, input: UpstreamInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
@@ -145,10 +207,20 @@ class UpstreamConn:
         self.state = target
         return True
 
+    def advance(self, input: ProgressInput) -> None:
+        """The current request's ``progress`` after ``input``, as ``PROGRESS`` says."""
+        # ``PROGRESS`` ignores and refuses nothing (its test checks): a lookup, not ``step``.
+        self.progress = PROGRESS[(self.progress, input)]
+
     @property
     def stale(self) -> bool:
         """A failure now is the keep-alive race (RFC 9112 §9.3.1), not the server's fault."""
-        return self.reused and not self.received
+        return self.requests > 1 and self.progress is not _ANSWERED
+
+    @property
+    def written(self) -> bool:
+        """Some byte of the current request may have reached the backend."""
+        return self.progress is not _UNWRITTEN
 
     def _send(self, data: bytes) -> None:
         if data:
@@ -156,7 +228,7 @@ class UpstreamConn:
             self.fx.send(self.conn, data)
 
     def send_head(self, stream: int, method: bytes, target: bytes, headers: Headers) -> None:
-        self.written = False
+        self.advance(_HEAD_SENT)
         self._send(self.adapter.send_head(stream, method, target, headers))
 
     def send_body(self, data: bytes) -> None:
@@ -218,8 +290,8 @@ class UpstreamConn:
                 self.pool.trailing_bytes(self)
             self.close()
             return
-        if data:
-            self.received = True
+        if data and self.progress is not _ANSWERED:
+            self.advance(_RECEIVED)
         adapter = self.adapter
         extra = adapter.extra
         messages = adapter.receive(data)
@@ -246,7 +318,8 @@ class UpstreamConn:
 
     def on_sent(self, nbytes: int) -> None:
         self.pending -= nbytes
-        self.written = True
+        if self.progress is _UNWRITTEN:
+            self.advance(_SENT)
         if self.exchange is not None:
             self.exchange.upstream_drained()
 
@@ -314,7 +387,6 @@ class Pool:
             upstream = idle.pop()
             fx.cancel_timer((BackendTimer.POOL, upstream.conn))
             upstream.move(UpstreamInput.REUSED)  # every connection in ``idle`` is IDLE
-            upstream.reused = True
             self._assign(upstream, exchange)
             return
         upstream = UpstreamConn(fx, self, self.new_id(), origin, group)
@@ -325,7 +397,8 @@ class Pool:
     def _assign(self, upstream: UpstreamConn, exchange: UpstreamUser) -> None:
         """BUSY now (``OPENED`` or ``REUSED``): ``exchange``'s."""
         upstream.exchange = exchange
-        upstream.received = False
+        upstream.requests += 1
+        upstream.advance(_ASSIGNED)
         exchange.upstream_ready(upstream)
 
     def opened(self, upstream: UpstreamConn) -> None:

@@ -9,6 +9,12 @@ turns results into up/down by its thresholds (``passes``, ``fails``).
 ``loadpoll.py``'s ``LoadPoll`` is a probe of another kind: the same way to the server and
 the same timers, on the group's ``load_report`` path, with its body read and its result
 handed to the router as the engine's load.
+
+A probe's phases (``ProbeState``) and what moves them (``ProbeInput``) are one table,
+``TRANSITIONS`` (``states.py``). A retired probe has left the core's table of probes, so no
+timer and no connection reaches it any more: anything that does is a bug. What comes after a
+check ended (its timeout timer on its way, a connection that opened after all) is ignored, and
+a connection it offers is handed back.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from muxproxy.core.commands import Log, Origin
 from muxproxy.core.effects import Effects
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import ProbeHost, UpstreamStream
+from muxproxy.core.states import IGNORED, ILLEGAL, Transitions, step
 from muxproxy.core.timers import ProbeTimer
 
 
@@ -29,6 +36,48 @@ class ProbeState(enum.Enum):
     RUNNING = "running"
     RETIRED = "retired"
     """A new configuration replaced it (``retire``); it does nothing more."""
+
+
+class ProbeInput(enum.Enum):
+    INTERVAL = "interval"
+    """The interval timer fired: a check starts."""
+    TIMEOUT = "timeout"
+    """The check's ``timeout`` passed."""
+    READY = "ready"
+    """The pool gives the check its connection (``upstream_ready``)."""
+    RESPONSE_END = "response_end"
+    """The response is complete: the check is judged."""
+    FAILED = "failed"
+    """The connection failed (``upstream_failed``)."""
+    RETIRE = "retire"
+    """A new configuration or a stop replaces it."""
+
+
+_S = ProbeState
+_I = ProbeInput
+TRANSITIONS: Transitions[ProbeState, ProbeInput] = {
+    (_S.IDLE, _I.INTERVAL): _S.RUNNING,
+    (_S.IDLE, _I.TIMEOUT): IGNORED,  # the check ended as its timer was on its way
+    (_S.IDLE, _I.READY): IGNORED,  # the connection is handed back
+    (_S.IDLE, _I.RESPONSE_END): IGNORED,
+    (_S.IDLE, _I.FAILED): IGNORED,
+    (_S.IDLE, _I.RETIRE): _S.RETIRED,
+    (_S.RUNNING, _I.INTERVAL): ILLEGAL,  # armed again only once the check ended
+    (_S.RUNNING, _I.TIMEOUT): _S.IDLE,
+    (_S.RUNNING, _I.READY): _S.RUNNING,
+    (_S.RUNNING, _I.RESPONSE_END): _S.IDLE,
+    (_S.RUNNING, _I.FAILED): _S.IDLE,
+    (_S.RUNNING, _I.RETIRE): _S.RETIRED,  # the check in flight is dropped
+    # RETIRED: out of ``ProxyCore.probes``, its timers cancelled, its connection closed or
+    # forgotten by the pool.
+    (_S.RETIRED, _I.INTERVAL): ILLEGAL,
+    (_S.RETIRED, _I.TIMEOUT): ILLEGAL,
+    (_S.RETIRED, _I.READY): ILLEGAL,
+    (_S.RETIRED, _I.RESPONSE_END): ILLEGAL,
+    (_S.RETIRED, _I.FAILED): ILLEGAL,
+    (_S.RETIRED, _I.RETIRE): ILLEGAL,
+}
+del _S, _I
 
 
 class Probe:
@@ -46,8 +95,16 @@ class Probe:
         server = group.servers[index]
         self.origin = Origin.of(server)
         self.state = ProbeState.IDLE
+        """Changed by ``move`` alone, as ``TRANSITIONS`` says (and by fault isolation)."""
         self.upstream: UpstreamStream | None = None
         self.status = 0
+
+    def move(self, input: ProbeInput) -> ProbeState | None:
+        """Take ``input`` as ``TRANSITIONS`` says: the state after it, None where ignored."""
+        target = step(TRANSITIONS, "Probe", self.state, input)
+        if target is not None:
+            self.state = target
+        return target
 
     def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
         """The path, interval and timeout of this kind of probe in ``group``."""
@@ -62,12 +119,13 @@ class Probe:
     def retire(self) -> None:
         """A new configuration replaces this probe: its timers go, a check in flight is
         dropped, and no result of it reaches the group's router."""
+        running = self.state is ProbeState.RUNNING
+        self.move(ProbeInput.RETIRE)
         fx = self.fx
         fx.cancel_timer((ProbeTimer.PROBE, self.ident))
         fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, self.ident))
-        if self.state is ProbeState.RUNNING:
+        if running:
             self._drop_check()
-        self.state = ProbeState.RETIRED
 
     def _drop_check(self) -> None:
         """Close the check's backend connection, or give up waiting for one."""
@@ -79,18 +137,20 @@ class Probe:
             self.host.pool.forget(self)
 
     def timer_fired(self, kind: ProbeTimer) -> None:
-        if kind is ProbeTimer.PROBE and self.state is ProbeState.IDLE:
-            self.state = ProbeState.RUNNING
-            self.status = 0
-            self.fx.set_timer((ProbeTimer.PROBE_TIMEOUT, self.ident), self.fx.now + self.timeout)
-            self.host.pool.acquire(self.origin, self.group, self)
-        elif kind is ProbeTimer.PROBE_TIMEOUT and self.state is ProbeState.RUNNING:
+        if kind is ProbeTimer.PROBE:
+            if self.move(ProbeInput.INTERVAL) is not None:
+                self.status = 0
+                self.fx.set_timer(
+                    (ProbeTimer.PROBE_TIMEOUT, self.ident), self.fx.now + self.timeout
+                )
+                self.host.pool.acquire(self.origin, self.group, self)
+        elif self.move(ProbeInput.TIMEOUT) is not None:
             self._done(False, "timeout")
 
     # -- the pool's side -------------------------------------------------------------------
 
     def upstream_ready(self, upstream: UpstreamStream) -> None:
-        if self.state is not ProbeState.RUNNING:
+        if self.move(ProbeInput.READY) is None:
             upstream.exchange = None
             upstream.close()
             return
@@ -114,25 +174,25 @@ class Probe:
         if upstream is not None:
             upstream.exchange = None
             upstream.release()
-        self._ended()
+        if self.move(ProbeInput.RESPONSE_END) is not None:
+            self._ended()
 
     def _ended(self) -> None:
-        """The response is complete: judge it."""
+        """The response is complete (the probe is IDLE again): judge it."""
         ok = self.status == self.check.expect_status
         self._done(ok, f"status {self.status}")
 
     def upstream_failed(self, reason: str, *, timeout: bool = False, stale: bool = False) -> None:
-        self._done(False, reason)
+        if self.move(ProbeInput.FAILED) is not None:
+            self._done(False, reason)
 
     # -- result ----------------------------------------------------------------------------
 
     def _done(self, ok: bool, detail: str) -> None:
-        if self.state is not ProbeState.RUNNING:
-            return
+        """The check ended (the probe moved to IDLE): its result, and the next check."""
         fx = self.fx
         fx.cancel_timer((ProbeTimer.PROBE_TIMEOUT, self.ident))
         self._drop_check()
-        self.state = ProbeState.IDLE
         self._result(ok, detail)
         self.schedule(self.interval)
 
