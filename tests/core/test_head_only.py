@@ -7,7 +7,7 @@ from __future__ import annotations
 import h2.events
 import h11
 from playbook import H1BackendPeer, H2ClientPeer, Playbook
-from test_resume import SSE, Stream, h2_resume, resume_config
+from resume_setup import SSE, Stream, h2_resume, resume_config
 
 UNKNOWN = b"A" * 22 + b".3"
 """An event id of the proxy's form that names no stream: a refusal, as an SSE event."""

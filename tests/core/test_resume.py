@@ -1,7 +1,10 @@
-"""Resumable SSE streams (``route.resume``) in the sans-IO core, driven with bytes only.
+"""Resumable SSE streams (``route.resume``) in the sans-IO core, as whole conversations.
 
 The clock is the playbook's: ``pb.now`` moves only when a test moves it, so the linger
-expiry is exact and needs no sleep.
+expiry is exact and needs no sleep. Each conversation asserts every command in order,
+timers included: a client that goes away leaves its backend running for ``linger``
+seconds (the linger timer), a reconnect with ``Last-Event-ID`` gets the events after it and
+then the live tail, and what cannot be resumed is answered at once, never forwarded.
 """
 
 from __future__ import annotations
@@ -9,14 +12,35 @@ from __future__ import annotations
 import json
 import re
 import tracemalloc
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import h2.events
 import h11
-from playbook import H1BackendPeer, H1ClientPeer, H2ClientPeer, Playbook, default_config
+from checks import Check, both, h1_body, h1_request, h1_response, h2_body, h2_ended
+from playbook import (
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    closed,
+    data,
+    default_config,
+    opened,
+    sent,
+    wakeup,
+)
 
 from muxproxy.config import Config, Resume, Route
-from muxproxy.core.commands import CloseConnection, Command, SetTimer
+from muxproxy.core.commands import (
+    CancelTimer,
+    CloseConnection,
+    OpenConnection,
+    Origin,
+    SetTimer,
+)
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import ShutdownRequested
 from muxproxy.core.messages import ResponseHead
@@ -25,6 +49,8 @@ from muxproxy.core.streams.sseids import EventStamper
 
 SSE = [("Accept", "text/event-stream")]
 ID = re.compile(rb"id: ([A-Za-z0-9_-]{22})\.([0-9]+)")
+CHAT = "/v1/chat/completions"
+ORIGIN = Origin(host="127.0.0.1", port=9001)
 
 
 def resume_config(**resume: object) -> Config:
@@ -33,203 +59,252 @@ def resume_config(**resume: object) -> Config:
     return attrs.evolve(config, routes=(route,))
 
 
-def body_of(client: H1ClientPeer, pb: Playbook, conn: int, commands: list[Command]) -> bytes:
-    """The response body bytes ``client`` decodes from ``commands`` (reported written)."""
-    data = pb.take(conn, commands)
-    if not data:
-        return b""  # (h11 takes b"" for the end of the input)
-    pb.sent(conn, len(data))
-    return b"".join(e.data for e in client.events(data) if isinstance(e, h11.Data))
-
-
-def closes(commands: list[Command], conn: int) -> bool:
-    return any(isinstance(c, CloseConnection) and c.conn == conn for c in commands)
-
-
-def linger_timer(commands: list[Command]) -> SetTimer:
-    (timer,) = [c for c in commands if isinstance(c, SetTimer) and c.timer[0] == "linger"]
-    return timer
-
-
 class Stream:
-    """One client's chat stream through the proxy, to an HTTP/1.1 backend peer."""
+    """One client's chat stream through the proxy (client connection 1, exchange 1) to an
+    HTTP/1.1 backend peer on connection -1, up to the SSE head relayed to the client.
 
-    def __init__(self, pb: Playbook, conn: int = 1, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
-        self.pb, self.conn = pb, conn
+    ``relayed`` templates say ``{T}`` for the stream's token, which the first stamped event
+    tells (``token``)."""
+
+    def __init__(self, pb: Playbook, headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.pb = pb
         self.client = H1ClientPeer()
-        pb.accept(conn)
-        before = len(pb.opens())
-        pb.receive(conn, self.client.request("POST", "/v1/chat/completions", [*headers], b"{}"))
-        self.up = pb.opens()[before].conn
-        pb.opened(self.up)
-        pb.sent(self.up, len(pb.take(self.up)))
         self.backend = H1BackendPeer()
-        self.backend.events(pb.take(self.up))
-        head = pb.receive(self.up, self.backend.sse_head())
-        self.received = body_of(self.client, pb, conn, head)
+        self.token: bytes | None = None
+        self.seq = 0
+        pb.accept(1)
+        pb >> data(1, self.client.request("POST", CHAT, [*headers], b"{}"))
+        pb << CancelTimer(timer=("header", 1))
+        pb << SetTimer(timer=("connect", 1), at=5.0)
+        pb << OpenConnection(conn=-1, origin=ORIGIN)
+        pb << SetTimer(timer=("body", 1), at=30.0)
+        pb >> opened(-1)
+        pb << CancelTimer(timer=("connect", 1))
+        pb << (request := Sends(-1, self.backend, h1_request(b"POST", CHAT.encode(), b"{}")))
+        pb << SetTimer(timer=("head", 1), at=60.0)
+        pb >> sent(-1, len(request.data))
+        pb >> data(-1, self.backend.sse_head())
+        pb << CancelTimer(timer=("head", 1))
+        pb << SetTimer(timer=("send", 1), at=60.0)
+        pb << (head := Sends(1, self.client, h1_response(200)))
+        pb << SetTimer(timer=("read", 1), at=300.0)
+        pb >> sent(1, len(head.data))
 
-    def send(self, data: bytes) -> list[Command]:
-        commands = self.pb.receive(self.up, self.backend.chunk(data))
-        self.received += body_of(self.client, self.pb, self.conn, commands)
-        return commands
+    def body(self, template: bytes) -> Check:
+        """The body is ``template`` with the stream's token for ``{T}``."""
 
-    def last_id(self) -> bytes:
-        token, seq = ID.findall(self.received)[-1]
-        return token + b"." + seq
+        def check(events: Sequence[Any]) -> None:
+            got = h1_body(events)
+            if self.token is None and b"{T}" in template:
+                found = ID.search(got)
+                assert found, got
+                self.token = found.group(1)
+            assert got == self.ids(template), got
+
+        return check
+
+    def ids(self, template: bytes) -> bytes:
+        return template.replace(b"{T}", self.token or b"?")
+
+    def id(self, seq: int) -> bytes:
+        assert self.token is not None
+        return self.token + b".%d" % seq
+
+    def send(self, chunk: bytes, relayed: bytes | None = None) -> None:
+        """The backend sends ``chunk``; ``relayed``: what client 1 gets of it (and writes)."""
+        self.pb >> data(-1, self.backend.chunk(chunk))
+        if relayed is not None:
+            self.pb << (reply := Sends(1, self.client, self.body(relayed)))
+            self.pb >> sent(1, len(reply.data))
+
+
+def lingers(pb: Playbook, conn: int = 1, *, until: float = 30.0) -> None:
+    """Client ``conn`` goes away: the backend is not cut, the stream lingers ``until``."""
+    pb >> closed(conn)
+    pb << SetTimer(timer=("linger", 1), at=until)
+    pb << CancelTimer(timer=("send", conn))
+    pb.done()
 
 
 def resume(
-    pb: Playbook, conn: int, event_id: bytes, headers: list[tuple[str, str]] = SSE
-) -> tuple[H1ClientPeer, list[Command]]:
+    pb: Playbook,
+    conn: int,
+    event_id: bytes,
+    check: Check,
+    headers: Sequence[tuple[str, str]] = SSE,
+) -> Sends:
+    """A new HTTP/1.1 client on ``conn`` asks for the events after ``event_id``; the answer
+    comes at once (``check``). Returns the ``Sends`` (the client is its ``peer``)."""
     client = H1ClientPeer()
     pb.accept(conn)
-    commands = pb.receive(
-        conn,
-        client.request(
-            "GET", "/v1/chat/completions", [*headers, ("Last-Event-ID", event_id.decode())]
-        ),
-    )
-    return client, commands
+    pb >> data(conn, client.request("GET", CHAT, [*headers, ("Last-Event-ID", event_id.decode())]))
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("send", conn), at=pb.now + 60.0)
+    pb << (answer := Sends(conn, client, check))
+    return answer
+
+
+def refused(code: str) -> Check:
+    """An SSE error event naming ``code`` (a ``resume_error``), in a 200 the client's
+    EventSource reads."""
+
+    def check(events: Sequence[Any]) -> None:
+        body = h1_body(events)
+        assert body.startswith(b"event: error\ndata: "), body
+        error = json.loads(body.split(b"data: ", 1)[1])["error"]
+        assert error["code"] == code and error["type"] == "resume_error", error
+
+    return both(h1_response(200), check)
 
 
 def h2_resume(
     pb: Playbook,
     conn: int,
     event_id: bytes,
-    *,
-    method: bytes = b"GET",
-    path: bytes = b"/v1/chat/completions",
-) -> tuple[H2ClientPeer, list[h2.events.Event]]:
-    """A new HTTP/2 client on ``conn`` asking for the events after ``event_id``: the client,
-    and the events it decoded of what came back at once."""
+    check: Check,
+) -> H2ClientPeer:
+    """A new HTTP/2 client on ``conn`` asks for the events after ``event_id``; ``check``
+    gets what came back at once (on stream 1)."""
     client = H2ClientPeer()
     pb.accept(conn)
-    pb.receive(conn, client.preface())
+    pb >> data(conn, client.preface())
+    pb << SetTimer(timer=("send", conn), at=pb.now + 60.0)
+    pb << Sends(conn, client)
     headers = [(b"accept", b"text/event-stream"), (b"last-event-id", event_id)]
-    _sid, request = client.request(method, path, headers=headers)
-    return client, client.events(pb.take(conn, pb.receive(conn, request)))
+    _sid, request = client.request(b"GET", CHAT.encode(), headers=headers)
+    pb >> data(conn, request)
+    pb << CancelTimer(timer=("header", conn))
+    pb << Sends(conn, client, check)
+    return client
+
+
+def idle(pb: Playbook, conn: int) -> None:
+    pb << SetTimer(timer=("idle", conn), at=pb.now + 75.0)
+    pb.done()
 
 
 def test_events_get_ids_and_a_reconnect_gets_the_rest_then_the_live_tail() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    first.send(b"data: b\n\ndata: c")  # a partial event is held until it completes
-    assert first.received.count(b"id: ") == 2
-    token = ID.findall(first.received)[0][0]
-    assert first.received == b"data: a\nid: %s.1\n\ndata: b\nid: %s.2\n\n" % (token, token)
-    seen = first.last_id()
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    # A partial event is held until it completes.
+    first.send(b"data: b\n\ndata: c", b"data: b\nid: {T}.2\n\n")
 
     # The client goes away: the backend is not cut, and its events are kept.
-    gone = pb.closed(1)
-    assert not closes(gone, first.up)
-    linger_timer(gone)
-    more = pb.receive(first.up, first.backend.chunk(b"\n\ndata: d\n\n"))
-    assert not closes(more, first.up) and pb.take(1, more) == b""
+    lingers(pb)
+    pb >> data(-1, first.backend.chunk(b"\n\ndata: d\n\n"))
+    pb.done()
 
-    # A reconnect with the id of "b" gets "c" and "d", then what comes next, then the end.
-    client, commands = resume(pb, 2, seen.replace(b".2", b".1"))
-    head = client.events(pb.take(2, commands))
-    assert isinstance(head[0], h11.Response) and head[0].status_code == 200
-    replayed = b"".join(e.data for e in head if isinstance(e, h11.Data))
-    assert replayed == b"data: b\nid: %s.2\n\ndata: c\nid: %s.3\n\ndata: d\nid: %s.4\n\n" % (
-        (token,) * 3
-    )
-    pb.sent(2, len(pb.take(2, commands)))
-    live = pb.receive(first.up, first.backend.chunk(b"data: [DONE]\n\n"))
-    assert body_of(client, pb, 2, live) == b"data: [DONE]\nid: %s.5\n\n" % token
-    end = pb.receive(first.up, first.backend.end())
-    assert [type(e) for e in client.events(pb.take(2, end))] == [h11.EndOfMessage]
-    assert not closes(end, first.up)  # a complete response: the connection goes back
+    # A reconnect with the id of "a" gets "b", "c" and "d", then what comes next, then the end.
+    replayed = b"data: b\nid: {T}.2\n\ndata: c\nid: {T}.3\n\ndata: d\nid: {T}.4\n\n"
+    answer = resume(pb, 2, first.id(1), both(h1_response(200), first.body(replayed)))
+    pb << CancelTimer(timer=("linger", 1))
+    client = answer.peer
+    pb >> sent(2, len(answer.data))
+    pb >> data(-1, first.backend.chunk(b"data: [DONE]\n\n"))
+    pb << (live := Sends(2, client, first.body(b"data: [DONE]\nid: {T}.5\n\n")))
+    pb >> sent(2, len(live.data))
+    pb >> data(-1, first.backend.end())
+    pb << Sends(2, client, lambda events: [type(e) for e in events] == [h11.EndOfMessage])
+    pb << SetTimer(timer=("pool", -1), at=60.0)  # a complete response: the connection goes back
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    idle(pb, 2)
     assert pb.core.resumes.resumed == 1
 
 
 def test_a_client_that_never_returns_costs_at_most_linger() -> None:
     pb = Playbook(resume_config(linger=10))
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    timer = linger_timer(pb.closed(1))
-    assert timer.at == 10.0
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb, until=10.0)
     pb.now = 10.0
-    expired = pb.wakeup(*timer.timer)
-    assert closes(expired, first.up)  # the GPU stops
+    pb >> wakeup("linger", 1)
+    pb << CloseConnection(conn=-1)  # the GPU stops
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("linger", 1), at=20.0)
+    pb.done()
     assert pb.core.resumes.streams == {}
-    client, commands = resume(pb, 2, first.last_id())
-    body = b"".join(e.data for e in client.events(pb.take(2, commands)) if isinstance(e, h11.Data))
-    assert body.startswith(b"event: error\ndata: ")
-    error = json.loads(body.split(b"data: ", 1)[1])["error"]
-    assert error["code"] == "resume_unknown" and error["type"] == "resume_error"
+    resume(pb, 2, first.id(1), refused("resume_unknown"))
+    idle(pb, 2)
 
 
 def test_an_ended_stream_is_kept_for_linger_after_its_end() -> None:
     pb = Playbook(resume_config(linger=5))
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    pb.closed(1)
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb, until=5.0)
     first.send(b"data: b\n\n")
-    ended = pb.receive(first.up, first.backend.end())
-    timer = linger_timer(ended)
-    client, commands = resume(pb, 2, first.last_id())
-    events = client.events(pb.take(2, commands))
-    token = first.last_id().split(b".")[0]
-    assert b"".join(e.data for e in events if isinstance(e, h11.Data)) == (
-        b"data: b\nid: %s.2\n\n" % token
-    )
-    assert isinstance(events[-1], h11.EndOfMessage)
-    pb.now = timer.at
-    pb.wakeup(*timer.timer)
+    pb >> data(-1, first.backend.end())
+    pb << SetTimer(timer=("linger", 1), at=5.0)
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    ends = lambda events: isinstance(events[-1], h11.EndOfMessage)  # noqa: E731
+    resume(pb, 2, first.id(1), both(first.body(b"data: b\nid: {T}.2\n\n"), ends))
+    idle(pb, 2)
+    pb.now = 5.0
+    pb >> wakeup("linger", 1)
+    pb.done()
     assert pb.core.resumes.streams == {}
 
 
 def test_the_window_overflowing_while_nobody_reads_ends_the_backend_at_once() -> None:
     pb = Playbook(resume_config(window=4096))
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    pb.closed(1)
-    commands: list[Command] = []
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb)
     for _ in range(40):  # 40 x ~130 bytes > 4 KiB: the first event would be dropped
-        commands = pb.receive(first.up, first.backend.chunk(b"data: " + b"x" * 100 + b"\n\n"))
-        if closes(commands, first.up):
+        pb >> data(-1, first.backend.chunk(b"data: " + b"x" * 100 + b"\n\n"))
+        if pb.queue:
             break
-    assert closes(commands, first.up)
-    _client, answer = resume(pb, 2, first.last_id())
-    assert b"resume_unknown" in pb.take(2, answer)
+    pb << CancelTimer(timer=("linger", 1))
+    pb << CloseConnection(conn=-1)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("linger", 1), at=30.0)
+    resume(pb, 2, first.id(1), refused("resume_unknown"))
+    idle(pb, 2)
 
 
 def test_a_resume_from_before_the_window_is_refused_as_evicted() -> None:
     pb = Playbook(resume_config(window=4096))
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    oldest = first.last_id()
-    for _ in range(40):
-        first.send(b"data: " + b"x" * 100 + b"\n\n")
-    pb.closed(1)
-    _, answer = resume(pb, 2, oldest)
-    assert b'"code": "resume_evicted"' in pb.take(2, answer)
-    _, answer = resume(pb, 3, first.last_id())
-    assert b"resume_evicted" not in pb.take(3, answer)
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    x = b"data: " + b"x" * 100 + b"\n"
+    for seq in range(2, 42):
+        first.send(x + b"\n", x + b"id: {T}.%d\n\n" % seq)
+    lingers(pb)
+    resume(pb, 2, first.id(1), refused("resume_evicted"))
+    idle(pb, 2)
+    resume(pb, 3, first.id(41), h1_response(200, b""))
+    pb << CancelTimer(timer=("linger", 1))
+    pb.done()
 
 
 def test_a_resume_with_other_credentials_is_answered_as_unknown() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb, headers=[("Authorization", "Bearer alice")])
-    first.send(b"data: a\n\n")
-    pb.closed(1)
-    _, stranger = resume(pb, 2, first.last_id(), [*SSE, ("Authorization", "Bearer mallory")])
-    assert b"resume_unknown" in pb.take(2, stranger)
-    _, nobody = resume(pb, 3, first.last_id())
-    assert b"resume_unknown" in pb.take(3, nobody)
-    client, owner = resume(pb, 4, first.last_id(), [*SSE, ("Authorization", "Bearer alice")])
-    events = client.events(pb.take(4, owner))
-    assert isinstance(events[0], h11.Response) and events[0].status_code == 200
-    assert b"resume_" not in pb.take(4, owner)
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb)
+    mallory = [*SSE, ("Authorization", "Bearer mallory")]
+    resume(pb, 2, first.id(1), refused("resume_unknown"), mallory)
+    idle(pb, 2)
+    resume(pb, 3, first.id(1), refused("resume_unknown"))
+    idle(pb, 3)
+    alice = [*SSE, ("Authorization", "Bearer alice")]
+    answer = resume(pb, 4, first.id(1), h1_response(200, b""), alice)
+    pb << CancelTimer(timer=("linger", 1))
+    pb.done()
+    assert b"resume_" not in answer.data
 
 
 def test_a_client_that_does_not_accept_sse_gets_410() -> None:
     pb = Playbook(resume_config())
-    client, commands = resume(pb, 2, b"A" * 22 + b".3", headers=[])
-    (response, *_) = client.events(pb.take(2, commands))
-    assert isinstance(response, h11.Response) and response.status_code == 410
+    resume(pb, 2, b"A" * 22 + b".3", h1_response(410), headers=[])
+    pb << CloseConnection(conn=2, flush_timeout=60.0, linger=True)
+    pb.done()
     assert pb.core.resumes.refused["unknown"] == 1
 
 
@@ -237,70 +312,86 @@ def test_an_id_that_is_not_ours_goes_to_the_backend() -> None:
     pb = Playbook(resume_config())
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("GET", "/v1/stream", [*SSE, ("Last-Event-ID", "backend-own-17")]))
-    (opened,) = pb.opens()
-    pb.opened(opened.conn)
-    backend = H1BackendPeer()
-    (request, *_) = backend.events(pb.take(opened.conn))
-    assert (b"last-event-id", b"backend-own-17") in request.headers
+    pb >> data(1, client.request("GET", "/v1/stream", [*SSE, ("Last-Event-ID", "backend-own-17")]))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+
+    def asks_the_backend(events: Sequence[Any]) -> None:
+        assert (b"last-event-id", b"backend-own-17") in events[0].headers, events[0]
+
+    pb << Sends(-1, H1BackendPeer(), both(h1_request(b"GET", b"/v1/stream"), asks_the_backend))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb.done()
 
 
 def test_a_backend_that_sends_its_own_ids_is_passed_through_untouched() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
     raw = b"id: 7\ndata: a\n\ndata: b\n\n"
-    first.send(raw)
-    assert first.received == raw
+    first.send(raw, raw)
     assert pb.core.resumes.streams == {}
-    gone = pb.closed(1)
-    assert closes(gone, first.up)  # nothing to resume: the backend is cut as ever
+    pb >> closed(1)
+    pb << CloseConnection(conn=-1)  # nothing to resume: the backend is cut as ever
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << CancelTimer(timer=("send", 1))
+    pb.done()
 
 
 def test_a_newer_reconnect_takes_the_stream_over_from_a_live_reader() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    pb.closed(1)
-    one, answer = resume(pb, 2, first.last_id())
-    pb.sent(2, len(pb.take(2, answer)))
-    one.events(pb.take(2, answer))
-    _two, answer = resume(pb, 3, first.last_id())
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb)
+    one = resume(pb, 2, first.id(1), h1_response(200, b""))
+    pb << CancelTimer(timer=("linger", 1))
+    pb >> sent(2, len(one.data))
+    two = resume(pb, 3, first.id(1), h1_response(200, b""))
     # The older reader is cut, visibly (its HTTP/1.1 connection closes unfinished).
-    assert closes(pb.log, 2)
-    live = pb.receive(first.up, first.backend.chunk(b"data: b\n\n"))
-    assert pb.take(2, live) == b""
-    assert b"data: b\nid: " in pb.take(3, live)
+    pb << CloseConnection(conn=2)
+    pb >> data(-1, first.backend.chunk(b"data: b\n\n"))
+    pb << Sends(3, two.peer, first.body(b"data: b\nid: {T}.2\n\n"))
+    pb.done()
 
 
 def test_resume_over_http2_of_a_stream_begun_over_http1() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    pb.closed(1)
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb)
     first.send(b"data: b\n\n")
-    client, events = h2_resume(pb, 2, first.last_id()[:-1] + b"1")
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(response.headers)[b":status"] == b"200"
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data.startswith(b"data: b\nid: ")
-    end = pb.receive(first.up, first.backend.end())
-    assert any(isinstance(e, h2.events.StreamEnded) for e in client.events(pb.take(2, end)))
+
+    def replayed(events: Sequence[Any]) -> None:
+        (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+        assert dict(response.headers)[b":status"] == b"200"
+        assert h2_body(events, 1) == first.ids(b"data: b\nid: {T}.2\n\n")
+
+    client = h2_resume(pb, 2, first.id(1), replayed)
+    pb << CancelTimer(timer=("linger", 1))
+    pb >> data(-1, first.backend.end())
+    pb << Sends(2, client, h2_ended(1))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    idle(pb, 2)
 
 
 def test_a_resumed_client_that_leaves_again_leaves_the_stream_lingering() -> None:
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\n")
-    pb.closed(1)
-    client, answer = resume(pb, 2, first.last_id())
-    pb.sent(2, len(pb.take(2, answer)))
-    client.events(pb.take(2, answer))
-    gone = pb.closed(2)
-    assert not closes(gone, first.up)
-    linger_timer(gone)
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
+    lingers(pb)
+    answer = resume(pb, 2, first.id(1), h1_response(200, b""))
+    pb << CancelTimer(timer=("linger", 1))
+    pb >> sent(2, len(answer.data))
+    lingers(pb, 2)
     first.send(b"data: b\n\n")
-    _again, answer = resume(pb, 3, first.last_id())
-    assert b"data: b\nid: " in pb.take(3, answer)
+    resume(pb, 3, first.id(1), first.body(b"data: b\nid: {T}.2\n\n"))
+    pb << CancelTimer(timer=("linger", 1))
+    pb.done()
 
 
 def test_stamper_keeps_line_ends_comments_and_gives_up_on_an_event_over_its_limit() -> None:
@@ -397,9 +488,15 @@ def test_a_stream_whose_owner_a_stop_cut_no_longer_names_it() -> None:
     handed its client to a finished exchange."""
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\n")
+    first.send(b"data: a\n\n", b"data: a\nid: {T}.1\n\n")
     (stream,) = pb.core.resumes.streams.values()
-    pb.feed(ShutdownRequested(now=pb.now, deadline=pb.now))
+    pb >> ShutdownRequested(now=pb.now, deadline=pb.now)
+    pb << CloseConnection(conn=1)
+    pb << CloseConnection(conn=-1)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("linger", 1), at=30.0)
+    pb.done()
     assert not pb.core.exchanges
     assert stream.owner is None and stream.state is State.BROKEN
 
@@ -410,15 +507,26 @@ def test_a_sized_event_stream_is_not_numbered() -> None:
     pb = Playbook(resume_config())
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("POST", "/v1/chat/completions", body=b"{}"))
-    up = pb.opens()[0].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    backend.events(pb.take(up))
+    pb >> data(1, client.request("POST", CHAT, body=b"{}"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb << SetTimer(timer=("body", 1), at=30.0)
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << Sends(-1, H1BackendPeer(), h1_request(b"POST", CHAT.encode(), b"{}"))
+    pb << SetTimer(timer=("head", 1), at=60.0)
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 9\r\n\r\n"
-    pb.receive(up, head + b"data: a\n\n")
-    body = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
-    assert body == b"data: a\n\n"
+    pb >> data(-1, head + b"data: a\n\n")
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(200))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, lambda events: h1_body(events) == b"data: a\n\n")
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    idle(pb, 1)
     assert pb.core.resumes.streams == {}
 
 
@@ -427,18 +535,26 @@ def test_a_resume_of_an_ended_stream_with_nothing_left_is_204_so_eventsource_sto
     made it reconnect with the same id every few seconds, forever."""
     pb = Playbook(resume_config())
     first = Stream(pb)
-    first.send(b"data: a\n\ndata: [DONE]\n\n")
-    pb.receive(first.up, first.backend.end())
-    client, commands = resume(pb, 2, first.last_id())
-    events = client.events(pb.take(2, commands))
-    assert isinstance(events[0], h11.Response) and events[0].status_code == 204
-    assert [type(e) for e in events[1:]] == [h11.EndOfMessage]
-    assert not closes(commands, 2)  # a clean answer: the connection stays
+    first.send(b"data: a\n\ndata: [DONE]\n\n", b"data: a\nid: {T}.1\n\ndata: [DONE]\nid: {T}.2\n\n")
+    pb >> data(-1, first.backend.end())
+    pb << SetTimer(timer=("linger", 1), at=30.0)
+    pb << Sends(1, first.client, lambda events: [type(e) for e in events] == [h11.EndOfMessage])
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    idle(pb, 1)
+    no_content = both(
+        h1_response(204), lambda events: [type(e) for e in events[1:]] == [h11.EndOfMessage]
+    )
+    resume(pb, 2, first.id(2), no_content)
+    idle(pb, 2)  # a clean answer: the connection stays
+
     # Over HTTP/2 too, and one event before the end still gets the event and the end.
-    _, events = h2_resume(pb, 3, first.last_id())
-    (head, *rest) = [
-        e for e in events if isinstance(e, h2.events.ResponseReceived | h2.events.DataReceived)
-    ]
-    assert (b":status", b"204") in head.headers and b"".join(e.data for e in rest) == b""
-    _, again = resume(pb, 4, first.last_id().replace(b".2", b".1"))
-    assert pb.take(4, again).startswith(b"HTTP/1.1 200 ")
+    def h2_no_content(events: Sequence[Any]) -> None:
+        (head,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+        assert (b":status", b"204") in head.headers and h2_body(events, 1) == b""
+
+    h2_resume(pb, 3, first.id(2), h2_no_content)
+    idle(pb, 3)
+    resume(pb, 4, first.id(1), h1_response(200))
+    idle(pb, 4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import h11
 from playbook import H1ClientPeer, Playbook
-from test_resume import SSE, Stream, body_of, closes, linger_timer, resume, resume_config
+from resume_setup import SSE, Stream, body_of, closes, linger_timer, resume, resume_config
 
 from muxproxy.config import RESUME_CREDENTIALS
 from muxproxy.core.commands import (

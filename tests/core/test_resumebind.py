@@ -14,7 +14,7 @@ import h2.events
 import h11
 import pytest
 from playbook import H2ClientPeer, Playbook
-from test_resume import SSE, Stream, resume, resume_config
+from resume_setup import SSE, Stream, resume, resume_config
 
 from muxproxy.config import RESUME_CREDENTIALS, SessionSource
 from muxproxy.core.http.credentials import credential_key
