@@ -11,7 +11,8 @@ Pingora's ``ProxyHttp`` and Envoy's HTTP filters do:
                               the group, set the tenant (:class:`Decision`)
 ``on_request_head_async``     the same, for a hook that does I/O; run by the driver under
                               the extension's ``timeout``
-``choose_server``             the servers the balancer would try; may name the first one
+``choose_server``             the servers left to try, on each placement (the first try, a
+                              retry, an admission from the queue); may name the next one
 ``on_response_head``          a backend's response head; may rewrite its headers
 ``on_sse_event``              each event of an SSE response (observe only)
 ``on_finish``                 the request ended (:class:`Outcome`)
@@ -153,8 +154,10 @@ class Extension:
         return None
 
     def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
-        """The usable servers of the group (``host:port``), in the order the balancer would
-        try them; the one to try first, or None to keep the balancer's choice. Must not
+        """Called on each placement: the first try, a retry to another server (a failure
+        before anything reached the client), an admission from the queue. ``candidates``:
+        the usable servers not tried yet (``host:port``), in the order the balancer would
+        try them; the one to try next, or None to keep the balancer's choice. Must not
         block."""
         return None
 

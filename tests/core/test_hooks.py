@@ -11,11 +11,29 @@ from typing import Any
 
 import attrs
 import h11
-from playbook import BACKEND, H1BackendPeer, H1ClientPeer, Playbook, default_config
+from checks import h1_response
+from playbook import (
+    BACKEND,
+    H1BackendPeer,
+    H1ClientPeer,
+    Playbook,
+    Sends,
+    data,
+    default_config,
+    open_failed,
+)
 
-from muxproxy.config import RateLimit, Route, Server, Upstream
+from muxproxy.config import AdmissionQueue, RateLimit, Route, Server, Upstream
 from muxproxy.config.extensions import ExtensionConfig, HookErrorPolicy
-from muxproxy.core.commands import ExtensionCall, Log, OpenConnection
+from muxproxy.core.commands import (
+    CancelTimer,
+    CloseConnection,
+    ExtensionCall,
+    Log,
+    OpenConnection,
+    Origin,
+    SetTimer,
+)
 from muxproxy.core.events import ExtensionAnswered
 from muxproxy.core.exchange.admit import tenant_of
 from muxproxy.core.ports import Phase
@@ -208,3 +226,91 @@ def test_a_client_that_leaves_while_an_async_hook_runs_ends_the_exchange() -> No
     pb.closed(1)
     assert pb.core.exchanges == {}
     assert opened(answer(pb, call, Decision())) == []  # the late answer finds nobody
+
+
+# -- choose_server on every placement ---------------------------------------------------------
+
+FIRST, SECOND, THIRD = (Origin(host="127.0.0.1", port=p) for p in (9001, 9002, 9003))
+
+
+class Picks(Extension):
+    """Names the last of the servers it is offered (a server of the settings' ``fail_on``-th
+    call raises), and records what it was offered."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.offered: list[list[str]] = []
+
+    def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
+        self.offered.append(list(candidates))
+        if len(self.offered) == self.settings.get("fail_on"):
+            raise RuntimeError("placement service down")
+        return candidates[-1]
+
+
+def placing(extension: Extension, *servers: Server, **group: Any) -> Any:
+    upstream = Upstream(name="default", servers=servers, **group)
+    entry = ExtensionConfig(module="tests:Picks", instance=extension)
+    return attrs.evolve(
+        default_config(),
+        upstreams={"default": upstream},
+        routes=(Route(prefix="/", upstream="default"),),
+        extensions=(entry,),
+    )
+
+
+def test_choose_server_names_the_retry_among_the_servers_not_tried() -> None:
+    picks = Picks({})
+    servers = (Server(address=str(o)) for o in (FIRST, SECOND, THIRD))
+    pb = Playbook(placing(picks, *servers))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=THIRD)
+    pb >> open_failed(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-2, origin=SECOND)  # the hook's, not the balancer's FIRST
+    pb.done()
+    assert picks.offered == [[str(FIRST), str(SECOND), str(THIRD)], [str(FIRST), str(SECOND)]]
+
+
+def test_choose_server_failing_on_a_retry_follows_on_error() -> None:
+    picks = Picks({"fail_on": 2})
+    pb = Playbook(placing(picks, Server(address=str(FIRST)), Server(address=str(SECOND))))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=SECOND)
+    pb >> open_failed(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(503, end=True))  # not the next server: reject
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert pb.core.measurements.extension_errors == {("Picks", "choose_server"): 1}
+
+
+def test_choose_server_runs_again_when_the_queue_admits_and_its_failure_answers() -> None:
+    picks = Picks({"fail_on": 3})
+    queue = AdmissionQueue(max=10, timeout=30)
+    pb = Playbook(placing(picks, Server(address=str(FIRST), max_streams=1), queue=queue))
+    first, second, backend = H1ClientPeer(), H1ClientPeer(), H1BackendPeer()
+    pb.accept(1)
+    (opening,) = opened(pb.receive(1, first.request()))
+    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    pb.receive(opening.conn, backend.sse_head())
+    pb.accept(2)
+    assert opened(pb.receive(2, second.request())) == []  # the server is full: it waits
+    assert picks.offered == [[str(FIRST)], [str(FIRST)]]
+    commands = pb.receive(opening.conn, backend.chunk(b"data: a\n\n") + backend.end())
+    # Admitted: the hook is asked again (its third call raises), so the second request is
+    # answered 503 by the extension's policy instead of being placed.
+    assert picks.offered == [[str(FIRST)], [str(FIRST)], [str(FIRST)]]
+    assert opened(commands) == []
+    (answer, *_) = second.events(pb.take(2, commands))
+    assert answer.status_code == 503

@@ -10,8 +10,10 @@ What it obeys, and why:
 - **Configuration order; the first answer wins.** ``on_request_head`` runs once the route is
   found (before the body is read, budgets reserved or a server chosen), each extension's sync
   hook then its async one; an answer ends the request, a rewrite is seen by the next
-  extension. ``choose_server`` runs when the servers are chosen: the first extension that
-  names one of the candidates puts it first.
+  extension. ``choose_server`` runs on every placement (the first try, a retry to the next
+  server, an admission from the queue) with the servers not tried yet: the first extension
+  that names one of them makes it the next try. (A continuation of a broken stream and the
+  stale retry, on the same server, are not placements.)
 - **The async hook is the driver's.** The exchange emits ``ExtensionCall`` and waits in
   AWAITING_HOOK; the driver awaits the hook under the extension's ``timeout`` and feeds
   ``ExtensionAnswered`` (the fleet budgets' RESERVING is the precedent). A client that leaves
@@ -225,11 +227,14 @@ class ExchangeHooks:
     # -- the servers, the response ----------------------------------------------------------
 
     def choose_server(self, exchange: Hooked, failover: Failover) -> bool:
-        """The first extension that names a candidate puts it first; False: answered."""
+        """A placement (the first, a retry, an admission from the queue): the first extension
+        that names one of the servers left (those not tried yet) makes it the next try;
+        False: answered."""
         servers = failover.group.servers
+        tried = failover.tries
         for index in self.chain.servers:
             config = self.chain.extensions[index]
-            candidates = [servers[i].address for i in failover.candidates]
+            candidates = [servers[i].address for i in failover.candidates[tried:]]
             view = self.view
             assert view is not None
             choice = _call(exchange, config, "choose_server", view, candidates)
@@ -243,8 +248,8 @@ class ExchangeHooks:
                 if not _policy(exchange, config, 503):
                     return False
                 continue
-            at = candidates.index(choice)
-            failover.candidates.insert(0, failover.candidates.pop(at))
+            at = tried + candidates.index(choice)
+            failover.candidates.insert(tried, failover.candidates.pop(at))
             return True
         return True
 
