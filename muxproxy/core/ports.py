@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 from muxproxy.config import Api, Route, Upstream
 from muxproxy.core.commands import Origin
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
     from muxproxy.core.observe.defencelog import DefenceLog
@@ -150,6 +150,7 @@ class ClientSide(Protocol):
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),
+        rewrite: AnswerRewrite | None = None,
     ) -> int: ...
     def abort(self, stream: int) -> None:
         """End ``stream``'s response visibly unfinished (RST_STREAM; an HTTP/1.1 close)."""

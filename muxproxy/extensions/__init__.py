@@ -3,7 +3,15 @@ loading from the configuration (:mod:`.loading`). See ``docs/extending.md``."""
 
 from __future__ import annotations
 
-from muxproxy.extensions.api import Answer, Decision, Extension, HeaderRewrite, Outcome, Request
+from muxproxy.extensions.api import (
+    Answer,
+    Decision,
+    Extension,
+    HeaderRewrite,
+    Outcome,
+    Request,
+    Response,
+)
 from muxproxy.extensions.loading import LoadError, load_extension
 
 __all__ = [
@@ -14,5 +22,6 @@ __all__ = [
     "LoadError",
     "Outcome",
     "Request",
+    "Response",
     "load_extension",
 ]

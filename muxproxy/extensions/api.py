@@ -13,7 +13,8 @@ Pingora's ``ProxyHttp`` and Envoy's HTTP filters do:
                               the extension's ``timeout``
 ``choose_server``             the servers left to try, on each placement (the first try, a
                               retry, an admission from the queue); may name the next one
-``on_response_head``          a backend's response head; may rewrite its headers
+``on_response_head``          a response head, the backend's or the proxy's own answer (an
+                              error, another extension's); may rewrite its headers
 ``on_sse_event``              each event of an SSE response (observe only)
 ``on_finish``                 the request ended (:class:`Outcome`)
 ============================  ==============================================================
@@ -48,6 +49,7 @@ __all__ = [
     "HeaderRewrite",
     "Outcome",
     "Request",
+    "Response",
 ]
 
 
@@ -71,11 +73,23 @@ class Request:
 
     def header(self, name: str) -> str | None:
         """The value of the first field called ``name`` (any case); None when absent."""
-        wanted = name.lower()
-        for key, value in self.headers:
-            if key == wanted:
-                return value
-        return None
+        return _first(self.headers, name)
+
+
+@attrs.frozen(kw_only=True)
+class Response:
+    """What ``on_response_head`` sees of a response head: a copy."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    """The response's fields in order, names lower case (latin-1 text)."""
+    from_backend: bool
+    """True: the backend's head. False: the proxy's own answer (a *local reply*, as Envoy
+    calls it): a 404 for no route, a 429, a 502/503/504, an extension's :class:`Answer`."""
+
+    def header(self, name: str) -> str | None:
+        """The value of the first field called ``name`` (any case); None when absent."""
+        return _first(self.headers, name)
 
 
 @attrs.frozen(kw_only=True)
@@ -161,10 +175,10 @@ class Extension:
         block."""
         return None
 
-    def on_response_head(
-        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
-    ) -> HeaderRewrite | None:
-        """A backend's response head before it goes to the client; None: no change."""
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
+        """A response head before it goes to the client, the backend's or the proxy's own
+        (``response.from_backend``); None: no change. A failure on the proxy's own answer
+        is logged and counted, and the answer goes out unchanged."""
         return None
 
     def on_sse_event(self, request: Request, event: bytes) -> None:
@@ -173,6 +187,14 @@ class Extension:
 
     def on_finish(self, request: Request, outcome: Outcome) -> None:
         """The request ended, whatever way. The last hook a request gets."""
+
+
+def _first(headers: tuple[tuple[str, str], ...], name: str) -> str | None:
+    wanted = name.lower()
+    for key, value in headers:
+        if key == wanted:
+            return value
+    return None
 
 
 HOOKS = (

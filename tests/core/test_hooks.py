@@ -10,12 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import h2.events
 import h11
-from checks import h1_response
+from checks import h1_response, h2_ended
 from playbook import (
     BACKEND,
     H1BackendPeer,
     H1ClientPeer,
+    H2ClientPeer,
     Playbook,
     Sends,
     data,
@@ -34,10 +36,18 @@ from muxproxy.core.commands import (
     Origin,
     SetTimer,
 )
-from muxproxy.core.events import ExtensionAnswered
+from muxproxy.core.events import ExtensionAnswered, OpenFailed
 from muxproxy.core.exchange.admit import tenant_of
 from muxproxy.core.ports import Phase
-from muxproxy.extensions import Answer, Decision, Extension, HeaderRewrite, Outcome, Request
+from muxproxy.extensions import (
+    Answer,
+    Decision,
+    Extension,
+    HeaderRewrite,
+    Outcome,
+    Request,
+    Response,
+)
 
 CANARY = "127.0.0.1:9009"
 
@@ -58,9 +68,7 @@ class Recorder(Extension):
         choose = self.settings.get("choose")
         return choose(candidates) if choose else None
 
-    def on_response_head(
-        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
-    ) -> HeaderRewrite | None:
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
         return HeaderRewrite(set={"x-seen-by": "recorder"}, remove=["x-backend-id"])
 
     def on_sse_event(self, request: Request, event: bytes) -> None:
@@ -90,7 +98,11 @@ def config(extension: Extension, on_error: HookErrorPolicy = HookErrorPolicy.REJ
 
 
 def start(extension: Extension, **kw: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
-    pb, client = Playbook(config(extension, **kw), ignore=()), H1ClientPeer()
+    return start_with(config(extension, **kw))
+
+
+def start_with(configured: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
+    pb, client = Playbook(configured, ignore=()), H1ClientPeer()
     pb.accept(1)
     headers = [("Authorization", "Bearer k1"), ("X-Drop", "1")]
     commands = pb.receive(1, client.request("GET", "/v1/models", headers))
@@ -314,3 +326,105 @@ def test_choose_server_runs_again_when_the_queue_admits_and_its_failure_answers(
     assert opened(commands) == []
     (answer, *_) = second.events(pb.take(2, commands))
     assert answer.status_code == 503
+
+
+# -- on_response_head sees the proxy's own answers ------------------------------------------
+
+
+class Traces(Extension):
+    """Adds a trace field to every response head (and tries to change an answer's framing);
+    records each head it saw; raises on the heads the settings' ``fail`` says."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
+        self.seen.append((response.status, response.from_backend))
+        if self.settings.get("fail"):
+            raise RuntimeError("tracer down")
+        assert response.header("Content-Type") is not None
+        return HeaderRewrite(set={"x-trace": "t1", "content-length": "0"}, remove=["date"])
+
+
+class Answers(Extension):
+    def on_request_head(self, request: Request) -> Decision | None:
+        return Decision(answer=Answer(status=401, message="no key"))
+
+
+def answering(*extensions: Extension, routes: tuple[Route, ...] | None = None) -> Any:
+    base = config(extensions[0])
+    entries = tuple(ExtensionConfig(module=f"t:E{i}", instance=e) for i, e in enumerate(extensions))
+    return attrs.evolve(base, extensions=entries, routes=routes or base.routes)
+
+
+def test_the_proxys_own_answers_pass_on_response_head_framing_kept() -> None:
+    traces = Traces({})
+    pb = Playbook(answering(traces, routes=(Route(prefix="/v1/chat", upstream="default"),)))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request("GET", "/elsewhere"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    no_route = h1_response(404, b"no route for this path\n", end=True, headers={b"x-trace": b"t1"})
+    pb << (reply := Sends(1, client, no_route))  # its body still framed by its own length
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert b"date" not in dict(reply.events[0].headers)
+    assert traces.seen == [(404, False)]
+
+
+def test_another_extensions_answer_and_a_502_pass_on_response_head_too() -> None:
+    traces = Traces({})
+    pb, client, _ = start_with(answering(Answers({}), traces))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 401 and (b"x-trace", b"t1") in head.headers
+    traces = Traces({})
+    pb, client, commands = start_with(answering(traces))
+    while openings := opened(commands):  # every server refuses: 502
+        commands = pb.feed(OpenFailed(now=pb.now, conn=openings[0].conn, reason="refused"))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 502 and (b"x-trace", b"t1") in head.headers
+    assert traces.seen == [(502, False)]
+
+
+def test_a_failure_on_the_proxys_own_answer_sends_it_unchanged() -> None:
+    traces = Traces({"fail": True})
+    pb, client, commands = start_with(answering(Answers({}), traces))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 401  # not a 503: the answer goes out as it was
+    assert not [v for k, v in head.headers if k == b"x-trace"]
+    assert pb.core.measurements.extension_errors == {("E1", "on_response_head"): 1}
+    (line,) = [c for c in commands if isinstance(c, Log) and c.event == "extension_error"]
+    assert line.fields["hook"] == "on_response_head"
+
+
+def test_the_backends_head_is_seen_as_the_backends() -> None:
+    traces = Traces({})
+    pb, client, commands = start_with(answering(traces))
+    (opening, *_) = opened(commands)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    pb.receive(opening.conn, backend.sse_head())
+    (head, *_) = client.events(pb.take(1))
+    assert (b"x-trace", b"t1") in head.headers
+    assert traces.seen == [(200, True)]
+
+
+def test_an_h2_clients_own_answer_is_rewritten_too() -> None:
+    traces = Traces({})
+    pb = Playbook(answering(traces, routes=(Route(prefix="/v1/chat", upstream="default"),)))
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, request = client.request(b"GET", b"/elsewhere")
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client)  # our SETTINGS
+    pb << CancelTimer(timer=("header", 1))
+    pb << (reply := Sends(1, client, h2_ended(sid)))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    (head,) = [e for e in reply.events if isinstance(e, h2.events.ResponseReceived)]
+    fields = dict(head.headers)
+    assert fields[b":status"] == b"404" and fields[b"x-trace"] == b"t1"
+    assert traces.seen == [(404, False)]
