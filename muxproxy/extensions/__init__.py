@@ -11,6 +11,7 @@ from muxproxy.extensions.api import (
     Outcome,
     Request,
     Response,
+    Settings,
 )
 from muxproxy.extensions.loading import LoadError, load_extension
 
@@ -23,5 +24,6 @@ __all__ = [
     "Outcome",
     "Request",
     "Response",
+    "Settings",
     "load_extension",
 ]

@@ -37,7 +37,9 @@ Pure: no import from the rest of muxproxy, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -50,6 +52,7 @@ __all__ = [
     "Outcome",
     "Request",
     "Response",
+    "Settings",
 ]
 
 
@@ -147,15 +150,54 @@ class Outcome:
     """The backend's address (empty when none was tried)."""
 
 
+class Settings(Mapping[str, Any]):
+    """An extension's ``settings`` table (read only), and the directory of the configuration
+    file it came from, so that a file a setting names is found the way TLS certificate paths
+    are: relative to the configuration file, not to wherever the proxy was started."""
+
+    __slots__ = ("_table", "config_dir")
+
+    def __init__(
+        self, table: Mapping[str, Any] | None = None, *, config_dir: str | PathLike[str] = "."
+    ) -> None:
+        self._table = dict(table or {})
+        self.config_dir = Path(config_dir)
+        """The configuration file's directory (``"."``, the working directory, for a
+        configuration that came from no file)."""
+
+    def path(self, key: str) -> Path:
+        """The setting ``key`` as a file path: a relative one is taken from ``config_dir``.
+        Raises ``KeyError`` when the setting is missing, ``TypeError`` when it is no
+        string."""
+        value = self._table[key]
+        if not isinstance(value, str):
+            raise TypeError(f"settings.{key}: expected a path, got {type(value).__name__}")
+        return self.config_dir / value  # an absolute ``value`` stays as it is
+
+    def __getitem__(self, key: str) -> Any:
+        return self._table[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._table!r}, config_dir={str(self.config_dir)!r})"
+
+
 class Extension:
     """The base of every extension; override the hooks you need (see the module).
 
-    The constructor takes the ``settings`` table of the configuration; raising there (a
-    missing setting, an unreadable file) makes the configuration invalid, with the message.
+    The constructor takes the ``settings`` table of the configuration (a :class:`Settings`
+    when the proxy makes it; ``self.settings.path(key)`` finds a file relative to the
+    configuration file); raising there (a missing setting, an unreadable file) makes the
+    configuration invalid, with the message.
     """
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
-        self.settings = settings
+        self.settings = settings if isinstance(settings, Settings) else Settings(settings)
 
     def on_request_head(self, request: Request) -> Decision | None:
         """The request head, once routed; None: no change. Must not block."""

@@ -34,7 +34,8 @@ def examples_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def example(name: str, tmp_path: Path, ports: list[int], **replace: str) -> Path:
-    """The example's TOML, listening on any port, with the backends at ``ports``."""
+    """The example's TOML, listening on any port, with the backends at ``ports``, in
+    ``tmp_path`` beside a copy of the key file (which it names relative to itself)."""
     text = (EXAMPLES / name).read_text().replace('"127.0.0.1:8080"', '"127.0.0.1:0"')
     for index, port in enumerate(ports):
         text = text.replace(f'"127.0.0.1:900{index + 1}"', f'"127.0.0.1:{port}"')
@@ -42,6 +43,7 @@ def example(name: str, tmp_path: Path, ports: list[int], **replace: str) -> Path
         text = text.replace(old, new)
     path = tmp_path / name
     path.write_text(text)
+    (tmp_path / "keys.txt").write_text((EXAMPLES / "keys.txt").read_text())
     return path
 
 
@@ -57,15 +59,8 @@ async def test_api_keys_answer_401_serve_known_keys_and_budget_each_key(
     tmp_path: Path, start_backend: Any, start_proxy: Any
 ) -> None:
     fake, port = await start_backend(tokens=10, delay=0.0)
-    keys = str(EXAMPLES / "keys.txt")
     path = example(
-        "apikeys.toml",
-        tmp_path,
-        [port],
-        **{
-            "examples/extensions/keys.txt": keys,
-            "tokens_per_minute = 20000": "tokens_per_minute = 25",
-        },
+        "apikeys.toml", tmp_path, [port], **{"tokens_per_minute = 20000": "tokens_per_minute = 25"}
     )
     proxy = await start_proxy(config=load_config(path))
     url = proxy.url + "/v1/chat/completions"
@@ -111,12 +106,7 @@ async def test_api_keys_in_muxproxy_serve_with_two_workers(
     ``PYTHONPATH``. Each worker builds its own instance from the configuration it is sent,
     so every connection (whichever worker accepts it) is checked against the key file."""
     fake, port = await start_backend(tokens=2, delay=0.0)
-    path = example(
-        "apikeys.toml",
-        tmp_path,
-        [port],
-        **{"examples/extensions/keys.txt": str(EXAMPLES / "keys.txt")},
-    )
+    path = example("apikeys.toml", tmp_path, [port])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), *sys.path])}
     known = {"authorization": "Bearer sk-team-a-0123456789"}
     with trio.fail_after(3 * TEST_TIMEOUT):
