@@ -329,6 +329,8 @@ class ExchangeHooks:
 
     def finish(self, exchange: Hooked) -> None:
         """The exchange ended: ``on_finish`` of each extension that has it."""
+        if not self.chain.finish:
+            return  # no record made for nobody (``bench/trivial_hook.py``)
         usage, meter = exchange.usage, exchange.meter
         tokens = usage.completion_tokens if usage is not None else None
         if tokens is None and meter is not None:
