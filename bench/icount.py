@@ -36,6 +36,8 @@ Modes:
     python bench/icount.py --modes token,openai --src /tmp/wt-old   # an older checkout
     python bench/icount.py --run openai 100  # one plain run (no valgrind), for profiling
     python bench/icount.py --h11 mypyc       # h11's compiled fork (pip install h11-mypyc)
+    python bench/icount.py --modes request --extension trivial_hook:RequestHeadOnly
+                                             # what a hook costs (``[[extensions]]``)
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ SIZES = {"token": (200, 1200), "token-h2": (200, 1200), "batch": (20, 120), "req
 BATCH = 32
 H11_ENV = "ICOUNT_H11"
 """``--h11``, passed to the runs under valgrind."""
+EXTENSION_ENV = "ICOUNT_EXTENSION"
+"""``--extension``, passed to the runs under valgrind."""
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
 GET_RESPONSE = (
@@ -130,6 +134,13 @@ async def serve_through_proxy(mode: str, n: int) -> None:
     listener.listen(BATCH)
     listener.setblocking(False)
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{listener.getsockname()[1]}"])
+    if os.environ.get(EXTENSION_ENV):
+        import attrs
+
+        from muxproxy.config.extensions import ExtensionConfig
+
+        extension = ExtensionConfig(module=os.environ[EXTENSION_ENV])
+        config = attrs.evolve(config, extensions=(extension,))
     async with trio.open_nursery() as nursery:
         addresses = await nursery.start(ProxyServer(config).run)
         pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -309,8 +320,15 @@ def main() -> None:
         default=os.environ.get(H11_ENV, "pure"),
         help="mypyc: import h11_mypyc (h11's compiled fork, beside h11) as h11",
     )
+    parser.add_argument(
+        "--extension",
+        default=os.environ.get(EXTENSION_ENV, ""),
+        metavar="MODULE:CLASS",
+        help="configure this extension (importable from bench/, e.g. trivial_hook:RequestHeadOnly)",
+    )
     args = parser.parse_args()
     os.environ[H11_ENV] = args.h11  # the runs under valgrind inherit it
+    os.environ[EXTENSION_ENV] = args.extension
     if args.h11 == "mypyc":
         import h11_mypyc
 
@@ -323,7 +341,9 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    print(f"muxproxy from {args.src.resolve()}, Python {sys.version.split()[0]}, h11 {args.h11}\n")
+    extension = f", extension {args.extension}" if args.extension else ""
+    python = sys.version.split()[0]
+    print(f"muxproxy from {args.src.resolve()}, Python {python}, h11 {args.h11}{extension}\n")
     print("| mode | unit | instructions per unit |\n|---|---|---:|")
     for mode in modes:
         unit = {"token": "token", "token-h2": "token", "batch": "token"}.get(mode, "request")

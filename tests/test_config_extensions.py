@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from muxproxy.config import ConfigError, parse_config
+from muxproxy.config import ConfigError, load_config, parse_config
 from muxproxy.config.extensions import HookErrorPolicy
-from muxproxy.extensions import Extension
+from muxproxy.extensions import Extension, Settings
 
 BASE: dict[str, Any] = {
     "listeners": [{"address": "127.0.0.1:0"}],
@@ -19,7 +19,7 @@ BASE: dict[str, Any] = {
 }
 
 MODULE = """
-from muxproxy.extensions import Extension
+from muxproxy.extensions import Extension, Settings
 
 class Needs(Extension):
     def __init__(self, settings):
@@ -90,3 +90,46 @@ def test_extensions_must_be_an_array_of_tables() -> None:
         ]
     else:
         raise AssertionError("accepted")
+
+
+PATHS_MODULE = """
+from muxproxy.extensions import Extension, Settings
+
+class ReadsFile(Extension):
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.text = self.settings.path("file").read_text()
+"""
+
+
+def test_a_relative_path_in_settings_starts_at_the_configuration_files_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hookmod_paths.py").write_text(PATHS_MODULE)
+    conf = tmp_path / "conf"
+    (conf / "keys").mkdir(parents=True)
+    (conf / "keys" / "list.txt").write_text("from beside the configuration\n")
+    (conf / "muxproxy.toml").write_text(
+        '[[listeners]]\naddress = "127.0.0.1:0"\n'
+        '[upstreams.gpus]\nservers = ["127.0.0.1:9001"]\n'
+        '[[extensions]]\nmodule = "hookmod_paths:ReadsFile"\n'
+        'settings = { file = "keys/list.txt" }\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not where the configuration is
+    config = load_config(Path("..") / "conf" / "muxproxy.toml")
+    (loaded,) = config.extensions
+    assert loaded.instance.text == "from beside the configuration\n"
+    assert loaded.instance.settings.config_dir == conf.resolve()
+    monkeypatch.chdir(tmp_path)  # a worker elsewhere makes it again from the same file
+    again = pickle.loads(pickle.dumps(config))
+    assert again.extensions[0].instance.text == "from beside the configuration\n"
+
+
+def test_settings_path_keeps_an_absolute_path_and_refuses_a_non_string(tmp_path: Path) -> None:
+    settings = Settings({"a": str(tmp_path / "k.txt"), "n": 3}, config_dir="/etc/muxproxy")
+    assert settings.path("a") == tmp_path / "k.txt"
+    assert dict(settings) == {"a": str(tmp_path / "k.txt"), "n": 3}
+    with pytest.raises(TypeError, match=r"settings\.n: expected a path"):
+        settings.path("n")

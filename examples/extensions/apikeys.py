@@ -1,10 +1,11 @@
 """API-key authentication against a file of keys, with a tenant per key for the budgets.
 
-The file (``settings.keys``) holds one ``KEY TENANT`` pair a line (``#`` starts a comment); it
-is read once, when the configuration is loaded (``muxproxy check``, the start, each reload),
-so a request never touches the disk. A request without ``Authorization: Bearer KEY``, or with
-a key not in the file, is answered 401 with the OpenAI error object (on an ``api = "openai"``
-route) and never reaches a backend; a known key's tenant is the one the group's
+The file (``settings.keys``, relative to the configuration file's directory unless absolute)
+holds one ``KEY TENANT`` pair a line (``#`` starts a comment); it is read once, when the
+configuration is loaded (``muxproxy check``, the start, each reload), so a request never
+touches the disk. A request without ``Authorization: Bearer KEY``, or with a key not in the
+file, is answered 401 with the OpenAI error object (on an ``api = "openai"`` route) and never
+reaches a backend; a known key's tenant is the one the group's
 ``rate_limit`` counts, so each key gets its own token budget.
 
     [[extensions]]
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from muxproxy.extensions import Answer, Decision, Extension, Request
 
 
-def read_keys(path: str) -> dict[str, str]:
+def read_keys(path: Path) -> dict[str, str]:
     """``key -> tenant`` from the file at ``path``; raises ``ValueError`` naming a bad line."""
     keys: dict[str, str] = {}
     with open(path, encoding="utf-8") as file:
@@ -41,7 +43,7 @@ class ApiKeys(Extension):
         super().__init__(settings)
         if "keys" not in settings:
             raise ValueError('settings.keys: missing; expected the path of a "KEY TENANT" file')
-        self.keys = read_keys(str(settings["keys"]))
+        self.keys = read_keys(self.settings.path("keys"))  # from the configuration's directory
 
     def on_request_head(self, request: Request) -> Decision | None:
         value = request.header("authorization") or ""

@@ -9,6 +9,7 @@ reload makes them afresh.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from muxproxy.config.checker import Checker, Key, describe
@@ -51,6 +52,8 @@ def extension_tables(check: Checker, value: Any) -> tuple[ExtensionConfig, ...]:
     if value is None:
         return ()
     items = check.array(value, "extensions", "an array of tables ([[extensions]])")
+    # Absolute, so that a worker that makes the extension again finds the same files.
+    config_dir = os.path.abspath(check.base_dir or os.curdir)
     out: list[ExtensionConfig] = []
     for index, item in enumerate(items or ()):
         path = f"extensions[{index}]"
@@ -58,9 +61,9 @@ def extension_tables(check: Checker, value: Any) -> tuple[ExtensionConfig, ...]:
         if values is None:
             continue
         try:
-            instance = load_extension(values["module"], values.get("settings", {}))
+            instance = load_extension(values["module"], values.get("settings", {}), config_dir)
         except LoadError as exc:
             check.add(f"{path}.module", str(exc))
             continue
-        out.append(ExtensionConfig(**values, instance=instance))
+        out.append(ExtensionConfig(**values, config_dir=config_dir, instance=instance))
     return tuple(out)

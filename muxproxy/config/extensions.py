@@ -43,7 +43,12 @@ class ExtensionConfig:
     ``muxproxy.extensions.Extension``; its module must be importable (installed, or on
     ``PYTHONPATH``)."""
     settings: Mapping[str, Any] = attrs.field(factory=dict)
-    """Any table: handed to the class's constructor as it is."""
+    """Any table: handed to the class's constructor. An extension that reads a file a
+    setting names with ``settings.path(key)`` takes a relative path from the configuration
+    file's directory, as TLS file paths are."""
+    config_dir: str = "."
+    """The configuration file's directory, absolute: where a relative path in ``settings``
+    starts (``Settings.path``), as for TLS files."""
     timeout: float = 1.0
     """Seconds its ``on_request_head_async`` hook may take before it counts as failed."""
     on_error: HookErrorPolicy = HookErrorPolicy.REJECT
@@ -52,7 +57,9 @@ class ExtensionConfig:
     instance: Extension = attrs.field(
         eq=False,
         repr=False,
-        default=attrs.Factory(lambda self: load_extension(self.module, self.settings), True),
+        default=attrs.Factory(
+            lambda self: load_extension(self.module, self.settings, self.config_dir), True
+        ),
     )
     """The extension made from ``module`` and ``settings`` (made here when not given;
     raises ``LoadError``)."""
@@ -63,14 +70,24 @@ class ExtensionConfig:
         return self.module.rpartition(":")[2]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_remade, (self.module, dict(self.settings), self.timeout, self.on_error))
+        fields = (self.module, dict(self.settings), self.config_dir, self.timeout, self.on_error)
+        return (_remade, fields)
 
 
 def _remade(
-    module: str, settings: Mapping[str, Any], timeout: float, on_error: HookErrorPolicy
+    module: str,
+    settings: Mapping[str, Any],
+    config_dir: str,
+    timeout: float,
+    on_error: HookErrorPolicy,
 ) -> ExtensionConfig:
     """The record unpickled in another process: its extension made again there."""
-    instance = load_extension(module, settings)
+    instance = load_extension(module, settings, config_dir)
     return ExtensionConfig(
-        module=module, settings=settings, timeout=timeout, on_error=on_error, instance=instance
+        module=module,
+        settings=settings,
+        config_dir=config_dir,
+        timeout=timeout,
+        on_error=on_error,
+        instance=instance,
     )

@@ -8,13 +8,16 @@ case-insensitive; HTTP/2 requires lower case on the wire, RFC 9113 §8.2).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 Headers = list[tuple[bytes, bytes]]
 Fields = Sequence[tuple[bytes, bytes]]
 """Fields only read (``Headers`` is what is built up and handed on)."""
+AnswerRewrite = Callable[[int, Headers], Headers]
+"""What the fields of one of the proxy's own answers (status, fields) become before they go
+out: the extensions' ``on_response_head`` (``exchange/hooked.py``)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 from muxproxy.config import Api, Route, Upstream
 from muxproxy.core.commands import Origin
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
     from muxproxy.core.observe.defencelog import DefenceLog
@@ -190,6 +190,7 @@ class ClientSide(TunnelClient, Protocol):
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),
+        rewrite: AnswerRewrite | None = None,
     ) -> int: ...
     def refuse_slow_body(
         self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes

@@ -3,7 +3,16 @@ loading from the configuration (:mod:`.loading`). See ``docs/extending.md``."""
 
 from __future__ import annotations
 
-from muxproxy.extensions.api import Answer, Decision, Extension, HeaderRewrite, Outcome, Request
+from muxproxy.extensions.api import (
+    Answer,
+    Decision,
+    Extension,
+    HeaderRewrite,
+    Outcome,
+    Request,
+    Response,
+    Settings,
+)
 from muxproxy.extensions.loading import LoadError, load_extension
 
 __all__ = [
@@ -14,5 +23,7 @@ __all__ = [
     "LoadError",
     "Outcome",
     "Request",
+    "Response",
+    "Settings",
     "load_extension",
 ]

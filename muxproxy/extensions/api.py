@@ -11,8 +11,10 @@ Pingora's ``ProxyHttp`` and Envoy's HTTP filters do:
                               the group, set the tenant (:class:`Decision`)
 ``on_request_head_async``     the same, for a hook that does I/O; run by the driver under
                               the extension's ``timeout``
-``choose_server``             the servers the balancer would try; may name the first one
-``on_response_head``          a backend's response head; may rewrite its headers
+``choose_server``             the servers left to try, on each placement (the first try, a
+                              retry, an admission from the queue); may name the next one
+``on_response_head``          a response head, the backend's or the proxy's own answer (an
+                              error, another extension's); may rewrite its headers
 ``on_sse_event``              each event of an SSE response (observe only)
 ``on_finish``                 the request ended (:class:`Outcome`)
 ============================  ==============================================================
@@ -35,7 +37,9 @@ Pure: no import from the rest of muxproxy, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -47,6 +51,8 @@ __all__ = [
     "HeaderRewrite",
     "Outcome",
     "Request",
+    "Response",
+    "Settings",
 ]
 
 
@@ -70,11 +76,23 @@ class Request:
 
     def header(self, name: str) -> str | None:
         """The value of the first field called ``name`` (any case); None when absent."""
-        wanted = name.lower()
-        for key, value in self.headers:
-            if key == wanted:
-                return value
-        return None
+        return _first(self.headers, name)
+
+
+@attrs.frozen(kw_only=True)
+class Response:
+    """What ``on_response_head`` sees of a response head: a copy."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    """The response's fields in order, names lower case (latin-1 text)."""
+    from_backend: bool
+    """True: the backend's head. False: the proxy's own answer (a *local reply*, as Envoy
+    calls it): a 404 for no route, a 429, a 502/503/504, an extension's :class:`Answer`."""
+
+    def header(self, name: str) -> str | None:
+        """The value of the first field called ``name`` (any case); None when absent."""
+        return _first(self.headers, name)
 
 
 @attrs.frozen(kw_only=True)
@@ -132,15 +150,54 @@ class Outcome:
     """The backend's address (empty when none was tried)."""
 
 
+class Settings(Mapping[str, Any]):
+    """An extension's ``settings`` table (read only), and the directory of the configuration
+    file it came from, so that a file a setting names is found the way TLS certificate paths
+    are: relative to the configuration file, not to wherever the proxy was started."""
+
+    __slots__ = ("_table", "config_dir")
+
+    def __init__(
+        self, table: Mapping[str, Any] | None = None, *, config_dir: str | PathLike[str] = "."
+    ) -> None:
+        self._table = dict(table or {})
+        self.config_dir = Path(config_dir)
+        """The configuration file's directory (``"."``, the working directory, for a
+        configuration that came from no file)."""
+
+    def path(self, key: str) -> Path:
+        """The setting ``key`` as a file path: a relative one is taken from ``config_dir``.
+        Raises ``KeyError`` when the setting is missing, ``TypeError`` when it is no
+        string."""
+        value = self._table[key]
+        if not isinstance(value, str):
+            raise TypeError(f"settings.{key}: expected a path, got {type(value).__name__}")
+        return self.config_dir / value  # an absolute ``value`` stays as it is
+
+    def __getitem__(self, key: str) -> Any:
+        return self._table[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._table!r}, config_dir={str(self.config_dir)!r})"
+
+
 class Extension:
     """The base of every extension; override the hooks you need (see the module).
 
-    The constructor takes the ``settings`` table of the configuration; raising there (a
-    missing setting, an unreadable file) makes the configuration invalid, with the message.
+    The constructor takes the ``settings`` table of the configuration (a :class:`Settings`
+    when the proxy makes it; ``self.settings.path(key)`` finds a file relative to the
+    configuration file); raising there (a missing setting, an unreadable file) makes the
+    configuration invalid, with the message.
     """
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
-        self.settings = settings
+        self.settings = settings if isinstance(settings, Settings) else Settings(settings)
 
     def on_request_head(self, request: Request) -> Decision | None:
         """The request head, once routed; None: no change. Must not block."""
@@ -153,15 +210,17 @@ class Extension:
         return None
 
     def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
-        """The usable servers of the group (``host:port``), in the order the balancer would
-        try them; the one to try first, or None to keep the balancer's choice. Must not
+        """Called on each placement: the first try, a retry to another server (a failure
+        before anything reached the client), an admission from the queue. ``candidates``:
+        the usable servers not tried yet (``host:port``), in the order the balancer would
+        try them; the one to try next, or None to keep the balancer's choice. Must not
         block."""
         return None
 
-    def on_response_head(
-        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
-    ) -> HeaderRewrite | None:
-        """A backend's response head before it goes to the client; None: no change."""
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
+        """A response head before it goes to the client, the backend's or the proxy's own
+        (``response.from_backend``); None: no change. A failure on the proxy's own answer
+        is logged and counted, and the answer goes out unchanged."""
         return None
 
     def on_sse_event(self, request: Request, event: bytes) -> None:
@@ -170,6 +229,14 @@ class Extension:
 
     def on_finish(self, request: Request, outcome: Outcome) -> None:
         """The request ended, whatever way. The last hook a request gets."""
+
+
+def _first(headers: tuple[tuple[str, str], ...], name: str) -> str | None:
+    wanted = name.lower()
+    for key, value in headers:
+        if key == wanted:
+            return value
+    return None
 
 
 HOOKS = (

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from os import PathLike
 from typing import Any
 
-from muxproxy.extensions.api import Extension
+from muxproxy.extensions.api import Extension, Settings
 
 __all__ = ["LoadError", "load_extension", "split_name"]
 
@@ -33,9 +34,12 @@ def split_name(name: str) -> tuple[str, str] | None:
     return module, attribute
 
 
-def load_extension(name: str, settings: Mapping[str, Any]) -> Extension:
-    """The extension ``name`` (``"pkg.mod:Class"``) made with ``settings``. Raises
-    :class:`LoadError`."""
+def load_extension(
+    name: str, settings: Mapping[str, Any], config_dir: str | PathLike[str] = "."
+) -> Extension:
+    """The extension ``name`` (``"pkg.mod:Class"``) made with ``settings``, given as
+    :class:`~muxproxy.extensions.api.Settings` of ``config_dir`` (the configuration file's
+    directory). Raises :class:`LoadError`."""
     parts = split_name(name)
     if parts is None:
         raise LoadError(f'expected "package.module:Class", got {name!r}')
@@ -59,6 +63,6 @@ def load_extension(name: str, settings: Mapping[str, Any]) -> Extension:
             " from that class"
         )
     try:
-        return target(settings)
+        return target(Settings(settings, config_dir=config_dir))
     except Exception as exc:  # the constructor judged its settings: its message is the fix
         raise LoadError(f"{name} refused its settings: {type(exc).__name__}: {exc}") from None

@@ -10,16 +10,44 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import h2.events
 import h11
-from playbook import BACKEND, H1BackendPeer, H1ClientPeer, Playbook, default_config
+from checks import h1_response, h2_ended
+from playbook import (
+    BACKEND,
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    data,
+    default_config,
+    open_failed,
+)
 
-from muxproxy.config import RateLimit, Route, Server, Upstream
+from muxproxy.config import AdmissionQueue, RateLimit, Route, Server, Upstream
 from muxproxy.config.extensions import ExtensionConfig, HookErrorPolicy
-from muxproxy.core.commands import ExtensionCall, Log, OpenConnection
-from muxproxy.core.events import ExtensionAnswered
+from muxproxy.core.commands import (
+    CancelTimer,
+    CloseConnection,
+    ExtensionCall,
+    Log,
+    OpenConnection,
+    Origin,
+    SetTimer,
+)
+from muxproxy.core.events import ExtensionAnswered, OpenFailed
 from muxproxy.core.exchange.admit import tenant_of
 from muxproxy.core.ports import Phase
-from muxproxy.extensions import Answer, Decision, Extension, HeaderRewrite, Outcome, Request
+from muxproxy.extensions import (
+    Answer,
+    Decision,
+    Extension,
+    HeaderRewrite,
+    Outcome,
+    Request,
+    Response,
+)
 
 CANARY = "127.0.0.1:9009"
 
@@ -40,9 +68,7 @@ class Recorder(Extension):
         choose = self.settings.get("choose")
         return choose(candidates) if choose else None
 
-    def on_response_head(
-        self, request: Request, status: int, headers: Sequence[tuple[str, str]]
-    ) -> HeaderRewrite | None:
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
         return HeaderRewrite(set={"x-seen-by": "recorder"}, remove=["x-backend-id"])
 
     def on_sse_event(self, request: Request, event: bytes) -> None:
@@ -72,7 +98,11 @@ def config(extension: Extension, on_error: HookErrorPolicy = HookErrorPolicy.REJ
 
 
 def start(extension: Extension, **kw: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
-    pb, client = Playbook(config(extension, **kw), ignore=()), H1ClientPeer()
+    return start_with(config(extension, **kw))
+
+
+def start_with(configured: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
+    pb, client = Playbook(configured, ignore=()), H1ClientPeer()
     pb.accept(1)
     headers = [("Authorization", "Bearer k1"), ("X-Drop", "1")]
     commands = pb.receive(1, client.request("GET", "/v1/models", headers))
@@ -208,3 +238,193 @@ def test_a_client_that_leaves_while_an_async_hook_runs_ends_the_exchange() -> No
     pb.closed(1)
     assert pb.core.exchanges == {}
     assert opened(answer(pb, call, Decision())) == []  # the late answer finds nobody
+
+
+# -- choose_server on every placement ---------------------------------------------------------
+
+FIRST, SECOND, THIRD = (Origin(host="127.0.0.1", port=p) for p in (9001, 9002, 9003))
+
+
+class Picks(Extension):
+    """Names the last of the servers it is offered (a server of the settings' ``fail_on``-th
+    call raises), and records what it was offered."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.offered: list[list[str]] = []
+
+    def choose_server(self, request: Request, candidates: Sequence[str]) -> str | None:
+        self.offered.append(list(candidates))
+        if len(self.offered) == self.settings.get("fail_on"):
+            raise RuntimeError("placement service down")
+        return candidates[-1]
+
+
+def placing(extension: Extension, *servers: Server, **group: Any) -> Any:
+    upstream = Upstream(name="default", servers=servers, **group)
+    entry = ExtensionConfig(module="tests:Picks", instance=extension)
+    return attrs.evolve(
+        default_config(),
+        upstreams={"default": upstream},
+        routes=(Route(prefix="/", upstream="default"),),
+        extensions=(entry,),
+    )
+
+
+def test_choose_server_names_the_retry_among_the_servers_not_tried() -> None:
+    picks = Picks({})
+    servers = (Server(address=str(o)) for o in (FIRST, SECOND, THIRD))
+    pb = Playbook(placing(picks, *servers))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=THIRD)
+    pb >> open_failed(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-2, origin=SECOND)  # the hook's, not the balancer's FIRST
+    pb.done()
+    assert picks.offered == [[str(FIRST), str(SECOND), str(THIRD)], [str(FIRST), str(SECOND)]]
+
+
+def test_choose_server_failing_on_a_retry_follows_on_error() -> None:
+    picks = Picks({"fail_on": 2})
+    pb = Playbook(placing(picks, Server(address=str(FIRST)), Server(address=str(SECOND))))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=SECOND)
+    pb >> open_failed(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(503, end=True))  # not the next server: reject
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert pb.core.measurements.extension_errors == {("Picks", "choose_server"): 1}
+
+
+def test_choose_server_runs_again_when_the_queue_admits_and_its_failure_answers() -> None:
+    picks = Picks({"fail_on": 3})
+    queue = AdmissionQueue(max=10, timeout=30)
+    pb = Playbook(placing(picks, Server(address=str(FIRST), max_streams=1), queue=queue))
+    first, second, backend = H1ClientPeer(), H1ClientPeer(), H1BackendPeer()
+    pb.accept(1)
+    (opening,) = opened(pb.receive(1, first.request()))
+    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    pb.receive(opening.conn, backend.sse_head())
+    pb.accept(2)
+    assert opened(pb.receive(2, second.request())) == []  # the server is full: it waits
+    assert picks.offered == [[str(FIRST)], [str(FIRST)]]
+    commands = pb.receive(opening.conn, backend.chunk(b"data: a\n\n") + backend.end())
+    # Admitted: the hook is asked again (its third call raises), so the second request is
+    # answered 503 by the extension's policy instead of being placed.
+    assert picks.offered == [[str(FIRST)], [str(FIRST)], [str(FIRST)]]
+    assert opened(commands) == []
+    (answer, *_) = second.events(pb.take(2, commands))
+    assert answer.status_code == 503
+
+
+# -- on_response_head sees the proxy's own answers ------------------------------------------
+
+
+class Traces(Extension):
+    """Adds a trace field to every response head (and tries to change an answer's framing);
+    records each head it saw; raises on the heads the settings' ``fail`` says."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_response_head(self, request: Request, response: Response) -> HeaderRewrite | None:
+        self.seen.append((response.status, response.from_backend))
+        if self.settings.get("fail"):
+            raise RuntimeError("tracer down")
+        assert response.header("Content-Type") is not None
+        return HeaderRewrite(set={"x-trace": "t1", "content-length": "0"}, remove=["date"])
+
+
+class Answers(Extension):
+    def on_request_head(self, request: Request) -> Decision | None:
+        return Decision(answer=Answer(status=401, message="no key"))
+
+
+def answering(*extensions: Extension, routes: tuple[Route, ...] | None = None) -> Any:
+    base = config(extensions[0])
+    entries = tuple(ExtensionConfig(module=f"t:E{i}", instance=e) for i, e in enumerate(extensions))
+    return attrs.evolve(base, extensions=entries, routes=routes or base.routes)
+
+
+def test_the_proxys_own_answers_pass_on_response_head_framing_kept() -> None:
+    traces = Traces({})
+    pb = Playbook(answering(traces, routes=(Route(prefix="/v1/chat", upstream="default"),)))
+    client = H1ClientPeer()
+    pb.accept(1)
+    pb >> data(1, client.request("GET", "/elsewhere"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    no_route = h1_response(404, b"no route for this path\n", end=True, headers={b"x-trace": b"t1"})
+    pb << (reply := Sends(1, client, no_route))  # its body still framed by its own length
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert b"date" not in dict(reply.events[0].headers)
+    assert traces.seen == [(404, False)]
+
+
+def test_another_extensions_answer_and_a_502_pass_on_response_head_too() -> None:
+    traces = Traces({})
+    pb, client, _ = start_with(answering(Answers({}), traces))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 401 and (b"x-trace", b"t1") in head.headers
+    traces = Traces({})
+    pb, client, commands = start_with(answering(traces))
+    while openings := opened(commands):  # every server refuses: 502
+        commands = pb.feed(OpenFailed(now=pb.now, conn=openings[0].conn, reason="refused"))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 502 and (b"x-trace", b"t1") in head.headers
+    assert traces.seen == [(502, False)]
+
+
+def test_a_failure_on_the_proxys_own_answer_sends_it_unchanged() -> None:
+    traces = Traces({"fail": True})
+    pb, client, commands = start_with(answering(Answers({}), traces))
+    (head, *_) = client.events(pb.take(1))
+    assert head.status_code == 401  # not a 503: the answer goes out as it was
+    assert not [v for k, v in head.headers if k == b"x-trace"]
+    assert pb.core.measurements.extension_errors == {("E1", "on_response_head"): 1}
+    (line,) = [c for c in commands if isinstance(c, Log) and c.event == "extension_error"]
+    assert line.fields["hook"] == "on_response_head"
+
+
+def test_the_backends_head_is_seen_as_the_backends() -> None:
+    traces = Traces({})
+    pb, client, commands = start_with(answering(traces))
+    (opening, *_) = opened(commands)
+    backend = H1BackendPeer()
+    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
+    pb.receive(opening.conn, backend.sse_head())
+    (head, *_) = client.events(pb.take(1))
+    assert (b"x-trace", b"t1") in head.headers
+    assert traces.seen == [(200, True)]
+
+
+def test_an_h2_clients_own_answer_is_rewritten_too() -> None:
+    traces = Traces({})
+    pb = Playbook(answering(traces, routes=(Route(prefix="/v1/chat", upstream="default"),)))
+    pb.accept(1)
+    client = H2ClientPeer()
+    sid, request = client.request(b"GET", b"/elsewhere")
+    pb >> data(1, client.preface() + request)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client)  # our SETTINGS
+    pb << CancelTimer(timer=("header", 1))
+    pb << (reply := Sends(1, client, h2_ended(sid)))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    (head,) = [e for e in reply.events if isinstance(e, h2.events.ResponseReceived)]
+    fields = dict(head.headers)
+    assert fields[b":status"] == b"404" and fields[b"x-trace"] == b"t1"
+    assert traces.seen == [(404, False)]

@@ -23,6 +23,7 @@ from processes import proxy_process
 
 from muxproxy.config import load_config
 from muxproxy.testing.fakellm import MODEL
+from muxproxy.trio.control import LocalControl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "extensions"
 TEST_TIMEOUT = 10.0
@@ -34,7 +35,8 @@ def examples_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def example(name: str, tmp_path: Path, ports: list[int], **replace: str) -> Path:
-    """The example's TOML, listening on any port, with the backends at ``ports``."""
+    """The example's TOML, listening on any port, with the backends at ``ports``, in
+    ``tmp_path`` beside a copy of the key file (which it names relative to itself)."""
     text = (EXAMPLES / name).read_text().replace('"127.0.0.1:8080"', '"127.0.0.1:0"')
     for index, port in enumerate(ports):
         text = text.replace(f'"127.0.0.1:900{index + 1}"', f'"127.0.0.1:{port}"')
@@ -42,6 +44,7 @@ def example(name: str, tmp_path: Path, ports: list[int], **replace: str) -> Path
         text = text.replace(old, new)
     path = tmp_path / name
     path.write_text(text)
+    (tmp_path / "keys.txt").write_text((EXAMPLES / "keys.txt").read_text())
     return path
 
 
@@ -57,15 +60,8 @@ async def test_api_keys_answer_401_serve_known_keys_and_budget_each_key(
     tmp_path: Path, start_backend: Any, start_proxy: Any
 ) -> None:
     fake, port = await start_backend(tokens=10, delay=0.0)
-    keys = str(EXAMPLES / "keys.txt")
     path = example(
-        "apikeys.toml",
-        tmp_path,
-        [port],
-        **{
-            "examples/extensions/keys.txt": keys,
-            "tokens_per_minute = 20000": "tokens_per_minute = 25",
-        },
+        "apikeys.toml", tmp_path, [port], **{"tokens_per_minute = 20000": "tokens_per_minute = 25"}
     )
     proxy = await start_proxy(config=load_config(path))
     url = proxy.url + "/v1/chat/completions"
@@ -111,12 +107,7 @@ async def test_api_keys_in_muxproxy_serve_with_two_workers(
     ``PYTHONPATH``. Each worker builds its own instance from the configuration it is sent,
     so every connection (whichever worker accepts it) is checked against the key file."""
     fake, port = await start_backend(tokens=2, delay=0.0)
-    path = example(
-        "apikeys.toml",
-        tmp_path,
-        [port],
-        **{"examples/extensions/keys.txt": str(EXAMPLES / "keys.txt")},
-    )
+    path = example("apikeys.toml", tmp_path, [port])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), *sys.path])}
     known = {"authorization": "Bearer sk-team-a-0123456789"}
     with trio.fail_after(3 * TEST_TIMEOUT):
@@ -133,3 +124,38 @@ async def test_api_keys_in_muxproxy_serve_with_two_workers(
                     assert served.status_code == 200
             nursery.cancel_scope.cancel()
     assert fake.requests == 4
+
+
+async def test_a_reload_makes_the_extensions_again_and_a_bad_one_keeps_the_old(
+    tmp_path: Path, start_backend: Any, start_proxy: Any
+) -> None:
+    """A reload (``LocalControl.reload``: the file read again, then ``ProxyServer.reload``)
+    makes each extension afresh with its new settings; settings its constructor refuses
+    refuse the reload, naming ``extensions[0]``, and the extensions running keep serving."""
+    _, port = await start_backend(tokens=2, delay=0.0)
+    path = example("apikeys.toml", tmp_path, [port])
+    proxy = await start_proxy(config=load_config(path))
+    control = LocalControl(proxy.server, config_path=path)
+    url = proxy.url + "/v1/chat/completions"
+    old_key = {"authorization": "Bearer sk-team-a-0123456789"}
+    new_key = {"authorization": "Bearer sk-rotated-000"}
+    (tmp_path / "rotated.txt").write_text("sk-rotated-000 team-c\n")
+    text = path.read_text()
+    with trio.fail_after(TEST_TIMEOUT):
+        async with httpx.AsyncClient() as client:
+
+            async def statuses() -> tuple[int, int]:
+                old = await client.post(url, json=chat(), headers=old_key)
+                new = await client.post(url, json=chat(), headers=new_key)
+                return old.status_code, new.status_code
+
+            assert await statuses() == (200, 401)
+            path.write_text(text.replace('keys = "keys.txt"', 'keys = "rotated.txt"'))
+            assert (await control.reload()).ok
+            assert await statuses() == (401, 200)  # the new key file, read by a new instance
+            path.write_text(text.replace('keys = "keys.txt"', 'keys = "missing.txt"'))
+            refused = await control.reload()
+            assert not refused.ok
+            (problem,) = refused.errors
+            assert "extensions[0].module" in problem and "missing.txt" in problem
+            assert await statuses() == (401, 200)  # the running extension goes on

@@ -47,6 +47,7 @@ from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
 from muxproxy.core.messages import (
     Abort,
+    AnswerRewrite,
     Body,
     End,
     Fields,
@@ -349,6 +350,7 @@ class Downstream:
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),
+        rewrite: AnswerRewrite | None = None,
     ) -> int:
         """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
@@ -360,6 +362,7 @@ class Downstream:
             head_only=head_only,
             request_id=request_id,
             extra=extra,
+            rewrite=rewrite,
         )
 
     def refuse_slow_body(

@@ -35,7 +35,7 @@ from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
-from muxproxy.core.messages import Fields, Refused, RequestHead, ResponseHead
+from muxproxy.core.messages import AnswerRewrite, Fields, Refused, RequestHead, ResponseHead
 from muxproxy.core.ports import ClientHost, ClientStream, Phase
 
 
@@ -66,16 +66,20 @@ def send_error(
     head_only: bool = False,
     request_id: bytes | None = None,
     extra: Fields = (),
+    rewrite: AnswerRewrite | None = None,
 ) -> int:
     """``ClientSide.send_error``: the proxy's own short response on ``stream``; returns the
     body bytes sent, for the access log. ``extra``: fields it carries besides its own
-    (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429)."""
+    (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429); ``rewrite``: what its fields
+    become (the extensions' ``on_response_head``)."""
     h2s = client.h2
     if h2s is not None:
         headers, body = error_response(status, text, api=api, date=client.fx.http_date())
         if request_id is not None:
             headers.append((b"x-request-id", request_id))
         headers.extend(extra)
+        if rewrite is not None:
+            headers = rewrite(status, headers)
         # RFC 9110 §9.3.2, RFC 9113 §8.1: a response to HEAD is one HEADERS frame that ends
         # the stream, no DATA frame.
         h2s.send_head(
@@ -87,7 +91,7 @@ def send_error(
         client.flush()
         return 0 if head_only else len(body)
     if client.h1 is not None:
-        return h1_error(client, status, text, api, request_id, extra)
+        return h1_error(client, status, text, api, request_id, extra, rewrite)
     return 0
 
 
@@ -98,6 +102,7 @@ def h1_error(
     api: Api | None = None,
     request_id: bytes | None = None,
     extra: Fields = (),
+    rewrite: AnswerRewrite | None = None,
 ) -> int:
     """The proxy's own response on HTTP/1.1, with ``Connection: close`` (nothing if a
     response began already); returns the body bytes it carried."""
@@ -107,6 +112,8 @@ def h1_error(
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
     headers.extend(extra)
+    if rewrite is not None:
+        headers = rewrite(status, headers)
     out = h1.send_whole(status, headers, body)
     client.send_raw(out)
     return len(body) if out and not h1.head_only else 0

@@ -543,16 +543,16 @@ class Exchange:
         """Answer with a short response of our own (only while no response head went out:
         ``heads.send_error_answer``); ``extra``: more fields for it."""
         api = self.route.api if self.route is not None else None
-        client, head, request_id = self.client, self.head, self.request_id
         self.status, sent = send_error_answer(
-            client,
-            head,
+            self.client,
+            self.head,
             status,
             text,
             api=api,
-            request_id=request_id,
+            request_id=self.request_id,
             date=self.fx.http_date(),
             extra=extra,
+            rewrite=self.hooks.own_answers if self.hooks is not None else None,  # ``hooked.py``
         )
         self.bytes_out += sent
         self.move(_I.FAIL)

@@ -86,7 +86,7 @@ class Hooks(Protocol):
         """Run the request-head hooks; True: route now (False: answered, or waiting)."""
 
     def choose_server(self, exchange: Any, failover: Failover) -> bool:
-        """Let the extensions put a candidate first; False: answered."""
+        """Let the extensions name the next try among the servers left; False: answered."""
 
 
 class Routed(UpstreamUser, Protocol):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from muxproxy.config import Api, Upstream
 from muxproxy.core.http import grpc
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
-from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import REQUEST_ID, with_request_id
 from muxproxy.core.ports import ClientSide
 from muxproxy.routing.sticky import apply_header_rules
@@ -115,14 +115,18 @@ def send_error_answer(
     request_id: bytes,
     date: bytes | None,
     extra: Fields = (),
+    rewrite: AnswerRewrite | None = None,
 ) -> tuple[int, int]:
     """Answer ``request`` with ``status`` and ``text``; returns the status the client gets and
-    the body bytes sent (as the access log counts them). ``extra``: more response fields."""
+    the body bytes sent (as the access log counts them). ``extra``: more response fields;
+    ``rewrite``: what the answer's fields become (the extensions')."""
     if grpc.is_grpc(request.headers):
         fields = grpc.trailers_only(grpc.status_for_http(status), text)
         if date is not None:
             fields.append((b"date", date))
         fields.append((REQUEST_ID, request_id))
+        if rewrite is not None:
+            fields = rewrite(200, fields)
         head = ResponseHead(stream=request.stream, status=200, headers=fields)
         client.send_head(head, end_stream=True)
         return 200, 0
@@ -134,5 +138,6 @@ def send_error_answer(
         head_only=request.method == b"HEAD",
         request_id=request_id,
         extra=extra,
+        rewrite=rewrite,
     )
     return status, sent

@@ -10,8 +10,10 @@ What it obeys, and why:
 - **Configuration order; the first answer wins.** ``on_request_head`` runs once the route is
   found (before the body is read, budgets reserved or a server chosen), each extension's sync
   hook then its async one; an answer ends the request, a rewrite is seen by the next
-  extension. ``choose_server`` runs when the servers are chosen: the first extension that
-  names one of the candidates puts it first.
+  extension. ``choose_server`` runs on every placement (the first try, a retry to the next
+  server, an admission from the queue) with the servers not tried yet: the first extension
+  that names one of them makes it the next try. (A continuation of a broken stream and the
+  stale retry, on the same server, are not placements.)
 - **The async hook is the driver's.** The exchange emits ``ExtensionCall`` and waits in
   AWAITING_HOOK; the driver awaits the hook under the extension's ``timeout`` and feeds
   ``ExtensionAnswered`` (the fleet budgets' RESERVING is the precedent). A client that leaves
@@ -39,20 +41,23 @@ from muxproxy.core.exchange.admit import UsageScan, tenant_of
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
 from muxproxy.core.exchange.exchangeports import Routed
-from muxproxy.core.messages import Headers
+from muxproxy.core.messages import AnswerRewrite, Headers
 from muxproxy.core.observe.series import TokenTimes
 from muxproxy.core.observe.ssemeter import SseMeter
 from muxproxy.core.ports import ClientSide
-from muxproxy.extensions.api import Decision, HeaderRewrite, Outcome, Request, defines
+from muxproxy.extensions.api import Decision, HeaderRewrite, Outcome, Request, Response, defines
 
 if TYPE_CHECKING:
     from muxproxy.core.exchange.failover import Failover
     from muxproxy.core.messages import ResponseHead
 
-__all__ = ["LOG_EVERY", "EventTap", "ExchangeHooks", "Hooked"]
+__all__ = ["LOG_EVERY", "OWN_FRAMING", "EventTap", "ExchangeHooks", "Hooked"]
 
 LOG_EVERY = 10.0
 """Seconds between two ``extension_error`` lines of one extension's hook (the rest counted)."""
+
+OWN_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
+"""Fields of the proxy's own answer that frame its body: an extension cannot rewrite them."""
 
 _I = ExchangeInput
 _FAILED: Any = object()
@@ -225,11 +230,14 @@ class ExchangeHooks:
     # -- the servers, the response ----------------------------------------------------------
 
     def choose_server(self, exchange: Hooked, failover: Failover) -> bool:
-        """The first extension that names a candidate puts it first; False: answered."""
+        """A placement (the first, a retry, an admission from the queue): the first extension
+        that names one of the servers left (those not tried yet) makes it the next try;
+        False: answered."""
         servers = failover.group.servers
+        tried = failover.tries
         for index in self.chain.servers:
             config = self.chain.extensions[index]
-            candidates = [servers[i].address for i in failover.candidates]
+            candidates = [servers[i].address for i in failover.candidates[tried:]]
             view = self.view
             assert view is not None
             choice = _call(exchange, config, "choose_server", view, candidates)
@@ -243,27 +251,20 @@ class ExchangeHooks:
                 if not _policy(exchange, config, 503):
                     return False
                 continue
-            at = candidates.index(choice)
-            failover.candidates.insert(0, failover.candidates.pop(at))
+            at = tried + candidates.index(choice)
+            failover.candidates.insert(tried, failover.candidates.pop(at))
             return True
         return True
 
     def response_head(self, exchange: Hooked) -> bool:
-        """The response head about to go out (``exchange.response``): rewritten by each
-        extension in turn; False: rejected (answered 502)."""
+        """The backend's response head about to go out (``exchange.response``): rewritten by
+        each extension in turn; False: rejected (answered 502)."""
         for index in self.chain.response:
             config = self.chain.extensions[index]
             response = exchange.response
-            view = self.view
-            assert response is not None and view is not None
-            fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers]
-            status = response.status
-            rewrite = _call(exchange, config, "on_response_head", view, status, fields)
-            if rewrite is _FAILED or (
-                rewrite is not None and not isinstance(rewrite, HeaderRewrite)
-            ):
-                if rewrite is not _FAILED:
-                    _failed(exchange, config, "on_response_head", "returned no HeaderRewrite")
+            assert response is not None
+            rewrite = self._response(exchange, config, response.status, response.headers, True)
+            if rewrite is _FAILED:
                 if not _policy(exchange, config, 502):
                     return False
                 continue
@@ -271,6 +272,46 @@ class ExchangeHooks:
                 headers = _rewritten(response.headers, rewrite)
                 exchange.response = attrs.evolve(response, headers=headers)
         return True
+
+    @property
+    def own_answers(self) -> AnswerRewrite | None:
+        """What rewrites the proxy's own answers (``own_answer``); None: no extension has
+        ``on_response_head``."""
+        return self.own_answer if self.chain.response else None
+
+    def own_answer(self, status: int, headers: Headers) -> Headers:
+        """The fields of one of the proxy's own answers, as each extension rewrites them in
+        turn. A failure here is logged and counted, never answered otherwise: the answer
+        goes out as it was (an error of ours must not become another one). Its framing
+        (``OWN_FRAMING``) is the proxy's: a rewrite of those fields is left out."""
+        exchange = self.exchange
+        for index in self.chain.response:
+            config = self.chain.extensions[index]
+            rewrite = self._response(exchange, config, status, headers, False)
+            if rewrite is not None and rewrite is not _FAILED:
+                keep = [name for name in rewrite.remove if name.lower() not in OWN_FRAMING]
+                put = {k: v for k, v in rewrite.set.items() if k.lower() not in OWN_FRAMING}
+                headers = _rewritten(headers, HeaderRewrite(set=put, remove=keep))
+        return headers
+
+    def _response(
+        self,
+        exchange: Hooked,
+        config: ExtensionConfig,
+        status: int,
+        headers: Headers,
+        from_backend: bool,
+    ) -> Any:
+        """``on_response_head`` of ``config``'s extension: its rewrite, None, or ``_FAILED``."""
+        view = self.view
+        if view is None:  # answered before its head was seen by a hook (no route: 404)
+            view = self.view = _view(exchange)
+        fields = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        response = Response(status=status, headers=fields, from_backend=from_backend)
+        rewrite = _call(exchange, config, "on_response_head", view, response)
+        if rewrite is None or rewrite is _FAILED or isinstance(rewrite, HeaderRewrite):
+            return rewrite
+        return _failed(exchange, config, "on_response_head", "returned no HeaderRewrite")
 
     def meter(self, times: TokenTimes, started: float) -> SseMeter:
         """The meter of an SSE response (as ``SseMeter(times, started)``): one that hands each
@@ -288,6 +329,8 @@ class ExchangeHooks:
 
     def finish(self, exchange: Hooked) -> None:
         """The exchange ended: ``on_finish`` of each extension that has it."""
+        if not self.chain.finish:
+            return  # no record made for nobody (``bench/trivial_hook.py``)
         usage, meter = exchange.usage, exchange.meter
         tokens = usage.completion_tokens if usage is not None else None
         if tokens is None and meter is not None:

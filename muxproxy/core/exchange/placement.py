@@ -158,14 +158,21 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
     if not failover.candidates:
         exchange.fail(503, "no backend available")
         return
-    hooks = exchange.hooks
-    if hooks is not None and hooks.chooses and not hooks.choose_server(exchange, failover):
+    if not _chosen(exchange, failover):
         return
     if group.admission and not failover.choose_room():
         _wait(exchange)
         return
     exchange.move(_I.ATTEMPT)
     failover.attempt()
+
+
+def _chosen(exchange: Routed, failover: Failover) -> bool:
+    """Each placement (the first, a retry, an admission from the queue): the extensions'
+    ``choose_server`` may put one of the servers left first (``hooked.py``); False: one
+    failed and its policy answered."""
+    hooks = exchange.hooks
+    return hooks is None or not hooks.chooses or hooks.choose_server(exchange, failover)
 
 
 def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
@@ -177,6 +184,9 @@ def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
     exchange.deadlines.end_attempt()
     exchange.release_upstream(close=True)
     if failover.allows(condition):
+        if not _chosen(exchange, failover):
+            return  # an extension failed, and its policy answered
+        failover.choose_room()  # its choice if that has room; ``allows`` found one that has
         failover.leave()
         failover.count_retry(condition, reason, exchange.request_id)
         exchange.move(_I.RETRY)
@@ -233,6 +243,8 @@ def admitted(exchange: Routed) -> bool:
     failover.readmit(group)
     if not failover.candidates:
         exchange.fail(503, "no backend available")
+        return False
+    if not _chosen(exchange, failover):
         return False
     if not failover.choose_room():
         if admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
