@@ -1,20 +1,22 @@
 """``core/http2/h2preface.py``: the client preface is the 24 octets followed by a SETTINGS frame
 (RFC 9113 §3.4), on the shared plain port (prior knowledge), the TLS port and after an h2c
 upgrade; anything else is GOAWAY(PROTOCOL_ERROR) and the close. h2spec's 3.5/1 and 3.5/2 as
-bytes. Fed whole and byte by byte."""
+bytes. Fed whole and byte by byte; every command is asserted in order, timers included."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
-import h11
 import hyperframe.frame
 import pytest
-from playbook import H1ClientPeer, Playbook
+from checks import h1_response
+from playbook import H1ClientPeer, Playbook, Sends, accepted, data
 
-from muxproxy.core.commands import CloseConnection
+from muxproxy.core.commands import CloseConnection, SetTimer
 from muxproxy.core.http2.h2 import PREFACE
 from muxproxy.core.http2.h2preface import SettingsFirstBuffer
 
@@ -28,19 +30,35 @@ NOT_SETTINGS = {
 }
 
 
-def server_events(data: bytes) -> list[h2.events.Event]:
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    return client.receive_data(data)
+class Server:
+    """What an h2 client decodes of the proxy's bytes (a decoder for ``Sends``)."""
+
+    def __init__(self) -> None:
+        self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.client.initiate_connection()
+
+    def events(self, data: bytes) -> list[h2.events.Event]:
+        return self.client.receive_data(data)
 
 
-def answered(pb: Playbook, conn: int) -> tuple[list[h2.events.Event], bool]:
-    closed = any(isinstance(c, CloseConnection) and c.conn == conn for c in pb.log)
-    return server_events(pb.take(conn)), closed
-
-
-def goaway_codes(events: list[h2.events.Event]) -> list[int]:
+def goaway_codes(events: Sequence[h2.events.Event]) -> list[int]:
     return [e.error_code for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+
+
+def protocol_error(events: Sequence[h2.events.Event]) -> None:
+    """One GOAWAY(PROTOCOL_ERROR)."""
+    assert goaway_codes(events) == [PROTOCOL_ERROR], events
+
+
+def refused(pb: Playbook, data_: bytes, server: Server, *, armed: bool = False) -> None:
+    """``data_`` on client connection 1: GOAWAY(PROTOCOL_ERROR) and the close, no backend;
+    ``armed``: the send timer is armed already (the proxy spoke first)."""
+    pb >> data(1, data_)
+    if not armed:
+        pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, server, protocol_error)
+    pb << CloseConnection(conn=1)
+    pb.done()  # no OpenConnection
 
 
 @pytest.mark.parametrize("split", [0, 1])
@@ -50,11 +68,16 @@ def test_a_preface_followed_by_another_frame_than_settings_is_goaway(
     first: str, tls: bool, split: int
 ) -> None:
     pb = Playbook(split=split)
-    pb.accept(1, tls=tls, alpn="h2" if tls else None)
-    pb.receive(1, PREFACE + NOT_SETTINGS[first])
-    events, closed = answered(pb, 1)
-    assert goaway_codes(events) == [PROTOCOL_ERROR]
-    assert closed and pb.opens() == []
+    server = Server()
+    if tls:
+        # ALPN chose h2: the proxy sends its SETTINGS at once.
+        pb >> accepted(1, tls=True, alpn="h2")
+        pb << SetTimer(timer=("send", 1), at=60.0)
+        pb << Sends(1, server, lambda events: not goaway_codes(events))
+        pb << SetTimer(timer=("header", 1), at=30.0)
+    else:
+        pb.accept(1)
+    refused(pb, PREFACE + NOT_SETTINGS[first], server, armed=tls)
 
 
 @pytest.mark.parametrize("split", [0, 1])
@@ -62,11 +85,14 @@ def test_h2spec_3_5_1_the_preface_and_settings_get_our_settings(split: int) -> N
     """h2spec 3.5/1: the exact preface and a SETTINGS frame: our SETTINGS (and its ACK)."""
     pb = Playbook(split=split)
     pb.accept(1)
-    pb.receive(1, PREFACE + SETTINGS)
-    events, closed = answered(pb, 1)
+    pb >> data(1, PREFACE + SETTINGS)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << (answer := Sends(1, Server()))
+    pb.done()  # no GOAWAY, no close
+    events = answer.events
     assert isinstance(events[0], h2.events.RemoteSettingsChanged)
     assert any(isinstance(e, h2.events.SettingsAcknowledged) for e in events)
-    assert goaway_codes(events) == [] and not closed
+    assert goaway_codes(events) == []
 
 
 def test_h2spec_3_5_2_an_invalid_preface_closes_the_connection() -> None:
@@ -75,25 +101,24 @@ def test_h2spec_3_5_2_an_invalid_preface_closes_the_connection() -> None:
     and the close."""
     pb = Playbook()
     pb.accept(1)
-    pb.receive(1, b"INVALID CONNECTION PREFACE\r\n\r\n")
     client = H1ClientPeer()
     client.request()
-    (response, *_) = client.events(pb.take(1))
-    assert isinstance(response, h11.Response) and response.status_code == 400
-    assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    pb >> data(1, b"INVALID CONNECTION PREFACE\r\n\r\n")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(400))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 @pytest.mark.parametrize(
-    "data",
+    "data_",
     [b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n" + SETTINGS, b"PRI * HTTP/2.0\r\n\r\n" + b"\0" * 9],
     ids=["wrong-magic", "no-magic"],
 )
-def test_an_http2_like_start_that_is_not_the_preface_is_goaway(data: bytes) -> None:
+def test_an_http2_like_start_that_is_not_the_preface_is_goaway(data_: bytes) -> None:
     pb = Playbook()
     pb.accept(1)
-    pb.receive(1, data)
-    events, closed = answered(pb, 1)
-    assert goaway_codes(events) == [PROTOCOL_ERROR] and closed
+    refused(pb, data_, Server())
 
 
 def test_the_check_is_passed_once_and_then_every_frame_is_h2s() -> None:
