@@ -38,6 +38,25 @@ ORIGIN = Origin(host="127.0.0.1", port=9001)
 TOK = b"data: tok\n\n"
 
 
+# -- set-up helpers shared with other modules' tests (they feed events without asserting) ---
+
+
+class Book(Playbook):
+    seen = 0
+
+    def fresh(self) -> bytes:
+        """Bytes sent to the client since the last call (each byte is decoded once)."""
+        new, self.seen = self.log[self.seen :], len(self.log)
+        return self.take(1, new)
+
+
+def closed_conns(pb: Playbook) -> set[int]:
+    return {c.conn for c in pb.log if isinstance(c, CloseConnection)}
+
+
+# -- this module's conversations ----------------------------------------------------------------
+
+
 def playbook(**limits: int) -> Playbook:
     pb = Playbook(default_config(limits=attrs.evolve(Limits(), **limits)))
     pb.accept(1)  # set-up: its header timer is not asserted
