@@ -57,9 +57,10 @@ from muxproxy.core.commands import (
     Command,
     Log,
     OpenConnection,
+    SendData,
     SetTimer,
 )
-from muxproxy.core.events import ConfigChanged, RuntimeChanged
+from muxproxy.core.events import ConfigChanged, OpenFailed, RuntimeChanged
 from muxproxy.routing.balancer import rendezvous_order
 
 A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
@@ -125,7 +126,7 @@ def body_is(body: bytes, *, end: bool = True) -> Check:
     return check
 
 
-class Rig:
+class Routing:
     """A Playbook with many clients and backends, and the phrases of a routed exchange.
 
     Client connection ``n`` carries exchange ``n`` (one request each), so the exchange's
@@ -331,14 +332,16 @@ def header(msg: Any, name: bytes) -> list[bytes]:
     return [v for n, v in msg.headers if n == name]
 
 
-def fails_over(rig: Rig, up: int, ex: int, *, avoid: Iterable[str]) -> Opens:
+def fails_over(rig: Routing, up: int, ex: int, *, avoid: Iterable[str]) -> Opens:
     """Connecting to ``up`` is refused: exchange ``ex`` tries another server."""
     rig.pb >> open_failed(up)
     rig.pb << CancelTimer(timer=("connect", ex))
     return rig.attempt(ex, avoid=avoid)
 
 
-def gave_up(rig: Rig, up: int, conn: int, client: H1ClientPeer, status: int, body: bytes) -> None:
+def gave_up(
+    rig: Routing, up: int, conn: int, client: H1ClientPeer, status: int, body: bytes
+) -> None:
     """Connecting to ``up`` is refused and no try is left: the client gets ``status``."""
     rig.pb >> open_failed(up)
     rig.pb << CancelTimer(timer=("connect", conn))
@@ -350,7 +353,7 @@ def gave_up(rig: Rig, up: int, conn: int, client: H1ClientPeer, status: int, bod
 
 
 def test_refused_connect_fails_over_to_the_next_server() -> None:
-    rig = Rig(fleet())
+    rig = Routing(fleet())
     conn, client, first = rig.ask()
     second = fails_over(rig, first.conn, conn, avoid={first.server})
     rig.pb.done()  # nothing reached the client yet
@@ -365,7 +368,7 @@ def test_refused_connect_fails_over_to_the_next_server() -> None:
 
 
 def test_tries_bounds_the_attempts_then_502() -> None:
-    rig = Rig(fleet(next_upstream=NextUpstream(tries=2)))
+    rig = Routing(fleet(next_upstream=NextUpstream(tries=2)))
     conn, client, first = rig.ask()
     second = fails_over(rig, first.conn, conn, avoid={first.server})
     gave_up(rig, second.conn, conn, client, 502, b"upstream unavailable\n")
@@ -378,7 +381,7 @@ def test_tries_bounds_the_attempts_then_502() -> None:
 
 @pytest.mark.parametrize("timer", ["connect", "head"])
 def test_timeout_fails_over_to_the_next_server(timer: str) -> None:
-    rig = Rig(fleet(timeouts=Timeouts(connect=2, response_head=3)))
+    rig = Routing(fleet(timeouts=Timeouts(connect=2, response_head=3)))
     pb = rig.pb
     conn, client, first = rig.ask()
     if timer == "head":
@@ -400,7 +403,7 @@ def test_timeout_not_in_next_upstream_answers_504_at_once(timer: str) -> None:
         timeouts=Timeouts(connect=2, response_head=3),
         next_upstream=NextUpstream(on=frozenset({"error"})),
     )
-    rig = Rig(config)
+    rig = Routing(config)
     pb = rig.pb
     conn, client, first = rig.ask()
     if timer == "head":
@@ -418,8 +421,8 @@ def test_timeout_not_in_next_upstream_answers_504_at_once(timer: str) -> None:
 # -- 3. failover on a configured status ------------------------------------------------------
 
 
-def test_configured_status_is_retriedon_another_server() -> None:
-    rig = Rig(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
+def test_configured_status_is_retried_on_another_server() -> None:
+    rig = Routing(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
     pb = rig.pb
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)
@@ -434,7 +437,7 @@ def test_configured_status_is_retriedon_another_server() -> None:
 
 
 def test_status_not_configured_is_passed_through() -> None:
-    rig = Rig(fleet())  # on = {"error", "timeout"}
+    rig = Routing(fleet())  # on = {"error", "timeout"}
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)
     rig.reply(first.conn, conn, client, 503, b"overloaded")  # no second OpenConnection
@@ -443,7 +446,7 @@ def test_status_not_configured_is_passed_through() -> None:
 def test_stale_messages_of_an_abandoned_attempt_do_not_touch_the_retry() -> None:
     """A 503 head and a broken body arrive in one read: the broken body belongs to the
     abandoned attempt and must not fail (or count against) the server now being tried."""
-    rig = Rig(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
+    rig = Routing(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
     pb = rig.pb
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)
@@ -464,7 +467,7 @@ def test_stale_messages_of_an_abandoned_attempt_do_not_touch_the_retry() -> None
 
 
 def test_request_body_is_replayed_on_the_retry() -> None:
-    rig = Rig(fleet())
+    rig = Routing(fleet())
     pb = rig.pb
     payload = json.dumps({"messages": [{"role": "user", "content": "hi" * 50}]}).encode()
     conn, client, first = rig.ask(body=payload)
@@ -477,7 +480,7 @@ def test_request_body_is_replayed_on_the_retry() -> None:
 
 
 def test_body_larger_than_the_replay_buffer_is_not_retried() -> None:
-    rig = Rig(fleet(next_upstream=NextUpstream(replay_buffer=16)))
+    rig = Routing(fleet(next_upstream=NextUpstream(replay_buffer=16)))
     pb = rig.pb
     payload = b"x" * 40
     conn, client, first = rig.ask(body=payload)
@@ -498,7 +501,7 @@ def test_body_larger_than_the_replay_buffer_is_not_retried() -> None:
 def test_retry_onto_a_kept_alive_connection_replays_the_body() -> None:
     """The next server's idle pooled connection is taken at once (no OpenConnection); the
     body still goes out in full, after the head."""
-    rig = Rig(fleet(A, B, pool_max_idle=4))
+    rig = Routing(fleet(A, B, pool_max_idle=4))
     pb = rig.pb
     pooled: dict[str, int] = {}
     for expected in (A, B):  # leave one idle kept-alive connection on each server
@@ -531,7 +534,7 @@ def test_retry_onto_a_kept_alive_connection_replays_the_body() -> None:
 
 
 def test_deadlines_of_an_abandoned_attempt_do_not_reach_the_next_one() -> None:
-    rig = Rig(fleet(group_timeouts=GroupTimeouts(first_token=5), timeouts=Timeouts(connect=8)))
+    rig = Routing(fleet(group_timeouts=GroupTimeouts(first_token=5), timeouts=Timeouts(connect=8)))
     pb = rig.pb
     conn, _, first = rig.ask()
     rig.accept(first.conn, conn)  # its first-token deadline: 5
@@ -551,7 +554,7 @@ def test_deadlines_of_an_abandoned_attempt_do_not_reach_the_next_one() -> None:
 # -- 5. nothing is retried after the first response byte -------------------------------------
 
 
-def sse_to_h2(rig: Rig, up: int, conn: int, client: H2ClientPeer, sid: int) -> None:
+def sse_to_h2(rig: Routing, up: int, conn: int, client: H2ClientPeer, sid: int) -> None:
     """The backend accepts ``up`` and answers with an SSE head that goes out to the h2
     client at once."""
     pb = rig.pb
@@ -565,7 +568,7 @@ def sse_to_h2(rig: Rig, up: int, conn: int, client: H2ClientPeer, sid: int) -> N
 
 
 def test_backend_death_mid_stream_truncates_and_is_not_retried() -> None:
-    rig = Rig(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
+    rig = Routing(fleet(next_upstream=NextUpstream(on=RETRY_ALL)))
     pb = rig.pb
     conn, client, sid, first = rig.h2_ask()
     sse_to_h2(rig, first.conn, conn, client, sid)
@@ -585,7 +588,7 @@ def test_backend_death_mid_stream_truncates_and_is_not_retried() -> None:
 
 @pytest.mark.parametrize(("elapsed", "retried"), [(4.0, True), (5.0, False), (7.0, False)])
 def test_no_retry_after_tries_timeout(elapsed: float, retried: bool) -> None:
-    rig = Rig(fleet(next_upstream=NextUpstream(tries_timeout=5)))
+    rig = Routing(fleet(next_upstream=NextUpstream(tries_timeout=5)))
     conn, client, first = rig.ask()
     rig.pb.now = elapsed
     if retried:
@@ -601,7 +604,7 @@ def test_no_retry_after_tries_timeout(elapsed: float, retried: bool) -> None:
 
 
 def test_held_sse_head_goes_out_with_the_first_event() -> None:
-    rig = Rig(fleet(retry_until_first_event=True))
+    rig = Routing(fleet(retry_until_first_event=True))
     pb = rig.pb
     conn, client, up = rig.ask()
     rig.accept(up.conn, conn)
@@ -613,8 +616,8 @@ def test_held_sse_head_goes_out_with_the_first_event() -> None:
     rig.stream_ends(up.conn, conn, client)
 
 
-def test_backend_dying_before_the_first_event_is_retriedtransparently() -> None:
-    rig = Rig(fleet(retry_until_first_event=True))
+def test_backend_dying_before_the_first_event_is_retried_transparently() -> None:
+    rig = Routing(fleet(retry_until_first_event=True))
     pb = rig.pb
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)
@@ -635,7 +638,7 @@ def test_backend_dying_before_the_first_event_is_retriedtransparently() -> None:
 
 
 def test_non_sse_response_is_not_held() -> None:
-    rig = Rig(fleet(retry_until_first_event=True))
+    rig = Routing(fleet(retry_until_first_event=True))
     pb = rig.pb
     conn, client, up = rig.ask()
     rig.accept(up.conn, conn)
@@ -656,7 +659,7 @@ def test_non_sse_response_is_not_held() -> None:
 def test_held_head_is_bounded_by_the_read_timeout() -> None:
     """A backend that sends an SSE head and then nothing must not hold the client forever:
     the idle (read) deadline applies while the head is held, and its expiry is retried."""
-    rig = Rig(fleet(retry_until_first_event=True, timeouts=Timeouts(read=4)))
+    rig = Routing(fleet(retry_until_first_event=True, timeouts=Timeouts(read=4)))
     pb = rig.pb
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)
@@ -679,7 +682,7 @@ def test_held_head_is_bounded_by_the_read_timeout() -> None:
 
 
 def test_first_token_timeout_while_held_is_retried() -> None:
-    rig = Rig(fleet(retry_until_first_event=True, group_timeouts=GroupTimeouts(first_token=5)))
+    rig = Routing(fleet(retry_until_first_event=True, group_timeouts=GroupTimeouts(first_token=5)))
     pb = rig.pb
     conn, client, first = rig.ask()
     rig.accept(first.conn, conn)  # first token by 5
@@ -701,7 +704,7 @@ def test_first_token_timeout_after_the_head_went_out_truncates() -> None:
     config = fleet(
         next_upstream=NextUpstream(on=RETRY_ALL), group_timeouts=GroupTimeouts(first_token=5)
     )
-    rig = Rig(config)
+    rig = Routing(config)
     pb = rig.pb
     conn, client, sid, first = rig.h2_ask()
     sse_to_h2(rig, first.conn, conn, client, sid)
@@ -719,7 +722,7 @@ def test_first_token_timeout_after_the_head_went_out_truncates() -> None:
 HEADER_KEY = Sticky(sources=(SessionSource(kind="header", name="x-session-id"),))
 
 
-def owner(rig: Rig, key: bytes) -> str:
+def owner(rig: Routing, key: bytes) -> str:
     """The server that weighted rendezvous hashing gives ``key`` with every server usable."""
     router = rig.router
     order = rendezvous_order(key, router.ids, router.weights, range(len(rig.group.servers)))
@@ -727,7 +730,7 @@ def owner(rig: Rig, key: bytes) -> str:
 
 
 def test_header_session_key_maps_to_the_same_server_and_keys_spread() -> None:
-    rig = Rig(fleet(sticky=HEADER_KEY))
+    rig = Routing(fleet(sticky=HEADER_KEY))
     chosen: dict[str, set[str]] = {}
     for _round in range(3):
         waiting = []
@@ -752,7 +755,7 @@ def sticky_cookie(head: h11.Response) -> bytes | None:
 
 
 def cookie_request(
-    rig: Rig, value: bytes | None, *, to: str | None = None, avoid: Iterable[str] = ()
+    rig: Routing, value: bytes | None, *, to: str | None = None, avoid: Iterable[str] = ()
 ) -> tuple[h11.Response, str]:
     """A request with (or without) the cookie, served 200 by where it went."""
     headers = [] if value is None else [("Cookie", f"a=1; mp_srv={value.decode()}")]
@@ -761,7 +764,7 @@ def cookie_request(
 
 
 def test_sticky_cookie_pins_the_server_even_while_it_drains() -> None:
-    rig = Rig(fleet(sticky=COOKIE))
+    rig = Routing(fleet(sticky=COOKIE))
     head, first = cookie_request(rig, None)
     value = sticky_cookie(head)
     assert value is not None
@@ -782,7 +785,7 @@ def test_sticky_cookie_pins_the_server_even_while_it_drains() -> None:
 
 
 def test_sticky_cookie_naming_an_unknown_server_falls_back() -> None:
-    rig = Rig(fleet(sticky=COOKIE))
+    rig = Routing(fleet(sticky=COOKIE))
     head, served = cookie_request(rig, b"0123456789abcdef")
     index = [s.address for s in rig.group.servers].index(served)
     assert sticky_cookie(head) == rig.router.ids[index]  # re-pinned to where it went
@@ -791,7 +794,7 @@ def test_sticky_cookie_naming_an_unknown_server_falls_back() -> None:
 
 
 def test_sticky_cookie_naming_a_down_server_falls_back() -> None:
-    rig = Rig(fleet(sticky=COOKIE))
+    rig = Routing(fleet(sticky=COOKIE))
     head, pinned = cookie_request(rig, None)
     value = sticky_cookie(head)
     assert value is not None
@@ -811,7 +814,7 @@ BODY_KEY = Sticky(sources=(SessionSource(kind="body", name="metadata.session_id"
 
 
 def test_json_body_key_holds_the_request_until_the_body_is_complete() -> None:
-    rig = Rig(fleet(sticky=BODY_KEY))
+    rig = Routing(fleet(sticky=BODY_KEY))
     pb = rig.pb
     # A key owned by a server other than the one the balancer would pick first (A).
     key = next(f"s-{i}" for i in range(100) if owner(rig, f"s-{i}".encode()) == C)
@@ -848,7 +851,7 @@ def test_json_body_key_works_without_a_replay_copy(replay_buffer: int) -> None:
     """The held body is all there when it is routed, even if it is too big to be kept for a
     replay: the key must still be found (``replay_buffer = 0`` turns replays off)."""
     config = fleet(sticky=BODY_KEY, next_upstream=NextUpstream(replay_buffer=replay_buffer))
-    rig = Rig(config)
+    rig = Routing(config)
     key = next(f"s-{i}" for i in range(100) if owner(rig, f"s-{i}".encode()) == C)
     body = json.dumps({"metadata": {"session_id": key}, "padding": "x" * 40}).encode()
     assert len(body) > replay_buffer
@@ -862,7 +865,7 @@ def test_json_body_key_works_without_a_replay_copy(replay_buffer: int) -> None:
 
 def test_failed_server_is_skipped_until_fail_timeout_passed() -> None:
     servers = [Server(address=a, max_fails=1, fail_timeout=10) for a in (A, B)]
-    rig = Rig(fleet(*servers))
+    rig = Routing(fleet(*servers))
     conn, client, first = rig.ask(to=A)
     second = fails_over(rig, first.conn, conn, avoid={A})
     rig.serve(conn, client, second)  # B
@@ -877,7 +880,7 @@ def test_failed_server_is_skipped_until_fail_timeout_passed() -> None:
 
 
 def test_no_usable_server_answers_503_at_once() -> None:
-    rig = Rig(fleet(A, B))
+    rig = Routing(fleet(A, B))
     pb = rig.pb
     conn, client, first = rig.ask()
     second = fails_over(rig, first.conn, conn, avoid={first.server})
@@ -891,7 +894,7 @@ def test_no_usable_server_answers_503_at_once() -> None:
 
 def test_backup_is_used_only_when_every_primary_is_down() -> None:
     servers = (Server(address=A), Server(address=B), Server(address=C, backup=True))
-    rig = Rig(fleet(*servers, next_upstream=NextUpstream(tries=1)))
+    rig = Routing(fleet(*servers, next_upstream=NextUpstream(tries=1)))
     calls = [rig.ask(avoid={C}) for _ in range(6)]
     assert {opens.server for _, _, opens in calls} == {A, B}
     for call in calls:
@@ -921,7 +924,7 @@ def test_header_rules_set_and_remove_backend_request_headers() -> None:
         HeaderRule(name="x-chat-id", value="$session_key"),
         HeaderRule(name="x-user-id", value="$arg_user"),
     )
-    rig = Rig(fleet(sticky=HEADER_KEY, set_headers=rules))
+    rig = Routing(fleet(sticky=HEADER_KEY, set_headers=rules))
     conn, _, up = rig.ask(
         "/v1/chat/completions?user=alice",
         headers=[("X-Session-Id", "conv-7"), ("X-Chat-Id", "forged")],
@@ -946,7 +949,7 @@ CHECK = HealthCheck(path="/health", interval=5, timeout=2, passes=1, fails=1)
 PROBE = h1_request(b"GET", b"/health")
 
 
-def start_probes(rig: Rig) -> None:
+def probes_due(rig: Routing) -> None:
     """The config comes in: both servers' probes are due at once."""
     rig.pb >> ConfigChanged(now=rig.pb.now, config=rig.config)
     rig.pb << SetTimer(timer=("probe", 1), at=0.0)
@@ -954,7 +957,7 @@ def start_probes(rig: Rig) -> None:
     rig.pb.done()
 
 
-def probe_answered(rig: Rig, up: int, status: int) -> Log:
+def probe_answered(rig: Routing, up: int, status: int) -> Log:
     """Server A's probe on ``up`` is answered ``status``: the connection is kept, the next
     probe is due ``interval`` later; returns the health log."""
     pb = rig.pb
@@ -970,9 +973,9 @@ def probe_answered(rig: Rig, up: int, status: int) -> Log:
 
 def test_active_health_check_takes_a_server_down_and_brings_it_back() -> None:
     # Probe connections are kept alive: the second probe reuses the first one's.
-    rig = Rig(fleet(A, B, health_check=CHECK, pool_max_idle=4))
+    rig = Routing(fleet(A, B, health_check=CHECK, pool_max_idle=4))
     pb = rig.pb
-    start_probes(rig)
+    probes_due(rig)
     pb >> wakeup("probe", 1)
     pb << SetTimer(timer=("probe_timeout", 1), at=2.0)
     pb << (probe := Opens(to=A))
@@ -1004,9 +1007,9 @@ def test_active_health_check_takes_a_server_down_and_brings_it_back() -> None:
 
 
 def test_probe_timeout_counts_as_a_failure() -> None:
-    rig = Rig(fleet(A, B, health_check=CHECK))
+    rig = Routing(fleet(A, B, health_check=CHECK))
     pb = rig.pb
-    start_probes(rig)
+    probes_due(rig)
     pb >> wakeup("probe", 1)
     pb << SetTimer(timer=("probe_timeout", 1), at=2.0)
     pb << (probe := Opens(to=A))
@@ -1026,7 +1029,7 @@ def test_probe_timeout_counts_as_a_failure() -> None:
 
 
 def test_least_streams_avoids_the_server_with_a_long_stream() -> None:
-    rig = Rig(fleet(A, B, balance=Balance.LEAST_STREAMS))
+    rig = Routing(fleet(A, B, balance=Balance.LEAST_STREAMS))
     pb = rig.pb
     conn, client, long_stream = rig.ask(to=A)
     rig.accept(long_stream.conn, conn)
@@ -1051,10 +1054,236 @@ def test_failure_of_the_last_primary_falls_through_to_the_backup() -> None:
         Server(address="127.0.0.1:9002", backup=True),
         Server(address="127.0.0.1:9003"),
     )
-    rig = Rig(config)
+    rig = Routing(config)
     conn, _, first = rig.ask(to="127.0.0.1:9001")
     first = fails_over(rig, first.conn, conn, avoid=())
     assert first.server == "127.0.0.1:9003"  # the other primary first
     second = fails_over(rig, first.conn, conn, avoid=())
     assert second.server == "127.0.0.1:9002"
     rig.pb.done()
+
+
+# -- by hand: the rig that other test files drive the core with -------------------------------
+
+
+class Rig:
+    """A Playbook with many clients and backends; ``take`` returns only what is new."""
+
+    def __init__(self, config: Config) -> None:
+        self.pb = Playbook(config)
+        self.config = config
+        self.backends: dict[int, h11.Connection] = {}
+        self._taken: dict[int, int] = {}
+        self._next_client = 0
+
+    @property
+    def group(self) -> Upstream:
+        return self.config.upstreams["default"]
+
+    @property
+    def router(self) -> Any:
+        return self.pb.core.router(self.group)
+
+    # -- clients -------------------------------------------------------------------------
+
+    def request(
+        self,
+        target: str = "/v1/chat/completions",
+        headers: list[tuple[str, str]] | None = None,
+        body: bytes | None = None,
+        method: str | None = None,
+    ) -> tuple[int, H1ClientPeer]:
+        """A new HTTP/1.1 client connection sending one whole request."""
+        conn, client = self.connect()
+        method = method or ("GET" if body is None else "POST")
+        self.pb.receive(conn, client.request(method, target, headers, body))
+        return conn, client
+
+    def connect(self) -> tuple[int, H1ClientPeer]:
+        self._next_client += 1
+        conn = self._next_client
+        self.pb.accept(conn)
+        return conn, H1ClientPeer()
+
+    def h2_request(self, path: bytes = b"/v1/chat/completions") -> tuple[int, H2ClientPeer, int]:
+        conn, _ = self.connect()
+        client = H2ClientPeer()
+        sid, data = client.request(path=path)
+        self.pb.receive(conn, client.preface() + data)
+        return conn, client, sid
+
+    def response(self, conn: int, client: H1ClientPeer) -> tuple[h11.Response, bytes, list]:
+        events = client.events(self.take(conn))
+        head = events[0]
+        assert isinstance(head, h11.Response), events
+        body = b"".join(bytes(e.data) for e in events if isinstance(e, h11.Data))
+        return head, body, events
+
+    def sole_response(self, conn: int, client: H1ClientPeer) -> tuple[h11.Response, bytes]:
+        """The whole response the client got, and nothing of an abandoned attempt: one head,
+        its body, its end."""
+        head, body, events = self.response(conn, client)
+        assert sum(isinstance(e, h11.Response) for e in events) == 1, events
+        assert isinstance(events[-1], h11.EndOfMessage), events
+        return head, body
+
+    # -- backends ------------------------------------------------------------------------
+
+    def opens(self, since: int = 0) -> list[OpenConnection]:
+        return [c for c in self.pb.log[since:] if isinstance(c, OpenConnection)]
+
+    def routed(self, since: int) -> set[str]:
+        """The servers that got a connection opened, or bytes on a pooled one, since ``since``."""
+        origins = {c.conn: str(c.origin) for c in self.opens()}
+        return {
+            origins[c.conn]
+            for c in self.pb.log[since:]
+            if isinstance(c, OpenConnection) or (isinstance(c, SendData) and c.conn in origins)
+        }
+
+    def last_open(self) -> OpenConnection:
+        return self.opens()[-1]
+
+    def open(self, conn: int) -> h11.Connection:
+        """The backend accepts connection ``conn``."""
+        backend = self.backends[conn] = h11.Connection(h11.SERVER)
+        self.pb.opened(conn)
+        return backend
+
+    def refuse(self, conn: int) -> list[Command]:
+        return self.pb.feed(OpenFailed(now=self.pb.now, conn=conn, reason="refused"))
+
+    def received(self, conn: int) -> list[Any]:
+        """Events the backend on ``conn`` decodes from the bytes sent to it since last time."""
+        backend = self.backends[conn]
+        data = self.take(conn)
+        if data:  # b"" would mean EOF to h11
+            backend.receive_data(data)
+        out = []
+        while True:
+            event = backend.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return out
+            out.append(event)
+            if type(event) is h11.ConnectionClosed:
+                return out
+
+    def answer(
+        self,
+        conn: int,
+        status: int = 200,
+        body: bytes = b"ok",
+        headers: list[tuple[str, str]] | None = None,
+    ) -> list[Command]:
+        """The backend on ``conn`` sends a whole response with a Content-Length."""
+        return self.pb.receive(conn, self.response_bytes(conn, status, body, headers))
+
+    def response_bytes(
+        self,
+        conn: int,
+        status: int = 200,
+        body: bytes = b"ok",
+        headers: list[tuple[str, str]] | None = None,
+    ) -> bytes:
+        """What ``answer`` feeds: a whole response of the backend on ``conn``."""
+        backend = self.backends[conn]
+        hdrs = [("Content-Length", str(len(body))), *(headers or [])]
+        wire = backend.send(h11.Response(status_code=status, headers=hdrs)) or b""
+        wire += (backend.send(h11.Data(data=body)) or b"") if body else b""
+        wire += backend.send(h11.EndOfMessage()) or b""
+        if backend.our_state is h11.DONE and backend.their_state is h11.DONE:
+            backend.start_next_cycle()  # ready for the next request on a kept-alive connection
+        return wire
+
+    def sse_start(self, conn: int, backend_id: str) -> list[Command]:
+        """The backend accepts ``conn``, reads the request and answers with an SSE head."""
+        self.open(conn)
+        self.received(conn)
+        return self.sse_head(conn, backend_id)
+
+    def sse_head(self, conn: int, backend_id: str) -> list[Command]:
+        headers = [("Content-Type", "text/event-stream"), ("X-Backend-Id", backend_id)]
+        wire = self.backends[conn].send(h11.Response(status_code=200, headers=headers)) or b""
+        return self.pb.receive(conn, wire)
+
+    def chunk(self, conn: int, data: bytes) -> list[Command]:
+        return self.pb.receive(conn, self.backends[conn].send(h11.Data(data=data)) or b"")
+
+    def end(self, conn: int) -> list[Command]:
+        return self.pb.receive(conn, self.backends[conn].send(h11.EndOfMessage()) or b"")
+
+    def retry_after_close(self, first: OpenConnection) -> OpenConnection:
+        """The backend of ``first`` closes before its answer went out; the one connection the
+        core opens in its place, to another server."""
+        mark = len(self.pb.log)
+        self.pb.closed(first.conn)
+        (second,) = self.opens(mark)
+        assert origin(second) != origin(first)
+        return second
+
+    def serve(self, body: bytes = b"ok") -> list[str]:
+        """Accept and answer 200 every connection still being opened; return their servers."""
+        served = []
+        for cmd in self.opens():
+            if cmd.conn not in self.backends and cmd.conn in self.pb.core.upstreams:
+                self.open(cmd.conn)
+                self.received(cmd.conn)
+                self.answer(cmd.conn, body=body)
+                served.append(str(cmd.origin))
+        return served
+
+    # -- output --------------------------------------------------------------------------
+
+    def take(self, conn: int) -> bytes:
+        start = self._taken.get(conn, 0)
+        self._taken[conn] = len(self.pb.log)
+        return self.pb.take(conn, self.pb.log[start:])
+
+    def logs(self, event: str) -> list[Log]:
+        return [c for c in self.pb.log if isinstance(c, Log) and c.event == event]
+
+    def timer(self, kind: str) -> SetTimer:
+        """The latest SetTimer of ``kind``."""
+        return [c for c in self.pb.log if isinstance(c, SetTimer) and c.timer[0] == kind][-1]
+
+    def fire(self, kind: str) -> list[Command]:
+        """Move time to the latest ``kind`` timer's deadline and deliver its Wakeup."""
+        armed = self.timer(kind)
+        self.pb.now = max(self.pb.now, armed.at)
+        return self.pb.wakeup(*armed.timer)
+
+
+def origin(cmd: OpenConnection) -> str:
+    return str(cmd.origin)
+
+
+def request_body(events: list[Any]) -> bytes:
+    return b"".join(bytes(e.data) for e in events if isinstance(e, h11.Data))
+
+
+def start_probes(rig: Rig) -> list[Command]:
+    commands = rig.pb.feed(ConfigChanged(now=rig.pb.now, config=rig.config))
+    probes = [c.timer for c in commands if isinstance(c, SetTimer) and c.timer[0] == "probe"]
+    assert [c.at for c in commands if isinstance(c, SetTimer)] == [0.0, 0.0]
+    assert len(probes) == 2
+    return commands
+
+
+def probe_a(rig: Rig, status: int) -> list[Log]:
+    """Run server A's probe (ident 1) answering ``status``; return the health logs."""
+    mark = len(rig.pb.log)
+    commands = rig.pb.wakeup("probe", 1)
+    assert SetTimer(timer=("probe_timeout", 1), at=rig.pb.now + 2) in commands
+    opens = [c for c in commands if isinstance(c, OpenConnection)]
+    if opens:  # a fresh connection; later probes reuse the kept-alive one
+        assert origin(opens[0]) == A
+        rig.open(opens[0].conn)
+        up = opens[0].conn
+    else:
+        (up,) = rig.backends
+    request, end = rig.received(up)
+    assert (request.method, request.target) == (b"GET", b"/health")
+    assert isinstance(end, h11.EndOfMessage)
+    rig.answer(up, status, b"")
+    assert SetTimer(timer=("probe", 1), at=rig.pb.now + 5) in rig.pb.log[mark:]
+    return [c for c in rig.pb.log[mark:] if isinstance(c, Log) and c.event == "health"]
