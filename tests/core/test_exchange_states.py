@@ -299,7 +299,9 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
             timeout, stale = variant == 1, variant == 2
             return lambda: exchange.upstream_failed("broken", timeout=timeout, stale=stale)
         case _I.REQUEST_BODY:
-            return lambda: exchange.request_body(b' "session": "s1"', 16)
+            # HTTP/2 DATA carries flow-controlled bytes; an HTTP/1.1 body none (h1.py).
+            flow_len = 16 if rig.h2client is not None else 0
+            return lambda: exchange.request_body(b' "session": "s1"', flow_len)
         case _I.REQUEST_END:
             return lambda: exchange.request_end([])
         case _I.CLIENT_ABORTED:

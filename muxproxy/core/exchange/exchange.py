@@ -53,7 +53,7 @@ from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fi
 from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
 from muxproxy.core.observe.ssemeter import SseMeter
-from muxproxy.core.ports import ClientSide, Phase, RequestPhase, UpstreamStream
+from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.streams.continuation import AnswerSoFar
@@ -71,11 +71,11 @@ _T = ExchangeTimer
 
 class Exchange:
     def __init__(
-        self, fx: Effects, host: ExchangeHost, client: ClientSide, head: RequestHead, ident: int
+        self, fx: Effects, host: ExchangeHost, client: RequestClient, head: RequestHead, ident: int
     ) -> None:
         self.fx = fx
         self.host = host
-        self.client = client
+        self.client: ExchangeClient = client
         self.stream = head.stream
         self.head = head
         self.ident = ident
@@ -206,7 +206,7 @@ class Exchange:
 
     def request_body(self, data: bytes, flow_len: int) -> None:
         if not self.move(_I.REQUEST_BODY):
-            self.client.acknowledge(self.stream, flow_len)  # not taken: the credit goes back
+            self.upload.give_back(flow_len)  # not taken
             return
         self.bytes_in += len(data)
         self.upload.take(data, flow_len, self.upstream)
@@ -357,7 +357,7 @@ class Exchange:
         """The stream that continues the answer is the backend from now on."""
         self.upstream = upstream
 
-    def hand_to(self, client: ClientSide) -> ClientSide:
+    def hand_to(self, client: ExchangeClient) -> ExchangeClient:
         """The response goes to ``client`` from now on; a backend the old one held back runs
         again (the new one holds it as it needs). Returns the old one."""
         old, upstream = self.client, self.upstream
