@@ -236,7 +236,6 @@ def acted_per_token(down: Downstream, input: ClientInput) -> Callable[[], bool]:
 
 @EVERY_PAIR
 @given(pair=st.sampled_from([(s, i) for s in ClientState for i in ClientInput]))
-@pytest.mark.patches_core
 def test_downstream_takes_every_pair_as_its_table_says(
     pair: tuple[ClientState, ClientInput],
 ) -> None:

@@ -110,11 +110,13 @@ class Downstream:
     def move(self, input: ClientInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
         ``IllegalTransition`` where it cannot happen."""
-        target = step(TRANSITIONS, "Downstream", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(TRANSITIONS, "Downstream", before, input)
+        if target is not None:
+            self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
+        return target is not None
 
     @property
     def pending(self) -> int:

@@ -236,9 +236,12 @@ class Tunnel:
 
     def move(self, input: TunnelInput) -> TunnelState | None:
         """Take ``input`` as ``TRANSITIONS`` says: the state after it, None where ignored."""
-        target = step(TRANSITIONS, "Tunnel", self.state, input)
+        before = self.state
+        target = step(TRANSITIONS, "Tunnel", before, input)
         if target is not None:
             self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
         return target
 
     # -- client to backend -----------------------------------------------------------------
