@@ -53,6 +53,7 @@ from muxproxy.core.exchange.hooked import ExchangeHooks
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import UpstreamUser
 from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing
+from muxproxy.core.timers import CoreTimer
 from muxproxy.extensions import Answer, Decision, Extension, Request
 from muxproxy.fleet.budgets import Ask, Short
 from muxproxy.fleet.budgets import Verdict as StoreVerdict
@@ -170,7 +171,7 @@ class Rig:
     def settle(self) -> list[Command]:
         """Hand the core an event that does nothing itself: it applies the work deferred by a
         call made outside ``handle`` and returns the commands queued since the last event."""
-        return self.pb.feed(Wakeup(now=self.pb.now, timer=("none", 0)))
+        return self.pb.feed(Wakeup(now=self.pb.now, timer=(CoreTimer.SHUTDOWN, -1)))
 
     def later(self, seconds: float) -> None:
         """Move the core's clock (by a ``settle``)."""
