@@ -35,9 +35,9 @@ unless every module of the compiled build is imported compiled."""
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "patches_core: replaces a method of a core object to record its moves (a fault is "
-        "planted on the core's FaultPlan instead, faultplan.py); a compiled class refuses "
-        "that, so the test runs in the pure-Python build only",
+        "patches_core: replaces a method of a core object (moves are read from the core's "
+        "MoveLog instead, movelog.py; faults are planted on its FaultPlan, faultplan.py); a "
+        "compiled class refuses that, so the test runs in the pure-Python build only",
     )
 
 

@@ -26,7 +26,8 @@ probe) holds the one ``Effects`` of its ``ProxyCore`` and nothing more of it. Th
 
   A fault in deferred work ends the connection it concerns (``faults.py``), not the others.
 
-``Effects`` knows no part of the core: it imports only commands, events, dates and flow.
+``Effects`` knows no part of the core: it imports only commands, events, dates, flow and the
+move log a test may hang on it (``movelog.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from muxproxy.core.commands import CancelTimer, CloseConnection, Command, SendDa
 from muxproxy.core.events import TimerId
 from muxproxy.core.flow import BufferLimits
 from muxproxy.core.http.dates import HttpDate
+from muxproxy.core.movelog import MoveLog
 
 # The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
 READ_SIZE = 64 * 1024
@@ -72,6 +74,9 @@ class Effects:
         self.deferred: deque[tuple[int, Callable[[], None]]] = deque()
         """Work asked for while handling the current event (``defer``), with the connection
         it concerns."""
+        self.moves: MoveLog | None = None
+        """Where the parts record their state moves, for a test (``movelog.py``); None, and
+        so one ``is None`` test per move, but in tests."""
 
     def apply(self, config: Config) -> None:
         """A new configuration: its limits hold from the next event on."""

@@ -8,8 +8,11 @@ and ``shutdown.py`` act on every part at once and so know them too (``tables.py`
 graph of ``muxproxy/core`` has no cycle, and a part can be driven in a test by anything that
 has the shape its port names.
 
-- ``ClientSide``: a client connection as an exchange (or a tunnel) sees it: the sink of the
-  response, the source of the request body (``Downstream`` implements it);
+- ``ClientSide``: a client connection as its owner hands it to an exchange (``Downstream``
+  implements it), built from what each user needs of it: ``RequestSource`` (a request body's
+  or a tunnel's flow), ``ResponseSink`` (the response bytes), ``Answerer`` (``heads.py``),
+  ``ClientPeer``, ``ExchangeClient`` (an exchange's response, or a resumable stream's reader),
+  ``TunnelClient``, and ``Http1Upgrade`` (the HTTP/1.1 side alone);
 - ``ClientStream``: an exchange as its client connection sees it (``Exchange``);
 - ``UpstreamStream``: one request/response on a backend, whatever its protocol, as an exchange
   or a probe sees it (``pool.UpstreamConn``: a whole HTTP/1.1 connection; ``h2pool.H2Stream``:
@@ -149,37 +152,21 @@ class ResponseSink(Protocol):
     def holds(self, stream: ClientStream) -> bool: ...
 
 
-class TunnelClient(RequestSource, ResponseSink, Protocol):
-    """A client connection as a byte tunnel's client side (``tunnel.py``)."""
-
-    conn: int
-    scheme: bytes
-
-    @property
-    def is_h2(self) -> bool: ...
-
-    def send_raw(self, data: bytes) -> None:
-        """Bytes for the socket as they are (an HTTP/1.1 tunnel's)."""
-
-    def request_close(self) -> None:
-        """Close the connection once its output is written, after the current event."""
-
-    def keep_receiving(self, stream: int) -> None: ...
-
-
-class ClientSide(TunnelClient, Protocol):
-    """A client connection as the exchanges it carries see it: all of the narrower views
-    above (a tunnel, the request body's flow, the response's sink) and the exchange's own."""
+class ClientPeer(Protocol):
+    """Who a client connection's peer is, as the fields sent to a backend name it
+    (``heads.backend_fields``)."""
 
     peer_ip: str
+    scheme: bytes
     trusted: bool
     """The peer is a proxy the listener trusts (``forwarded.py``)."""
 
-    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None: ...
-    def switch_protocols(self, headers: Headers) -> bytes:
-        """HTTP/1.1: send the 101 with ``headers`` (RFC 9110 §15.2.2) and hand back the bytes
-        the client sent after its request, which belong to the new protocol."""
 
+class Answerer(Protocol):
+    """A client connection as whoever answers a request sees it (``heads.py``): the response
+    head, or the proxy's own short answer."""
+
+    def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None: ...
     def send_error(
         self,
         stream: int,
@@ -192,6 +179,19 @@ class ClientSide(TunnelClient, Protocol):
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
     ) -> int: ...
+
+
+class ExchangeClient(ResponseSink, Answerer, ClientPeer, Protocol):
+    """A client connection as an exchange's response sees it: what its answer is written to.
+    Also who a resumable stream's owner writes to once its first client is gone
+    (``readers.py``), so nothing of the request side is here: the request is whole by then,
+    and its body's source is the ``RequestSource`` the exchange was made with (``upload.py``)."""
+
+    conn: int
+
+    @property
+    def is_h2(self) -> bool: ...
+
     def refuse_slow_body(
         self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
     ) -> int | None:
@@ -201,6 +201,47 @@ class ClientSide(TunnelClient, Protocol):
     def exchange_finished(self, stream: ClientStream) -> None:
         """``stream`` is over: the connection takes the next request, goes idle or closes,
         after the current event."""
+
+
+class RequestClient(ExchangeClient, RequestSource, Protocol):
+    """A client connection as a new exchange sees it: the sink of its response and the source
+    of its request body."""
+
+
+class TunnelClient(ResponseSink, RequestSource, Protocol):
+    """A client connection as a byte tunnel's client side (``tunnel.py``): on HTTP/2 the
+    tunnel's stream; an HTTP/1.1 connection's raw bytes go through its ``Http1Upgrade``."""
+
+    conn: int
+    scheme: bytes
+
+    def request_close(self) -> None:
+        """Close the connection once its output is written, after the current event."""
+
+    def keep_receiving(self, stream: int) -> None:
+        """HTTP/2: the request side of ``stream`` still reaches its exchange after the
+        response ends."""
+
+
+class Http1Upgrade(Protocol):
+    """An HTTP/1.1 client connection switching protocols (RFC 9110 §7.8): only that side has
+    one (``ClientSide.http1_upgrade``); HTTP/2 has no Upgrade (RFC 9113 §8.6)."""
+
+    def switch_protocols(self, headers: Headers) -> bytes:
+        """Send the 101 with ``headers`` (RFC 9110 §15.2.2) and hand back the bytes the client
+        sent after its request, which belong to the new protocol."""
+
+    def send_raw(self, data: bytes) -> None:
+        """Bytes for the socket as they are, through the connection's own accounting (pending
+        bytes, send timeout), once h11 has switched protocols and has no say any more."""
+
+
+class ClientSide(RequestClient, TunnelClient, Protocol):
+    """A client connection as its owner hands it to the exchanges it carries (``ClientHost``):
+    all of the narrower views above; each user keeps only the one it needs."""
+
+    def http1_upgrade(self) -> Http1Upgrade | None:
+        """The connection's ``Http1Upgrade`` on HTTP/1.1; None on HTTP/2."""
 
 
 # -- between an exchange (or probe) and its backend ---------------------------------------

@@ -53,6 +53,7 @@ from muxproxy.core.exchange.hooked import ExchangeHooks
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import UpstreamUser
 from muxproxy.core.states import IGNORED, ILLEGAL, IllegalTransition, Verdict, missing
+from muxproxy.core.timers import CoreTimer
 from muxproxy.extensions import Answer, Decision, Extension, Request
 from muxproxy.fleet.budgets import Ask, Short
 from muxproxy.fleet.budgets import Verdict as StoreVerdict
@@ -170,7 +171,7 @@ class Rig:
     def settle(self) -> list[Command]:
         """Hand the core an event that does nothing itself: it applies the work deferred by a
         call made outside ``handle`` and returns the commands queued since the last event."""
-        return self.pb.feed(Wakeup(now=self.pb.now, timer=("none", 0)))
+        return self.pb.feed(Wakeup(now=self.pb.now, timer=(CoreTimer.SHUTDOWN, -1)))
 
     def later(self, seconds: float) -> None:
         """Move the core's clock (by a ``settle``)."""
@@ -299,7 +300,9 @@ def delivery(rig: Rig, exchange: Exchange, input: ExchangeInput, variant: int) -
             timeout, stale = variant == 1, variant == 2
             return lambda: exchange.upstream_failed("broken", timeout=timeout, stale=stale)
         case _I.REQUEST_BODY:
-            return lambda: exchange.request_body(b' "session": "s1"', 16)
+            # HTTP/2 DATA carries flow-controlled bytes; an HTTP/1.1 body none (h1.py).
+            flow_len = 16 if rig.h2client is not None else 0
+            return lambda: exchange.request_body(b' "session": "s1"', flow_len)
         case _I.REQUEST_END:
             return lambda: exchange.request_end([])
         case _I.CLIENT_ABORTED:
@@ -389,7 +392,7 @@ def check(
         rig.later(1000.0)  # the lazy deadlines have passed
     if rig.h2client is not None:
         rig.h2client.read()  # what came before the input is the conversation's
-    moves = spy(exchange, "phase")
+    moves = spy(exchange)
     target = TRANSITIONS[(phase, input)]
     before = snapshot(exchange)
     deliver = (
@@ -494,7 +497,6 @@ EVERY_PAIR = settings(max_examples=3000, deadline=None)
     open_request=st.booleans(),
     variant=st.integers(0, 2),
 )
-@pytest.mark.patches_core
 def test_every_pair_does_what_the_table_says(
     pair: tuple[Phase, ExchangeInput], h2: bool, open_request: bool, variant: int
 ) -> None:
@@ -502,7 +504,6 @@ def test_every_pair_does_what_the_table_says(
     check(phase, input, h2=h2, open_request=open_request, variant=variant)
 
 
-@pytest.mark.patches_core
 def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
     """No dead entry: each move the table allows is one that some event takes, in some
     conversation (the HTTP/1.1 ones, every pair in turn)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import h11
 import pytest
+from machines import spy
 from playbook import BACKEND, H1ClientPeer, H2BackendPeer, Playbook, default_config
 from test_stale_pool import pooled
 
@@ -29,22 +30,13 @@ def test_tables_list_every_pair_once() -> None:
     assert len(STREAM) == len(StreamState) * len(StreamInput)
 
 
-@pytest.mark.patches_core
 def test_a_reused_connection_is_stale_until_its_answer_begins() -> None:
     pb = Playbook()
     _, conn, backend = pooled(pb)
     up = pb.core.upstreams[conn]
     assert isinstance(up, UpstreamConn)
     assert (up.requests, up.progress, up.stale) == (1, Progress.ANSWERED, False)
-    moves: list[tuple[Progress, ProgressInput, Progress]] = []
-    real = up.advance
-
-    def advance(input: ProgressInput) -> None:
-        before = up.progress
-        real(input)
-        moves.append((before, input, up.progress))
-
-    up.advance = advance  # type: ignore[method-assign]  # records each move; the real one runs
+    moves = spy(up, ProgressInput)
     client = H1ClientPeer()
     pb.accept(2)
     pb.receive(2, client.request())

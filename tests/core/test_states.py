@@ -160,7 +160,6 @@ H2_SERVER_UNREACHABLE = {
 
 @EVERY_PAIR
 @given(pair=pairs(H2State, H2Input))
-@pytest.mark.patches_core
 def test_h2_server_takes_every_pair_as_its_table_says(pair: tuple[H2State, H2Input]) -> None:
     state, input = pair
     server = client_h2(state)
@@ -226,7 +225,6 @@ def h1_inputs(pb: Playbook, up: UpstreamConn) -> dict[UpstreamInput, Callable[[]
 
 @EVERY_PAIR
 @given(pair=pairs(UpstreamState, UpstreamInput))
-@pytest.mark.patches_core
 def test_upstream_conn_takes_every_pair_as_its_table_says(
     pair: tuple[UpstreamState, UpstreamInput],
 ) -> None:
@@ -238,7 +236,6 @@ def test_upstream_conn_takes_every_pair_as_its_table_says(
         assert len(pb.core.fx.out) == out  # an ignored input does nothing
 
 
-@pytest.mark.patches_core
 def test_release_of_a_connection_that_cannot_be_kept_closes_it_after_idle() -> None:
     """``RELEASED`` is BUSY to IDLE; a connection that cannot carry another (its response is
     not complete) is then closed from IDLE, each a transition of the table."""

@@ -64,6 +64,7 @@ def h2_server(fx: Effects, scheme: bytes, upgrade_settings: bytes | None = None)
         upgrade_settings=upgrade_settings,
         reset_budget=limits.h2_reset_budget,
         control_budget=limits.h2_control_frame_budget,
+        watch=fx,
     )
 
 

@@ -37,6 +37,7 @@ from muxproxy.core.client.downstream_states import (
     Protocol,
 )
 from muxproxy.core.client.output import Output
+from muxproxy.core.client.upgrade import H1Switch
 from muxproxy.core.client.windowwait import WindowWaits
 from muxproxy.core.commands import Log, PauseReading, ResumeReading
 from muxproxy.core.effects import Effects
@@ -110,11 +111,13 @@ class Downstream:
     def move(self, input: ClientInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored; raises
         ``IllegalTransition`` where it cannot happen."""
-        target = step(TRANSITIONS, "Downstream", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(TRANSITIONS, "Downstream", before, input)
+        if target is not None:
+            self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
+        return target is not None
 
     @property
     def pending(self) -> int:
@@ -395,22 +398,22 @@ class Downstream:
         return self.output.pending
 
     def acknowledge(self, stream: int, nbytes: int) -> None:
-        if self.h2 is not None and nbytes:
-            self.h2.acknowledge(stream, nbytes)
-            self.flush()
+        """HTTP/2 alone has credit to give back: an HTTP/1.1 body's ``flow_len`` is 0, so
+        its flows hold none and no caller gives back nothing (``RequestSource``)."""
+        h2s = self.h2
+        assert h2s is not None and nbytes, "credit comes from HTTP/2 DATA alone"
+        h2s.acknowledge(stream, nbytes)
+        self.flush()
 
     def send_raw(self, data: bytes) -> None:
         """Bytes as they are, through this connection's accounting (pending bytes, send
-        timeout): an HTTP/1.1 tunnel's, once h11 has switched protocols."""
+        timeout): an HTTP/1.1 answer of ``refusals.py``'s."""
         self.output.write(data)
 
-    def switch_protocols(self, headers: Headers) -> bytes:
-        """HTTP/1.1: the 101 to a WebSocket upgrade (``H1Server.switch_protocols``); returns
-        the bytes the client sent after its request (the tunnel's first)."""
-        assert self.h1 is not None
-        out, early = self.h1.switch_protocols(headers)
-        self.output.write(out)
-        return early
+    def http1_upgrade(self) -> H1Switch | None:
+        """The HTTP/1.1 side's protocol switch (``ports.Http1Upgrade``); None on HTTP/2, which
+        has no Upgrade (RFC 9113 §8.6)."""
+        return H1Switch(self.h1, self.output) if self.h1 is not None else None
 
     def hold(self, stream: ClientStream) -> None:
         self.output.stalled.add(stream)

@@ -68,7 +68,7 @@ def send_error(
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
 ) -> int:
-    """``ClientSide.send_error``: the proxy's own short response on ``stream``; returns the
+    """``Answerer.send_error``: the proxy's own short response on ``stream``; returns the
     body bytes sent, for the access log. ``extra``: fields it carries besides its own
     (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429); ``rewrite``: what its fields
     become (the extensions' ``on_response_head``)."""
@@ -231,7 +231,7 @@ def body_too_large(client: Refusing, exchange: ClientStream, flow_len: int) -> N
 def slow_body(
     client: Refusing, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
 ) -> int | None:
-    """``ClientSide.refuse_slow_body``: the request body is too ``slow`` while no response
+    """``ExchangeClient.refuse_slow_body``: the request body is too ``slow`` while no response
     began (``bodyclock.py``), counted as the defence ``slow.value``. 408 and close on HTTP/1.1
     (the close after the current event, which flushes the 408 first, RFC 9112 §9.6). On
     HTTP/2 a body past its deadline gets a 408 and RST_STREAM(NO_ERROR) for the rest of it

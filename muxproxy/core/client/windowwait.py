@@ -44,7 +44,7 @@ class WindowWaits:
 
     def wait(self, stream: int, exchange: ClientStream | None) -> bool:
         """``stream``'s response was queued behind a closed window: stop its backend. True
-        when it was running (the connection then holds the exchange, ``ClientSide.hold``)."""
+        when it was running (the connection then holds the exchange, ``ResponseSink.hold``)."""
         fx = self.fx
         if not self.since:
             fx.set_timer(self.timer, fx.now + fx.config.timeouts.send)

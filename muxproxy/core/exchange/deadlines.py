@@ -39,7 +39,7 @@ from muxproxy.config import Config, Upstream
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.headers import header_value
 from muxproxy.core.messages import Headers
-from muxproxy.core.ports import ClientSide
+from muxproxy.core.ports import ResponseSink
 from muxproxy.core.streams.sse import HEARTBEAT, EventBoundary
 from muxproxy.core.timers import ExchangeTimer
 
@@ -179,7 +179,7 @@ class Heartbeat:
             return None
         return cls(deadlines, interval)
 
-    def fired(self, client: ClientSide, stream: int) -> None:
+    def fired(self, client: ResponseSink, stream: int) -> None:
         """The ``heartbeat`` timer: a comment to ``stream`` if one is due and fits; armed
         again either way."""
         deadlines, interval = self.deadlines, self.interval

@@ -15,18 +15,16 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 - Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
   holds ``high_water`` bytes of this stream, or its connection is behind, and resumed at
   ``low_water``; the client's request body likewise (``upload.py``).
-- Cancellation propagates: a client that goes away closes the backend connection at once
-  (which stops a GPU generating tokens nobody reads). Truncation is visible: a backend that
-  fails after the response head makes the client side abort the stream (RST_STREAM on
-  HTTP/2, no final chunk on HTTP/1.1).
+- Cancellation propagates: a client that goes away closes the backend at once (a GPU stops
+  generating tokens nobody reads). Truncation is visible: a backend failing after the response
+  head makes the client side abort the stream (HTTP/2 RST_STREAM; HTTP/1.1 no final chunk).
 - Errors before the head map to answers of our own (``heads.py``): no route 404, no usable
   backend 503, refused or broken backend 502, timeout 504 (RFC 9110 §15.6); the access log
   counts their body bytes like a backend's. Date (RFC 9110 §6.6.1): a response without one,
   the backend's or ours, gets the proxy's (``dates.py``: from the wall time the driver gives).
 - Timeouts blame the party that is late (``deadlines.py``): the backend's never count time it
-  waits for us, the client's ``body`` timer never time we withheld its window (408 /
-  RST_STREAM, ``Downstream.refuse_slow_body``); ``Downstream``'s send timeouts cut a client
-  that stops reading.
+  waits for us, the client's ``body`` timer never time we withheld its window (408 / RST_STREAM,
+  ``refuse_slow_body``); ``Downstream``'s send timeouts cut a client that stops reading.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fi
 from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
 from muxproxy.core.observe.ssemeter import SseMeter
-from muxproxy.core.ports import ClientSide, Phase, RequestPhase, UpstreamStream
+from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.streams.continuation import AnswerSoFar
@@ -71,11 +69,11 @@ _T = ExchangeTimer
 
 class Exchange:
     def __init__(
-        self, fx: Effects, host: ExchangeHost, client: ClientSide, head: RequestHead, ident: int
+        self, fx: Effects, host: ExchangeHost, client: RequestClient, head: RequestHead, ident: int
     ) -> None:
         self.fx = fx
         self.host = host
-        self.client = client
+        self.client: ExchangeClient = client
         self.stream = head.stream
         self.head = head
         self.ident = ident
@@ -135,11 +133,13 @@ class Exchange:
 
     def move(self, input: ExchangeInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False if ignored, else raises if illegal."""
-        target = TRANSITIONS[(self.phase, input)]
-        if type(target) is Phase:  # taken: the common case, without a call
-            self.phase = target
-            return True
-        return step(TRANSITIONS, "Exchange", self.phase, input) is not None  # the verdict
+        before = self.phase
+        target = TRANSITIONS[(before, input)]  # taken, the common case: no call to ``step``
+        after = target if type(target) is Phase else step(TRANSITIONS, "Exchange", before, input)
+        self.phase = after or before  # ignored: where it was
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.phase)
+        return after is not None
 
     @property
     def request(self) -> RequestPhase:
@@ -206,7 +206,7 @@ class Exchange:
 
     def request_body(self, data: bytes, flow_len: int) -> None:
         if not self.move(_I.REQUEST_BODY):
-            self.client.acknowledge(self.stream, flow_len)  # not taken: the credit goes back
+            self.upload.give_back(flow_len)  # not taken
             return
         self.bytes_in += len(data)
         self.upload.take(data, flow_len, self.upstream)
@@ -357,7 +357,7 @@ class Exchange:
         """The stream that continues the answer is the backend from now on."""
         self.upstream = upstream
 
-    def hand_to(self, client: ClientSide) -> ClientSide:
+    def hand_to(self, client: ExchangeClient) -> ExchangeClient:
         """The response goes to ``client`` from now on; a backend the old one held back runs
         again (the new one holds it as it needs). Returns the old one."""
         old, upstream = self.client, self.upstream

@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from muxproxy.core.ports import (
-    ClientSide,
     ClientStream,
+    ExchangeClient,
     Phase,
     ServerHost,
     UpstreamStream,
@@ -132,7 +132,7 @@ class Outliving(ContinuedOwner, ClientStream, Owner, Protocol):
     survival: Survival | None
 
     @property
-    def client(self) -> ClientSide: ...
+    def client(self) -> ExchangeClient: ...
     @property
     def upstream(self) -> UpstreamStream | None: ...
     @property
@@ -145,7 +145,7 @@ class Outliving(ContinuedOwner, ClientStream, Owner, Protocol):
     def survive(self) -> Survival:
         """The survival record, made on first need."""
 
-    def hand_to(self, client: ClientSide) -> ClientSide:
+    def hand_to(self, client: ExchangeClient) -> ExchangeClient:
         """The response goes to ``client`` from now on; returns the old one."""
 
     def release_upstream(self, *, close: bool) -> None: ...

@@ -31,7 +31,7 @@ from muxproxy.core.http import grpc
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
 from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import REQUEST_ID, with_request_id
-from muxproxy.core.ports import ClientSide
+from muxproxy.core.ports import Answerer, ClientPeer
 from muxproxy.routing.sticky import apply_header_rules
 
 VIA = b"muxproxy"
@@ -40,7 +40,7 @@ VIA = b"muxproxy"
 
 def backend_fields(
     head: RequestHead,
-    client: ClientSide,
+    client: ClientPeer,
     group: Upstream,
     *,
     session_key: bytes | None,
@@ -106,7 +106,7 @@ def client_head(
 
 
 def send_error_answer(
-    client: ClientSide,
+    client: Answerer,
     request: RequestHead,
     status: int,
     text: str,

@@ -44,7 +44,7 @@ from muxproxy.core.exchange.exchangeports import Routed
 from muxproxy.core.messages import AnswerRewrite, Headers
 from muxproxy.core.observe.series import TokenTimes
 from muxproxy.core.observe.ssemeter import SseMeter
-from muxproxy.core.ports import ClientSide
+from muxproxy.core.ports import ClientPeer
 from muxproxy.extensions.api import Decision, HeaderRewrite, Outcome, Request, Response, defines
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Hooked(Routed, Protocol):
     @property
     def server_address(self) -> str: ...
     @property
-    def client(self) -> ClientSide: ...
+    def client(self) -> ClientPeer: ...
 
 
 @attrs.frozen

@@ -300,7 +300,7 @@ class ReplayExchange(Exchange):
             super().request_body(data, flow_len)
             return
         self.bytes_in += len(data)  # a re-sent request's body: read and dropped
-        self.client.acknowledge(self.stream, flow_len)
+        self.upload.give_back(flow_len)
 
     def request_end(self, trailers: Headers) -> None:
         if self.phase is not Phase.STREAMING or self.failover is not None:

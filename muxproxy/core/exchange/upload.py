@@ -132,6 +132,12 @@ class Upload:
         if credit:
             client.acknowledge(self.stream, credit)
 
+    def give_back(self, flow_len: int) -> None:
+        """Body bytes the exchange did not take: their credit goes back now (HTTP/2; an
+        HTTP/1.1 body has none)."""
+        if flow_len:
+            self.client.acknowledge(self.stream, flow_len)
+
     def settle(self) -> None:
         """The exchange ended: all the credit back, and the client read again."""
         flow = self.flow

@@ -64,6 +64,7 @@ from muxproxy.core.http2.h2send import ResponseSender, SendQueue
 from muxproxy.core.http2.h2settings import CONNECTION_WINDOW as CONNECTION_WINDOW
 from muxproxy.core.http2.h2settings import server_connection
 from muxproxy.core.messages import Abort, Body, End, Headers, Message, Refused
+from muxproxy.core.movelog import Recorded
 from muxproxy.core.states import IGNORED, ILLEGAL, Transitions, step
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -171,9 +172,12 @@ class H2Server(ResponseSender):
         upgrade_settings: bytes | None = None,
         reset_budget: int = RESET_BUDGET,
         control_budget: int = CONTROL_FRAME_BUDGET,
+        watch: Recorded | None = None,
     ) -> None:
         """``upgrade_settings``: the client's HTTP2-Settings value when this connection was
-        upgraded from HTTP/1.1 (h2c.py); raises h2's ``ProtocolError`` if they are invalid."""
+        upgraded from HTTP/1.1 (h2c.py); raises h2's ``ProtocolError`` if they are invalid.
+        ``watch``: what may carry a log of its moves for a test (its core's ``Effects``,
+        ``movelog.py``)."""
         conn, self.decoder = server_connection(
             max_concurrent_streams=max_concurrent_streams,
             initial_window=initial_window,
@@ -194,6 +198,7 @@ class H2Server(ResponseSender):
         """Request body bytes still due by Content-Length, for streams that declared one."""
         self.state = H2State.OPEN
         """Changed by ``move`` alone, as ``TRANSITIONS`` says."""
+        self.watch = watch
         self.last_stream: int | None = None
         """DRAINING: the last stream id served; later ones are refused. None otherwise."""
 
@@ -205,11 +210,14 @@ class H2Server(ResponseSender):
 
     def move(self, input: H2Input) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
-        target = step(TRANSITIONS, "H2Server", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(TRANSITIONS, "H2Server", before, input)
+        if target is not None:
+            self.state = target
+        watch = self.watch
+        if watch is not None and watch.moves is not None:
+            watch.moves.record(self, before, input, self.state)
+        return target is not None
 
     def data_to_send(self) -> bytes:
         return self.conn.data_to_send()

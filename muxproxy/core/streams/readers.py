@@ -1,7 +1,7 @@
 """Who a resumable stream's owner writes to, once its first client is gone.
 
 The exchange that owns a resumable stream's backend (``exchange.py``) writes the response to
-its ``ClientSide`` as any exchange does. When its client goes away that side is swapped, so
+its ``ExchangeClient`` as any exchange does. When its client goes away that side is swapped, so
 the owner's code stays the one path it always is:
 
 - ``Nobody``: the stream lingers; every byte is dropped here (the events are kept by
@@ -12,7 +12,9 @@ the owner's code stays the one path it always is:
   replay, whose ``client_drained`` hands the drain on to the owner).
 
 A response head or an error answer can no longer be sent (the head went out before): those
-calls are bugs, and raise.
+calls are bugs, and raise. Nothing of the request side is here: the owner's request is whole
+before its stream may linger, and its body's source stays the connection it came from
+(``ports.ExchangeClient``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ class _AfterHead:
 
     def send_head(self, head: ResponseHead, *, end_stream: bool = False) -> None:
         raise AssertionError("a resumed stream's head went out before")
-
-    def switch_protocols(self, headers: Headers) -> bytes:
-        raise AssertionError("a resumed stream does not switch protocols")
 
     def send_error(
         self,
@@ -51,23 +50,6 @@ class _AfterHead:
         self, stream: int, slow: SlowBody, *, api: Api | None, request_id: bytes
     ) -> int | None:
         return None  # the request body is complete before a stream may linger
-
-    def send_raw(self, data: bytes) -> None:
-        raise AssertionError("a resumed stream is not a tunnel")
-
-    # The owner's request is complete before its stream may linger: nothing of the request
-    # side is left to do.
-    def keep_receiving(self, stream: int) -> None:
-        pass
-
-    def acknowledge(self, stream: int, nbytes: int) -> None:
-        pass
-
-    def pause_source(self) -> None:
-        pass
-
-    def resume_source(self) -> None:
-        pass
 
 
 class Nobody(_AfterHead):
@@ -93,9 +75,6 @@ class Nobody(_AfterHead):
         pass
 
     def abort(self, stream: int) -> None:
-        pass
-
-    def request_close(self) -> None:
         pass
 
     def hold(self, stream: ClientStream) -> None:
@@ -142,9 +121,6 @@ class ResumedClient(_AfterHead):
 
     def abort(self, stream: int) -> None:
         self.client.abort(self.replay.stream)
-
-    def request_close(self) -> None:
-        self.client.request_close()
 
     def hold(self, stream: ClientStream) -> None:
         self.client.hold(self.replay)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from muxproxy.config import Resume
 from muxproxy.core.commands import ResumeAppend, ResumeMeta, ResumeProbe
 from muxproxy.core.messages import ResponseHead
-from muxproxy.core.ports import ClientSide, ClientStream
+from muxproxy.core.ports import ClientStream, ExchangeClient
 from muxproxy.core.timers import ResumeTimer
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class Reader(ClientStream, Protocol):
     owner see it: an exchange of its own client, to whose connection the owner writes
     (``readers.ResumedClient``)."""
 
-    client: ClientSide
+    client: ExchangeClient
 
     def taken_over(self) -> None:
         """Another client resumed the stream: stop reading it."""

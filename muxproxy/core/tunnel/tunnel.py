@@ -52,7 +52,7 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading, ShutdownWri
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import TimerId
 from muxproxy.core.flow import Flow
-from muxproxy.core.ports import ClientStream, TunnelClient
+from muxproxy.core.ports import ClientStream, Http1Upgrade, TunnelClient
 from muxproxy.core.states import step
 from muxproxy.core.tunnel.tunnel_states import (
     BACKEND_FLOWS,
@@ -195,20 +195,24 @@ class Tunnel:
         exchange: ClientStream,
         client: TunnelClient,
         *,
+        raw: Http1Upgrade | None,
         backend: Backend,
         timer: TimerId,
         ended: Callable[[str], None],
     ) -> None:
         """``tunnels``: the core's table of connections whose bytes are a tunnel's; this one
-        enters its raw connections there, and leaves it when it ends."""
+        enters its raw connections there, and leaves it when it ends. ``raw``: an HTTP/1.1
+        client's switched connection, whose bytes are the tunnel's; None for an HTTP/2 client,
+        whose tunnel is the stream (RFC 8441 §5)."""
         self.fx = fx
         self.tunnels = tunnels
         self.exchange = exchange
         """The exchange that opened the tunnel: the client connection holds it while the
         backend is stopped for the client (``ResponseSink.hold``)."""
         self.client = client
+        self.raw = raw
         self.stream = exchange.stream
-        self.kind = ClientKind.H2_STREAM if self.client.is_h2 else ClientKind.RAW
+        self.kind = ClientKind.H2_STREAM if raw is None else ClientKind.RAW
         self.client_half_close = self.kind is ClientKind.H2_STREAM or client.scheme == b"http"
         """Whether the client can be sent a half-close: END_STREAM, or a FIN on plain TCP
         (``scheme`` is https exactly on a TLS connection)."""
@@ -232,9 +236,12 @@ class Tunnel:
 
     def move(self, input: TunnelInput) -> TunnelState | None:
         """Take ``input`` as ``TRANSITIONS`` says: the state after it, None where ignored."""
-        target = step(TRANSITIONS, "Tunnel", self.state, input)
+        before = self.state
+        target = step(TRANSITIONS, "Tunnel", before, input)
         if target is not None:
             self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
         return target
 
     # -- client to backend -----------------------------------------------------------------
@@ -305,10 +312,9 @@ class Tunnel:
         self.last_activity = self.fx.now
         self.bytes_down += len(data)
         client = self.client
-        if self.kind is ClientKind.RAW:
-            # Through the connection's own accounting (pending bytes, send timeout), not h11:
-            # h11 is SWITCHED_PROTOCOL and has no say any more.
-            client.send_raw(data)
+        raw = self.raw
+        if raw is not None:
+            raw.send_raw(data)
         else:
             client.send_body(self.stream, data)
         flow = self.backend_flow

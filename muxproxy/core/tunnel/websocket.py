@@ -46,7 +46,7 @@ from muxproxy.core.exchange.exchangeports import ExchangeHost
 from muxproxy.core.exchange.heads import VIA, backend_fields
 from muxproxy.core.http.headers import header_value, is_websocket_upgrade, response_headers
 from muxproxy.core.messages import Headers, RequestHead, ResponseHead
-from muxproxy.core.ports import ClientSide, RequestPhase, UpstreamStream
+from muxproxy.core.ports import ClientSide, Http1Upgrade, RequestPhase, UpstreamStream
 from muxproxy.core.timers import ExchangeTimer
 from muxproxy.core.tunnel.tunnel import Backend, RawBackend, StreamBackend, Tunnel
 from muxproxy.core.upstream.h2pool import H2Stream
@@ -111,6 +111,10 @@ class WebSocketExchange(Exchange):
     ) -> None:
         """``tunnels``: the core's table of tunnelled connections (``Tunnel``)."""
         super().__init__(fx, host, client, head, ident)
+        self.side = client
+        """The client connection as the tunnel's client side will see it (``TunnelClient``)."""
+        self.upgrade: Http1Upgrade | None = None
+        """An HTTP/1.1 client's protocol switch, for an Upgrade handshake."""
         self.tunnels = tunnels
         self.tunnel: Tunnel | None = None
         self.key: bytes | None = None
@@ -121,6 +125,11 @@ class WebSocketExchange(Exchange):
         """The client's own Sec-WebSocket-Key (RFC 6455 §4.1; an RFC 8441 client may send one
         too), answered with its Sec-WebSocket-Accept where the backend's does not fit."""
         if head.method != b"CONNECT":
+            # RFC 9113 §8.2.2: an HTTP/2 request carries no Connection or Upgrade (``intake``
+            # refuses them), so an Upgrade handshake comes over HTTP/1.1.
+            upgrade = client.http1_upgrade()
+            assert upgrade is not None, "an Upgrade handshake over HTTP/2"
+            self.upgrade = upgrade
             self.handshake = Handshake.H1_UPGRADE
         elif head.protocol == b"websocket" and client.is_h2 and head.target:
             self.handshake = Handshake.H2_EXTENDED_CONNECT
@@ -180,7 +189,7 @@ class WebSocketExchange(Exchange):
         elif self.handshake is not Handshake.H2_EXTENDED_CONNECT:
             super().request_body(data, flow_len)
         elif not self.move(ExchangeInput.REQUEST_BODY):
-            self.client.acknowledge(self.stream, flow_len)  # not taken: the credit goes back
+            self.upload.give_back(flow_len)  # not taken
         else:
             # RFC 8441 §5: DATA before the 200 belongs to the tunnel that is not open yet;
             # held, and bounded like any request body (acknowledged only below low water).
@@ -330,16 +339,19 @@ class WebSocketExchange(Exchange):
             client.send_head(ResponseHead(stream=self.stream, status=200, headers=headers))
             early, self.early, self.early_size = self.early, [], 0
         else:
+            upgrade = self.upgrade
+            assert upgrade is not None  # H1_UPGRADE
             # RFC 9110 §7.8: the 101 names the protocol switched to, with Connection: upgrade.
             headers += [(b"connection", b"upgrade"), (b"upgrade", b"websocket")]
             self.status = 101
             # Bytes the client sent after its request (h11 read them, PAUSED): tunnel bytes.
-            early = [client.switch_protocols(headers)]
+            early = [upgrade.switch_protocols(headers)]
         tunnel = self.tunnel = Tunnel(
             fx,
             self.tunnels,
             self,
-            client,
+            self.side,
+            raw=self.upgrade,
             backend=backend,
             timer=(ExchangeTimer.TUNNEL, self.ident),
             ended=self._tunnel_ended,

@@ -112,11 +112,14 @@ class H2Stream:
 
     def move(self, input: StreamInput) -> bool:
         """Take ``input`` as ``STREAM`` says: False where it is ignored."""
-        target = step(STREAM, "H2Stream", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(STREAM, "H2Stream", before, input)
+        if target is not None:
+            self.state = target
+        moves = self.upstream.fx.moves
+        if moves is not None:
+            moves.record(self, before, input, self.state)
+        return target is not None
 
     @property
     def pending(self) -> int:
@@ -231,11 +234,14 @@ class H2Upstream:
 
     def move(self, input: H2Input) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
-        target = step(TRANSITIONS, "H2Upstream", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(TRANSITIONS, "H2Upstream", before, input)
+        if target is not None:
+            self.state = target
+        moves = self.fx.moves
+        if moves is not None:
+            moves.record(self, before, input, self.state)
+        return target is not None
 
     @property
     def free_streams(self) -> int:

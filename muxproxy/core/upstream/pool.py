@@ -201,16 +201,21 @@ class UpstreamConn:
 
     def move(self, input: UpstreamInput) -> bool:
         """Take ``input`` as ``TRANSITIONS`` says: False where it is ignored."""
-        target = step(TRANSITIONS, "UpstreamConn", self.state, input)
-        if target is None:
-            return False
-        self.state = target
-        return True
+        before = self.state
+        target = step(TRANSITIONS, "UpstreamConn", before, input)
+        if target is not None:
+            self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
+        return target is not None
 
     def advance(self, input: ProgressInput) -> None:
         """The current request's ``progress`` after ``input``, as ``PROGRESS`` says."""
         # ``PROGRESS`` ignores and refuses nothing (its test checks): a lookup, not ``step``.
-        self.progress = PROGRESS[(self.progress, input)]
+        before = self.progress
+        self.progress = PROGRESS[(before, input)]
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.progress)
 
     @property
     def stale(self) -> bool:

@@ -101,9 +101,12 @@ class Probe:
 
     def move(self, input: ProbeInput) -> ProbeState | None:
         """Take ``input`` as ``TRANSITIONS`` says: the state after it, None where ignored."""
-        target = step(TRANSITIONS, "Probe", self.state, input)
+        before = self.state
+        target = step(TRANSITIONS, "Probe", before, input)
         if target is not None:
             self.state = target
+        if self.fx.moves is not None:
+            self.fx.moves.record(self, before, input, self.state)
         return target
 
     def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
