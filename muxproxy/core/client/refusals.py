@@ -35,7 +35,14 @@ from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
-from muxproxy.core.messages import AnswerRewrite, Fields, Refused, RequestHead, ResponseHead
+from muxproxy.core.messages import (
+    AnswerRewrite,
+    Fields,
+    Headers,
+    Refused,
+    RequestHead,
+    ResponseHead,
+)
 from muxproxy.core.ports import ClientHost, ClientStream, Phase
 
 
@@ -74,12 +81,7 @@ def send_error(
     become (the extensions' ``on_response_head``)."""
     h2s = client.h2
     if h2s is not None:
-        headers, body = error_response(status, text, api=api, date=client.fx.http_date())
-        if request_id is not None:
-            headers.append((b"x-request-id", request_id))
-        headers.extend(extra)
-        if rewrite is not None:
-            headers = rewrite(status, headers)
+        headers, body = own_answer(client, status, text, api, request_id, extra, rewrite)
         # RFC 9110 §9.3.2, RFC 9113 §8.1: a response to HEAD is one HEADERS frame that ends
         # the stream, no DATA frame.
         h2s.send_head(
@@ -108,15 +110,30 @@ def h1_error(
     response began already); returns the body bytes it carried."""
     h1 = client.h1
     assert h1 is not None
+    headers, body = own_answer(client, status, text, api, request_id, extra, rewrite)
+    out = h1.send_whole(status, headers, body)
+    client.send_raw(out)
+    return len(body) if out and not h1.head_only else 0
+
+
+def own_answer(
+    client: Refusing,
+    status: int,
+    text: str,
+    api: Api | None,
+    request_id: bytes | None,
+    extra: Fields,
+    rewrite: AnswerRewrite | None,
+) -> tuple[Headers, bytes]:
+    """The head fields and body of one of the proxy's own answers, either protocol: the
+    error body, ``Date``, the request id, ``extra``, then the extensions' ``rewrite``."""
     headers, body = error_response(status, text, api=api, date=client.fx.http_date())
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
     headers.extend(extra)
     if rewrite is not None:
         headers = rewrite(status, headers)
-    out = h1.send_whole(status, headers, body)
-    client.send_raw(out)
-    return len(body) if out and not h1.head_only else 0
+    return headers, body
 
 
 def peer_error(client: Refusing, exc: PeerError, api: Api | None = None) -> None:
