@@ -1,24 +1,41 @@
-"""LLM-aware balancing and admission inside the core, driven with bytes only: least load,
-prefix affinity, the admission queue (fairness, priority, timeout, a client that leaves),
-token budgets, and the engines' load reports.
+"""LLM-aware balancing and admission inside the core, as conversations: least load, prefix
+affinity, the admission queue (fairness, priority, timeout, a client that leaves), token
+budgets, and the engines' load reports.
 
-Clients are real h11 peers, backends real h11 server peers (``test_routing_exchange.Rig``);
-time moves only through ``pb.now``.
+Clients are real h11 peers, backends real h11 server peers (``Llm``, a ``Routing`` of
+``test_routing_exchange`` with the phrases of a queue and a stream); each conversation
+asserts every command, timers included. Time moves only through ``pb.now``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
-from test_routing_exchange import A, B, Rig, fleet, origin, request_body
+import h11
+from checks import h1_body, h1_request, h1_response
+from playbook import (
+    Capture,
+    H1BackendPeer,
+    H1ClientPeer,
+    Sends,
+    Where,
+    closed,
+    data,
+    open_failed,
+    opened,
+    wakeup,
+)
+from test_routing_exchange import CHAT, A, B, Opens, Routing, body_is, fleet
 
 from muxproxy.config import (
     AdmissionQueue,
     AffinityMode,
     Api,
     Balance,
+    Config,
     LoadReporting,
     PrefixAffinity,
     RateLimit,
@@ -27,11 +44,12 @@ from muxproxy.config import (
     SessionSource,
     Sticky,
 )
-from muxproxy.core.commands import Log, OpenConnection, SetTimer
+from muxproxy.core.commands import CancelTimer, CloseConnection, Log, SetTimer
 from muxproxy.core.events import ConfigChanged
 from muxproxy.core.ports import Phase
 
 SYSTEM = "You are the support agent of a large company. " * 40
+JSON = ("Content-Type", "application/json")
 
 
 def chat(user: str = "hi", *, system: str | None = None, max_tokens: int | None = None) -> bytes:
@@ -43,35 +61,147 @@ def chat(user: str = "hi", *, system: str | None = None, max_tokens: int | None 
     return json.dumps(body).encode()
 
 
-def post(rig: Rig, body: bytes, headers: list[tuple[str, str]] | None = None) -> tuple[int, Any]:
-    hdrs = [("Content-Type", "application/json"), *(headers or [])]
-    return rig.request(body=body, headers=hdrs)
+def stream_end(events: Any) -> None:
+    assert [type(e) for e in events] == [h11.EndOfMessage], events
 
 
-def start_stream(rig: Rig) -> int:
-    """Accept the last opened backend connection and answer with an SSE head."""
-    cmd = rig.last_open()
-    rig.sse_start(cmd.conn, origin(cmd))
-    return cmd.conn
+class Llm(Routing):
+    """A ``Routing`` whose requests may wait in the admission queue and whose backends
+    answer with SSE streams; ``streams`` maps a backend connection to the exchange it
+    serves (client connection, client peer, whether the request had a body)."""
 
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.body_key = self.body_key or self.group.reads_body  # held to read the body first
+        self.streams: dict[int, tuple[int, H1ClientPeer, bool]] = {}
 
-def finish(rig: Rig, up: int, events: int = 0, usage: int | None = None) -> None:
-    for i in range(events):
-        rig.chunk(up, f'data: {{"choices":[{{"delta":{{"content":"t{i}"}}}}]}}\n\n'.encode())
-    if usage is not None:
-        tail = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage}}
-        rig.chunk(up, f"data: {json.dumps(tail)}\n\n".encode())
-    rig.chunk(up, b"data: [DONE]\n\n")
-    rig.end(up)
+    def post(
+        self,
+        body: bytes,
+        headers: list[tuple[str, str]] | None = None,
+        *,
+        to: str | None = None,
+        avoid: Iterable[str] = (),
+    ) -> tuple[int, H1ClientPeer, Opens]:
+        """A JSON POST that the core sends on at once, to ``to`` (not to one of ``avoid``)."""
+        return self.ask(body=body, headers=[JSON, *(headers or [])], to=to, avoid=avoid)
 
+    def waits(
+        self, body: bytes, headers: list[tuple[str, str]] | None = None
+    ) -> tuple[int, H1ClientPeer]:
+        """A JSON POST that waits in the queue: nothing is sent (a retry stays possible),
+        the queue deadline starts; returns the exchange and its client."""
+        pb = self.pb
+        conn, client = self.connect()
+        pb >> data(conn, client.request("POST", CHAT, [JSON, *(headers or [])], body))
+        pb << CancelTimer(timer=("header", conn))
+        body_timer = SetTimer(timer=("body", conn), at=pb.now + self.body_gap_s)
+        if self.body_key:  # held for the body: its timer first
+            pb << body_timer
+        pb << SetTimer(timer=("queue", conn), at=pb.now + self.group.queue.timeout)
+        if not self.body_key:
+            pb << body_timer
+        pb.done()
+        return conn, client
 
-def status_of(rig: Rig, conn: int, client: Any) -> tuple[int, dict[bytes, bytes], bytes]:
-    head, body, _ = rig.response(conn, client)
-    return head.status_code, dict(head.headers), body
+    def refused(
+        self, body: bytes | None, headers: list[tuple[str, str]] | None = None
+    ) -> tuple[h11.Response, bytes]:
+        """A request (a JSON POST of ``body``, or a GET) refused 429 at once: no backend;
+        the head and body the client got."""
+        pb = self.pb
+        conn, client = self.connect()
+        method, hdrs = ("GET", headers) if body is None else ("POST", [JSON, *(headers or [])])
+        pb >> data(conn, client.request(method, CHAT, hdrs, body))
+        pb << CancelTimer(timer=("header", conn))
+        held = body is not None and self.body_key  # refused once the body was read
+        if held:
+            pb << SetTimer(timer=("body", conn), at=pb.now + self.body_gap_s)
+        pb << SetTimer(timer=("send", conn), at=pb.now + self.send_s)
+        pb << (answer := Sends(conn, client, h1_response(429, end=True)))
+        if held:
+            pb << CancelTimer(timer=("body", conn))
+        pb << CloseConnection(conn=conn)
+        pb.done()
+        head = answer.events[0]
+        assert isinstance(head, h11.Response)
+        return head, h1_body(answer.events)
 
+    def stream(self, conn: int, client: H1ClientPeer, opens: Opens, body: bytes | None) -> Sends:
+        """The backend ``opens`` went to gets the request (``body``: a POST of it) and answers
+        with an SSE head that reaches the client; returns what the backend got."""
+        pb = self.pb
+        up = opens.conn
+        check = h1_request(b"GET" if body is None else b"POST", CHAT.encode(), body)
+        request = self.accept(up, conn, check)
+        pb >> data(up, self.sse_head_bytes(up, opens.server))
+        pb << CancelTimer(timer=("head", conn))
+        pb << SetTimer(timer=("send", conn), at=pb.now + self.send_s)
+        pb << Sends(conn, client, h1_response(200))
+        pb << SetTimer(timer=("read", conn), at=pb.now + self.read_s)
+        pb.done()
+        self.streams[up] = (conn, client, body is not None)
+        return request
 
-def queue_len(rig: Rig) -> int:
-    return len(rig.router.queue)
+    def posted(
+        self, body: bytes, headers: list[tuple[str, str]] | None = None, *, to: str | None = None
+    ) -> tuple[int, str]:
+        """A JSON POST sent on at once and streamed: (backend connection, its server)."""
+        conn, client, opens = self.post(body, headers, to=to)
+        self.stream(conn, client, opens, body)
+        return opens.conn, opens.server
+
+    def event(self, up: int, payload: bytes) -> None:
+        conn, client, _ = self.streams[up]
+        self.pb >> data(up, self.chunk(up, payload))
+        self.pb << Sends(conn, client, body_is(payload, end=False))
+        self.pb.done()
+
+    def finish(
+        self,
+        up: int,
+        events: int = 0,
+        usage: int | None = None,
+        *,
+        admits: int | Capture[int] | None = None,
+        to: str | None = None,
+    ) -> Opens | None:
+        """The stream on ``up`` relays ``events`` (and a usage object), ``[DONE]`` and its end;
+        the freed slot ``admits`` a waiting exchange (a ``Capture`` when the test does not
+        fix which), whose attempt goes ``to``."""
+        pb = self.pb
+        for i in range(events):
+            self.event(up, f'data: {{"choices":[{{"delta":{{"content":"t{i}"}}}}]}}\n\n'.encode())
+        if usage is not None:
+            tail = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage}}
+            self.event(up, f"data: {json.dumps(tail)}\n\n".encode())
+        self.event(up, b"data: [DONE]\n\n")
+        conn, client, posted = self.streams.pop(up)
+        pb >> data(up, self.end(up))
+        pb << Sends(conn, client, stream_end)
+        pb << CloseConnection(conn=up)
+        pb << CancelTimer(timer=("read", conn))
+        if posted:
+            pb << CancelTimer(timer=("body", conn))
+        opens = self.admitted(admits, to) if admits is not None else None
+        pb << SetTimer(timer=("idle", conn), at=pb.now + self.idle_s)
+        pb.done()
+        return opens
+
+    def admitted(self, admits: int | Capture[int], to: str | None) -> Opens:
+        """A waiting exchange leaves the queue and opens a connection for its attempt."""
+        if isinstance(admits, int):
+            self.pb << CancelTimer(timer=("queue", admits))
+            ex = admits
+        else:
+            self.pb << Where(
+                CancelTimer, lambda c: c.timer[0] == "queue" and admits.offer(c.timer[1])
+            )
+            ex = admits.value
+        return self.attempt(ex, to=to)
+
+    def queue_len(self) -> int:
+        return len(self.router.queue)
 
 
 def limited(*servers: str, limit: int = 1, **group: Any) -> Any:
@@ -82,33 +212,27 @@ def limited(*servers: str, limit: int = 1, **group: Any) -> Any:
 
 
 def test_least_load_sends_new_work_away_from_a_long_generation() -> None:
-    rig = Rig(fleet(A, B, balance=Balance.LEAST_LOAD))
-    post(rig, chat(max_tokens=4000))
-    long_server = origin(rig.last_open())
-    start_stream(rig)
+    rig = Llm(fleet(A, B, balance=Balance.LEAST_LOAD))
+    _, long_server = rig.posted(chat(max_tokens=4000))
     other = B if long_server == A else A
     for _ in range(5):
-        post(rig, chat(max_tokens=10))
-        assert origin(rig.last_open()) == other
-        start_stream(rig)
+        rig.posted(chat(max_tokens=10), to=other)
 
 
 def test_relayed_events_shrink_a_streams_expected_work() -> None:
-    rig = Rig(fleet(A, B, balance=Balance.LEAST_LOAD, default_max_tokens=50))
-    post(rig, chat(max_tokens=100))
-    server = rig.group.servers.index(
-        next(s for s in rig.group.servers if s.address == origin(rig.last_open()))
-    )
-    up = start_stream(rig)
+    rig = Llm(fleet(A, B, balance=Balance.LEAST_LOAD, default_max_tokens=50))
+    up, address = rig.posted(chat(max_tokens=100))
+    server = [s.address for s in rig.group.servers].index(address)
     assert rig.router.loads.own_work(server) == 100
     for i in range(30):
-        rig.chunk(up, f"data: {i}\n\n".encode())
+        rig.event(up, f"data: {i}\n\n".encode())
     assert rig.router.loads.own_work(server) == 100 - 30
-    post(rig, b"not json")  # no max_tokens: the default counts
     other = 1 - server
+    rig.post(b"not json", to=rig.group.servers[other].address)  # no max_tokens: the default
     assert rig.router.loads.own_work(other) == 50
-    finish(rig, up)
+    rig.finish(up)
     assert rig.router.loads.own_work(server) == 0
+    rig.pb.done()
 
 
 # -- prefix affinity -----------------------------------------------------------------------------
@@ -119,23 +243,15 @@ def prefix_fleet(**group: Any) -> Any:
 
 
 def test_users_of_one_system_prompt_go_to_the_same_server() -> None:
-    rig = Rig(prefix_fleet(prefix=PrefixAffinity(load_factor=4.0)))
-    post(rig, chat("question 1", system=SYSTEM))
-    first = origin(rig.last_open())
-    start_stream(rig)
+    rig = Llm(prefix_fleet(prefix=PrefixAffinity(load_factor=4.0)))
+    _, first = rig.posted(chat("question 1", system=SYSTEM))
     for n in range(2, 5):
-        post(rig, chat(f"question {n}", system=SYSTEM))
-        assert origin(rig.last_open()) == first
-        start_stream(rig)
+        rig.posted(chat(f"question {n}", system=SYSTEM), to=first)
 
 
 def test_a_hot_prefix_spills_over_once_its_server_is_over_the_bound() -> None:
-    rig = Rig(prefix_fleet())  # c = 1.25
-    servers = []
-    for n in range(8):
-        post(rig, chat(f"q{n}", system=SYSTEM))
-        servers.append(origin(rig.last_open()))
-        start_stream(rig)
+    rig = Llm(prefix_fleet())  # c = 1.25
+    servers = [rig.posted(chat(f"q{n}", system=SYSTEM))[1] for n in range(8)]
     counts = {s: servers.count(s) for s in (A, B)}
     assert counts[servers[0]] == 5 and counts[A] + counts[B] == 8  # ceil(1.25 * 8 / 2) = 5
     assert max(rig.router.active) <= 5
@@ -143,36 +259,28 @@ def test_a_hot_prefix_spills_over_once_its_server_is_over_the_bound() -> None:
 
 def test_a_session_key_wins_over_the_prefix() -> None:
     sticky = Sticky(sources=(SessionSource(kind="header", name="x-chat-id"),))
-    rig = Rig(prefix_fleet(sticky=sticky, prefix=PrefixAffinity(load_factor=10.0)))
-    post(rig, chat("q", system=SYSTEM))
-    prefix_server = origin(rig.last_open())
+    rig = Llm(prefix_fleet(sticky=sticky, prefix=PrefixAffinity(load_factor=10.0)))
+    prefix_server = rig.post(chat("q", system=SYSTEM))[2].server
     seen = set()
     for n in range(12):
-        post(rig, chat("q", system=SYSTEM), headers=[("X-Chat-ID", f"chat-{n}")])
-        seen.add(origin(rig.last_open()))
+        seen.add(rig.post(chat("q", system=SYSTEM), [("X-Chat-ID", f"chat-{n}")])[2].server)
     assert seen == {A, B}, prefix_server  # keys spread by their own hash, not the prefix's
+    rig.pb.done()
 
 
 # -- the admission queue -------------------------------------------------------------------------
 
 
 def test_a_request_waits_while_every_server_is_full_and_goes_when_one_frees() -> None:
-    rig = Rig(limited(A, B))
-    ups = []
-    for _ in range(2):
-        post(rig, chat())
-        ups.append(start_stream(rig))
-    opened = len(rig.opens())
-    conn, client = post(rig, chat())
+    rig = Llm(limited(A, B))
+    ups = [rig.posted(chat())[0] for _ in range(2)]
+    conn, client = rig.waits(chat())  # nothing is sent while it waits
     (waiting,) = [e for e in rig.pb.core.exchanges.values() if e.phase is Phase.QUEUED]
-    assert len(rig.opens()) == opened and queue_len(rig) == 1
-    assert rig.take(conn) == b""  # nothing is sent while it waits: a retry stays possible
-    finish(rig, ups[0])
-    assert queue_len(rig) == 0 and waiting.phase is Phase.CONNECTING
-    assert len(rig.opens()) == opened + 1
-    start_stream(rig)
-    head, _, _ = rig.response(conn, client)
-    assert head.status_code == 200
+    assert rig.queue_len() == 1
+    opens = rig.finish(ups[0], admits=conn)
+    assert opens is not None
+    assert rig.queue_len() == 0 and waiting.phase is Phase.CONNECTING
+    rig.stream(conn, client, opens, chat())  # the client gets the 200 head
     (hist,) = [rig.pb.core.measurements.group("default").queue_wait]
     assert sum(hist.counts) == 1
 
@@ -180,13 +288,12 @@ def test_a_request_waits_while_every_server_is_full_and_goes_when_one_frees() ->
 def test_a_full_queue_answers_429_with_retry_after_in_the_openai_shape() -> None:
     config = limited(A, queue=AdmissionQueue(max=1, timeout=30, retry_after=3))
     route = Route(prefix="/", upstream="default", api=Api.OPENAI)
-    rig = Rig(attrs.evolve(config, routes=(route,)))
-    post(rig, chat())
-    start_stream(rig)
-    post(rig, chat())  # waits
-    conn, client = post(rig, chat())
-    status, headers, body = status_of(rig, conn, client)
-    assert status == 429 and headers[b"retry-after"] == b"3"
+    rig = Llm(attrs.evolve(config, routes=(route,)))
+    rig.posted(chat())
+    rig.waits(chat())
+    head, body = rig.refused(chat())
+    headers = dict(head.headers)
+    assert headers[b"retry-after"] == b"3"
     error = json.loads(body)["error"]
     assert error["code"] == "rate_limit_exceeded" and "queue is full" in error["message"]
     refused = rig.pb.core.measurements.refusals
@@ -196,83 +303,86 @@ def test_a_full_queue_answers_429_with_retry_after_in_the_openai_shape() -> None
 
 
 def test_a_wait_past_the_queue_timeout_is_answered_429() -> None:
-    rig = Rig(limited(A, queue=AdmissionQueue(max=10, timeout=5)))
-    post(rig, chat())
-    start_stream(rig)
-    conn, client = post(rig, chat())
-    armed = rig.timer("queue")
-    assert armed.at == rig.pb.now + 5
-    rig.fire("queue")
-    status, headers, _ = status_of(rig, conn, client)
-    assert status == 429 and headers[b"retry-after"] == b"1"
-    assert queue_len(rig) == 0
+    rig = Llm(limited(A, queue=AdmissionQueue(max=10, timeout=5)))
+    pb = rig.pb
+    rig.posted(chat())
+    conn, client = rig.waits(chat())  # its queue deadline: now + 5
+    pb.now += 5
+    pb >> wakeup("queue", conn)
+    pb << SetTimer(timer=("send", conn), at=pb.now + rig.send_s)
+    pb << Sends(conn, client, h1_response(429, end=True, headers={b"retry-after": b"1"}))
+    pb << CancelTimer(timer=("body", conn))
+    pb << CloseConnection(conn=conn)
+    pb.done()
+    assert rig.queue_len() == 0
     assert rig.pb.core.measurements.refusals == {("default", "queue_timeout"): 1}
 
 
 def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once() -> None:
-    rig = Rig(limited(A))
-    post(rig, chat())
-    up = start_stream(rig)
-    conn, _ = post(rig, chat())
-    assert queue_len(rig) == 1
-    commands = rig.pb.closed(conn)
-    assert queue_len(rig) == 0
-    assert any(getattr(c, "timer", None) == ("queue", 2) for c in commands)  # cancelled
-    opened = len(rig.opens())
-    finish(rig, up)
-    assert len(rig.opens()) == opened  # nobody was admitted: nobody waited any more
+    rig = Llm(limited(A))
+    pb = rig.pb
+    up, _ = rig.posted(chat())
+    conn, _ = rig.waits(chat())
+    assert rig.queue_len() == 1
+    pb >> closed(conn)
+    pb << CancelTimer(timer=("body", conn))
+    pb << CancelTimer(timer=("queue", conn))
+    pb.done()
+    assert rig.queue_len() == 0
+    rig.finish(up)  # nobody was admitted: nobody waited any more
 
 
 def test_one_tenant_flooding_the_queue_does_not_delay_another_by_more_than_one_slot() -> None:
     tenant = SessionSource(kind="header", name="authorization")
-    rig = Rig(limited(A, tenant=tenant, queue=AdmissionQueue(max=1000, timeout=60)))
-    post(rig, chat(), headers=[("Authorization", "Bearer busy")])
-    up = start_stream(rig)
-    for _ in range(500):
-        post(rig, chat(), headers=[("Authorization", "Bearer busy")])
-    post(rig, chat("mine"), headers=[("Authorization", "Bearer other")])
-    assert queue_len(rig) == 501
+    rig = Llm(limited(A, tenant=tenant, queue=AdmissionQueue(max=1000, timeout=60)))
+    busy = [("Authorization", "Bearer busy")]
+    up, _ = rig.posted(chat(), busy)
+    clients = dict(rig.waits(chat(), busy) for _ in range(500))
+    conn, client = rig.waits(chat("mine"), [("Authorization", "Bearer other")])
+    clients[conn] = client
+    assert rig.queue_len() == 501
     served: list[bytes] = []
     for _ in range(2):
-        finish(rig, up)
-        cmd = rig.last_open()
-        rig.open(cmd.conn)
-        request = rig.received(cmd.conn)[0]
-        served.append(dict(request.headers)[b"authorization"])
-        rig.sse_head(cmd.conn, "a")
-        up = cmd.conn
+        admitted = Capture[int]("admitted")
+        opens = rig.finish(up, admits=admitted, to=A)
+        assert opens is not None
+        body = chat("mine") if admitted.value == conn else chat()
+        request = rig.stream(admitted.value, clients[admitted.value], opens, body)
+        served.append(dict(request.events[0].headers)[b"authorization"])
+        up = opens.conn
     assert b"Bearer other" in served  # within the first two slots after the flood began
 
 
 def test_priority_classes_are_strict() -> None:
     priority = SessionSource(kind="header", name="x-priority")
-    rig = Rig(limited(A, priority=priority))
-    post(rig, chat())
-    up = start_stream(rig)
+    rig = Llm(limited(A, priority=priority))
+    up, _ = rig.posted(chat())
+    waiting = {}
     for level in ("5", "9", "1", "bogus", "-3"):
-        post(rig, chat(), headers=[("X-Priority", level)])
-    order = []
-    for _ in range(5):
-        finish(rig, up)
-        cmd = rig.last_open()
-        rig.open(cmd.conn)
-        order.append(dict(rig.received(cmd.conn)[0].headers)[b"x-priority"])
-        rig.sse_head(cmd.conn, "a")
-        up = cmd.conn
+        waiting[level.encode()] = rig.waits(chat(), [("X-Priority", level)])
     # bogus and negative values are class 0, served first, in arrival order.
-    assert order == [b"bogus", b"-3", b"1", b"5", b"9"]
+    for level in (b"bogus", b"-3", b"1", b"5", b"9"):
+        conn, client = waiting[level]
+        opens = rig.finish(up, admits=conn, to=A)
+        assert opens is not None
+        request = rig.stream(conn, client, opens, chat())
+        assert dict(request.events[0].headers)[b"x-priority"] == level
+        up = opens.conn
 
 
 def test_a_retry_never_goes_to_a_full_server() -> None:
-    rig = Rig(limited(A, B))
-    post(rig, chat())
-    start_stream(rig)  # one server full
-    post(rig, chat())
-    second = rig.last_open()
-    mark = len(rig.pb.log)
-    rig.refuse(second.conn)
-    assert rig.opens()[-1] is second or not rig.opens(mark)
-    skipped = [log for log in rig.logs("retry_skipped")]
+    rig = Llm(limited(A, B))
+    pb = rig.pb
+    _, full = rig.posted(chat())  # one server full
+    conn, client, second = rig.post(chat(), avoid={full})
+    pb >> open_failed(second.conn)  # no other server to retry on: the full one is not one
+    pb << CancelTimer(timer=("connect", conn))
+    pb << SetTimer(timer=("send", conn), at=pb.now + rig.send_s)
+    pb << Sends(conn, client, h1_response(502, end=True))
+    pb << CancelTimer(timer=("body", conn))
+    pb << CloseConnection(conn=conn)
+    pb.done()
+    skipped = rig.logs("retry_skipped")
     assert skipped and skipped[-1].fields["reason"] == "every other server is full"
 
 
@@ -285,59 +395,50 @@ def budget_fleet(**budget: int) -> Any:
 
 
 def test_concurrent_requests_cannot_spend_more_than_the_token_budget() -> None:
-    rig = Rig(budget_fleet(tokens_per_minute=1000))
+    rig = Llm(budget_fleet(tokens_per_minute=1000))
     key = [("Authorization", "Bearer t1")]
-    post(rig, chat(max_tokens=600), headers=key)
-    up = start_stream(rig)
-    conn, client = post(rig, chat(max_tokens=600), headers=key)
-    status, headers, _ = status_of(rig, conn, client)
-    assert status == 429
+    up, _ = rig.posted(chat(max_tokens=600), key)
+    head, _ = rig.refused(chat(max_tokens=600), key)
+    headers = dict(head.headers)
     assert headers[b"x-ratelimit-limit-tokens"] == b"1000"
     assert headers[b"x-ratelimit-remaining-tokens"] == b"400"
     assert int(headers[b"retry-after"]) >= 1
     # Another tenant has its own budget.
-    post(rig, chat(max_tokens=600), headers=[("Authorization", "Bearer t2")])
+    rig.post(chat(max_tokens=600), [("Authorization", "Bearer t2")])
     assert rig.pb.core.measurements.refusals == {("default", "rate_limited"): 1}
     # The first stream used 100 of its 600: settled, 900 remain for t1.
-    finish(rig, up, events=3, usage=100)
-    opened = len(rig.opens())
-    post(rig, chat(max_tokens=800), headers=key)
-    assert len(rig.opens()) == opened + 1
+    rig.finish(up, events=3, usage=100)
+    rig.post(chat(max_tokens=800), key)
     stats = rig.pb.core.measurements.group("default")
     assert stats.tokens_used == 100 and stats.reservations == 2
+    rig.pb.done()
 
 
 def test_without_a_usage_object_the_events_relayed_are_charged() -> None:
-    rig = Rig(budget_fleet(tokens_per_minute=1000))
-    key = [("Authorization", "Bearer t1")]
-    post(rig, chat(max_tokens=900), headers=key)
-    up = start_stream(rig)
-    finish(rig, up, events=40)
+    rig = Llm(budget_fleet(tokens_per_minute=1000))
+    up, _ = rig.posted(chat(max_tokens=900), [("Authorization", "Bearer t1")])
+    rig.finish(up, events=40)
     stats = rig.pb.core.measurements.group("default")
     assert stats.tokens_used == 41  # 40 tokens and [DONE]
     assert stats.reservations == 0
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused_without_retry_after() -> None:
-    rig = Rig(budget_fleet(tokens_per_minute=100))
-    conn, client = post(rig, chat(max_tokens=500), headers=[("Authorization", "k")])
-    status, headers, _ = status_of(rig, conn, client)
-    assert status == 429 and b"retry-after" not in headers
+    rig = Llm(budget_fleet(tokens_per_minute=100))
+    head, _ = rig.refused(chat(max_tokens=500), [("Authorization", "k")])
+    assert b"retry-after" not in dict(head.headers)
 
 
 def test_requests_per_minute_alone() -> None:
-    rig = Rig(budget_fleet(requests_per_minute=2))
+    rig = Llm(budget_fleet(requests_per_minute=2))
     key = [("Authorization", "k")]
     for _ in range(2):
-        rig.request(headers=key)
-        rig.serve()
-    conn, client = rig.request(headers=key)
-    status, headers, _ = status_of(rig, conn, client)
-    assert status == 429 and headers[b"x-ratelimit-remaining-requests"] == b"0"
+        rig.serve(*rig.ask(headers=key))
+    head, _ = rig.refused(None, key)
+    assert dict(head.headers)[b"x-ratelimit-remaining-requests"] == b"0"
     rig.pb.now += 30.0  # a minute's budget refills over the minute: one request back
-    opened = len(rig.opens())
-    rig.request(headers=key)
-    assert len(rig.opens()) == opened + 1
+    rig.ask(headers=key)
+    rig.pb.done()
 
 
 # -- load reports --------------------------------------------------------------------------------
@@ -359,25 +460,43 @@ def reporting_fleet(*servers: Server | str, **group: Any) -> Any:
     return fleet(*servers, load_report=LoadReporting(interval=1.0), **group)
 
 
-def poll(rig: Rig, ident: int, body: bytes, status: int = 200) -> list[Log]:
-    """Run load poll ``ident``: its GET arrives at its server, which answers ``body``."""
-    mark = len(rig.pb.log)
-    commands = rig.pb.wakeup("probe", ident)
-    opens = [c for c in commands if isinstance(c, OpenConnection)]
-    if opens:
-        rig.open(opens[0].conn)
-        up = opens[0].conn
-    else:
-        up = next(
-            c.conn
-            for c in reversed(rig.pb.log)
-            if isinstance(c, OpenConnection) and c.conn in rig.backends
-        )
-    request, _end = rig.received(up)
-    assert request.target == b"/metrics"
-    rig.answer(up, status, body, headers=[("Content-Type", "text/plain")])
-    assert SetTimer(timer=("probe", ident), at=rig.pb.now + 1.0) in rig.pb.log[mark:]
-    return [c for c in rig.pb.log[mark:] if isinstance(c, Log) and c.event == "load_report"]
+def polls_due(rig: Llm) -> None:
+    """The config comes in: both servers' load polls are due at once."""
+    rig.pb >> ConfigChanged(now=rig.pb.now, config=rig.config)
+    rig.pb << SetTimer(timer=("probe", 1), at=rig.pb.now)
+    rig.pb << SetTimer(timer=("probe", 2), at=rig.pb.now)
+    rig.pb.done()
+
+
+def poll(
+    rig: Llm, ident: int, body: bytes, status: int = 200, *, admits: int | None = None
+) -> list[Log]:
+    """Load poll ``ident``: its GET arrives at its server on a fresh connection, which
+    answers ``body`` and closes; the next poll is due an interval later (``admits``: the
+    report frees a slot for this waiting exchange). Returns the load_report logs."""
+    pb = rig.pb
+    mark = len(pb.log)
+    report = rig.group.load_report
+    assert report is not None
+    pb >> wakeup("probe", ident)
+    pb << SetTimer(timer=("probe_timeout", ident), at=pb.now + 0.8 * report.interval)
+    pb << (poller := Opens(to=rig.group.servers[ident - 1].address))
+    backend = rig.backends[poller.conn] = H1BackendPeer()
+    pb >> opened(poller.conn)
+    pb << Sends(poller.conn, backend, h1_request(b"GET", b"/metrics"))
+    head = h11.Response(
+        status_code=status,
+        headers=[("Content-Length", str(len(body))), ("Content-Type", "text/plain")],
+    )
+    wire = (backend.conn.send(head) or b"") + (backend.conn.send(h11.Data(data=body)) or b"")
+    pb >> data(poller.conn, wire + (backend.conn.send(h11.EndOfMessage()) or b""))
+    pb << CloseConnection(conn=poller.conn)
+    pb << CancelTimer(timer=("probe_timeout", ident))
+    pb << SetTimer(timer=("probe", ident), at=pb.now + report.interval)
+    if admits is not None:
+        rig.admitted(admits, to=rig.group.servers[ident - 1].address)
+    pb.done()
+    return [c for c in pb.log[mark:] if isinstance(c, Log) and c.event == "load_report"]
 
 
 def page(running: int = 0, waiting: int = 0, kv: float = 0.1) -> bytes:
@@ -385,52 +504,46 @@ def page(running: int = 0, waiting: int = 0, kv: float = 0.1) -> bytes:
 
 
 def test_a_reported_engine_queue_steers_least_load_away() -> None:
-    rig = Rig(reporting_fleet(A, B, balance=Balance.LEAST_LOAD))
-    rig.pb.feed(ConfigChanged(now=0.0, config=rig.config))
+    rig = Llm(reporting_fleet(A, B, balance=Balance.LEAST_LOAD))
+    polls_due(rig)
     poll(rig, 1, page(running=8, waiting=20))  # A's engine is busy with others' work
     poll(rig, 2, page())
     status = rig.router.status(rig.pb.now)
     assert status["servers"][0]["reported"]["waiting"] == 20
-    mark = len(rig.pb.log)
     for _ in range(4):
-        post(rig, chat(max_tokens=10))
-    assert {origin(o) for o in rig.opens(mark)} == {B}
+        rig.post(chat(max_tokens=10), to=B)
     # Three intervals later the report is stale: our own counts stand alone.
     rig.pb.now += 3.5
-    mark = len(rig.pb.log)
-    post(rig, chat(max_tokens=10))
-    assert {origin(o) for o in rig.opens(mark)} == {A}
+    rig.post(chat(max_tokens=10), to=A)
+    rig.pb.done()
 
 
 def test_a_server_over_the_kv_cache_limit_gets_no_new_sessions() -> None:
-    rig = Rig(reporting_fleet(A, B))
-    rig.pb.feed(ConfigChanged(now=0.0, config=rig.config))
+    rig = Llm(reporting_fleet(A, B))
+    polls_due(rig)
     poll(rig, 1, page(kv=0.99))
     poll(rig, 2, page(kv=0.5))
-    mark = len(rig.pb.log)
     for _ in range(4):
-        rig.request()
-    assert {origin(o) for o in rig.opens(mark)} == {B}
+        rig.ask(to=B)
+    rig.pb.done()
 
 
 def test_max_waiting_makes_a_server_full_while_its_engine_queues() -> None:
     servers = [Server(address=A, max_waiting=2), Server(address=B, max_waiting=2)]
-    rig = Rig(reporting_fleet(*servers))
-    rig.pb.feed(ConfigChanged(now=0.0, config=rig.config))
+    rig = Llm(reporting_fleet(*servers))
+    polls_due(rig)
     poll(rig, 1, page(waiting=2))
     poll(rig, 2, page(waiting=5))
-    opened = len(rig.opens())
-    post(rig, chat())
-    assert len(rig.opens()) == opened and queue_len(rig) == 1
+    conn, _ = rig.waits(chat())  # nothing opened
+    assert rig.queue_len() == 1
     rig.pb.now = 1.0
-    poll(rig, 1, page(waiting=0))  # the report that frees A admits the waiting request
-    assert queue_len(rig) == 0
-    assert origin(rig.opens()[-1]) == A
+    poll(rig, 1, page(waiting=0), admits=conn)  # the report that frees A admits it, to A
+    assert rig.queue_len() == 0
 
 
 def test_a_failing_load_report_is_logged_once_and_touches_nothing_else() -> None:
-    rig = Rig(reporting_fleet(A, B))
-    rig.pb.feed(ConfigChanged(now=0.0, config=rig.config))
+    rig = Llm(reporting_fleet(A, B))
+    polls_due(rig)
     (first,) = poll(rig, 2, page())
     assert first.fields["ok"] is True and first.fields["server"] == B  # the first is logged
     (log,) = poll(rig, 1, b"<html>not metrics</html>")
@@ -443,16 +556,14 @@ def test_a_failing_load_report_is_logged_once_and_touches_nothing_else() -> None
     (back,) = poll(rig, 1, page())
     assert back.fields["ok"] is True
     assert rig.router.healthy(0, rig.pb.now)
-    mark = len(rig.pb.log)
-    rig.request()
-    rig.request()
-    assert {origin(o) for o in rig.opens(mark)} == {A, B}
+    assert {rig.ask()[2].server for _ in range(2)} == {A, B}
+    rig.pb.done()
 
 
 # -- the queue keeps a prefix on its server ------------------------------------------------------
 
 
-def system_owned_by(rig: Rig, address: str) -> str:
+def system_owned_by(rig: Llm, address: str) -> str:
     """A system prompt whose prefix key ranks ``address`` first."""
     from muxproxy.routing.balancer import rendezvous_order
     from muxproxy.routing.llmrequest import parse_json_body, read_request
@@ -468,7 +579,7 @@ def system_owned_by(rig: Rig, address: str) -> str:
 
 
 def test_a_freed_slot_goes_to_the_first_waiting_request_that_belongs_there() -> None:
-    rig = Rig(
+    rig = Llm(
         limited(
             A,
             B,
@@ -478,23 +589,21 @@ def test_a_freed_slot_goes_to_the_first_waiting_request_that_belongs_there() -> 
         )
     )
     to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    post(rig, chat("x", system=to_a))
-    up_a = start_stream(rig)
-    post(rig, chat("y", system=to_b))
-    up_b = start_stream(rig)
-    post(rig, chat("first in line", system=to_a))  # waits for A
-    post(rig, chat("second in line", system=to_b))  # waits for B
-    assert queue_len(rig) == 2
-    finish(rig, up_b)  # B frees first: the request that belongs on B goes, not the first
-    assert origin(rig.last_open()) == B
+    up_a, _ = rig.posted(chat("x", system=to_a), to=A)
+    up_b, _ = rig.posted(chat("y", system=to_b), to=B)
+    first, _ = rig.waits(chat("first in line", system=to_a))  # waits for A
+    second, _ = rig.waits(chat("second in line", system=to_b))  # waits for B
+    assert rig.queue_len() == 2
+    # B frees first: the request that belongs on B goes, not the first.
+    rig.finish(up_b, admits=second, to=B)
     (waiting,) = [e for e in rig.pb.core.exchanges.values() if e.phase is Phase.QUEUED]
     assert b"first in line" in waiting.upload.body.prefix()
-    finish(rig, up_a)
-    assert origin(rig.last_open()) == A and queue_len(rig) == 0
+    rig.finish(up_a, admits=first, to=A)
+    assert rig.queue_len() == 0
 
 
 def test_a_request_passed_over_for_affinity_wait_takes_the_next_slot_anywhere() -> None:
-    rig = Rig(
+    rig = Llm(
         limited(
             A,
             B,
@@ -504,33 +613,32 @@ def test_a_request_passed_over_for_affinity_wait_takes_the_next_slot_anywhere() 
         )
     )
     to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    post(rig, chat("x", system=to_a))
-    start_stream(rig)
-    post(rig, chat("y", system=to_b))
-    up_b = start_stream(rig)
-    post(rig, chat("patient", system=to_a))  # first in line, belongs on A
-    post(rig, chat("local 1", system=to_b))
+    rig.posted(chat("x", system=to_a))
+    up_b, _ = rig.posted(chat("y", system=to_b))
+    patient = rig.waits(chat("patient", system=to_a))  # first in line, belongs on A
+    local = rig.waits(chat("local 1", system=to_b))
     rig.pb.now += 0.4
-    finish(rig, up_b)  # B frees: "local 1" belongs there and goes first
-    up_b = start_stream(rig)
-    post(rig, chat("local 2", system=to_b))
+    # B frees: "local 1" belongs there and goes first.
+    opens = rig.finish(up_b, admits=local[0], to=B)
+    assert opens is not None
+    rig.stream(*local, opens, chat("local 1", system=to_b))
+    up_b = opens.conn
+    rig.waits(chat("local 2", system=to_b))
     rig.pb.now += 0.2  # "patient" has waited 0.6 s: passed over long enough
-    finish(rig, up_b)
-    cmd = rig.last_open()
-    assert origin(cmd) == B
-    rig.open(cmd.conn)
-    assert b"patient" in request_body(rig.received(cmd.conn))
+    opens = rig.finish(up_b, admits=patient[0], to=B)
+    assert opens is not None
+    request = rig.accept(opens.conn, patient[0], h1_request(b"POST", CHAT.encode()))
+    assert b"patient" in h1_body(request.events)
     (waiting,) = [e for e in rig.pb.core.exchanges.values() if e.phase is Phase.QUEUED]
     assert b"local 2" in waiting.upload.body.prefix()
+    rig.pb.done()
 
 
 def test_with_nobody_belonging_there_the_fairest_takes_a_freed_slot() -> None:
-    rig = Rig(limited(A, B, affinity=AffinityMode.PREFIX, prefix=PrefixAffinity(load_factor=2.0)))
+    rig = Llm(limited(A, B, affinity=AffinityMode.PREFIX, prefix=PrefixAffinity(load_factor=2.0)))
     to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    post(rig, chat("x", system=to_a))
-    start_stream(rig)
-    post(rig, chat("y", system=to_b))
-    up_b = start_stream(rig)
-    post(rig, chat("belongs on A", system=to_a))
-    finish(rig, up_b)  # no slot is left idle: it goes to B
-    assert origin(rig.last_open()) == B and queue_len(rig) == 0
+    rig.posted(chat("x", system=to_a))
+    up_b, _ = rig.posted(chat("y", system=to_b))
+    belongs_on_a, _ = rig.waits(chat("belongs on A", system=to_a))
+    rig.finish(up_b, admits=belongs_on_a, to=B)  # no slot is left idle: it goes to B
+    assert rig.queue_len() == 0
