@@ -15,7 +15,7 @@ import h2.events
 import h2.settings
 import h11
 import hyperframe.frame
-from checks import Check, h2_body, h2_resets, h2_response
+from checks import Check, h1_request, h2_body, h2_resets, h2_response
 from playbook import (
     H1BackendPeer,
     H2ClientPeer,
@@ -27,7 +27,7 @@ from playbook import (
     sent,
     wakeup,
 )
-from test_h2guard import ORIGIN, Book, Frames, preface, sse_stream
+from test_h2guard import ORIGIN, Book, Frames, acked, preface, settings, sse_stream
 
 from muxproxy.config import Limits, Timeouts
 from muxproxy.core.commands import (
@@ -153,26 +153,64 @@ class InAnyOrder:
 
 
 def upload(
-    pb: Playbook, client: H2ClientPeer, *, ex: int, connect: bool = True
+    pb: Playbook,
+    client: H2ClientPeer,
+    *,
+    ex: int,
+    connect: bool = True,
+    gap: float = 5.0,
+    head: float = 60.0,
 ) -> tuple[int, H1BackendPeer]:
     """POST HEADERS without END_STREAM on client connection 1 (exchange ``ex``, backend
-    connection ``-ex``): the body deadline is armed; ``connect``: the backend connection
-    opens and gets the request head. Returns the stream id and the backend peer."""
+    connection ``-ex``): the body deadline (``gap``, the client_header timeout) is armed;
+    ``connect``: the backend connection opens and gets the request head, and the
+    response-head deadline (``head``) starts. Returns the stream id and the backend peer."""
     sid = client.conn.get_next_available_stream_id()
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"a")]
     client.conn.send_headers(sid, [*headers, (b":path", UPLOAD)])
     pb >> data(1, client.conn.data_to_send())
     if ex == 1:
         pb << CancelTimer(timer=("header", 1))
-    pb << SetTimer(timer=("connect", ex), at=5.0)
+    pb << SetTimer(timer=("connect", ex), at=pb.now + 5.0)
     pb << OpenConnection(conn=-ex, origin=ORIGIN)
-    pb << SetTimer(timer=("body", ex), at=pb.now + 5.0)
+    pb << SetTimer(timer=("body", ex), at=pb.now + gap)
     backend = H1BackendPeer()
     if connect:
         pb >> opened(-ex)
         pb << CancelTimer(timer=("connect", ex))
         pb << Sends(-ex, backend, upload_head)
-        pb << SetTimer(timer=("head", ex), at=pb.now + 60.0)
+        pb << SetTimer(timer=("head", ex), at=pb.now + head)
+    return sid, backend
+
+
+def sse_opened(
+    pb: Playbook, client: H2ClientPeer, *, ex: int, read: float = 300.0
+) -> tuple[int, H1BackendPeer]:
+    """A GET of /v1/stream on client connection 1 (exchange ``ex``; the first comes with the
+    client's preface) opens backend connection ``-ex``, which answers with an SSE head relayed
+    on the stream; the read deadline (``read``) starts. Returns the stream id and the backend
+    peer."""
+    sid, request = client.request(b"GET", b"/v1/stream")
+    if ex == 1:
+        pb >> data(1, client.preface() + request)
+        pb << SetTimer(timer=("send", 1), at=pb.now + 60.0)
+        pb << Sends(1, client, settings)
+        pb << CancelTimer(timer=("header", 1))
+    else:
+        pb >> data(1, request)
+    pb << SetTimer(timer=("connect", ex), at=pb.now + 5.0)
+    pb << OpenConnection(conn=-ex, origin=ORIGIN)
+    if ex == 1:
+        pb << Sends(1, client, acked)
+    backend = H1BackendPeer()
+    pb >> opened(-ex)
+    pb << CancelTimer(timer=("connect", ex))
+    pb << Sends(-ex, backend, h1_request(b"GET", b"/v1/stream"))
+    pb << SetTimer(timer=("head", ex), at=pb.now + 60.0)
+    pb >> data(-ex, backend.sse_head())
+    pb << CancelTimer(timer=("head", ex))
+    pb << Sends(1, client, h2_response(sid, 200, b"", ended=False))
+    pb << SetTimer(timer=("read", ex), at=pb.now + read)
     return sid, backend
 
 
@@ -301,22 +339,7 @@ def streams_on_wide_windows(
     client = H2ClientPeer()
     client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
     client.conn.increment_flow_control_window(2**31 - 1 - 65535)
-    out = [sse_stream(pb, client)]
-    for ex in range(2, streams + 1):
-        sid, request = client.request(b"GET", b"/v1/stream")
-        pb >> data(1, request)
-        pb << SetTimer(timer=("connect", ex), at=5.0)
-        pb << OpenConnection(conn=-ex, origin=ORIGIN)
-        backend = H1BackendPeer()
-        pb >> opened(-ex)
-        pb << CancelTimer(timer=("connect", ex))
-        pb << Sends(-ex, backend, lambda events: events[0].target == b"/v1/stream")
-        pb << SetTimer(timer=("head", ex), at=60.0)
-        pb >> data(-ex, backend.sse_head())
-        pb << CancelTimer(timer=("head", ex))
-        pb << Sends(1, client, h2_response(sid, 200, b"", ended=False))
-        pb << SetTimer(timer=("read", ex), at=300.0)
-        out.append((sid, backend))
+    out = [sse_opened(pb, client, ex=ex) for ex in range(1, streams + 1)]
     pb.done()
     return pb, client, out
 

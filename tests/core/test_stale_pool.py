@@ -83,12 +83,13 @@ def first_request(pb: Playbook, conn: int = 1, ex: int = 1) -> H1ClientPeer:
     return client
 
 
-def forwarded(pb: Playbook, up: int, ex: int, check: Check) -> Sends:
-    """Backend connection ``up`` opens and gets exchange ``ex``'s request (``check``)."""
+def forwarded(pb: Playbook, up: int, ex: int, check: Check, *, head: float = 60.0) -> Sends:
+    """Backend connection ``up`` opens and gets exchange ``ex``'s request (``check``); the
+    response-head deadline (``head``) starts."""
     pb >> opened(up)
     pb << CancelTimer(timer=("connect", ex))
     pb << (request := Sends(up, H1BackendPeer(), check))
-    pb << SetTimer(timer=("head", ex), at=pb.now + 60.0)
+    pb << SetTimer(timer=("head", ex), at=pb.now + head)
     return request
 
 
