@@ -1,7 +1,9 @@
 """``core/exchange/hooked.py``: each extension hook's effect on a request, through the core.
 
 Real h11 peers on both sides (``playbook.py``); an async hook's answer is fed as the driver
-would feed it (``ExtensionAnswered``), and its ``ExtensionCall`` read back as data.
+would feed it (``ExtensionAnswered``), and its ``ExtensionCall`` asserted in place. Each test
+is a conversation: every command asserted in order, timers included; ``Log`` is asserted
+where the log line is the behaviour.
 """
 
 from __future__ import annotations
@@ -12,17 +14,22 @@ from typing import Any
 import attrs
 import h2.events
 import h11
-from checks import h1_response, h2_ended
+from checks import h1_body, h1_request, h1_response, h2_ended
 from playbook import (
+    ANY,
     BACKEND,
     H1BackendPeer,
     H1ClientPeer,
     H2ClientPeer,
     Playbook,
     Sends,
+    Where,
+    closed,
     data,
     default_config,
     open_failed,
+    opened,
+    subset,
 )
 
 from muxproxy.config import AdmissionQueue, RateLimit, Route, Server, Upstream
@@ -36,7 +43,7 @@ from muxproxy.core.commands import (
     Origin,
     SetTimer,
 )
-from muxproxy.core.events import ExtensionAnswered, OpenFailed
+from muxproxy.core.events import ExtensionAnswered
 from muxproxy.core.exchange.admit import tenant_of
 from muxproxy.core.ports import Phase
 from muxproxy.extensions import (
@@ -50,6 +57,8 @@ from muxproxy.extensions import (
 )
 
 CANARY = "127.0.0.1:9009"
+FIRST, SECOND, THIRD = (Origin(host="127.0.0.1", port=p) for p in (9001, 9002, 9003))
+HEADERS = [("Authorization", "Bearer k1"), ("X-Drop", "1")]
 
 
 class Recorder(Extension):
@@ -97,89 +106,140 @@ def config(extension: Extension, on_error: HookErrorPolicy = HookErrorPolicy.REJ
     )
 
 
-def start(extension: Extension, **kw: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
-    return start_with(config(extension, **kw))
-
-
-def start_with(configured: Any) -> tuple[Playbook, H1ClientPeer, list[Any]]:
-    pb, client = Playbook(configured, ignore=()), H1ClientPeer()
+def asks(configured: Any, *, logs: bool = False) -> tuple[Playbook, H1ClientPeer]:
+    """Client 1 sends ``GET /v1/models`` with ``HEADERS``; its head is read whole. ``logs``:
+    the conversation asserts ``Log`` too."""
+    pb, client = Playbook(configured, ignore=() if logs else (Log,)), H1ClientPeer()
     pb.accept(1)
-    headers = [("Authorization", "Bearer k1"), ("X-Drop", "1")]
-    commands = pb.receive(1, client.request("GET", "/v1/models", headers))
-    return pb, client, commands
+    pb >> data(1, client.request("GET", "/v1/models", HEADERS))
+    pb << CancelTimer(timer=("header", 1))
+    return pb, client
 
 
-def opened(commands: list[Any]) -> list[OpenConnection]:
-    return [c for c in commands if isinstance(c, OpenConnection)]
+def start(extension: Extension, **kw: Any) -> tuple[Playbook, H1ClientPeer]:
+    return asks(config(extension, **kw))
 
 
-def status(pb: Playbook, client: H1ClientPeer) -> int:
-    (response, *_) = [e for e in client.events(pb.take(1)) if isinstance(e, h11.Response)]
-    return int(response.status_code)
+def opens(pb: Playbook, origin: Any = ANY, *, ex: int = 1, conn: int = -1) -> None:
+    """Exchange ``ex`` opens backend connection ``conn`` to ``origin``."""
+    pb << SetTimer(timer=("connect", ex), at=pb.now + 5.0)
+    pb << OpenConnection(conn=conn, origin=origin)
+
+
+def forwards(pb: Playbook, backend: H1BackendPeer, *, ex: int = 1, conn: int = -1) -> Sends:
+    """The backend accepts ``conn`` and reads the request; the head deadline starts."""
+    pb >> opened(conn)
+    pb << CancelTimer(timer=("connect", ex))
+    pb << (request := Sends(conn, backend, h1_request(b"GET", b"/v1/models")))
+    pb << SetTimer(timer=("head", ex), at=pb.now + 60.0)
+    return request
+
+
+def refuses(pb: Playbook, client: H1ClientPeer, status: int, conn: int = 1) -> Sends:
+    """The proxy answers ``status`` itself and closes the client connection."""
+    pb << SetTimer(timer=("send", conn), at=pb.now + 60.0)
+    pb << (reply := Sends(conn, client, h1_response(status, end=True)))
+    pb << CloseConnection(conn=conn)
+    return reply
+
+
+def sse_head(pb: Playbook, client: H1ClientPeer, backend: H1BackendPeer) -> Sends:
+    """The backend on -1 answers with an SSE head: it goes out to client 1 at once."""
+    pb >> data(-1, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=pb.now + 60.0)
+    pb << (head := Sends(1, client, h1_response(200)))
+    pb << SetTimer(timer=("read", 1), at=pb.now + 300.0)
+    return head
+
+
+def extension_error(hook: str, error: str) -> Where:
+    """The ``extension_error`` log line of ``hook``, its error holding ``error``."""
+    return Where(
+        Log,
+        lambda log: (
+            log.event == "extension_error"
+            and log.fields["hook"] == hook
+            and error in log.fields["error"]
+        ),
+    )
+
+
+def access(status: int) -> Log:
+    return Log(event="access", fields=subset({"status": status}))
 
 
 def test_an_answer_ends_the_request_before_any_backend() -> None:
     answer = Answer(status=401, message="unknown key", headers=[("WWW-Authenticate", "Bearer")])
-    pb, client, commands = start(Recorder({"decide": lambda r: Decision(answer=answer)}))
-    assert opened(commands) == []
-    events = client.events(pb.take(1))
-    assert events[0].status_code == 401
-    assert (b"www-authenticate", b"Bearer") in events[0].headers
-    assert b"unknown key" in b"".join(e.data for e in events if isinstance(e, h11.Data))
+    pb, client = start(Recorder({"decide": lambda r: Decision(answer=answer)}))
+    reply = refuses(pb, client, 401)
+    pb.done()  # no backend is opened
+    assert (b"www-authenticate", b"Bearer") in reply.events[0].headers
+    assert b"unknown key" in h1_body(reply.events)
 
 
 def test_a_rewrite_reaches_the_backend_and_the_tenant_the_budget() -> None:
     decide = lambda r: Decision(set={"x-user": "alice"}, remove=["x-drop"], tenant="alice")  # noqa: E731
-    pb, _, commands = start(Recorder({"decide": decide}))
-    (opening,) = opened(commands)
-    backend = H1BackendPeer()
-    (request, *_) = backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
-    assert (b"x-user", b"alice") in request.headers
-    assert not [v for k, v in request.headers if k == b"x-drop"]
+    pb, _ = start(Recorder({"decide": decide}))
+    opens(pb)
+    request = forwards(pb, H1BackendPeer())
+    pb.done()
+    head = request.events[0]
+    assert (b"x-user", b"alice") in head.headers
+    assert not [v for k, v in head.headers if k == b"x-drop"]
     (exchange,) = pb.core.exchanges.values()
     assert exchange.admission is not None and exchange.admission.tenant == tenant_of(b"alice")
 
 
 def test_a_picked_group_is_where_the_request_goes() -> None:
-    _, _, commands = start(Recorder({"decide": lambda r: Decision(group="canary")}))
-    (opening,) = opened(commands)
-    assert opening.origin.port == 9009
+    pb, _ = start(Recorder({"decide": lambda r: Decision(group="canary")}))
+    opens(pb, Origin(host="127.0.0.1", port=9009))
+    pb.done()
 
 
 def test_an_unknown_group_is_a_500_naming_the_extension() -> None:
-    pb, client, commands = start(Recorder({"decide": lambda r: Decision(group="nope")}))
-    assert opened(commands) == [] and status(pb, client) == 500
-    (line,) = [c for c in commands if isinstance(c, Log) and c.event == "extension_error"]
-    assert "extension X chose group 'nope'" in line.fields["error"]
+    pb, client = asks(config(Recorder({"decide": lambda r: Decision(group="nope")})), logs=True)
+    pb << extension_error("on_request_head", "extension X chose group 'nope'")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(500, end=True))
+    pb << access(500)
+    pb << CloseConnection(conn=1)
+    pb.done()  # no backend is opened
 
 
 def test_choose_server_overrides_the_balancer() -> None:
-    _, _, commands = start(Recorder({"choose": lambda candidates: "127.0.0.1:9002"}))
-    (opening,) = opened(commands)
-    assert opening.origin.port == 9002
+    pb, _ = start(Recorder({"choose": lambda candidates: "127.0.0.1:9002"}))
+    opens(pb, SECOND)
+    pb.done()
 
 
 def test_a_server_that_is_no_candidate_follows_on_error() -> None:
-    pb, client, commands = start(Recorder({"choose": lambda c: "10.9.9.9:1"}))
-    assert opened(commands) == [] and status(pb, client) == 503
-    _, _, commands = start(
-        Recorder({"choose": lambda c: "10.9.9.9:1"}), on_error=HookErrorPolicy.CONTINUE
-    )
-    assert len(opened(commands)) == 1
+    pb, client = start(Recorder({"choose": lambda c: "10.9.9.9:1"}))
+    refuses(pb, client, 503)
+    pb.done()  # no backend is opened
+    pb, _ = start(Recorder({"choose": lambda c: "10.9.9.9:1"}), on_error=HookErrorPolicy.CONTINUE)
+    opens(pb)  # the balancer's choice
+    pb.done()
 
 
 def test_response_head_rewrite_sse_events_and_finish_outcome() -> None:
     recorder = Recorder({})
-    pb, client, commands = start(recorder)
-    (opening,) = opened(commands)
+    pb, client = start(recorder)
     backend = H1BackendPeer()
-    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
-    pb.receive(opening.conn, backend.sse_head())
-    pb.receive(opening.conn, backend.chunk(b"data: a\n\ndata: b"))
-    pb.receive(opening.conn, backend.chunk(b"\n\n") + backend.end())
-    events = client.events(pb.take(1))
-    assert (b"x-seen-by", b"recorder") in events[0].headers
-    assert not [v for k, v in events[0].headers if k == b"x-backend-id"]
+    opens(pb)
+    forwards(pb, backend)
+    head = sse_head(pb, client, backend)
+    pb >> data(-1, backend.chunk(b"data: a\n\ndata: b"))
+    pb << Sends(1, client, lambda got: h1_body(got) == b"data: a\n\ndata: b")
+    pb >> data(-1, backend.chunk(b"\n\n") + backend.end())
+    pb << Sends(1, client, lambda got: h1_body(got) == b"\n\n" and got[-1] == h11.EndOfMessage())
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    response = head.events[0]
+    assert (b"x-seen-by", b"recorder") in response.headers
+    assert not [v for k, v in response.headers if k == b"x-backend-id"]
     assert recorder.events == [b"data: a", b"data: b"]
     (outcome,) = recorder.outcomes
     assert outcome.status == 200 and outcome.reason == "ok" and outcome.tokens == 2
@@ -192,57 +252,70 @@ def test_a_raising_hook_rejects_its_request_alone_and_is_counted() -> None:
             raise RuntimeError("key service down")
         return Decision()
 
-    pb, client, _ = start(Recorder({"decide": boom}))
-    assert status(pb, client) == 503
+    pb, client = start(Recorder({"decide": boom}))
+    refuses(pb, client, 503)
+    pb.done()
     assert pb.core.measurements.extension_errors == {("X", "on_request_head"): 1}
     # Another client's request on the same worker goes on.
     other = H1ClientPeer()
     pb.accept(2)
-    more = pb.receive(2, other.request("GET", "/v1/models", [("Authorization", "Bearer k2")]))
-    assert len(opened(more)) == 1
+    pb >> data(2, other.request("GET", "/v1/models", [("Authorization", "Bearer k2")]))
+    pb << CancelTimer(timer=("header", 2))
+    opens(pb, ex=2)
+    pb.done()
 
 
 def async_start(**kw: Any) -> tuple[Playbook, H1ClientPeer, ExtensionCall]:
-    pb, client, commands = start(Waits({}), **kw)
-    (call,) = [c for c in commands if isinstance(c, ExtensionCall)]
-    assert opened(commands) == []
+    """Client 1's request waits for the async hook: one ``ExtensionCall`` and nothing else."""
+    pb, client = start(Waits({}), **kw)
+    calls: list[ExtensionCall] = []
+
+    def awaited(call: ExtensionCall) -> bool:
+        calls.append(call)
+        return call.view.header("authorization") == "Bearer k1" and call.timeout == 1.0
+
+    pb << Where(ExtensionCall, awaited)
+    pb.done()  # no backend is opened while it waits
     (exchange,) = pb.core.exchanges.values()
     assert exchange.phase is Phase.AWAITING_HOOK
-    assert call.view.header("authorization") == "Bearer k1" and call.timeout == 1.0
-    return pb, client, call
+    return pb, client, calls[0]
 
 
-def answer(pb: Playbook, call: ExtensionCall, decision: object = None, error: str = "") -> Any:
-    event = ExtensionAnswered(
-        now=pb.now, request=call.request, position=call.position, decision=decision, error=error
+def answer(call: ExtensionCall, decision: object = None, error: str = "") -> Any:
+    """What the driver feeds when the hook of ``call`` returned ``decision`` (or failed)."""
+    return lambda now: ExtensionAnswered(
+        now=now, request=call.request, position=call.position, decision=decision, error=error
     )
-    return pb.feed(event)
 
 
 def test_an_async_hook_that_lets_it_go_on_routes_the_request() -> None:
     pb, _, call = async_start()
-    assert len(opened(answer(pb, call, Decision(group="canary")))) == 1
+    pb >> answer(call, Decision(group="canary"))
+    opens(pb, Origin(host="127.0.0.1", port=9009))
+    pb.done()
 
 
 def test_an_async_hook_that_fails_rejects_or_continues_by_policy() -> None:
     pb, client, call = async_start()
-    commands = answer(pb, call, error="no answer within 1 s")
-    assert opened(commands) == [] and status(pb, client) == 503
+    pb >> answer(call, error="no answer within 1 s")
+    refuses(pb, client, 503)
+    pb.done()  # no backend is opened
     pb, client, call = async_start(on_error=HookErrorPolicy.CONTINUE)
-    assert len(opened(answer(pb, call, error="RuntimeError: down"))) == 1
+    pb >> answer(call, error="RuntimeError: down")
+    opens(pb)
+    pb.done()
     assert pb.core.measurements.extension_errors == {("X", "on_request_head_async"): 1}
 
 
 def test_a_client_that_leaves_while_an_async_hook_runs_ends_the_exchange() -> None:
     pb, _, call = async_start()
-    pb.closed(1)
+    pb >> closed(1)
     assert pb.core.exchanges == {}
-    assert opened(answer(pb, call, Decision())) == []  # the late answer finds nobody
+    pb >> answer(call, Decision())  # the late answer finds nobody: nothing is opened
+    pb.done()
 
 
 # -- choose_server on every placement ---------------------------------------------------------
-
-FIRST, SECOND, THIRD = (Origin(host="127.0.0.1", port=p) for p in (9001, 9002, 9003))
 
 
 class Picks(Extension):
@@ -313,19 +386,30 @@ def test_choose_server_runs_again_when_the_queue_admits_and_its_failure_answers(
     pb = Playbook(placing(picks, Server(address=str(FIRST), max_streams=1), queue=queue))
     first, second, backend = H1ClientPeer(), H1ClientPeer(), H1BackendPeer()
     pb.accept(1)
-    (opening,) = opened(pb.receive(1, first.request()))
-    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
-    pb.receive(opening.conn, backend.sse_head())
+    pb >> data(1, first.request())
+    pb << CancelTimer(timer=("header", 1))
+    opens(pb, FIRST)
+    forwards(pb, backend)
+    sse_head(pb, first, backend)
     pb.accept(2)
-    assert opened(pb.receive(2, second.request())) == []  # the server is full: it waits
+    pb >> data(2, second.request())
+    pb << CancelTimer(timer=("header", 2))
+    pb << SetTimer(timer=("queue", 2), at=30.0)  # the server is full: it waits
+    pb.done()
     assert picks.offered == [[str(FIRST)], [str(FIRST)]]
-    commands = pb.receive(opening.conn, backend.chunk(b"data: a\n\n") + backend.end())
+    pb >> data(-1, backend.chunk(b"data: a\n\n") + backend.end())
+    pb << Sends(1, first, lambda got: h1_body(got) == b"data: a\n\n")
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
     # Admitted: the hook is asked again (its third call raises), so the second request is
     # answered 503 by the extension's policy instead of being placed.
+    pb << CancelTimer(timer=("queue", 2))
+    pb << SetTimer(timer=("send", 2), at=60.0)
+    pb << Sends(2, second, h1_response(503, end=True))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb << CloseConnection(conn=2)
+    pb.done()  # no backend is opened for it
     assert picks.offered == [[str(FIRST)], [str(FIRST)], [str(FIRST)]]
-    assert opened(commands) == []
-    (answer, *_) = second.events(pb.take(2, commands))
-    assert answer.status_code == 503
 
 
 # -- on_response_head sees the proxy's own answers ------------------------------------------
@@ -376,38 +460,47 @@ def test_the_proxys_own_answers_pass_on_response_head_framing_kept() -> None:
 
 def test_another_extensions_answer_and_a_502_pass_on_response_head_too() -> None:
     traces = Traces({})
-    pb, client, _ = start_with(answering(Answers({}), traces))
-    (head, *_) = client.events(pb.take(1))
-    assert head.status_code == 401 and (b"x-trace", b"t1") in head.headers
+    pb, client = asks(answering(Answers({}), traces))
+    reply = refuses(pb, client, 401)
+    pb.done()
+    assert (b"x-trace", b"t1") in reply.events[0].headers
     traces = Traces({})
-    pb, client, commands = start_with(answering(traces))
-    while openings := opened(commands):  # every server refuses: 502
-        commands = pb.feed(OpenFailed(now=pb.now, conn=openings[0].conn, reason="refused"))
-    (head, *_) = client.events(pb.take(1))
-    assert head.status_code == 502 and (b"x-trace", b"t1") in head.headers
+    pb, client = asks(answering(traces))
+    opens(pb, FIRST)
+    pb >> open_failed(-1)  # every server refuses: 502
+    pb << CancelTimer(timer=("connect", 1))
+    opens(pb, SECOND, conn=-2)
+    pb >> open_failed(-2)
+    pb << CancelTimer(timer=("connect", 1))
+    reply = refuses(pb, client, 502)
+    pb.done()
+    assert (b"x-trace", b"t1") in reply.events[0].headers
     assert traces.seen == [(502, False)]
 
 
 def test_a_failure_on_the_proxys_own_answer_sends_it_unchanged() -> None:
     traces = Traces({"fail": True})
-    pb, client, commands = start_with(answering(Answers({}), traces))
-    (head, *_) = client.events(pb.take(1))
-    assert head.status_code == 401  # not a 503: the answer goes out as it was
-    assert not [v for k, v in head.headers if k == b"x-trace"]
+    pb, client = asks(answering(Answers({}), traces), logs=True)
+    pb << extension_error("on_response_head", "tracer down")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    # Not a 503: the answer goes out as it was.
+    pb << (reply := Sends(1, client, h1_response(401, end=True)))
+    pb << access(401)
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert not [v for k, v in reply.events[0].headers if k == b"x-trace"]
     assert pb.core.measurements.extension_errors == {("E1", "on_response_head"): 1}
-    (line,) = [c for c in commands if isinstance(c, Log) and c.event == "extension_error"]
-    assert line.fields["hook"] == "on_response_head"
 
 
 def test_the_backends_head_is_seen_as_the_backends() -> None:
     traces = Traces({})
-    pb, client, commands = start_with(answering(traces))
-    (opening, *_) = opened(commands)
+    pb, client = asks(answering(traces))
     backend = H1BackendPeer()
-    backend.events(pb.take(opening.conn, pb.opened(opening.conn)))
-    pb.receive(opening.conn, backend.sse_head())
-    (head, *_) = client.events(pb.take(1))
-    assert (b"x-trace", b"t1") in head.headers
+    opens(pb)
+    forwards(pb, backend)
+    head = sse_head(pb, client, backend)
+    pb.done()
+    assert (b"x-trace", b"t1") in head.events[0].headers
     assert traces.seen == [(200, True)]
 
 
