@@ -2,7 +2,9 @@
 
 Real peers build and decode everything HTTP: h11 for the client and the backend handshake,
 h2 for the RFC 8441 client. After the switch the bytes are opaque, so the tests use plain
-byte strings where WebSocket frames would travel.
+byte strings where WebSocket frames would travel. Each test is a conversation: every command
+asserted in order, timers included (``Log`` where the log line is the behaviour); a bug is
+planted on the core's ``FaultPlan``, never by replacing a method.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from typing import Any
 import attrs
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.settings
 import h11
-from checks import h1_response, h2_response
+from checks import both, h1_body, h1_request, h1_response, h2_ended, h2_resets, h2_response
 from playbook import (
     BACKEND,
     H1BackendPeer,
-    H1ClientPeer,
     H2BackendPeer,
     H2ClientPeer,
     Playbook,
@@ -28,7 +30,6 @@ from playbook import (
     closed,
     data,
     default_config,
-    h2_sse_stream,
     opened,
     sent,
     subset,
@@ -47,7 +48,6 @@ from muxproxy.config import (
 from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
-    Command,
     Log,
     OpenConnection,
     Origin,
@@ -57,7 +57,8 @@ from muxproxy.core.commands import (
     SetTimer,
     ShutdownWrite,
 )
-from muxproxy.core.events import InputEnded
+from muxproxy.core.events import DataReceived, InputEnded
+from muxproxy.core.faultplan import FaultPoint, plant_faults
 from muxproxy.core.tunnel.websocket import accept_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
@@ -136,11 +137,6 @@ def _tunnel_timer(pb: Playbook) -> tuple[str, int]:
     return timer
 
 
-def _closed_log(pb: Playbook) -> Log:
-    (log,) = [c for c in pb.log if isinstance(c, Log) and c.event == "tunnel_closed"]
-    return log
-
-
 def test_upgrade_goes_to_the_backend_with_only_the_websocket_upgrade_fields() -> None:
     pb = Playbook()
     _, forwarded = _upgrades(pb)
@@ -215,10 +211,6 @@ def test_client_close_closes_the_backend() -> None:
     pb << Log(event="client_closed", fields={"conn": 1, "error": None})
     pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
-
-
-def _eof(pb: Playbook, conn: int) -> list[Command]:
-    return pb.feed(InputEnded(now=pb.now, conn=conn))
 
 
 def test_client_eof_is_relayed_and_the_backend_reply_still_reaches_the_client() -> None:
@@ -389,43 +381,131 @@ def send_extended_connect(
     return sid, up
 
 
-def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1BackendPeer, bytes]:
-    sid, up = send_extended_connect(pb, peer)
-    backend = H1BackendPeer()
-    (request, end) = backend.events(pb.take(up))
+H2_ORIGIN = Origin(host="127.0.0.1", port=9001, alpn="h2")
+
+
+def _allows_connect(events: Sequence[Any]) -> None:
+    """The proxy's SETTINGS allow RFC 8441's extended CONNECT."""
+    (settings,) = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
+    code = h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL
+    assert settings.changed_settings[code].new_value == 1
+
+
+def _h2_connects(
+    pb: Playbook,
+    peer: H2ClientPeer,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    *,
+    origin: Origin = ORIGIN,
+) -> int:
+    """Client connection 1 (accepted here) is an HTTP/2 client whose SETTINGS from the proxy
+    allow an RFC 8441 extended CONNECT, and which sends one for /chat: the proxy opens
+    backend connection -1 to ``origin``. Returns the client's stream."""
+    pb.accept(1)
+    pb >> data(1, peer.preface())
+    pb << SetTimer(timer=("send", 1), at=pb.now + 60.0)
+    pb << Sends(1, peer, _allows_connect)
+    sid = peer.conn.get_next_available_stream_id()
+    peer.conn.send_headers(
+        sid,
+        [
+            (b":method", b"CONNECT"),
+            (b":protocol", b"websocket"),
+            (b":scheme", b"http"),
+            (b":path", b"/chat"),
+            (b":authority", b"proxy.example"),
+            (b"sec-websocket-version", b"13"),
+            *(extra or []),
+        ],
+    )
+    pb >> data(1, peer.conn.data_to_send())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=pb.now + 5.0)
+    pb << OpenConnection(conn=-1, origin=origin)
+    return sid
+
+
+def _bridged(events: Sequence[Any]) -> None:
+    """The HTTP/1.1 upgrade an extended CONNECT for /chat becomes: a whole GET, no body."""
+    (request, end) = events
     assert isinstance(request, h11.Request) and isinstance(end, h11.EndOfMessage)
     assert request.method == b"GET" and request.target == b"/chat"
     fields = dict(request.headers)
     assert fields[b"upgrade"] == b"websocket" and fields[b"sec-websocket-version"] == b"13"
-    return sid, up, backend, fields[b"sec-websocket-key"]
+
+
+def _handshake(pb: Playbook, backend: H1BackendPeer) -> h11.Request:
+    """The HTTP/1.1 backend accepts connection -1 and reads the bridged upgrade request."""
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, _bridged))
+    pb << SetTimer(timer=("head", 1), at=pb.now + 60.0)
+    head = request.events[0]
+    assert isinstance(head, h11.Request)
+    return head
+
+
+def _extended_connect(pb: Playbook, peer: H2ClientPeer) -> tuple[int, int, H1BackendPeer, bytes]:
+    """An extended CONNECT bridged to an HTTP/1.1 backend on -1: (the client's stream, the
+    backend connection, the backend peer, the key the proxy chose for the backend)."""
+    sid = _h2_connects(pb, peer)
+    backend = H1BackendPeer()
+    request = _handshake(pb, backend)
+    return sid, -1, backend, dict(request.headers)[b"sec-websocket-key"]
+
+
+def _on_stream(sid: int, body: bytes, *, then_end: bool = False) -> Any:
+    """A ``Sends`` check: stream ``sid`` gets one DATA frame ``body`` (``then_end``: with
+    END_STREAM), and nothing else happens."""
+
+    def check(events: Sequence[Any]) -> None:
+        kinds = [h2.events.DataReceived, *([h2.events.StreamEnded] if then_end else [])]
+        assert [type(e) for e in events] == kinds, events
+        assert events[0].stream_id == sid and events[0].data == body, events
+
+    return check
 
 
 def test_extended_connect_is_bridged_to_an_http1_upgrade() -> None:
     pb = Playbook()
     peer = H2ClientPeer()
     sid, up, backend, key = _extended_connect(pb, peer)
-    before = len(pb.log)
-    pb.receive(up, _switch(backend, key) + b"server-frame")
-    events = peer.events(pb.take(1, pb.log[before:]))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    pb >> data(up, _switch(backend, key) + b"server-frame")
+    pb << CancelTimer(timer=("head", 1))
+    pb << (answer := Sends(1, peer, h2_response(sid, 200, ended=False)))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb << Sends(1, peer, _on_stream(sid, b"server-frame"))
+    (response,) = [e for e in answer.events if isinstance(e, h2.events.ResponseReceived)]
     fields = dict(response.headers)
-    assert fields[b":status"] == b"200"
     assert b"upgrade" not in fields
     # RFC 8441 needs none, but clients insist: the backend's accept, checked against our key.
     assert fields[b"sec-websocket-accept"] == accept_for(key)
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data == b"server-frame"
 
     peer.conn.send_data(sid, b"client-frame")
-    commands = pb.receive(1, peer.conn.data_to_send())
-    assert pb.take(up, commands) == b"client-frame"
+    pb >> data(1, peer.conn.data_to_send())
+    pb << SendData(conn=up, data=b"client-frame")
 
     # The backend closes: END_STREAM for the client, after the data.
-    pb.receive(up, b"bye")
-    before = len(pb.log)
-    pb.closed(up)
-    events = peer.events(pb.take(1, pb.log[before:]))
-    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+    pb >> data(up, b"bye")
+    pb << Sends(1, peer, _on_stream(sid, b"bye"))
+    pb >> closed(up)
+    pb << CancelTimer(timer=TUNNEL)
+    pb << Sends(1, peer, h2_response_ends(sid))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+
+
+def h2_response_ends(sid: int) -> Any:
+    """Stream ``sid`` ends (an empty DATA with END_STREAM); the rest of the client's upload
+    is not wanted (RFC 9113 §8.1: RST_STREAM(NO_ERROR))."""
+
+    def check(events: Sequence[Any]) -> None:
+        kinds = [type(e) for e in events]
+        assert kinds == [h2.events.DataReceived, h2.events.StreamEnded, h2.events.StreamReset]
+        assert all(e.stream_id == sid for e in events), events
+        assert events[-1].error_code == h2.errors.ErrorCodes.NO_ERROR, events
+
+    return check
 
 
 def test_extended_connect_end_stream_half_closes_the_backend() -> None:
@@ -519,29 +599,32 @@ def test_internal_error_on_the_client_side_of_a_tunnel_closes_its_backend() -> N
     pb.core.raise_errors = False
     up, backend, _ = _open_h1(pb)
     pb.receive(up, _switch(backend))
-    tunnel = pb.core.tunnels[1]
-
-    def planted(data: bytes, flow_len: int) -> None:
-        raise RuntimeError("planted bug")
-
-    tunnel.from_client = planted  # type: ignore[method-assign]  # the one injected fault
-    commands = pb.receive(1, b"frame")
-    assert CloseConnection(conn=up) in commands
+    assert pb.core.tunnels
+    # The one planted fault: a bug met handling the tunnel's client side.
+    client_data = lambda event: isinstance(event, DataReceived) and event.conn == 1  # noqa: E731
+    plant_faults(pb.core).plant(FaultPoint.BEFORE, client_data, RuntimeError("planted bug"))
+    pb >> data(1, b"frame")
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=up)
+    pb << CancelTimer(timer=("send", 1))
+    pb << CloseConnection(conn=1)
+    pb.done()
     assert not pb.core.tunnels
 
 
 def test_extended_connect_with_a_client_key_gets_the_accept_for_that_key() -> None:
     pb = Playbook()
     peer = H2ClientPeer()
-    _, up = send_extended_connect(pb, peer, [(b"sec-websocket-key", KEY)])
+    sid = _h2_connects(pb, peer, [(b"sec-websocket-key", KEY)])
     backend = H1BackendPeer()
-    (request, _) = backend.events(pb.take(up))
-    ours = dict(request.headers)[b"sec-websocket-key"]
+    ours = dict(_handshake(pb, backend).headers)[b"sec-websocket-key"]
     assert ours != KEY
-    before = len(pb.log)
-    pb.receive(up, _switch(backend, ours))
-    events = peer.events(pb.take(1, pb.log[before:]))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    pb >> data(-1, _switch(backend, ours))
+    pb << CancelTimer(timer=("head", 1))
+    pb << (answer := Sends(1, peer, h2_response(sid, 200, ended=False)))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb.done()
+    (response,) = [e for e in answer.events if isinstance(e, h2.events.ResponseReceived)]
     assert dict(response.headers)[b"sec-websocket-accept"] == accept_for(KEY)
 
 
@@ -553,172 +636,238 @@ def _h2_backend_config() -> Config:
     return default_config(upstreams={"default": group})
 
 
+def _h2_backend_ready(pb: Playbook, backend: H2BackendPeer, ex: int = 1) -> None:
+    """The h2 backend accepts connection -1 (opened for exchange ``ex``, in the pool's
+    start-up deadline), reads the proxy's preface and answers with its SETTINGS: the
+    connection is ready, both deadlines end."""
+    pb >> opened(-1)
+    pb << Sends(-1, backend)  # the preface and the proxy's SETTINGS
+    pb >> data(-1, backend.output())
+    pb << CancelTimer(timer=("pool", -1))
+    pb << CancelTimer(timer=("connect", ex))
+
+
 def _upgrade_to_h2_backend(
-    pb: Playbook, *, connect: bool = True, window: int = 65535
-) -> tuple[int, H2BackendPeer, list[h2.events.Event]]:
+    pb: Playbook, *, window: int = 65535
+) -> tuple[H2BackendPeer, h2.events.RequestReceived]:
+    """Client connection 1 (accepted here) asks to upgrade to a WebSocket; the group's
+    backend speaks h2 and allows extended CONNECT: once its connection is ready the request
+    goes out on it. Returns the backend peer and the request it decoded."""
     pb.accept(1)
-    pb.receive(1, _upgrade_request())
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
-    backend = H2BackendPeer(pb, up, connect=connect, window=window)
-    events = backend.read()
-    backend.flush()  # its SETTINGS: the connection is ready, the request goes out
-    return up, backend, events + backend.read()
+    pb >> data(1, _upgrade_request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=pb.now + 5.0)
+    pb << OpenConnection(conn=-1, origin=H2_ORIGIN)
+    pb << SetTimer(timer=("pool", -1), at=pb.now + 5.0)
+    backend = H2BackendPeer(pb, -1, connect=True, window=window)
+    _h2_backend_ready(pb, backend)
+    pb << (sent_up := Sends(-1, backend))
+    pb << SetTimer(timer=("head", 1), at=pb.now + 60.0)
+    (request,) = [e for e in sent_up.events if isinstance(e, h2.events.RequestReceived)]
+    # The request's stream stays open both ways: it carries the tunnel.
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in sent_up.events)
+    return backend, request
+
+
+def _switched(client: _HandshakeClient) -> Any:
+    """A ``Sends`` check for the client of ``GET /ws``: the one 101 with our accept."""
+
+    def check(events: Sequence[Any]) -> None:
+        (switched,) = events
+        assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
+        headers = dict(switched.headers)
+        assert headers[b"sec-websocket-accept"] == accept_for(KEY)  # RFC 6455 §4.2.2, ours
+        assert headers[b"upgrade"] == b"websocket"
+        assert client.conn.our_state is h11.SWITCHED_PROTOCOL
+
+    return check
+
+
+def _backend_gets(sid: int, body: bytes, *, ended: bool = False) -> Any:
+    """A ``Sends`` check for an h2 backend: DATA ``body`` on stream ``sid`` (``ended``: and
+    END_STREAM)."""
+
+    def check(events: Sequence[Any]) -> None:
+        got = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+        assert got == body, events
+        assert all(getattr(e, "stream_id", sid) == sid for e in events), events
+        assert any(isinstance(e, h2.events.StreamEnded) for e in events) is ended, events
+
+    return check
 
 
 def test_h1_upgrade_to_an_h2_backend_is_an_extended_connect_answered_with_a_101() -> None:
-    pb = Playbook(_h2_backend_config())
-    up, backend, events = _upgrade_to_h2_backend(pb)
-    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    pb = Playbook(_h2_backend_config(), ignore=())
+    backend, request = _upgrade_to_h2_backend(pb)
     fields = dict(request.headers)
     # RFC 8441 §4/§5: CONNECT with :protocol, never a plain GET; no key, no Upgrade.
     assert fields[b":method"] == b"CONNECT" and fields[b":protocol"] == b"websocket"
     assert fields[b":path"] == b"/ws" and fields[b":scheme"] == b"http"
     assert fields[b"sec-websocket-version"] == b"13"
     assert b"sec-websocket-key" not in fields and b"upgrade" not in fields
-    assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
     sid = request.stream_id
     backend.conn.send_headers(sid, [(b":status", b"200")])
     backend.conn.send_data(sid, b"server-frame")
-    before = len(pb.log)
-    backend.flush()
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
-    client.send(h11.EndOfMessage())
-    client.receive_data(pb.take(1, pb.log[before:]))
-    switched = client.next_event()
-    assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
-    headers = dict(switched.headers)
-    assert headers[b"sec-websocket-accept"] == accept_for(KEY)  # RFC 6455 §4.2.2, ours
-    assert headers[b"upgrade"] == b"websocket"
-    assert client.trailing_data[0] == b"server-frame"
+    client = _HandshakeClient()
+    pb >> data(-1, backend.output())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _switched(client))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb << Log(event="tunnel_opened", fields=subset({"conn": 1}))
+    pb << SendData(conn=1, data=b"server-frame")
 
     # Frames both ways, as DATA on the backend stream.
-    pb.receive(1, b"client-frame")
-    data = [e for e in backend.read() if isinstance(e, h2.events.DataReceived)]
-    assert b"".join(e.data for e in data) == b"client-frame"
+    pb >> data(1, b"client-frame")
+    pb << Sends(-1, backend, _backend_gets(sid, b"client-frame"))
     backend.conn.send_data(sid, b"more")
-    commands = backend.flush()
-    assert pb.take(1, commands) == b"more"
+    pb >> data(-1, backend.output())
+    pb << SendData(conn=1, data=b"more")
 
-    # The client's FIN is END_STREAM upstream; the backend's END_STREAM then ends it all.
-    commands = _eof(pb, 1)
-    assert any(isinstance(e, h2.events.StreamEnded) for e in backend.read())
-    assert not [c for c in commands if isinstance(c, CloseConnection)]
+    # The client's FIN is END_STREAM upstream, nothing closes; the backend's END_STREAM
+    # then ends it all.
+    pb >> InputEnded(now=pb.now, conn=1)
+    pb << Sends(-1, backend, _backend_gets(sid, b"", ended=True))
+    pb.done()
     backend.conn.send_data(sid, b"backend-close", end_stream=True)
-    commands = backend.flush()
-    assert pb.take(1, commands) == b"backend-close"
-    assert CloseConnection(conn=1) in commands
-    assert CloseConnection(conn=up) not in commands  # the shared connection stays
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> data(-1, backend.output())
+    pb << SendData(conn=1, data=b"backend-close")
+    pb << CancelTimer(timer=TUNNEL)
+    pb << SetTimer(timer=("pool", -1), at=20.0)  # the shared connection stays, idle
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)
+    pb.done()
     assert not pb.core.exchanges
 
 
 def test_websocket_to_an_h2_backend_without_extended_connect_is_a_502() -> None:
     pb = Playbook(_h2_backend_config())
-    _, _, events = _upgrade_to_h2_backend(pb, connect=False)
-    assert not [e for e in events if isinstance(e, h2.events.RequestReceived)]
-    client = H1ClientPeer()
-    client.conn.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
-    client.conn.send(h11.EndOfMessage())
-    (response, *rest) = client.events(pb.take(1))
-    assert isinstance(response, h11.Response) and response.status_code == 502
-    body = b"".join(e.data for e in rest if isinstance(e, h11.Data))
-    assert b"SETTINGS_ENABLE_CONNECT_PROTOCOL" in body
+    pb.accept(1)
+    pb >> data(1, _upgrade_request())
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=H2_ORIGIN)
+    pb << SetTimer(timer=("pool", -1), at=5.0)
+    backend = H2BackendPeer(pb, -1, connect=False)
+    _h2_backend_ready(pb, backend)
+    # No request goes to it: the SETTINGS ack alone, and the connection goes to the pool.
+    pb << Sends(-1, backend, lambda got: [type(e) for e in got] == [h2.events.SettingsAcknowledged])
+    pb << SetTimer(timer=("pool", -1), at=20.0)
+    client = _HandshakeClient()
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << (answer := Sends(1, client, h1_response(502, end=True)))
+    pb << CloseConnection(conn=1)
+    pb.done()
+    assert b"SETTINGS_ENABLE_CONNECT_PROTOCOL" in h1_body(answer.events)
 
 
 def test_h2_backend_refusal_of_the_extended_connect_is_an_ordinary_response() -> None:
     pb = Playbook(_h2_backend_config())
-    _, backend, events = _upgrade_to_h2_backend(pb)
-    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    backend, request = _upgrade_to_h2_backend(pb)
     sid = request.stream_id
     backend.conn.send_headers(sid, [(b":status", b"403"), (b"content-length", b"2")])
     backend.conn.send_data(sid, b"no", end_stream=True)
-    backend.flush()
+    client = _HandshakeClient()
+    pb >> data(-1, backend.output())
     # Our side of the refused stream ends too: nothing holds the backend's stream open.
-    assert any(isinstance(e, h2.events.StreamEnded) for e in backend.read())
-    client = H1ClientPeer()
-    client.conn.send(h11.Request(method="GET", target="/ws", headers=[("Host", "p"), *HANDSHAKE]))
-    client.conn.send(h11.EndOfMessage())
-    (response, *rest) = client.events(pb.take(1))
-    assert isinstance(response, h11.Response) and response.status_code == 403
-    assert b"".join(e.data for e in rest if isinstance(e, h11.Data)) == b"no"
+    pb << Sends(-1, backend, _backend_gets(sid, b"", ended=True))
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(403, b""))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, lambda got: h1_body(got) == b"no" and got[-1] == h11.EndOfMessage())
+    pb << SetTimer(timer=("pool", -1), at=20.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
 
 
 def test_extended_connect_from_an_h2_client_to_an_h2_backend() -> None:
     pb = Playbook(_h2_backend_config())
     peer = H2ClientPeer()
-    sid, up = send_extended_connect(pb, peer)
-    backend = H2BackendPeer(pb, up, connect=True)
-    backend.read()
-    backend.flush()
-    (request,) = [e for e in backend.read() if isinstance(e, h2.events.RequestReceived)]
+    sid = _h2_connects(pb, peer, origin=H2_ORIGIN)
+    pb << SetTimer(timer=("pool", -1), at=5.0)
+    backend = H2BackendPeer(pb, -1, connect=True)
+    _h2_backend_ready(pb, backend)
+    pb << (sent_up := Sends(-1, backend))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    (request,) = [e for e in sent_up.events if isinstance(e, h2.events.RequestReceived)]
     fields = dict(request.headers)
     assert fields[b":method"] == b"CONNECT" and fields[b":protocol"] == b"websocket"
     assert b"sec-websocket-key" not in fields
     bsid = request.stream_id
     backend.conn.send_headers(bsid, [(b":status", b"200")])
-    before = len(pb.log)
-    backend.flush()
-    events = peer.events(pb.take(1, pb.log[before:]))
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert dict(response.headers)[b":status"] == b"200"
+    pb >> data(-1, backend.output())
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, peer, h2_response(sid, 200, ended=False))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
     peer.conn.send_data(sid, b"client-frame")
-    pb.receive(1, peer.conn.data_to_send())
-    data = [e for e in backend.read() if isinstance(e, h2.events.DataReceived)]
-    assert b"".join(e.data for e in data) == b"client-frame"
+    pb >> data(1, peer.conn.data_to_send())
+    pb << Sends(-1, backend, _backend_gets(bsid, b"client-frame"))
     backend.conn.send_data(bsid, b"server-frame")
-    before = len(pb.log)
-    backend.flush()
-    events = peer.events(pb.take(1, pb.log[before:]))
-    assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == (
-        b"server-frame"
-    )
+    pb >> data(-1, backend.output())
+    pb << Sends(1, peer, _on_stream(sid, b"server-frame"))
+    pb.done()
 
 
 def test_extended_connect_backend_eof_ends_the_stream_and_the_client_reply_still_goes_up() -> None:
-    pb = Playbook()
+    pb = Playbook(ignore=())
     peer = H2ClientPeer()
     sid, up, backend, key = _extended_connect(pb, peer)
-    peer.events(pb.take(1, pb.receive(up, _switch(backend, key))))
+    pb >> data(up, _switch(backend, key))
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, peer, h2_response(sid, 200, ended=False))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb << Log(event="tunnel_opened", fields=subset({"conn": 1}))
     # The backend's Close frame, then its FIN: END_STREAM for the client, nothing closed.
-    commands = pb.receive(up, b"backend-close") + _eof(pb, up)
-    events = peer.events(pb.take(1, commands))
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data == b"backend-close"
-    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
-    assert not [c for c in commands if isinstance(c, CloseConnection)]
-    # The client's Close reply still reaches the backend; its END_STREAM ends it all.
+    pb >> data(up, b"backend-close")
+    pb << Sends(1, peer, _on_stream(sid, b"backend-close"))
+    pb >> InputEnded(now=pb.now, conn=up)
+    pb << Sends(1, peer, both(_on_stream(sid, b"", then_end=True), h2_ended(sid)))
+    # The client's Close reply still reaches the backend; its END_STREAM ends it all: the
+    # backend closes after the data, and no RST_STREAM reaches the client.
     peer.conn.send_data(sid, b"client-close", end_stream=True)
-    commands = pb.receive(1, peer.conn.data_to_send())
-    assert pb.take(up, commands) == b"client-close"
-    assert commands.index(CloseConnection(conn=up)) > max(
-        i for i, c in enumerate(commands) if isinstance(c, SendData) and c.conn == up
-    )
-    assert not any(isinstance(e, h2.events.StreamReset) for e in peer.events(pb.take(1, commands)))
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> data(1, peer.conn.data_to_send())
+    pb << SendData(conn=up, data=b"client-close")
+    pb << CancelTimer(timer=TUNNEL)
+    pb << CloseConnection(conn=up)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << Log(event="access", fields=subset({"status": 200}))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
     assert not pb.core.tunnels and not pb.core.exchanges
 
 
 def test_h2_backend_stream_is_reset_when_our_end_stream_still_waits_for_window() -> None:
-    pb = Playbook(_h2_backend_config())
-    _, backend, events = _upgrade_to_h2_backend(pb, window=4)
-    (request,) = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    pb = Playbook(_h2_backend_config(), ignore=())
+    backend, request = _upgrade_to_h2_backend(pb, window=4)
     sid = request.stream_id
     backend.conn.send_headers(sid, [(b":status", b"200")])
-    backend.flush()
+    client = _HandshakeClient()
+    pb >> data(-1, backend.output())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, _switched(client))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb << Log(event="tunnel_opened", fields=subset({"conn": 1}))
     # Ten bytes, four fit the window: our END_STREAM queues behind the other six.
-    pb.receive(1, b"0123456789")
-    _eof(pb, 1)
-    backend.read()  # the four bytes; the backend gives no window back
-    backend.conn.send_data(sid, b"bye", end_stream=True)
-    backend.flush()
-    assert _closed_log(pb).fields["reason"] == "both sides ended"
+    pb >> data(1, b"0123456789")
+    pb << Sends(-1, backend, _backend_gets(sid, b"0123"))
+    pb >> InputEnded(now=pb.now, conn=1)
+    pb.done()  # nothing goes out: the window is shut
+    backend.conn.send_data(sid, b"bye", end_stream=True)  # no window given back
+    pb >> data(-1, backend.output())
+    pb << SendData(conn=1, data=b"bye")
+    pb << CancelTimer(timer=TUNNEL)
     # RFC 9113 §5.1: a stream we could not end cleanly is reset, never left half-open.
-    (reset,) = [e for e in backend.read() if isinstance(e, h2.events.StreamReset)]
-    assert reset.stream_id == sid
+    pb << Sends(-1, backend, h2_resets((sid, h2.errors.ErrorCodes.CANCEL)))
+    pb << SetTimer(timer=("pool", -1), at=20.0)
+    pb << Log(event="tunnel_closed", fields=subset({"reason": "both sides ended"}))
+    pb << Log(event="access", fields=subset({"status": 101}))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_tunnel_opened_while_the_connection_bound_stalls_its_backend_resumes_it() -> None:
@@ -735,22 +884,42 @@ def test_tunnel_opened_while_the_connection_bound_stalls_its_backend_resumes_it(
     # Wide windows: every byte goes to the socket at once, none waits in a stream queue.
     peer.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
     peer.conn.increment_flow_control_window(2**31 - 1 - 65535)
-    _, ws_backend_conn = send_extended_connect(pb, peer)
+    ws = _h2_connects(pb, peer)
     ws_backend = H1BackendPeer()
-    (upgrade, _) = ws_backend.events(pb.take(ws_backend_conn))
-    key = dict(upgrade.headers)[b"sec-websocket-key"]
-    _, streaming = h2_sse_stream(pb, peer)
-    chunk = b"%x\r\n%s\r\n" % (16008, b"data: " + b"z" * 16000 + b"\n\n")
+    key = dict(_handshake(pb, ws_backend).headers)[b"sec-websocket-key"]
+    # A streaming exchange on the same connection, on backend connection -2.
+    streaming, request = peer.request(b"GET", b"/v1/stream")
+    pb >> data(1, request)
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << OpenConnection(conn=-2, origin=ORIGIN)
+    sse = H1BackendPeer()
+    pb >> opened(-2)
+    pb << CancelTimer(timer=("connect", 2))
+    pb << Sends(-2, sse, h1_request(b"GET", b"/v1/stream"))
+    pb << SetTimer(timer=("head", 2), at=60.0)
+    pb >> data(-2, sse.sse_head())
+    pb << CancelTimer(timer=("head", 2))
+    pb << Sends(1, peer, h2_response(streaming, 200, ended=False))
+    pb << SetTimer(timer=("read", 2), at=300.0)
+    event = b"data: " + b"z" * 16000 + b"\n\n"
+    chunk = b"%x\r\n%s\r\n" % (len(event), event)
     down = pb.core.clients[1]
-    paused: set[int] = set()
     while down.pending <= bound:
-        paused |= {c.conn for c in pb.receive(streaming, chunk) if isinstance(c, PauseReading)}
-    assert paused == {streaming, ws_backend_conn}
+        # Each chunk goes out at once; nothing else happens until one takes the
+        # connection past its bound (the next ``>>`` asserts that).
+        pb >> data(-2, chunk)
+        pb << Sends(1, peer, _on_stream(streaming, event))
+    # Every backend of the connection stops, the one still in its handshake too.
+    pb << PauseReading(conn=-1)
+    pb << PauseReading(conn=-2)
     # The read the paused backend had in flight: its 101 opens the tunnel.
-    pb.receive(ws_backend_conn, _switch(ws_backend, key) + b"server-frame")
-    assert ws_backend_conn in pb.core.tunnels
-    commands = pb.sent(1, down.pending)
-    assert {c.conn for c in commands if isinstance(c, ResumeReading)} == {
-        streaming,
-        ws_backend_conn,
-    }
+    pb >> data(-1, _switch(ws_backend, key) + b"server-frame")
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, peer, h2_response(ws, 200, ended=False))
+    pb << SetTimer(timer=TUNNEL, at=3600.0)
+    pb << Sends(1, peer, _on_stream(ws, b"server-frame"))
+    assert -1 in pb.core.tunnels
+    pb >> sent(1, down.pending)
+    pb << ResumeReading(conn=-1)
+    pb << ResumeReading(conn=-2)
+    pb.done()
