@@ -1,15 +1,20 @@
-"""Continuation (``continue_on_failure``) in the sans-IO core, driven with bytes only."""
+"""Continuation (``continue_on_failure``) in the sans-IO core, driven with bytes only.
+
+Real h11 peers on both sides; each test is a conversation: every command asserted in order,
+timers included."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import h11
-from playbook import H1BackendPeer, H1ClientPeer, Playbook
+from checks import h1_body, h1_request, h1_response
+from playbook import H1BackendPeer, H1ClientPeer, Playbook, Sends, closed, data, opened, sent
 
 from muxproxy.config import Config, Route, quick_config
-from muxproxy.core.commands import CloseConnection, Command, OpenConnection
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection, Origin, SetTimer
 from muxproxy.core.streams.continuation import AnswerSoFar, Splicer
 
 BODY = json.dumps(
@@ -36,101 +41,134 @@ def two_servers() -> Config:
     return attrs.evolve(config, routes=(route,))
 
 
+NEXT = Origin(host="127.0.0.1", port=9002)
+
+
 def start(pb: Playbook) -> tuple[H1ClientPeer, int, H1BackendPeer]:
+    """Client 1 posts ``BODY``; the first server (backend connection -1) takes it whole and
+    answers with an SSE head, which goes out to the client."""
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("POST", "/v1/chat/completions", body=BODY))
-    up = pb.opens()[0].conn
-    pb.opened(up)
-    pb.sent(up, len(pb.take(up)))
+    pb >> data(1, client.request("POST", "/v1/chat/completions", body=BODY))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=Origin(host="127.0.0.1", port=9001))
+    pb << SetTimer(timer=("body", 1), at=30.0)
     backend = H1BackendPeer()
-    backend.events(pb.take(up))
-    pb.receive(up, backend.sse_head())
-    return client, up, backend
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << (request := Sends(-1, backend, h1_request(b"POST", b"/v1/chat/completions", BODY)))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb >> sent(-1, len(request.data))
+    pb >> data(-1, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(200))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    return client, -1, backend
 
 
-def opens(commands: list[Command]) -> list[OpenConnection]:
-    return [c for c in commands if isinstance(c, OpenConnection)]
+def streams(pb: Playbook, backend: H1BackendPeer, client: H1ClientPeer, events: bytes) -> None:
+    """The backend on -1 sends ``events`` in one chunk; the client gets exactly them."""
+    pb >> data(-1, backend.chunk(events))
+    pb << Sends(1, client, lambda got: h1_body(got) == events)
+
+
+def continues(pb: Playbook) -> H1BackendPeer:
+    """The first backend resets mid-answer: the exchange goes on with the second server
+    (backend connection -2) under the read deadline, which accepts; returns its peer."""
+    pb >> closed(-1, "reset")
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-2, origin=NEXT)  # another server
+    pb << CancelTimer(timer=("connect", 1))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    return H1BackendPeer()
+
+
+def continuation(pb: Playbook, second: H1BackendPeer) -> tuple[h11.Request, dict[str, Any]]:
+    """The second server accepts and reads the continuation request: its head and body."""
+    pb >> opened(-2)
+    pb << (request := Sends(-2, second, h1_request(b"POST", b"/v1/chat/completions")))
+    head = request.events[0]
+    assert isinstance(head, h11.Request)
+    return head, json.loads(h1_body(request.events))
 
 
 def test_a_broken_answer_goes_to_the_next_server_with_the_text_so_far() -> None:
     pb = Playbook(two_servers())
-    client, up, backend = start(pb)
-    pb.receive(up, backend.chunk(chunk("", role=True) + chunk("tok0 ") + chunk("tok1 ")))
-    broken = pb.closed(up, "reset")
-    (again,) = opens(broken)
-    assert again.origin != pb.opens()[0].origin  # another server
-    pb.opened(again.conn)
-    second = H1BackendPeer()
-    request, *rest = second.events(pb.take(again.conn))
-    sent = json.loads(b"".join(e.data for e in rest if isinstance(e, h11.Data)))
-    assert sent["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
-    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
-    assert sent["max_tokens"] == 7
-    assert (b"content-length", str(len(json.dumps(sent, separators=(",", ":")))).encode()) in (
+    client, _, backend = start(pb)
+    streams(pb, backend, client, chunk("", role=True) + chunk("tok0 ") + chunk("tok1 "))
+    second = continues(pb)
+    request, asked = continuation(pb, second)
+    assert asked["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
+    assert asked["continue_final_message"] is True and asked["add_generation_prompt"] is False
+    assert asked["max_tokens"] == 7
+    assert (b"content-length", str(len(json.dumps(asked, separators=(",", ":")))).encode()) in (
         request.headers
     )
-    head = pb.receive(again.conn, second.sse_head())
-    assert pb.take(1, head) == b""  # the client never sees a second head
-    more = pb.receive(again.conn, second.chunk(chunk("", role=True) + chunk("tok2 ")))
-    out = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
-    assert out.count(b'"role"') == 1  # the first stream's, not the continuation's
-    assert b'"content":"tok2 "' in pb.take(1, more) and b'"id":"c-1"' in pb.take(1, more)
+    pb >> data(-2, second.sse_head())  # the client never sees a second head: nothing goes out
+    pb >> data(-2, second.chunk(chunk("", role=True) + chunk("tok2 ")))
+    pb << (more := Sends(1, client))
+    pb.done()
+    out = h1_body(more.events)
+    assert b'"role"' not in out  # the first stream's role only, not the continuation's
+    assert b'"content":"tok2 "' in out and b'"id":"c-1"' in out
 
 
 def test_a_finished_answer_is_not_continued() -> None:
     pb = Playbook(two_servers())
-    _, up, backend = start(pb)
-    pb.receive(up, backend.chunk(chunk("tok0 ") + chunk(finish="stop")))
-    broken = pb.closed(up, "reset")
-    assert opens(broken) == []
-    assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    client, _, backend = start(pb)
+    streams(pb, backend, client, chunk("tok0 ") + chunk(finish="stop"))
+    pb >> closed(-1, "reset")
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << CloseConnection(conn=1)  # no other server is asked
+    pb.done()
 
 
 def test_an_answer_cut_after_its_last_token_is_ended_by_the_proxy_with_no_new_backend() -> None:
     pb = Playbook(two_servers())
-    client, up, backend = start(pb)
+    client, _, backend = start(pb)
     tokens = b"".join(chunk(f"tok{n} ") for n in range(9))  # max_tokens = 9: all of them
-    pb.receive(up, backend.chunk(chunk("", role=True) + tokens))
-    client.events(pb.take(1))
-    ended = pb.closed(up, "reset")  # the finish chunk and [DONE] never came
-    assert opens(ended) == []  # no server is asked for a tenth token
-    events = client.events(pb.take(1, ended))
-    out = b"".join(e.data for e in events if isinstance(e, h11.Data))
-    finish, done = out.split(b"\n\n")[:2]
+    streams(pb, backend, client, chunk("", role=True) + tokens)
+    pb >> closed(-1, "reset")  # the finish chunk and [DONE] never came
+    pb << CancelTimer(timer=("read", 1))
+    pb << (ended := Sends(1, client))  # no server is asked for a tenth token
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # a clean end, not a cut: the client stays
+    pb.done()
+    finish, done = h1_body(ended.events).split(b"\n\n")[:2]
     assert json.loads(finish.removeprefix(b"data: "))["choices"] == [
         {"index": 0, "delta": {}, "finish_reason": "length"}
     ]
     assert b'"id":"c-1"' in finish and b'"model":"m"' in finish
     assert done == b"data: [DONE]"
-    assert any(isinstance(e, h11.EndOfMessage) for e in events)  # a clean end, not a cut
-    assert not any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    assert isinstance(ended.events[-1], h11.EndOfMessage)
 
 
 def test_an_answer_cut_one_token_short_still_goes_to_the_next_server() -> None:
     pb = Playbook(two_servers())
-    _, up, backend = start(pb)
+    client, _, backend = start(pb)
     tokens = b"".join(chunk(f"tok{n} ") for n in range(8))  # 8 of 9
-    pb.receive(up, backend.chunk(chunk("", role=True) + tokens))
-    (again,) = opens(pb.closed(up, "reset"))
-    pb.opened(again.conn)
-    _, *rest = H1BackendPeer().events(pb.take(again.conn))
-    sent = json.loads(b"".join(e.data for e in rest if isinstance(e, h11.Data)))
-    assert sent["max_tokens"] == 1
+    streams(pb, backend, client, chunk("", role=True) + tokens)
+    _, asked = continuation(pb, continues(pb))
+    pb.done()
+    assert asked["max_tokens"] == 1
 
 
 def test_a_continuation_answered_with_an_error_leaves_the_truncation_visible() -> None:
     pb = Playbook(two_servers())
-    _, up, backend = start(pb)
-    pb.receive(up, backend.chunk(chunk("tok0 ")))
-    (again,) = opens(pb.closed(up, "reset"))
-    pb.opened(again.conn)
-    second = H1BackendPeer()
-    second.events(pb.take(again.conn))
-    refused = pb.receive(again.conn, second.reply(b"busy"))  # a 200 that is not SSE
-    assert any(isinstance(c, CloseConnection) and c.conn == again.conn for c in refused)
-    assert opens(refused) == []  # the two servers are spent: no third try
-    assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    client, _, backend = start(pb)
+    streams(pb, backend, client, chunk("tok0 "))
+    second = continues(pb)
+    continuation(pb, second)
+    pb >> data(-2, second.reply(b"busy"))  # a 200 that is not SSE
+    pb << CloseConnection(conn=-2)
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("body", 1))
+    pb << CloseConnection(conn=1)  # the two servers are spent: no third try, a visible cut
+    pb.done()
 
 
 def test_the_splicer_keeps_one_role_and_the_original_names() -> None:
