@@ -4,10 +4,14 @@ No peer can trigger a bug on purpose, so each test plants one on the core's faul
 (``faultplan.py``): the core raises it where the part the event concerns handles it, as a bug
 there would, in the pure-Python and the compiled build alike. The switch that re-raises (on
 for the whole suite) is turned off for these cores.
+
+From the planted bug on, each test is a conversation: every command in order, timers and the
+``internal_error`` record included; real h11 / h2 peers decode what the proxy sends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -15,16 +19,20 @@ import h2.errors
 import h2.events
 import h11
 import pytest
+from checks import Check, both, h2_body, h2_ended, h2_resets
 from playbook import (
     H1BackendPeer,
     H1ClientPeer,
     H2ClientPeer,
     Playbook,
     Sends,
+    Where,
+    closed,
     data,
     subset,
     wakeup,
 )
+from test_h2guard import ORIGIN
 
 from muxproxy.config import HealthCheck
 from muxproxy.core.commands import CancelTimer, CloseConnection, Log, OpenConnection, SetTimer
@@ -37,6 +45,7 @@ from muxproxy.core.tunnel.websocket import accept_for
 
 CHAT = b"/v1/chat/completions"
 EVENTS = [f'data: {{"token": {i}}}\n\n'.encode() for i in range(3)]
+INTERNAL_ERROR = h2.errors.ErrorCodes.INTERNAL_ERROR
 
 
 class Injected(RuntimeError):
@@ -96,6 +105,45 @@ def _plant_on_data(
     plant_faults(core).plant(point, _data_on(conn), _bug(), times=times)
 
 
+def _internal_error(conn: int | None, event: str, *, where: str = "faultplan.py") -> Where:
+    """The ``internal_error`` record of a planted bug on ``conn`` while handling ``event``:
+    its traceback names the bug and where it struck."""
+
+    def check(log: Log) -> None:
+        assert log.event == "internal_error", log
+        assert (log.fields["conn"], log.fields["event"]) == (conn, event), log.fields
+        assert "Injected: planted bug" in log.fields["traceback"], log.fields
+        assert where in log.fields["traceback"], log.fields
+
+    return Where(Log, check)
+
+
+def _access(**fields: Any) -> Log:
+    return Log(event="access", fields=subset(fields))
+
+
+def _goaway_internal(last_stream_id: int) -> Check:
+    """GOAWAY(INTERNAL_ERROR) naming ``last_stream_id``, and no answer to anything else (no
+    PING ACK: what the failed call queued for the connection was dropped)."""
+
+    def check(events: Sequence[Any]) -> None:
+        assert not any(isinstance(e, h2.events.PingAckReceived) for e in events), events
+        (gone,) = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert gone.error_code == INTERNAL_ERROR, gone
+        assert gone.last_stream_id == last_stream_id, gone
+
+    return check
+
+
+def _carries(sid: int, body: bytes) -> Check:
+    """DATA of exactly ``body`` on stream ``sid``, no reset, no GOAWAY."""
+    return both(lambda events: _equal(h2_body(events, sid), body), h2_resets())
+
+
+def _equal(got: bytes, expected: bytes) -> None:
+    assert got == expected, (got, expected)
+
+
 def test_client_fault_ends_that_connection_and_the_other_stream_completes() -> None:
     pb = _isolating()
     client1, sid1, up1, _ = _h2_stream(pb, 1)
@@ -103,73 +151,72 @@ def test_client_fault_ends_that_connection_and_the_other_stream_completes() -> N
     # The bug strikes once the client's bytes are handled: their answer (a PING ACK) is queued.
     _plant_on_data(pb.core, 1, FaultPoint.AFTER, times=1)
     client1.conn.ping(b"12345678")
-    commands = pb.receive(1, client1.conn.data_to_send())
-
+    pb.ignore = ()
+    pb >> data(1, client1.conn.data_to_send())
     # The failed connection: what the failed call queued for it is dropped; a GOAWAY
     # (INTERNAL_ERROR) and the close take its place; its backend connection is closed.
-    events = client1.events(pb.take(1, commands))
-    assert not any(isinstance(e, h2.events.PingAckReceived) for e in events)
-    (gone,) = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
-    assert gone.error_code == h2.errors.ErrorCodes.INTERNAL_ERROR
-    assert gone.last_stream_id == sid1
-    assert CloseConnection(conn=1) in commands
-    assert CloseConnection(conn=up1) in commands
+    pb << CancelTimer(timer=("read", 1))
+    pb << CloseConnection(conn=up1)
+    pb << CancelTimer(timer=("send", 1))
+    pb << Sends(1, client1, _goaway_internal(sid1))
+    pb << CloseConnection(conn=1)
+    pb << _internal_error(1, "DataReceived")
+    (logged,) = _internal_errors(pb)
+    assert logged.fields["streams"] == [sid1]
     assert 1 not in pb.core.clients
     assert all(ex.client.conn != 1 for ex in pb.core.exchanges.values())
     assert not [t for t in pb.core.fx.timers if t[1] == 1 and t[0] in ("header", "idle", "send")]
-    (logged,) = _internal_errors(pb)
-    assert logged.fields["conn"] == 1
-    assert logged.fields["event"] == "DataReceived"
-    assert logged.fields["streams"] == [sid1]
-    assert "Injected: planted bug" in logged.fields["traceback"]
-    assert "faultplan.py" in logged.fields["traceback"]  # where the bug struck
     assert pb.core.counters["internal_errors"] == 1
 
     # Later events for the failed connections are ignored.
-    pb.receive(1, b"anything")
-    pb.closed(1)
-    pb.closed(up1)
+    pb >> data(1, b"anything")
+    pb >> closed(1)
+    pb >> closed(up1)
 
     # The neighbour streams on to its clean end.
-    out = pb.receive(up2, backend2.chunk(EVENTS[1]) + backend2.end())
-    events = client2.events(pb.take(2, out))
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data == EVENTS[1]
-    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
+    pb >> data(up2, backend2.chunk(EVENTS[1]) + backend2.end())
+    pb << Sends(2, client2, both(_carries(sid2, EVENTS[1]), h2_ended(sid2)))
+    pb << SetTimer(timer=("pool", up2), at=60.0)
+    pb << CancelTimer(timer=("read", 2))
+    pb << _access(status=200, outcome="ok")
+    pb << SetTimer(timer=("idle", 2), at=75.0)
+    pb.done()
     assert pb.core.counters["internal_errors"] == 1
 
 
 def test_backend_fault_truncates_its_stream_and_keeps_the_rest_of_the_call() -> None:
     pb = _isolating()
     client1, sid1, up1, backend1 = _h2_stream(pb, 1)
-    client2, _, up2, backend2 = _h2_stream(pb, 2)
+    client2, sid2, up2, backend2 = _h2_stream(pb, 2)
     # The bug strikes once the backend's chunk is handled: a command for the client (its
     # DATA) is queued by the backend's call.
     _plant_on_data(pb.core, up1, FaultPoint.AFTER)
-    commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
-    plant_faults(pb.core).clear()
-
+    pb.ignore = ()
+    pb >> data(up1, backend1.chunk(EVENTS[1]))
     # The backend's event failed: that backend connection is closed, and its exchange fails as
     # an upstream failure after the head: the chunk already sent, then RST(INTERNAL_ERROR).
-    assert CloseConnection(conn=up1) in commands
-    events = client1.events(pb.take(1, commands))
-    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert data == EVENTS[1]
-    resets = [(e.stream_id, e.error_code) for e in events if isinstance(e, h2.events.StreamReset)]
-    assert resets == [(sid1, h2.errors.ErrorCodes.INTERNAL_ERROR)]
-    assert CloseConnection(conn=1) not in commands
-    (logged,) = _internal_errors(pb)
-    assert logged.fields["conn"] == up1
+    pb << Sends(1, client1, _carries(sid1, EVENTS[1]))
+    pb << CloseConnection(conn=up1)
+    pb << Sends(1, client1, h2_resets((sid1, INTERNAL_ERROR)))
+    pb << CancelTimer(timer=("read", 1))
+    failed = "upstream failed mid-stream: internal error on the backend connection"
+    pb << _access(status=200, outcome=failed)
+    pb << _internal_error(up1, "DataReceived")
+    pb << SetTimer(timer=("idle", 1), at=75.0)  # not closed: the client connection stays
+    plant_faults(pb.core).clear()
     assert up1 not in pb.core.upstreams
 
     # The client connection itself is fine: a new request on it is served.
     _, data3 = client1.request(b"GET", CHAT)
-    pb.receive(1, data3)
-    up3 = pb.opens()[-1].conn
-    assert up3 not in (up1, up2)
+    pb >> data(1, data3)
+    pb << CancelTimer(timer=("idle", 1))
+    pb << SetTimer(timer=("connect", 3), at=5.0)
+    pb << OpenConnection(conn=-3, origin=ORIGIN)  # a new backend connection
+    assert -3 not in (up1, up2)
     # The other stream was untouched.
-    events = client2.events(pb.take(2, pb.receive(up2, backend2.chunk(EVENTS[1]))))
-    assert b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) == EVENTS[1]
+    pb >> data(up2, backend2.chunk(EVENTS[1]))
+    pb << Sends(2, client2, _carries(sid2, EVENTS[1]))
+    pb.done()
 
 
 def test_backend_fault_before_the_head_is_a_502() -> None:
@@ -217,17 +264,28 @@ def test_h1_client_fault_closes_without_the_final_chunk() -> None:
 
 def test_fault_in_the_cleanup_of_a_neighbour_isolates_the_neighbour_too() -> None:
     pb = _isolating()
-    _, _, up1, backend1 = _h2_stream(pb, 1)
+    client1, sid1, up1, backend1 = _h2_stream(pb, 1)
     client2, sid2, up2, backend2 = _h2_stream(pb, 2)
     _plant_on_data(pb.core, up1)
     # Failing the backend's exchange calls into its client, which is broken as well.
     plant_faults(pb.core).plant(FaultPoint.NEIGHBOUR, lambda conn: conn == 1, _bug())
-    commands = pb.receive(up1, backend1.chunk(EVENTS[1]))
-    assert [log.fields["conn"] for log in _internal_errors(pb)] == [up1, 1]
-    assert CloseConnection(conn=1) in commands
+    pb.ignore = ()
+    pb >> data(up1, backend1.chunk(EVENTS[1]))
+    pb << CloseConnection(conn=up1)
+    pb << _internal_error(up1, "DataReceived")
+    pb << CancelTimer(timer=("read", 1))
+    pb << CancelTimer(timer=("send", 1))
+    pb << Sends(1, client1, _goaway_internal(sid1))
+    pb << CloseConnection(conn=1)
+    pb << _internal_error(1, "upstream_failed")
     assert 1 not in pb.core.clients
-    events = client2.events(pb.take(2, pb.receive(up2, backend2.end())))
-    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
+    pb >> data(up2, backend2.end())
+    pb << Sends(2, client2, h2_ended(sid2))
+    pb << SetTimer(timer=("pool", up2), at=60.0)
+    pb << CancelTimer(timer=("read", 2))
+    pb << _access(status=200, outcome="ok")
+    pb << SetTimer(timer=("idle", 2), at=75.0)
+    pb.done()
 
 
 def test_switch_re_raises_and_the_suite_runs_with_it() -> None:
@@ -236,18 +294,21 @@ def test_switch_re_raises_and_the_suite_runs_with_it() -> None:
     pb.accept(1)
     _plant_on_data(pb.core, 1)
     with pytest.raises(Injected):
-        pb.receive(1, b"GET / HTTP/1.1\r\n")
+        pb >> data(1, b"GET / HTTP/1.1\r\n")
+    pb.done()
     assert raise_errors_from_environment({"MUXPROXY_RAISE_ERRORS": "1"})
     assert not raise_errors_from_environment({"MUXPROXY_RAISE_ERRORS": "0"})
     assert not raise_errors_from_environment({})
 
 
 def test_fault_outside_any_connection_still_raises() -> None:
-    core = ProxyCore(Playbook().core.config, raise_errors=False)
+    pb = Playbook()
+    pb.core = ProxyCore(pb.core.config, raise_errors=False)
     changed = lambda event: type(event) is ConfigChanged  # noqa: E731
-    plant_faults(core).plant(FaultPoint.BEFORE, changed, _bug())
+    plant_faults(pb.core).plant(FaultPoint.BEFORE, changed, _bug())
     with pytest.raises(Injected):
-        core.handle(ConfigChanged(now=0.0, config=core.config))
+        pb >> ConfigChanged(now=0.0, config=pb.core.config)
+    pb.done()
 
 
 def _tunnel(pb: Playbook) -> int:
@@ -288,22 +349,35 @@ def test_fault_in_a_tunnel_closes_both_of_its_connections(side: str) -> None:
     pb = _isolating()
     up = _tunnel(pb)
     assert up in pb.core.tunnels
+    pb.ignore = ()
     if side == "client":
         _plant_on_data(pb.core, 1, times=1)
-        commands = pb.receive(1, b"\x81\x05hello")
+        pb >> data(1, b"\x81\x05hello")
+        pb << CancelTimer(timer=("tunnel", 1))
+        pb << CloseConnection(conn=up)
+        pb << CancelTimer(timer=("send", 1))
+        pb << CloseConnection(conn=1)
+        pb << _internal_error(1, "DataReceived")
     else:
         _plant_on_data(pb.core, up, times=1)
-        commands = pb.receive(up, b"\x81\x05world")
-    assert CloseConnection(conn=1) in commands and CloseConnection(conn=up) in commands
+        pb >> data(up, b"\x81\x05world")
+        pb << CancelTimer(timer=("tunnel", 1))
+        pb << CloseConnection(conn=up)
+        failed = "upstream failed mid-stream: internal error on the backend connection"
+        pb << _access(status=101, outcome=failed)
+        pb << _internal_error(up, "DataReceived")
+        pb << CloseConnection(conn=1)
     assert not pb.core.tunnels and not pb.core.exchanges
     assert not [t for t in pb.core.fx.timers if t[0] == "tunnel"]
-    (logged,) = _internal_errors(pb)
-    assert logged.fields["conn"] == (1 if side == "client" else up)
     # Later bytes on either connection find nothing to call into.
-    pb.receive(1, b"late")
-    pb.receive(up, b"late")
-    pb.closed(1)
-    pb.closed(up)
+    pb >> data(1, b"late")
+    pb >> data(up, b"late")
+    pb >> closed(1)
+    if side == "backend":
+        pb << CancelTimer(timer=("send", 1))  # the client's response was written in full
+    pb >> closed(up)
+    pb.done()
+    assert len(_internal_errors(pb)) == 1
     assert pb.core.counters["internal_errors"] == 1
 
 
@@ -321,33 +395,39 @@ def test_fault_on_a_pooled_connections_timer_ends_that_connection() -> None:
     assert pb.core.pool.idle  # kept alive for the next request
     pool_timer = (BackendTimer.POOL, opened.conn)
     plant_faults(pb.core).plant(FaultPoint.TIMER, lambda timer: timer == pool_timer, _bug())
-    commands = pb.wakeup("pool", opened.conn)
-    assert CloseConnection(conn=opened.conn) in commands
+    pb.ignore = ()
+    pb >> wakeup("pool", opened.conn)
+    pb << CloseConnection(conn=opened.conn)
+    pb << _internal_error(opened.conn, "Wakeup")
     assert opened.conn not in pb.core.upstreams
     assert not any(pb.core.pool.idle.values())
-    (logged,) = _internal_errors(pb)
-    assert (logged.fields["conn"], logged.fields["event"]) == (opened.conn, "Wakeup")
     # The client connection is untouched: its next request opens a new backend connection.
-    pb.receive(1, H1ClientPeer().request("GET", "/v1/models"))
-    assert len(pb.opens()) == 2
+    pb >> data(1, H1ClientPeer().request("GET", "/v1/models"))
+    pb << CancelTimer(timer=("idle", 1))
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << OpenConnection(conn=-2, origin=ORIGIN)
+    pb.done()
 
 
 def test_fault_in_a_probe_without_a_connection_reschedules_it() -> None:
     config = Playbook().core.config
     group = config.upstreams["default"]
     group = attrs.evolve(group, health_check=HealthCheck(interval=7.0))
-    pb = Playbook(attrs.evolve(config, upstreams={"default": group}))
+    pb = Playbook(attrs.evolve(config, upstreams={"default": group}), ignore=())
     pb.core.raise_errors = False
-    pb.feed(ConfigChanged(now=0.0, config=pb.core.config))
+    pb >> ConfigChanged(now=0.0, config=pb.core.config)
+    pb << SetTimer(timer=("probe", 1), at=0.0)
+    pb << Log(event="config_changed", fields={})
     (probe,) = pb.core.probes.values()
     probe_timer = (ProbeTimer.PROBE, probe.ident)
     plan = plant_faults(pb.core)
     plan.plant(FaultPoint.TIMER, lambda timer: timer == probe_timer, _bug())
-    commands = pb.wakeup("probe", probe.ident)
-    (logged,) = _internal_errors(pb)
-    assert logged.fields["probe"] == probe.ident and logged.fields["conn"] is None
-    assert SetTimer(timer=("probe", probe.ident), at=7.0) in commands
+    pb >> wakeup("probe", probe.ident)
+    pb << SetTimer(timer=("probe", probe.ident), at=7.0)
+    pb << Log(event="internal_error", fields=subset({"probe": probe.ident, "conn": None}))
     plan.clear()
     pb.now = 7.0
-    pb.wakeup("probe", probe.ident)
-    assert pb.opens()  # the next check runs as usual
+    pb >> wakeup("probe", probe.ident)  # the next check runs as usual
+    pb << SetTimer(timer=("probe_timeout", probe.ident), at=9.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb.done()

@@ -1,16 +1,34 @@
-"""h2c upgrade (RFC 7540 §3.2): an HTTP/1.1 request switches the connection to HTTP/2."""
+"""h2c upgrade (RFC 7540 §3.2): an HTTP/1.1 request switches the connection to HTTP/2.
+
+Through the core, each test is a conversation (every command in order, timers included): the
+client's h11 peer reads the 101, its h2 peer what follows it."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
+from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, Playbook
+from checks import (
+    Check,
+    both,
+    h1_body,
+    h1_request,
+    h1_response,
+    h2_body,
+    h2_ended,
+    h2_resets,
+    h2_response,
+)
+from playbook import H1BackendPeer, H1ClientPeer, Playbook, Sends, data, opened
+from test_h2guard import ORIGIN
 
+from muxproxy.core.commands import CancelTimer, OpenConnection, SetTimer
 from muxproxy.core.http1.h2c import h2c_offer
 from muxproxy.core.messages import RequestHead
 
@@ -35,14 +53,73 @@ def upgrade_headers(settings: str) -> list[tuple[str, str]]:
     ]
 
 
-def backend_for(pb: Playbook) -> tuple[int, H1BackendPeer, h11.Request]:
-    (open_cmd,) = pb.opens()
-    up = open_cmd.conn
-    pb.opened(up)
+class Upgraded:
+    """The HTTP/2 side of an upgraded client connection, decoding for ``Sends``."""
+
+    def __init__(self, conn: h2.connection.H2Connection) -> None:
+        self.conn = conn
+
+    def events(self, data: bytes) -> list[h2.events.Event]:
+        return self.conn.receive_data(data)
+
+
+def switched(h1_client: H1ClientPeer, h2_client: h2.connection.H2Connection) -> Check:
+    """A 101 to h2c, the HTTP/1.1 side done with; what follows it is HTTP/2, our SETTINGS
+    first (RFC 9113 §3.4), decoded by ``h2_client``."""
+
+    def check(events: Sequence[Any]) -> None:
+        (switch,) = events
+        assert isinstance(switch, h11.InformationalResponse), events
+        assert switch.status_code == 101
+        assert dict(switch.headers) == {b"connection": b"Upgrade", b"upgrade": b"h2c"}
+        assert h1_client.conn.our_state is h11.SWITCHED_PROTOCOL
+        after_101 = h1_client.conn.trailing_data[0]
+        h2_events = h2_client.receive_data(after_101)
+        assert isinstance(h2_events[0], h2.events.RemoteSettingsChanged), h2_events
+
+    return check
+
+
+def acked(events: Sequence[Any]) -> None:
+    assert [type(e) for e in events] == [h2.events.SettingsAcknowledged], events
+
+
+def plain(method: bytes, target: bytes) -> Check:
+    """The request as the backend got it: HTTP/1.1, without the upgrade's fields."""
+
+    def check(events: Sequence[Any]) -> None:
+        headers = dict(events[0].headers)
+        assert b"upgrade" not in headers and b"http2-settings" not in headers, headers
+        assert headers[b"via"] == b"1.1 muxproxy", headers
+
+    return both(h1_request(method, target), check)
+
+
+def carries(body: bytes) -> Check:
+    return lambda events: h2_body(events, 1) == body
+
+
+def upgraded(
+    pb: Playbook, h1_client: H1ClientPeer, h2_client: h2.connection.H2Connection, read: bytes
+) -> None:
+    """Client connection 1 sends ``read``, an upgrade request for stream 1 (and maybe the
+    preface after it): answered with a 101 at once, and forwarded."""
+    pb >> data(1, read)
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, h1_client, switched(h1_client, h2_client))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+
+
+def forwarded(pb: Playbook, ex: int, check: Check) -> H1BackendPeer:
+    """Backend connection -1 opens and gets exchange ``ex``'s request (``check``)."""
     backend = H1BackendPeer()
-    request = backend.events(pb.take(up))[0]
-    assert isinstance(request, h11.Request)
-    return up, backend, request
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", ex))
+    pb << Sends(-1, backend, check)
+    pb << SetTimer(timer=("head", ex), at=60.0)
+    return backend
 
 
 @pytest.mark.parametrize("split", [0, 1])
@@ -50,42 +127,28 @@ def test_h2c_upgrade_answers_101_and_serves_stream_1_over_http2(split: int) -> N
     pb = Playbook(split=split)
     h2_client, settings = h2_upgrade_client()
     h1_client = H1ClientPeer()
+    h2_side = Upgraded(h2_client)
     pb.accept(1)
     request = h1_client.request("GET", "/v1/models", upgrade_headers(settings))
     # curl writes its preface only after the 101; a client may also pipeline it at once.
-    pb.receive(1, request)
+    upgraded(pb, h1_client, h2_client, request)
+    pb >> data(1, h2_client.data_to_send())  # the client's preface and SETTINGS ACK
+    pb << Sends(1, h2_side, acked)
 
-    events = h1_client.events(pb.take(1))
-    assert isinstance(events[0], h11.InformationalResponse)
-    assert events[0].status_code == 101
-    assert dict(events[0].headers) == {b"connection": b"Upgrade", b"upgrade": b"h2c"}
-    assert h1_client.conn.our_state is h11.SWITCHED_PROTOCOL
-    seen = len(pb.take(1))
-    # What followed the 101 is HTTP/2: our SETTINGS first (RFC 9113 §3.4).
-    after_101 = h1_client.conn.trailing_data[0]
-    h2_events = h2_client.receive_data(after_101)
-    assert isinstance(h2_events[0], h2.events.RemoteSettingsChanged)
-    pb.receive(1, h2_client.data_to_send())  # the client's preface and SETTINGS ACK
-
-    up, backend, backend_request = backend_for(pb)
-    assert backend_request.target == b"/v1/models"
-    headers = dict(backend_request.headers)
-    assert b"upgrade" not in headers and b"http2-settings" not in headers
-    assert headers[b"via"] == b"1.1 muxproxy"
-
-    pb.receive(up, backend.sse_head())
+    backend = forwarded(pb, 1, plain(b"GET", b"/v1/models"))
+    pb >> data(-1, backend.sse_head())
+    pb << CancelTimer(timer=("head", 1))
+    pb << Sends(1, h2_side, h2_response(1, 200, b"", ended=False))
+    pb << SetTimer(timer=("read", 1), at=300.0)
     for chunk in SSE:
-        pb.receive(up, backend.chunk(chunk))
-    pb.receive(up, backend.end())
-    events = h2_client.receive_data(pb.take(1)[seen:])
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert response.stream_id == 1
-    assert dict(response.headers)[b":status"] == b"200"
-    body = b"".join(
-        e.data for e in events if isinstance(e, h2.events.DataReceived) and e.stream_id == 1
-    )
-    assert body == b"".join(SSE)
-    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == 1 for e in events)
+        pb >> data(-1, backend.chunk(chunk))
+        pb << Sends(1, h2_side, both(carries(chunk), h2_resets()))
+    pb >> data(-1, backend.end())
+    pb << Sends(1, h2_side, both(carries(b""), h2_ended(1)))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    assert backend.conn.our_state is h11.DONE
 
     # The connection is HTTP/2 now: the next request is an ordinary stream 3.
     h2_client.send_headers(
@@ -93,24 +156,80 @@ def test_h2c_upgrade_answers_101_and_serves_stream_1_over_http2(split: int) -> N
         [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"x"), (b":path", b"/")],
         end_stream=True,
     )
-    pb.receive(1, h2_client.data_to_send())
-    assert len(pb.opens()) == 1  # the kept-alive backend connection serves it
-    assert backend.conn.our_state is h11.DONE
+    backend.conn.start_next_cycle()
+    pb >> data(1, h2_client.data_to_send())
+    pb << CancelTimer(timer=("idle", 1))
+    pb << SetTimer(timer=("connect", 2), at=5.0)
+    pb << CancelTimer(timer=("pool", -1))  # the kept-alive backend connection serves it
+    pb << CancelTimer(timer=("connect", 2))
+    pb << Sends(-1, backend, h1_request(b"GET", b"/"))
+    pb << SetTimer(timer=("head", 2), at=60.0)
+    pb.done()
 
 
 def test_h2c_preface_in_the_same_read_as_the_request() -> None:
     pb = Playbook()
     h2_client, settings = h2_upgrade_client()
     h1_client = H1ClientPeer()
+    h2_side = Upgraded(h2_client)
     pb.accept(1)
     request = h1_client.request("HEAD", "/v1/models", upgrade_headers(settings))
-    pb.receive(1, request + h2_client.data_to_send())
-    up, backend, _ = backend_for(pb)
-    assert isinstance(h1_client.events(pb.take(1))[0], h11.InformationalResponse)
-    h2_client.receive_data(h1_client.conn.trailing_data[0])
+    upgraded(pb, h1_client, h2_client, request + h2_client.data_to_send())
+    pb << Sends(1, h2_side, acked)
+    backend = forwarded(pb, 1, plain(b"HEAD", b"/v1/models"))
     head = backend.conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
-    events = h2_client.receive_data(pb.take(1, pb.receive(up, (head or b"") + backend.end())))
-    assert [type(e) for e in events if e.stream_id == 1][-1] is h2.events.StreamEnded
+    pb >> data(-1, (head or b"") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+
+    def ends(events: Sequence[Any]) -> None:
+        on_1 = [type(e) for e in events if getattr(e, "stream_id", None) == 1]
+        assert on_1[-1] is h2.events.StreamEnded, events
+
+    pb << Sends(1, h2_side, both(h2_response(1, 200, b""), ends))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+
+
+def served_over_http1(
+    pb: Playbook, client: H1ClientPeer, request: bytes, *, body: bool, chunk: bytes
+) -> None:
+    """Client connection 1's ``request`` (``body``: it has one) is forwarded as plain
+    HTTP/1.1, no 101 first; the backend's SSE answer (``chunk``, then its end) is relayed."""
+    pb >> data(1, request)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    if body:
+        pb << SetTimer(timer=("body", 1), at=30.0)
+    backend = H1BackendPeer()
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << Sends(-1, backend, plain(b"POST" if body else b"GET", target_of(request)))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    pb >> data(-1, backend.sse_head() + (backend.chunk(chunk) if chunk else b"") + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(200, b"", end=False))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << Sends(1, client, both(lambda events: h1_body(events) == chunk, ended))
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    if body:
+        pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+
+
+def target_of(request: bytes) -> bytes:
+    """The target of a raw HTTP/1.1 request."""
+    return request.split(b" ", 2)[1]
+
+
+def ended(events: Sequence[Any]) -> None:
+    assert isinstance(events[-1], h11.EndOfMessage), events
 
 
 @pytest.mark.parametrize(
@@ -132,16 +251,8 @@ def test_h2c_offers_we_decline_are_served_over_http1(case: str) -> None:
         pb.accept(1, tls=True, alpn="http/1.1")
     else:
         pb.accept(1)
-    pb.receive(1, h1_client.request("POST" if body else "GET", "/v1/x", headers, body))
-    assert not pb.take(1)  # no 101
-    up, backend, request = backend_for(pb)
-    assert b"http2-settings" not in dict(request.headers)
-    assert b"upgrade" not in dict(request.headers)
-    commands = pb.receive(up, backend.sse_head() + backend.chunk(SSE[0]) + backend.end())
-    events = h1_client.events(pb.take(1, commands))
-    assert isinstance(events[0], h11.Response) and events[0].status_code == 200
-    assert b"".join(e.data for e in events if isinstance(e, h11.Data)) == SSE[0]
-    assert isinstance(events[-1], h11.EndOfMessage)
+    request = h1_client.request("POST" if body else "GET", "/v1/x", headers, body)
+    served_over_http1(pb, h1_client, request, body=body is not None, chunk=SSE[0])
     # The refused switch leaves an ordinary kept-alive HTTP/1.1 connection.
     assert h1_client.conn.our_state is h11.DONE and h1_client.conn.their_state is h11.DONE
 
@@ -153,11 +264,8 @@ def test_invalid_settings_values_fall_back_to_http1() -> None:
     pb = Playbook()
     h1_client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, h1_client.request("GET", "/v1/models", upgrade_headers(settings)))
-    assert not pb.take(1)
-    up, backend, _ = backend_for(pb)
-    events = h1_client.events(pb.take(1, pb.receive(up, backend.sse_head() + backend.end())))
-    assert isinstance(events[0], h11.Response)
+    request = h1_client.request("GET", "/v1/models", upgrade_headers(settings))
+    served_over_http1(pb, h1_client, request, body=False, chunk=b"")
 
 
 def head_with(headers: list[tuple[bytes, bytes]], *, end_stream: bool = True) -> RequestHead:

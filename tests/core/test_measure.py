@@ -1,22 +1,51 @@
 """Measurements (``muxproxy.core.observe.measure``) and their merge
 (``muxproxy.core.observe.series``): whole SSE exchanges through ``ProxyCore`` with h11 peers, read
 by ``core.measurements.snapshot()``. The SSE meter alone is tested in ``test_ssemeter.py``.
+
+Each exchange is a conversation (every command in order, timers included), so a measurement is
+read off an exchange whose every step was asserted.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import h11
 import pytest
-from playbook import H1BackendPeer, H1ClientPeer, Playbook, default_config
+from checks import Check, h1_body, h1_request, h1_response
+from playbook import (
+    ANY,
+    CHAT,
+    Capture,
+    H1BackendPeer,
+    H1ClientPeer,
+    Playbook,
+    Sends,
+    Where,
+    closed,
+    data,
+    default_config,
+    open_failed,
+    opened,
+    sent,
+    subset,
+)
+from test_h2guard import ORIGIN
 
 from muxproxy.config import NextUpstream, Route, Server, Upstream
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.commands import Log
-from muxproxy.core.events import OpenFailed, RuntimeChanged
+from muxproxy.core.commands import (
+    CancelTimer,
+    CloseConnection,
+    Log,
+    OpenConnection,
+    Origin,
+    SetTimer,
+)
+from muxproxy.core.events import RuntimeChanged
 from muxproxy.core.observe.series import DURATION_BUCKETS, HEAD_BUCKETS, merge
 
 ROLE_ONLY = (
@@ -33,18 +62,100 @@ def events(*bodies: bytes) -> bytes:
     return b"".join(body + b"\n\n" for body in bodies)
 
 
-# -- through the core ------------------------------------------------------------------------
+# -- the conversation's steps (client connection ``conn``, exchange ``ex``, backend ``up``) ----
 
 
-def start(pb: Playbook, client: H1ClientPeer, **request: Any) -> tuple[int, H1BackendPeer]:
-    pb.accept(1)
-    pb.receive(1, client.request("POST", "/v1/chat/completions", body=b"{}", **request))
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    pb.sent(up, len(pb.take(up)))
+def relayed(chunk: bytes, *, end: bool = False) -> Check:
+    """A run of the response body: exactly ``chunk`` (and then its end, with ``end``)."""
+
+    def check(events: Sequence[Any]) -> None:
+        assert h1_body(events) == chunk, events
+        assert not any(isinstance(e, h11.Response) for e in events), events
+        assert isinstance(events[-1], h11.EndOfMessage) is end, events
+
+    return check
+
+
+def start(
+    pb: Playbook,
+    client: H1ClientPeer,
+    *,
+    conn: int = 1,
+    ex: int = 1,
+    up: int = -1,
+    origin: Any = ORIGIN,
+    written: bool = True,
+) -> tuple[int, H1BackendPeer]:
+    """Client connection ``conn`` (accepted here) POSTs ``{}`` to the chat path; backend
+    connection ``up`` (to ``origin``) opens and gets it (``written``: all of it reported sent)."""
+    pb.accept(conn)
+    pb >> data(conn, client.request("POST", CHAT.decode(), body=b"{}"))
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("connect", ex), at=pb.now + 5.0)
+    pb << OpenConnection(conn=up, origin=origin)
+    pb << SetTimer(timer=("body", ex), at=pb.now + 30.0)
     backend = H1BackendPeer()
-    backend.events(pb.take(up))
+    pb >> opened(up)
+    pb << CancelTimer(timer=("connect", ex))
+    pb << (request := Sends(up, backend, h1_request(b"POST", CHAT, b"{}")))
+    pb << SetTimer(timer=("head", ex), at=pb.now + 60.0)
+    if written:
+        pb >> sent(up, len(request.data))
     return up, backend
+
+
+def sse_head(
+    pb: Playbook,
+    client: H1ClientPeer,
+    backend: H1BackendPeer,
+    *,
+    conn: int = 1,
+    ex: int = 1,
+    up: int = -1,
+    then: bytes = b"",
+) -> None:
+    """The backend's SSE head (and the events ``then`` in the same read), relayed."""
+    pb >> data(up, backend.sse_head() + (backend.chunk(then) if then else b""))
+    pb << CancelTimer(timer=("head", ex))
+    pb << SetTimer(timer=("send", conn), at=pb.now + 60.0)
+    pb << Sends(conn, client, h1_response(200, b"", end=False))
+    pb << SetTimer(timer=("read", ex), at=pb.now + 300.0)
+    if then:
+        pb << Sends(conn, client, relayed(then))
+
+
+def chunk(
+    pb: Playbook,
+    client: H1ClientPeer,
+    backend: H1BackendPeer,
+    body: bytes,
+    *,
+    conn: int = 1,
+    up: int = -1,
+) -> None:
+    """A chunk of events from backend connection ``up``, relayed as it is."""
+    pb >> data(up, backend.chunk(body))
+    pb << Sends(conn, client, relayed(body))
+
+
+def finished(
+    pb: Playbook,
+    client: H1ClientPeer,
+    backend: H1BackendPeer,
+    last: bytes = b"",
+    *,
+    conn: int = 1,
+    ex: int = 1,
+    up: int = -1,
+) -> None:
+    """The backend's last chunk (``last``, if any) and the end of its response, relayed; the
+    backend connection is pooled, the client's goes idle."""
+    pb >> data(up, (backend.chunk(last) if last else b"") + backend.end())
+    pb << Sends(conn, client, relayed(last, end=True))
+    pb << SetTimer(timer=("pool", up), at=pb.now + 60.0)
+    pb << CancelTimer(timer=("read", ex))
+    pb << CancelTimer(timer=("body", ex))
+    pb << SetTimer(timer=("idle", conn), at=pb.now + 75.0)
 
 
 def snapshot(pb: Playbook) -> dict[str, Any]:
@@ -63,20 +174,21 @@ def value(snap: dict[str, Any], name: str, *labels: str) -> Any:
 def test_an_sse_exchange_is_measured_and_logged() -> None:
     pb = Playbook()
     client = H1ClientPeer()
-    up, backend = start(pb, client)
+    _, backend = start(pb, client)
     pb.now = 0.05
-    pb.receive(up, backend.sse_head())
+    sse_head(pb, client, backend)
     pb.now = 0.06
-    pb.receive(up, backend.chunk(events(ROLE_ONLY)))
+    chunk(pb, client, backend, events(ROLE_ONLY))
     pb.now = 0.2
-    pb.receive(up, backend.chunk(events(TOKEN)))
+    chunk(pb, client, backend, events(TOKEN))
     live = snapshot(pb)
     assert value(live, "muxproxy_sse_events_total", "default") == 2  # a running stream's
     assert value(live, "muxproxy_active_streams", "default", "127.0.0.1:9001") == 1
     pb.now = 0.22
-    pb.receive(up, backend.chunk(events(TOKEN, FINISH, DONE)))
+    chunk(pb, client, backend, events(TOKEN, FINISH, DONE))
     pb.now = 0.3
-    pb.receive(up, backend.end())
+    finished(pb, client, backend)
+    pb.done()
 
     snap = snapshot(pb)
     assert (
@@ -103,7 +215,7 @@ def test_an_sse_exchange_is_measured_and_logged() -> None:
 
     (access,) = [c for c in pb.log if isinstance(c, Log) and c.event == "access"]
     fields = access.fields
-    body = b"".join(e.data for e in client.events(pb.take(1)) if isinstance(e, h11.Data))
+    body = events(ROLE_ONLY) + events(TOKEN) + events(TOKEN, FINISH, DONE)  # relayed as is
     assert fields["events"] == 5
     assert fields["ttfh"] == pytest.approx(0.05)
     assert fields["ttft"] == pytest.approx(0.2)
@@ -120,10 +232,11 @@ def test_an_sse_exchange_is_measured_and_logged() -> None:
 def test_a_stream_that_ends_without_a_token_is_counted() -> None:
     pb = Playbook()
     client = H1ClientPeer()
-    up, backend = start(pb, client)
-    pb.receive(up, backend.sse_head())
-    pb.receive(up, backend.chunk(events(ROLE_ONLY, FINISH, DONE)))
-    pb.receive(up, backend.end())
+    _, backend = start(pb, client)
+    sse_head(pb, client, backend)
+    chunk(pb, client, backend, events(ROLE_ONLY, FINISH, DONE))
+    finished(pb, client, backend)
+    pb.done()
     snap = snapshot(pb)
     assert value(snap, "muxproxy_streams_without_token_total", "default") == 1
     assert value(snap, "muxproxy_sse_events_total", "default") == 3
@@ -142,28 +255,39 @@ def test_retries_and_failures_are_counted_by_reason() -> None:
     )
     config = default_config(upstreams={"gpus": group})
     config = attrs.evolve(config, routes=(attrs.evolve(config.routes[0], upstream="gpus"),))
-    pb = Playbook(config)
+    pb = Playbook(config, ignore=())
     client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, client.request("GET", "/v1/models"))
-    first = pb.opens()[-1]
-    pb.feed(OpenFailed(now=pb.now, conn=first.conn, reason="connection refused"))
+    pb >> data(1, client.request("GET", "/v1/models"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    first = Capture[Origin]("first")
+    pb << OpenConnection(conn=-1, origin=first.slot)
+    failed = f"{first.value.host}:{first.value.port}"
+    pb >> open_failed(-1, "connection refused")
+    pb << Log(event="health", fields=subset({"server": failed, "up": False}))
+    pb << CancelTimer(timer=("connect", 1))
+    retry = {"group": "gpus", "server": failed, "condition": "error"}
+    pb << Log(event="retry", fields=subset(retry))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << Where(OpenConnection, lambda c: c.conn == -2 and c.origin != first.value)
+    pb.done()
     snap = snapshot(pb)
-    failed = f"{first.origin.host}:{first.origin.port}"
     assert value(snap, "muxproxy_upstream_failures_total", "gpus", failed, "error") == 1
     assert value(snap, "muxproxy_retries_total", "gpus", "error") == 1
     assert value(snap, "muxproxy_server_up", "gpus", failed) == 0  # max_fails = 1: out
-    (retry,) = [c for c in pb.log if isinstance(c, Log) and c.event == "retry"]
-    assert retry.fields["group"] == "gpus" and retry.fields["server"] == failed
-    assert retry.fields["condition"] == "error"
-    (health,) = [c for c in pb.log if isinstance(c, Log) and c.event == "health"]
-    assert health.fields["server"] == failed and health.fields["up"] is False
 
 
 def test_a_request_without_a_route_is_counted_without_group_or_server() -> None:
     pb = Playbook(default_config(routes=(Route(prefix="/v1/", upstream="default"),)))
+    client = H1ClientPeer()
     pb.accept(1)
-    pb.receive(1, H1ClientPeer().request("GET", "/nothing"))
+    pb >> data(1, client.request("GET", "/nothing"))
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(404))
+    pb << CloseConnection(conn=1)
+    pb.done()
     snap = snapshot(pb)
     assert value(snap, "muxproxy_requests_total", "", "", "404", "1.1", "complete") == 1
 
@@ -176,13 +300,15 @@ def test_merge_sums_counters_and_histograms_and_keeps_gauge_rules() -> None:
     b = Playbook()
     for pb in (a, b):
         client = H1ClientPeer()
-        up, backend = start(pb, client)
+        _, backend = start(pb, client)
         pb.now = 0.01
-        pb.receive(up, backend.sse_head())
-        pb.receive(up, backend.chunk(events(TOKEN, DONE)))
-        pb.receive(up, backend.end())
+        sse_head(pb, client, backend)
+        chunk(pb, client, backend, events(TOKEN, DONE))
+        finished(pb, client, backend)
     state = RuntimeState.empty().changed("default", "127.0.0.1:9001", weight=5)
-    b.feed(RuntimeChanged(now=b.now, state=state))
+    b >> RuntimeChanged(now=b.now, state=state)
+    a.done()
+    b.done()
     merged = merge([a.core.measurements.snapshot(), b.core.measurements.snapshot()])
     metrics = merged["metrics"]
     assert value(metrics, "muxproxy_sse_events_total", "default") == 4
@@ -219,7 +345,8 @@ def test_merge_refuses_snapshots_that_disagree() -> None:
 def test_a_server_set_down_by_the_operator_is_not_up() -> None:
     pb = Playbook()
     state = RuntimeState.empty().changed("default", "127.0.0.1:9001", down=True)
-    pb.feed(RuntimeChanged(now=pb.now, state=state))
+    pb >> RuntimeChanged(now=pb.now, state=state)
+    pb.done()
     snap = snapshot(pb)
     assert value(snap, "muxproxy_server_up", "default", "127.0.0.1:9001") == 0
 
@@ -233,23 +360,23 @@ def test_token_times_are_per_server_and_a_stream_cut_mid_way_is_counted_cut() ->
     )
     config = default_config(upstreams={"gpus": group})
     pb = Playbook(attrs.evolve(config, routes=(attrs.evolve(config.routes[0], upstream="gpus"),)))
-    first = start(pb, H1ClientPeer())
+    client1, client2 = H1ClientPeer(), H1ClientPeer()
+    first, backend1 = start(pb, client1, origin=ANY)
     pb.now = 0.01
-    pb.receive(first[0], first[1].sse_head())
-    pb.receive(first[0], first[1].chunk(events(TOKEN)))
-    pb.accept(2)
-    pb.receive(2, H1ClientPeer().request("POST", "/v1/chat/completions", body=b"{}"))
-    up = pb.opens()[-1].conn
-    pb.opened(up)
-    backend = H1BackendPeer()
-    backend.events(pb.take(up))
+    sse_head(pb, client1, backend1)
+    chunk(pb, client1, backend1, events(TOKEN))
+    up, backend = start(pb, client2, conn=2, ex=2, up=-2, origin=ANY, written=False)
     pb.now = 0.5
-    pb.receive(up, backend.sse_head() + backend.chunk(events(TOKEN)))
-    pb.receive(first[0], first[1].chunk(events(DONE)) + first[1].end())
-    pb.closed(up)  # the second backend dies mid-stream
+    sse_head(pb, client2, backend, conn=2, ex=2, up=-2, then=events(TOKEN))
+    finished(pb, client1, backend1, events(DONE))
+    pb >> closed(up)  # the second backend dies mid-stream
+    pb << CancelTimer(timer=("read", 2))
+    pb << CancelTimer(timer=("body", 2))
+    pb << CloseConnection(conn=2)  # the client sees the chunked body cut short
+    pb.done()
     snap = snapshot(pb)
     servers = {c.conn: f"{c.origin.host}:{c.origin.port}" for c in pb.opens()}
-    fast, slow = servers[first[0]], servers[up]
+    fast, slow = servers[first], servers[up]
     assert fast != slow
     ttft = "muxproxy_time_to_first_token_seconds"
     assert value(snap, ttft, "gpus", fast)[HEAD_BUCKETS.index(0.01)] == 1

@@ -1,17 +1,31 @@
 """Request smuggling through the core: every ambiguous request is refused before a backend
-connection is even asked for (RFC 9112 §6.1, §6.3, §2.2, §5.2; RFC 9113 §8.2)."""
+connection is even asked for (RFC 9112 §6.1, §6.3, §2.2, §5.2; RFC 9113 §8.2).
+
+The requests through the core are conversations: every command in order, timers included, so
+a refusal that also asked for a backend connection fails. The raw-head check alone is tested
+with data, and against a walk over the field lines with Hypothesis."""
 
 from __future__ import annotations
 
 import h2.errors
-import h2.events
 import h11
 import pytest
+from checks import both, h1_request, h1_response, h2_resets, h2_response
 from hypothesis import given
 from hypothesis import strategies as st
-from playbook import H1BackendPeer, H1ClientPeer, Playbook, h2_request_as_is, stream_resets
+from playbook import (
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Playbook,
+    Sends,
+    accepted,
+    data,
+    opened,
+)
+from test_h2guard import ORIGIN, acked, settings
 
-from muxproxy.core.commands import CloseConnection
+from muxproxy.core.commands import CancelTimer, CloseConnection, OpenConnection, SetTimer
 from muxproxy.core.http1.h1 import PeerError, check_raw_head
 
 # Each is a complete request the client sends in one piece; h11 would accept (and normalise)
@@ -69,11 +83,11 @@ SMUGGLING_H1 = {
 }
 
 
-def _status_of(data: bytes) -> int:
+def _reader() -> H1ClientPeer:
+    """A client peer that reads the answer to a request the test sent as raw bytes."""
     client = H1ClientPeer()
     client.request()
-    events = client.events(data)
-    return int(events[0].status_code)
+    return client
 
 
 # RFC 9112 §6.1: an unknown transfer coding is a 501 (h11's answer).
@@ -98,35 +112,51 @@ BODY_FRAMING = {
 def test_ambiguous_h1_request_is_refused_and_never_forwarded(kind, split):
     pb = Playbook(split=split)
     pb.accept(1)
-    pb.receive(1, SMUGGLING_H1[kind])
-    assert any(isinstance(c, CloseConnection) and c.conn == 1 for c in pb.log)
+    pb >> data(1, SMUGGLING_H1[kind])
     if split and kind in BODY_FRAMING:
-        return  # the exchange is aborted; no error response once a request is under way
-    assert pb.opens() == []
-    assert _status_of(pb.take(1)) == STATUS.get(kind, 400)
+        # The head went on before the body's framing failed: the backend connection asked
+        # for is closed at once, before it carried a byte.
+        pb << CancelTimer(timer=("header", 1))
+        pb << SetTimer(timer=("connect", 1), at=5.0)
+        pb << OpenConnection(conn=-1, origin=ORIGIN)
+        pb << SetTimer(timer=("body", 1), at=30.0)
+        pb << CloseConnection(conn=-1)
+        pb << CancelTimer(timer=("connect", 1))
+        pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, _reader(), h1_response(STATUS.get(kind, 400)))
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 def test_smuggled_request_pipelined_after_a_good_one_is_refused():
     """The raw-head check also covers a head that waited in h11's trailing data."""
     pb = Playbook()
+    client = H1ClientPeer()
     pb.accept(1)
     good = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
-    pb.receive(1, good + SMUGGLING_H1["duplicate-cl"])
-    (open_,) = pb.opens()
-    pb.opened(open_.conn)
+    client.request("GET", "/")  # the good request, as the client peer reads its answer
+    pb >> data(1, good + SMUGGLING_H1["duplicate-cl"])
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
     backend = H1BackendPeer()
-    (request, _end) = backend.events(pb.take(open_.conn))
-    assert request.target == b"/"
+    pb >> opened(-1)
+    pb << CancelTimer(timer=("connect", 1))
+    only_good = lambda events: len(events) == 2  # noqa: E731  # the request and its end
+    pb << Sends(-1, backend, both(h1_request(b"GET", b"/"), only_good))
+    pb << SetTimer(timer=("head", 1), at=60.0)
     answer = backend.conn.send(h11.Response(status_code=204, headers=[])) or b""
-    answer += backend.end()
-    pb.receive(open_.conn, answer)
-    client = H1ClientPeer()
-    client.request()
-    events = client.events(pb.take(1))
-    assert events[0].status_code == 204
-    assert b"HTTP/1.1 400 " in pb.take(1)
-    assert len(pb.opens()) == 1
-    assert backend.events(pb.take(open_.conn)) == []
+    pb >> data(-1, answer + backend.end())
+    pb << CancelTimer(timer=("head", 1))
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, h1_response(204))
+    pb << SetTimer(timer=("read", 1), at=300.0)
+    pb << SetTimer(timer=("pool", -1), at=60.0)
+    pb << CancelTimer(timer=("read", 1))
+    pb << Sends(1, _reader(), h1_response(400))  # the smuggled one: refused, not forwarded
+    pb << CloseConnection(conn=1)
+    pb.done()
 
 
 @pytest.mark.parametrize(
@@ -217,12 +247,27 @@ SMUGGLING_H2 = {
 }
 
 
+def h2_client(pb: Playbook) -> H2ClientPeer:
+    """Client connection 1 (TLS, ALPN h2) and its preface: the proxy's SETTINGS first, then
+    its ACK of the client's."""
+    client = H2ClientPeer()
+    pb >> accepted(1, tls=True, alpn="h2")
+    pb << SetTimer(timer=("send", 1), at=60.0)
+    pb << Sends(1, client, settings)
+    pb << SetTimer(timer=("header", 1), at=30.0)
+    pb >> data(1, client.preface())
+    pb << Sends(1, client, acked)
+    return client
+
+
 @pytest.mark.parametrize("kind", sorted(SMUGGLING_H2))
 def test_h2_request_that_would_smuggle_in_http1_is_reset_and_never_forwarded(kind):
-    pb, _, sid, events = h2_request_as_is(SMUGGLING_H2[kind])
-    assert pb.opens() == []
-    assert stream_resets(events) == [(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
-    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+    pb = Playbook()
+    client = h2_client(pb)
+    sid, request = client.request_as_is(SMUGGLING_H2[kind])
+    pb >> data(1, request)
+    pb << Sends(1, client, h2_resets((sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)))  # no GOAWAY
+    pb.done()  # never forwarded
 
 
 def test_h2_request_without_authority_or_host_gets_400_on_its_stream():
@@ -230,14 +275,16 @@ def test_h2_request_without_authority_or_host_gets_400_on_its_stream():
     # answered 400 (§8.1.1 allows a response before the stream closes), never forwarded,
     # and the connection's other streams go on.
     head = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/v1/models")]
-    pb, client, sid, events = h2_request_as_is(head)  # h2 refuses to send such a request
-    assert pb.opens() == []
-    (response,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert response.stream_id == sid and dict(response.headers)[b":status"] == b"400"
-    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
-    assert body == b"no :authority or host field\n"
-    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
-    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
-    _, data = client.request()
-    pb.receive(1, data)
-    assert len(pb.opens()) == 1
+    pb = Playbook()
+    client = h2_client(pb)
+    sid, request = client.request_as_is(head)  # h2 refuses to send such a request
+    pb >> data(1, request)
+    body = b"no :authority or host field\n"
+    pb << Sends(1, client, both(h2_response(sid, 400, body, ended=True), h2_resets()))
+    pb.done()  # never forwarded
+    _, request = client.request()
+    pb >> data(1, request)
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << OpenConnection(conn=-1, origin=ORIGIN)
+    pb.done()

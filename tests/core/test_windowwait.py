@@ -5,12 +5,19 @@ never sends a WINDOW_UPDATE, an h11 backend that keeps producing SSE chunks. The
 paused at the first chunk that does not fit the window, what it still delivers makes no
 command, no timer runs in a loop meanwhile, and the stream holds one chunk, not
 ``limits.stream_buffer``. A WINDOW_UPDATE that lets all of it out reads the backend again.
+
+From the first chunk on, each test is a conversation: every command in order, timers included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import h2.events
 import h2.settings
-from playbook import H2ClientPeer, Playbook, h2_sse_stream
+from checks import Check
+from playbook import H2ClientPeer, Playbook, Sends, data, h2_sse_stream
 
 from muxproxy.core.commands import (
     CancelTimer,
@@ -49,26 +56,46 @@ def _armed(log: list[Command]) -> dict[object, float]:
     return timers
 
 
+def _pauses(pb: Playbook, up: int, read: bytes) -> None:
+    """Backend connection ``up`` sends ``read``, which does not fit the closed window: the
+    window's deadline (``timeouts.send``) is armed and the backend paused, nothing written."""
+    pb >> data(up, read)
+    pb << SetTimer(timer=("window", 1), at=pb.now + 60.0)
+    pb << PauseReading(conn=up)
+    pb.done()
+
+
+def _relays(sid: int, body: bytes) -> Check:
+    """DATA on stream ``sid``: exactly ``body``, in one frame."""
+
+    def check(events: Sequence[Any]) -> None:
+        got = [(e.stream_id, e.data) for e in events if isinstance(e, h2.events.DataReceived)]
+        assert got == [(sid, body)], events
+
+    return check
+
+
 def test_closed_window_pauses_the_backend_at_the_first_chunk_that_does_not_fit() -> None:
     pb, _, _, up, wire = _stalled_stream(0)
-    commands = pb.receive(up, wire)
-    assert PauseReading(conn=up) in commands
+    _pauses(pb, up, wire)
     # What the paused backend had in flight (or sends anyway) makes no command at all: no
     # write, no timer, no second pause.
     for _ in range(200):
-        assert pb.receive(up, wire) == []
+        pb >> data(up, wire)
+        pb.done()
 
 
 def test_stalled_stream_runs_no_timer_loop() -> None:
     pb, _, _, up, wire = _stalled_stream(0)
-    pb.receive(up, wire)
+    _pauses(pb, up, wire)
     # Ten simulated seconds (well inside every timeout) with the backend's data still coming:
     # the core is woken for nothing but those reads, and arms no timer that would wake it.
     handled = 0
     for _ in range(100):
         pb.now += 0.1
         before = len(pb.log)
-        assert pb.receive(up, wire) == []
+        pb >> data(up, wire)
+        pb.done()
         handled += 1
         assert len(pb.log) == before
         due = [at for at in _armed(pb.log).values() if at <= pb.now]
@@ -85,7 +112,7 @@ def test_stalled_stream_holds_one_read_not_its_stream_buffer() -> None:
     # One read of the backend, many chunks: the window is closed at the first; the pause
     # comes after the read, which is all the stream holds.
     read = wire * (pb.core.read_size // len(wire))
-    assert PauseReading(conn=up) in pb.receive(up, read)
+    _pauses(pb, up, read)
     (stats,) = pb.core.statistics().streams
     assert stats.upstream_paused
     assert stats.response_buffered <= pb.core.read_size
@@ -94,17 +121,15 @@ def test_stalled_stream_holds_one_read_not_its_stream_buffer() -> None:
 
 def test_window_update_that_lets_everything_out_reads_the_backend_again() -> None:
     pb, client, sid, up, wire = _stalled_stream(0)
-    commands = pb.receive(up, wire)
-    assert PauseReading(conn=up) in commands
+    _pauses(pb, up, wire)
     # A window that lets out part of the queue: still stalled, nothing resumes.
     client.conn.increment_flow_control_window(10, stream_id=sid)
-    commands = pb.receive(1, client.conn.data_to_send())
-    assert ResumeReading(conn=up) not in commands
-    first = [e.data for e in client.events(pb.take(1, commands)) if hasattr(e, "data")]
-    assert first == [CHUNK[:10]]
+    pb >> data(1, client.conn.data_to_send())
+    pb << Sends(1, client, _relays(sid, CHUNK[:10]))
+    pb.done()  # no ResumeReading
     # One that lets out the rest: the backend is read again.
     client.conn.increment_flow_control_window(1 << 16, stream_id=sid)
-    commands = pb.receive(1, client.conn.data_to_send())
-    assert ResumeReading(conn=up) in commands
-    rest = [e.data for e in client.events(pb.take(1, commands)) if hasattr(e, "data")]
-    assert rest == [CHUNK[10:]]
+    pb >> data(1, client.conn.data_to_send())
+    pb << ResumeReading(conn=up)
+    pb << Sends(1, client, _relays(sid, CHUNK[10:]))
+    pb.done()
