@@ -32,27 +32,6 @@ EXPECT_COMPILED_ENV = "MUXPROXY_EXPECT_COMPILED"
 unless every module of the compiled build is imported compiled."""
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "patches_core: replaces a method of a core object (moves are read from the core's "
-        "MoveLog instead, movelog.py; faults are planted on its FaultPlan, faultplan.py); a "
-        "compiled class refuses that, so the test runs in the pure-Python build only",
-    )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    build = muxproxy.compiled.build()
-    if build == "pure Python":
-        return
-    skip = pytest.mark.skip(
-        reason=f"patches a method of a compiled class ({build} build); runs in the pure build"
-    )
-    for item in items:
-        if item.get_closest_marker("patches_core") is not None:
-            item.add_marker(skip)
-
-
 def pytest_report_header() -> str:
     return f"muxproxy build: {muxproxy.compiled.build()}"
 
