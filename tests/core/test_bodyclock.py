@@ -13,11 +13,24 @@ import attrs
 import h2.errors
 import h2.events
 import h11
-from playbook import H1ClientPeer, H2ClientPeer, default_config, h2_sse_stream
+from checks import h1_body, h1_response
+from playbook import (
+    H1BackendPeer,
+    H1ClientPeer,
+    H2ClientPeer,
+    Sends,
+    data,
+    default_config,
+    h2_sse_stream,
+    opened,
+    wakeup,
+)
 from test_h2_slowloris import data_of, open_upload, sse_chunk, tick
 from test_h2guard import Book, closed_conns, parse
+from test_routing_exchange import Opens
 
 from muxproxy.config import Limits, Timeouts
+from muxproxy.core.commands import CancelTimer, CloseConnection, SetTimer
 
 GAP = 5.0
 WHOLE = 12.0
@@ -73,20 +86,38 @@ def test_h2_body_trickled_under_the_gap_gets_408_at_its_deadline_and_others_go_o
 def test_h1_body_trickled_under_the_gap_gets_408_and_close() -> None:
     pb = book()
     client = H1ClientPeer()
+    backend = H1BackendPeer()
     head = h11.Request(
         method="POST",
         target="/v1/chat/completions",
         headers=[("Host", "a"), ("Content-Length", "1000")],
     )
-    pb.receive(1, client.conn.send(head) or b"")
-    up = pb.opens()[0].conn
-    pb.opened(up)
-    trickle(pb, lambda: pb.receive(1, client.conn.send(h11.Data(data=b"x")) or b""), WHOLE)
-    assert not pb.fresh()
-    tick(pb, WHOLE)
-    events = client.events(pb.fresh())
-    assert isinstance(events[0], h11.Response) and events[0].status_code == 408
-    assert 1 in closed_conns(pb) and up in closed_conns(pb)
+    pb >> data(1, client.conn.send(head) or b"")
+    pb << CancelTimer(timer=("header", 1))
+    pb << SetTimer(timer=("connect", 1), at=5.0)
+    pb << (up := Opens())
+    pb << SetTimer(timer=("body", 1), at=GAP)
+    pb >> opened(up.conn)
+    pb << CancelTimer(timer=("connect", 1))
+    pb << Sends(up.conn, backend, lambda events: isinstance(events[0], h11.Request))
+    pb << SetTimer(timer=("head", 1), at=60.0)
+    last = 0.0
+    while pb.now + GAP - 1 < WHOLE:  # a byte every GAP - 1 seconds: never a gap of GAP
+        pb.now += GAP - 1
+        pb >> wakeup("body", 1)  # not due yet: re-armed GAP after the last byte
+        pb << SetTimer(timer=("body", 1), at=last + GAP)
+        pb >> data(1, client.conn.send(h11.Data(data=b"x")) or b"")
+        pb << Sends(up.conn, backend, lambda events: h1_body(events) == b"x")
+        last = pb.now
+    assert pb.now < WHOLE
+    pb.now = WHOLE
+    pb >> wakeup("body", 1)
+    pb << SetTimer(timer=("send", 1), at=WHOLE + 60.0)
+    pb << Sends(1, client, h1_response(408))
+    pb << CloseConnection(conn=up.conn)
+    pb << CancelTimer(timer=("head", 1))
+    pb << CloseConnection(conn=1)
+    pb.done()
     assert pb.core.counters["request_body_deadline"] == 1
 
 
