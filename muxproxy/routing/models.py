@@ -10,7 +10,9 @@ The body is read from its first bytes (``find_model``) so a request can be place
 whole body has arrived: the top-level ``model`` member usually comes first, but it may come
 after a long ``messages`` array, which is skipped (strings, escapes and nesting included)
 without being decoded. The scan is stateless: the caller passes the whole prefix received so
-far each time; ``limit`` bounds the work. The first top-level ``model`` member decides; a body
+far each time; ``limit`` bounds the work of one call (a 64 KiB prefix dense with escapes
+takes a few milliseconds), so a caller rescans when the prefix has grown by a read, not per
+byte, and gives up at the limit. The first top-level ``model`` member decides; a body
 that repeats the member is not looked at past it (JSON leaves duplicate names undefined).
 """
 
