@@ -24,8 +24,8 @@ from muxproxy.core.apis.reading import (
     Reading,
     dispatch,
     error_reading,
+    is_text,
     member,
-    non_empty,
     payload_object,
     usage_of,
 )
@@ -48,7 +48,7 @@ def block_delta(obj: JsonObject) -> Reading:
     """``content_block_delta``: content when it carries part of the answer."""
     delta = obj.get("delta")
     field = DELTA_FIELDS.get(str(member(delta, "type")))
-    if field is not None and non_empty(member(delta, field)):
+    if field is not None and is_text(member(delta, field)):
         return Reading(kind=Kind.CONTENT, tokens=1)
     return META
 

@@ -30,6 +30,7 @@ from muxproxy.core.apis.reading import (
     Reading,
     dispatch,
     error_reading,
+    is_text,
     member,
     non_empty,
     payload_object,
@@ -69,7 +70,7 @@ def chat_chunk(obj: JsonObject) -> Reading:
 
 def text_completion(obj: JsonObject) -> Reading:
     """A ``text_completion`` chunk."""
-    carries = any(non_empty(member(choice, "text")) for choice in _choices(obj))
+    carries = any(is_text(member(choice, "text")) for choice in _choices(obj))
     return _answer(obj, carries)
 
 

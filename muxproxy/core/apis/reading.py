@@ -103,6 +103,11 @@ def non_empty(value: object) -> bool:
     return isinstance(value, (int, float))
 
 
+def is_text(value: object) -> bool:
+    """Whether a text field carries text: a non-empty string (a number there is malformed)."""
+    return isinstance(value, str) and len(value) > 0
+
+
 def usage_of(value: object, input_key: str, output_key: str) -> Usage | None:
     """The usage object's counts under the API's key names, or ``None`` when it has neither."""
     if not isinstance(value, dict):

@@ -28,8 +28,8 @@ from muxproxy.core.apis.reading import (
     count,
     dispatch,
     error_reading,
+    is_text,
     member,
-    non_empty,
     payload_object,
     usage_of,
 )
@@ -37,7 +37,7 @@ from muxproxy.core.apis.reading import (
 
 def delta(obj: JsonObject) -> Reading:
     """A delta of the answer: content when it carries text."""
-    return Reading(kind=Kind.CONTENT, tokens=1) if non_empty(obj.get("delta")) else META
+    return Reading(kind=Kind.CONTENT, tokens=1) if is_text(obj.get("delta")) else META
 
 
 def finished(obj: JsonObject) -> Reading:
