@@ -108,7 +108,7 @@ def responses_event(kind: str, seq: int, **fields: object) -> Event:
     return kind, data({"type": kind, "sequence_number": seq, **fields})
 
 
-RESPONSE = {
+RESPONSE: dict[str, object] = {
     "id": "resp_1",
     "object": "response",
     "status": "in_progress",
@@ -397,12 +397,13 @@ def test_every_responses_event_carries_its_sequence_number() -> None:
 def test_an_error_before_content_reads_as_error_not_meta(
     reader: Reader, event: Event, error_type: str
 ) -> None:
-    prologue = {
+    prologues: dict[Reader, list[Event]] = {
         read_chat: CHAT_STREAM[:1],
         read_completions: [],
         read_responses: RESPONSES_STREAM[:4],
         read_messages: MESSAGES_STREAM[:3],
-    }[reader]
+    }
+    prologue = prologues[reader]
     readings = read_all(reader, [*prologue, event])
     assert first_content(readings) is None
     assert readings[-1].kind is Kind.ERROR
