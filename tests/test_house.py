@@ -171,7 +171,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("routing",),
     ("fleet",),
     ("core: vocabulary",),
-    ("core/http",),
+    ("core/http", "core/apis"),
     ("core/http1", "core/http2", "core/observe"),
     ("core: effects and ports",),
     ("core/streams",),
