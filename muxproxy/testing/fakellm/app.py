@@ -12,7 +12,7 @@ What it obeys:
   ``data: [DONE]``; ``stream`` false: one ``chat.completion`` object with ``usage``; the
   objects and messages themselves are ``completions.py``'s),
   ``GET /v1/models`` (a list holding the one model ``fake-llm``) and ``GET /health``
-  (``200 ok``). Other paths answer 404, a wrong method 405 (with ``allow``).
+  (``200 ok``); ``/v1/responses``, ``/v1/messages``: ``apistream.py``. Else 404 (or 405).
 * ``GET /metrics``: the engine model's state in Prometheus text under vLLM's metric names
   (``metrics.py``); all zeros while the model is off, so any fake can be polled.
 * The ASGI 3 HTTP spec: the request body is always read to its end before answering, and
