@@ -12,7 +12,7 @@ What it obeys:
   ``data: [DONE]``; ``stream`` false: one ``chat.completion`` object with ``usage``; the
   objects and messages themselves are ``completions.py``'s),
   ``GET /v1/models`` (a list holding the one model ``fake-llm``) and ``GET /health``
-  (``200 ok``). Other paths answer 404, a wrong method 405 (with ``allow``).
+  (``200 ok``); ``/v1/responses``, ``/v1/messages``: ``apistream.py``. Else 404 (or 405).
 * ``GET /metrics``: the engine model's state in Prometheus text under vLLM's metric names
   (``metrics.py``); all zeros while the model is off, so any fake can be polled.
 * The ASGI 3 HTTP spec: the request body is always read to its end before answering, and
@@ -82,13 +82,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
 
 from muxproxy.asgi import serve_lifespan
 from muxproxy.testing.fakellm.answer import BadContinuation, Reply, plan_reply
+from muxproxy.testing.fakellm.apistream import Generation, produce_stream, produce_whole
 from muxproxy.testing.fakellm.completions import (
     body_message,
     chunk,
@@ -111,8 +112,10 @@ from muxproxy.testing.fakellm.knobs import (
     read_knobs,
 )
 from muxproxy.testing.fakellm.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from muxproxy.testing.fakellm.pacing import Timetable, TokenClock
 from muxproxy.testing.fakellm.responses import Responder, dumps
 from muxproxy.testing.fakellm.scheduler import Engine
+from muxproxy.testing.fakellm.wires import WIRES
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""
@@ -128,6 +131,8 @@ _ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/models": ("GET", "HEAD"),
     "/metrics": ("GET", "HEAD"),
     "/v1/chat/completions": ("POST",),
+    "/v1/responses": ("POST",),
+    "/v1/messages": ("POST",),
 }
 
 
@@ -142,27 +147,6 @@ class _Progress:
     finished: bool = False
     """The last message is being sent (or an abort is under way): a disconnect no longer counts."""
     client_gone: bool = False
-
-
-class TokenClock(Protocol):
-    """What paces one generation's tokens."""
-
-    async def wait_generated(self, count: int) -> None:
-        """Return once ``count`` tokens are out (0: once the first could be)."""
-        ...
-
-
-@attrs.frozen
-class _Timetable:
-    """Tokens on a generation's own timetable: token ``i`` at ``start + first_delay + i *
-    delay``."""
-
-    start: float
-    first_delay: float
-    delay: float
-
-    async def wait_generated(self, count: int) -> None:
-        await trio.sleep_until(self.start + self.first_delay + max(count - 1, 0) * self.delay)
 
 
 @attrs.define
@@ -349,7 +333,7 @@ class FakeLLM:
             }
             await respond.send_json(send, 200, models)
         else:
-            await self._chat(receive, send, knobs, body, echo)
+            await self._chat(receive, send, knobs, body, echo, path)
 
     # ---- chat completions --------------------------------------------------------------
 
@@ -360,6 +344,7 @@ class FakeLLM:
         knobs: Knobs,
         body: bytes,
         echo: dict[str, str] | None,
+        path: str,
     ) -> None:
         try:
             request = json.loads(body)
@@ -373,7 +358,7 @@ class FakeLLM:
         n_tokens = knobs.tokens
         counts_new = False
         if not knobs.tokens_from_header:
-            for key in ("max_tokens", "max_completion_tokens"):
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 value = request.get(key)
                 if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                     n_tokens = value
@@ -406,7 +391,16 @@ class FakeLLM:
 
         progress = _Progress()
         produce: Callable[[_Progress], Awaitable[bool]]
-        if request.get("stream"):
+        make_wire = WIRES.get(path)
+        if make_wire is not None:
+            wire = make_wire(request, model, completion_id, int(time.time()), reply.count)
+            gen = partial(self._lend, send, knobs, reply, die_after, prompt)
+            if request.get("stream"):
+                started = partial(self._count, "streams_started")
+                produce = lambda p: produce_stream(wire, gen(p), started)  # noqa: E731
+            else:
+                produce = lambda p: produce_whole(wire, gen(p))  # noqa: E731
+        elif request.get("stream"):
             produce = partial(
                 self._produce_stream,
                 send,
@@ -443,7 +437,7 @@ class FakeLLM:
         tokens; in the step model, its place in the engine's batch.
         """
         if prompt is None:
-            yield _Timetable(start, knobs.first_delay, knobs.delay)
+            yield Timetable(start, knobs.first_delay, knobs.delay)
         elif self.engine.batch is not None:
             async with self.engine.batched_generation(
                 prompt, tokens=tokens, first_delay=knobs.first_delay
@@ -451,7 +445,7 @@ class FakeLLM:
                 yield generation
         else:
             async with self.engine.generation(prompt) as prefill:
-                yield _Timetable(trio.current_time() + prefill, knobs.first_delay, knobs.delay)
+                yield Timetable(trio.current_time() + prefill, knobs.first_delay, knobs.delay)
 
     async def _watch_disconnect(
         self, receive: Receive, progress: _Progress, cancel_scope: trio.CancelScope
@@ -570,6 +564,36 @@ class FakeLLM:
             return not progress.client_gone
         await self._send_or_gone(send, body_message(payload, more_body=False), progress)
         return False
+
+    def _lend(
+        self,
+        send: Send,
+        knobs: Knobs,
+        reply: Reply,
+        die_after: int | None,
+        prompt: str | None,
+        progress: _Progress,
+    ) -> Generation:
+        def finishing(complete: bool) -> None:
+            progress.finished = True
+            if complete:
+                self._count("streams_completed")
+
+        start = trio.current_time()
+        responder = self._responder()
+        return Generation(
+            reply,
+            die_after,
+            partial(self._send_or_gone, send, progress=progress),
+            partial(self._generating, prompt, start, knobs),
+            stream_head(responder.common),
+            partial(responder.json_head, 200),
+            finishing,
+        )
+
+    def _count(self, counter: str) -> None:
+        setattr(self, counter, getattr(self, counter) + 1)
+        self._notify()
 
     def _responder(self) -> Responder:
         return Responder.for_backend(self.backend_id, self.model_version)
