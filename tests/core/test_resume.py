@@ -85,10 +85,14 @@ class Stream:
         pb >> sent(-1, len(request.data))
         pb >> data(-1, self.backend.sse_head())
         pb << CancelTimer(timer=("head", 1))
+        self.head_arrived()
         pb << SetTimer(timer=("send", 1), at=60.0)
         pb << (head := Sends(1, self.client, h1_response(200)))
         pb << SetTimer(timer=("read", 1), at=300.0)
         pb >> sent(1, len(head.data))
+
+    def head_arrived(self) -> None:
+        """What the proxy does with the backend's head before relaying it: nothing here."""
 
     def body(self, template: bytes) -> Check:
         """The body is ``template`` with the stream's token for ``{T}``."""

@@ -13,26 +13,23 @@ from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import h11
-from checks import Check, both, h1_body, h1_request, h1_response
+from checks import Check, both, h1_body, h1_response
 from playbook import (
-    H1BackendPeer,
     H1ClientPeer,
     Playbook,
     Sends,
     closed,
     data,
-    opened,
     sent,
     wakeup,
 )
-from test_resume import CHAT, ORIGIN, SSE, Stream, refused, resume_config
+from test_resume import CHAT, SSE, Stream, refused, resume_config
 
 from muxproxy.config import RESUME_CREDENTIALS
 from muxproxy.core.commands import (
     CancelTimer,
     CloseConnection,
     Command,
-    OpenConnection,
     ResumeAppend,
     ResumeFetch,
     ResumeFetchCancel,
@@ -82,34 +79,17 @@ class Owner(Stream):
     def __init__(
         self, pb: Playbook, headers: Sequence[tuple[str, str]] = (), *, store: bool = True
     ) -> None:
-        self.pb = pb
-        self.client = H1ClientPeer()
-        self.backend = H1BackendPeer()
-        self.token: bytes | None = None
-        self.seq = 0
-        pb.accept(1)
-        pb >> data(1, self.client.request("POST", CHAT, [*headers], b"{}"))
-        pb << CancelTimer(timer=("header", 1))
-        pb << SetTimer(timer=("connect", 1), at=5.0)
-        pb << OpenConnection(conn=-1, origin=ORIGIN)
-        pb << SetTimer(timer=("body", 1), at=30.0)
-        pb >> opened(-1)
-        pb << CancelTimer(timer=("connect", 1))
-        pb << (request := Sends(-1, self.backend, h1_request(b"POST", CHAT.encode(), b"{}")))
-        pb << SetTimer(timer=("head", 1), at=60.0)
-        pb >> sent(-1, len(request.data))
-        pb >> data(-1, self.backend.sse_head())
-        pb << CancelTimer(timer=("head", 1))
+        self.store = store
         self.meta: ResumeAppend | None = None
-        if store:
-            pb << (meta := Takes(ResumeAppend))
+        super().__init__(pb, headers)
+        pb.done()
+
+    def head_arrived(self) -> None:
+        """The head's meta goes to the store before the head goes to the client."""
+        if self.store:
+            self.pb << (meta := Takes(ResumeAppend))
             self.meta = meta.cmd
             self.token = meta.cmd.token
-        pb << SetTimer(timer=("send", 1), at=60.0)
-        pb << (head := Sends(1, self.client, h1_response(200)))
-        pb << SetTimer(timer=("read", 1), at=300.0)
-        pb >> sent(1, len(head.data))
-        pb.done()
 
     def sends(
         self, chunk: bytes, relayed: bytes, appended: list[int] | None = None
