@@ -200,9 +200,10 @@ class FleetSync:
                         with trio.fail_after(OP_TIMEOUT):
                             await self._reconcile(client)
             finally:
-                # Before the client closes: no change may start on a client going away.
+                # Before the client closes: no change may start on a client going away. `up`
+                # stays until run() knows why (the subscription's own task group may cancel
+                # this one before its error surfaces), so /status never shows down without why.
                 self._client = None
-                self.up = False
 
     async def _listen(self, client: coredis.Redis[bytes], pubsub: Any) -> None:
         while True:

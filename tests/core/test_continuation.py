@@ -116,14 +116,45 @@ def test_a_broken_answer_goes_to_the_next_server_with_the_text_so_far() -> None:
     assert b'"content":"tok2 "' in out and b'"id":"c-1"' in out
 
 
-def test_a_finished_answer_is_not_continued() -> None:
+def ended_here(pb: Playbook, client: H1ClientPeer) -> bytes:
+    """The first backend resets; the proxy ends the answer itself, no server asked, and the
+    client's connection stays (a clean end, not a cut); returns the body bytes it sent."""
+    pb >> closed(-1, "reset")
+    pb << CancelTimer(timer=("read", 1))
+    pb << (ended := Sends(1, client))
+    pb << CancelTimer(timer=("body", 1))
+    pb << SetTimer(timer=("idle", 1), at=75.0)
+    pb.done()
+    assert isinstance(ended.events[-1], h11.EndOfMessage)
+    return h1_body(ended.events)
+
+
+def test_a_finished_answer_cut_before_its_done_is_ended_by_the_proxy() -> None:
+    # The finish chunk came, [DONE] did not: the answer is whole, no other server is asked
+    # for it and the client gets the [DONE] it lacks (once a cut: a demo's stream failed).
     pb = Playbook(two_servers())
     client, _, backend = start(pb)
     streams(pb, backend, client, chunk("tok0 ") + chunk(finish="stop"))
+    assert ended_here(pb, client) == b"data: [DONE]\n\n"
+
+
+def test_an_answer_cut_after_its_done_is_ended_with_nothing_added() -> None:
+    pb = Playbook(two_servers())
+    client, _, backend = start(pb)
+    streams(pb, backend, client, chunk("tok0 ") + chunk(finish="stop") + b"data: [DONE]\n\n")
+    assert ended_here(pb, client) == b""
+
+
+def test_an_answer_cut_inside_an_event_after_its_finish_is_cut_for_the_client() -> None:
+    # Half a usage chunk went out: nothing the proxy adds could mend it, and no other server
+    # is asked for a finished answer.
+    pb = Playbook(two_servers())
+    client, _, backend = start(pb)
+    streams(pb, backend, client, chunk("tok0 ") + chunk(finish="stop") + b'data: {"usa')
     pb >> closed(-1, "reset")
     pb << CancelTimer(timer=("read", 1))
     pb << CancelTimer(timer=("body", 1))
-    pb << CloseConnection(conn=1)  # no other server is asked
+    pb << CloseConnection(conn=1)
     pb.done()
 
 

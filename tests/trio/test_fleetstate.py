@@ -227,6 +227,22 @@ async def test_a_change_while_the_store_is_down_is_refused_and_nothing_applied(
     assert weight(one.applied[-1], A) == 4 and version == 1
 
 
+async def test_the_store_is_never_shown_down_without_the_reason(
+    redis_server: RedisServer,
+) -> None:
+    # Looked at after every step of every task: the moment the sync says the store is down,
+    # its /status says why (a poll once landed between the two and saw no reason).
+    empty = FleetDocument.unsynced(RuntimeState.empty())
+    with trio.fail_after(10):
+        async with replicas(redis_server.url, empty, interval=0.05) as (one,):
+            await until(lambda: one.sync.up)
+            await redis_server.kill()
+            while one.sync.up:
+                await trio.lowlevel.checkpoint()
+            shown = one.sync.status()
+            assert shown["up"] is False and shown["last_error"], shown
+
+
 def test_a_store_url_is_shown_without_its_password() -> None:
     assert shown_url("redis://:secret@cache:6379/1") == "redis://:***@cache:6379/1"
     assert shown_url("rediss://user:pw@10.0.0.1") == "rediss://user:***@10.0.0.1"

@@ -68,11 +68,12 @@ def keep_answer(exchange: Outliving) -> None:
 
 
 def continue_answer(exchange: Outliving, reason: str) -> bool:
-    """The backend failed mid-answer: ask the next server to finish it. False: it cannot be
-    continued (finished, not followed, no try left)."""
+    """The backend failed mid-answer: ask the next server to finish it, or end it here if
+    only its end was lost. False: it cannot be continued (not followed, cut inside an event
+    after its finish, no try left)."""
     answer, failover, group = exchange.answer, exchange.failover, exchange.group
     assert answer is not None and failover is not None and group is not None
-    if not answer.continuable:
+    if not answer.continuable and not answer.exhausted:
         return False
     # Counted against the server (passive health), so that the next try goes elsewhere.
     failover.failed("error", reason)
@@ -112,13 +113,15 @@ def continue_answer(exchange: Outliving, reason: str) -> bool:
 
 
 def _end_answer(exchange: Outliving, answer: AnswerSoFar) -> None:
-    """The backend failed after the answer's last token: end the stream as the engine would
-    have, with no backend (``AnswerSoFar.ending``)."""
+    """The backend failed after the answer's last token or its finish: end the stream as the
+    engine would have, with no backend (``AnswerSoFar.ending``)."""
     assert exchange.failover is not None
     exchange.failover.failed_mid_stream()
     exchange.deadlines.end_attempt()
     exchange.release_upstream(close=True)
-    exchange.response_body(answer.ending())
+    ending = answer.ending()
+    if ending:
+        exchange.response_body(ending)
     exchange.response_end([])
 
 

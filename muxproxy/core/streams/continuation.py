@@ -7,7 +7,10 @@ What it obeys, and why:
   ``next_upstream.replay_buffer``) is continued, on a route with ``continue_on_failure``.
 - The answer so far (``AnswerSoFar``) is read from the SSE events relayed: the text of
   ``choices[0].delta.content``, and the ``id``, ``created`` and ``model`` of the stream. A
-  stream that already finished (a ``finish_reason``, or ``[DONE]``) is not continued.
+  stream that already finished (a ``finish_reason``, or ``[DONE]``) is not continued: cut
+  after its finish with no partial event pending, it is ended by the proxy (``ending``: the
+  ``[DONE]`` it lacks, if any, then a clean end), as the answer is whole; a usage chunk the
+  backend would have sent after the finish is lost with it.
 - The continuation request (``continuation_body``) is the original with the text so far
   appended as a final assistant message, and ``continue_final_message: true``,
   ``add_generation_prompt: false``: the chat-template options with which vLLM and SGLang
@@ -83,6 +86,9 @@ class AnswerSoFar:
         self.created: object = None
         self.model: object = None
         self.finished = False
+        """A ``finish_reason`` or ``[DONE]`` was relayed: no token is missing."""
+        self.done = False
+        """``[DONE]`` was relayed."""
         self.broken = False
         """Something could not be followed (a non-JSON event, too much text): no continuation."""
         self._events = _Events()
@@ -93,10 +99,15 @@ class AnswerSoFar:
 
     @property
     def exhausted(self) -> bool:
-        """Every token the request allows was relayed (a content event holds one at least)
-        and no partial event is pending: only the stream's end was lost (see the module)."""
+        """Only the stream's end was lost (see the module): it finished, or every token the
+        request allows was relayed (a content event holds one at least), and no partial
+        event is pending."""
+        if self._events.pending or self.broken:
+            return False
+        if self.finished:
+            return True
         limit = self._limit()
-        return limit is not None and self.content_events >= limit and not self._events.pending
+        return limit is not None and self.content_events >= limit
 
     def _limit(self) -> int | None:
         """The request's token limit: ``max_completion_tokens``, else ``max_tokens``."""
@@ -104,9 +115,13 @@ class AnswerSoFar:
         return next(iter(limits.values()), None)
 
     def ending(self) -> bytes:
-        """The events that end an ``exhausted`` answer: what an OpenAI-style engine sends
-        when a generation reaches its limit, a chunk with ``finish_reason: "length"`` and an
-        empty delta, then ``[DONE]``."""
+        """The events that end an ``exhausted`` answer: nothing after ``[DONE]``; ``[DONE]``
+        after a finish; else what an OpenAI-style engine sends when a generation reaches its
+        limit, a chunk with ``finish_reason: "length"`` and an empty delta, then ``[DONE]``."""
+        if self.done:
+            return b""
+        if self.finished:
+            return b"data: [DONE]\n\n"
         chunk = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -118,15 +133,17 @@ class AnswerSoFar:
         return b"data: " + encoded + b"\n\ndata: [DONE]\n\n"
 
     def feed(self, data: bytes) -> None:
-        if self.broken or self.finished:
+        if self.broken or self.done:
             return
         for event in self._events.split(data):
             payload = _data_of(event)
             if payload is None:
                 continue
             if payload.strip() == b"[DONE]":
-                self.finished = True
+                self.finished = self.done = True
                 return
+            if self.finished:  # the usage chunk after the finish: only its end is followed
+                continue
             try:
                 chunk = json.loads(payload)
             except ValueError:
