@@ -437,6 +437,8 @@ class Upstream:
             or (self.rate_limit is not None and self.rate_limit.tokens_per_minute is not None)
             or (self.tenant is not None and self.tenant.kind == "body")
             or (self.priority is not None and self.priority.kind == "body")
+            # the body's ``model`` places a LoRA adapter's requests (``routing/lora.py``)
+            or self.load_report is not None
         )
         found = self.discover
         admission = any(

@@ -1,5 +1,5 @@
 """What routing and admission read from an OpenAI-style request body: how many tokens it may
-generate, and the key of its prompt's leading part.
+generate, the key of its prompt's leading part, and the model it names.
 
 Obeys the routing rules: pure code, standard library and attrs only, no clock, no I/O, never
 raises on client input (a body that is not JSON, or JSON of another shape, gives no facts).
@@ -10,6 +10,8 @@ document.
   APIs' names, OpenAI's newer one first), when it is an integer >= 1; ``n`` > 1 choices
   multiply it (each choice is generated). Otherwise None: the group's
   ``default_max_tokens`` stands in.
+- The model: ``model``, a string of 1 to ``MAX_MODEL`` characters (the OpenAI and Anthropic
+  APIs' name, and vLLM's name for a LoRA adapter: ``routing/lora.py`` places by it).
 - The prefix key (``affinity = "prefix"``): the leading ``length`` bytes (UTF-8) of the text
   the engine computes first and reuses across requests: for a chat request the system and
   developer messages and the first user message, in order, each as its role, a line feed,
@@ -28,7 +30,7 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["INVALID", "LlmRequest", "parse_json_body", "read_request"]
+__all__ = ["INVALID", "MAX_MODEL", "LlmRequest", "parse_json_body", "read_request"]
 
 INVALID: object = object()
 """The document of a body that is not JSON (or too deep to parse)."""
@@ -48,11 +50,16 @@ class LlmRequest:
     """Tokens the request may generate, as it says (None: it does not say)."""
     prefix_key: bytes | None = None
     """The key of its prompt's leading part (None: no prompt, or not asked for)."""
+    model: str | None = None
+    """The model it names (None: none, or not a string of 1 to ``MAX_MODEL`` characters)."""
 
 
 NOTHING = LlmRequest()
 
 _MESSAGE_ROLES = frozenset({"system", "developer"})
+MAX_MODEL = 256
+"""Characters of a model name read at most (Hugging Face ids are at most 96; a longer name
+is nobody's model, and routing keeps no longer strings from a client)."""
 _MAX_CHOICES = 128
 """``n`` above this is taken as this (the expectation must stay a bounded number)."""
 
@@ -65,7 +72,15 @@ def read_request(document: object, *, source: str = "auto", length: int = 0) -> 
     return LlmRequest(
         max_tokens=_max_tokens(document),
         prefix_key=_prefix_key(document, source, length) if length > 0 else None,
+        model=_model(document),
     )
+
+
+def _model(document: Mapping[str, object]) -> str | None:
+    model = document.get("model")
+    if isinstance(model, str) and 0 < len(model) <= MAX_MODEL:
+        return model
+    return None
 
 
 def _positive_int(value: object) -> int | None:

@@ -48,6 +48,7 @@ __all__ = [
     "Ticket",
     "bounded_order",
     "power_of_two",
+    "within_bounds",
 ]
 
 REPORT_LIFETIMES = 3
@@ -199,6 +200,36 @@ def power_of_two(
     return second
 
 
+def within_bounds(
+    weights: Sequence[int],
+    streams: Sequence[int],
+    among: Sequence[int],
+    factor: float,
+    gap: int | None = None,
+) -> Callable[[int], bool]:
+    """Whether a server of ``among`` may take one more stream within the bounded-loads bound
+    (``factor``) and, with ``gap``, the bounded lead over the least loaded server of
+    ``among`` (see the module header). ``among``'s servers have weights above 0."""
+    total_weight = sum(weights[i] for i in among)
+    total = sum(streams[i] for i in among) + 1  # this request included
+    low = among[0] if among else 0
+    if gap is not None:
+        for index in among:  # the least loaded per weight, without floats
+            if streams[index] * weights[low] < streams[low] * weights[index]:
+                low = index
+
+    def within(index: int) -> bool:
+        bound = math.ceil(factor * total * weights[index] / total_weight)
+        if streams[index] + 1 > bound:
+            return False
+        # (streams + 1) / weight <= streams_low / weight_low + gap / weight, without floats
+        return gap is None or (streams[index] + 1 - gap) * weights[low] <= (
+            streams[low] * weights[index]
+        )
+
+    return within
+
+
 def bounded_order(
     key: bytes,
     ids: Sequence[bytes],
@@ -214,23 +245,10 @@ def bounded_order(
     order = rendezvous_order(key, ids, weights, eligible)
     if len(order) < 2:
         return order
-    total_weight = sum(weights[i] for i in order)
-    total = sum(streams[i] for i in order) + 1  # this request included
-    low = order[0]
-    if gap is not None:
-        for index in order:  # the least loaded per weight, without floats
-            if streams[index] * weights[low] < streams[low] * weights[index]:
-                low = index
+    within = within_bounds(weights, streams, order, factor, gap)
     for at, index in enumerate(order):
-        bound = math.ceil(factor * total * weights[index] / total_weight)
-        if streams[index] + 1 > bound:
-            continue
-        # (streams + 1) / weight <= streams_low / weight_low + gap / weight, without floats
-        if gap is not None and (streams[index] + 1 - gap) * weights[low] > (
-            streams[low] * weights[index]
-        ):
-            continue
-        if at:
-            order.insert(0, order.pop(at))
-        return order
+        if within(index):
+            if at:
+                order.insert(0, order.pop(at))
+            return order
     return order  # unreachable for factor >= 1 and gap >= 1: the least loaded fits both

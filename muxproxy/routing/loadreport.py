@@ -17,6 +17,10 @@ field                     vLLM                             SGLang
                           ``vllm:gpu_cache_usage_perc``)
 ========================  ===============================  ===========================
 
+Beside them: the names the gauges carry as ``model_name`` (the served model), and vLLM's
+``vllm:lora_requests_info``, the LoRA adapters it holds (``lora.py`` reads it, on its own
+bounds; a line of it that cannot be read leaves the adapters unknown, never the report).
+
 vLLM's ``*_perc`` gauges are fractions despite their name ("1 means 100 percent usage", their
 HELP text). Each name is also read with its colon written as ``_``: prometheus_client's
 OpenMetrics writer (0.2x, ``escaping=underscores``, its default) escapes sample names with the
@@ -59,6 +63,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import attrs
+
+from muxproxy.routing.lora import LoraReport, read_lora
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -111,6 +117,7 @@ _GAUGE_LINE = re.compile(
 )
 
 _REPLICA_LABEL = "tp_rank"
+_MODEL_LABEL = "model_name"
 
 
 class ReportError(ValueError):
@@ -130,6 +137,11 @@ class LoadReport:
     """KV-cache usage, a fraction in [0, 1]."""
     engine: str
     """``"vllm"`` or ``"sglang"``."""
+    lora: LoraReport | None = None
+    """The LoRA adapters it reports (vLLM's ``lora_requests_info``, ``lora.py``); None: not
+    said, or not readable."""
+    models: frozenset[str] = frozenset()
+    """The names its gauges carry as ``model_name``: the model it serves."""
 
 
 def parse_load_report(body: bytes) -> LoadReport:
@@ -147,6 +159,7 @@ def parse_load_report(body: bytes) -> LoadReport:
         raise ReportError("body is not UTF-8") from None
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     engines: set[str] = set()
+    models: set[str] = set()
     parse = parser()
     for count, match in enumerate(_GAUGE_LINE.finditer(text)):
         name = match.group(1)
@@ -161,6 +174,9 @@ def parse_load_report(body: bytes) -> LoadReport:
             for family in parse(line):
                 for sample in family.samples:
                     samples.setdefault(field, []).append((sample.labels, sample.value))
+                    model = sample.labels.get(_MODEL_LABEL)
+                    if model:
+                        models.add(model)
         except ValueError:  # everything the parser raises on bad text (fuzzed: nothing else)
             raise ReportError(f"{name}: unparseable sample line") from None
     if not engines:
@@ -168,11 +184,14 @@ def parse_load_report(body: bytes) -> LoadReport:
     if len(engines) > 1:
         raise ReportError("gauges of both vllm and sglang")
     kv_cache = samples.get(_KV_CACHE) or samples.get(_KV_CACHE_LEGACY)
+    engine = engines.pop()
     return LoadReport(
         running=_count(samples.get(_RUNNING)),
         waiting=_count(samples.get(_WAITING)),
         kv_cache=None if kv_cache is None else _fraction(kv_cache),
-        engine=engines.pop(),
+        engine=engine,
+        lora=read_lora(text, parse) if engine == "vllm" else None,
+        models=frozenset(models),
     )
 
 

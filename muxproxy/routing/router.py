@@ -16,6 +16,10 @@ over stable server ids). The order it returns is the order the exchange tries on
    of two choices by outstanding work: ``load.py``), then the other usable servers as
    fallbacks.
 
+A request whose body names a LoRA adapter (in a group with load reports) has the order of
+3 to 5 ranked again by ``lora.py``: servers holding the adapter first, then those with a free
+adapter slot, then the least loaded, any server over its bound last.
+
 New sessions (3 to 5) avoid a server whose engine reports its KV cache above the group's
 ``kv_cache_limit``: it comes last, unless every usable server is above it (then the limit
 is ignored: better a busy cache than no answer). Admission (``max_streams``,
@@ -73,8 +77,16 @@ from muxproxy.routing.balancer import (
     rendezvous_order,
 )
 from muxproxy.routing.health import ActiveHealth, PassiveHealth, usable_servers
-from muxproxy.routing.load import Sampler, ServerLoads, Ticket, bounded_order, power_of_two
+from muxproxy.routing.load import (
+    Sampler,
+    ServerLoads,
+    Ticket,
+    bounded_order,
+    power_of_two,
+    within_bounds,
+)
 from muxproxy.routing.loadreport import LoadReport
+from muxproxy.routing.lora import is_adapter, lora_order
 from muxproxy.routing.ratelimit import Budget, RateLimiter
 
 _NO_OVERRIDE = ServerOverride()
@@ -236,10 +248,17 @@ class GroupRouter:
     # -- decisions -------------------------------------------------------------------------
 
     def candidates(
-        self, key: bytes | None, pinned: bytes | None, now: float, prefix: bytes | None = None
+        self,
+        key: bytes | None,
+        pinned: bytes | None,
+        now: float,
+        prefix: bytes | None = None,
+        model: str | None = None,
     ) -> list[int]:
         """Server indices to try, in order; empty when no server is usable. ``prefix``: the
-        request's prefix key (used with ``affinity = "prefix"`` when there is no ``key``)."""
+        request's prefix key (used with ``affinity = "prefix"`` when there is no ``key``);
+        ``model``: the model its body names (a LoRA adapter's name is placed by ``lora.py``
+        in a group with load reports)."""
         out: list[int] = []
         pin = None if pinned is None else self.by_id.get(pinned)
         known = None
@@ -285,10 +304,36 @@ class GroupRouter:
                 # Fallbacks: the others, in order after the pick, so retries spread too.
                 at = fresh.index(pick)
                 ranked = fresh[at:] + fresh[:at]
+        if model is not None and report is not None and len(ranked) > 1:
+            ranked = self._lora_order(model, ranked, weights, now)
         out.extend(i for i in ranked if i not in out)
         if len(fresh) < len(usable):
             out.extend(i for i in usable if i not in out)  # above the KV-cache limit: last
         return out
+
+    def _lora_order(
+        self, model: str, ranked: list[int], weights: Sequence[int], now: float
+    ) -> list[int]:
+        """``ranked`` for a request naming ``model``: by ``lora.lora_order`` if it is a LoRA
+        adapter, as it is otherwise (the base model)."""
+        loads = self.loads
+        reports = [loads.fresh(index, now) for index in range(len(self.group.servers))]
+        loras = [None if r is None else r.lora for r in reports]
+        bases = (r.models for r in reports if r is not None)
+        if any(weights[index] <= 0 for index in ranked) or not is_adapter(model, loras, bases):
+            return ranked
+        options = self.group.prefix
+        bound = within_bounds(
+            weights, self.active, ranked, options.load_factor, options.balance_gap
+        )
+        work = self._work_at(now)
+        return lora_order(
+            model,
+            ranked,
+            loras,
+            lambda index: self.has_room(index, now) and bound(index),
+            lambda index: work(index) / weights[index],
+        )
 
     def _work_at(self, now: float) -> Callable[[int], int]:
         loads, active = self.loads, self.active
@@ -447,13 +492,17 @@ class GroupRouter:
         if entry is None:
             return None
         report, at = entry
-        return {
+        out: dict[str, object] = {
             "running": report.running,
             "waiting": report.waiting,
             "kv_cache": report.kv_cache,
             "age": round(now - at, 3),
             "fresh": self.loads.fresh(index, now) is not None,
         }
+        if report.lora is not None:
+            out["lora_adapters"] = sorted(report.lora.loaded)
+            out["max_lora"] = report.lora.max_lora
+        return out
 
 
 def _loads(group: Upstream) -> ServerLoads:

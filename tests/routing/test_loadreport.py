@@ -54,17 +54,35 @@ def test_fixture_pages_are_whole_valid_expositions(name: str) -> None:
 def test_vllm_v1_page_sums_the_engines_and_takes_the_fullest_cache() -> None:
     report = parse_load_report(page("vllm_v1_two_engines.txt"))
     # engine "0": 7 running, 2 waiting, 0.4375; engine "1": 5, 0, 0.61328125.
-    assert report == LoadReport(running=12, waiting=2, kv_cache=0.61328125, engine="vllm")
+    assert report == LoadReport(
+        running=12,
+        waiting=2,
+        kv_cache=0.61328125,
+        engine="vllm",
+        models=frozenset({"meta-llama/Llama-3.1-8B-Instruct"}),
+    )
 
 
 def test_vllm_before_v1_reads_the_older_kv_gauge() -> None:
     report = parse_load_report(page("vllm_v0.txt"))
-    assert report == LoadReport(running=31, waiting=12, kv_cache=0.9871, engine="vllm")
+    assert report == LoadReport(
+        running=31,
+        waiting=12,
+        kv_cache=0.9871,
+        engine="vllm",
+        models=frozenset({"Qwen/Qwen2.5-7B-Instruct"}),
+    )
 
 
 def test_sglang_page_sums_the_data_parallel_ranks() -> None:
     report = parse_load_report(page("sglang_dp2.txt"))
-    assert report == LoadReport(running=81, waiting=4, kv_cache=0.28, engine="sglang")
+    assert report == LoadReport(
+        running=81,
+        waiting=4,
+        kv_cache=0.28,
+        engine="sglang",
+        models=frozenset({"meta-llama/Llama-3.1-70B-Instruct"}),
+    )
 
 
 def test_sglang_tensor_parallel_ranks_of_one_scheduler_count_once() -> None:
@@ -107,7 +125,9 @@ def test_prometheus_text_and_openmetrics_pages_give_the_same_report() -> None:
     assert openmetrics.endswith(b"# EOF\n")
     # prometheus_client's OpenMetrics writer turns the samples' colons into underscores.
     assert b"\nvllm_num_requests_running{" in openmetrics
-    expected = LoadReport(running=7, waiting=7, kv_cache=0.5, engine="vllm")
+    expected = LoadReport(
+        running=7, waiting=7, kv_cache=0.5, engine="vllm", models=frozenset({"my model"})
+    )
     assert parse_load_report(text) == expected
     assert parse_load_report(openmetrics) == expected
 

@@ -67,9 +67,11 @@ class Failover:
         *,
         prefix: bytes | None = None,
         ticket: Ticket | None = None,
+        model: str | None = None,
     ) -> None:
-        """The router's order for ``head`` with ``session_key`` and ``prefix`` (the prompt's
-        key; ``candidates`` is empty where no server is usable); ``body``: the request's,
+        """The router's order for ``head`` with ``session_key``, ``prefix`` (the prompt's
+        key) and ``model`` (the body's, for LoRA placement; ``candidates`` is empty where no
+        server is usable); ``body``: the request's,
         replayed for a retry; ``ident``: the exchange's, for its ``connect`` timer;
         ``ticket``: its expected work, counted on the server of each try."""
         self.fx = fx
@@ -81,13 +83,14 @@ class Failover:
         self.router: GroupRouter = host.router(group)
         self.session_key = session_key
         self.prefix = prefix
+        self.model = model
         self.ticket = ticket
         cookie = group.sticky.cookie
         self.pinned = (cookie_value(head.headers, cookie.name) or None) if cookie else None
         """The server id of the client's sticky cookie, if it sent one."""
         self.started = fx.now
         """When the first try started (``tries_timeout`` runs from there)."""
-        self.candidates = self.router.candidates(session_key, self.pinned, fx.now, prefix)
+        self.candidates = self.router.candidates(session_key, self.pinned, fx.now, prefix, model)
         self.tries = 0
         self.server: int | None = None
         """The server of the current try, while it counts as a stream there."""
@@ -152,8 +155,10 @@ class Failover:
         self.group = group
         self.started = self.fx.now
         self.router = self.host.router(group)
-        fresh = self.router.candidates(self.session_key, self.pinned, self.fx.now, self.prefix)
-        self.candidates = fresh
+        router, now = self.router, self.fx.now
+        self.candidates = router.candidates(
+            self.session_key, self.pinned, now, self.prefix, self.model
+        )
 
     def failed(self, condition: str, reason: str) -> None:
         """The current try failed before the response head went out: count it against the
@@ -222,7 +227,7 @@ class Failover:
         """Whether ``next_upstream.tries`` allow another try on a candidate not yet tried
         (servers usable again are added as candidates)."""
         if self.tries >= len(self.candidates):
-            fresh = self.router.candidates(self.session_key, self.pinned, now)
+            fresh = self.router.candidates(self.session_key, self.pinned, now, model=self.model)
             self.candidates.extend(i for i in fresh if i not in self.candidates)
         return self.tries < min(self.group.next_upstream.tries, len(self.candidates))
 

@@ -4,9 +4,9 @@ What it obeys:
 
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
   the backend gets. A group that reads the request's JSON body (a body session key,
-  ``least_load``, prefix affinity, token budgets) holds its start first (BUFFERING) until
-  the body is complete or as much of it is held as may be (``sticky.body_limit``, bounded by
-  ``high_water``).
+  ``least_load``, prefix affinity, token budgets, load reports: a LoRA adapter's name)
+  holds its start first (BUFFERING) until the body is complete or as much of it is held as
+  may be (``sticky.body_limit``, bounded by ``high_water``).
 - Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
   with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
 - Admission: a request every candidate of whose group is full waits in the group's queue
@@ -154,6 +154,7 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         key,
         prefix=admission.prefix_key if admission else None,
         ticket=admission.ticket if admission else None,
+        model=admission.facts.model if admission else None,
     )
     if not failover.candidates:
         exchange.fail(503, "no backend available")
