@@ -410,8 +410,7 @@ class Upstream:
     """Poll each server's Prometheus endpoint for the engine's own load (vLLM, SGLang);
     None: the proxy's own count only."""
     queue: AdmissionQueue = AdmissionQueue()
-    """Where requests wait while every candidate server is full (``max_streams``,
-    ``max_waiting``)."""
+    """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None
     """Whose request it is, for the queue's fairness and ``rate_limit`` (the value is hashed,
     never logged); None: one tenant."""
@@ -437,8 +436,7 @@ class Upstream:
             or (self.rate_limit is not None and self.rate_limit.tokens_per_minute is not None)
             or (self.tenant is not None and self.tenant.kind == "body")
             or (self.priority is not None and self.priority.kind == "body")
-            # the body's ``model`` places a LoRA adapter's requests (``routing/lora.py``)
-            or self.load_report is not None
+            or self.load_report is not None  # the body's model: LoRA (``routing/lora.py``)
         )
         found = self.discover
         admission = any(
