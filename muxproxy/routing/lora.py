@@ -9,20 +9,22 @@ What vLLM reports (``vllm/v1/metrics/loggers.py``, with LoRA enabled)::
     vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",
                             waiting_lora_adapters="c"} 1.7e9
 
-(one line on the page): a gauge set to the current time, each time the engine logs its stats, with the label values
-of that moment: the adapters of the requests it runs, of those it queues (comma-separated),
-and how many adapters one batch may hold (``--max-loras``). prometheus_client keeps every
-label set a gauge was ever given, so the page carries one sample per combination seen since
-the engine started; the newest, the one with the largest value, is the engine now.
+(one line on the page): a gauge set to the current time, each time the engine logs its
+stats, with the label values of that moment: the adapters of the requests it runs, of those
+it queues (comma-separated), and how many adapters one batch may hold (``--max-loras``).
+prometheus_client keeps every label set a gauge was ever given, so the page carries one
+sample per combination seen since the engine started; the newest, the one with the largest
+value, is the engine now.
 
 Reading (``read_lora``): every line of the gauge (its name also written with ``_`` for the
 colon, as ``loadreport.py`` reads every name) is found by one anchored regular expression,
 its value read from after its last ``}`` (a label value may hold a ``}``, the value and a
 timestamp cannot); only the newest line goes to prometheus_client's parser, at most
 ``MAX_LORA_LINE`` characters, with at most ``MAX_ADAPTERS`` adapters. A newest line that is
-too long or unreadable, or a ``max_lora`` that is not a number, leaves the engine's adapters
-unknown (None) and the rest of its report as read: LoRA placement is one feature, degraded
-alone. The lines are as many as the body holds (``loadreport.MAX_BODY``): one linear scan.
+too long or unreadable leaves the engine's adapters unknown (None), a ``max_lora`` that is
+not a count leaves its slots unknown, and the rest of its report stands as read: LoRA
+placement is one feature, degraded alone. The lines are as many as the body holds
+(``loadreport.MAX_BODY``): one linear scan, and a float read per line.
 
 Placement (``is_adapter``, ``lora_order``). A request's ``model`` names an adapter when a
 server of the group reports it (running or waiting), or when some server reports LoRA

@@ -111,6 +111,7 @@ from muxproxy.testing.fakellm.knobs import (
     is_true,
     read_knobs,
 )
+from muxproxy.testing.fakellm.lora import LoraSlots, requested_model
 from muxproxy.testing.fakellm.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from muxproxy.testing.fakellm.pacing import Timetable, TokenClock
 from muxproxy.testing.fakellm.responses import Responder, dumps
@@ -176,6 +177,8 @@ class FakeLLM:
     """Engine model: seconds of prefill per prompt token not found cached."""
     prefill_chunk: int | None = None
     """Engine model, step model: prefill tokens per engine step (see ``batch.py``)."""
+    lora: LoraSlots | None = None
+    """The LoRA adapters it holds and reports (``lora.py``); None: no LoRA."""
 
     requests: int = attrs.field(default=0, init=False)
     """HTTP requests received (any path)."""
@@ -213,7 +216,7 @@ class FakeLLM:
             prefill_chunk=self.prefill_chunk,
             decode_seconds=self.delay if self.prefill_chunk is not None else 0.0,
         )
-        self.engine = Engine(config, MODEL, self._notify)
+        self.engine = Engine(config, MODEL, self._notify, self.lora)
 
     @property
     def running(self) -> int:
@@ -374,9 +377,7 @@ class FakeLLM:
         if reply.continued:
             self.continuations += 1
             self._notify()
-        model = request.get("model")
-        if not isinstance(model, str) or not model:
-            model = MODEL
+        model = requested_model(request, MODEL, self.lora)  # an adapter is loaded
         stream_options = request.get("stream_options")
         include_usage = isinstance(stream_options, dict) and bool(
             stream_options.get("include_usage")

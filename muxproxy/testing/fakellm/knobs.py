@@ -74,6 +74,18 @@ attribute / CLI option                      meaning
                                             apply (off: each generation prefills on its own)
 ==========================================  ==================================================
 
+LoRA (``lora.py``; off by default), read once too:
+
+==========================================  ==================================================
+attribute / CLI option                      meaning
+==========================================  ==================================================
+``lora`` / ``--lora-adapters A,B``          hold these adapters from the start and report
+                                            them in ``/metrics`` (``lora_requests_info``)
+``lora`` / ``--max-lora N``                 at most N adapters held (as many as given); a
+                                            request naming another loads it, the least
+                                            recently used evicted
+==========================================  ==================================================
+
 A malformed header raises :class:`BadKnob` naming the header and what it expects (the app
 answers 400 with its text); a malformed option is argparse's usage error, naming the option.
 """
@@ -224,6 +236,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected adapter names separated by commas")
+    return names
+
+
 def _status(text: str) -> int:
     value = int(text)
     if not 200 <= value <= 599:
@@ -302,6 +321,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="seconds of prefill per prompt token not found in the cache (0)",
+    )
+    lora = parser.add_argument_group("LoRA", "LoRA adapters held and reported (off by default)")
+    lora.add_argument(
+        "--lora-adapters",
+        type=_names,
+        default=[],
+        metavar="A,B",
+        help="hold these LoRA adapters from the start, reported in /metrics",
+    )
+    lora.add_argument(
+        "--max-lora",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="hold at most N adapters (as many as given); another one named is loaded, "
+        "the least recently used evicted",
     )
     engine.add_argument(
         "--prefill-chunk",

@@ -22,8 +22,11 @@ adds a ``_created`` series per counter.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from muxproxy.testing.fakellm.lora import LoraSlots
 from muxproxy.trio.metrics import CONTENT_TYPE
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics"]
@@ -34,7 +37,7 @@ _LABELS = ("model_name",)
 class EngineMetrics:
     """The vLLM-named metrics of one fake engine, in a registry of their own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, lora: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = (model_name,)
 
@@ -60,15 +63,30 @@ class EngineMetrics:
         self._hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        self._lora_info: Gauge | None = None
+        self._lora_at = 0.0
+        if lora:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                registry=self.registry,
+            )
 
     def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Count one prefix cache lookup: ``queried_tokens`` looked up, ``hit_tokens`` found."""
         self._queries.inc(queried_tokens)
         self._hits.inc(hit_tokens)
 
-    def render(self, *, running: int, waiting: int, kv_usage: float) -> bytes:
-        """The text exposition, with the gauges set to the values given."""
+    def render(
+        self, *, running: int, waiting: int, kv_usage: float, lora: LoraSlots | None = None
+    ) -> bytes:
+        """The text exposition, with the gauges set to the values given (and the adapters
+        of ``lora``, with LoRA)."""
         self._running.set(running)
         self._waiting.set(waiting)
         self._kv_usage.set(kv_usage)
+        if self._lora_info is not None and lora is not None:
+            self._lora_at = max(time.time(), self._lora_at + 0.001)
+            self._lora_info.labels(*lora.labels()).set(self._lora_at)
         return generate_latest(self.registry)

@@ -30,6 +30,7 @@ from muxproxy.testing.fakellm.engine import (
     Prompt,
     token_count,
 )
+from muxproxy.testing.fakellm.lora import LoraSlots
 from muxproxy.testing.fakellm.metrics import EngineMetrics
 
 
@@ -83,6 +84,8 @@ class Engine:
     config: EngineConfig
     model_name: str
     on_change: Callable[[], None] = attrs.field(repr=False)
+    lora: LoraSlots | None = None
+    """The LoRA adapters it holds, reported with its metrics; None: no LoRA."""
     slots: FifoSlots = attrs.field(init=False)
     cache: PrefixCache | None = attrs.field(init=False)
     """None when no ``kv_blocks`` are given: nothing is cached, nothing is counted."""
@@ -103,7 +106,7 @@ class Engine:
                 prefill_per_token=config.prefill_per_token or 0.0,
                 on_change=self.on_change,
             )
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, lora=self.lora is not None)
 
     @property
     def running(self) -> int:
@@ -167,4 +170,6 @@ class Engine:
     def render_metrics(self) -> bytes:
         """The Prometheus text exposition of the engine's state now."""
         usage = 0.0 if self.cache is None else self.cache.usage
-        return self.metrics.render(running=self.running, waiting=self.waiting, kv_usage=usage)
+        return self.metrics.render(
+            running=self.running, waiting=self.waiting, kv_usage=usage, lora=self.lora
+        )

@@ -40,6 +40,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from muxproxy.testing.fakellm.app import App, FakeBackendDied, FakeLLM, Receive, Scope, Send
 from muxproxy.testing.fakellm.knobs import add_arguments
+from muxproxy.testing.fakellm.lora import LoraSlots
 
 _ABORT_DRAIN_TIMEOUT = 1.0
 """Longest wait for queued h2 DATA to leave before the RST_STREAM of a die-after."""
@@ -137,6 +138,11 @@ async def _reset_h2_stream(send: Send) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a fake backend from parsed :func:`add_arguments` options until interrupted."""
+    try:
+        lora = LoraSlots.of(args.lora_adapters, args.max_lora)
+    except ValueError as exc:
+        print(f"muxproxy fakellm: {exc}", file=sys.stderr)
+        return 2
     fake = FakeLLM(
         backend_id=args.backend_id,
         tokens=args.tokens,
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         ttft_base=args.ttft_base,
         prefill_per_token=args.prefill_per_token,
         prefill_chunk=args.prefill_chunk,
+        lora=lora,
     )
 
     async def serve() -> None:
