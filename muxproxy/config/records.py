@@ -407,8 +407,8 @@ class Upstream:
     prefix: PrefixAffinity = PrefixAffinity()
     """What ``affinity = "prefix"`` keys on, and how loaded a server may get."""
     load_report: LoadReporting | None = None
-    """Poll each server's Prometheus endpoint for the engine's own load (vLLM, SGLang);
-    None: the proxy's own count only."""
+    """Poll each server's Prometheus endpoint for the engine's own load and LoRA adapters
+    (vLLM, SGLang); None: the proxy's own count only."""
     queue: AdmissionQueue = AdmissionQueue()
     """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None
