@@ -14,8 +14,9 @@ The opt-in model of a GPU inference engine behind the app: ``engine.py`` (pure: 
 tokens, the prefix KV cache, the options), ``scheduler.py`` (its Trio side: generations
 first come first served in ``max_running`` slots), ``steps.py`` (pure: what one step of
 continuous batching prefills and decodes), ``batch.py`` (the loop of those steps, with
-``prefill_chunk``) and ``metrics.py`` (``GET /metrics`` under vLLM's metric names). This
-package hands on their public names.
+``prefill_chunk``), ``metrics.py`` (``GET /metrics`` under vLLM's metric names) and
+``lora.py`` (the LoRA adapters it holds and reports). This package hands on their public
+names.
 """
 
 from __future__ import annotations
