@@ -17,8 +17,8 @@ sample per combination seen since the engine started; the newest, the one with t
 value, is the engine now.
 
 Reading (``read_lora``): every line of the gauge (its name also written with ``_`` for the
-colon, as ``loadreport.py`` reads every name) is found by one anchored regular expression,
-its value read from after its last ``}`` (a label value may hold a ``}``, the value and a
+colon, as ``loadreport.py`` reads every name) is found by a plain substring search, its
+value read from after its last ``}`` (a label value may hold a ``}``, the value and a
 timestamp cannot); only the newest line goes to prometheus_client's parser, at most
 ``MAX_LORA_LINE`` characters, with at most ``MAX_ADAPTERS`` adapters. A newest line that is
 too long or unreadable leaves the engine's adapters unknown (None), a ``max_lora`` that is
@@ -47,8 +47,7 @@ A request for the base model (or any name that is not an adapter) keeps the grou
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -69,9 +68,10 @@ MAX_ADAPTERS = 256
 _MAX_SLOTS_DIGITS = 6
 """A ``max_lora`` of more digits than this is not an engine's (it is unknown then)."""
 
-_LORA_LINE = re.compile(
-    r"^[ \t]*(?:vllm:lora_requests_info|vllm_lora_requests_info)\{[^\n]*", re.MULTILINE
-)
+_SUFFIX = "lora_requests_info{"
+_PREFIXES = frozenset({"vllm:", "vllm_"})
+_PREFIX_LENGTH = 5
+"""The gauge's name is ``vllm:`` (or ``vllm_``, escaped) and ``_SUFFIX`` without its ``{``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -94,8 +94,7 @@ def read_lora(text: str, parse: Callable[[str], Iterable[Metric]]) -> LoraReport
     readable (see the module header). ``parse``: prometheus_client's text parser."""
     newest: str | None = None
     newest_value = -math.inf
-    for match in _LORA_LINE.finditer(text):
-        line = match.group(0)
+    for line in _lines(text):
         value = _sample_value(line)
         if value is not None and value > newest_value:
             newest, newest_value = line, value
@@ -109,6 +108,21 @@ def read_lora(text: str, parse: Callable[[str], Iterable[Metric]]) -> LoraReport
         for sample in family.samples:
             return _report(sample.labels)
     return None
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The gauge's sample lines with labels, found with ``str.find`` (a page without LoRA
+    costs one search); each line of ``text`` is looked at once, so the scan is linear."""
+    start = 0
+    while (at := text.find(_SUFFIX, start)) >= 0:
+        begin = text.rfind("\n", 0, at) + 1
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        start = end
+        name_at = at - _PREFIX_LENGTH
+        blank = name_at >= begin and not text[begin:name_at].strip(" \t")  # before the name
+        if blank and text[name_at:at] in _PREFIXES:
+            yield text[begin:end]
 
 
 def _sample_value(line: str) -> float | None:

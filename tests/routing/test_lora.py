@@ -85,6 +85,21 @@ def test_a_label_value_holding_a_brace_does_not_hide_the_value() -> None:
     assert lora_of(page) == LoraReport(loaded=frozenset({"a}b"}), max_lora=4)
 
 
+def test_only_sample_lines_of_the_gauge_itself_are_read() -> None:
+    newer = info("other", value="9")
+    lines = [
+        "  \t" + info("kept", value="2"),  # blanks before a name are allowed
+        "x" + newer,  # another metric's name
+        "# HELP " + newer,  # a comment
+        newer[len("vllm:") :],  # no prefix, at the start of the page
+        'sglang:lora_requests_info{running_lora_adapters="s"} 9\n',
+    ]
+    assert lora_of(lines[-2] + "".join(lines)) == LoraReport(loaded=frozenset({"kept"}), max_lora=4)
+    assert lora_of(info("last", value="3").rstrip("\n")) == LoraReport(  # no final line feed
+        loaded=frozenset({"last"}), max_lora=4
+    )
+
+
 def test_samples_without_a_finite_value_are_passed_over() -> None:
     page = info("nan", value="NaN") + info("inf", value="+Inf") + info("ok", value="1")
     page += info("bad", value="x") + 'vllm:lora_requests_info{max_lora="4"}\n'
