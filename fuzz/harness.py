@@ -87,6 +87,7 @@ from muxproxy.fleet.budgets import BadReply, read_reply
 from muxproxy.fleet.sessions import SessionEntry
 from muxproxy.routing.affinity import key_hash
 from muxproxy.routing.loadreport import ReportError, parse_load_report
+from muxproxy.routing.lora import MAX_ADAPTERS
 from muxproxy.testing.simdriver import SimDriver
 
 KINDS = ("client_h1", "client_h2", "backend_h1", "backend_h2")
@@ -345,8 +346,8 @@ def check_endings(driver: SimDriver) -> None:
 
 def check_report(body: bytes) -> None:
     """The ``load_report`` target: a backend's ``/metrics`` body through ``parse_load_report``,
-    which may raise ``ReportError`` and nothing else; a report it returns holds counts >= 0
-    and a KV-cache fraction in [0, 1]."""
+    which may raise ``ReportError`` and nothing else; a report it returns holds counts >= 0,
+    a KV-cache fraction in [0, 1], and LoRA adapters (vLLM's only) within their bound."""
     try:
         report = parse_load_report(body)
     except ReportError:
@@ -356,3 +357,7 @@ def check_report(body: bytes) -> None:
     kv = report.kv_cache
     assert kv is None or (math.isfinite(kv) and 0.0 <= kv <= 1.0), report
     assert report.engine in ("vllm", "sglang"), report
+    lora = report.lora
+    if lora is not None:
+        assert report.engine == "vllm" and len(lora.loaded) <= MAX_ADAPTERS, report
+        assert all(lora.loaded) and (lora.max_lora is None or lora.max_lora >= 0), report
