@@ -642,3 +642,40 @@ def test_with_nobody_belonging_there_the_fairest_takes_a_freed_slot() -> None:
     belongs_on_a, _ = rig.waits(chat("belongs on A", system=to_a))
     rig.finish(up_b, admits=belongs_on_a, to=B)  # no slot is left idle: it goes to B
     assert rig.queue_len() == 0
+
+
+LORA_INFO = (
+    'vllm:lora_requests_info{{max_lora="{slots}",running_lora_adapters="{held}",'
+    'waiting_lora_adapters=""}} 1.7e9\n'
+)
+
+
+def lora_page(held: str, slots: int) -> bytes:
+    return page() + LORA_INFO.format(held=held, slots=slots).encode()
+
+
+def naming(model: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_a_request_naming_a_lora_adapter_goes_where_it_is_held() -> None:
+    """The body's ``model`` is read (a group with load reports holds the body first) and
+    places the request: on the engine holding the adapter, a new one on a free slot; the
+    base model (the gauges' ``model_name``) round-robin as before."""
+    rig = Llm(reporting_fleet(A, B))
+    assert rig.group.reads_body
+    polls_due(rig)
+    poll(rig, 1, lora_page("sql", 1))  # A holds "sql", no slot free
+    poll(rig, 2, lora_page("chat", 2))  # B holds "chat", one slot free
+    assert rig.router.status(rig.pb.now)["servers"][0]["reported"]["lora_adapters"] == ["sql"]
+    for _ in range(2):
+        rig.post(naming("sql"), to=A)  # the streams stay open
+    rig.post(naming("sql"), to=B)  # A is over its bound: 2 + 1 > ceil(1.25 x 3 / 2)
+    for _ in range(2):
+        rig.post(naming("legal"), to=B)  # held nowhere: B's free slot
+    base = {rig.post(naming("m"))[2].server for _ in range(2)}
+    assert base == {A, B}  # round-robin, as without LoRA
+    # Three intervals later the reports are stale: every name is placed as before.
+    rig.pb.now += 3.5
+    assert {rig.post(naming("sql"))[2].server for _ in range(2)} == {A, B}
+    rig.pb.done()
