@@ -1,5 +1,6 @@
 """Load reports: a periodic ``GET <load_report.path>`` to every server of a group that asks
-for them, read as the engine's own load (``routing/loadreport.py``).
+for them, read as the engine's own load and LoRA adapters (``routing/loadreport.py``,
+``routing/lora.py``).
 
 A ``LoadPoll`` is a probe (``probes.py``) of another kind: the same way to the server (a
 pooled backend connection, as requests use), the same timers and the same states; what
