@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 import trio
-from conftest import StartBackend
 
 from muxproxy.routing.loadreport import parse_load_report
 from muxproxy.routing.lora import LoraReport
@@ -18,6 +18,9 @@ from muxproxy.testing.fakellm import MODEL
 from muxproxy.testing.fakellm.knobs import add_arguments
 from muxproxy.testing.fakellm.lora import LoraSlots
 from muxproxy.testing.fakellm.server import run
+
+if TYPE_CHECKING:
+    from conftest import StartBackend
 
 CHAT = "/v1/chat/completions"
 
