@@ -461,7 +461,7 @@ def max_wait(check: Checker, value: Any, path: str) -> tuple[tuple[int, float], 
     valid = True
     for key, seconds in value.items():
         where = join(path, key)
-        if not (isinstance(key, str) and key.isdigit() and int(key) < PRIORITIES):
+        if key not in _CLASSES:
             check.add(where, f"expected a priority class 0..{PRIORITIES - 1} as the key")
             valid = False
             continue
@@ -480,6 +480,8 @@ def max_wait(check: Checker, value: Any, path: str) -> tuple[tuple[int, float], 
     return tuple(sorted(found)) if valid else None
 
 
+_CLASSES = frozenset(str(level) for level in range(PRIORITIES))
+"""The keys of ``max_wait``: the priority classes as ``priority`` reads them, one digit."""
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
