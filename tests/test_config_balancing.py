@@ -208,6 +208,11 @@ def test_max_wait_gives_named_classes_their_deadline_and_the_rest_the_timeout() 
             " (a day), got 86401.0; lower it to 86400 or less",
         ),
         (
+            {"1": 10**400},
+            "upstreams.gpus.queue.max_wait.1: expected a finite number, more than 0 and at most"
+            " 86400 seconds (a day), got inf",
+        ),
+        (
             {"1": True},
             "upstreams.gpus.queue.max_wait.1: expected seconds (a number) or a duration such as"
             ' "30s", "500ms" or "2m", got true',

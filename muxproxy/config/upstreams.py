@@ -489,7 +489,8 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 def _seconds(value: Any) -> float | None:
     """Seconds from a number or a duration with its unit (``"30s"``), unchecked for range."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        # An integer too large for a float is an infinity: refused by the range.
+        return float(value) if abs(value) < 2**1000 else math.inf
     if isinstance(value, str) and (match := _DURATION.match(value)):
         return float(match[1]) * _UNITS[match[2]]
     return None
