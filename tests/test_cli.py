@@ -291,6 +291,7 @@ load_report = { interval = 1 }
 tenant = "header:Authorization"
 priority = "header:X-Priority"
 rate_limit = { tokens_per_minute = 100000 }
+queue = { max_wait = { 9 = "2s", 0 = 60 } }
 """
 
 
@@ -306,7 +307,8 @@ def test_check_summarizes_balancing_and_admission(tmp_path: Path) -> None:
         " and 16 streams over the least loaded server",
         "    load reports GET /metrics every 1s (stale after 3s; no new sessions above 95% KV"
         " cache)",
-        "    admission queue of 1000, 30s at most, then 429 (Retry-After 1s)",
+        "    admission queue of 1000, 30s at most, class 0: 60s, class 9: 2s, then 429"
+        " (Retry-After 1s)",
         "    budget per tenant: 100000 tokens a minute",
         "    tenant by header:authorization; priority by header:x-priority",
     ]

@@ -162,3 +162,67 @@ def problems(data: dict[str, Any]) -> list[str]:
 )
 def test_one_problem(group: dict[str, Any], message: str) -> None:
     assert problems(valid(**group)) == [message]
+
+
+# -- the queue's deadline per priority class -----------------------------------------------
+
+
+def test_max_wait_gives_named_classes_their_deadline_and_the_rest_the_timeout() -> None:
+    queue = {"timeout": 20, "max_wait": {"0": 60, "5": "1.5s", "9": "500ms", "3": "2m"}}
+    found = parse_config(valid(queue=queue)).upstreams["gpus"].queue
+    assert found.max_wait == ((0, 60.0), (3, 120.0), (5, 1.5), (9, 0.5))
+    assert [found.wait_for(level) for level in range(10)] == [
+        60.0, 20.0, 20.0, 120.0, 20.0, 1.5, 20.0, 20.0, 20.0, 0.5
+    ]  # fmt: skip
+    assert AdmissionQueue().wait_for(9) == 30.0  # none named: queue.timeout for every class
+
+
+@pytest.mark.parametrize(
+    ("max_wait", "message"),
+    [
+        (
+            {"10": 5},
+            "upstreams.gpus.queue.max_wait.10: expected a priority class 0..9 as the key",
+        ),
+        (
+            {"09": 5},
+            "upstreams.gpus.queue.max_wait.09: expected a priority class 0..9 as the key",
+        ),
+        (
+            {"high": 5},
+            "upstreams.gpus.queue.max_wait.high: expected a priority class 0..9 as the key",
+        ),
+        (
+            {"9": 0},
+            "upstreams.gpus.queue.max_wait.9: expected more than 0 and at most 86400 seconds"
+            " (a day), got 0.0; raise it above 0",
+        ),
+        (
+            {"9": "2d"},
+            "upstreams.gpus.queue.max_wait.9: expected seconds (a number) or a duration such as"
+            ' "30s", "500ms" or "2m", got "2d"',
+        ),
+        (
+            {"1": 86401},
+            "upstreams.gpus.queue.max_wait.1: expected more than 0 and at most 86400 seconds"
+            " (a day), got 86401.0; lower it to 86400 or less",
+        ),
+        (
+            {"1": 10**400},
+            "upstreams.gpus.queue.max_wait.1: expected a finite number, more than 0 and at most"
+            " 86400 seconds (a day), got inf",
+        ),
+        (
+            {"1": True},
+            "upstreams.gpus.queue.max_wait.1: expected seconds (a number) or a duration such as"
+            ' "30s", "500ms" or "2m", got true',
+        ),
+        (
+            30,
+            "upstreams.gpus.queue.max_wait: expected a table of priority classes, e.g."
+            ' { 0 = 60, 9 = "2s" }, got 30',
+        ),
+    ],
+)
+def test_a_bad_max_wait_is_refused_naming_its_class(max_wait: Any, message: str) -> None:
+    assert problems(valid(queue={"max_wait": max_wait})) == [message]

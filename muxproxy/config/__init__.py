@@ -31,6 +31,7 @@ from muxproxy.config.loading import (
     parse_quick_config,
     quick_config,
 )
+from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.records import (
     ADMIN_TOKEN_ENV,
     CONDITIONS,
@@ -40,7 +41,6 @@ from muxproxy.config.records import (
     RESUME_CREDENTIALS,
     SOURCE_KINDS,
     AdminSettings,
-    AdmissionQueue,
     AffinityMode,
     Api,
     Balance,

@@ -38,6 +38,7 @@ from muxproxy.config import (
     fleet,
     fleetkeys,
     logs,
+    queue,
     ranges,
     records,
     sections,
@@ -146,6 +147,8 @@ _VALUE_KINDS: dict[Any, str] = {
     upstreams.load_reporting: "a table",
     upstreams.seconds_or_zero: "seconds (a number >= 0; 0: off)",
     upstreams.admission_queue: "a table",
+    upstreams.max_wait: "a table of priority classes (0..9) to seconds or durations"
+    ' ("500ms", "30s", "2m"), each: range as `queue.timeout`',
     upstreams.rate_limit: "a table",
     sections.size: 'a size: bytes, or a string such as "256 KiB" (B, KiB, MiB, GiB)',
     storeurl.store_url: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
@@ -200,6 +203,7 @@ _EXAMPLES = {
     f"{GROUP}.prefix.balance_gap": "balance_gap = 2",
     f"{GROUP}.load_report": '[upstreams.gpus.load_report]\npath = "/metrics"\ninterval = 1',
     f"{GROUP}.queue": "[upstreams.gpus.queue]\nmax = 200",
+    f"{GROUP}.queue.max_wait": 'max_wait = { 0 = 60, 5 = "10s", 9 = "2s" }',
     f"{GROUP}.tenant": 'tenant = "header:Authorization"',
     f"{GROUP}.priority": 'priority = "header:X-Priority"',
     f"{GROUP}.rate_limit": "[upstreams.gpus.rate_limit]\ntokens_per_minute = 100000",
@@ -264,6 +268,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
         *ast.parse(inspect.getsource(records)).body,
         *ast.parse(inspect.getsource(fleet)).body,
         *ast.parse(inspect.getsource(discovery)).body,
+        *ast.parse(inspect.getsource(queue)).body,
         *ast.parse(inspect.getsource(extensions)).body,
     ]
     docs: dict[tuple[str, str], str] = {}
@@ -356,7 +361,7 @@ def _default(table: Table, key: str, field: attrs.Attribute[Any] | None, path: s
         return "not set"
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs's own class
         return "none"
-    if path == f"{GROUP}.set_headers" and default == ():
+    if path in (f"{GROUP}.set_headers", f"{GROUP}.queue.max_wait") and default == ():
         return "none"
     text = _toml(default)
     if isinstance(default, int) and not isinstance(default, bool) and path in _BYTES:

@@ -30,9 +30,9 @@ from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from muxproxy.config.logs import _LOG_KEYS
+from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.records import (
     AdminSettings,
-    AdmissionQueue,
     GroupTimeouts,
     HealthCheck,
     Limits,

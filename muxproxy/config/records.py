@@ -15,6 +15,7 @@ import attrs
 from muxproxy.config.discovery import Discover
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
+from muxproxy.config.queue import AdmissionQueue
 
 
 class _HostPort:
@@ -213,25 +214,6 @@ class LoadReporting:
 
 
 @attrs.frozen(kw_only=True)
-class AdmissionQueue:
-    """``queue``: where requests wait while every candidate server is full (``max_streams``,
-    ``max_waiting``)."""
-
-    max: int = 1000
-    """Requests waiting at most (per group and process); past it: 429."""
-    timeout: float = 30.0
-    """Seconds a request may wait; then: 429."""
-    retry_after: int = 1
-    """The ``Retry-After`` seconds of a 429 for a full queue or a wait that timed out."""
-    affinity_wait: float = 1.0
-    """Locality in the queue: a freed slot goes to the first of the next waiting requests
-    that belongs on its server (its session key's or prefix's first candidate), or that has
-    waited this many seconds; if none does, to the first in fair order (no slot stays idle).
-    So a request is passed over for others' locality for about this long at most. 0: fair
-    order alone."""
-
-
-@attrs.frozen(kw_only=True)
 class RateLimit:
     """``rate_limit``: per-tenant budgets (token buckets refilled over a minute)."""
 
@@ -409,7 +391,7 @@ class Upstream:
     load_report: LoadReporting | None = None
     """Poll each server's Prometheus endpoint for the engine's own load and LoRA adapters
     (vLLM, SGLang); None: the proxy's own count only."""
-    queue: AdmissionQueue = AdmissionQueue()
+    queue: AdmissionQueue = AdmissionQueue()  # noqa: RUF009  (frozen: one default is safe)
     """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None
     """Whose request it is, for the queue's fairness and ``rate_limit`` (the value is hashed,

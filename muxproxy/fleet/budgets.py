@@ -332,6 +332,7 @@ def refusal_of(verdict: Verdict, budget: Budget, tokens: int) -> Refusal:
             reason=f"request of {tokens} tokens exceeds the limit of {tpm} tokens per minute",
             headers=headers,
             too_large=True,
+            tokens=True,
         )
     short: list[str] = []
     if Short.CONCURRENCY in verdict.short:
@@ -346,4 +347,5 @@ def refusal_of(verdict: Verdict, budget: Budget, tokens: int) -> Refusal:
         reason="rate limit reached: " + ", ".join(short),
         headers=headers,
         too_large=False,
+        tokens=Short.TOKENS in verdict.short,
     )

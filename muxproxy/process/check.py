@@ -157,9 +157,10 @@ def _describe_llm(group: Upstream) -> list[str]:
         )
     if group.admission:
         queue = group.queue
+        classes = "".join(f", class {level}: {seconds(wait)}" for level, wait in queue.max_wait)
         lines.append(
-            f"admission queue of {queue.max}, {seconds(queue.timeout)} at most, then 429"
-            f" (Retry-After {queue.retry_after}s)"
+            f"admission queue of {queue.max}, {seconds(queue.timeout)} at most{classes}, then"
+            f" 429 (Retry-After {queue.retry_after}s)"
         )
     budget = group.rate_limit
     if budget is not None:

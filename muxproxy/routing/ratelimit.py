@@ -130,6 +130,9 @@ class Refusal:
     """The tenant's ``x-ratelimit-*`` headers; the caller adds Retry-After."""
     too_large: bool
     """The request's tokens exceed the whole per-minute budget: no wait makes it fit."""
+    tokens: bool
+    """The token budget is short (or ``too_large``): a ``budget`` refusal; False: only the
+    request rate or the requests in flight are (``rate_limited``)."""
 
 
 def format_duration(seconds: float) -> bytes:
@@ -192,6 +195,7 @@ class RateLimiter:
                 reason=f"request of {tokens} tokens exceeds the limit of {tpm} tokens per minute",
                 headers=self.headers(tenant, now),
                 too_large=True,
+                tokens=True,
             )
         bucket = self._take(tenant, now)
         short: list[str] = []
@@ -214,6 +218,7 @@ class RateLimiter:
                 reason="rate limit reached: " + ", ".join(short),
                 headers=self._headers(bucket),
                 too_large=False,
+                tokens=tpm is not None and bucket.tokens < tokens,
             )
         if rpm is not None:
             bucket.requests -= 1

@@ -293,9 +293,10 @@ def test_a_full_queue_answers_429_with_retry_after_in_the_openai_shape() -> None
     rig.waits(chat())
     head, body = rig.refused(chat())
     headers = dict(head.headers)
-    assert headers[b"retry-after"] == b"3"
+    assert headers[b"retry-after"] == b"3" and headers[b"x-muxproxy-reason"] == b"queue_full"
     error = json.loads(body)["error"]
-    assert error["code"] == "rate_limit_exceeded" and "queue is full" in error["message"]
+    assert error["code"] == "queue_full" and "queue is full" in error["message"]
+    assert error["type"] == "requests"
     refused = rig.pb.core.measurements.refusals
     assert refused == {("default", "queue_full"): 1}
     group = rig.pb.core.status()["groups"]["default"]
@@ -405,7 +406,8 @@ def test_concurrent_requests_cannot_spend_more_than_the_token_budget() -> None:
     assert int(headers[b"retry-after"]) >= 1
     # Another tenant has its own budget.
     rig.post(chat(max_tokens=600), [("Authorization", "Bearer t2")])
-    assert rig.pb.core.measurements.refusals == {("default", "rate_limited"): 1}
+    assert headers[b"x-muxproxy-reason"] == b"budget"  # its tokens, not its request rate
+    assert rig.pb.core.measurements.refusals == {("default", "budget"): 1}
     # The first stream used 100 of its 600: settled, 900 remain for t1.
     rig.finish(up, events=3, usage=100)
     rig.post(chat(max_tokens=800), key)

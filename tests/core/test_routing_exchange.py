@@ -114,6 +114,13 @@ class Opens:
         return f"Opens(to={self.to}, avoid={self.avoid})"
 
 
+def no_server(text: str) -> bytes:
+    """The body of a ``no_server`` refusal (502, 503) on ``CHAT``, an OpenAI path: OpenAI's
+    error object with the reason as its code (``core/exchange/refusal.py``)."""
+    error = {"message": text, "type": "server_error", "param": None, "code": "no_server"}
+    return json.dumps({"error": error}).encode()
+
+
 def body_is(body: bytes, *, end: bool = True) -> Check:
     """A run of response body: exactly ``body``, no second head, and (``end``) its end."""
 
@@ -370,7 +377,7 @@ def test_tries_bounds_the_attempts_then_502() -> None:
     rig = Routing(fleet(next_upstream=NextUpstream(tries=2)))
     conn, client, first = rig.ask()
     second = fails_over(rig, first.conn, conn, avoid={first.server})
-    gave_up(rig, second.conn, conn, client, 502, b"upstream unavailable\n")
+    gave_up(rig, second.conn, conn, client, 502, no_server("upstream unavailable"))
     assert len(rig.logs("retry")) == 1
     assert rig.logs("access")[0].fields["tries"] == 2
 
@@ -595,7 +602,7 @@ def test_no_retry_after_tries_timeout(elapsed: float, retried: bool) -> None:
         rig.pb.done()
         assert rig.logs("retry")
     else:
-        gave_up(rig, first.conn, conn, client, 502, b"upstream unavailable\n")
+        gave_up(rig, first.conn, conn, client, 502, no_server("upstream unavailable"))
         assert not rig.logs("retry")
 
 
@@ -883,11 +890,11 @@ def test_no_usable_server_answers_503_at_once() -> None:
     pb = rig.pb
     conn, client, first = rig.ask()
     second = fails_over(rig, first.conn, conn, avoid={first.server})
-    gave_up(rig, second.conn, conn, client, 502, b"upstream unavailable\n")
+    gave_up(rig, second.conn, conn, client, 502, no_server("upstream unavailable"))
     conn, client = rig.connect()
     pb >> data(conn, client.request("GET", CHAT))
     pb << CancelTimer(timer=("header", conn))
-    rig.answered(conn, client, 503, b"no backend available\n")  # no OpenConnection
+    rig.answered(conn, client, 503, no_server("no backend available"))  # no OpenConnection
     pb.done()
 
 
@@ -900,10 +907,10 @@ def test_backup_is_used_only_when_every_primary_is_down() -> None:
         rig.serve(*call)
     conn, client, first = rig.ask(avoid={C})
     # One primary down: the other takes the traffic.
-    gave_up(rig, first.conn, conn, client, 502, b"upstream unavailable\n")
+    gave_up(rig, first.conn, conn, client, 502, no_server("upstream unavailable"))
     conn, client, second = rig.ask(avoid={C, first.server})
     # Both primaries down.
-    gave_up(rig, second.conn, conn, client, 502, b"upstream unavailable\n")
+    gave_up(rig, second.conn, conn, client, 502, no_server("upstream unavailable"))
     for _ in range(3):
         rig.ask(to=C)
         rig.pb.done()

@@ -531,10 +531,11 @@ async def test_openai_sdk_shows_the_reason_of_a_502(start_proxy):
         "message": "upstream unavailable",
         "type": "server_error",
         "param": None,
-        "code": "bad_gateway",
+        "code": "no_server",
     }
-    assert error.type == "server_error" and error.code == "bad_gateway"
+    assert error.type == "server_error" and error.code == "no_server"
     assert error.response.headers["content-type"] == "application/json"
+    assert error.response.headers["x-muxproxy-reason"] == "no_server"
 
 
 async def test_openai_sdk_shows_the_reason_of_a_504(start_proxy, nursery):

@@ -616,8 +616,10 @@ async def test_group_without_usable_server_answers_503_at_once(nursery, start_pr
 
     assert status == 503
     assert clean
-    assert data == b"no backend available\n"
-    assert content_type == "text/plain; charset=utf-8"
+    # A chat path: OpenAI's error object, with the reason (``core/exchange/refusal.py``).
+    error = {"message": "no backend available", "type": "server_error", "param": None}
+    assert json.loads(data) == {"error": {**error, "code": "no_server"}}
+    assert content_type == "application/json"
     # At once: no backend was tried, none even connected to.
     assert access["tries"] == 0 and access["server"] is None
     assert all(b.fake.requests == 0 for b in backends)

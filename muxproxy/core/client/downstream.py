@@ -43,6 +43,7 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.credentials import check_credentials
+from muxproxy.core.http.errors import ErrorBody
 from muxproxy.core.http.intake import MalformedRequest, check_request_limits
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
@@ -354,6 +355,7 @@ class Downstream:
         request_id: bytes | None = None,
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
+        shaped: ErrorBody | None = None,
     ) -> int:
         """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
@@ -366,6 +368,7 @@ class Downstream:
             request_id=request_id,
             extra=extra,
             rewrite=rewrite,
+            shaped=shaped,
         )
 
     def refuse_slow_body(

@@ -30,7 +30,7 @@ from muxproxy.config import Api, Config
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.http.errors import error_response
+from muxproxy.core.http.errors import ErrorBody, error_response
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.http1.h1 import H1Server, PeerError
@@ -74,14 +74,16 @@ def send_error(
     request_id: bytes | None = None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
+    shaped: ErrorBody | None = None,
 ) -> int:
     """``Answerer.send_error``: the proxy's own short response on ``stream``; returns the
     body bytes sent, for the access log. ``extra``: fields it carries besides its own
     (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429); ``rewrite``: what its fields
-    become (the extensions' ``on_response_head``)."""
+    become (the extensions' ``on_response_head``); ``shaped``: its body, made already (a refusal
+    in its API's shape, ``core/exchange/refusal.py``)."""
     h2s = client.h2
     if h2s is not None:
-        headers, body = own_answer(client, status, text, api, request_id, extra, rewrite)
+        headers, body = own_answer(client, status, text, api, request_id, extra, rewrite, shaped)
         # RFC 9110 §9.3.2, RFC 9113 §8.1: a response to HEAD is one HEADERS frame that ends
         # the stream, no DATA frame.
         h2s.send_head(
@@ -93,7 +95,7 @@ def send_error(
         client.flush()
         return 0 if head_only else len(body)
     if client.h1 is not None:
-        return h1_error(client, status, text, api, request_id, extra, rewrite)
+        return h1_error(client, status, text, api, request_id, extra, rewrite, shaped)
     return 0
 
 
@@ -105,12 +107,13 @@ def h1_error(
     request_id: bytes | None = None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
+    shaped: ErrorBody | None = None,
 ) -> int:
     """The proxy's own response on HTTP/1.1, with ``Connection: close`` (nothing if a
     response began already); returns the body bytes it carried."""
     h1 = client.h1
     assert h1 is not None
-    headers, body = own_answer(client, status, text, api, request_id, extra, rewrite)
+    headers, body = own_answer(client, status, text, api, request_id, extra, rewrite, shaped)
     out = h1.send_whole(status, headers, body)
     client.send_raw(out)
     return len(body) if out and not h1.head_only else 0
@@ -124,10 +127,11 @@ def own_answer(
     request_id: bytes | None,
     extra: Fields,
     rewrite: AnswerRewrite | None,
+    shaped: ErrorBody | None = None,
 ) -> tuple[Headers, bytes]:
     """The head fields and body of one of the proxy's own answers, either protocol: the
     error body, ``Date``, the request id, ``extra``, then the extensions' ``rewrite``."""
-    headers, body = error_response(status, text, api=api, date=client.fx.http_date())
+    headers, body = error_response(status, text, api=api, date=client.fx.http_date(), shaped=shaped)
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
     headers.extend(extra)

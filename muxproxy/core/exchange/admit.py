@@ -22,9 +22,12 @@ What it obeys:
   (``fleetadmit.py``, ``FleetHold``) and so is the settling: a ``BudgetSettle`` command the
   driver sends off the request's path.
 - The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
-  room waits, fair between tenants and strict between priorities, for at most
-  ``queue.timeout`` seconds; past ``queue.max`` waiting, or past the timeout, it is answered
-  429 with ``Retry-After: queue.retry_after``. Its wait is measured.
+  room waits, fair between tenants and strict between priorities, for at most its priority
+  class's deadline (``queue.max_wait``, else ``queue.timeout``); past ``queue.max`` waiting,
+  or past its deadline, it is answered 429 with ``Retry-After: queue.retry_after``
+  (``refusal.py``: ``queue_full``, ``queue_timeout``). A deadline is the class's own
+  (a class-9 request may give up after its 2 s while a class-0 one still waits); the order
+  of service does not change. Its wait is measured.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from muxproxy.config import AffinityMode, SessionSource, Upstream
+from muxproxy.config.queue import PRIORITIES
 from muxproxy.core.commands import BudgetSettle
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.credentials import credential_key, repeated_field
@@ -50,9 +54,6 @@ from muxproxy.routing.sticky import source_value
 if TYPE_CHECKING:
     from muxproxy.core.observe.series import GroupStats
     from muxproxy.routing.router import GroupRouter
-
-_PRIORITIES = 10
-"""Priority classes 0..9 (lower first)."""
 
 
 def tenant_of(value: bytes | None) -> int:
@@ -70,7 +71,7 @@ def priority_of(value: bytes | None) -> int:
         level = int(value.strip() or b"x")
     except ValueError:
         return 0
-    return min(max(level, 0), _PRIORITIES - 1)
+    return min(max(level, 0), PRIORITIES - 1)
 
 
 @attrs.define
@@ -205,7 +206,8 @@ class Admission:
         self.home = home
         fx = self.fx
         self.queued_at = fx.now
-        fx.set_timer((ExchangeTimer.QUEUE, ident), fx.now + self.group.queue.timeout)
+        deadline = fx.now + self.group.queue.wait_for(self.priority)  # its class's ``max_wait``
+        fx.set_timer((ExchangeTimer.QUEUE, ident), deadline)
         return True
 
     def may_go(self, rooms: set[str], now: float) -> bool:

@@ -18,8 +18,9 @@ What it obeys:
   client (``grpc.is_grpc``) gets a gRPC answer, HTTP 200 with a Trailers-Only response whose
   ``grpc-status`` maps the HTTP status (grpc/doc/http-grpc-status-mapping.md), with Date and
   X-Request-ID; any other client the short response of ``errors.py`` through its connection
-  (plain text, or the OpenAI error object on an ``api = "openai"`` route), without a body
-  for HEAD (RFC 9110 §9.3.2).
+  (plain text, or the OpenAI error object on an ``api = "openai"`` route; a refusal with its
+  reason in its API's own error object, ``refusal.py``), without a body for HEAD (RFC 9110
+  §9.3.2).
 
 Functions only: the exchange decides when; this module knows nothing of its phases.
 """
@@ -27,6 +28,7 @@ Functions only: the exchange decides when; this module knows nothing of its phas
 from __future__ import annotations
 
 from muxproxy.config import Api, Upstream
+from muxproxy.core.exchange.refusal import body_for
 from muxproxy.core.http import grpc
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
 from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
@@ -139,5 +141,6 @@ def send_error_answer(
         request_id=request_id,
         extra=extra,
         rewrite=rewrite,
+        shaped=body_for(request.target, text, extra),
     )
     return status, sent

@@ -9,6 +9,8 @@ What it obeys:
   may be (``sticky.body_limit``, bounded by ``high_water``).
 - Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
   with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
+  Every refusal for want of room, budget or server says why (``refusal.py``: the
+  ``x-muxproxy-reason`` field, the body in the request's API's error shape).
 - Admission: a request every candidate of whose group is full waits in the group's queue
   (QUEUED), or gets 429 when the queue is full or its wait runs out (``queue.retry_after``).
   A request the queue admits is routed again, with the group as configured now.
@@ -33,6 +35,7 @@ from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
 from muxproxy.core.exchange.exchangeports import Routed
 from muxproxy.core.exchange.failover import Failover
+from muxproxy.core.exchange.refusal import Reason, refuse
 from muxproxy.core.http import grpc
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
@@ -157,7 +160,7 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         model=admission.facts.model if admission else None,
     )
     if not failover.candidates:
-        exchange.fail(503, "no backend available")
+        refuse(exchange, Reason.NO_SERVER, 503, "no backend available")
         return
     if not _chosen(exchange, failover):
         return
@@ -195,7 +198,7 @@ def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
     elif condition == "timeout":
         exchange.fail(504, "upstream timed out", reason)
     else:
-        exchange.fail(502, "upstream unavailable", reason)
+        refuse(exchange, Reason.NO_SERVER, 502, "upstream unavailable", reason)
 
 
 def retry_stale(exchange: Routed, reason: str) -> bool:
@@ -221,8 +224,7 @@ def _wait(exchange: Routed) -> None:
     admission, failover = exchange.admission, exchange.failover
     assert admission is not None and failover is not None
     if not admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
-        exchange.host.measurements.admission(failover.group.name, "queue_full")
-        _refuse_busy(exchange, "every server is busy and the queue is full")
+        _refuse_busy(exchange, Reason.QUEUE_FULL, "every server is busy and the queue is full")
         return
     exchange.move(_I.QUEUE)
 
@@ -238,19 +240,20 @@ def admitted(exchange: Routed) -> bool:
     left_queue(exchange, admission, failover)
     group = exchange.fx.config.upstreams.get(exchange.group.name)
     if group is None:
-        exchange.fail(503, "no backend available", "the upstream group was removed")
+        text = "no backend available"
+        refuse(exchange, Reason.NO_SERVER, 503, text, "the upstream group was removed")
         return False
     exchange.group = group
     failover.readmit(group)
     if not failover.candidates:
-        exchange.fail(503, "no backend available")
+        refuse(exchange, Reason.NO_SERVER, 503, "no backend available")
         return False
     if not _chosen(exchange, failover):
         return False
     if not failover.choose_room():
         if admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
             return True
-        _refuse_busy(exchange, "every server is busy and the queue is full")
+        _refuse_busy(exchange, Reason.QUEUE_FULL, "every server is busy and the queue is full")
         return False
     exchange.move(_I.ATTEMPT)
     failover.attempt()
@@ -273,25 +276,24 @@ def left_queue(exchange: Routed, admission: Admission, failover: Failover) -> No
 
 
 def queue_timeout(exchange: Routed) -> None:
-    """The ``queue`` timer: every server stayed busy for the queue's timeout."""
-    failover = exchange.failover
-    assert failover is not None
-    exchange.host.measurements.admission(failover.group.name, "queue_timeout")
-    _refuse_busy(exchange, "every server stayed busy for the queue's timeout")
+    """The ``queue`` timer: every server stayed busy for the deadline of the request's
+    priority class (``queue.max_wait``, else ``queue.timeout``)."""
+    _refuse_busy(exchange, Reason.QUEUE_TIMEOUT, "every server stayed busy for the queue's timeout")
 
 
-def _refuse_busy(exchange: Routed, text: str) -> None:
+def _refuse_busy(exchange: Routed, reason: Reason, text: str) -> None:
     """429: the queue is full or the wait ran out (``Retry-After: queue.retry_after``)."""
     assert exchange.group is not None
     retry = str(exchange.group.queue.retry_after).encode("ascii")
-    exchange.fail(429, text, extra=[(b"retry-after", retry)])
+    refuse(exchange, reason, 429, text, extra=[(b"retry-after", retry)])
 
 
 def _refuse_budget(exchange: Routed, refusal: Refusal) -> None:
-    """429: the tenant's budget is spent (or the request can never fit in it)."""
-    assert exchange.group is not None
-    exchange.host.measurements.admission(exchange.group.name, "rate_limited")
-    exchange.fail(429, refusal.reason, extra=extra_fields(refusal))
+    """429: the tenant's budget is spent (or the request can never fit in it): ``budget``
+    when its tokens are short, ``rate_limited`` when only its request rate or its requests
+    in flight are."""
+    reason = Reason.BUDGET if refusal.tokens else Reason.RATE_LIMITED
+    refuse(exchange, reason, 429, refusal.reason, extra=extra_fields(refusal))
 
 
 def settle(

@@ -10,17 +10,21 @@ text body leaves the user with a bare status code. ``type`` follows the API's ow
 ``requests`` for a 429), ``code`` names the status.
 
 A 404 for a path that no route matches is never route-bound, so it is always plain text; so
-are errors found before a request head is parsed (a head too large, malformed bytes).
+are errors found before a request head is parsed (a head too large, malformed bytes). A body
+shaped elsewhere (``ErrorBody``: a refusal in its API's own error shape,
+``core/exchange/refusal.py``) is sent as it is, with the same fields.
 """
 
 from __future__ import annotations
 
 import json
 
+import attrs
+
 from muxproxy.config import Api
 from muxproxy.core.messages import Headers
 
-__all__ = ["error_response"]
+__all__ = ["ErrorBody", "error_response"]
 
 _TEXT = b"text/plain; charset=utf-8"
 _JSON = b"application/json"
@@ -40,13 +44,29 @@ _OPENAI: dict[int, tuple[str, str]] = {
 }
 
 
+@attrs.frozen(kw_only=True)
+class ErrorBody:
+    """A body for one of the proxy's own answers, made by whoever knows its shape."""
+
+    content_type: bytes
+    data: bytes
+
+
 def error_response(
-    status: int, text: str, *, api: Api | None, date: bytes | None
+    status: int,
+    text: str,
+    *,
+    api: Api | None,
+    date: bytes | None,
+    shaped: ErrorBody | None = None,
 ) -> tuple[Headers, bytes]:
     """The fields and body of a proxy-made ``status`` response saying ``text``.
 
-    ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock."""
-    if api is Api.OPENAI:
+    ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock;
+    ``shaped``: the body, made already (then ``text`` and ``api`` are not read)."""
+    if shaped is not None:
+        body, content_type = shaped.data, shaped.content_type
+    elif api is Api.OPENAI:
         kind, code = _OPENAI.get(
             status, ("invalid_request_error" if status < 500 else "server_error", f"http_{status}")
         )

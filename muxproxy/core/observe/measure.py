@@ -192,7 +192,7 @@ class Measurements:
         self.failures[key] = self.failures.get(key, 0) + 1
 
     def admission(self, group: str, reason: str) -> None:
-        """A request refused by admission control (``admit.py``)."""
+        """A request the proxy refused itself, by ``reason`` (``exchange/refusal.py``)."""
         key = (group, reason)
         self.refusals[key] = self.refusals.get(key, 0) + 1
 

@@ -167,7 +167,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "admissions_refused_total": (
         COUNTER,
         ("group", "reason"),
-        "Requests answered 429 by admission control (queue_full, queue_timeout, rate_limited)",
+        "Requests the proxy refused itself, by reason (x-muxproxy-reason: queue_full,"
+        " queue_timeout, rate_limited, budget, no_server)",
     ),
     "rate_limit_reserved_tokens_total": (
         COUNTER,
