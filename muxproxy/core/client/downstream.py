@@ -54,6 +54,7 @@ from muxproxy.core.messages import (
     Fields,
     Headers,
     Message,
+    OwnBody,
     Refused,
     RequestHead,
     ResponseHead,
@@ -354,6 +355,7 @@ class Downstream:
         request_id: bytes | None = None,
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
+        body: OwnBody | None = None,
     ) -> int:
         """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
@@ -366,6 +368,7 @@ class Downstream:
             request_id=request_id,
             extra=extra,
             rewrite=rewrite,
+            body=body,
         )
 
     def refuse_slow_body(

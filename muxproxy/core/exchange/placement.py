@@ -2,6 +2,8 @@
 
 What it obeys:
 
+- ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the proxy itself, before any
+  route, while it knows a model (``apis/modellist.py``); otherwise they are routed as before.
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
   the backend gets. A group that reads the request's JSON body (a body session key,
   ``least_load``, prefix affinity, token budgets) holds its start first (BUFFERING) until
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import attrs
 
+from muxproxy.config import Config
+from muxproxy.core.apis import modellist
 from muxproxy.core.events import BudgetAnswered
 from muxproxy.core.exchange import fleetadmit
 from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
@@ -62,6 +66,8 @@ def locate(exchange: Routed) -> bool:
         # Routed and forwarded as normalised (paths.py): the backend has nothing left to
         # resolve that could take it out of the route's prefix.
         head = exchange.head = attrs.evolve(head, target=target)
+    if head.target.startswith(modellist.PATH) and _answer_models(exchange):
+        return False
     route = exchange.route = fx.config.route_for(head.target)
     if route is None:
         exchange.fail(404, "no route for this path")
@@ -70,6 +76,25 @@ def locate(exchange: Routed) -> bool:
     exchange.upload.body = RequestBody(group.next_upstream.replay_buffer)
     hooks = exchange.hooks  # extensions may answer, rewrite, pick the group, or wait
     return hooks is None or hooks.request_head(exchange)
+
+
+def _answer_models(exchange: Routed) -> bool:
+    """``GET /v1/models`` (or one model), answered here while any model is known
+    (``apis/modellist.py``); False: not ours, routed as any request."""
+    fx = exchange.fx
+    known = fx.models.known(fx.config.upstreams.values(), model_aliases(fx.config))
+    answer = modellist.models_answer(exchange.head, known)
+    if answer is None:
+        return False
+    status, body = answer
+    exchange.fail(status, "models listed by the proxy", body=body)
+    return True
+
+
+def model_aliases(config: Config) -> tuple[str, ...]:
+    """The names the configuration gives to other models (aliases), listed beside the models
+    the groups serve; none while the configuration names none."""
+    return ()
 
 
 def begin(exchange: Routed) -> None:

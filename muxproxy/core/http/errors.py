@@ -11,6 +11,10 @@ text body leaves the user with a bare status code. ``type`` follows the API's ow
 
 A 404 for a path that no route matches is never route-bound, so it is always plain text; so
 are errors found before a request head is parsed (a head too large, malformed bytes).
+
+An answer of the proxy's own that is not an error text (``OwnBody``: the model list of
+``core/apis/modellist.py``, or its own 404) goes out the same way, with its own body and
+content type in place of the error's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import json
 
 from muxproxy.config import Api
-from muxproxy.core.messages import Headers
+from muxproxy.core.messages import Headers, OwnBody
 
 __all__ = ["error_response"]
 
@@ -41,25 +45,28 @@ _OPENAI: dict[int, tuple[str, str]] = {
 
 
 def error_response(
-    status: int, text: str, *, api: Api | None, date: bytes | None
+    status: int, text: str, *, api: Api | None, date: bytes | None, body: OwnBody | None = None
 ) -> tuple[Headers, bytes]:
-    """The fields and body of a proxy-made ``status`` response saying ``text``.
+    """The fields and body of a proxy-made ``status`` response saying ``text``, or carrying
+    ``body`` where one is given.
 
     ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock."""
-    if api is Api.OPENAI:
+    if body is not None:
+        content_type, data = body.content_type, body.data
+    elif api is Api.OPENAI:
         kind, code = _OPENAI.get(
             status, ("invalid_request_error" if status < 500 else "server_error", f"http_{status}")
         )
         error = {"message": text, "type": kind, "param": None, "code": code}
-        body = json.dumps({"error": error}).encode()
+        data = json.dumps({"error": error}).encode()
         content_type = _JSON
     else:
-        body = (text + "\n").encode()
+        data = (text + "\n").encode()
         content_type = _TEXT
     headers: Headers = [
         (b"content-type", content_type),
-        (b"content-length", str(len(body)).encode()),
+        (b"content-length", str(len(data)).encode()),
     ]
     if date is not None:
         headers.append((b"date", date))
-    return headers, body
+    return headers, data
