@@ -4,7 +4,8 @@ Two groups behind one proxy: ``listed`` names its models in the configuration, `
 learns them from its fake LLM backends' own ``/v1/models`` (``fake-llm``). The OpenAI SDK's
 ``models.list()`` sees the union, each name once; ``models.retrieve()`` finds a learnt model
 and gets ``NotFoundError`` (404, ``model_not_found``) for an unknown one; the Anthropic SDK's
-``models.list()`` gets Anthropic's list. Each SDK runs in a worker thread; the proxy's
+``models.list()`` gets Anthropic's list; an HTTP/2 client gets the same answers (HEAD without
+a body). Each SDK runs in a worker thread; the proxy's
 learning is awaited on its log (``models_poll``), never on elapsed time.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import anthropic
 import attrs
+import httpx
 import openai
 import pytest
 import trio
@@ -61,6 +63,12 @@ async def test_sdks_list_the_union_of_configured_and_learnt_models(
             return listed, found, missing.value, list(claude.models.list())
 
         models, found, missing, claude_models = await trio.to_thread.run_sync(use_sdks)
+        async with httpx.AsyncClient(http1=False, http2=True, base_url=proxy.url) as h2c:
+            over_h2 = await h2c.get("/v1/models")
+            head = await h2c.head("/v1/models/llama-3.1-70b")
+    assert (over_h2.http_version, over_h2.status_code) == ("HTTP/2", 200)
+    assert [m["id"] for m in over_h2.json()["data"]] == ["llama-3.1-70b", MODEL]
+    assert (head.status_code, head.content) == (200, b"")
     assert [m.id for m in models] == ["llama-3.1-70b", MODEL]
     assert all(m.object == "model" for m in models)
     assert (found.id, found.owned_by) == (MODEL, "muxproxy")  # as fakellm says
