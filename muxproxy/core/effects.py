@@ -59,7 +59,7 @@ class Effects:
         """The time of the event being handled (``Event.now``)."""
         self._max_read_size = read_size
         self.models = ModelCatalog()
-        """The models the servers of groups without ``models`` said they serve."""
+        """What the servers of groups with ``learn_models`` said they serve."""
         self.config = config
         self.read_size = read_size
         """How many bytes the driver may read from a socket at once."""

@@ -569,9 +569,10 @@ class ProxyCore:
         "up"), ``health`` (passive and active), ``active`` (streams in flight there) and
         ``failures`` (passive failures counted now), ``max_streams``, ``work`` (outstanding
         tokens) and ``reported`` (the engine's last load report, its age, whether fresh); per
-        group its ``queue`` and, with admission or budgets, ``refused`` (429s by reason) and
-        ``reservations`` (budget reservations not yet settled); ``streams``: exchanges in
-        flight. ``now``: the driver's clock (default: the last event's ``now``). Reads only.
+        group its ``queue``, its ``models`` (``modelcatalog.py``) and, with admission or
+        budgets, ``refused`` (429s by reason) and ``reservations`` (budget reservations not yet
+        settled); ``streams``: exchanges in flight. ``now``: the driver's clock (default: the
+        last event's ``now``). Reads only.
         """
         at = self.now if now is None else now
         groups = {
