@@ -5,8 +5,8 @@ The rules under test: a group with ``learn_models`` has each server's ``/v1/mode
 over a pooled backend connection every ``models_refresh``; a client's ``GET /v1/models`` is
 then answered by the proxy, no backend asked; a poll that fails or brings what is not a model
 list keeps the last good list, is logged once (not at every poll) and shows in ``/status``;
-a group that neither lists nor learns models leaves ``GET /v1/models`` to its backend, as
-before.
+an extension's request-head hook runs first (one that authenticates guards the list); a group
+that neither lists nor learns models leaves ``GET /v1/models`` to its backend, as before.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import h11
 from playbook import (
     BACKEND,
@@ -27,8 +28,10 @@ from playbook import (
 )
 
 from muxproxy.config import Config, Server, Upstream
+from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.core.commands import Command, Log, OpenConnection, SetTimer
 from muxproxy.core.events import ConfigChanged
+from muxproxy.extensions import Answer, Decision, Extension, Request
 
 LIST = json.dumps(
     {
@@ -41,11 +44,13 @@ LIST = json.dumps(
 ).encode()
 
 
-def learning() -> Config:
+def learning(*extensions: Extension) -> Config:
     group = Upstream(
         name="default", servers=(Server(address=BACKEND),), learn_models=True, models_refresh=30.0
     )
-    return default_config(upstreams={"default": group})
+    config = default_config(upstreams={"default": group})
+    entries = tuple(ExtensionConfig(module=f"t:E{i}", instance=e) for i, e in enumerate(extensions))
+    return attrs.evolve(config, extensions=entries)
 
 
 def polls(commands: list[Command]) -> list[dict[str, Any]]:
@@ -136,3 +141,25 @@ def test_without_models_listed_or_learnt_the_backend_answers_as_before() -> None
     pb >> data(7, client.request("GET", "/v1/models"))
     assert [c.origin.port for c in pb.rest() if isinstance(c, OpenConnection)] == [9001]
     assert pb.core.status()["groups"]["default"]["models"] == {"source": "none", "models": []}
+
+
+class KeyRequired(Extension):
+    def on_request_head(self, request: Request) -> Decision | None:
+        if request.header("Authorization") is None:
+            return Decision(answer=Answer(status=401, message="no key"))
+        return None
+
+
+def test_an_extension_that_authenticates_guards_the_list() -> None:
+    pb = Playbook(learning(KeyRequired({})), ignore=())
+    backend = H1BackendPeer()
+    first_poll(pb, backend)
+    pb >> data(-1, backend.reply(LIST))
+    pb.rest()
+    response, _ = client_get(pb, 7, "/v1/models")
+    assert response.status_code == 401
+    client = H1ClientPeer()
+    pb.accept(9)
+    pb >> data(9, client.request("GET", "/v1/models", [("Authorization", "Bearer k")]))
+    events = client.events(pb.take(9, pb.rest()))
+    assert events[0].status_code == 200

@@ -2,8 +2,10 @@
 
 What it obeys:
 
-- ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the proxy itself, before any
-  route, while it knows a model (``apis/modellist.py``); otherwise they are routed as before.
+- ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the proxy itself while it
+  knows a model (``apis/modellist.py``), once a route took the request and the extensions'
+  request-head hooks let it go on (an authenticating extension guards the list as any
+  request), before its group is asked; otherwise they are routed as before.
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
   the backend gets. A group that reads the request's JSON body (a body session key,
   ``least_load``, prefix affinity, token budgets) holds its start first (BUFFERING) until
@@ -66,8 +68,6 @@ def locate(exchange: Routed) -> bool:
         # Routed and forwarded as normalised (paths.py): the backend has nothing left to
         # resolve that could take it out of the route's prefix.
         head = exchange.head = attrs.evolve(head, target=target)
-    if head.target.startswith(modellist.PATH) and _answer_models(exchange):
-        return False
     route = exchange.route = fx.config.route_for(head.target)
     if route is None:
         exchange.fail(404, "no route for this path")
@@ -99,6 +99,8 @@ def model_aliases(config: Config) -> tuple[str, ...]:
 
 def begin(exchange: Routed) -> None:
     """Route, reading the body first where the group needs it."""
+    if exchange.head.target.startswith(modellist.PATH) and _answer_models(exchange):
+        return
     group, head = exchange.group, exchange.head
     assert group is not None
     key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
