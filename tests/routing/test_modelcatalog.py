@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from muxproxy.config import Config, Route, Server, Upstream, quick_config
 from muxproxy.routing.modelcatalog import (
@@ -72,6 +74,37 @@ def test_duplicates_are_listed_once_and_insane_fields_get_defaults() -> None:
 def test_anything_but_a_model_list_within_bounds_is_a_model_list_error(body: bytes) -> None:
     with pytest.raises(ModelListError):
         parse_model_list(body)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=st.binary(max_size=512))
+def test_arbitrary_bytes_give_a_list_or_a_model_list_error(body: bytes) -> None:
+    try:
+        parse_model_list(body)
+    except ModelListError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries=st.lists(st.dictionaries(st.sampled_from(["id", "created", "owned_by"]), JSON)))
+def test_arbitrary_entries_give_sane_models_or_a_model_list_error(entries: list[object]) -> None:
+    try:
+        models = parse_model_list(listing(*entries))
+    except ModelListError:
+        return
+    for model in models:
+        assert 0 < len(model.id) <= 256 and 0 <= model.created <= MAX_CREATED
+        assert isinstance(model.owned_by, str) and 0 < len(model.owned_by) <= 64
+    assert len({m.id for m in models}) == len(models)
 
 
 def group(name: str, *servers: str, models: tuple[str, ...] = (), learn: bool = False) -> Upstream:
