@@ -31,12 +31,11 @@ from muxproxy.config.loading import (
     parse_quick_config,
     quick_config,
 )
+from muxproxy.config.logsettings import LOG_FORMATS, LOG_LEVELS, LogSettings
 from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.records import (
     ADMIN_TOKEN_ENV,
     CONDITIONS,
-    LOG_FORMATS,
-    LOG_LEVELS,
     PROMPT_SOURCES,
     RESUME_CREDENTIALS,
     SOURCE_KINDS,
@@ -51,7 +50,6 @@ from muxproxy.config.records import (
     Limits,
     Listener,
     LoadReporting,
-    LogSettings,
     NextUpstream,
     PrefixAffinity,
     RateLimit,

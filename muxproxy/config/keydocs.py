@@ -38,6 +38,7 @@ from muxproxy.config import (
     fleet,
     fleetkeys,
     logs,
+    logsettings,
     queue,
     ranges,
     records,
@@ -150,14 +151,15 @@ _VALUE_KINDS: dict[Any, str] = {
     upstreams.max_wait: "a table of priority classes (0..9) to seconds or durations"
     ' ("500ms", "30s", "2m"), each: range as `queue.timeout`',
     upstreams.rate_limit: "a table",
+    upstreams.model_names: "an array of model names (each 1 to 256 characters, listed once)",
     sections.size: 'a size: bytes, or a string such as "256 KiB" (B, KiB, MiB, GiB)',
     storeurl.store_url: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
     sections.resume: "true (the defaults) or a table",
     sections.credential_headers: "a list of header names",
     sections.api: _choices(records.Api),
     logs._access: '"stderr", "off" or a file path (appended to)',
-    logs._format: _choices(records.LOG_FORMATS),
-    logs._level: _choices(records.LOG_LEVELS),
+    logs._format: _choices(logsettings.LOG_FORMATS),
+    logs._level: _choices(logsettings.LOG_LEVELS),
     admin._token: "a bearer token (letters, digits and -._~+/, RFC 6750 §2.1)",
     admin._state_file: "a file path (written by the proxy)",
     fleetkeys._store_error: _choices(fleet.StoreErrorPolicy),
@@ -207,6 +209,9 @@ _EXAMPLES = {
     f"{GROUP}.tenant": 'tenant = "header:Authorization"',
     f"{GROUP}.priority": 'priority = "header:X-Priority"',
     f"{GROUP}.rate_limit": "[upstreams.gpus.rate_limit]\ntokens_per_minute = 100000",
+    f"{GROUP}.models": 'models = ["llama-3.1-70b", "llama-3.1-70b-lora-sql"]',
+    f"{GROUP}.learn_models": "learn_models = true",
+    f"{GROUP}.models_refresh": "learn_models = true\nmodels_refresh = 300",
     f"{GROUP}.servers[].address": 'servers = [{ address = "10.0.0.1:8000" }]',
     f"{GROUP}.servers[].tls_ca": 'servers = [{ address = "gpu1.internal:8443", tls = true,'
     ' tls_ca = "ca.pem" }]',
@@ -266,6 +271,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
     :mod:`.fleet`."""
     body = [
         *ast.parse(inspect.getsource(records)).body,
+        *ast.parse(inspect.getsource(logsettings)).body,
         *ast.parse(inspect.getsource(fleet)).body,
         *ast.parse(inspect.getsource(discovery)).body,
         *ast.parse(inspect.getsource(queue)).body,
@@ -307,7 +313,7 @@ def _markdown(text: str) -> str:
     into paragraphs."""
 
     def spell(match: re.Match[str]) -> str:
-        value = getattr(records, match[1], None)
+        value = getattr(records, match[1], getattr(logsettings, match[1], None))
         if isinstance(value, tuple | frozenset) and all(isinstance(v, str) for v in value):
             return alternatives(sorted(value) if isinstance(value, frozenset) else value)
         return f"`{match[1]}`"
@@ -361,7 +367,9 @@ def _default(table: Table, key: str, field: attrs.Attribute[Any] | None, path: s
         return "not set"
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs's own class
         return "none"
-    if path in (f"{GROUP}.set_headers", f"{GROUP}.queue.max_wait") and default == ():
+    if path in (f"{GROUP}.set_headers", f"{GROUP}.queue.max_wait", f"{GROUP}.models") and (
+        default == ()
+    ):
         return "none"
     text = _toml(default)
     if isinstance(default, int) and not isinstance(default, bool) and path in _BYTES:

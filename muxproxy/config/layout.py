@@ -30,6 +30,7 @@ from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from muxproxy.config.logs import _LOG_KEYS
+from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.records import (
     AdminSettings,
@@ -38,7 +39,6 @@ from muxproxy.config.records import (
     Limits,
     Listener,
     LoadReporting,
-    LogSettings,
     NextUpstream,
     PrefixAffinity,
     RateLimit,

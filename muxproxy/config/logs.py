@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from muxproxy.config.checker import Checker, Key, describe
-from muxproxy.config.records import LOG_FORMATS, LOG_LEVELS, LogSettings
+from muxproxy.config.logsettings import LOG_FORMATS, LOG_LEVELS, LogSettings
 
 __all__ = ["log_settings"]
 

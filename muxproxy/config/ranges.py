@@ -142,6 +142,7 @@ RANGES: dict[str, Range] = {
     f"{_G}.discover.max_streams": _COUNT,
     f"{_G}.discover.max_waiting": _COUNT_OR_ZERO,
     f"{_G}.slow_start": Range(0, 3600, "seconds", "an hour"),
+    f"{_G}.models_refresh": Range(1, 3600, "seconds", "an hour; at least a second"),
     f"{_G}.sticky.body_limit": _BUFFER,
     f"{_G}.sticky.session_idle": _TIMEOUT,
     # RFC 6265bis, the Max-Age attribute: a user agent caps a cookie's Max-Age at 400 days.

@@ -15,6 +15,7 @@ import attrs
 from muxproxy.config.discovery import Discover
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
+from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
 
 
@@ -401,6 +402,13 @@ class Upstream:
     ``priority``); missing or not an integer: 0. Strict between classes, fair inside one."""
     rate_limit: RateLimit | None = None
     """Per-tenant budgets of tokens and requests a minute; None: no budget."""
+    models: tuple[str, ...] = ()
+    """The models the group serves, by their exact names, for the proxy's own ``GET
+    /v1/models`` (``docs/models.md``)."""
+    learn_models: bool = False
+    """Learn the models instead from each server's own ``GET /v1/models`` (vLLM, SGLang)."""
+    models_refresh: float = 60.0
+    """Seconds between two reads of each server's ``/v1/models`` (``learn_models``)."""
 
     reads_body: bool = attrs.field(init=False, repr=False, eq=False)
     """Whether routing or admission reads the request's JSON body (derived, kept: every
@@ -516,23 +524,6 @@ class Listener(_HostPort):
         return self.tls_cert is not None
 
 
-LOG_FORMATS = ("text", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-@attrs.frozen(kw_only=True)
-class LogSettings:
-    """The ``[log]`` section (``muxproxy.trio.logs`` carries it out)."""
-
-    access: str = "stderr"
-    """Where access lines go: ``"stderr"``, ``"off"``, or a file path (appended to)."""
-    format: str = "text"
-    """One of :data:`LOG_FORMATS`: ``key=value`` fields after a timestamp, or one JSON object
-    per line."""
-    level: str = "info"
-    """One of :data:`LOG_LEVELS`: the error log's level (``muxproxy serve --log-level`` wins)."""
-
-
 ADMIN_TOKEN_ENV = "MUXPROXY_ADMIN_TOKEN"
 """The environment variable whose value, when set, is the admin token (it wins over
 ``[admin] token``: a secret kept out of the file)."""
@@ -557,7 +548,7 @@ class Config:
     routes: tuple[Route, ...]
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
-    log: LogSettings = LogSettings()
+    log: LogSettings = attrs.field(factory=LogSettings)
     admin: AdminSettings | None = None
     """None: no admin listener."""
     resolver: ResolverSettings = attrs.field(factory=ResolverSettings)

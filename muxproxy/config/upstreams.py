@@ -107,6 +107,8 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
                     " remove max_waiting",
                 )
                 return None
+    if not _models_valid(check, path, group, value):
+        return None
     if not group.sticky.sources:
         valid = True
         for rule in group.set_headers:
@@ -121,6 +123,25 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
         if not valid:
             return None
     return group
+
+
+def _models_valid(check: Checker, path: str, group: Upstream, table: Mapping[str, Any]) -> bool:
+    """``models`` lists the group's models, ``learn_models`` asks its servers: one or the
+    other, and ``models_refresh`` only with the second."""
+    if group.models and group.learn_models:
+        check.add(
+            f"{path}.learn_models",
+            "and models are both set; list the models, or learn them from the servers (remove one)",
+        )
+        return False
+    if "models_refresh" in table and not group.learn_models:
+        check.add(
+            f"{path}.models_refresh",
+            "is how often learnt models are read again, but the group does not learn them;"
+            " add learn_models = true or remove it",
+        )
+        return False
+    return True
 
 
 def _raw_name(table: Mapping[str, Any], lower: str) -> str:
@@ -274,6 +295,35 @@ def request_path(check: Checker, value: Any, path: str) -> str | None:
         check.add(path, f'expected a request path starting with "/", got {describe(value)}')
         return None
     return value
+
+
+MAX_MODELS = 1024
+"""Names a group's ``models`` may list: far more than one group of servers serves, and
+bounded, as every answer of the proxy's ``GET /v1/models`` carries them all."""
+MAX_MODEL_NAME = 256
+"""Characters of one model name: a Hugging Face id (``org/name-variant``) is well under."""
+
+
+def model_names(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
+    items = check.array(value, path, 'an array of model names, e.g. ["llama-3.1-70b"]')
+    if items is None:
+        return None
+    if len(items) > MAX_MODELS:
+        check.add(path, f"expected at most {MAX_MODELS} model names, got {len(items)}")
+        return None
+    names: list[str] = []
+    for number, item in enumerate(items):
+        if not isinstance(item, str) or not item or len(item) > MAX_MODEL_NAME:
+            check.add(
+                f"{path}[{number}]",
+                f"expected a model name of 1 to {MAX_MODEL_NAME} characters, got {describe(item)}",
+            )
+            return None
+        if item in names:
+            check.add(f"{path}[{number}]", f"{item!r} is listed twice; list each model once")
+            return None
+        names.append(item)
+    return tuple(names)
 
 
 def status_code(check: Checker, value: Any, path: str) -> int | None:
@@ -562,6 +612,9 @@ _UPSTREAM_KEYS = {
     "tenant": Key(source),
     "priority": Key(source),
     "rate_limit": Key(rate_limit),
+    "models": Key(model_names),
+    "learn_models": Key(Checker.boolean),
+    "models_refresh": Key(Checker.seconds),
 }
 _PREFIX_KEYS = {
     "source": Key(prompt_source),

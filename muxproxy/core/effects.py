@@ -26,8 +26,12 @@ probe) holds the one ``Effects`` of its ``ProxyCore`` and nothing more of it. Th
 
   A fault in deferred work ends the connection it concerns (``faults.py``), not the others.
 
-``Effects`` knows no part of the core: it imports only commands, events, dates, flow and the
-move log a test may hang on it (``movelog.py``).
+It also holds what the parts learn of the servers' models (``models``: the catalog that
+``upstream/modelpoll.py`` fills and the proxy's own ``GET /v1/models`` reads, in
+``exchange/placement.py``), kept across configurations for the servers a new one still names.
+
+``Effects`` knows no part of the core: it imports only commands, events, dates, flow, the
+move log a test may hang on it (``movelog.py``) and the pure model catalog.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from muxproxy.core.events import TimerId
 from muxproxy.core.flow import BufferLimits
 from muxproxy.core.http.dates import HttpDate
 from muxproxy.core.movelog import MoveLog
+from muxproxy.routing.modelcatalog import ModelCatalog
 
 # The most bytes a driver reads from a socket in one go; the core's buffer bound relies on it.
 READ_SIZE = 64 * 1024
@@ -53,6 +58,8 @@ class Effects:
         self.now = 0.0
         """The time of the event being handled (``Event.now``)."""
         self._max_read_size = read_size
+        self.models = ModelCatalog()
+        """What the servers of groups with ``learn_models`` said they serve."""
         self.config = config
         self.read_size = read_size
         """How many bytes the driver may read from a socket at once."""
@@ -79,8 +86,10 @@ class Effects:
         so one ``is None`` test per move, but in tests."""
 
     def apply(self, config: Config) -> None:
-        """A new configuration: its limits hold from the next event on."""
+        """A new configuration: its limits hold from the next event on; what was learnt of
+        servers it no longer names is forgotten."""
         self.config = config
+        self.models.retain(config)
         stream_buffer = config.limits.stream_buffer
         self.read_size = min(self._max_read_size, stream_buffer // 2)
         self.limits = BufferLimits.for_stream_buffer(

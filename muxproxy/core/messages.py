@@ -21,6 +21,15 @@ out: the extensions' ``on_response_head`` (``exchange/hooked.py``)."""
 
 
 @attrs.frozen(kw_only=True, slots=True)
+class OwnBody:
+    """The body of one of the proxy's own answers that is not an error text (the model list
+    of ``core/apis/modellist.py``), in place of the text's (``http/errors.py``)."""
+
+    content_type: bytes
+    data: bytes
+
+
+@attrs.frozen(kw_only=True, slots=True)
 class RequestHead:
     stream: int
     method: bytes

@@ -35,8 +35,14 @@ from typing import TYPE_CHECKING, Protocol
 from muxproxy.config import Api, Route, Upstream
 from muxproxy.core.commands import Origin
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.http.errors import ErrorBody
-from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import (
+    AnswerRewrite,
+    Fields,
+    Headers,
+    OwnBody,
+    RequestHead,
+    ResponseHead,
+)
 
 if TYPE_CHECKING:
     from muxproxy.core.observe.defencelog import DefenceLog
@@ -179,7 +185,7 @@ class Answerer(Protocol):
         request_id: bytes | None = None,
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
-        shaped: ErrorBody | None = None,
+        body: OwnBody | None = None,
     ) -> int: ...
 
 

@@ -76,6 +76,7 @@ from muxproxy.core.tunnel.tunnel import Tunnel
 from muxproxy.core.tunnel.websocket import WebSocketExchange, wants_tunnel
 from muxproxy.core.upstream.h2pool import H2Stream
 from muxproxy.core.upstream.loadpoll import LoadPoll
+from muxproxy.core.upstream.modelpoll import ModelPoll
 from muxproxy.core.upstream.pool import Pool, UpstreamConn
 from muxproxy.core.upstream.probes import Probe
 from muxproxy.routing.router import GroupRouter
@@ -525,6 +526,8 @@ class ProxyCore:
                 kinds.append(Probe)
             if group.load_report is not None:
                 kinds.append(LoadPoll)
+            if group.learn_models:
+                kinds.append(ModelPoll)
             for kind in kinds:
                 for index in range(len(group.servers)):
                     self._next_probe += 1
@@ -566,9 +569,10 @@ class ProxyCore:
         "up"), ``health`` (passive and active), ``active`` (streams in flight there) and
         ``failures`` (passive failures counted now), ``max_streams``, ``work`` (outstanding
         tokens) and ``reported`` (the engine's last load report, its age, whether fresh); per
-        group its ``queue`` and, with admission or budgets, ``refused`` (429s by reason) and
-        ``reservations`` (budget reservations not yet settled); ``streams``: exchanges in
-        flight. ``now``: the driver's clock (default: the last event's ``now``). Reads only.
+        group its ``queue``, its ``models`` (``modelcatalog.py``) and, with admission or
+        budgets, ``refused`` (429s by reason) and ``reservations`` (budget reservations not yet
+        settled); ``streams``: exchanges in flight. ``now``: the driver's clock (default: the
+        last event's ``now``). Reads only.
         """
         at = self.now if now is None else now
         groups = {
@@ -576,6 +580,7 @@ class ProxyCore:
         }
         measurements = self.measurements
         for name, group in self.config.upstreams.items():
+            groups[name]["models"] = self.fx.models.status(group, at)
             if group.admits:
                 stats = measurements.group(name)
                 refused = {r: n for (g, r), n in measurements.refusals.items() if g == name}

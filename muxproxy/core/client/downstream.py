@@ -43,7 +43,6 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.credentials import check_credentials
-from muxproxy.core.http.errors import ErrorBody
 from muxproxy.core.http.intake import MalformedRequest, check_request_limits
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
@@ -55,6 +54,7 @@ from muxproxy.core.messages import (
     Fields,
     Headers,
     Message,
+    OwnBody,
     Refused,
     RequestHead,
     ResponseHead,
@@ -355,7 +355,7 @@ class Downstream:
         request_id: bytes | None = None,
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
-        shaped: ErrorBody | None = None,
+        body: OwnBody | None = None,
     ) -> int:
         """The proxy's own short response (``refusals.send_error``)."""
         return refusals.send_error(
@@ -368,7 +368,7 @@ class Downstream:
             request_id=request_id,
             extra=extra,
             rewrite=rewrite,
-            shaped=shaped,
+            body=body,
         )
 
     def refuse_slow_body(

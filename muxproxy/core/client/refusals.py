@@ -30,7 +30,7 @@ from muxproxy.config import Api, Config
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.http.errors import ErrorBody, error_response
+from muxproxy.core.http.errors import error_response
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.http1.h1 import H1Server, PeerError
@@ -39,6 +39,7 @@ from muxproxy.core.messages import (
     AnswerRewrite,
     Fields,
     Headers,
+    OwnBody,
     Refused,
     RequestHead,
     ResponseHead,
@@ -74,28 +75,27 @@ def send_error(
     request_id: bytes | None = None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
-    shaped: ErrorBody | None = None,
+    body: OwnBody | None = None,
 ) -> int:
     """``Answerer.send_error``: the proxy's own short response on ``stream``; returns the
     body bytes sent, for the access log. ``extra``: fields it carries besides its own
     (``Retry-After`` and the ``x-ratelimit-*`` fields of a 429); ``rewrite``: what its fields
-    become (the extensions' ``on_response_head``); ``shaped``: its body, made already (a refusal
-    in its API's shape, ``core/exchange/refusal.py``)."""
+    become (the extensions' ``on_response_head``); ``body``: its body, instead of ``text``'s."""
     h2s = client.h2
     if h2s is not None:
-        headers, body = own_answer(client, status, text, api, request_id, extra, rewrite, shaped)
+        headers, data = own_answer(client, status, text, api, request_id, extra, rewrite, body)
         # RFC 9110 §9.3.2, RFC 9113 §8.1: a response to HEAD is one HEADERS frame that ends
         # the stream, no DATA frame.
         h2s.send_head(
             ResponseHead(stream=stream, status=status, headers=headers), end_stream=head_only
         )
         if not head_only:
-            h2s.send_body(stream, body)
+            h2s.send_body(stream, data)
             h2s.send_end(stream, [])
         client.flush()
-        return 0 if head_only else len(body)
+        return 0 if head_only else len(data)
     if client.h1 is not None:
-        return h1_error(client, status, text, api, request_id, extra, rewrite, shaped)
+        return h1_error(client, status, text, api, request_id, extra, rewrite, body)
     return 0
 
 
@@ -107,16 +107,16 @@ def h1_error(
     request_id: bytes | None = None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
-    shaped: ErrorBody | None = None,
+    body: OwnBody | None = None,
 ) -> int:
     """The proxy's own response on HTTP/1.1, with ``Connection: close`` (nothing if a
     response began already); returns the body bytes it carried."""
     h1 = client.h1
     assert h1 is not None
-    headers, body = own_answer(client, status, text, api, request_id, extra, rewrite, shaped)
-    out = h1.send_whole(status, headers, body)
+    headers, data = own_answer(client, status, text, api, request_id, extra, rewrite, body)
+    out = h1.send_whole(status, headers, data)
     client.send_raw(out)
-    return len(body) if out and not h1.head_only else 0
+    return len(data) if out and not h1.head_only else 0
 
 
 def own_answer(
@@ -127,11 +127,13 @@ def own_answer(
     request_id: bytes | None,
     extra: Fields,
     rewrite: AnswerRewrite | None,
-    shaped: ErrorBody | None = None,
+    own: OwnBody | None = None,
 ) -> tuple[Headers, bytes]:
     """The head fields and body of one of the proxy's own answers, either protocol: the
-    error body, ``Date``, the request id, ``extra``, then the extensions' ``rewrite``."""
-    headers, body = error_response(status, text, api=api, date=client.fx.http_date(), shaped=shaped)
+    error body (or ``own``), ``Date``, the request id, ``extra``, then the extensions'
+    ``rewrite``."""
+    date = client.fx.http_date()
+    headers, body = error_response(status, text, api=api, date=date, body=own)
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
     headers.extend(extra)

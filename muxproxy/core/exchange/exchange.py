@@ -48,7 +48,7 @@ from muxproxy.core.flow import Flow
 from muxproxy.core.http import grpc
 from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fields
-from muxproxy.core.messages import Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import Fields, Headers, OwnBody, RequestHead, ResponseHead
 from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
 from muxproxy.core.observe.ssemeter import SseMeter
 from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
@@ -61,8 +61,7 @@ from muxproxy.core.streams.survival import Survival
 from muxproxy.core.timers import ExchangeTimer
 
 __all__ = ["VIA", "Exchange", "Phase", "RequestPhase", "Survival"]
-
-
+Own = OwnBody | None  # ``fail``'s body: an answer's own, or None for the text's
 _I = ExchangeInput
 _T = ExchangeTimer
 
@@ -539,20 +538,21 @@ class Exchange:
 
     # -- endings ---------------------------------------------------------------------------
 
-    def fail(self, status: int, text: str, reason: str = "", *, extra: Fields = ()) -> None:
-        """Answer with a short response of our own (only while no response head went out:
-        ``heads.send_error_answer``); ``extra``: more fields for it."""
-        api = self.route.api if self.route is not None else None
+    def fail(
+        self, status: int, text: str, reason: str = "", *, extra: Fields = (), body: Own = None
+    ) -> None:
+        """Our own answer, while no response head went out (``heads.send_error_answer``)."""
         self.status, sent = send_error_answer(
             self.client,
             self.head,
             status,
             text,
-            api=api,
+            api=self.route.api if self.route is not None else None,
             request_id=self.request_id,
             date=self.fx.http_date(),
             extra=extra,
             rewrite=self.hooks.own_answers if self.hooks is not None else None,  # ``hooked.py``
+            body=body,
         )
         self.bytes_out += sent
         self.move(_I.FAIL)

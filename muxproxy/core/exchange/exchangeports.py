@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from muxproxy.core.exchange.exchange_states import ExchangeInput
     from muxproxy.core.exchange.failover import Failover
     from muxproxy.core.exchange.upload import Upload
-    from muxproxy.core.messages import Fields, RequestHead
+    from muxproxy.core.messages import Fields, OwnBody, RequestHead
     from muxproxy.core.observe.access import RequestIds
     from muxproxy.core.streams.continuation import AnswerSoFar
     from muxproxy.core.streams.resume import Resumable, ResumeStore
@@ -113,7 +113,15 @@ class Routed(UpstreamUser, Protocol):
     def hooks(self) -> Hooks | None: ...
     def move(self, input: ExchangeInput) -> bool: ...
     def release_upstream(self, *, close: bool) -> None: ...
-    def fail(self, status: int, text: str, reason: str = "", *, extra: Fields = ()) -> None: ...
+    def fail(
+        self,
+        status: int,
+        text: str,
+        reason: str = "",
+        *,
+        extra: Fields = (),
+        body: OwnBody | None = None,
+    ) -> None: ...
 
 
 class Outliving(ContinuedOwner, ClientStream, Owner, Protocol):

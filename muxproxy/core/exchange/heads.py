@@ -31,7 +31,14 @@ from muxproxy.config import Api, Upstream
 from muxproxy.core.exchange.refusal import body_for
 from muxproxy.core.http import grpc
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
-from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
+from muxproxy.core.messages import (
+    AnswerRewrite,
+    Fields,
+    Headers,
+    OwnBody,
+    RequestHead,
+    ResponseHead,
+)
 from muxproxy.core.observe.access import REQUEST_ID, with_request_id
 from muxproxy.core.ports import Answerer, ClientPeer
 from muxproxy.routing.sticky import apply_header_rules
@@ -118,10 +125,12 @@ def send_error_answer(
     date: bytes | None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
+    body: OwnBody | None = None,
 ) -> tuple[int, int]:
     """Answer ``request`` with ``status`` and ``text``; returns the status the client gets and
     the body bytes sent (as the access log counts them). ``extra``: more response fields;
-    ``rewrite``: what the answer's fields become (the extensions')."""
+    ``rewrite``: what the answer's fields become (the extensions'); ``body``: the answer's
+    body, in place of ``text``'s (``errors.OwnBody``)."""
     if grpc.is_grpc(request.headers):
         fields = grpc.trailers_only(grpc.status_for_http(status), text)
         if date is not None:
@@ -141,6 +150,6 @@ def send_error_answer(
         request_id=request_id,
         extra=extra,
         rewrite=rewrite,
-        shaped=body_for(request.target, text, extra),
+        body=body if body is not None else body_for(request.target, text, extra),
     )
     return status, sent

@@ -2,6 +2,10 @@
 
 What it obeys:
 
+- ``GET /v1/models`` and ``GET /v1/models/{id}`` are answered by the proxy itself while it
+  knows a model (``apis/modellist.py``), once a route took the request and the extensions'
+  request-head hooks let it go on (an authenticating extension guards the list as any
+  request), before its group is asked; otherwise they are routed as before.
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
   the backend gets. A group that reads the request's JSON body (a body session key,
   ``least_load``, prefix affinity, token budgets, load reports: a LoRA adapter's name)
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import attrs
 
+from muxproxy.config import Config
+from muxproxy.core.apis import modellist
 from muxproxy.core.events import BudgetAnswered
 from muxproxy.core.exchange import fleetadmit
 from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
@@ -75,8 +81,29 @@ def locate(exchange: Routed) -> bool:
     return hooks is None or hooks.request_head(exchange)
 
 
+def _answer_models(exchange: Routed) -> bool:
+    """``GET /v1/models`` (or one model), answered here while any model is known
+    (``apis/modellist.py``); False: not ours, routed as any request."""
+    fx = exchange.fx
+    known = fx.models.known(fx.config.upstreams.values(), model_aliases(fx.config))
+    answer = modellist.models_answer(exchange.head, known)
+    if answer is None:
+        return False
+    status, body = answer
+    exchange.fail(status, "models listed by the proxy", body=body)
+    return True
+
+
+def model_aliases(config: Config) -> tuple[str, ...]:
+    """The names the configuration gives to other models (aliases), listed beside the models
+    the groups serve; none while the configuration names none."""
+    return ()
+
+
 def begin(exchange: Routed) -> None:
     """Route, reading the body first where the group needs it."""
+    if exchange.head.target.startswith(modellist.PATH) and _answer_models(exchange):
+        return
     group, head = exchange.group, exchange.head
     assert group is not None
     key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)

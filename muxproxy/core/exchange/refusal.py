@@ -51,8 +51,7 @@ import json
 
 from muxproxy.core.apis.paths import Api, api_for
 from muxproxy.core.exchange.exchangeports import Routed
-from muxproxy.core.http.errors import ErrorBody
-from muxproxy.core.messages import Fields
+from muxproxy.core.messages import Fields, OwnBody
 
 __all__ = ["FIELD", "Reason", "body_for", "refuse"]
 
@@ -106,7 +105,7 @@ def refuse(
     exchange.fail(status, text, outcome, extra=fields)
 
 
-def body_for(target: bytes, text: str, fields: Fields) -> ErrorBody | None:
+def body_for(target: bytes, text: str, fields: Fields) -> OwnBody | None:
     """The body of an answer with ``fields`` to a request for ``target``: its API's error
     object when the fields name a refusal's reason and the path an API; None otherwise
     (the body as ``core/http/errors.py`` makes it)."""
@@ -122,4 +121,4 @@ def body_for(target: bytes, text: str, fields: Fields) -> ErrorBody | None:
     else:  # the OpenAI APIs: chat completions, completions, responses
         kind = _OPENAI_TYPE[reason]
         document = {"error": {"message": text, "type": kind, "param": None, "code": reason.value}}
-    return ErrorBody(content_type=_JSON, data=json.dumps(document).encode())
+    return OwnBody(content_type=_JSON, data=json.dumps(document).encode())

@@ -10,21 +10,21 @@ text body leaves the user with a bare status code. ``type`` follows the API's ow
 ``requests`` for a 429), ``code`` names the status.
 
 A 404 for a path that no route matches is never route-bound, so it is always plain text; so
-are errors found before a request head is parsed (a head too large, malformed bytes). A body
-shaped elsewhere (``ErrorBody``: a refusal in its API's own error shape,
-``core/exchange/refusal.py``) is sent as it is, with the same fields.
+are errors found before a request head is parsed (a head too large, malformed bytes).
+
+A body made elsewhere (``OwnBody``: a refusal in its API's own error shape,
+``core/exchange/refusal.py``; the model list of ``core/apis/modellist.py``) goes out the same
+way, with its own body and content type in place of the error text's.
 """
 
 from __future__ import annotations
 
 import json
 
-import attrs
-
 from muxproxy.config import Api
-from muxproxy.core.messages import Headers
+from muxproxy.core.messages import Headers, OwnBody
 
-__all__ = ["ErrorBody", "error_response"]
+__all__ = ["error_response"]
 
 _TEXT = b"text/plain; charset=utf-8"
 _JSON = b"application/json"
@@ -44,42 +44,29 @@ _OPENAI: dict[int, tuple[str, str]] = {
 }
 
 
-@attrs.frozen(kw_only=True)
-class ErrorBody:
-    """A body for one of the proxy's own answers, made by whoever knows its shape."""
-
-    content_type: bytes
-    data: bytes
-
-
 def error_response(
-    status: int,
-    text: str,
-    *,
-    api: Api | None,
-    date: bytes | None,
-    shaped: ErrorBody | None = None,
+    status: int, text: str, *, api: Api | None, date: bytes | None, body: OwnBody | None = None
 ) -> tuple[Headers, bytes]:
-    """The fields and body of a proxy-made ``status`` response saying ``text``.
+    """The fields and body of a proxy-made ``status`` response saying ``text``, or carrying
+    ``body`` where one is given.
 
-    ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock;
-    ``shaped``: the body, made already (then ``text`` and ``api`` are not read)."""
-    if shaped is not None:
-        body, content_type = shaped.data, shaped.content_type
+    ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock."""
+    if body is not None:
+        content_type, data = body.content_type, body.data
     elif api is Api.OPENAI:
         kind, code = _OPENAI.get(
             status, ("invalid_request_error" if status < 500 else "server_error", f"http_{status}")
         )
         error = {"message": text, "type": kind, "param": None, "code": code}
-        body = json.dumps({"error": error}).encode()
+        data = json.dumps({"error": error}).encode()
         content_type = _JSON
     else:
-        body = (text + "\n").encode()
+        data = (text + "\n").encode()
         content_type = _TEXT
     headers: Headers = [
         (b"content-type", content_type),
-        (b"content-length", str(len(body)).encode()),
+        (b"content-length", str(len(data)).encode()),
     ]
     if date is not None:
         headers.append((b"date", date))
-    return headers, body
+    return headers, data

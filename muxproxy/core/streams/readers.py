@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from muxproxy.config import Api
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.http.errors import ErrorBody
-from muxproxy.core.messages import AnswerRewrite, Fields, Headers, ResponseHead
+from muxproxy.core.messages import AnswerRewrite, Fields, Headers, OwnBody, ResponseHead
 from muxproxy.core.ports import ClientStream
 from muxproxy.core.streams.resume import Reader
 
@@ -44,7 +43,7 @@ class _AfterHead:
         request_id: bytes | None = None,
         extra: Fields = (),
         rewrite: AnswerRewrite | None = None,
-        shaped: ErrorBody | None = None,
+        body: OwnBody | None = None,
     ) -> int:
         raise AssertionError("a resumed stream's head went out before")
 
