@@ -32,6 +32,7 @@ from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from muxproxy.config.logs import _LOG_KEYS
 from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
+from muxproxy.config.queuekeys import _QUEUE_KEYS
 from muxproxy.config.records import (
     AdminSettings,
     GroupTimeouts,
@@ -65,7 +66,6 @@ from muxproxy.config.upstreams import (
     _LOAD_REPORT_KEYS,
     _NEXT_UPSTREAM_KEYS,
     _PREFIX_KEYS,
-    _QUEUE_KEYS,
     _RATE_LIMIT_KEYS,
     _SERVER_KEYS,
     _UPSTREAM_KEYS,

@@ -8,7 +8,6 @@ returns the record, or None when something was wrong.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -24,8 +23,8 @@ from muxproxy.config.checker import (
     record_keys,
 )
 from muxproxy.config.discoverykeys import discover_keys, discover_parser, duration_or_zero
-from muxproxy.config.queue import PRIORITIES, AdmissionQueue
-from muxproxy.config.ranges import RANGES, outside, pattern
+from muxproxy.config.modelkeys import model_names, models_valid
+from muxproxy.config.queuekeys import admission_queue
 from muxproxy.config.records import (
     CONDITIONS,
     PROMPT_SOURCES,
@@ -107,7 +106,7 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
                     " remove max_waiting",
                 )
                 return None
-    if not _models_valid(check, path, group, value):
+    if not models_valid(check, path, group, value):
         return None
     if not group.sticky.sources:
         valid = True
@@ -123,25 +122,6 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
         if not valid:
             return None
     return group
-
-
-def _models_valid(check: Checker, path: str, group: Upstream, table: Mapping[str, Any]) -> bool:
-    """``models`` lists the group's models, ``learn_models`` asks its servers: one or the
-    other, and ``models_refresh`` only with the second."""
-    if group.models and group.learn_models:
-        check.add(
-            f"{path}.learn_models",
-            "and models are both set; list the models, or learn them from the servers (remove one)",
-        )
-        return False
-    if "models_refresh" in table and not group.learn_models:
-        check.add(
-            f"{path}.models_refresh",
-            "is how often learnt models are read again, but the group does not learn them;"
-            " add learn_models = true or remove it",
-        )
-        return False
-    return True
 
 
 def _raw_name(table: Mapping[str, Any], lower: str) -> str:
@@ -297,35 +277,6 @@ def request_path(check: Checker, value: Any, path: str) -> str | None:
     return value
 
 
-MAX_MODELS = 1024
-"""Names a group's ``models`` may list: far more than one group of servers serves, and
-bounded, as every answer of the proxy's ``GET /v1/models`` carries them all."""
-MAX_MODEL_NAME = 256
-"""Characters of one model name: a Hugging Face id (``org/name-variant``) is well under."""
-
-
-def model_names(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
-    items = check.array(value, path, 'an array of model names, e.g. ["llama-3.1-70b"]')
-    if items is None:
-        return None
-    if len(items) > MAX_MODELS:
-        check.add(path, f"expected at most {MAX_MODELS} model names, got {len(items)}")
-        return None
-    names: list[str] = []
-    for number, item in enumerate(items):
-        if not isinstance(item, str) or not item or len(item) > MAX_MODEL_NAME:
-            check.add(
-                f"{path}[{number}]",
-                f"expected a model name of 1 to {MAX_MODEL_NAME} characters, got {describe(item)}",
-            )
-            return None
-        if item in names:
-            check.add(f"{path}[{number}]", f"{item!r} is listed twice; list each model once")
-            return None
-        names.append(item)
-    return tuple(names)
-
-
 def status_code(check: Checker, value: Any, path: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
         check.add(path, f"expected an HTTP status code in 100..599, got {describe(value)}")
@@ -479,73 +430,6 @@ def load_reporting(check: Checker, value: Any, path: str) -> LoadReporting | Non
     return report
 
 
-def seconds_or_zero(check: Checker, value: Any, path: str) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if value == 0:
-            return 0.0
-        if value > 0 and math.isfinite(value):
-            return float(value)
-    check.add(
-        path, f"expected 0 (off) or a positive, finite number of seconds, got {describe(value)}"
-    )
-    return None
-
-
-def admission_queue(check: Checker, value: Any, path: str) -> AdmissionQueue | None:
-    values = check.table(value, path, _QUEUE_KEYS)
-    return None if values is None else AdmissionQueue(**values)
-
-
-def max_wait(check: Checker, value: Any, path: str) -> tuple[tuple[int, float], ...] | None:
-    """``queue.max_wait``: a table of priority classes (``"0"``..``"9"``) to deadlines, each
-    in ``queue.timeout``'s range (a deadline, as it is)."""
-    if not isinstance(value, Mapping):
-        check.add(
-            path,
-            f'expected a table of priority classes, e.g. {{ 0 = 60, 9 = "2s" }}, got'
-            f" {describe(value)}",
-        )
-        return None
-    limits = RANGES[pattern(path).rpartition(".")[0] + ".timeout"]
-    found: list[tuple[int, float]] = []
-    valid = True
-    for key, seconds in value.items():
-        where = join(path, key)
-        if key not in _CLASSES:
-            check.add(where, f"expected a priority class 0..{PRIORITIES - 1} as the key")
-            valid = False
-            continue
-        converted = _seconds(seconds)
-        problem = (
-            f'expected seconds (a number) or a duration such as "30s", "500ms" or "2m",'
-            f" got {describe(seconds)}"
-            if converted is None
-            else outside(limits, converted)
-        )
-        if problem is not None:
-            check.add(where, problem)
-            valid = False
-        elif converted is not None:
-            found.append((int(key), converted))
-    return tuple(sorted(found)) if valid else None
-
-
-_CLASSES = frozenset(str(level) for level in range(PRIORITIES))
-"""The keys of ``max_wait``: the priority classes as ``priority`` reads them, one digit."""
-_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)\s*\Z")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def _seconds(value: Any) -> float | None:
-    """Seconds from a number or a duration with its unit (``"30s"``), unchecked for range."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        # An integer too large for a float is an infinity: refused by the range.
-        return float(value) if abs(value) < 2**1000 else math.inf
-    if isinstance(value, str) and (match := _DURATION.match(value)):
-        return float(match[1]) * _UNITS[match[2]]
-    return None
-
-
 def rate_limit(check: Checker, value: Any, path: str) -> RateLimit | None:
     values = check.table(value, path, _RATE_LIMIT_KEYS)
     if values is None:
@@ -627,13 +511,6 @@ _LOAD_REPORT_KEYS = {
     "interval": Key(Checker.seconds),
     "timeout": Key(Checker.seconds),
     "kv_cache_limit": Key(fraction),
-}
-_QUEUE_KEYS = {
-    "max": Key(Checker.count),
-    "timeout": Key(Checker.seconds),
-    "max_wait": Key(max_wait),
-    "retry_after": Key(Checker.positive_int),
-    "affinity_wait": Key(seconds_or_zero),
 }
 _GROUP_TIMEOUTS_KEYS = record_keys(GroupTimeouts, Checker.seconds)
 _RATE_LIMIT_KEYS = {
