@@ -15,12 +15,13 @@ What it obeys:
   expected tokens and one request from its tenant's buckets, before it waits or is sent, so
   requests in flight at once cannot spend more than the budget; a refusal is a 429 with
   ``Retry-After`` and the ``x-ratelimit-*`` fields (OpenAI's). When the exchange ends, the
-  reservation is settled to the completion tokens really used: the ``usage`` object's
-  ``completion_tokens`` when the backend sent one (``UsageScan``), else the SSE events
-  relayed, else (a response that is neither) what was reserved; nothing for a request that
-  got no response from a backend. With a fleet store the reservation is the store's
-  (``fleetadmit.py``, ``FleetHold``) and so is the settling: a ``BudgetSettle`` command the
-  driver sends off the request's path.
+  reservation is settled to the output tokens really used: the last ``usage`` the backend
+  sent, in its API's field (``UsageScan``, ``core/apis/streaming.py``: ``completion_tokens``,
+  or ``output_tokens`` for Responses and Messages), else the SSE tokens relayed (the
+  events, or the API's token events), else (a response that is neither) what was reserved;
+  nothing for a request that got no response from a backend. With a fleet store the
+  reservation is the store's (``fleetadmit.py``, ``FleetHold``) and so is the settling: a
+  ``BudgetSettle`` command the driver sends off the request's path.
 - The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
   room waits, fair between tenants and strict between priorities, for at most
   ``queue.timeout`` seconds; past ``queue.max`` waiting, or past the timeout, it is answered
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from muxproxy.config import AffinityMode, SessionSource, Upstream
+from muxproxy.core.apis.streaming import OPENAI_LIKE, ApiStream, stream_for
 from muxproxy.core.commands import BudgetSettle
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.credentials import credential_key, repeated_field
@@ -89,6 +91,7 @@ class Admission:
     """The facts, reservation and queue wait of one exchange in one group."""
 
     __slots__ = (
+        "api",
         "facts",
         "fleet",
         "fx",
@@ -123,6 +126,8 @@ class Admission:
         """The budgets the reservation was taken from (they outlive a reload that keeps
         ``rate_limit``)."""
         self.usage: UsageScan | None = None
+        self.api = stream_for(head.target) or OPENAI_LIKE
+        """How the response reports its usage (chat's fields for a path of no known API)."""
         self.fleet: FleetHold | None = None
         """With a fleet store: the reservation asked of it, then held."""
         self.queued_at: float | None = None
@@ -151,7 +156,7 @@ class Admission:
         self.reservation = result
         self.limiter = limiter
         if router.group.rate_limit is not None and router.group.rate_limit.tokens_per_minute:
-            self.usage = UsageScan()
+            self.usage = UsageScan(self.api)
         return None
 
     def count(self, stats: GroupStats) -> None:
@@ -180,8 +185,8 @@ class Admission:
         self.reservation = self.fleet = None
         if not answered:
             used = 0
-        elif self.usage is not None and self.usage.completion_tokens is not None:
-            used = self.usage.completion_tokens
+        elif self.usage is not None and self.usage.output_tokens is not None:
+            used = self.usage.output_tokens
         elif events is not None:
             used = events
         else:
@@ -255,29 +260,41 @@ def repeated_tenant_field(group: Upstream, head: RequestHead) -> str | None:
     return None
 
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*([0-9]{1,12})')
 _TAIL = 64
 """Bytes of a chunk kept for the next one: a field split between two chunks is still seen."""
 
 
 class UsageScan:
-    """The last ``"completion_tokens": N`` in a response body (OpenAI's ``usage`` object,
-    in a JSON response or the last SSE chunk), found chunk by chunk in bounded memory."""
+    """The last output and input token counts in a response body, in its API's fields
+    (OpenAI's ``"completion_tokens": N``, Responses' and Messages' ``"output_tokens": N``, in a
+    JSON response or the stream's last events), found chunk by chunk in bounded memory."""
 
-    __slots__ = ("completion_tokens", "tail")
+    __slots__ = ("input_tokens", "output_tokens", "patterns", "tail")
 
-    def __init__(self) -> None:
-        self.completion_tokens: int | None = None
+    def __init__(self, api: ApiStream = OPENAI_LIKE) -> None:
+        self.patterns = (api.output_usage, api.input_usage)
+        self.output_tokens: int | None = None
+        self.input_tokens: int | None = None
         self.tail = b""
 
     def feed(self, data: bytes) -> None:
         text = self.tail + data
-        found = None
-        for match in _COMPLETION_TOKENS.finditer(text):
-            found = match
-        if found is not None and found.end() < len(text):  # digits complete: something after
-            self.completion_tokens = int(found[1])
+        output, input = self.patterns
+        found = _last(output, text)
+        if found is not None:
+            self.output_tokens = found
+        found = _last(input, text)
+        if found is not None:
+            self.input_tokens = found
         self.tail = text[-_TAIL:]
+
+
+def _last(pattern: re.Pattern[bytes], text: bytes) -> int | None:
+    """The last complete count ``pattern`` finds in ``text`` (digits with something after)."""
+    found = None
+    for match in pattern.finditer(text):
+        found = match
+    return int(found[1]) if found is not None and found.end() < len(text) else None
 
 
 def extra_fields(refusal: Refusal) -> Headers:

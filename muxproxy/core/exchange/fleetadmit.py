@@ -123,7 +123,7 @@ def give_back(fx: Effects, event: BudgetAnswered) -> None:
 
 def _scan_usage(admission: Admission, budget: Budget) -> None:
     if budget.tokens_per_minute is not None:
-        admission.usage = UsageScan()
+        admission.usage = UsageScan(admission.api)
 
 
 def _share(router: GroupRouter, budget: Budget, replicas: int) -> RateLimiter:
