@@ -188,26 +188,38 @@ def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
     exchange.deadlines.end_attempt()
     exchange.release_upstream(close=True)
     if failover.allows(condition):
-        if not _chosen(exchange, failover):
-            return  # an extension failed, and its policy answered
-        failover.choose_room()  # its choice if that has room; ``allows`` found one that has
-        failover.leave()
-        failover.count_retry(condition, reason, exchange.request_id)
-        exchange.move(_I.RETRY)
-        failover.attempt()
+        _retry(exchange, failover, condition, reason)
     elif condition == "timeout":
         exchange.fail(504, "upstream timed out", reason)
     else:
         exchange.fail(502, "upstream unavailable", reason)
 
 
+def _retry(exchange: Routed, failover: Failover, condition: str, reason: str) -> None:
+    """The next try, which ``failover.allows``."""
+    if not _chosen(exchange, failover):
+        return  # an extension failed, and its policy answered
+    failover.choose_room()  # its choice if that has room; ``allows`` found one that has
+    failover.leave()
+    failover.count_retry(condition, reason, exchange.request_id)
+    exchange.move(_I.RETRY)
+    failover.attempt()
+
+
 def error_event_first(exchange: Routed, held: CommitPoint) -> None:
-    """A held SSE response whose backend sent an error event before any content: the next
-    server where ``next_upstream`` allows ``"error"``; else it stays held, and is relayed."""
+    """A held SSE response whose backend sent an error event before any content: a failure
+    of its server, and the next server where ``next_upstream`` allows ``"error"``; else it
+    stays held, and is relayed as the backend sent it."""
     error, held.error = held.error, None
     failover = exchange.failover
-    if error is not None and failover is not None and failover.allows("error"):
-        retry_or_fail(exchange, "error", f"error event {error} before the first token")
+    if error is None or failover is None:
+        return
+    reason = f"error event {error} before the first token"
+    failover.failed("error", reason)
+    if failover.allows("error"):
+        exchange.deadlines.end_attempt()
+        exchange.release_upstream(close=True)
+        _retry(exchange, failover, "error", reason)
 
 
 def retry_stale(exchange: Routed, reason: str) -> bool:
