@@ -22,6 +22,7 @@ import trio
 from muxproxy.config import (
     Config,
     Listener,
+    NextUpstream,
     RateLimit,
     Resume,
     Route,
@@ -186,3 +187,36 @@ async def test_a_cut_stream_resumes_with_last_event_id(
     last = events[-1][2]["type"]
     assert last == ("response.completed" if api == "responses" else "message_stop")
     assert fake.streams_started == 1
+
+
+async def test_a_messages_answer_cut_mid_stream_is_finished_by_the_next_server(
+    start_backend: Any, start_proxy: Any
+) -> None:
+    tokens = 12
+    first, one = await start_backend(backend_id="gpu0", delay=0.002, die_after=5)
+    backup, two = await start_backend(backend_id="gpu1", delay=0.002)
+    proxy = await start_proxy(
+        config=config(
+            [one, two],
+            next_upstream=NextUpstream(tries=3),
+            route={"continue_on_failure": True},
+        )
+    )
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="x", timeout=10, max_retries=0)
+
+    def use_sdk() -> tuple[list[Any], Any]:
+        with client.messages.stream(
+            model="m1", max_tokens=tokens, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            events = list(stream)
+            return events, stream.get_final_message()
+
+    with trio.fail_after(15):
+        events, message = await trio.to_thread.run_sync(use_sdk)
+    assert message.content[0].text == reply_text(tokens)  # one block, the whole answer
+    assert len(message.content) == 1 and message.stop_reason == "end_turn"
+    assert "gpu0" in message.id  # the original message's id: one message_start
+    assert [e.type for e in events].count("message_start") == 1
+    assert message.usage.output_tokens == tokens  # the continuation's, plus those relayed
+    assert {e.index for e in events if e.type.startswith("content_block")} == {0}
+    assert first.aborts == 1 and backup.continuations == 1

@@ -55,7 +55,7 @@ from muxproxy.core.observe.ssemeter import SseMeter, meter_rules
 from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
 from muxproxy.core.streams.commit import CommitPoint
-from muxproxy.core.streams.continuation import AnswerSoFar
+from muxproxy.core.streams.continuation import FollowedAnswer
 from muxproxy.core.streams.resume import Reader, Resumable, State
 from muxproxy.core.streams.sseids import EventStamper
 from muxproxy.core.streams.survival import Survival
@@ -128,7 +128,7 @@ class Exchange:
         return self.survival.stamper if self.survival is not None else None
 
     @property
-    def answer(self) -> AnswerSoFar | None:
+    def answer(self) -> FollowedAnswer | None:
         return self.survival.answer if self.survival is not None else None
 
     def move(self, input: ExchangeInput) -> bool:
