@@ -498,14 +498,16 @@ class Route:
     """Hold a text/event-stream response head until its first content event (one carrying a
     token; comments, role-only and empty chunks are held with it, up to the stream's buffer),
     so a backend that fails before its first token can still be retried: the client gets
-    nothing of the failed attempt."""
+    nothing of the failed attempt. An error event before it (Anthropic's ``overloaded_error``,
+    an OpenAI error; ``docs/apis.md``) is such a failure (``next_upstream``'s ``"error"``)."""
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""
     continue_on_failure: bool = False
-    """When a chat completion's backend fails mid-stream, have the next server finish the
-    answer from the text relayed so far (``continue_final_message``;
-    ``core/streams/continuation.py``), within ``next_upstream.tries``."""
+    """When a chat completion's or an Anthropic message's backend fails mid-stream, have the
+    next server finish the answer from the text relayed so far (``continue_final_message``,
+    ``core/streams/continuation.py``; an assistant prefill, ``core/streams/prefill.py``),
+    within ``next_upstream.tries``."""
     resume: Resume | None = None
     """Number the events of text/event-stream responses and keep them, so that a client
     that reconnects with ``Last-Event-ID`` gets the rest (``core/streams/resume.py``); None: off."""
