@@ -91,7 +91,6 @@ class Admission:
     """The facts, reservation and queue wait of one exchange in one group."""
 
     __slots__ = (
-        "api",
         "facts",
         "fleet",
         "fx",
@@ -101,6 +100,7 @@ class Admission:
         "priority",
         "queued_at",
         "reservation",
+        "target",
         "tenant",
         "ticket",
         "usage",
@@ -126,8 +126,8 @@ class Admission:
         """The budgets the reservation was taken from (they outlive a reload that keeps
         ``rate_limit``)."""
         self.usage: UsageScan | None = None
-        self.api = stream_for(head.target) or OPENAI_LIKE
-        """How the response reports its usage (chat's fields for a path of no known API)."""
+        self.target = head.target
+        """Which API the response speaks, for ``scan_usage``."""
         self.fleet: FleetHold | None = None
         """With a fleet store: the reservation asked of it, then held."""
         self.queued_at: float | None = None
@@ -156,8 +156,13 @@ class Admission:
         self.reservation = result
         self.limiter = limiter
         if router.group.rate_limit is not None and router.group.rate_limit.tokens_per_minute:
-            self.usage = UsageScan(self.api)
+            self.scan_usage()
         return None
+
+    def scan_usage(self) -> None:
+        """Read the response's usage, in its API's fields (chat's for a path of no known API),
+        to settle a token budget with."""
+        self.usage = UsageScan(stream_for(self.target) or OPENAI_LIKE)
 
     def count(self, stats: GroupStats) -> None:
         """Count the reservation taken (local or the store's) in its group's ``stats``."""
