@@ -388,7 +388,7 @@ class Exchange:
             self.deadlines.upstream_at = self.fx.now  # HOLDING: held until a content event
             assert self.survival is not None and self.survival.held is not None
             released = self.survival.held.take(data)
-            if released is None:  # an error event first: the next server (``placement.py``)
+            if released is None:  # still held; an error event fails over (``placement.py``)
                 placement.error_event_first(self, self.survival.held)
                 return
             data = released

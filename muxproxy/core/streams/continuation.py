@@ -5,6 +5,8 @@ What it obeys, and why:
 - Only an OpenAI-style chat completion (``/chat/completions``, a JSON body with a
   ``messages`` array and ``"stream": true``) whose whole body was kept (within
   ``next_upstream.replay_buffer``) is continued, on a route with ``continue_on_failure``.
+  (An Anthropic Messages answer is continued by ``prefill.py``, through the same
+  ``FollowedAnswer`` shape; ``docs/apis.md`` says why Responses and Completions are not.)
 - The answer so far (``AnswerSoFar``) is read from the SSE events relayed: the text of
   ``choices[0].delta.content``, and the ``id``, ``created`` and ``model`` of the stream. A
   stream that already finished (a ``finish_reason``, or ``[DONE]``) is not continued: cut
