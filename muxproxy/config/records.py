@@ -485,17 +485,17 @@ class Route:
     upstream: str
     """The name of the ``[upstreams.NAME]`` group its requests go to."""
     retry_until_first_event: bool = False
-    """Hold a text/event-stream response head until its first content event (one carrying a
-    token; comments, role-only and empty chunks are held with it, up to the stream's buffer),
-    so a backend that fails before its first token can still be retried: the client gets
-    nothing of the failed attempt."""
+    """Hold a text/event-stream response head until its first content event (comments, role
+    chunks, framing are held with it, up to the stream's buffer), so a backend that fails, or
+    sends an error event (``overloaded_error``: ``docs/apis.md``), before its first token can
+    be retried (as ``"error"``): the client gets nothing of the failed attempt."""
     sse_heartbeat: float | None = None
     """Seconds without upstream bytes after which a text/event-stream response gets an SSE
     comment (``: keep-alive``), written between events only; None: never."""
     continue_on_failure: bool = False
-    """When a chat completion's backend fails mid-stream, have the next server finish the
-    answer from the text relayed so far (``continue_final_message``;
-    ``core/streams/continuation.py``), within ``next_upstream.tries``."""
+    """When a chat completion's or an Anthropic message's backend fails mid-stream, have the
+    next server finish the answer from the text relayed so far (``docs/apis.md``: an
+    assistant message, or prefill), within ``next_upstream.tries``."""
     resume: Resume | None = None
     """Number the events of text/event-stream responses and keep them, so that a client
     that reconnects with ``Last-Event-ID`` gets the rest (``core/streams/resume.py``); None: off."""

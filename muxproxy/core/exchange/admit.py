@@ -15,12 +15,13 @@ What it obeys:
   expected tokens and one request from its tenant's buckets, before it waits or is sent, so
   requests in flight at once cannot spend more than the budget; a refusal is a 429 with
   ``Retry-After`` and the ``x-ratelimit-*`` fields (OpenAI's). When the exchange ends, the
-  reservation is settled to the completion tokens really used: the ``usage`` object's
-  ``completion_tokens`` when the backend sent one (``UsageScan``), else the SSE events
-  relayed, else (a response that is neither) what was reserved; nothing for a request that
-  got no response from a backend. With a fleet store the reservation is the store's
-  (``fleetadmit.py``, ``FleetHold``) and so is the settling: a ``BudgetSettle`` command the
-  driver sends off the request's path.
+  reservation is settled to the output tokens really used: the last ``usage`` the backend
+  sent, in its API's field (``UsageScan``, ``core/apis/streaming.py``: ``completion_tokens``,
+  or ``output_tokens`` for Responses and Messages), else the SSE tokens relayed (the
+  events, or the API's token events), else (a response that is neither) what was reserved;
+  nothing for a request that got no response from a backend. With a fleet store the
+  reservation is the store's (``fleetadmit.py``, ``FleetHold``) and so is the settling: a
+  ``BudgetSettle`` command the driver sends off the request's path.
 - The queue (``queue``, ``routing/admission.py``): a request that finds no candidate with
   room waits, fair between tenants and strict between priorities, for at most its priority
   class's deadline (``queue.max_wait``, else ``queue.timeout``); past ``queue.max`` waiting,
@@ -40,6 +41,7 @@ import attrs
 
 from muxproxy.config import AffinityMode, SessionSource, Upstream
 from muxproxy.config.queue import PRIORITIES
+from muxproxy.core.apis.streaming import OPENAI_LIKE, ApiStream, stream_for
 from muxproxy.core.commands import BudgetSettle
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.credentials import credential_key, repeated_field
@@ -99,6 +101,7 @@ class Admission:
         "priority",
         "queued_at",
         "reservation",
+        "target",
         "tenant",
         "ticket",
         "usage",
@@ -124,6 +127,8 @@ class Admission:
         """The budgets the reservation was taken from (they outlive a reload that keeps
         ``rate_limit``)."""
         self.usage: UsageScan | None = None
+        self.target = head.target
+        """Which API the response speaks, for ``scan_usage``."""
         self.fleet: FleetHold | None = None
         """With a fleet store: the reservation asked of it, then held."""
         self.queued_at: float | None = None
@@ -152,8 +157,13 @@ class Admission:
         self.reservation = result
         self.limiter = limiter
         if router.group.rate_limit is not None and router.group.rate_limit.tokens_per_minute:
-            self.usage = UsageScan()
+            self.scan_usage()
         return None
+
+    def scan_usage(self) -> None:
+        """Read the response's usage, in its API's fields (chat's for a path of no known API),
+        to settle a token budget with."""
+        self.usage = UsageScan(stream_for(self.target) or OPENAI_LIKE)
 
     def count(self, stats: GroupStats) -> None:
         """Count the reservation taken (local or the store's) in its group's ``stats``."""
@@ -181,8 +191,8 @@ class Admission:
         self.reservation = self.fleet = None
         if not answered:
             used = 0
-        elif self.usage is not None and self.usage.completion_tokens is not None:
-            used = self.usage.completion_tokens
+        elif self.usage is not None and self.usage.output_tokens is not None:
+            used = self.usage.output_tokens
         elif events is not None:
             used = events
         else:
@@ -257,29 +267,41 @@ def repeated_tenant_field(group: Upstream, head: RequestHead) -> str | None:
     return None
 
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*([0-9]{1,12})')
 _TAIL = 64
 """Bytes of a chunk kept for the next one: a field split between two chunks is still seen."""
 
 
 class UsageScan:
-    """The last ``"completion_tokens": N`` in a response body (OpenAI's ``usage`` object,
-    in a JSON response or the last SSE chunk), found chunk by chunk in bounded memory."""
+    """The last output and input token counts in a response body, in its API's fields
+    (OpenAI's ``"completion_tokens": N``, Responses' and Messages' ``"output_tokens": N``, in a
+    JSON response or the stream's last events), found chunk by chunk in bounded memory."""
 
-    __slots__ = ("completion_tokens", "tail")
+    __slots__ = ("input_tokens", "output_tokens", "patterns", "tail")
 
-    def __init__(self) -> None:
-        self.completion_tokens: int | None = None
+    def __init__(self, api: ApiStream = OPENAI_LIKE) -> None:
+        self.patterns = (api.output_usage, api.input_usage)
+        self.output_tokens: int | None = None
+        self.input_tokens: int | None = None
         self.tail = b""
 
     def feed(self, data: bytes) -> None:
         text = self.tail + data
-        found = None
-        for match in _COMPLETION_TOKENS.finditer(text):
-            found = match
-        if found is not None and found.end() < len(text):  # digits complete: something after
-            self.completion_tokens = int(found[1])
+        output, input = self.patterns
+        found = _last(output, text)
+        if found is not None:
+            self.output_tokens = found
+        found = _last(input, text)
+        if found is not None:
+            self.input_tokens = found
         self.tail = text[-_TAIL:]
+
+
+def _last(pattern: re.Pattern[bytes], text: bytes) -> int | None:
+    """The last complete count ``pattern`` finds in ``text`` (digits with something after)."""
+    found = None
+    for match in pattern.finditer(text):
+        found = match
+    return int(found[1]) if found is not None and found.end() < len(text) else None
 
 
 def extra_fields(refusal: Refusal) -> Headers:

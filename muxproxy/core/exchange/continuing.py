@@ -15,7 +15,7 @@ from muxproxy.core.exchange.exchangeports import ContinuedOwner
 from muxproxy.core.http.headers import is_event_stream
 from muxproxy.core.messages import Headers, ResponseHead
 from muxproxy.core.ports import Backends, UpstreamStream, UpstreamUser
-from muxproxy.core.streams.continuation import Splicer
+from muxproxy.core.streams.continuation import Splicing
 
 
 class ContinuedStream:
@@ -25,7 +25,7 @@ class ContinuedStream:
         self,
         exchange: ContinuedOwner,
         pool: Backends,
-        splicer: Splicer,
+        splicer: Splicing,
         request: tuple[bytes, Headers, bytes],
     ) -> None:
         self.owner: ContinuedOwner | None = exchange

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import assert_never
 
 from muxproxy.config import Route, Upstream
+from muxproxy.core.apis.streaming import stream_for
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import BudgetAnswered
@@ -50,11 +51,11 @@ from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fields
 from muxproxy.core.messages import Fields, Headers, OwnBody, RequestHead, ResponseHead
 from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
-from muxproxy.core.observe.ssemeter import SseMeter
+from muxproxy.core.observe.ssemeter import SseMeter, meter_rules
 from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
 from muxproxy.core.streams.commit import CommitPoint
-from muxproxy.core.streams.continuation import AnswerSoFar
+from muxproxy.core.streams.continuation import FollowedAnswer
 from muxproxy.core.streams.resume import Reader, Resumable, State
 from muxproxy.core.streams.sseids import EventStamper
 from muxproxy.core.streams.survival import Survival
@@ -127,7 +128,7 @@ class Exchange:
         return self.survival.stamper if self.survival is not None else None
 
     @property
-    def answer(self) -> AnswerSoFar | None:
+    def answer(self) -> FollowedAnswer | None:
         return self.survival.answer if self.survival is not None else None
 
     def move(self, input: ExchangeInput) -> bool:
@@ -295,11 +296,9 @@ class Exchange:
             return  # an extension failed, and its policy answered 502
         self.deadlines.upstream_at = fx.now
         if route.retry_until_first_event and 200 <= status < 300 and is_event_stream(head.headers):
-            self.move(_I.HOLD)
-            self.survive().held = CommitPoint(fx.limits.high_water)  # its first event
-            # The head timer is gone and ``_commit`` has not armed the idle one yet: without
-            # this a backend that sends the head and then nothing would hold the client
-            # forever (unless a first-token timeout is configured).
+            self.move(_I.HOLD)  # until its first content event:
+            self.survive().held = CommitPoint(fx.limits.high_water, stream_for(self.head.target))
+            # No head timer now, no idle one yet: else a head-only backend holds the client.
             self.deadlines.watch_reading(group)
             return
         self._commit()
@@ -329,7 +328,7 @@ class Exchange:
         if sse and self.group is not None:
             times = self.host.measurements.token_times(self.group.name, self.server_address)
             make = self.hooks.meter if self.hooks else SseMeter  # extensions' may tap events
-            meter = self.meter = make(times, self.started)
+            meter = self.meter = make(times, self.started, *meter_rules(self.head.target))
             if self.admission is not None:
                 self.admission.streaming(meter)
             heartbeat = self.route.sse_heartbeat if self.route else None
@@ -388,7 +387,8 @@ class Exchange:
             self.deadlines.upstream_at = self.fx.now  # HOLDING: held until a content event
             assert self.survival is not None and self.survival.held is not None
             released = self.survival.held.take(data)
-            if released is None:
+            if released is None:  # still held; an error event fails over (``placement.py``)
+                placement.error_event_first(self, self.survival.held)
                 return
             data = released
             self._commit()
@@ -590,7 +590,7 @@ class Exchange:
         if failover is not None:
             admission = self.admission
             if admission is not None:
-                events = self.meter.events if self.meter is not None else None
+                events = self.meter.tokens if self.meter is not None else None
                 placement.settle(self, admission, failover, self.head_at is not None, events)
             failover.leave()
         self.upload.settle()

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from muxproxy.core.exchange.upload import Upload
     from muxproxy.core.messages import Fields, OwnBody, RequestHead
     from muxproxy.core.observe.access import RequestIds
-    from muxproxy.core.streams.continuation import AnswerSoFar
+    from muxproxy.core.streams.continuation import FollowedAnswer
     from muxproxy.core.streams.resume import Resumable, ResumeStore
     from muxproxy.core.streams.sseids import EventStamper
     from muxproxy.core.streams.survival import Survival
@@ -148,7 +148,7 @@ class Outliving(ContinuedOwner, ClientStream, Owner, Protocol):
     @property
     def stamper(self) -> EventStamper | None: ...
     @property
-    def answer(self) -> AnswerSoFar | None: ...
+    def answer(self) -> FollowedAnswer | None: ...
 
     def survive(self) -> Survival:
         """The survival record, made on first need."""

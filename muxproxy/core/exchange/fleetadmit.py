@@ -28,7 +28,7 @@ from muxproxy.config import StoreErrorPolicy, Upstream
 from muxproxy.core.commands import BudgetReserve, BudgetSettle
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import BudgetAnswered
-from muxproxy.core.exchange.admit import Admission, FleetHold, UsageScan
+from muxproxy.core.exchange.admit import Admission, FleetHold
 from muxproxy.core.observe.measure import Measurements
 from muxproxy.fleet.budgets import Ask, refusal_of
 from muxproxy.routing.ratelimit import Budget, RateLimiter, Refusal
@@ -123,7 +123,7 @@ def give_back(fx: Effects, event: BudgetAnswered) -> None:
 
 def _scan_usage(admission: Admission, budget: Budget) -> None:
     if budget.tokens_per_minute is not None:
-        admission.usage = UsageScan()
+        admission.scan_usage()
 
 
 def _share(router: GroupRouter, budget: Budget, replicas: int) -> RateLimiter:

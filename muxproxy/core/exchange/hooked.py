@@ -30,6 +30,7 @@ What it obeys, and why:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -43,7 +44,7 @@ from muxproxy.core.exchange.exchange_states import ExchangeInput
 from muxproxy.core.exchange.exchangeports import Routed
 from muxproxy.core.messages import AnswerRewrite, Headers
 from muxproxy.core.observe.series import TokenTimes
-from muxproxy.core.observe.ssemeter import SseMeter
+from muxproxy.core.observe.ssemeter import SseMeter, is_token_event
 from muxproxy.core.ports import ClientPeer
 from muxproxy.extensions.api import Decision, HeaderRewrite, Outcome, Request, Response, defines
 
@@ -313,12 +314,18 @@ class ExchangeHooks:
             return rewrite
         return _failed(exchange, config, "on_response_head", "returned no HeaderRewrite")
 
-    def meter(self, times: TokenTimes, started: float) -> SseMeter:
-        """The meter of an SSE response (as ``SseMeter(times, started)``): one that hands each
-        event to the extensions that want them, where any does."""
+    def meter(
+        self,
+        times: TokenTimes,
+        started: float,
+        is_content: Callable[[bytes], bool] = is_token_event,
+        marker: bytes = b"",
+    ) -> SseMeter:
+        """The meter of an SSE response (as ``SseMeter(times, started, ...)``): one that hands
+        each event to the extensions that want them, where any does."""
         if not self.chain.events:
-            return SseMeter(times, started)
-        return EventTap(times, started, self.exchange, self)
+            return SseMeter(times, started, is_content, marker)
+        return EventTap(times, started, self.exchange, self, is_content, marker)
 
     def event(self, exchange: Hooked, event: bytes) -> None:
         view = self.view
@@ -332,9 +339,9 @@ class ExchangeHooks:
         if not self.chain.finish:
             return  # no record made for nobody (``bench/trivial_hook.py``)
         usage, meter = exchange.usage, exchange.meter
-        tokens = usage.completion_tokens if usage is not None else None
+        tokens = usage.output_tokens if usage is not None else None
         if tokens is None and meter is not None:
-            tokens = meter.events
+            tokens = meter.tokens
         view = self.view
         if view is None:  # ended before its head was seen by a hook (no route: 404)
             view = self.view = _view(exchange)
@@ -359,9 +366,15 @@ class EventTap(SseMeter):
     __slots__ = ("exchange", "hooks", "pending")
 
     def __init__(
-        self, stats: TokenTimes, started: float, exchange: Hooked, hooks: ExchangeHooks
+        self,
+        stats: TokenTimes,
+        started: float,
+        exchange: Hooked,
+        hooks: ExchangeHooks,
+        is_content: Callable[[bytes], bool] = is_token_event,
+        marker: bytes = b"",
     ) -> None:
-        super().__init__(stats, started)
+        super().__init__(stats, started, is_content, marker)
         self.exchange = exchange
         self.hooks = hooks
         self.pending = b""

@@ -20,7 +20,10 @@ What it obeys:
   A request the queue admits is routed again, with the group as configured now.
 - The servers, in the group's order (``failover.py``): no usable one is 503; a try that
   fails before anything reached the client goes to the next one where ``next_upstream``
-  allows (RFC 9110 §9.2.2), else 504 for a timeout and 502 for any other failure.
+  allows (RFC 9110 §9.2.2), else 504 for a timeout and 502 for any other failure. An SSE
+  response held until its first content event (``retry_until_first_event``) whose backend
+  reports an error event first (``commit.py``: an ``overloaded_error``) failed so too, as
+  ``"error"``; with no try left its stream is relayed as the backend sent it.
 
 It sees the exchange through ``exchangeports.Routed`` alone: it sets the members it decides
 (the normalised head, the route, the group, the failover, the admission) and moves the
@@ -46,6 +49,7 @@ from muxproxy.core.http import grpc
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.ports import RequestPhase
+from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.timers import ExchangeTimer
 from muxproxy.routing.llmrequest import parse_json_body
 from muxproxy.routing.ratelimit import Refusal
@@ -215,17 +219,38 @@ def retry_or_fail(exchange: Routed, condition: str, reason: str) -> None:
     exchange.deadlines.end_attempt()
     exchange.release_upstream(close=True)
     if failover.allows(condition):
-        if not _chosen(exchange, failover):
-            return  # an extension failed, and its policy answered
-        failover.choose_room()  # its choice if that has room; ``allows`` found one that has
-        failover.leave()
-        failover.count_retry(condition, reason, exchange.request_id)
-        exchange.move(_I.RETRY)
-        failover.attempt()
+        _retry(exchange, failover, condition, reason)
     elif condition == "timeout":
         exchange.fail(504, "upstream timed out", reason)
     else:
         refuse(exchange, Reason.NO_SERVER, 502, "upstream unavailable", reason)
+
+
+def _retry(exchange: Routed, failover: Failover, condition: str, reason: str) -> None:
+    """The next try, which ``failover.allows``."""
+    if not _chosen(exchange, failover):
+        return  # an extension failed, and its policy answered
+    failover.choose_room()  # its choice if that has room; ``allows`` found one that has
+    failover.leave()
+    failover.count_retry(condition, reason, exchange.request_id)
+    exchange.move(_I.RETRY)
+    failover.attempt()
+
+
+def error_event_first(exchange: Routed, held: CommitPoint) -> None:
+    """A held SSE response whose backend sent an error event before any content: a failure
+    of its server, and the next server where ``next_upstream`` allows ``"error"``; else it
+    stays held, and is relayed as the backend sent it."""
+    error, held.error = held.error, None
+    failover = exchange.failover
+    if error is None or failover is None:
+        return
+    reason = f"error event {error} before the first token"
+    failover.failed("error", reason)
+    if failover.allows("error"):
+        exchange.deadlines.end_attempt()
+        exchange.release_upstream(close=True)
+        _retry(exchange, failover, "error", reason)
 
 
 def retry_stale(exchange: Routed, reason: str) -> bool:

@@ -31,7 +31,8 @@ from muxproxy.core.exchange.heads import backend_fields
 from muxproxy.core.messages import ResponseHead
 from muxproxy.core.observe.access import with_request_id
 from muxproxy.core.ports import Phase, RequestPhase
-from muxproxy.core.streams.continuation import AnswerSoFar, Splicer, wants_continuation
+from muxproxy.core.streams.continuation import AnswerSoFar, FollowedAnswer, wants_continuation
+from muxproxy.core.streams.prefill import MessagesSoFar, wants_prefill
 from muxproxy.core.streams.readers import Nobody, ResumedClient
 from muxproxy.core.streams.resume import RESUME_TOKEN, Reader, State
 from muxproxy.core.streams.resumebind import binding_of
@@ -65,6 +66,9 @@ def keep_answer(exchange: Outliving) -> None:
     if wants_continuation(exchange.head.target, document):
         assert isinstance(document, dict)
         exchange.survive().answer = AnswerSoFar(document)
+    elif wants_prefill(exchange.head.target, document):
+        assert isinstance(document, dict)
+        exchange.survive().answer = MessagesSoFar(document)
 
 
 def continue_answer(exchange: Outliving, reason: str) -> bool:
@@ -100,7 +104,7 @@ def continue_answer(exchange: Outliving, reason: str) -> bool:
     fields.append((b"content-length", str(len(body)).encode("ascii")))
     fields = with_request_id(fields, request_id)
     stream = ContinuedStream(
-        exchange, exchange.host.pool, Splicer(answer), (head.target, fields, body)
+        exchange, exchange.host.pool, answer.splicer(), (head.target, fields, body)
     )
     exchange.continue_with(stream)
     exchange.survive().continuations += 1
@@ -112,7 +116,7 @@ def continue_answer(exchange: Outliving, reason: str) -> bool:
     return True
 
 
-def _end_answer(exchange: Outliving, answer: AnswerSoFar) -> None:
+def _end_answer(exchange: Outliving, answer: FollowedAnswer) -> None:
     """The backend failed after the answer's last token or its finish: end the stream as the
     engine would have, with no backend (``AnswerSoFar.ending``)."""
     assert exchange.failover is not None

@@ -169,9 +169,20 @@ class Finished(Protocol):
     @property
     def meter(self) -> SseMeter | None: ...
     @property
+    def usage(self) -> UsageCounts | None: ...
+    @property
     def bytes_in(self) -> int: ...
     @property
     def bytes_out(self) -> int: ...
+
+
+class UsageCounts(Protocol):
+    """The token counts the backend reported (``admit.UsageScan``), None where not seen."""
+
+    @property
+    def input_tokens(self) -> int | None: ...
+    @property
+    def output_tokens(self) -> int | None: ...
 
 
 def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
@@ -179,7 +190,7 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
     lists them)."""
     head = exchange.head
     now = exchange.fx.now
-    meter = exchange.meter
+    meter, usage = exchange.meter, exchange.usage
     group = exchange.group
     return {
         "request_id": exchange.request_id.decode("ascii"),
@@ -197,6 +208,9 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
         "ttft": None if meter is None else _seconds(meter.first_token_at, exchange.started),
         "duration": round(now - exchange.started, 6),
         "events": None if meter is None else meter.events,
+        "tokens": None if meter is None else meter.tokens,
+        "input_tokens": None if usage is None else usage.input_tokens,
+        "output_tokens": None if usage is None else usage.output_tokens,
         "bytes_in": exchange.bytes_in,
         "bytes_out": exchange.bytes_out,
         "outcome": outcome,
@@ -239,6 +253,9 @@ FIELDS = (
     "ttft",
     "duration",
     "events",
+    "tokens",
+    "input_tokens",
+    "output_tokens",
     "bytes_in",
     "bytes_out",
     "outcome",

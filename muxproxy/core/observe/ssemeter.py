@@ -37,6 +37,12 @@ text is the string ``"content":""`` escaped inside another value cannot fool the
 are escaped ``\\"``). An event larger than ``INSPECT_LIMIT`` without an end is taken as a
 token (the inspection buffer stays bounded).
 
+Per API (``core/apis/streaming.py``): the exchange may hand the meter another content rule
+(``is_content``: the Responses and Messages readers) and a ``token_marker``, counted per chunk
+(with the bytes a chunk boundary splits it across) as the stream's ``tokens``; without one,
+``tokens`` is ``events``. Chat Completions keeps the rules above and pays one attribute test
+per chunk for the marker.
+
 Inter-token gaps: after the first token, every backend chunk that completes at least one
 event adds one observation, the time since the previous such chunk (events that arrive in
 one read were produced together as far as the proxy can tell).
@@ -46,9 +52,11 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections.abc import Callable
 
 from mypy_extensions import mypyc_attr
 
+from muxproxy.core.apis.streaming import stream_for
 from muxproxy.core.observe.series import TokenTimes
 
 INSPECT_LIMIT = 64 * 1024
@@ -89,19 +97,37 @@ class SseMeter:
         "bounds",
         "buffer",
         "carry",
+        "counted",
         "events",
         "first_token_at",
         "gaps",
+        "is_content",
         "last",
         "last_event_at",
+        "marker",
         "partials",
         "sep",
         "started",
         "stats",
+        "tail",
     )
 
-    def __init__(self, stats: TokenTimes, started: float) -> None:
+    def __init__(
+        self,
+        stats: TokenTimes,
+        started: float,
+        is_content: Callable[[bytes], bool] = is_token_event,
+        marker: bytes = b"",
+    ) -> None:
         self.stats = stats
+        self.is_content = is_content
+        """Whether one event is content (before the first token only)."""
+        self.marker = marker
+        """The API's token event marker; empty: every event is one (the module's rules)."""
+        self.counted = 0
+        """Occurrences of ``marker`` so far."""
+        self.tail = b""
+        """The last bytes of the last chunk, a marker's length less one."""
         hist = stats.inter_token
         self.bounds = hist.bounds
         self.gaps = hist.counts
@@ -126,6 +152,8 @@ class SseMeter:
 
     def feed(self, data: bytes, now: float) -> None:
         """One chunk of the response body, as the backend sent it."""
+        if self.marker:
+            self._count_markers(data)
         if self.first_token_at is None:
             self._inspect(data, now)
             return
@@ -154,6 +182,18 @@ class SseMeter:
             self.gaps[bisect_left(self.bounds, now - self.last_event_at)] += 1
             self.last_event_at = now
 
+    def _count_markers(self, data: bytes) -> None:
+        marker = self.marker
+        text = self.tail + data
+        self.counted += text.count(marker)
+        # A tail one byte short of the marker holds no whole one: none is counted twice.
+        self.tail = text[1 - len(marker) :]
+
+    @property
+    def tokens(self) -> int:
+        """The tokens relayed so far: the API's token events, else the events."""
+        return self.counted if self.marker else self.events
+
     @property
     def gap_sum(self) -> float:
         """The sum of the inter-token gaps observed so far."""
@@ -179,7 +219,7 @@ class SseMeter:
             if end < 0:
                 break
             self.events += 1
-            token = is_token_event(buffer[start:end])
+            token = self.is_content(buffer[start:end])
             start = end + len(sep)
             if token:
                 self._token(now)
@@ -204,6 +244,16 @@ class SseMeter:
         self.first_token_at = now
         self.last_event_at = now
         self.stats.ttft.observe(now - self.started)
+
+
+def meter_rules(target: bytes) -> tuple[Callable[[bytes], bool], bytes]:
+    """The content rule and token marker (``SseMeter``'s ``is_content`` and ``marker``) of
+    the API a request target speaks (``core/apis/streaming.py``): the byte patterns and no
+    marker for Chat Completions, Completions and a path of no known API."""
+    api = stream_for(target)
+    if api is None:
+        return is_token_event, b""
+    return api.is_content or is_token_event, api.token_marker
 
 
 def stream_terminator(data: bytes) -> bytes | None:

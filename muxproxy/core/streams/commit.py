@@ -11,6 +11,11 @@ What it obeys:
 - What counts as a content event is ``ssemeter.is_token_event``'s rule (WHATWG HTML §9.2.6
   for where an event ends, the meter's byte patterns for whether it carries a token): the
   same rule that times the first token, so the commit point and time to first token agree.
+- Per API (``core/apis/streaming.py``): content is the API's rule (the Responses and Messages
+  readers), and an event the API reports an error with before any content (Anthropic's
+  ``overloaded_error``, an OpenAI ``error`` event, Responses' ``response.failed``) is noted in
+  ``error``: the exchange fails over as for a failed connection (``next_upstream``'s
+  ``"error"``), or, with no try left, goes on holding and relays it as the backend sent it.
 - Bounded: at most ``limit`` bytes are held (the exchange passes ``high_water``, so a held
   response takes no more than a streamed one). A backend that sends more before its first
   token is committed to with what it sent: the proxy cannot hold it longer without reading
@@ -25,16 +30,26 @@ the bound is reached, and None while it still holds.
 
 from __future__ import annotations
 
+from muxproxy.core.apis.streaming import ApiStream
 from muxproxy.core.observe.ssemeter import is_token_event, stream_terminator
+
+
+def _no_error(event: bytes) -> str | None:
+    return None
 
 
 class CommitPoint:
     """The bytes of one held SSE response until its first content event."""
 
-    __slots__ = ("held", "limit", "scanned", "sep")
+    __slots__ = ("error", "error_of", "held", "is_content", "limit", "scanned", "sep")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, api: ApiStream | None = None) -> None:
+        """``api``: the API the stream speaks, if known (else the meter's byte patterns)."""
         self.limit = limit
+        self.is_content = (api and api.is_content) or is_token_event
+        self.error_of = _no_error if api is None else api.error_of
+        self.error: str | None = None
+        """The type of the first error event before any content, once one came."""
         self.held = b""
         self.scanned = 0
         """How far ``held`` was split into events: the start of the first incomplete one."""
@@ -63,5 +78,7 @@ class CommitPoint:
             if end < 0:
                 return False
             event, self.scanned = held[self.scanned : end], end + len(sep)
-            if is_token_event(event):
+            if self.is_content(event):
                 return True
+            if self.error is None:
+                self.error = self.error_of(event)

@@ -5,6 +5,8 @@ What it obeys, and why:
 - Only an OpenAI-style chat completion (``/chat/completions``, a JSON body with a
   ``messages`` array and ``"stream": true``) whose whole body was kept (within
   ``next_upstream.replay_buffer``) is continued, on a route with ``continue_on_failure``.
+  (An Anthropic Messages answer is continued by ``prefill.py``, through the same
+  ``FollowedAnswer`` shape; ``docs/apis.md`` says why Responses and Completions are not.)
 - The answer so far (``AnswerSoFar``) is read from the SSE events relayed: the text of
   ``choices[0].delta.content``, and the ``id``, ``created`` and ``model`` of the stream. A
   stream that already finished (a ``finish_reason``, or ``[DONE]``) is not continued: cut
@@ -35,7 +37,28 @@ Pure: no clock, no I/O; one ``json.loads`` per event, on such routes only.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
+
+
+class Splicing(Protocol):
+    """What a continuation's stream goes through on its way to the client."""
+
+    def feed(self, data: bytes) -> bytes: ...
+    def flush(self) -> bytes: ...
+
+
+class FollowedAnswer(Protocol):
+    """An answer followed for a continuation: ``AnswerSoFar`` (chat), ``prefill.MessagesSoFar``."""
+
+    @property
+    def continuable(self) -> bool: ...
+    @property
+    def exhausted(self) -> bool: ...
+    def ending(self) -> bytes: ...
+    def feed(self, data: bytes) -> None: ...
+    def continuation_body(self) -> bytes: ...
+    def splicer(self) -> Splicing: ...
+
 
 MAX_TEXT = 1024 * 1024
 """Most bytes of answer text held for a continuation; past it the answer is not continued."""
@@ -53,7 +76,7 @@ def wants_continuation(target: bytes, document: object) -> bool:
     )
 
 
-class _Events:
+class EventSplitter:
     """Splits an SSE byte stream into events (LF or CRLF line ends, WHATWG HTML §9.2.6)."""
 
     def __init__(self) -> None:
@@ -91,7 +114,7 @@ class AnswerSoFar:
         """``[DONE]`` was relayed."""
         self.broken = False
         """Something could not be followed (a non-JSON event, too much text): no continuation."""
-        self._events = _Events()
+        self._events = EventSplitter()
 
     @property
     def continuable(self) -> bool:
@@ -187,6 +210,9 @@ class AnswerSoFar:
             document[key] = max(1, limit - self.content_events)
         return json.dumps(document, separators=(",", ":")).encode()
 
+    def splicer(self) -> Splicer:
+        return Splicer(self)
+
 
 def _token_limits(document: dict[str, Any]) -> dict[str, int]:
     """The request's integer token limits, ``max_completion_tokens`` first."""
@@ -203,7 +229,7 @@ class Splicer:
 
     def __init__(self, answer: AnswerSoFar) -> None:
         self.answer = answer
-        self._events = _Events()
+        self._events = EventSplitter()
 
     def feed(self, data: bytes) -> bytes:
         out: list[bytes] = []

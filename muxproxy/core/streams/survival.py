@@ -12,7 +12,7 @@ import attrs
 
 from muxproxy.core.messages import ResponseHead
 from muxproxy.core.streams.commit import CommitPoint
-from muxproxy.core.streams.continuation import AnswerSoFar
+from muxproxy.core.streams.continuation import FollowedAnswer
 from muxproxy.core.streams.resume import Resumable
 from muxproxy.core.streams.sseids import EventStamper
 
@@ -27,7 +27,7 @@ class Survival:
     """The kept events of a resumable SSE response (``resume.py``)."""
     stamper: EventStamper | None = None
     """Numbers the events of a resumable response (``sseids.py``)."""
-    answer: AnswerSoFar | None = None
+    answer: FollowedAnswer | None = None
     """The chat answer relayed so far, on a ``continue_on_failure`` route
     (``continuation.py``)."""
     continuations: int = 0

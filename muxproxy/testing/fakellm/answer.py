@@ -10,9 +10,10 @@ continued, by this fake or another, and checked exactly: the spliced answer is t
 uninterrupted one.
 
 **Continuing** (:func:`plan_reply`), as vLLM and SGLang do with the chat-template options
-``continue_final_message: true`` and ``add_generation_prompt: false``: the request's last
-message is an assistant message whose text ``T`` is the start of the answer, and the reply
-goes on from where ``T`` stops. What it obeys:
+``continue_final_message: true`` and ``add_generation_prompt: false``, and as the Anthropic
+Messages API does with any final assistant message (its prefill; no option): the request's
+last message is an assistant message whose text ``T`` is the start of the answer, and the
+reply goes on from where ``T`` stops. What it obeys:
 
 * ``T`` must be a token-aligned prefix of the answer, ``tokens_text(0, k)`` for some ``k``
   (a string content, or its ``{"type": "text"}`` parts joined); else 400. ``k`` may be 0
@@ -103,18 +104,24 @@ class Reply:
         return tokens_text(self.first, self.first + self.count)
 
 
-def plan_reply(request: Mapping[str, object], tokens: int, *, counts_new: bool) -> Reply:
+def plan_reply(
+    request: Mapping[str, object], tokens: int, *, counts_new: bool, prefill: bool = False
+) -> Reply:
     """The reply to a chat ``request`` of ``tokens`` tokens; raises :class:`BadContinuation`.
 
     ``counts_new``: ``tokens`` is the request's ``max_tokens``, which counts the new tokens
     of a continuation only (else it is the whole answer's length; see the module docstring).
+    ``prefill``: a final assistant message is continued with no option (Anthropic Messages).
     """
-    if not _flag(request, CONTINUE):
-        return Reply(first=0, count=tokens, continued=False)
-    if _flag(request, GENERATION_PROMPT):
-        raise BadContinuation(BOTH_OPTIONS, GENERATION_PROMPT)
     messages = request.get("messages")
     last = messages[-1] if isinstance(messages, list) and messages else None
+    if prefill:
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            return Reply(first=0, count=tokens, continued=False)
+    elif not _flag(request, CONTINUE):
+        return Reply(first=0, count=tokens, continued=False)
+    elif _flag(request, GENERATION_PROMPT):
+        raise BadContinuation(BOTH_OPTIONS, GENERATION_PROMPT)
     if not isinstance(last, dict) or last.get("role") != "assistant":
         raise BadContinuation(NOT_ASSISTANT, "messages")
     done = answered_tokens(content_text(last))

@@ -10,8 +10,9 @@ module sends them, paced by the same token clock, engine model and knobs as chat
 What it obeys, the same as chat completions: the stream head goes out at once, each token's
 events when the clock has it out; die-after cuts the stream before token ``die_after`` (the app
 then aborts it), or, non-streaming, sends the head and half the body. A wire that has an
-:meth:`Wire.overloaded` event (Anthropic's ``overloaded_error``) sends it instead when
-die-after is 0, and ends its stream cleanly, as Anthropic reports an overloaded engine.
+:meth:`Wire.overloaded` event (Anthropic's ``overloaded_error``, the Responses ``error``
+event) sends it instead when die-after is 0, and ends its stream cleanly, as those APIs report
+an overloaded engine.
 """
 
 from __future__ import annotations

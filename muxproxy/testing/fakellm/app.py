@@ -116,7 +116,7 @@ from muxproxy.testing.fakellm.metrics import CONTENT_TYPE as METRICS_CONTENT_TYP
 from muxproxy.testing.fakellm.pacing import Timetable, TokenClock
 from muxproxy.testing.fakellm.responses import Responder, dumps
 from muxproxy.testing.fakellm.scheduler import Engine
-from muxproxy.testing.fakellm.wires import WIRES
+from muxproxy.testing.fakellm.wires import PREFILL, WIRES
 
 MODEL = "fake-llm"
 """The one model :class:`FakeLLM` lists (completions echo the request's ``model``)."""
@@ -368,7 +368,7 @@ class FakeLLM:
                     counts_new = True
                     break
         try:
-            reply = plan_reply(request, n_tokens, counts_new=counts_new)
+            reply = plan_reply(request, n_tokens, counts_new=counts_new, prefill=path in PREFILL)
         except BadContinuation as exc:
             await self._responder().send_error(
                 send, 400, str(exc), "invalid_request_error", echo, param=exc.param

@@ -30,7 +30,11 @@ header                   attribute / CLI option         meaning
                                                         ``-1``) disables a default. N counts
                                                         this response's tokens: a
                                                         continuation emits N more, then
-                                                        dies again
+                                                        dies again. 0 on ``/v1/responses``
+                                                        and ``/v1/messages``: an error
+                                                        event instead of the first token
+                                                        (``server_error``,
+                                                        ``overloaded_error``), then the end
 ``x-fake-status``        ``status`` / ``--status``      answer every request with status S
                                                         and a small OpenAI-style JSON error
                                                         body (200: normal behaviour)

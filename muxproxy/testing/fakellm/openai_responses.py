@@ -7,7 +7,10 @@ Pure, a :class:`~muxproxy.testing.fakellm.apistream.Wire`: it only says what eac
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per token, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done`` and ``response.completed`` (with
-``usage``), each with the next ``sequence_number`` from 0.
+``usage``), each with the next ``sequence_number`` from 0. An engine that fails before its
+first token (die-after 0) answers, after the events before it, an ``error`` event
+(``{"type": "error", "code": "server_error", "message", "param", "sequence_number"}``), as the
+Responses API reports a failure outside a response.
 """
 
 from __future__ import annotations
@@ -109,4 +112,6 @@ class ResponsesWire:
         return self._response(text)
 
     def overloaded(self) -> Event | None:
-        return None
+        return self._event(
+            "error", code="server_error", message="The server is overloaded", param=None
+        )

@@ -18,3 +18,7 @@ WIRES: dict[str, Callable[..., Wire]] = {
     "/v1/messages": MessagesWire.of,
 }
 """Request path -> the maker of its wire."""
+
+PREFILL = frozenset({"/v1/messages"})
+"""Paths whose final assistant message is continued without ``continue_final_message``: the
+Anthropic Messages API's prefill."""
