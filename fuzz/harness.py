@@ -95,12 +95,34 @@ CLIENT = 1
 BACKEND = "127.0.0.1:9001"
 
 CHAT_BODY = b'{"stream":true,"messages":[{"role":"user","content":"hi"}]}'
-CLIENT_REQUEST = (
-    b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy.example\r\n"
-    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-) % (len(CHAT_BODY), CHAT_BODY)
-"""The backend targets' request: a chat completion, so that a backend that breaks mid-answer
-is continued (``continue_on_failure``) on a second connection."""
+MESSAGES_BODY = (
+    b'{"model":"m","max_tokens":9,"stream":true,"messages":[{"role":"user","content":"hi"}]}'
+)
+RESPONSES_BODY = b'{"model":"m","input":"hi","stream":true}'
+
+
+def _post(path: bytes, body: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: proxy.example\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+    ) % (path, len(body), body)
+
+
+CLIENT_REQUEST = _post(b"/v1/chat/completions", CHAT_BODY)
+CLIENT_REQUESTS = (
+    CLIENT_REQUEST,
+    _post(b"/v1/messages", MESSAGES_BODY),
+    _post(b"/v1/responses", RESPONSES_BODY),
+)
+"""The backend targets' requests, one per API the proxy reads (``core/apis``), picked by the
+backend bytes' length (mod 3): a chat completion or an Anthropic message that breaks
+mid-answer is continued (``continue_on_failure``) on a second connection, and an answer held
+until its first event (``retry_until_first_event``) may fail over on an error event."""
+
+
+def request_for(data: bytes) -> bytes:
+    """The client request of a backend case whose backend sends ``data``."""
+    return CLIENT_REQUESTS[len(data) % len(CLIENT_REQUESTS)]
 
 
 def decode(buf: bytes) -> tuple[bytes, list[int]]:
@@ -202,13 +224,14 @@ def config_for(kind: str, llm: bool = False, fleet: int | None = None) -> Config
         )
     elif protocol == "h2":
         group = attrs.evolve(group, servers=(Server(address=BACKEND, protocol="h2"),))
-    # Every SSE response is resumable, with a small window so that it overflows, and a chat
-    # answer that breaks is continued.
+    # Every SSE response is resumable, with a small window so that it overflows, held until
+    # its first event, and a chat or Messages answer that breaks is continued.
     route = Route(
         prefix="/",
         upstream="default",
         resume=Resume(window=4096, linger=1.0),
         continue_on_failure=True,
+        retry_until_first_event=True,
     )
     config = attrs.evolve(config, upstreams={"default": group}, routes=(route,))
     if fleet is not None:
@@ -310,7 +333,7 @@ def run_case(
             driver.stop = stop
             driver.deliver(CLIENT, data, splits)
         else:
-            driver.deliver(CLIENT, CLIENT_REQUEST, [])
+            driver.deliver(CLIENT, request_for(data), [])
             driver.stop = stop
             if driver.backends:
                 driver.deliver(driver.backends[0], data, splits)
