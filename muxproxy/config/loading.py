@@ -26,6 +26,7 @@ from muxproxy.config.fleet import ResolverSettings
 from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
 from muxproxy.config.layout import placement
 from muxproxy.config.logs import log_settings
+from muxproxy.config.telemetrykeys import telemetry_settings
 from muxproxy.config.records import (
     AdminSettings,
     Config,
@@ -149,6 +150,7 @@ def parse_config(
     resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
     fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
     extensions = extension_tables(check, data.get("extensions"))
+    telemetry = telemetry_settings(check, data.get("telemetry"))
 
     if check.problems:
         raise ConfigError(check.problems)
@@ -166,6 +168,7 @@ def parse_config(
         resolver=resolver,
         fleet=fleet,
         extensions=extensions,
+        telemetry=telemetry,
     )
 
 
@@ -222,6 +225,7 @@ _TOP_KEYS = (
     "resolver",
     "fleet",
     "extensions",
+    "telemetry",
 )
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

@@ -15,6 +15,7 @@ import attrs
 from muxproxy.config.discovery import Discover
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
+from muxproxy.config.telemetry import TelemetrySettings
 
 
 class _HostPort:
@@ -545,15 +546,13 @@ class LogSettings:
     access: str = "stderr"
     """Where access lines go: ``"stderr"``, ``"off"``, or a file path (appended to)."""
     format: str = "text"
-    """One of :data:`LOG_FORMATS`: ``key=value`` fields after a timestamp, or one JSON object
-    per line."""
+    """One of :data:`LOG_FORMATS`: ``key=value`` fields after a timestamp, or JSON lines."""
     level: str = "info"
     """One of :data:`LOG_LEVELS`: the error log's level (``muxproxy serve --log-level`` wins)."""
 
 
 ADMIN_TOKEN_ENV = "MUXPROXY_ADMIN_TOKEN"
-"""The environment variable whose value, when set, is the admin token (it wins over
-``[admin] token``: a secret kept out of the file)."""
+"""The environment variable of the admin token: it wins over ``[admin] token`` (a secret)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -583,6 +582,7 @@ class Config:
     """None: every replica keeps its own runtime state, sessions and budgets."""
     extensions: tuple[ExtensionConfig, ...] = ()
     """The extension hooks, in the order they run (``docs/extending.md``)."""
+    telemetry: TelemetrySettings | None = None  # None: no OpenTelemetry (docs/telemetry.md)
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.
