@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from muxproxy.config import ConfigError, parse_config
-from muxproxy.config import telemetrykeys
+from muxproxy.config import ConfigError, parse_config, telemetrykeys
 
 BASE: dict[str, Any] = {
     "listeners": [{"address": "127.0.0.1:0"}],

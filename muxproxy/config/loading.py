@@ -26,7 +26,6 @@ from muxproxy.config.fleet import ResolverSettings
 from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
 from muxproxy.config.layout import placement
 from muxproxy.config.logs import log_settings
-from muxproxy.config.telemetrykeys import telemetry_settings
 from muxproxy.config.records import (
     AdminSettings,
     Config,
@@ -45,6 +44,7 @@ from muxproxy.config.sections import (
     route_tables,
     upstream_groups,
 )
+from muxproxy.config.telemetrykeys import telemetry_settings
 from muxproxy.config.tls import tls_pair_problems
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
