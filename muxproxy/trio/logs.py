@@ -196,9 +196,21 @@ class LogSink:
         if record.event == "access":
             self.access(record.fields, wall)
             if self.telemetry is not None:
-                self.telemetry.record(record.fields, wall)
+                self._export(record.fields, wall)
         else:
             self.event(record.event, record.fields)
+
+    def _export(self, fields: Mapping[str, Any], wall: float) -> None:
+        telemetry = self.telemetry
+        assert telemetry is not None
+        try:
+            telemetry.record(fields, wall)
+        except Exception as exc:  # the SDK's failure: the export stops, not the proxy
+            # The exporter's state is unknown after it raised: it is dropped, not reused;
+            # the proxy and its logs go on without the export until the next reload.
+            self.telemetry = None
+            log_event("telemetry_error", {"reason": f"export stopped: {exc!r}"})
+            threading.Thread(target=telemetry.shutdown, daemon=True).start()
 
     def access(self, fields: Mapping[str, Any], wall: float) -> None:
         settings = self.settings

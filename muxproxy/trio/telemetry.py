@@ -132,6 +132,11 @@ class _PresetIds:
     def generate_trace_id(self) -> int:
         return self.trace_id
 
+    def is_trace_id_random(self) -> bool:
+        """No: derived from the process's random prefix (W3C Trace Context Level 2's
+        ``random`` flag is not claimed)."""
+        return False
+
 
 class Telemetry:
     """The exporters of one ``[telemetry]`` configuration. Raises ``ImportError`` without

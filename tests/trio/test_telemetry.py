@@ -146,6 +146,24 @@ def test_the_log_sink_exports_access_records(receiver: OtlpReceiver) -> None:
     assert [span.span_id.hex() for span in receiver.spans()] == [SPAN]
 
 
+def test_a_root_span_keeps_the_ids_the_core_derived(receiver: OtlpReceiver) -> None:
+    export(receiver, record(parent_span_id=None))
+    (span,) = receiver.spans()
+    assert (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id) == (TRACE, SPAN, b"")
+
+
+def test_an_export_that_raises_stops_the_export_not_the_logs(
+    receiver: OtlpReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = io.StringIO()
+    sink = LogSink(LogSettings(), stderr=out, telemetry=settings(receiver))
+    sink(Log(event="access", fields=record(trace_id="not hex")), WALL)
+    sink(Log(event="access", fields=record(request_id="r-2")), WALL)
+    assert "request_id=r-1" in out.getvalue() and "request_id=r-2" in out.getvalue()
+    assert sink.telemetry is None and "telemetry_error" in caplog.text
+    sink.close()
+
+
 def test_without_the_extra_the_logs_go_on_and_say_why(
     receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
