@@ -43,10 +43,7 @@ class OtlpReceiver:
                 else:
                     self.send_error(404)
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                # Kept before the answer: once an exporter has its 200, the test sees it.
                 with receiver.changed:
                     receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
                     if self.path == "/v1/traces":
@@ -54,6 +51,10 @@ class OtlpReceiver:
                     else:
                         receiver.metrics.append(message)
                     receiver.changed.notify_all()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
