@@ -175,3 +175,16 @@ def test_without_the_extra_the_logs_go_on_and_say_why(
     assert "request_id=r-1" in out.getvalue()
     assert "telemetry_error" in caplog.text and "muxproxy[otel]" in caplog.text
     assert receiver.traces == [] and receiver.metrics == []
+
+
+def test_a_reload_keeps_equal_exporters_and_replaces_others(receiver: OtlpReceiver) -> None:
+    sink = LogSink(LogSettings(access="off"), telemetry=settings(receiver))
+    first = sink.telemetry
+    sink.export_to(settings(receiver))
+    assert sink.telemetry is first is not None
+    sink.export_to(settings(receiver, service_name="renamed"))
+    assert sink.telemetry is not first and sink.telemetry is not None
+    sink.export_to(None)
+    assert sink.telemetry is None
+    sink(Log(event="access", fields=record()), WALL)  # nothing to export to: no error
+    sink.close()
