@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 from otlp import OtlpReceiver, attributes
 
@@ -30,13 +31,13 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def settings(receiver: OtlpReceiver, **changes: Any) -> TelemetrySettings:
-    return TelemetrySettings(
+    base = TelemetrySettings(
         otlp_endpoint=receiver.endpoint,
         service_name="edge-test",
         export_interval=60.0,  # only the shutdown's flush exports: nothing to wait for
         headers=(("Authorization", "Bearer s3cret"),),
-        **changes,
     )
+    return attrs.evolve(base, **changes)
 
 
 def record(**changes: Any) -> dict[str, Any]:
