@@ -27,6 +27,9 @@ What it obeys:
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -156,7 +159,12 @@ class Telemetry:
         headers = dict(settings.headers)
         base = settings.otlp_endpoint
         interval_ms = settings.export_interval * 1000
-        resource = Resource.create({"service.name": settings.service_name})
+        # Each process (a worker of ``--workers``) is its own instance: cumulative series of
+        # two workers under one identity would read as one series that keeps resetting.
+        instance = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        resource = Resource.create(
+            {"service.name": settings.service_name, "service.instance.id": instance}
+        )
         self.ids = _PresetIds()
         self.tracer_provider: TracerProvider = TracerProvider(
             resource=resource,

@@ -189,3 +189,14 @@ def test_a_reload_keeps_equal_exporters_and_replaces_others(receiver: OtlpReceiv
     assert sink.telemetry is None
     sink(Log(event="access", fields=record()), WALL)  # nothing to export to: no error
     sink.close()
+
+
+def test_each_process_exports_as_its_own_instance(receiver: OtlpReceiver) -> None:
+    export(receiver, record())
+    export(receiver, record())
+    instances = {
+        attributes(resource.resource.attributes)["service.instance.id"]
+        for request in receiver.metrics
+        for resource in request.resource_metrics
+    }
+    assert len(instances) == 2
