@@ -285,7 +285,9 @@ def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:
 def instructions(valgrind: str, src: Path, mode: str, n: int) -> int:
     """User-space instructions of one run (callgrind's total)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--run", mode, str(n)]
-    return callgrind_total(valgrind, argv, cwd=src, env={**os.environ, "PYTHONPATH": str(src)})
+    # The tree measured first; the caller's path after it (where an extra may be installed).
+    path = os.pathsep.join(filter(None, (str(src), os.environ.get("PYTHONPATH"))))
+    return callgrind_total(valgrind, argv, cwd=src, env={**os.environ, "PYTHONPATH": path})
 
 
 def valgrind_or_exit(parser: argparse.ArgumentParser) -> str:

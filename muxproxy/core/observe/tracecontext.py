@@ -45,6 +45,7 @@ MAX_TRACESTATE = 512
 ``tracestate``; a longer one is dropped rather than cut (a cut list could end mid-entry)."""
 
 _HEX = frozenset(b"0123456789abcdef")
+_PERSON = b"muxproxy-trace"
 _SAMPLED = 0x01
 
 
@@ -93,10 +94,10 @@ def parse_traceparent(value: bytes) -> tuple[str, str, bool] | None:
     return trace_id.decode("ascii"), parent_id.decode("ascii"), bool(int(flags, 16) & _SAMPLED)
 
 
-def _digest(seed: bytes, size: int, person: bytes) -> str:
-    digest = hashlib.blake2b(seed, digest_size=size, person=person).digest()
-    if not any(digest):  # all-zero ids are invalid (§3.2.2.3, §3.2.2.4)
-        digest = b"\x00" * (size - 1) + b"\x01"
+def _nonzero(digest: bytes) -> str:
+    """``digest`` as hex digits, never all zeros (an invalid id, §3.2.2.3, §3.2.2.4)."""
+    if not any(digest):
+        digest = digest[:-1] + b"\x01"
     return digest.hex()
 
 
@@ -106,8 +107,9 @@ def trace_context(headers: Headers, *, prefix: bytes, ident: int, ratio: float) 
     sampled (see the module)."""
     parents = [value for name, value in headers if name == TRACEPARENT]
     parent = parse_traceparent(parents[0]) if len(parents) == 1 else None
-    seed = b"%s-%d" % (prefix, ident)
-    span_id = _digest(seed, 8, b"muxproxy-span")
+    # One hash for both ids: the first 16 bytes a new trace's id, the last 8 the span's.
+    ids = hashlib.blake2b(b"%s-%d" % (prefix, ident), digest_size=24, person=_PERSON).digest()
+    span_id = _nonzero(ids[16:])
     if parent is not None:
         trace_id, parent_id, sampled = parent
         states = [value for name, value in headers if name == TRACESTATE]
@@ -122,7 +124,7 @@ def trace_context(headers: Headers, *, prefix: bytes, ident: int, ratio: float) 
             sampled=sampled,
             tracestate=state,
         )
-    trace_id = _digest(seed, 16, b"muxproxy-trace")
+    trace_id = _nonzero(ids[:16])
     sampled = int(trace_id[16:], 16) < ratio * 2**64
     return TraceContext(
         trace_id=trace_id, span_id=span_id, parent_span_id=None, sampled=sampled, tracestate=None
