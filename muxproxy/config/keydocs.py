@@ -369,7 +369,7 @@ def _default(table: Table, key: str, field: attrs.Attribute[Any] | None, path: s
         return "not set"
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs's own class
         return "none"
-    if path == f"{GROUP}.set_headers" and default == ():
+    if path in (f"{GROUP}.set_headers", "telemetry.headers") and default == ():
         return "none"
     text = _toml(default)
     if isinstance(default, int) and not isinstance(default, bool) and path in _BYTES:
