@@ -38,6 +38,9 @@ Modes:
     python bench/icount.py --h11 mypyc       # h11's compiled fork (pip install h11-mypyc)
     python bench/icount.py --modes request --extension trivial_hook:RequestHeadOnly
                                              # what a hook costs (``[[extensions]]``)
+    python bench/otlp_sink.py 4318 &         # a collector that takes everything
+    python bench/icount.py --modes request,openai --telemetry http://127.0.0.1:4318
+                                             # what [telemetry] costs (the export threads too)
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ H11_ENV = "ICOUNT_H11"
 """``--h11``, passed to the runs under valgrind."""
 EXTENSION_ENV = "ICOUNT_EXTENSION"
 """``--extension``, passed to the runs under valgrind."""
+TELEMETRY_ENV = "ICOUNT_TELEMETRY"
+"""``--telemetry``, passed to the runs under valgrind."""
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
 GET_RESPONSE = (
@@ -141,6 +146,13 @@ async def serve_through_proxy(mode: str, n: int) -> None:
 
         extension = ExtensionConfig(module=os.environ[EXTENSION_ENV])
         config = attrs.evolve(config, extensions=(extension,))
+    if os.environ.get(TELEMETRY_ENV):
+        import attrs
+
+        from muxproxy.config.telemetry import TelemetrySettings
+
+        telemetry = TelemetrySettings(otlp_endpoint=os.environ[TELEMETRY_ENV])
+        config = attrs.evolve(config, telemetry=telemetry)
     async with trio.open_nursery() as nursery:
         addresses = await nursery.start(ProxyServer(config).run)
         pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -273,7 +285,9 @@ def h11_floor(n: int, request_bytes: bytes, response_bytes: bytes) -> None:
 def instructions(valgrind: str, src: Path, mode: str, n: int) -> int:
     """User-space instructions of one run (callgrind's total)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--run", mode, str(n)]
-    return callgrind_total(valgrind, argv, cwd=src, env={**os.environ, "PYTHONPATH": str(src)})
+    # The tree measured first; the caller's path after it (where an extra may be installed).
+    path = os.pathsep.join(filter(None, (str(src), os.environ.get("PYTHONPATH"))))
+    return callgrind_total(valgrind, argv, cwd=src, env={**os.environ, "PYTHONPATH": path})
 
 
 def valgrind_or_exit(parser: argparse.ArgumentParser) -> str:
@@ -326,9 +340,16 @@ def main() -> None:
         metavar="MODULE:CLASS",
         help="configure this extension (importable from bench/, e.g. trivial_hook:RequestHeadOnly)",
     )
+    parser.add_argument(
+        "--telemetry",
+        default=os.environ.get(TELEMETRY_ENV, ""),
+        metavar="URL",
+        help="configure [telemetry] with this otlp_endpoint (bench/otlp_sink.py serves one)",
+    )
     args = parser.parse_args()
     os.environ[H11_ENV] = args.h11  # the runs under valgrind inherit it
     os.environ[EXTENSION_ENV] = args.extension
+    os.environ[TELEMETRY_ENV] = args.telemetry
     if args.h11 == "mypyc":
         import h11_mypyc
 
@@ -342,6 +363,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     extension = f", extension {args.extension}" if args.extension else ""
+    extension += f", telemetry to {args.telemetry}" if args.telemetry else ""
     python = sys.version.split()[0]
     print(f"muxproxy from {args.src.resolve()}, Python {python}, h11 {args.h11}{extension}\n")
     print("| mode | unit | instructions per unit |\n|---|---|---:|")

@@ -47,6 +47,8 @@ from muxproxy.config import (
     sections,
     stickykeys,
     storeurl,
+    telemetry,
+    telemetrykeys,
     upstreams,
 )
 from muxproxy.config.checker import Checker, alternatives
@@ -169,6 +171,10 @@ _VALUE_KINDS: dict[Any, str] = {
     extensionkeys._module: '"package.module:Class"',
     extensionkeys._settings: "a table (its keys are the extension's)",
     extensionkeys._on_error: _choices(extensions.HookErrorPolicy),
+    telemetrykeys._endpoint: 'an http(s) URL ("http://collector:4318")',
+    telemetrykeys._service_name: "a string",
+    telemetrykeys._headers: "a table of header names to values (never logged)",
+    telemetrykeys._ratio: "a number from 0 to 1",
 }
 """What the value of a key checked by each function looks like."""
 
@@ -256,6 +262,12 @@ _EXAMPLES = {
     "extensions[].settings": f'module = {_EXTENSION}\nsettings = {{ keys = "keys.txt" }}',
     "extensions[].timeout": f"module = {_EXTENSION}\ntimeout = 1.0",
     "extensions[].on_error": f'module = {_EXTENSION}\non_error = "continue"',
+    "telemetry.otlp_endpoint": 'otlp_endpoint = "http://collector:4318"',
+    "telemetry.headers": 'otlp_endpoint = "http://collector:4318"\n'
+    'headers = { Authorization = "Bearer change-me" }',
+    "telemetry.service_name": 'otlp_endpoint = "http://collector:4318"\nservice_name = "muxproxy"',
+    "telemetry.export_interval": 'otlp_endpoint = "http://collector:4318"\nexport_interval = 10.0',
+    "telemetry.sample_ratio": 'otlp_endpoint = "http://collector:4318"\nsample_ratio = 1.0',
 }
 """Examples of keys whose default is no example (required keys, keys not set by default,
 tables), as TOML lines inside the key's table (:attr:`Table.example_head`)."""
@@ -278,6 +290,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
         *ast.parse(inspect.getsource(discovery)).body,
         *ast.parse(inspect.getsource(queue)).body,
         *ast.parse(inspect.getsource(extensions)).body,
+        *ast.parse(inspect.getsource(telemetry)).body,
     ]
     docs: dict[tuple[str, str], str] = {}
     for node in body:
@@ -369,9 +382,12 @@ def _default(table: Table, key: str, field: attrs.Attribute[Any] | None, path: s
         return "not set"
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs's own class
         return "none"
-    if path in (f"{GROUP}.set_headers", f"{GROUP}.queue.max_wait", f"{GROUP}.models") and (
-        default == ()
-    ):
+    if path in (
+        f"{GROUP}.set_headers",
+        f"{GROUP}.queue.max_wait",
+        f"{GROUP}.models",
+        "telemetry.headers",
+    ) and (default == ()):
         return "none"
     text = _toml(default)
     if isinstance(default, int) and not isinstance(default, bool) and path in _BYTES:

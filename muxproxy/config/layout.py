@@ -59,6 +59,8 @@ from muxproxy.config.sections import (
     TIMEOUTS_KEYS,
 )
 from muxproxy.config.stickykeys import _COOKIE_KEYS, _STICKY_KEYS
+from muxproxy.config.telemetry import TelemetrySettings
+from muxproxy.config.telemetrykeys import TELEMETRY_KEYS
 from muxproxy.config.upstreams import (
     _DISCOVER_KEYS,
     _GROUP_TIMEOUTS_KEYS,
@@ -293,6 +295,16 @@ TABLES = (
         " route a request, pick its server and see its events. They run in configuration"
         " order.",
         "[[extensions]]",
+    ),
+    Table(
+        "telemetry",
+        "[telemetry]",
+        TelemetrySettings,
+        TELEMETRY_KEYS,
+        "OpenTelemetry (`docs/telemetry.md`): a span per request and the GenAI metrics, sent"
+        " to a collector over OTLP/HTTP. Needs the optional extra `otel`. Without this"
+        " table nothing is exported.",
+        "[telemetry]",
     ),
 )
 

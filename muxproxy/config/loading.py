@@ -44,6 +44,7 @@ from muxproxy.config.sections import (
     route_tables,
     upstream_groups,
 )
+from muxproxy.config.telemetrykeys import telemetry_settings
 from muxproxy.config.tls import tls_pair_problems
 
 __all__ = ["ConfigError", "load_config", "parse_config", "parse_quick_config"]
@@ -149,6 +150,7 @@ def parse_config(
     resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
     fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
     extensions = extension_tables(check, data.get("extensions"))
+    telemetry = telemetry_settings(check, data.get("telemetry"))
 
     if check.problems:
         raise ConfigError(check.problems)
@@ -166,6 +168,7 @@ def parse_config(
         resolver=resolver,
         fleet=fleet,
         extensions=extensions,
+        telemetry=telemetry,
     )
 
 
@@ -222,6 +225,7 @@ _TOP_KEYS = (
     "resolver",
     "fleet",
     "extensions",
+    "telemetry",
 )
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

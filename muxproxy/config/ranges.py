@@ -175,6 +175,8 @@ RANGES: dict[str, Range] = {
     "resolver.timeout": Range(0, 60, "seconds", "a minute: a lookup", above_low=True),
     "resolver.attempts": Range(1, 10),
     "fleet.sync_interval": Range(0.1, 3600, "seconds", "an hour"),
+    "telemetry.export_interval": Range(0.1, 3600, "seconds", "an hour"),
+    "telemetry.sample_ratio": Range(0, 1, "", "a share of traces"),
     # A request waits for the hook: longer than a minute is no answer.
     "extensions[].timeout": Range(0, 60, "seconds", "a minute", above_low=True),
     "routes[].resume.window": Range(

@@ -17,6 +17,7 @@ from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
+from muxproxy.config.telemetry import TelemetrySettings
 
 
 class _HostPort:
@@ -525,8 +526,7 @@ class Listener(_HostPort):
 
 
 ADMIN_TOKEN_ENV = "MUXPROXY_ADMIN_TOKEN"
-"""The environment variable whose value, when set, is the admin token (it wins over
-``[admin] token``: a secret kept out of the file)."""
+"""The environment variable of the admin token: it wins over ``[admin] token`` (a secret)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -556,6 +556,7 @@ class Config:
     """None: every replica keeps its own runtime state, sessions and budgets."""
     extensions: tuple[ExtensionConfig, ...] = ()
     """The extension hooks, in the order they run (``docs/extending.md``)."""
+    telemetry: TelemetrySettings | None = None  # None: no OpenTelemetry (docs/telemetry.md)
 
     def route_for(self, path: bytes) -> Route | None:
         """The route with the longest prefix matching ``path``.

@@ -22,6 +22,10 @@ event (``LEVELS``), each as ``event key=value ...``. Its level is ``[log] level`
 stderr handler unless the process configured logging itself (an embedder's, or pytest's,
 handlers win).
 
+With ``[telemetry]``, each access record also goes to the OpenTelemetry export
+(``telemetry.py``, built here when configured; without the extra ``otel`` the export is off
+with a ``telemetry_error`` line, and the logs go on).
+
 Writes are blocking, like nginx's unbuffered ``access_log``: a line is a few hundred bytes
 per exchange, never per chunk; a log on a stalled disk stalls the process as it would stall
 nginx's worker.
@@ -33,13 +37,18 @@ import datetime
 import json
 import logging
 import sys
+import threading
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from muxproxy.config import LogSettings
+from muxproxy.config.telemetry import OTEL_EXTRA, TelemetrySettings
 from muxproxy.core.commands import Log
 from muxproxy.core.observe.access import FIELDS
 from muxproxy.core.observe.defencelog import KINDS as DEFENCE_KINDS
+
+if TYPE_CHECKING:
+    from muxproxy.trio.telemetry import Telemetry
 
 error_log = logging.getLogger("muxproxy")
 """The error log. Driver code that has something to say (a refused reload, an admin change)
@@ -68,6 +77,7 @@ LEVELS: dict[str, int] = {
     "fleet_budget_store_error": logging.WARNING,
     "fleet_sessions_store_error": logging.WARNING,
     "extension_error": logging.WARNING,
+    "telemetry_error": logging.ERROR,
     **dict.fromkeys(DEFENCE_KINDS, logging.WARNING),
 }
 """The error log's level per event; an event not listed is INFO. A server coming back up
@@ -115,13 +125,44 @@ def text_fields(fields: Mapping[str, Any], order: tuple[str, ...] = ()) -> str:
 class LogSink:
     """Carries out ``Log`` commands for a ``Driver`` (``ProxyServer`` installs one)."""
 
-    def __init__(self, settings: LogSettings, *, stderr: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: LogSettings,
+        *,
+        stderr: IO[str] | None = None,
+        telemetry: TelemetrySettings | None = None,
+    ) -> None:
         """``stderr``: where ``access = "stderr"`` writes (default ``sys.stderr`` at each
-        write, so a test's capture sees it). Opens the access file: raises ``OSError``."""
+        write, so a test's capture sees it); ``telemetry``: where access records are exported
+        too. Opens the access file: raises ``OSError``."""
         self._stderr = stderr
         self.settings = settings
         self._file: IO[str] | None = None
         self._open(settings)
+        self.telemetry: Telemetry | None = None
+        self.telemetry_settings: TelemetrySettings | None = None
+        self.export_to(telemetry)
+
+    def export_to(self, settings: TelemetrySettings | None) -> None:
+        """Export access records as ``settings`` say (None: not at all). The same settings
+        again keep the exporters; others replace them, the old ones flushed in a thread of
+        their own (a slow collector must not hold the event loop)."""
+        if settings == self.telemetry_settings:
+            return
+        old, self.telemetry, self.telemetry_settings = self.telemetry, None, settings
+        if old is not None:
+            threading.Thread(target=old.shutdown, name="telemetry-shutdown", daemon=True).start()
+        if settings is None:
+            return
+        try:
+            from muxproxy.trio.telemetry import Telemetry
+
+            self.telemetry = Telemetry(settings)
+        except ImportError as exc:
+            # The configuration check refuses [telemetry] without the extra; an embedder
+            # that built the settings itself gets the logs without the export.
+            reason = f"{exc}; install the optional extra: {OTEL_EXTRA}"
+            log_event("telemetry_error", {"reason": reason})
 
     def _open(self, settings: LogSettings) -> None:
         if settings.access not in ("stderr", "off"):
@@ -146,13 +187,30 @@ class LogSink:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.telemetry is not None:
+            self.telemetry.shutdown()  # the last spans and metrics: bounded by its timeout
+            self.telemetry = self.telemetry_settings = None
 
     def __call__(self, record: Log, wall: float) -> None:
         """One record of the core, at wall-clock time ``wall`` (``time.time()``)."""
         if record.event == "access":
             self.access(record.fields, wall)
+            if self.telemetry is not None:
+                self._export(record.fields, wall)
         else:
             self.event(record.event, record.fields)
+
+    def _export(self, fields: Mapping[str, Any], wall: float) -> None:
+        telemetry = self.telemetry
+        assert telemetry is not None
+        try:
+            telemetry.record(fields, wall)
+        except Exception as exc:  # the SDK's failure: the export stops, not the proxy
+            # The exporter's state is unknown after it raised: it is dropped, not reused;
+            # the proxy and its logs go on without the export until the next reload.
+            self.telemetry = None
+            log_event("telemetry_error", {"reason": f"export stopped: {exc!r}"})
+            threading.Thread(target=telemetry.shutdown, daemon=True).start()
 
     def access(self, fields: Mapping[str, Any], wall: float) -> None:
         settings = self.settings

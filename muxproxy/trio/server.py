@@ -139,7 +139,7 @@ class ProxyServer:
         """The bound (host, port) of every listening socket, in the configuration's order."""
         self.connection_slots = ConnectionSlots(config.limits.max_client_connections)
         """One slot per client connection being served (``limits.max_client_connections``)."""
-        self.logs = LogSink(config.log)
+        self.logs = LogSink(config.log, telemetry=config.telemetry)
         """The access and error logs (``[log]``); raises ``OSError`` for an access file that
         cannot be opened."""
         self.stop_summary: StopSummary | None = None
@@ -273,6 +273,7 @@ class ProxyServer:
                     added[key] = self._open_now(listener, listen_sockets or {})
             # A new access log file (or the same path again, after log rotation).
             self.logs.reconfigure(config.log)
+            self.logs.export_to(config.telemetry)
         except BaseException:
             for listening in added.values():
                 self._stop_listening(listening, close=listening.owned)

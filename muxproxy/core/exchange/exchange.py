@@ -50,7 +50,7 @@ from muxproxy.core.http import grpc
 from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.headers import header_value, is_event_stream, trailer_fields
 from muxproxy.core.messages import Fields, Headers, OwnBody, RequestHead, ResponseHead
-from muxproxy.core.observe.access import access_fields, add_to_totals, with_request_id
+from muxproxy.core.observe.access import access_fields, add_to_totals, backend_ids
 from muxproxy.core.observe.ssemeter import SseMeter, meter_rules
 from muxproxy.core.ports import ExchangeClient, Phase, RequestClient, RequestPhase, UpstreamStream
 from muxproxy.core.states import step
@@ -196,9 +196,7 @@ class Exchange:
         fields = backend_fields(
             head, self.client, group, session_key=failover.session_key, has_body=not head.end_stream
         )
-        upstream.send_head(
-            self.stream, head.method, head.target, with_request_id(fields, self.request_id)
-        )
+        upstream.send_head(self.stream, head.method, head.target, backend_ids(fields, self))
         self.upload.send(upstream)
         self.move(_I.REQUEST_SENT)
         self.deadlines.request_sent(group)

@@ -29,7 +29,7 @@ from muxproxy.core.exchange.continuing import ContinuedStream
 from muxproxy.core.exchange.exchangeports import Outliving
 from muxproxy.core.exchange.heads import backend_fields
 from muxproxy.core.messages import ResponseHead
-from muxproxy.core.observe.access import with_request_id
+from muxproxy.core.observe.access import backend_ids
 from muxproxy.core.ports import Phase, RequestPhase
 from muxproxy.core.streams.continuation import AnswerSoFar, FollowedAnswer, wants_continuation
 from muxproxy.core.streams.prefill import MessagesSoFar, wants_prefill
@@ -102,7 +102,7 @@ def continue_answer(exchange: Outliving, reason: str) -> bool:
         if field[0] not in (b"content-length", b"transfer-encoding")
     ]
     fields.append((b"content-length", str(len(body)).encode("ascii")))
-    fields = with_request_id(fields, request_id)
+    fields = backend_ids(fields, exchange)
     stream = ContinuedStream(
         exchange, exchange.host.pool, answer.splicer(), (head.target, fields, body)
     )

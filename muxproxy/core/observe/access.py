@@ -17,6 +17,12 @@ The session field is a short hash of the session key (``blake2b``, 8 bytes, as 1
 digits), personalised for muxproxy: logs can correlate the requests of one conversation
 without holding the cookie, header or body value the key came from.
 
+With ``[telemetry]`` configured, the backend's request also gets the proxy's
+``traceparent`` (``backend_ids``, ``tracecontext.py``) and the record four more fields:
+``trace_id``, ``span_id``, ``parent_span_id`` and ``trace_sampled``, from which the driver
+exports the exchange's span (``muxproxy/trio/telemetry.py``). Without it neither is looked at
+beyond one attribute per request.
+
 The record (and what the exchange adds to the totals of ``measure.py``) is read from a
 finished exchange through ``Finished``, the fields it needs and no more, so this module imports
 no part of the proxy (``Exchange`` has them by its shape).
@@ -30,9 +36,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from muxproxy.core.commands import Log
 from muxproxy.core.http.headers import header_value
+from muxproxy.core.observe.tracecontext import TraceContext, trace_context, with_traceparent
 
 if TYPE_CHECKING:
-    from muxproxy.config import Upstream
+    from muxproxy.config import Config, Upstream
     from muxproxy.core.messages import Headers, RequestHead
     from muxproxy.core.observe.measure import Measurements
     from muxproxy.core.observe.ssemeter import SseMeter
@@ -129,6 +136,47 @@ class _Log(Protocol):
 class _Clock(Protocol):
     @property
     def now(self) -> float: ...
+    @property
+    def config(self) -> Config: ...
+
+
+class _Ids(Protocol):
+    @property
+    def request_ids(self) -> RequestIds: ...
+
+
+class Traced(Protocol):
+    """What the trace context of an exchange is derived from (``tracecontext.py``)."""
+
+    @property
+    def fx(self) -> _Clock: ...
+    @property
+    def host(self) -> _Ids: ...
+    @property
+    def ident(self) -> int: ...
+    @property
+    def head(self) -> RequestHead: ...
+    @property
+    def request_id(self) -> bytes: ...
+
+
+def exchange_trace(exchange: Traced) -> TraceContext | None:
+    """The exchange's trace context, None without ``[telemetry]``."""
+    telemetry = exchange.fx.config.telemetry
+    if telemetry is None:
+        return None
+    prefix = exchange.host.request_ids.prefix
+    return trace_context(
+        exchange.head.headers, prefix=prefix, ident=exchange.ident, ratio=telemetry.sample_ratio
+    )
+
+
+def backend_ids(headers: Headers, exchange: Traced) -> Headers:
+    """``headers`` for the backend with the exchange's X-Request-ID and, with
+    ``[telemetry]``, its ``traceparent`` (the proxy's span as the parent)."""
+    headers = with_request_id(headers, exchange.request_id)
+    context = exchange_trace(exchange)
+    return headers if context is None else with_traceparent(headers, context)
 
 
 class _Peer(Protocol):
@@ -136,18 +184,12 @@ class _Peer(Protocol):
     def peer_ip(self) -> str: ...
 
 
-class Finished(Protocol):
+class Finished(Traced, Protocol):
     """What the access record reads of a finished exchange (``Exchange``): its request,
     where it went, when things happened, what it carried. ``fx.now`` is the end."""
 
     @property
-    def fx(self) -> _Clock: ...
-    @property
     def client(self) -> _Peer: ...
-    @property
-    def head(self) -> RequestHead: ...
-    @property
-    def request_id(self) -> bytes: ...
     @property
     def session_key(self) -> bytes | None: ...
     @property
@@ -192,7 +234,7 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
     now = exchange.fx.now
     meter, usage = exchange.meter, exchange.usage
     group = exchange.group
-    return {
+    fields: dict[str, Any] = {
         "request_id": exchange.request_id.decode("ascii"),
         "client": exchange.client.peer_ip,
         "method": head.method.decode("latin-1"),
@@ -216,6 +258,13 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
         "outcome": outcome,
         "session": session_hash(exchange.session_key),
     }
+    context = exchange_trace(exchange)
+    if context is not None:
+        fields["trace_id"] = context.trace_id
+        fields["span_id"] = context.span_id
+        fields["parent_span_id"] = context.parent_span_id
+        fields["trace_sampled"] = context.sampled
+    return fields
 
 
 def add_to_totals(measurements: Measurements, exchange: Finished, *, cut: bool) -> None:
@@ -260,5 +309,9 @@ FIELDS = (
     "bytes_out",
     "outcome",
     "session",
+    "trace_id",
+    "span_id",
+    "parent_span_id",
+    "trace_sampled",
 )
 """The access record's fields, in the order the text log writes them."""
