@@ -26,6 +26,7 @@ from muxproxy.config.fleet import ResolverSettings
 from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
 from muxproxy.config.layout import placement
 from muxproxy.config.logs import log_settings
+from muxproxy.config.modelkeys import model_aliases
 from muxproxy.config.records import (
     AdminSettings,
     Config,
@@ -149,12 +150,13 @@ def parse_config(
     resolver = check.record(ResolverSettings, data.get("resolver", {}), "resolver", RESOLVER_KEYS)
     fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
     extensions = extension_tables(check, data.get("extensions"))
+    models = model_aliases(check, data.get("models"))
 
     if check.problems:
         raise ConfigError(check.problems)
     assert listeners is not None and upstreams is not None and routes is not None
     assert timeouts is not None and limits is not None and log is not None
-    assert resolver is not None
+    assert resolver is not None and models is not None
     return Config(
         listeners=listeners,
         upstreams=upstreams,
@@ -166,6 +168,7 @@ def parse_config(
         resolver=resolver,
         fleet=fleet,
         extensions=extensions,
+        models=models,
     )
 
 
@@ -222,6 +225,7 @@ _TOP_KEYS = (
     "resolver",
     "fleet",
     "extensions",
+    "models",
 )
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'
