@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 from muxproxy.config import Api, Route, Upstream
 from muxproxy.core.commands import Origin
 from muxproxy.core.http.bodyclock import SlowBody
+from muxproxy.core.http.errors import ErrorShape
 from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class Answerer(Protocol):
         status: int,
         text: str,
         *,
-        api: Api | None = None,
+        api: ErrorShape | None = None,
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),

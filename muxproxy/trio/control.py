@@ -292,7 +292,7 @@ def apply_saved_state(server: ProxyServer) -> RuntimeState:
     than not starting.
     """
     state = saved_state(server.config)
-    if state.servers:
+    if not state.is_empty:
         server.apply_runtime(state)
     return state
 

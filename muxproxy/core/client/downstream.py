@@ -43,6 +43,7 @@ from muxproxy.core.commands import Log, PauseReading, ResumeReading
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
 from muxproxy.core.http.credentials import check_credentials
+from muxproxy.core.http.errors import ErrorShape
 from muxproxy.core.http.intake import MalformedRequest, check_request_limits
 from muxproxy.core.http1.h1 import H1Server, PeerError
 from muxproxy.core.http2.h2 import H2Server
@@ -349,7 +350,7 @@ class Downstream:
         status: int,
         text: str,
         *,
-        api: Api | None = None,
+        api: ErrorShape | None = None,
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),

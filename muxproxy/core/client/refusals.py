@@ -30,7 +30,7 @@ from muxproxy.config import Api, Config
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
 from muxproxy.core.http.bodyclock import SlowBody
-from muxproxy.core.http.errors import error_response
+from muxproxy.core.http.errors import ErrorShape, error_response
 from muxproxy.core.http.intake import MalformedRequest
 from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.http1.h1 import H1Server, PeerError
@@ -69,7 +69,7 @@ def send_error(
     status: int,
     text: str,
     *,
-    api: Api | None = None,
+    api: ErrorShape | None = None,
     head_only: bool = False,
     request_id: bytes | None = None,
     extra: Fields = (),
@@ -101,7 +101,7 @@ def h1_error(
     client: Refusing,
     status: int,
     text: str,
-    api: Api | None = None,
+    api: ErrorShape | None = None,
     request_id: bytes | None = None,
     extra: Fields = (),
     rewrite: AnswerRewrite | None = None,
@@ -120,7 +120,7 @@ def own_answer(
     client: Refusing,
     status: int,
     text: str,
-    api: Api | None,
+    api: ErrorShape | None,
     request_id: bytes | None,
     extra: Fields,
     rewrite: AnswerRewrite | None,

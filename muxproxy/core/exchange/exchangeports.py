@@ -43,12 +43,14 @@ if TYPE_CHECKING:
     from muxproxy.core.exchange.exchange_states import ExchangeInput
     from muxproxy.core.exchange.failover import Failover
     from muxproxy.core.exchange.upload import Upload
+    from muxproxy.core.http.errors import ErrorShape
     from muxproxy.core.messages import Fields, RequestHead
     from muxproxy.core.observe.access import RequestIds
     from muxproxy.core.streams.continuation import AnswerSoFar
     from muxproxy.core.streams.resume import Resumable, ResumeStore
     from muxproxy.core.streams.sseids import EventStamper
     from muxproxy.core.streams.survival import Survival
+    from muxproxy.routing.aliases import Aliases
 
 
 class ExchangeHost(ServerHost, Protocol):
@@ -59,6 +61,10 @@ class ExchangeHost(ServerHost, Protocol):
     @property
     def resumes(self) -> ResumeStore:
         """The resumable streams of this process (``resume.py``)."""
+
+    @property
+    def aliases(self) -> Aliases:
+        """The model aliases' weights in force, and their choices (``routing/aliases.py``)."""
 
     def exchange_finished(self, exchange: object) -> None: ...
 
@@ -113,7 +119,15 @@ class Routed(UpstreamUser, Protocol):
     def hooks(self) -> Hooks | None: ...
     def move(self, input: ExchangeInput) -> bool: ...
     def release_upstream(self, *, close: bool) -> None: ...
-    def fail(self, status: int, text: str, reason: str = "", *, extra: Fields = ()) -> None: ...
+    def fail(
+        self,
+        status: int,
+        text: str,
+        reason: str = "",
+        *,
+        extra: Fields = (),
+        shape: ErrorShape | None = None,
+    ) -> None: ...
 
 
 class Outliving(ContinuedOwner, ClientStream, Owner, Protocol):

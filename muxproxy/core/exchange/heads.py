@@ -26,8 +26,9 @@ Functions only: the exchange decides when; this module knows nothing of its phas
 
 from __future__ import annotations
 
-from muxproxy.config import Api, Upstream
+from muxproxy.config import Upstream
 from muxproxy.core.http import grpc
+from muxproxy.core.http.errors import ErrorShape
 from muxproxy.core.http.headers import response_headers, upstream_h1_headers
 from muxproxy.core.messages import AnswerRewrite, Fields, Headers, RequestHead, ResponseHead
 from muxproxy.core.observe.access import REQUEST_ID, with_request_id
@@ -111,7 +112,7 @@ def send_error_answer(
     status: int,
     text: str,
     *,
-    api: Api | None,
+    api: ErrorShape | None,
     request_id: bytes,
     date: bytes | None,
     extra: Fields = (),

@@ -11,16 +11,33 @@ text body leaves the user with a bare status code. ``type`` follows the API's ow
 
 A 404 for a path that no route matches is never route-bound, so it is always plain text; so
 are errors found before a request head is parsed (a head too large, malformed bytes).
+
+An answer whose body a caller has rendered in the API's own shape (``ErrorBody``: the
+``model_not_found`` of an OpenAI or Anthropic path, ``core/exchange/bymodel.py``) goes out as
+it is, with the same fields.
 """
 
 from __future__ import annotations
 
 import json
 
+import attrs
+
 from muxproxy.config import Api
 from muxproxy.core.messages import Headers
 
-__all__ = ["error_response"]
+__all__ = ["ErrorBody", "ErrorShape", "error_response"]
+
+
+@attrs.frozen(kw_only=True)
+class ErrorBody:
+    """An error's body already rendered, as ``application/json``."""
+
+    body: bytes
+
+
+ErrorShape = Api | ErrorBody
+"""How the proxy's own answer is shaped: a route's ``api``, or a body rendered already."""
 
 _TEXT = b"text/plain; charset=utf-8"
 _JSON = b"application/json"
@@ -41,12 +58,15 @@ _OPENAI: dict[int, tuple[str, str]] = {
 
 
 def error_response(
-    status: int, text: str, *, api: Api | None, date: bytes | None
+    status: int, text: str, *, api: ErrorShape | None, date: bytes | None
 ) -> tuple[Headers, bytes]:
     """The fields and body of a proxy-made ``status`` response saying ``text``.
 
     ``date``: the ``Date`` value (``dates.HttpDate``), None when the core has no clock."""
-    if api is Api.OPENAI:
+    if isinstance(api, ErrorBody):
+        body = api.body
+        content_type = _JSON
+    elif api is Api.OPENAI:
         kind, code = _OPENAI.get(
             status, ("invalid_request_error" if status < 500 else "server_error", f"http_{status}")
         )

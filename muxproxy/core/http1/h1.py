@@ -54,8 +54,7 @@ from typing import Any
 
 import h11
 
-from muxproxy.config import Api
-from muxproxy.core.http.errors import error_response
+from muxproxy.core.http.errors import ErrorShape, error_response
 from muxproxy.core.http.intake import MalformedRequest, request_from_h1
 from muxproxy.core.http1.chunked import ChunkedDecoder, ChunkedError
 from muxproxy.core.http1.h2c import UPGRADE_HEADERS, H2cUpgrade, h2c_offer
@@ -324,7 +323,7 @@ class H1Server:
         return self.conn.send(h11.EndOfMessage(headers=trailers)) or b""
 
     def send_error(
-        self, status: int, text: str, *, api: Api | None = None, date: bytes | None = None
+        self, status: int, text: str, *, api: ErrorShape | None = None, date: bytes | None = None
     ) -> bytes:
         """A complete short error response (``errors.error_response``: plain text, or the
         OpenAI error object with ``api``), when a response can still be started."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from muxproxy.config import Api
 from muxproxy.core.http.bodyclock import SlowBody
+from muxproxy.core.http.errors import ErrorShape
 from muxproxy.core.messages import AnswerRewrite, Fields, Headers, ResponseHead
 from muxproxy.core.ports import ClientStream
 from muxproxy.core.streams.resume import Reader
@@ -38,7 +39,7 @@ class _AfterHead:
         status: int,
         text: str,
         *,
-        api: Api | None = None,
+        api: ErrorShape | None = None,
         head_only: bool = False,
         request_id: bytes | None = None,
         extra: Fields = (),
