@@ -1,0 +1,209 @@
+"""Routing by the body's model and model aliases inside the core (``core/exchange/bymodel.py``),
+as conversations: the group that serves the model, the API's own 404 for a model none
+serves, 400 for a repeated model, a body without a model routed by path, an alias's target
+written into the body (Content-Length with it), kept per conversation and moved by runtime
+weights.
+
+Clients are real h11 peers, backends real h11 server peers; each conversation asserts every
+command, timers included (``Routing`` of ``test_routing_exchange``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import h11
+from checks import h1_body, h1_response
+from playbook import H1ClientPeer, Sends, data, default_config
+from test_routing_exchange import CHAT, A, B, Opens, Routing
+
+from muxproxy.config import Route, Server, SessionSource, Sticky, Upstream
+from muxproxy.config.records import ModelAlias, ModelTarget
+from muxproxy.config.runtime import RuntimeState
+from muxproxy.core.commands import CancelTimer, CloseConnection, SetTimer
+from muxproxy.core.events import RuntimeChanged
+from muxproxy.core.exchange.bymodel import model_not_found
+
+MESSAGES = "/v1/messages"
+JSON = ("Content-Type", "application/json")
+STICKY = Sticky(sources=(SessionSource(kind="header", name="x-chat-id"),))
+
+
+def by_model(*, fallback: bool = False, **config: Any) -> Routing:
+    """Group ``default`` (A) serves ``llama-v1*``, group ``big`` (B) serves ``llama-v2``;
+    ``fallback``: a route without models sends the rest to ``default``; the alias
+    ``chat-default`` stands for both, 9 to 1."""
+    groups = {
+        "default": Upstream(
+            name="default", servers=(Server(address=A),), pool_max_idle=0, sticky=STICKY
+        ),
+        "big": Upstream(name="big", servers=(Server(address=B),), pool_max_idle=0, sticky=STICKY),
+    }
+    routes = [
+        Route(prefix="/", upstream="default", models=("llama-v1*",)),
+        Route(prefix="/", upstream="big", models=("llama-v2",)),
+    ]
+    if fallback:
+        routes.append(Route(prefix="/", upstream="default"))
+    alias = ModelAlias(
+        name="chat-default",
+        targets=(ModelTarget(model="llama-v1", weight=9), ModelTarget(model="llama-v2", weight=1)),
+    )
+    rig = Routing(
+        default_config(
+            upstreams=groups, routes=tuple(routes), models={"chat-default": alias}, **config
+        )
+    )
+    rig.body_key = True  # the body is held (for its model) before the route is known
+    return rig
+
+
+def chat(model: str | None, **extra: Any) -> bytes:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    if model is not None:
+        body = {"model": model, **body}
+    return json.dumps(body).encode()
+
+
+def routed(
+    rig: Routing,
+    body: bytes,
+    *,
+    to: str,
+    headers: list[tuple[str, str]] | None = None,
+    target: str = CHAT,
+) -> tuple[int, H1ClientPeer, Opens]:
+    return rig.ask(target, [JSON, *(headers or [])], body, to=to)
+
+
+def sent(rig: Routing, conn: int, client: H1ClientPeer, opens: Opens) -> h11.Request:
+    """The backend gets the request and answers; returns what it got (its body checked by
+    h11 against its Content-Length)."""
+    request = rig.accept(opens.conn, conn, lambda events: None)
+    rig.reply(opens.conn, conn, client, posted=True)
+    return request  # type: ignore[return-value]
+
+
+def refused(
+    rig: Routing, body: bytes, status: int, *, target: str = CHAT
+) -> tuple[h11.Response, bytes]:
+    """A POST of ``body`` answered by the proxy itself with ``status``: no backend."""
+    pb = rig.pb
+    conn, client = rig.connect()
+    pb >> data(conn, client.request("POST", target, [JSON], body))
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("body", conn), at=pb.now + rig.body_gap_s)
+    pb << SetTimer(timer=("send", conn), at=pb.now + rig.send_s)
+    pb << (answer := Sends(conn, client, h1_response(status, end=True)))
+    pb << CancelTimer(timer=("body", conn))
+    pb << CloseConnection(conn=conn)
+    pb.done()
+    head = answer.events[0]
+    assert isinstance(head, h11.Response)
+    return head, h1_body(answer.events)
+
+
+def backend_body(rig: Routing, conn: int, client: H1ClientPeer, opens: Opens) -> bytes:
+    """The backend gets the request of ``conn`` whole and answers; returns its body (h11
+    has checked it against the request's Content-Length)."""
+    request = rig.accept(opens.conn, conn, lambda events: None)
+    rig.reply(opens.conn, conn, client, posted=True)
+    return h1_body(request.events)
+
+
+def test_each_model_goes_to_the_group_that_serves_it_by_name_or_glob() -> None:
+    rig = by_model()
+    for model, server in (("llama-v2", B), ("llama-v1", A), ("llama-v1-instruct", A)):
+        body = chat(model)
+        conn, client, opens = rig.ask(CHAT, [JSON], body, to=server)
+        assert backend_body(rig, conn, client, opens) == body
+
+
+def test_a_model_no_route_serves_is_the_api_s_own_404() -> None:
+    rig = by_model()
+    head, body = refused(rig, chat("gpt-4o"), 404)
+    assert (b"content-type", b"application/json") in head.headers
+    assert json.loads(body) == {
+        "error": {
+            "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    head, body = refused(rig, chat("claude-x", max_tokens=5), 404, target=MESSAGES)
+    assert json.loads(body) == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "model: claude-x"},
+    }
+    assert (
+        model_not_found(b"/v1/embeddings", "e").body
+        == json.dumps(
+            {
+                "error": {
+                    "message": "The model `e` does not exist or you do not have access to it.",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            }
+        ).encode()
+    )
+
+
+def test_a_model_no_route_with_models_serves_takes_the_route_without() -> None:
+    rig = by_model(fallback=True)
+    conn, client, opens = rig.ask(CHAT, [JSON], chat("gpt-4o"), to=A)
+    assert json.loads(backend_body(rig, conn, client, opens))["model"] == "gpt-4o"
+
+
+def test_a_body_without_a_model_is_routed_by_path_skipping_routes_with_models() -> None:
+    rig = by_model()
+    head, body = refused(rig, chat(None), 404)
+    assert body == b"no route for this path\n"
+    rig = by_model(fallback=True)
+    conn, client, opens = rig.ask(CHAT, [JSON], b"not json", to=A)
+    assert backend_body(rig, conn, client, opens) == b"not json"
+
+
+def test_a_body_that_names_its_model_twice_is_refused_400() -> None:
+    rig = by_model(fallback=True)
+    body = b'{"model": "llama-v1", "messages": [], "model": "llama-v2"}'
+    _, answer = refused(rig, body, 400)
+    error = json.loads(answer)["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "model"
+    _, answer = refused(rig, body, 400, target=MESSAGES)
+    assert json.loads(answer)["error"]["type"] == "invalid_request_error"
+
+
+def alias_target(rig: Routing, chat_id: str, to: str | None = None) -> str:
+    """A request naming the alias in conversation ``chat_id``: the model its backend got
+    (its server must be that model's group's, and h11 checks the new Content-Length)."""
+    body = chat("chat-default", stream=True)
+    conn, client, opens = rig.ask(CHAT, [JSON, ("X-Chat-ID", chat_id)], body, to=to)
+    got = json.loads(backend_body(rig, conn, client, opens))
+    assert opens.server == {"llama-v1": A, "llama-v2": B}[got["model"]]
+    assert got == {**json.loads(body), "model": got["model"]}  # nothing else changed
+    return str(got["model"])
+
+
+def test_an_alias_picks_a_target_per_conversation_and_rewrites_the_body() -> None:
+    rig = by_model()
+    chosen = {f"c{i}": alias_target(rig, f"c{i}") for i in range(30)}
+    assert set(chosen.values()) == {"llama-v1", "llama-v2"}  # 9 to 1 over 30 conversations
+    for chat_id, model in list(chosen.items())[:10]:
+        assert alias_target(rig, chat_id) == model  # each keeps its version
+
+
+def test_runtime_weights_move_new_choices_of_an_alias() -> None:
+    rig = by_model()
+    state = RuntimeState.empty().models_changed("chat-default", {"llama-v1": 0, "llama-v2": 5})
+    rig.pb >> RuntimeChanged(now=rig.pb.now, state=state)
+    rig.pb.done()
+    assert {alias_target(rig, f"c{i}", to=B) for i in range(10)} == {"llama-v2"}
+    status = rig.pb.core.status()["models"]["chat-default"]["targets"]
+    assert status == [
+        {"model": "llama-v1", "configured_weight": 9, "runtime_weight": 0, "weight": 0},
+        {"model": "llama-v2", "configured_weight": 1, "runtime_weight": 5, "weight": 5},
+    ]
