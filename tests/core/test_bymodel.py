@@ -15,15 +15,18 @@ from typing import Any
 
 import h11
 from checks import h1_body, h1_response
-from playbook import H1ClientPeer, Sends, data, default_config
+from playbook import H1ClientPeer, Sends, Where, data, default_config
 from test_routing_exchange import CHAT, A, B, Opens, Routing
 
 from muxproxy.config import Route, Server, SessionSource, Sticky, Upstream
+from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.records import ModelAlias, ModelTarget
 from muxproxy.config.runtime import RuntimeState
-from muxproxy.core.commands import CancelTimer, CloseConnection, SetTimer
-from muxproxy.core.events import RuntimeChanged
+from muxproxy.core.commands import CancelTimer, CloseConnection, ExtensionCall, SetTimer
+from muxproxy.core.events import ExtensionAnswered, RuntimeChanged
 from muxproxy.core.exchange.bymodel import model_not_found
+from muxproxy.core.ports import Phase
+from muxproxy.extensions import Decision, Extension, Request
 
 MESSAGES = "/v1/messages"
 JSON = ("Content-Type", "application/json")
@@ -207,3 +210,32 @@ def test_runtime_weights_move_new_choices_of_an_alias() -> None:
         {"model": "llama-v1", "configured_weight": 9, "runtime_weight": 0, "weight": 0},
         {"model": "llama-v2", "configured_weight": 1, "runtime_weight": 5, "weight": 5},
     ]
+
+
+class Waits(Extension):
+    async def on_request_head_async(self, request: Request) -> Decision | None:
+        raise AssertionError("the test answers for the driver")
+
+
+def test_an_async_hook_runs_once_the_body_s_model_found_the_route() -> None:
+    extension = ExtensionConfig(module="tests:Waits", instance=Waits({}))
+    rig = by_model(extensions=(extension,))
+    pb = rig.pb
+    conn, client = rig.connect()
+    calls: list[ExtensionCall] = []
+    pb >> data(conn, client.request("POST", CHAT, [JSON], chat("llama-v2")))
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("body", conn), at=pb.now + rig.body_gap_s)
+    pb << Where(ExtensionCall, lambda call: calls.append(call) is None)
+    pb.done()
+    (exchange,) = pb.core.exchanges.values()
+    assert exchange.phase is Phase.AWAITING_HOOK
+    assert calls[0].view.group == "big"  # the hook sees the route the model chose
+    call = calls[0]
+    pb >> (
+        lambda now: ExtensionAnswered(
+            now=now, request=call.request, position=call.position, decision=None, error=""
+        )
+    )
+    opens = rig.attempt(conn, to=B)
+    assert backend_body(rig, conn, client, opens) == chat("llama-v2")
