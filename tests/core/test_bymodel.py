@@ -163,7 +163,7 @@ def test_a_model_no_route_with_models_serves_takes_the_route_without() -> None:
 
 def test_a_body_without_a_model_is_routed_by_path_skipping_routes_with_models() -> None:
     rig = by_model()
-    head, body = refused(rig, chat(None), 404)
+    _, body = refused(rig, chat(None), 404)
     assert body == b"no route for this path\n"
     rig = by_model(fallback=True)
     conn, client, opens = rig.ask(CHAT, [JSON], b"not json", to=A)
