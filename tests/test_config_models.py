@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from muxproxy.config import ConfigError, parse_config
+from muxproxy.config import Config, ConfigError, Route, parse_config
 from muxproxy.config.records import ModelAlias, ModelTarget
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -63,17 +63,22 @@ def test_routes_by_model_and_aliases_load() -> None:
 
 def test_the_route_of_a_path_and_a_model() -> None:
     config = parse_config(document())
-    route = config.route_for
-    assert route(b"/v1/chat/completions", "llama-70b").upstream == "big"  # type: ignore[union-attr]
-    assert route(b"/v1/chat/completions", "llama-70b-instruct").upstream == "big"  # type: ignore[union-attr]
-    assert route(b"/v1/chat/completions", "llama-8b").upstream == "small"  # type: ignore[union-attr]
+
+    def route(path: bytes, model: str | None, config: Config = config) -> Route:
+        found = config.route_for(path, model)
+        assert found is not None
+        return found
+
+    assert route(b"/v1/chat/completions", "llama-70b").upstream == "big"
+    assert route(b"/v1/chat/completions", "llama-70b-instruct").upstream == "big"
+    assert route(b"/v1/chat/completions", "llama-8b").upstream == "small"
     # Another model, or none: the route without models of the longest prefix.
-    assert route(b"/v1/chat/completions", "gpt-4o").prefix == "/"  # type: ignore[union-attr]
-    assert route(b"/v1/chat/completions", None).prefix == "/"  # type: ignore[union-attr]
+    assert route(b"/v1/chat/completions", "gpt-4o").prefix == "/"
+    assert route(b"/v1/chat/completions", None).prefix == "/"
     # A longer prefix without models wins over a shorter one with them.
     data = document()
     data["routes"].append({"prefix": "/v1/embeddings", "upstream": "big"})
-    assert parse_config(data).route_for(b"/v1/embeddings", "llama-8b").upstream == "big"  # type: ignore[union-attr]
+    assert route(b"/v1/embeddings", "llama-8b", parse_config(data)).upstream == "big"
     data = document()
     del data["routes"][2]
     assert parse_config(data).route_for(b"/v1/chat/completions", "gpt-4o") is None

@@ -15,10 +15,10 @@ from typing import Any
 
 import h11
 from checks import h1_body, h1_response
-from playbook import H1ClientPeer, Sends, Where, data, default_config
+from playbook import H1ClientPeer, H2ClientPeer, Sends, Where, data, default_config
 from test_routing_exchange import CHAT, A, B, Opens, Routing
 
-from muxproxy.config import Route, Server, SessionSource, Sticky, Upstream
+from muxproxy.config import Limits, Route, Server, SessionSource, Sticky, Upstream
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.records import ModelAlias, ModelTarget
 from muxproxy.config.runtime import RuntimeState
@@ -239,3 +239,63 @@ def test_an_async_hook_runs_once_the_body_s_model_found_the_route() -> None:
     )
     opens = rig.attempt(conn, to=B)
     assert backend_body(rig, conn, client, opens) == chat("llama-v2")
+
+
+def test_a_chunked_body_is_routed_once_its_object_ends_and_goes_on_chunked() -> None:
+    rig = by_model()
+    pb = rig.pb
+    conn, client = rig.connect()
+    body = chat("chat-default")
+    fields = [("Host", "p"), JSON, ("Transfer-Encoding", "chunked"), ("X-Chat-ID", "c1")]
+    head = client.conn.send(h11.Request(method="POST", target=CHAT, headers=fields)) or b""
+    cut = body.index(b"messages")  # past the model's value: a repeat could still come
+    pb >> data(conn, head + (client.conn.send(h11.Data(data=body[:cut])) or b""))
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("body", conn), at=pb.now + rig.body_gap_s)
+    pb.done()  # the model is read, the object has not ended: nothing opened yet
+    pb >> data(conn, client.conn.send(h11.Data(data=body[cut:])) or b"")
+    opens = rig.attempt(conn)
+    pb.done()
+    pb >> data(conn, client.conn.send(h11.EndOfMessage()) or b"")
+    pb.done()
+    request = rig.accept(opens.conn, conn, lambda events: None)
+    got = json.loads(h1_body(request.events))
+    assert opens.server == {"llama-v1": A, "llama-v2": B}[got["model"]]
+    (head_event,) = [e for e in request.events if isinstance(e, h11.Request)]
+    names = {name.lower() for name, _ in head_event.headers}
+    assert b"transfer-encoding" in names and b"content-length" not in names
+
+
+def test_an_h2_request_naming_an_alias_reaches_its_target_with_its_new_length() -> None:
+    rig = by_model()
+    pb = rig.pb
+    conn, _ = rig.connect()
+    client = H2ClientPeer()
+    body = chat("chat-default")
+    fields = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-chat-id", b"c1"),
+    ]
+    _, request = client.request(b"POST", CHAT.encode(), headers=fields, body=body)
+    pb >> data(conn, client.preface() + request)
+    pb << SetTimer(timer=("send", conn), at=pb.now + rig.send_s)
+    pb << Sends(conn, client)  # the proxy's SETTINGS
+    pb << CancelTimer(timer=("header", conn))
+    pb << SetTimer(timer=("body", conn), at=pb.now + rig.body_gap_s)
+    opens = rig.attempt(conn)
+    pb << Sends(conn, client)  # the SETTINGS ack
+    request_sent = rig.accept(opens.conn, conn, lambda events: None)
+    sent_body = h1_body(request_sent.events)  # h11 checked it against its Content-Length
+    got = json.loads(sent_body)
+    assert opens.server == {"llama-v1": A, "llama-v2": B}[got["model"]]
+    (head_event,) = [e for e in request_sent.events if isinstance(e, h11.Request)]
+    assert (b"content-length", str(len(sent_body)).encode()) in head_event.headers
+    assert len(sent_body) != len(body)
+
+
+def test_a_body_too_long_to_find_its_model_is_routed_by_path() -> None:
+    rig = by_model(fallback=True, limits=Limits(max_route_body=64))
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 100}], "model": "llama-v2"})
+    conn, client, opens = rig.ask(CHAT, [JSON], body.encode(), to=A)  # not B: by path
+    assert backend_body(rig, conn, client, opens) == body.encode()
