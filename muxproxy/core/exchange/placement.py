@@ -64,7 +64,7 @@ def locate(exchange: Routed) -> bool:
         # Routed and forwarded as normalised (paths.py): the backend has nothing left to
         # resolve that could take it out of the route's prefix.
         head = exchange.head = attrs.evolve(head, target=target)
-    if bymodel.reads_model(exchange):
+    if fx.config.by_model and bymodel.reads_model(exchange):  # no call where it is off
         bymodel.hold_for_model(exchange)
         return False
     route = exchange.route = fx.config.route_for(head.target)
