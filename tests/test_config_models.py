@@ -13,6 +13,7 @@ import pytest
 
 from muxproxy.config import Config, ConfigError, Route, parse_config
 from muxproxy.config.records import ModelAlias, ModelTarget
+from muxproxy.config.routes import model_decides
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
@@ -171,3 +172,14 @@ def test_the_examples_of_docs_models_load() -> None:
         data = tomllib.loads('[[listeners]]\naddress = "127.0.0.1:0"\n' + block)
         config = parse_config(data)
         assert config.by_model
+
+
+def test_the_model_decides_only_where_a_route_with_models_could_win() -> None:
+    config = parse_config(document())
+    assert model_decides(config.routes, "/v1/chat/completions")
+    assert not model_decides(config.routes, "/other")  # only the route without models
+    data = document()
+    data["routes"].append({"prefix": "/v1/chat/", "upstream": "small"})
+    routes = parse_config(data).routes
+    assert not model_decides(routes, "/v1/chat/completions")  # a longer plain prefix wins
+    assert model_decides(routes, "/v1/completions")

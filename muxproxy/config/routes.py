@@ -29,6 +29,7 @@ __all__ = [
     "Resume",
     "Route",
     "choose_route",
+    "model_decides",
     "model_matches",
 ]
 
@@ -142,3 +143,18 @@ def model_matches(model: str, patterns: Iterable[str]) -> bool:
     """Whether ``model`` is one of ``patterns``: exact names or shell-style globs
     (``fnmatchcase``, case-sensitive everywhere: ``"llama-3.1-70b*"``)."""
     return any(model == pattern or fnmatchcase(model, pattern) for pattern in patterns)
+
+
+def model_decides(routes: Iterable[Route], path: str) -> bool:
+    """Whether a request's model can change which of ``routes`` serves ``path``: a route with
+    ``models`` matches the path with a prefix at least as long as the longest route without
+    (which would win whatever the model)."""
+    plain = -1
+    modelled = -1
+    for route in routes:
+        if path.startswith(route.prefix):
+            if route.models:
+                modelled = max(modelled, len(route.prefix))
+            else:
+                plain = max(plain, len(route.prefix))
+    return modelled >= plain and modelled >= 0

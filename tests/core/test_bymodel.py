@@ -33,7 +33,9 @@ JSON = ("Content-Type", "application/json")
 STICKY = Sticky(sources=(SessionSource(kind="header", name="x-chat-id"),))
 
 
-def by_model(*, fallback: bool = False, **config: Any) -> Routing:
+def by_model(
+    *, fallback: bool = False, aliases: bool = True, extra: tuple[Route, ...] = (), **config: Any
+) -> Routing:
     """Group ``default`` (A) serves ``llama-v1*``, group ``big`` (B) serves ``llama-v2``;
     ``fallback``: a route without models sends the rest to ``default``; the alias
     ``chat-default`` stands for both, 9 to 1."""
@@ -49,13 +51,17 @@ def by_model(*, fallback: bool = False, **config: Any) -> Routing:
     ]
     if fallback:
         routes.append(Route(prefix="/", upstream="default"))
+    routes.extend(extra)
     alias = ModelAlias(
         name="chat-default",
         targets=(ModelTarget(model="llama-v1", weight=9), ModelTarget(model="llama-v2", weight=1)),
     )
     rig = Routing(
         default_config(
-            upstreams=groups, routes=tuple(routes), models={"chat-default": alias}, **config
+            upstreams=groups,
+            routes=tuple(routes),
+            models={"chat-default": alias} if aliases else {},
+            **config,
         )
     )
     rig.body_key = True  # the body is held (for its model) before the route is known
@@ -299,3 +305,14 @@ def test_a_body_too_long_to_find_its_model_is_routed_by_path() -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "x" * 100}], "model": "llama-v2"})
     conn, client, opens = rig.ask(CHAT, [JSON], body.encode(), to=A)  # not B: by path
     assert backend_body(rig, conn, client, opens) == body.encode()
+
+
+def test_a_path_whose_route_no_model_can_change_is_not_held_for_its_body() -> None:
+    plain = Route(prefix="/v1/chat/", upstream="big")  # longer than the routes with models
+    rig = by_model(aliases=False, extra=(plain,))
+    rig.body_key = False  # routed from the head: the connect comes before the body timer
+    conn, client, opens = rig.ask(CHAT, [JSON], chat("llama-v1"), to=B)
+    assert json.loads(backend_body(rig, conn, client, opens))["model"] == "llama-v1"
+    rig.body_key = True  # the same model elsewhere is read first, and routed by it
+    conn, client, opens = rig.ask("/v1/completions", [JSON], chat("llama-v1"), to=A)
+    backend_body(rig, conn, client, opens)

@@ -5,7 +5,9 @@ What it obeys:
 - Only where it can matter: a configuration with routes that have ``models`` or with
   ``[models]`` aliases (``Config.by_model``), a request with a body, on a path that speaks
   an LLM API (``apis/paths.api_for``: chat completions, completions, responses, messages,
-  embeddings). Every other request is routed from its head as before, at no extra cost.
+  embeddings), and, without aliases, where a route with ``models`` could win over the route
+  the path alone takes (``routes.model_decides``). Every other request is routed from its
+  head as before, at no extra cost.
 - Bounded: the body is held (BUFFERING, no route yet) only until ``routing/models.find_model``
   decides, which reads at most ``limits.max_route_body`` bytes, and never more than the
   stream's ``high_water`` (past it the client is stopped, so waiting longer would wait for
@@ -38,6 +40,7 @@ import sys
 import attrs
 
 from muxproxy.config.records import ModelAlias
+from muxproxy.config.routes import model_decides
 from muxproxy.core.apis.paths import Api, api_for
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
@@ -53,11 +56,15 @@ __all__ = ["hold_for_model", "model_not_found", "read_model", "reads_model"]
 
 def reads_model(exchange: Routed) -> bool:
     """Whether ``exchange`` is routed by its body's model (read first: ``hold_for_model``)."""
-    return (
-        exchange.fx.config.by_model
-        and exchange.upload.phase is RequestPhase.BODY
-        and api_for(exchange.head.target.decode("latin-1")) is not None
-    )
+    config = exchange.fx.config
+    if not config.by_model or exchange.upload.phase is not RequestPhase.BODY:
+        return False
+    path = exchange.head.target.decode("latin-1")
+    if api_for(path) is None:
+        return False
+    # An alias is resolved on any route; without one the model matters only where a route
+    # with ``models`` could win over the route the path alone takes.
+    return bool(config.models) or model_decides(config.routes, path)
 
 
 def hold_for_model(exchange: Routed) -> None:
