@@ -518,7 +518,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             ("routes",),
             [{"prefix": "/", "upstream": "gpus", "colour": 1}],
             "routes[0].colour: unknown key; expected one of: prefix, upstream,"
-            " retry_until_first_event, sse_heartbeat, continue_on_failure, resume, api",
+            " retry_until_first_event, sse_heartbeat, continue_on_failure, resume, api, models",
         ),
         (
             ("routes",),
@@ -533,7 +533,8 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
         (
             ("routes",),
             [{"prefix": "/", "upstream": "gpus"}, {"prefix": "/", "upstream": "gpus"}],
-            'routes[1].prefix: "/" is already routed by routes[0]',
+            'routes[1].prefix: "/" is already routed by routes[0]; give one of them'
+            " models = [...] to route the prefix by model",
         ),
         (
             ("routes",),

@@ -106,8 +106,13 @@ INTEGER_KEYS = {
 """The keys whose record field is an ``int`` (the rest are seconds or ratios, floats)."""
 
 
+def _name(path: str) -> str:
+    """The name the reference's examples give the group or alias of ``path``."""
+    return "chat-default" if path.startswith("models.") else "gpus"
+
+
 def concrete(path: str) -> str:
-    return path.replace("NAME", "gpus").replace("[]", "[0]")
+    return path.replace("NAME", _name(path)).replace("[]", "[0]")
 
 
 def document(path: str, value: Any) -> dict[str, Any]:
@@ -117,7 +122,7 @@ def document(path: str, value: Any) -> dict[str, Any]:
     node = data
     for part in tables_:
         if part == "NAME":
-            node = node["gpus"]
+            node = node[_name(path)]
         elif part.endswith("[]"):
             node = node[part[:-2]][0]
         else:

@@ -211,3 +211,48 @@ def test_state_is_a_read_only_value_and_its_entries_are_checked() -> None:
         RuntimeState(servers={"gpus": ServerOverride()})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"^servers\[\('gpus', '10.0.0.1:8000'\)\]: expected"):
         RuntimeState(servers={("gpus", A): {"down": True}})  # type: ignore[dict-item]
+
+
+# -- model alias weights ---------------------------------------------------------------------
+
+
+def test_alias_weights_are_set_reset_and_kept_through_the_state_file(tmp_path: Path) -> None:
+    state = sample().models_changed("chat", {"v1": 0, "v2": 10})
+    assert state.model_weight("chat", "v1") == 0 and state.model_weight("chat", "v2") == 10
+    assert state.model_weight("chat", "v3") is None and not state.is_empty
+    assert state.to_json()["models"] == [
+        {"alias": "chat", "model": "v1", "weight": 0},
+        {"alias": "chat", "model": "v2", "weight": 10},
+    ]
+    path = tmp_path / "state.json"
+    save_state(path, state)
+    assert load_state(path) == state
+    # A server change keeps the alias weights; null gives a target its configured one back.
+    assert state.changed("gpus", A, weight=3).models == state.models
+    assert state.models_changed("chat", {"v1": None}).models == {("chat", "v2"): 10}
+    assert "models" not in sample().to_json()  # a state without them is written as before
+    assert RuntimeState.empty().models_changed("a", {"m": 1}).is_empty is False
+    assert RuntimeState.empty().is_empty
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ({}, r"^models: expected an array, got dict"),
+        ([{"alias": "a", "model": "m"}], r"^models\[0\]\.weight: expected an integer"),
+        ([{"alias": "a", "model": "m", "weight": -1}], r"^models\[0\]\.weight: expected"),
+        ([{"alias": "a", "model": "", "weight": 1}], r"^models\[0\]\.model: expected a non"),
+        ([{"alias": "a", "model": "m", "weight": 1, "x": 1}], r"^models\[0\]\.x: unknown key"),
+        (
+            [{"alias": "a", "model": "m", "weight": 1}, {"alias": "a", "model": "m", "weight": 2}],
+            r"^models\[1\]: a second entry for m of alias a",
+        ),
+    ],
+)
+def test_bad_alias_weights_in_a_state_document_name_the_field(
+    entries: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        RuntimeState.from_json({"version": 1, "servers": [], "models": entries})
+    with pytest.raises(ValueError, match=r"^weights\.m: expected an integer"):
+        RuntimeState.empty().models_changed("a", {"m": 2**40})

@@ -37,6 +37,7 @@ from muxproxy.config import (
     extensions,
     fleet,
     fleetkeys,
+    groupmodelkeys,
     logs,
     logsettings,
     modelkeys,
@@ -44,6 +45,7 @@ from muxproxy.config import (
     queuekeys,
     ranges,
     records,
+    routes,
     sections,
     stickykeys,
     storeurl,
@@ -155,12 +157,15 @@ _VALUE_KINDS: dict[Any, str] = {
     queuekeys.max_wait: "a table of priority classes (0..9) to seconds or durations"
     ' ("500ms", "30s", "2m"), each: range as `queue.timeout`',
     upstreams.rate_limit: "a table",
-    modelkeys.model_names: "an array of model names (each 1 to 256 characters, listed once)",
+    groupmodelkeys.model_names: "an array of model names (each 1 to 256 characters, listed once)",
     sections.size: 'a size: bytes, or a string such as "256 KiB" (B, KiB, MiB, GiB)',
     storeurl.store_url: 'a Redis URL ("redis://", "rediss://", "redis+sentinel://")',
     sections.resume: "true (the defaults) or a table",
     sections.credential_headers: "a list of header names",
     sections.api: _choices(records.Api),
+    modelkeys.model_patterns: 'an array of model names or globs, e.g. ["llama-3.1-70b*"]',
+    modelkeys._targets: "an array of { model, weight } tables",
+    modelkeys._model_name: 'a model name, e.g. "llama-v2"',
     logs._access: '"stderr", "off" or a file path (appended to)',
     logs._format: _choices(logsettings.LOG_FORMATS),
     logs._level: _choices(logsettings.LOG_LEVELS),
@@ -250,6 +255,12 @@ _EXAMPLES = {
     "routes[].api": 'prefix = "/v1/"\nupstream = "gpus"\napi = "openai"',
     "routes[].resume.store": 'prefix = "/v1/"\nupstream = "gpus"\n'
     'resume = { store = "redis://127.0.0.1:6379/0" }',
+    "routes[].models": 'prefix = "/v1/"\nupstream = "gpus"\nmodels = ["llama-3.1-70b*"]',
+    "models.NAME.targets": 'targets = [{ model = "llama-v1", weight = 9 },'
+    ' { model = "llama-v2", weight = 1 }]',
+    "models.NAME.targets[].model": 'targets = [{ model = "llama-v2" }]',
+    "models.NAME.targets[].weight": 'targets = [{ model = "llama-v2", weight = 1 },'
+    ' { model = "llama-v1", weight = 9 }]',
     "log.access": 'access = "/var/log/muxproxy-access.log"',
     "admin.token": 'token = "change-me"  # or the environment variable MUXPROXY_ADMIN_TOKEN',
     "admin.state_file": 'state_file = "muxproxy-state.json"',
@@ -286,6 +297,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
     body = [
         *ast.parse(inspect.getsource(records)).body,
         *ast.parse(inspect.getsource(logsettings)).body,
+        *ast.parse(inspect.getsource(routes)).body,
         *ast.parse(inspect.getsource(fleet)).body,
         *ast.parse(inspect.getsource(discovery)).body,
         *ast.parse(inspect.getsource(queue)).body,

@@ -31,6 +31,7 @@ from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
 from muxproxy.config.logs import _LOG_KEYS
 from muxproxy.config.logsettings import LogSettings
+from muxproxy.config.modelkeys import ALIAS_KEYS, TARGET_KEYS
 from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.queuekeys import _QUEUE_KEYS
 from muxproxy.config.records import (
@@ -40,6 +41,8 @@ from muxproxy.config.records import (
     Limits,
     Listener,
     LoadReporting,
+    ModelAlias,
+    ModelTarget,
     NextUpstream,
     PrefixAffinity,
     RateLimit,
@@ -253,6 +256,23 @@ TABLES = (
         "[[routes]]",
     ),
     Table(
+        "models.NAME",
+        "[models.NAME]",
+        ModelAlias,
+        ALIAS_KEYS,
+        "A model alias: a name clients send in the body's `model` that the proxy resolves to"
+        " one of its targets by weight, sticky per conversation (`docs/models.md`).",
+        '[models."chat-default"]',
+    ),
+    Table(
+        "models.NAME.targets[]",
+        "[models.NAME] targets = [{ ... }]",
+        ModelTarget,
+        TARGET_KEYS,
+        "One model an alias stands for, and its share of new conversations.",
+        '[models."chat-default"]',
+    ),
+    Table(
         "log",
         "[log]",
         LogSettings,
@@ -321,6 +341,7 @@ SUB_TABLES = {
     f"{GROUP}.queue": f"{GROUP}.queue",
     f"{GROUP}.rate_limit": f"{GROUP}.rate_limit",
     "routes[].resume": "routes[].resume",
+    "models.NAME.targets": "models.NAME.targets[]",
 }
 """Keys whose value is a table of its own: key path -> that table's path."""
 
@@ -355,6 +376,8 @@ def placement(key: str, path: str) -> str | None:
     homes = [table for table in TABLES if key in table.keys and table.path != here]
     if not here.startswith(GROUP):  # a listener's "port" is no DNS lookup's
         homes = [table for table in homes if not table.path.endswith(".discover")]
+    if not here.startswith("models."):  # a server's "weight" is no alias target's
+        homes = [table for table in homes if not table.path.startswith("models.")]
     if not homes or len(homes) > 2:
         return None
     places = " or ".join(_place(table, group, key) for table in homes)

@@ -26,6 +26,7 @@ from muxproxy.config.fleet import ResolverSettings
 from muxproxy.config.fleetkeys import RESOLVER_KEYS, fleet_settings
 from muxproxy.config.layout import placement
 from muxproxy.config.logs import log_settings
+from muxproxy.config.modelkeys import model_aliases
 from muxproxy.config.records import (
     AdminSettings,
     Config,
@@ -151,12 +152,13 @@ def parse_config(
     fleet = fleet_settings(check, data.get("fleet"), os.environ if environ is None else environ)
     extensions = extension_tables(check, data.get("extensions"))
     telemetry = telemetry_settings(check, data.get("telemetry"))
+    models = model_aliases(check, data.get("models"))
 
     if check.problems:
         raise ConfigError(check.problems)
     assert listeners is not None and upstreams is not None and routes is not None
     assert timeouts is not None and limits is not None and log is not None
-    assert resolver is not None
+    assert resolver is not None and models is not None
     return Config(
         listeners=listeners,
         upstreams=upstreams,
@@ -169,6 +171,7 @@ def parse_config(
         fleet=fleet,
         extensions=extensions,
         telemetry=telemetry,
+        models=models,
     )
 
 
@@ -226,6 +229,7 @@ _TOP_KEYS = (
     "fleet",
     "extensions",
     "telemetry",
+    "models",
 )
 _EXPECTED_UPSTREAMS = (
     'expected at least one group, e.g. [upstreams.gpus] with servers = ["127.0.0.1:9001"]'

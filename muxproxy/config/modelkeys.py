@@ -1,9 +1,17 @@
-"""Validation of a group's models: ``models`` (the names it serves, listed) and
-``learn_models``/``models_refresh`` (read from its servers' own ``GET /v1/models``).
+"""The keys of routing by model: a route's ``models`` and the ``[models.NAME]`` aliases.
 
-Internal to :mod:`muxproxy.config`; :mod:`.upstreams` calls it. Each function checks one value
-at one key path, reports through the :class:`Checker` and returns the value, or None (False)
-when something was wrong.
+Internal to :mod:`muxproxy.config`, checked as every table is (:mod:`.checker`): each problem
+names its key path and how to fix it. What is refused, and why:
+
+- a route's ``models``: an array of non-empty strings (exact names or shell-style globs);
+  an empty array would serve no request, so it is refused rather than read as "every model";
+- an alias with no target, a target without a model, a target named twice, or every weight
+  0 (the alias could serve no request);
+- a target that is itself an alias: resolving one alias is one step, so a request's model is
+  rewritten once and the version a conversation gets is one weighted choice.
+
+A target no route serves is not refused here: a route may serve it by a glob, and one that
+none serves gets the API's own 404 (``model_not_found``) like any unknown model.
 """
 
 from __future__ import annotations
@@ -11,54 +19,101 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from muxproxy.config.checker import Checker, describe
-from muxproxy.config.records import Upstream
+from muxproxy.config.checker import Checker, Key, describe, join
+from muxproxy.config.routes import ModelAlias, ModelTarget
 
-__all__ = ["MAX_MODELS", "MAX_MODEL_NAME", "model_names", "models_valid"]
-
-MAX_MODELS = 1024
-"""Names a group's ``models`` may list: far more than one group of servers serves, and
-bounded, as every answer of the proxy's ``GET /v1/models`` carries them all."""
-MAX_MODEL_NAME = 256
-"""Characters of one model name: a Hugging Face id (``org/name-variant``) is well under."""
+__all__ = ["ALIAS_KEYS", "TARGET_KEYS", "model_aliases", "model_patterns"]
 
 
-def model_names(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
-    items = check.array(value, path, 'an array of model names, e.g. ["llama-3.1-70b"]')
-    if items is None:
+def model_patterns(check: Checker, value: Any, path: str) -> tuple[str, ...] | None:
+    """A route's ``models``: model names or globs."""
+    expected = 'an array of model names or globs such as ["llama-3.1-70b", "llama-3.1-70b*"]'
+    if not isinstance(value, list) or not value:
+        check.add(path, f"expected {expected}, got {describe(value)}")
         return None
-    if len(items) > MAX_MODELS:
-        check.add(path, f"expected at most {MAX_MODELS} model names, got {len(items)}")
+    valid = True
+    for index, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            check.add(f"{path}[{index}]", f"expected a non-empty model name, got {describe(item)}")
+            valid = False
+    return tuple(value) if valid else None
+
+
+def _model_name(check: Checker, value: Any, path: str) -> str | None:
+    if not isinstance(value, str) or not value:
+        check.add(path, f"expected a non-empty model name, got {describe(value)}")
         return None
-    names: list[str] = []
-    for number, item in enumerate(items):
-        if not isinstance(item, str) or not item or len(item) > MAX_MODEL_NAME:
+    return value
+
+
+TARGET_KEYS = {
+    "model": Key(_model_name, required='the model it sends requests to, e.g. "llama-v2"'),
+    "weight": Key(Checker.count),
+}
+
+
+def _targets(check: Checker, value: Any, path: str) -> tuple[ModelTarget, ...] | None:
+    example = '[{ model = "llama-v1", weight = 9 }, { model = "llama-v2", weight = 1 }]'
+    if not isinstance(value, list) or not value:
+        check.add(path, f"expected an array of targets such as {example}, got {describe(value)}")
+        return None
+    targets: list[ModelTarget] = []
+    seen: set[str] = set()
+    valid = True
+    for index, item in enumerate(value):
+        where = f"{path}[{index}]"
+        values = check.table(item, where, TARGET_KEYS, '{ model = "...", weight = N }')
+        if values is None:
+            valid = False
+            continue
+        target = ModelTarget(**values)
+        if target.model in seen:
             check.add(
-                f"{path}[{number}]",
-                f"expected a model name of 1 to {MAX_MODEL_NAME} characters, got {describe(item)}",
+                f"{where}.model", f"{describe(target.model)} is already a target; list it once"
             )
-            return None
-        if item in names:
-            check.add(f"{path}[{number}]", f"{item!r} is listed twice; list each model once")
-            return None
-        names.append(item)
-    return tuple(names)
+            valid = False
+        seen.add(target.model)
+        targets.append(target)
+    if valid and all(target.weight == 0 for target in targets):
+        check.add(path, "every weight is 0, so the alias serves nothing; give one a weight above 0")
+        valid = False
+    return tuple(targets) if valid else None
 
 
-def models_valid(check: Checker, path: str, group: Upstream, table: Mapping[str, Any]) -> bool:
-    """``models`` lists the group's models, ``learn_models`` asks its servers: one or the
-    other, and ``models_refresh`` only with the second."""
-    if group.models and group.learn_models:
+ALIAS_KEYS = {
+    "targets": Key(_targets, required="an array of { model, weight } tables"),
+}
+
+
+def model_aliases(check: Checker, value: Any) -> dict[str, ModelAlias] | None:
+    """The ``[models.NAME]`` tables (None: a problem was reported)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
         check.add(
-            f"{path}.learn_models",
-            "and models are both set; list the models, or learn them from the servers (remove one)",
+            "models", f'expected a table of aliases such as [models."chat"], got {describe(value)}'
         )
-        return False
-    if "models_refresh" in table and not group.learn_models:
-        check.add(
-            f"{path}.models_refresh",
-            "is how often learnt models are read again, but the group does not learn them;"
-            " add learn_models = true or remove it",
-        )
-        return False
-    return True
+        return None
+    aliases: dict[str, ModelAlias] = {}
+    valid = True
+    for name, item in value.items():
+        path = join("models", name)
+        if not name:
+            check.add(path, "expected a non-empty model alias")
+            valid = False
+            continue
+        values = check.table(item, path, ALIAS_KEYS, "a table with targets = [...]")
+        if values is None:
+            valid = False
+            continue
+        aliases[name] = ModelAlias(name=name, targets=values["targets"])
+    for name, alias in aliases.items():
+        for index, target in enumerate(alias.targets):
+            if target.model in aliases:
+                check.add(
+                    f"{join('models', name)}.targets[{index}].model",
+                    f"{describe(target.model)} is an alias itself; name the model it stands for"
+                    " (an alias resolves in one step)",
+                )
+                valid = False
+    return aliases if valid else None

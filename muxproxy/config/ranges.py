@@ -95,7 +95,8 @@ _CONNECTIONS = Range(1, 65_535, "", "the source ports a proxy has to one server"
 _RATE = Range(1, 10**9, "", "a billion a minute")
 
 SERVER_WEIGHT = Range(0, COUNT, "", "weights are relative shares")
-"""A server's weight, in the configuration, the admin API and the state file."""
+"""A server's weight (and a model alias target's), in the configuration, the admin API and
+the state file."""
 
 _G = "upstreams.NAME"
 
@@ -122,6 +123,9 @@ RANGES: dict[str, Range] = {
     "limits.h2_reset_budget": _COUNT,
     "limits.h2_control_frame_budget": _COUNT,
     "limits.resume_memory": _PROCESS_BYTES,
+    # Held per request before it is routed, as the body keys' ``sticky.body_limit``.
+    "limits.max_route_body": Range(1, 16 * MIB, "bytes", "16 MiB: held for one request"),
+    "models.NAME.targets[].weight": SERVER_WEIGHT,
     f"{_G}.pool_max_idle": Range(0, 65_535, "", "the source ports a proxy has to one server"),
     f"{_G}.pool_idle_timeout": _TIMEOUT,
     # The largest context windows hold about 10**7 tokens.
@@ -193,7 +197,7 @@ RANGES: dict[str, Range] = {
 """Key path (as the reference writes it) -> its range. Every numeric key has one."""
 
 
-_GROUP_IN_PATH = re.compile(r'\Aupstreams\.("(?:[^"\\]|\\.)*"|[A-Za-z0-9_-]+)')
+_GROUP_IN_PATH = re.compile(r'\A(upstreams|models)\.("(?:[^"\\]|\\.)*"|[A-Za-z0-9_-]+)')
 _INDEX = re.compile(r"\[[0-9]*\]")
 
 
@@ -202,7 +206,7 @@ def pattern(path: str) -> str:
     -> ``upstreams.NAME.servers[].weight``."""
     match = _GROUP_IN_PATH.match(path)
     if match is not None:
-        path = _G + path[match.end() :]
+        path = f"{match[1]}.NAME" + path[match.end() :]
     return _INDEX.sub("[]", path)
 
 

@@ -17,7 +17,27 @@ from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
+from muxproxy.config.routes import (
+    RESUME_CREDENTIALS,
+    RESUME_WINDOW,
+    Api,
+    ModelAlias,
+    ModelTarget,
+    Resume,
+    Route,
+    choose_route,
+)
 from muxproxy.config.telemetry import TelemetrySettings
+
+__all__ = [
+    "RESUME_CREDENTIALS",
+    "RESUME_WINDOW",
+    "Api",
+    "ModelAlias",
+    "ModelTarget",
+    "Resume",
+    "Route",
+]
 
 
 class _HostPort:
@@ -118,6 +138,10 @@ class Limits:
     Past it the streams nobody reads are let go, oldest first (their backends ended), so a
     flood of clients that never come back cannot exhaust memory; streams being read are
     never cut for it. See ``muxproxy.core.streams.resume``."""
+    max_route_body: int = 64 * 1024
+    """Request-body bytes held, at most, to read the ``model`` a request is routed by (routes
+    with ``models``, ``[models]`` aliases); a body that names none within them is routed by
+    path. Held bytes count against ``stream_buffer`` too: the smaller bound wins."""
 
 
 @attrs.frozen(kw_only=True)
@@ -445,67 +469,6 @@ class Upstream:
         return None
 
 
-class Api(enum.Enum):
-    """The API a route serves, which shapes the proxy's own error responses."""
-
-    OPENAI = "openai"
-    """OpenAI-style: errors as ``{"error": {"message", "type", "param", "code"}}`` JSON, which
-    the OpenAI SDKs turn into the message of the exception they raise."""
-
-
-RESUME_WINDOW = 256 * 1024
-"""Bytes of events a resumable stream keeps (``resume.window``)."""
-RESUME_CREDENTIALS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
-"""The fields that carry a client's credentials (``resume.credential_headers``)."""
-
-
-@attrs.frozen(kw_only=True)
-class Resume:
-    """A route's ``resume`` table: SSE streams that survive a reconnect (``docs/resume.md``)."""
-
-    window: int = RESUME_WINDOW
-    """The last bytes of events kept per stream; a resume from before them is refused."""
-    linger: float = 30.0
-    """Seconds a stream's backend keeps running after its client went away, for the client
-    to come back; also how long the events of an ended stream are kept."""
-    store: str | None = None
-    """A Redis URL (``redis://`` or ``rediss://``) where the stream's events are also kept,
-    so a reconnect that reaches another worker or replica is served; None: this process only."""
-    credential_headers: tuple[str, ...] = RESUME_CREDENTIALS
-    """The request fields (lower case) a resume must carry as the request that began the
-    stream did: the stream is bound to a SHA-256 of them (``core/streams/resumebind.py``)."""
-    lease: float = 5.0
-    """With ``store``: seconds the owner's lease on a live stream lasts in Redis (renewed
-    every third of it); a reader that finds it expired (the owner died) ends at once."""
-
-
-@attrs.frozen(kw_only=True)
-class Route:
-    prefix: str
-    """The path prefix this route serves; the longest matching prefix wins."""
-    upstream: str
-    """The name of the ``[upstreams.NAME]`` group its requests go to."""
-    retry_until_first_event: bool = False
-    """Hold a text/event-stream response head until its first content event (comments, role
-    chunks, framing are held with it, up to the stream's buffer), so a backend that fails, or
-    sends an error event (``overloaded_error``: ``docs/apis.md``), before its first token can
-    be retried (as ``"error"``): the client gets nothing of the failed attempt."""
-    sse_heartbeat: float | None = None
-    """Seconds without upstream bytes after which a text/event-stream response gets an SSE
-    comment (``: keep-alive``), written between events only; None: never."""
-    continue_on_failure: bool = False
-    """When a chat completion's or an Anthropic message's backend fails mid-stream, have the
-    next server finish the answer from the text relayed so far (``docs/apis.md``: an
-    assistant message, or prefill), within ``next_upstream.tries``."""
-    resume: Resume | None = None
-    """Number the events of text/event-stream responses and keep them, so that a client
-    that reconnects with ``Last-Event-ID`` gets the rest (``core/streams/resume.py``); None: off."""
-    api: Api | None = None
-    """With ``"openai"`` (``Api.OPENAI``) the proxy's own errors on this route (502, 503,
-    504, 413, 431...) carry the OpenAI error object instead of plain text
-    (``muxproxy.core.http.errors``)."""
-
-
 @attrs.frozen(kw_only=True)
 class Listener(_HostPort):
     address: str
@@ -557,14 +520,26 @@ class Config:
     extensions: tuple[ExtensionConfig, ...] = ()
     """The extension hooks, in the order they run (``docs/extending.md``)."""
     telemetry: TelemetrySettings | None = None  # None: no OpenTelemetry (docs/telemetry.md)
+    models: dict[str, ModelAlias] = attrs.field(factory=dict)
+    """The ``[models.NAME]`` aliases, by name."""
+    by_model: bool = attrs.field(init=False, repr=False, eq=False)
+    """Whether a request's model can change where it goes (a route has ``models``, or an
+    alias exists): only then is a body read for it (derived, kept: every request asks)."""
 
-    def route_for(self, path: bytes) -> Route | None:
-        """The route with the longest prefix matching ``path``.
+    def __attrs_post_init__(self) -> None:
+        by_model = bool(self.models) or any(route.models for route in self.routes)
+        object.__setattr__(self, "by_model", by_model)
+
+    def route_for(self, path: bytes, model: str | None = None) -> Route | None:
+        """The route with the longest prefix matching ``path`` (``routes.choose_route``:
+        then the routes with ``models`` matching ``model`` before the one without).
 
         The exchange passes the request target normalised by ``muxproxy.core.http.paths`` (dot-
         segments resolved, encoded unreserved characters decoded), never the raw one: a prefix
         is a boundary only on a path the backend has nothing left to resolve in."""
         text = path.decode("latin-1")
+        if self.by_model:
+            return choose_route(self.routes, text, model)
         best: Route | None = None
         for route in self.routes:
             if text.startswith(route.prefix) and (

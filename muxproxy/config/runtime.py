@@ -1,4 +1,5 @@
-"""Runtime server state: the operator's weights, drains and downs, beside the configuration.
+"""Runtime server state: the operator's weights, drains and downs, beside the configuration,
+and the weights of model aliases' targets (a canary's step between model versions).
 
 What an operator changes while the proxy runs (through the admin API) is not configuration:
 it is kept here, applied to every worker as the core event ``RuntimeChanged``, and persisted
@@ -13,7 +14,11 @@ The state file is JSON, written atomically (a temporary file in the same directo
 the old file or the new one, never half of one)::
 
     {"version": 1, "servers": [{"group": "gpus", "address": "10.0.0.1:8000",
-                                "weight": 0, "drain": false, "down": false}]}
+                                "weight": 0, "drain": false, "down": false}],
+     "models": [{"alias": "chat-default", "model": "llama-v2", "weight": 10}]}
+
+``models`` is there only when an alias's weight was set; a target without an entry has its
+configured weight.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ STATE_VERSION = 1
 
 _FIELDS = ("weight", "drain", "down")
 _ENTRY_KEYS = frozenset({"group", "address", *_FIELDS})
+_MODEL_KEYS = frozenset({"alias", "model", "weight"})
 
 
 def _check_weight(_instance: object, _attribute: object, value: Any) -> None:
@@ -96,6 +102,17 @@ def _read_only(
     return MappingProxyType(dict(servers))
 
 
+def _model_weights(weights: Mapping[tuple[str, str], int]) -> Mapping[tuple[str, str], int]:
+    """A read-only copy of alias target weights, checked."""
+    for key, weight in weights.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
+            raise ValueError(f"models: keys are (alias, model) pairs of strings, got {key!r}")
+        _check_weight(None, None, weight)
+        if weight is None:
+            raise ValueError(f"models[{key!r}]: expected a weight, got null")
+    return MappingProxyType(dict(weights))
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeState:
     """Overrides keyed by (group name, server address as written in the configuration).
@@ -107,10 +124,36 @@ class RuntimeState:
     servers: Mapping[tuple[str, str], ServerOverride] = attrs.field(
         factory=dict, converter=_read_only
     )
+    models: Mapping[tuple[str, str], int] = attrs.field(factory=dict, converter=_model_weights)
+    """Weights set for model alias targets, keyed by (alias, model)."""
 
     @classmethod
     def empty(cls) -> RuntimeState:
         return cls(servers={})
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing set: an untouched proxy's state."""
+        return not self.servers and not self.models
+
+    def model_weight(self, alias: str, model: str) -> int | None:
+        """The weight set for one target of an alias; None: its configured one."""
+        return self.models.get((alias, model))
+
+    def models_changed(self, alias: str, weights: Mapping[str, int | None]) -> RuntimeState:
+        """A new state with the weights of ``alias``'s targets (model -> weight; None: back to
+        the configured one) set. Raises ``ValueError`` for a bad weight."""
+        models = dict(self.models)
+        for model, weight in weights.items():
+            try:
+                _check_weight(None, None, weight)
+            except ValueError as exc:
+                raise ValueError(f"weights.{model}: {str(exc).removeprefix('weight: ')}") from None
+            if weight is None:
+                models.pop((alias, model), None)
+            else:
+                models[(alias, model)] = weight
+        return attrs.evolve(self, models=models)
 
     def get(self, group: str, address: str) -> ServerOverride:
         """The override of one server (the default one if none is set)."""
@@ -130,11 +173,11 @@ class RuntimeState:
             servers.pop((group, address), None)
         else:
             servers[(group, address)] = override
-        return RuntimeState(servers=servers)
+        return RuntimeState(servers=servers, models=self.models)
 
     def to_json(self) -> dict[str, Any]:
         """The state file's document; entries sorted by group and address (stable diffs)."""
-        return {
+        document: dict[str, Any] = {
             "version": STATE_VERSION,
             "servers": [
                 {
@@ -147,6 +190,12 @@ class RuntimeState:
                 for (group, address), override in sorted(self.servers.items())
             ],
         }
+        if self.models:
+            document["models"] = [
+                {"alias": alias, "model": model, "weight": weight}
+                for (alias, model), weight in sorted(self.models.items())
+            ]
+        return document
 
     @classmethod
     def from_json(cls, data: Any) -> RuntimeState:
@@ -157,9 +206,9 @@ class RuntimeState:
         """
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-        extra = sorted(set(data) - {"version", "servers"})
+        extra = sorted(set(data) - {"version", "servers", "models"})
         if extra:
-            raise ValueError(f"{extra[0]}: unknown key; expected version and servers")
+            raise ValueError(f"{extra[0]}: unknown key; expected version, servers and models")
         version = data.get("version")
         if version != STATE_VERSION:
             raise ValueError(f"version: expected {STATE_VERSION}, got {version!r}")
@@ -194,7 +243,39 @@ class RuntimeState:
                 raise ValueError(f"{path}.{exc}") from None
             if not override.is_default:
                 servers[(group, address)] = override
-        return cls(servers=servers)
+        return cls(servers=servers, models=_models_from_json(data.get("models", [])))
+
+
+def _models_from_json(entries: Any) -> dict[tuple[str, str], int]:
+    """The ``models`` entries of a state document; raises ``ValueError`` naming the field."""
+    if not isinstance(entries, list):
+        raise ValueError(f"models: expected an array, got {type(entries).__name__}")
+    models: dict[tuple[str, str], int] = {}
+    for index, entry in enumerate(entries):
+        path = f"models[{index}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: expected an object, got {type(entry).__name__}")
+        extra = sorted(set(entry) - _MODEL_KEYS)
+        if extra:
+            raise ValueError(f"{path}.{extra[0]}: unknown key; expected alias, model and weight")
+        names = []
+        for key in ("alias", "model"):
+            value = entry.get(key)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{path}.{key}: expected a non-empty string, got {value!r}")
+            names.append(value)
+        alias, model = names
+        weight = entry.get("weight")
+        if weight is None:
+            raise ValueError(f"{path}.weight: expected an integer from {SERVER_WEIGHT.text}")
+        try:
+            _check_weight(None, None, weight)
+        except ValueError as exc:
+            raise ValueError(f"{path}.{exc}") from None
+        if (alias, model) in models:
+            raise ValueError(f"{path}: a second entry for {model} of alias {alias}")
+        models[(alias, model)] = weight
+    return models
 
 
 def load_state(path: str | os.PathLike[str]) -> RuntimeState:

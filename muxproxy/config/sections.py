@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from muxproxy.config.checker import TOKEN, Checker, Key, describe, join, record_keys
+from muxproxy.config.modelkeys import model_patterns
 from muxproxy.config.records import Api, Limits, Listener, Resume, Route, Timeouts, Upstream
 from muxproxy.config.storeurl import store_url
 from muxproxy.config.tls import tls_pair_problems
@@ -165,6 +166,7 @@ ROUTE_KEYS = {
     "continue_on_failure": Key(Checker.boolean),
     "resume": Key(resume),
     "api": Key(api),
+    "models": Key(model_patterns),
 }
 
 
@@ -271,10 +273,14 @@ def route_tables(check: Checker, value: Any, names: list[str]) -> tuple[Route, .
             valid = False
             continue
         route = Route(**values)
+        if route.models:
+            routes.append(route)  # several routes of one prefix may serve different models
+            continue
         if route.prefix in seen:
             check.add(
                 f"{path}.prefix",
-                f"{describe(route.prefix)} is already routed by {seen[route.prefix]}",
+                f"{describe(route.prefix)} is already routed by {seen[route.prefix]}; give"
+                " one of them models = [...] to route the prefix by model",
             )
             valid = False
         seen.setdefault(route.prefix, path)

@@ -23,7 +23,7 @@ from muxproxy.config.checker import (
     record_keys,
 )
 from muxproxy.config.discoverykeys import discover_keys, discover_parser, duration_or_zero
-from muxproxy.config.modelkeys import model_names, models_valid
+from muxproxy.config.groupmodelkeys import model_names, models_valid
 from muxproxy.config.queuekeys import admission_queue
 from muxproxy.config.records import (
     CONDITIONS,

@@ -79,6 +79,7 @@ from muxproxy.core.upstream.loadpoll import LoadPoll
 from muxproxy.core.upstream.modelpoll import ModelPoll
 from muxproxy.core.upstream.pool import Pool, UpstreamConn
 from muxproxy.core.upstream.probes import Probe
+from muxproxy.routing.aliases import Aliases
 from muxproxy.routing.router import GroupRouter
 
 COUNTERS = ("internal_errors", *DEFENCE_KINDS)
@@ -139,6 +140,8 @@ class ProxyCore:
         self.runtime = RuntimeState.empty()
         """The operator's server overrides (``RuntimeChanged``), applied to every router,
         also to those of a later configuration."""
+        self.aliases = Aliases()
+        """The model aliases' runtime weights and choices (``routing/aliases.py``)."""
         self._next_upstream = 0
         self._next_exchange = 0
         self.probes: dict[int, Probe] = {}
@@ -538,7 +541,7 @@ class ProxyCore:
     def _runtime_changed(self, event: RuntimeChanged) -> None:
         """New runtime server state: the next decision of every group uses it; streams in
         flight stay where they are (``routing/router.py``)."""
-        self.runtime = event.state
+        self.runtime = self.aliases.runtime = event.state
         for router in self._routers.values():
             router.apply_runtime(event.state)
         self._wake_queues()
@@ -592,6 +595,7 @@ class ProxyCore:
             "upstream_connections": len(self.upstreams),
             "streams": len(self.exchanges),
             "sessions": self.sessions.status(),
+            "models": self.aliases.status(self.config.models),
         }
 
     def statistics(self) -> ProxyStatistics:

@@ -46,8 +46,10 @@ from muxproxy.trio.control import (
     Readiness,
     ReloadResult,
     answer_of_one,
+    change_model_weights,
     change_runtime,
     group_answer,
+    models_answer,
 )
 
 if TYPE_CHECKING:
@@ -213,6 +215,20 @@ class SupervisorControl:
                 fleet=supervisor.fleet,
             )
         return group_answer(await self.status(), group, addresses, version)
+
+    async def change_models(self, alias: str, weights: Mapping[str, int | None]) -> dict[str, Any]:
+        supervisor = self.supervisor
+        async with self._lock:
+            version = await change_model_weights(
+                supervisor.config,
+                supervisor.runtime,
+                supervisor.state_file,
+                alias,
+                weights,
+                apply=partial(supervisor.apply_runtime, timeout=RUNTIME_TIMEOUT),
+                fleet=supervisor.fleet,
+            )
+        return models_answer(await self.status(), alias, version)
 
     async def reload(self, restart: bool = False) -> ReloadResult:
         supervisor = self.supervisor

@@ -264,7 +264,7 @@ class Supervisor:
             slot=slot,
             control=theirs.fileno(),
             listeners=listeners,
-            runtime=runtime.to_json() if runtime.servers else None,
+            runtime=None if runtime.is_empty else runtime.to_json(),
             sessions=self.sessions.snapshot(),
         )
         try:

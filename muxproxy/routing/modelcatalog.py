@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from muxproxy.config import Config, Upstream
-from muxproxy.config.modelkeys import MAX_MODEL_NAME, MAX_MODELS
+from muxproxy.config.groupmodelkeys import MAX_MODEL_NAME, MAX_MODELS
 
 __all__ = [
     "MAX_BODY",

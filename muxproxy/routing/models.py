@@ -12,8 +12,13 @@ after a long ``messages`` array, which is skipped (strings, escapes and nesting 
 without being decoded. The scan is stateless: the caller passes the whole prefix received so
 far each time; ``limit`` bounds the work of one call (a 64 KiB prefix dense with escapes
 takes a few milliseconds), so a caller rescans when the prefix has grown by a read, not per
-byte, and gives up at the limit. The first top-level ``model`` member decides; a body
-that repeats the member is not looked at past it (JSON leaves duplicate names undefined).
+byte, and gives up at the limit.
+
+A body that repeats the top-level ``model`` member is ``Duplicate``: JSON leaves duplicate
+names undefined (RFC 8259 §4), and parsers disagree on which wins (Python's ``json`` and
+the engines built on it take the last, a streaming reader the first), so the proxy could
+route by one model while the engine serves another. The scan therefore goes on past the
+``model`` value to the object's end; only within ``limit``: a repeat past it is not seen.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from fnmatch import fnmatchcase
 from typing import Protocol
 
 import attrs
 
+from muxproxy.config.routes import model_matches
 from muxproxy.config.serverid import server_id
 from muxproxy.routing.balancer import rendezvous_order
 
 __all__ = [
+    "Duplicate",
     "Found",
     "NeedMore",
     "NotFound",
@@ -48,6 +54,14 @@ class Found:
 
     model: str
     span: tuple[int, int]
+
+
+@attrs.frozen
+class Duplicate:
+    """The object names a top-level ``model`` twice (or more): refused, never routed."""
+
+    model: str
+    """The first one's value."""
 
 
 @attrs.frozen
@@ -78,20 +92,29 @@ _CLOSER = {ord("["): ord("]"), ord("{"): ord("}")}
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def find_model(prefix: bytes, *, complete: bool, limit: int) -> Found | NeedMore | NotFound:
+def find_model(
+    prefix: bytes, *, complete: bool, limit: int
+) -> Found | Duplicate | NeedMore | NotFound:
     """The top-level ``"model"`` string of a JSON object body, read from ``prefix``.
 
     ``complete`` says the prefix is the whole body. Only the first ``limit`` bytes are read:
     ``NeedMore`` while undecided with fewer than ``limit`` bytes and more to come;
     ``NotFound`` when the body is not a JSON object, has no top-level ``model`` string, or
-    passes ``limit`` before its ``model`` value ends. Never raises on any bytes.
+    passes ``limit`` before its ``model`` value ends; ``Duplicate`` when a second top-level
+    ``model`` member comes within ``limit``. ``Found`` once the object ends, or the body or
+    ``limit`` ends after the model's value. Never raises on any bytes.
     """
     data = prefix[: max(limit, 0)]
+    found: list[Found] = []
     try:
-        return _scan(data)
+        return _scan(data, found)
     except _Invalid as error:
-        return NotFound(str(error))
+        return found[0] if found else NotFound(str(error))
     except _OutOfData:
+        if found and (complete or len(prefix) >= limit):
+            return found[0]  # no repeat within what may be read
+        if found:
+            return NeedMore()
         if len(prefix) >= limit:
             return NotFound(f"no model in the first {limit} bytes")
         if complete:
@@ -101,7 +124,9 @@ def find_model(prefix: bytes, *, complete: bool, limit: int) -> Found | NeedMore
         return NotFound(f"unreadable body: {error}")
 
 
-def _scan(data: bytes) -> Found | NotFound:
+def _scan(data: bytes, found: list[Found]) -> Found | Duplicate | NotFound:
+    """The scan of ``find_model``; ``found`` receives the model once its value is read (the
+    scan goes on for a repeat)."""
     if len(data) < len(_UTF8_BOM) and _UTF8_BOM.startswith(data):
         raise _OutOfData  # perhaps a byte order mark's first bytes
     index = _skip_whitespace(data, 3 if data.startswith(_UTF8_BOM) else 0)
@@ -120,14 +145,19 @@ def _scan(data: bytes) -> Found | NotFound:
         if data[index] != ord(":"):
             raise _Invalid("the body is not valid JSON")
         index = _skip_whitespace(data, index + 1)
+        if is_model and found:
+            return Duplicate(found[0].model)
         if is_model:
             if data[index] != ord('"'):
                 raise _Invalid("the model is not a string")
             end = _string_end(data, index)
-            return Found(_decode(data[index:end]), (index, end))
-        index = _skip_whitespace(data, _value_end(data, index))
+            found.append(Found(_decode(data[index:end]), (index, end)))
+            index = end
+        else:
+            index = _value_end(data, index)
+        index = _skip_whitespace(data, index)
         if data[index] == ord("}"):
-            return NotFound("the body has no model")
+            return found[0] if found else NotFound("the body has no model")
         if data[index] != ord(","):
             raise _Invalid("the body is not valid JSON")
         index = _skip_whitespace(data, index + 1)
@@ -202,7 +232,7 @@ def _decode(encoded: bytes) -> str:
 def matches(model: str, patterns: Iterable[str]) -> bool:
     """Whether ``model`` is one of ``patterns``: exact names or shell-style globs
     (``fnmatchcase``, case-sensitive everywhere: ``"llama-3.1-70b*"``)."""
-    return any(model == pattern or fnmatchcase(model, pattern) for pattern in patterns)
+    return model_matches(model, patterns)
 
 
 def rewrite_model(body: bytes, span: tuple[int, int], new: str) -> bytes:

@@ -8,6 +8,8 @@ Endpoints (JSON in and out, but ``/metrics``)::
     PATCH /upstreams/{group}/servers/{server}     {"weight": N|null, "drain": B, "down": B}
     PATCH /upstreams/{group}                      {"servers": {SERVER: CHANGE, ...}} or
                                                   {"weights": {SERVER: N|null, ...}}
+    PATCH /models/{alias}                         {"weights": {MODEL: N|null, ...}}: the
+                                                  weights of a model alias's targets
     POST  /reload[?restart=1]                     re-read the configuration file
 
 Served by Hypercorn (its HTTP/1.1 parsing, head-size limit and timeouts answer malformed and
@@ -168,6 +170,35 @@ def parse_group_change(body: bytes) -> dict[str, dict[str, Any]]:
         change = {"weight": entry} if key == "weights" else entry
         changes[server] = _change_of(change, where + ("" if key == "weights" else "."))
     return changes
+
+
+def parse_model_weights(body: bytes) -> dict[str, int | None]:
+    """The weights a model alias's PATCH body asks for: ``{"weights": {MODEL: N|null}}``,
+    each an integer in the server weight's range or null (the configured weight again).
+
+    Raises :class:`AdminError` (400) naming the entry at fault.
+    """
+    example = '{"weights": {"llama-v1": 0, "llama-v2": 10}}'
+    data = _body_json(body, example)
+    if not isinstance(data, dict) or set(data) != {"weights"}:
+        raise AdminError(400, f"body: expected {example}, got {_shown(data)}")
+    entries = data["weights"]
+    if not isinstance(entries, dict) or not entries:
+        raise AdminError(400, "weights: expected an object naming at least one target model")
+    weights: dict[str, int | None] = {}
+    for model, value in entries.items():
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not SERVER_WEIGHT.contains(value)
+        ):
+            raise AdminError(
+                400,
+                f"weights[{json.dumps(model)}]: expected an integer from {SERVER_WEIGHT.text} or"
+                f" null (the configured weight), got {_shown(value)}",
+            )
+        weights[model] = value
+    return weights
 
 
 def _body_json(body: bytes, example: str) -> Any:
@@ -364,6 +395,18 @@ class AdminApp:
                 at = "" if version is None else f" (fleet version {version})"
                 log.info("admin: %s: upstream %s: %s%s", who, group, what, at)
                 return _json(200, answer)
+            case ["models", alias] if alias:
+                _allow(method, "PATCH")
+                self._authorize(headers, change=True)
+                weights = parse_model_weights(await _read_body(receive, headers, self.body_timeout))
+                what = _fields(weights)
+                try:
+                    answer = await self.control.change_models(alias, weights)
+                except AdminError as exc:
+                    log.info("admin: %s: model %s: %s refused: %s", who, alias, what, exc.message)
+                    raise
+                log.info("admin: %s: model %s: %s", who, alias, what)
+                return _json(200, answer)
             case ["reload"]:
                 _allow(method, "POST")
                 self._authorize(headers, change=True)
@@ -381,8 +424,8 @@ class AdminApp:
         raise AdminError(
             404,
             f"no such endpoint: /{'/'.join(segments)}; expected GET /ready, GET /status,"
-            " GET /metrics, PATCH /upstreams/GROUP/servers/SERVER, PATCH /upstreams/GROUP or"
-            " POST /reload",
+            " GET /metrics, PATCH /upstreams/GROUP/servers/SERVER, PATCH /upstreams/GROUP,"
+            " PATCH /models/ALIAS or POST /reload",
         )
 
     def _authorize(self, headers: Mapping[str, str], *, change: bool) -> None:

@@ -52,10 +52,14 @@ __all__ = [
     "ReloadResult",
     "answer_of_one",
     "apply_saved_state",
+    "change_model_weights",
     "change_runtime",
+    "changed_models",
     "changed_servers",
+    "commit_runtime",
     "group_answer",
     "load_runtime_state",
+    "models_answer",
     "saved_state",
     "server_status",
 ]
@@ -128,6 +132,13 @@ class Control(Protocol):
         entries]}`` (``version``: the fleet store's, None without one). Raises
         :class:`AdminError` (404 unknown group or server, 400 a bad or repeated entry, 503
         the fleet store cannot be reached)."""
+        ...
+
+    async def change_models(self, alias: str, weights: Mapping[str, int | None]) -> dict[str, Any]:
+        """Set the runtime weights of ``alias``'s targets (model -> weight; null: the
+        configured one) as one new state. Returns ``{"alias", "version", "targets":
+        [status entries]}``. Raises :class:`AdminError` (404 unknown alias or target, 400
+        every weight 0, 503 the fleet store cannot be reached)."""
         ...
 
     async def reload(self, restart: bool = False) -> ReloadResult:
@@ -228,6 +239,19 @@ class LocalControl:
             )
         return group_answer(await self.status(), group, addresses, version)
 
+    async def change_models(self, alias: str, weights: Mapping[str, int | None]) -> dict[str, Any]:
+        async with self._lock:
+            version = await change_model_weights(
+                self.server.config,
+                self.state,
+                self.state_file,
+                alias,
+                weights,
+                apply=self.apply_runtime,
+                fleet=self.fleet,
+            )
+        return models_answer(await self.status(), alias, version)
+
     async def apply_runtime(self, state: RuntimeState) -> None:
         """Make ``state`` the server's runtime state (whole) from its next request on."""
         self.server.apply_runtime(state)
@@ -292,7 +316,7 @@ def apply_saved_state(server: ProxyServer) -> RuntimeState:
     than not starting.
     """
     state = saved_state(server.config)
-    if state.servers:
+    if not state.is_empty:
         server.apply_runtime(state)
     return state
 
@@ -345,14 +369,35 @@ async def change_runtime(
     applied), 503 when the fleet store cannot take the change (nothing changed anywhere).
     """
     changed, addresses = changed_servers(config, state, group, changes)
+    version = await commit_runtime(
+        changed,
+        state_file,
+        lambda newest: changed_servers(config, newest, group, changes)[0],
+        apply=apply,
+        fleet=fleet,
+    )
+    return addresses, version
+
+
+async def commit_runtime(
+    changed: RuntimeState,
+    state_file: str | None,
+    change: Callable[[RuntimeState], RuntimeState],
+    *,
+    apply: Callable[[RuntimeState], Awaitable[None]],
+    fleet: FleetSync | None,
+) -> int | None:
+    """Make a change checked already (``changed``: this process's state with it). Without
+    ``fleet``: saves ``changed`` to ``state_file`` (when there is one), then applies it; with
+    one: ``change`` is made on the store's newest state and written there (``FleetSync.
+    commit``, which saves and applies it). Returns the store's new version (None without).
+    Raises :class:`AdminError` 500 (the state file cannot be written: nothing applied) or 503
+    (the store cannot take the change: nothing changed anywhere)."""
     if fleet is not None:
         try:
-            version = await fleet.commit(
-                lambda newest: changed_servers(config, newest, group, changes)[0]
-            )
+            return await fleet.commit(change)
         except StoreUnavailable as exc:
             raise AdminError(503, str(exc)) from None
-        return addresses, version
     if state_file is not None:
         try:
             await trio.to_thread.run_sync(save_state, state_file, changed)
@@ -363,7 +408,71 @@ async def change_runtime(
                 500, f"cannot write the state file {state_file!r}: {exc}; nothing changed"
             ) from None
     await apply(changed)
-    return addresses, None
+    return None
+
+
+def changed_models(
+    config: Config, state: RuntimeState, alias: str, weights: Mapping[str, int | None]
+) -> RuntimeState:
+    """``state`` with the runtime weights of ``alias``'s targets set (model -> weight; None:
+    the configured one). All or nothing: raises :class:`AdminError` (404 an unknown alias or
+    target, 400 no weight or every weight in force 0)."""
+    entry = config.models.get(alias)
+    if entry is None:
+        known = ", ".join(sorted(config.models)) or "none"
+        raise AdminError(404, f"unknown model alias {alias!r}; configured aliases: {known}")
+    if not weights:
+        raise AdminError(400, "no weight to change; name at least one target")
+    targets = {target.model: target.weight for target in entry.targets}
+    for model in weights:
+        if model not in targets:
+            raise AdminError(
+                404,
+                f"weights.{model}: the alias {alias!r} has no target {model!r}; its targets:"
+                f" {', '.join(targets)}",
+            )
+    try:
+        changed = state.models_changed(alias, weights)
+    except ValueError as exc:
+        raise AdminError(400, str(exc)) from None
+    in_force = [
+        weight if (weight := changed.model_weight(alias, model)) is not None else configured
+        for model, configured in targets.items()
+    ]
+    if all(weight == 0 for weight in in_force):
+        raise AdminError(
+            400, f"every weight of the alias {alias!r} would be 0; give one target a weight"
+        )
+    return changed
+
+
+async def change_model_weights(
+    config: Config,
+    state: RuntimeState,
+    state_file: str | None,
+    alias: str,
+    weights: Mapping[str, int | None],
+    *,
+    apply: Callable[[RuntimeState], Awaitable[None]],
+    fleet: FleetSync | None = None,
+) -> int | None:
+    """``Control.change_models``'s rules, for one process or many (as ``change_runtime``):
+    returns the fleet store's new version (None without a store)."""
+    changed = changed_models(config, state, alias, weights)
+    return await commit_runtime(
+        changed,
+        state_file,
+        lambda newest: changed_models(config, newest, alias, weights),
+        apply=apply,
+        fleet=fleet,
+    )
+
+
+def models_answer(status: Mapping[str, Any], alias: str, version: int | None) -> dict[str, Any]:
+    """The answer to a change of an alias's weights: its targets as ``/status`` shows them
+    and the fleet store's ``version`` (None without a store)."""
+    entry = status.get("models", {}).get(alias, {})
+    return {"ok": True, "alias": alias, "version": version, "targets": entry.get("targets", [])}
 
 
 def group_answer(

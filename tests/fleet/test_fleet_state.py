@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from muxproxy.config.runtime import RuntimeState
@@ -67,6 +68,9 @@ def test_a_stored_document_reads_back_as_written() -> None:
     document = FleetDocument(version=12, lineage="0f9e", seeded=True, state=STATE)
     assert document_from_hash(stored_fields(document)) == document
     assert document_from_hash({}) is None
+    # A model alias's runtime weights travel in the same document as the servers'.
+    with_models = attrs.evolve(document, state=STATE.models_changed("chat", {"v2": 10}))
+    assert document_from_hash(stored_fields(with_models)) == with_models
 
 
 @pytest.mark.parametrize(

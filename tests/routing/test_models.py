@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muxproxy.routing.models import (
+    Duplicate,
     Found,
     NeedMore,
     NotFound,
@@ -23,11 +24,11 @@ from muxproxy.routing.models import (
 LIMIT = 64 * 1024
 
 
-def whole(body: bytes, limit: int = LIMIT) -> Found | NeedMore | NotFound:
+def whole(body: bytes, limit: int = LIMIT) -> Found | Duplicate | NeedMore | NotFound:
     return find_model(body, complete=True, limit=limit)
 
 
-def byte_by_byte(body: bytes, limit: int = LIMIT) -> Found | NeedMore | NotFound:
+def byte_by_byte(body: bytes, limit: int = LIMIT) -> Found | Duplicate | NeedMore | NotFound:
     """The answer when the body arrives one byte at a time: the first decided answer, which
     must stay the answer for every longer prefix."""
     for size in range(len(body) + 1):
@@ -63,6 +64,8 @@ BODIES = [
     b'{"a": [1}, "model": "x"}',
     b'{"model": "\xff\xfe"}',
     b'\xef\xbb\xbf{"model": "after-bom"}',
+    b'{"model": "a", "messages": [], "model": "b"}',
+    b'{"model": "a", "mod\\u0065l": 4}',
 ]
 
 
@@ -81,11 +84,11 @@ def test_found_models_and_spans() -> None:
     assert isinstance(found := whole(BODIES[4]), Found)
     assert found.model == 'a\\b"c\u00e9\U0001f600'
     assert isinstance(found := whole(BODIES[5]), Found) and found.model == "after-backslash"
-    assert isinstance(found := whole(BODIES[-1]), Found) and found.model == "after-bom"
+    assert isinstance(found := whole(BODIES[-3]), Found) and found.model == "after-bom"
 
 
 def test_bodies_without_a_model_string_are_not_found() -> None:
-    for body in BODIES[6:-1]:
+    for body in BODIES[6:-3]:
         assert isinstance(whole(body), NotFound), body
 
 
@@ -94,10 +97,23 @@ def test_an_unfinished_body_needs_more_until_it_is_complete() -> None:
     assert find_model(body, complete=False, limit=LIMIT) == NeedMore()
     assert isinstance(find_model(body, complete=True, limit=LIMIT), NotFound)
     assert find_model(b'{"model": "gpt', complete=False, limit=LIMIT) == NeedMore()
-    # The value's end decides: a model read in full does not wait for the rest.
-    assert find_model(b'{"model": "gpt-4o", "mess', complete=False, limit=LIMIT) == Found(
+    # The object's end decides (a second "model" could follow), or the body's, or the limit's.
+    partial = b'{"model": "gpt-4o", "mess'
+    assert find_model(partial, complete=False, limit=LIMIT) == NeedMore()
+    assert find_model(partial, complete=True, limit=LIMIT) == Found("gpt-4o", (10, 18))
+    assert find_model(partial, complete=False, limit=len(partial)) == Found("gpt-4o", (10, 18))
+    assert find_model(partial + b'ages": []}', complete=False, limit=LIMIT) == Found(
         "gpt-4o", (10, 18)
     )
+
+
+def test_a_repeated_model_member_is_a_duplicate_within_the_limit() -> None:
+    assert whole(BODIES[-2]) == Duplicate("a")
+    assert whole(BODIES[-1]) == Duplicate("a")  # however it is spelt, whatever its value
+    assert whole(b'{"model": "a", "x": {"model": "inner"}}') == Found("a", (10, 13))
+    body = b'{"model": "a", "pad": "' + b"x" * 100 + b'", "model": "b"}'
+    assert whole(body) == Duplicate("a")
+    assert whole(body, limit=50) == Found("a", (10, 13))  # a repeat past the limit is not seen
 
 
 def test_model_after_a_long_messages_array_is_found_only_within_the_limit() -> None:
@@ -123,7 +139,7 @@ def test_model_after_a_long_messages_array_is_found_only_within_the_limit() -> N
 @given(st.binary(max_size=300), st.booleans(), st.integers(min_value=0, max_value=400))
 def test_arbitrary_bytes_never_raise(data: bytes, complete: bool, limit: int) -> None:
     answer = find_model(data, complete=complete, limit=limit)
-    assert isinstance(answer, Found | NeedMore | NotFound)
+    assert isinstance(answer, Found | Duplicate | NeedMore | NotFound)
 
 
 JSON_VALUES = st.recursive(

@@ -1,5 +1,6 @@
 """Which LLM API a request path speaks, by its last segments: ``/v1/chat/completions``,
-``/v1/completions``, ``/v1/responses``, ``/v1/messages``, also under a prefix
+``/v1/completions``, ``/v1/responses``, ``/v1/messages``, ``/v1/embeddings`` (a body with a
+``model``, but no event stream: it has no reader), also under a prefix
 (``/openai/v1/chat/completions``) and with a query or a trailing slash. Paths arrive
 normalised (``core/http/paths.py``); matching is exact on the segments, so
 ``/v1/messages_old`` speaks none."""
@@ -20,6 +21,7 @@ class Api(enum.Enum):
     COMPLETIONS = "/v1/completions"
     RESPONSES = "/v1/responses"
     MESSAGES = "/v1/messages"
+    EMBEDDINGS = "/v1/embeddings"
 
 
 READERS: Mapping[Api, Reader] = {
@@ -43,4 +45,4 @@ def api_for(path: str) -> Api | None:
 def reader_for(path: str) -> Reader | None:
     """The event reader of the API ``path`` speaks, or ``None``."""
     api = api_for(path)
-    return None if api is None else READERS[api]
+    return None if api is None else READERS.get(api)

@@ -31,6 +31,19 @@ class RequestBody:
             del self.chunks[: self.sent]
             self.sent = 0
 
+    def held(self, replay_limit: int) -> None:
+        """The body was held whole, nothing sent, before its group was known (its model is
+        read first, ``bymodel.py``): from now on it is kept for replays up to the group's
+        ``replay_limit``, as if it had been from the start."""
+        self.replay_limit = replay_limit
+        self.replayable = self.size <= replay_limit
+
+    def replace(self, data: bytes) -> None:
+        """The bytes held, none of them sent yet, become ``data`` (a rewritten body)."""
+        assert self.sent == 0 and self.unsent_size == self.size
+        self.chunks = [data]
+        self.size = self.unsent_size = len(data)
+
     def take_unsent(self) -> list[bytes]:
         """The chunks the current backend has not had yet; they count as sent from now on."""
         unsent = self.chunks[self.sent :]

@@ -11,20 +11,17 @@ HTTP/2 connection); it never sees bytes of either protocol. Its rules:
 - Its parts, which see it through ``exchangeports.py``: where it goes (route, budgets, queue,
   servers, retries: RFC 9110 §9.2.2) is ``placement.py``'s; what outlives its client or its
   backend (resume, continuation) ``surviving.py``'s; a held SSE head ``commit.py``'s; its
-  extensions' hooks ``hooked.py``'s. Each backend body chunk goes out in the call that brought it.
-- Bounded buffers (``flow.py``): the backend is stopped (PauseReading) while the client side
-  holds ``high_water`` bytes of this stream, or its connection is behind, and resumed at
-  ``low_water``; the client's request body likewise (``upload.py``).
+  hooks ``hooked.py``'s; its body's model ``bymodel.py``'s. A backend chunk goes out at once.
+- Bounded buffers (``flow.py``): the backend is stopped while the client side holds ``high_water``
+  bytes of this stream or its connection is behind, resumed at ``low_water``; the body likewise.
 - Cancellation propagates: a client that goes away closes the backend at once (a GPU stops
   generating tokens nobody reads). Truncation is visible: a backend failing after the response
   head makes the client side abort the stream (HTTP/2 RST_STREAM; HTTP/1.1 no final chunk).
-- Errors before the head map to answers of our own (``heads.py``): no route 404, no usable
-  backend 503, refused or broken backend 502, timeout 504 (RFC 9110 §15.6); the access log
-  counts their body bytes like a backend's. Date (RFC 9110 §6.6.1): a response without one,
-  the backend's or ours, gets the proxy's (``dates.py``: from the wall time the driver gives).
-- Timeouts blame the party that is late (``deadlines.py``): the backend's never count time it
-  waits for us, the client's ``body`` timer never time we withheld its window (408 / RST_STREAM,
-  ``refuse_slow_body``); ``Downstream``'s send timeouts cut a client that stops reading.
+- Errors before the head map to answers of our own (``heads.py``): no route 404, no usable backend
+  503, refused or broken backend 502, timeout 504 (RFC 9110 §15.6), counted in the access log like
+  a backend's. Date (RFC 9110 §6.6.1): a response without one gets the proxy's (``dates.py``).
+- Timeouts blame the party that is late (``deadlines.py``): the backend's never count time it waits
+  for us, the client's ``body`` timer never time we withheld its window (``refuse_slow_body``).
 """
 
 from __future__ import annotations

@@ -202,8 +202,9 @@ _ROWS: dict[ExchangeInput, tuple[Phase | Verdict, ...]] = {
     ),  # from ``start`` (an exchange begins CONNECTING)
     # Routed, and the budgets are the fleet store's.
     _I.RESERVE: (_X, _R, _X, _X, _R, _X, _X, _X, _X),
-    # From ``start`` (an exchange begins CONNECTING), after the route is found; back.
-    _I.AWAIT_HOOK: (_X, _X, _X, _X, _A, _X, _X, _X, _X),
+    # From ``start`` (an exchange begins CONNECTING), after the route is found (BUFFERING:
+    # found by the body's model, ``bymodel.py``); back.
+    _I.AWAIT_HOOK: (_X, _A, _X, _X, _A, _X, _X, _X, _X),
     _I.HOOKED: (_C, _X, _X, _X, _X, _X, _X, _X, _X),
     _I.QUEUE: (_X, _Q, _Q, _X, _Q, _X, _X, _X, _X),  # routed, and no candidate has room
     # Routed from the head or from the buffered body, or admitted from the queue.

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from muxproxy.core.streams.resume import Resumable, ResumeStore
     from muxproxy.core.streams.sseids import EventStamper
     from muxproxy.core.streams.survival import Survival
+    from muxproxy.routing.aliases import Aliases
 
 
 class ExchangeHost(ServerHost, Protocol):
@@ -59,6 +60,10 @@ class ExchangeHost(ServerHost, Protocol):
     @property
     def resumes(self) -> ResumeStore:
         """The resumable streams of this process (``resume.py``)."""
+
+    @property
+    def aliases(self) -> Aliases:
+        """The model aliases' weights in force, and their choices (``routing/aliases.py``)."""
 
     def exchange_finished(self, exchange: object) -> None: ...
 

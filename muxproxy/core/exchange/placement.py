@@ -7,10 +7,11 @@ What it obeys:
   request-head hooks let it go on (an authenticating extension guards the list as any
   request), before its group is asked; otherwise they are routed as before.
 - Routing: the route is chosen by the normalised path (``paths.py``), and that path is what
-  the backend gets. A group that reads the request's JSON body (a body session key,
-  ``least_load``, prefix affinity, token budgets, load reports: a LoRA adapter's name)
-  holds its start first (BUFFERING) until the body is complete or as much of it is held as
-  may be (``sticky.body_limit``, bounded by ``high_water``).
+  the backend gets; with routes by model or aliases, by the body's model too, read first
+  (BUFFERING without a route: ``bymodel.py``). A group that reads the request's JSON body
+  (a body session key, ``least_load``, prefix affinity, token budgets, load reports: a LoRA
+  adapter's name) holds its start first (BUFFERING) until the body is complete or as much of
+  it is held as may be (``sticky.body_limit``, bounded by ``high_water``).
 - Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
   with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
   Every refusal for want of room, budget or server says why (``refusal.py``: the
@@ -38,7 +39,7 @@ import attrs
 from muxproxy.config import Config
 from muxproxy.core.apis import modellist
 from muxproxy.core.events import BudgetAnswered
-from muxproxy.core.exchange import fleetadmit
+from muxproxy.core.exchange import bymodel, fleetadmit
 from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
@@ -59,7 +60,8 @@ _I = ExchangeInput
 
 
 def locate(exchange: Routed) -> bool:
-    """Find the route and the group (False: answered with an error instead)."""
+    """Find the route and the group (False: answered with an error instead, or the body's
+    model is read first: ``route_by_body`` goes on)."""
     fx = exchange.fx
     head = exchange.head
     timeout = grpc.grpc_timeout(head.headers) if grpc.is_grpc(head.headers) else None
@@ -75,6 +77,9 @@ def locate(exchange: Routed) -> bool:
         # Routed and forwarded as normalised (paths.py): the backend has nothing left to
         # resolve that could take it out of the route's prefix.
         head = exchange.head = attrs.evolve(head, target=target)
+    if fx.config.by_model and bymodel.reads_model(exchange):  # no call where it is off
+        bymodel.hold_for_model(exchange)
+        return False
     route = exchange.route = fx.config.route_for(head.target)
     if route is None:
         exchange.fail(404, "no route for this path")
@@ -99,9 +104,16 @@ def _answer_models(exchange: Routed) -> bool:
 
 
 def model_aliases(config: Config) -> tuple[str, ...]:
-    """The names the configuration gives to other models (aliases), listed beside the models
-    the groups serve; none while the configuration names none."""
-    return ()
+    """The model names the configuration itself gives, listed beside the models the groups
+    serve: the routes' exact ``models`` (not their globs, which name no one model) and the
+    ``[models.NAME]`` aliases."""
+    exact = (
+        name
+        for route in config.routes
+        for name in route.models
+        if not any(glob in name for glob in "*?[")
+    )
+    return (*exact, *config.models)
 
 
 def begin(exchange: Routed) -> None:
@@ -118,7 +130,20 @@ def begin(exchange: Routed) -> None:
 
 
 def route_by_body(exchange: Routed) -> None:
-    """BUFFERING: route once the body is complete or as much of it is held as may be."""
+    """BUFFERING: route once the body is complete or as much of it is held as may be (its
+    model first, where it decides the route: ``bymodel.py``)."""
+    if exchange.route is None:
+        if not bymodel.read_model(exchange):
+            return
+        hooks = exchange.hooks
+        if hooks is not None and not hooks.request_head(exchange):
+            return
+        group, head = exchange.group, exchange.head
+        assert group is not None
+        key, need_body = session_key_from_head(group.sticky.sources, head.headers, head.target)
+        if not (need_body or group.reads_body) or exchange.upload.phase is not RequestPhase.BODY:
+            _route(exchange, key, None)
+            return
     group, head, upload = exchange.group, exchange.head, exchange.upload
     body = upload.body
     assert group is not None
