@@ -565,18 +565,10 @@ class ProxyCore:
     # -- introspection ---------------------------------------------------------------------
 
     def status(self, now: float | None = None) -> dict[str, Any]:
-        """The groups' servers as routing sees them now, and connection counts (JSON-able).
-
-        Per server: ``weight`` (the operator's or the configured one), ``configured_weight``,
-        ``state`` ("down": set down or unhealthy; "draining": drained or weight 0; else
-        "up"), ``health`` (passive and active), ``active`` (streams in flight there) and
-        ``failures`` (passive failures counted now), ``max_streams``, ``work`` (outstanding
-        tokens) and ``reported`` (the engine's last load report, its age, whether fresh); per
-        group its ``queue``, its ``models`` (``modelcatalog.py``) and, with admission or
-        budgets, ``refused`` (429s by reason) and ``reservations`` (budget reservations not yet
-        settled); ``streams``: exchanges in flight. ``now``: the driver's clock (default: the
-        last event's ``now``). Reads only.
-        """
+        """The groups' servers as routing sees them now (weights, state, health, streams,
+        work, load reports), their queues, models and refusals, and connection counts: the
+        ``/status`` document (``docs/operations.md``). ``now``: the driver's clock (default:
+        the last event's ``now``). Reads only."""
         at = self.now if now is None else now
         groups = {
             name: self.router(group).status(at) for name, group in self.config.upstreams.items()
