@@ -147,7 +147,7 @@ def test_a_model_no_route_serves_is_the_api_s_own_404() -> None:
         "error": {"type": "not_found_error", "message": "model: claude-x"},
     }
     assert (
-        model_not_found(b"/v1/embeddings", "e").body
+        model_not_found(b"/v1/embeddings", "e").data
         == json.dumps(
             {
                 "error": {
