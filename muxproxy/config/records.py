@@ -525,10 +525,13 @@ class Config:
     by_model: bool = attrs.field(init=False, repr=False, eq=False)
     """Whether a request's model can change where it goes (a route has ``models``, or an
     alias exists): only then is a body read for it (derived, kept: every request asks)."""
+    reads_models: bool = attrs.field(init=False, repr=False, eq=False)
+    """``by_model``, or telemetry on (its spans name the model): a body may be read for it."""
 
     def __attrs_post_init__(self) -> None:
         by_model = bool(self.models) or any(route.models for route in self.routes)
         object.__setattr__(self, "by_model", by_model)
+        object.__setattr__(self, "reads_models", by_model or self.telemetry is not None)
 
     def route_for(self, path: bytes, model: str | None = None) -> Route | None:
         """The route with the longest prefix matching ``path`` (``routes.choose_route``:

@@ -18,8 +18,9 @@ What it obeys:
   and ``gen_ai.server.time_per_output_token`` (seconds; the last two for successful
   streamed responses only) and ``gen_ai.client.token.usage`` (``{token}``, by
   ``gen_ai.token.type``), each a histogram with the buckets the conventions advise. Token
-  counts and the model are recorded when the record has them (``input_tokens``,
-  ``output_tokens``, ``model``, ``response_model``); the conventions forbid guessing them.
+  counts and the models are recorded when the record has them (``input_tokens``,
+  ``output_tokens``, ``model``, and ``served_model``: an alias's target); the conventions
+  forbid guessing them.
 - Export runs in the SDK's own threads (``BatchSpanProcessor``,
   ``PeriodicExportingMetricReader``): recording from the event loop takes a lock and
   appends; a slow or absent collector costs the proxy nothing but the spans the batch queue
@@ -111,7 +112,7 @@ def attributes_of(fields: Mapping[str, Any], operation: str | None) -> dict[str,
     model = fields.get("model")
     if model:
         out["gen_ai.request.model"] = model
-    response_model = fields.get("response_model")
+    response_model = fields.get("served_model")
     if response_model:
         out["gen_ai.response.model"] = response_model
     server = _server(fields.get("server"))

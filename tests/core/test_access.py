@@ -33,16 +33,25 @@ def access(pb: Playbook) -> dict[str, Any]:
 
 
 def exchange(
-    pb: Playbook, headers: list[tuple[str, str]] | None = None, body: bytes = b'{"m":1}'
+    pb: Playbook,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b'{"m":1}',
+    *,
+    model_read: bool = False,
 ) -> tuple[h11.Request, h11.Response]:
-    """One HTTP/1.1 POST answered 200 by the backend; what the backend and client saw."""
+    """One HTTP/1.1 POST answered 200 by the backend; what the backend and client saw.
+    ``model_read``: its body is read for its model before it is routed (its ``body`` timer
+    is armed first)."""
     client, backend = H1ClientPeer(), H1BackendPeer()
     pb.accept(1)
     pb >> data(1, client.request("POST", "/v1/chat/completions", headers=headers, body=body))
     pb << CancelTimer(timer=("header", 1))
+    if model_read:
+        pb << SetTimer(timer=("body", 1), at=30.0)
     pb << SetTimer(timer=("connect", 1), at=5.0)
     pb << OpenConnection(conn=-1, origin=ANY)
-    pb << SetTimer(timer=("body", 1), at=30.0)
+    if not model_read:
+        pb << SetTimer(timer=("body", 1), at=30.0)
     pb >> opened(-1)
     pb << CancelTimer(timer=("connect", 1))
     pb << (forwarded := Sends(-1, backend, h1_request(b"POST", body=body)))

@@ -101,9 +101,10 @@ def test_ids_are_derived_per_exchange_and_the_ratio_samples_new_traces() -> None
 def test_the_backend_gets_the_proxy_span_as_parent_and_the_record_names_it() -> None:
     pb = traced_playbook()
     headers = [("traceparent", CLIENT_PARENT), ("tracestate", "vendor=1")]
-    request, _ = exchange(pb, headers=headers)
+    request, _ = exchange(pb, headers=headers, body=b'{"model":"m1"}', model_read=True)
     (sent,) = fields_named(request.headers, b"traceparent")
     fields = access(pb)
+    assert fields["model"] == "m1" and fields["served_model"] is None  # the span names it
     assert fields["trace_id"] == CLIENT_TRACE and fields["parent_span_id"] == CLIENT_SPAN
     assert sent == f"00-{CLIENT_TRACE}-{fields['span_id']}-01".encode()
     assert fields["trace_sampled"] is True
@@ -112,7 +113,7 @@ def test_the_backend_gets_the_proxy_span_as_parent_and_the_record_names_it() -> 
 
 def test_a_request_without_a_parent_starts_a_trace_the_backend_continues() -> None:
     pb = traced_playbook(ratio=0.0)
-    request, _ = exchange(pb)
+    request, _ = exchange(pb, model_read=True)
     (sent,) = fields_named(request.headers, b"traceparent")
     fields = access(pb)
     assert fields["parent_span_id"] is None and fields["trace_sampled"] is False

@@ -64,8 +64,10 @@ async def test_the_span_continues_the_client_trace_and_parents_the_backend_reque
     sent = parse_traceparent(fake.last_request_headers["traceparent"].encode())
     assert sent == (CLIENT_TRACE, span.span_id.hex(), True)
     assert fake.last_request_headers["tracestate"] == "vendor=1"
-    assert span.parent_span_id.hex() == CLIENT_SPAN and span.name == "chat"
+    # Named by the operation and the model the body names (read before routing).
+    assert span.parent_span_id.hex() == CLIENT_SPAN and span.name == "chat m"
     spans = attributes(span.attributes)
+    assert spans["gen_ai.request.model"] == "m"
     assert spans["http.response.status_code"] == 200 and spans["muxproxy.tries"] == 1
     assert spans["server.port"] == backend and spans["server.address"] == "127.0.0.1"
     assert spans["muxproxy.request_id"] == response.headers["x-request-id"]

@@ -57,14 +57,15 @@ __all__ = ["hold_for_model", "model_not_found", "read_model", "reads_model"]
 def reads_model(exchange: Routed) -> bool:
     """Whether ``exchange`` is routed by its body's model (read first: ``hold_for_model``)."""
     config = exchange.fx.config
-    if not config.by_model or exchange.upload.phase is not RequestPhase.BODY:
+    if not config.reads_models or exchange.upload.phase is not RequestPhase.BODY:
         return False
     path = exchange.head.target.decode("latin-1")
     if api_for(path) is None:
         return False
     # An alias is resolved on any route; without one the model matters only where a route
-    # with ``models`` could win over the route the path alone takes.
-    return bool(config.models) or model_decides(config.routes, path)
+    # with ``models`` could win over the route the path alone takes, or to telemetry (its
+    # spans and metrics name the model: docs/telemetry.md).
+    return bool(config.models) or config.telemetry is not None or model_decides(config.routes, path)
 
 
 def hold_for_model(exchange: Routed) -> None:
@@ -92,9 +93,10 @@ def read_model(exchange: Routed) -> bool:
         case NotFound():
             model = None
         case Found(model=model, span=span):
+            upload.model = model
             alias = config.models.get(model)
             if alias is not None:
-                model = _resolve(exchange, alias, prefix, complete, span)
+                model = upload.served_model = _resolve(exchange, alias, prefix, complete, span)
                 if model is None:
                     return False
     route = config.route_for(head.target, model)

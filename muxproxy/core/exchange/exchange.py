@@ -316,8 +316,7 @@ class Exchange:
             surviving.commit(self, response)
         self.upload.body.commit()
         self.client.send_head(response, end_stream=response.end_stream)
-        if self.admission is not None:
-            self.usage = self.admission.usage
+        self.usage = placement.usage_scan(self)  # a token budget's, or telemetry's
         deadlines = self.deadlines
         deadlines.watch_reading(self.group)
         if sse and self.group is not None:

@@ -38,9 +38,15 @@ import attrs
 
 from muxproxy.config import Config
 from muxproxy.core.apis import modellist
+from muxproxy.core.apis.streaming import OPENAI_LIKE, stream_for
 from muxproxy.core.events import BudgetAnswered
 from muxproxy.core.exchange import bymodel, fleetadmit
-from muxproxy.core.exchange.admit import Admission, extra_fields, repeated_tenant_field
+from muxproxy.core.exchange.admit import (
+    Admission,
+    UsageScan,
+    extra_fields,
+    repeated_tenant_field,
+)
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
 from muxproxy.core.exchange.exchangeports import Routed
@@ -77,7 +83,7 @@ def locate(exchange: Routed) -> bool:
         # Routed and forwarded as normalised (paths.py): the backend has nothing left to
         # resolve that could take it out of the route's prefix.
         head = exchange.head = attrs.evolve(head, target=target)
-    if fx.config.by_model and bymodel.reads_model(exchange):  # no call where it is off
+    if fx.config.reads_models and bymodel.reads_model(exchange):  # no call where it is off
         bymodel.hold_for_model(exchange)
         return False
     route = exchange.route = fx.config.route_for(head.target)
@@ -101,6 +107,17 @@ def _answer_models(exchange: Routed) -> bool:
     status, body = answer
     exchange.fail(status, "models listed by the proxy", body=body)
     return True
+
+
+def usage_scan(exchange: Routed) -> UsageScan | None:
+    """What reads the response's token counts: its admission's (a token budget), else one of
+    its own where telemetry records them (``docs/telemetry.md``); None: nothing needs them."""
+    admission = exchange.admission
+    if admission is not None and admission.usage is not None:
+        return admission.usage
+    if exchange.fx.config.telemetry is None:
+        return None
+    return UsageScan(stream_for(exchange.head.target) or OPENAI_LIKE)
 
 
 def model_aliases(config: Config) -> tuple[str, ...]:
@@ -167,6 +184,7 @@ def _route(exchange: Routed, key: bytes | None, document: object | None) -> None
             return
         fx, host = exchange.fx, exchange.host
         admission = exchange.admission = Admission(fx, group, exchange.head, document)
+        exchange.upload.model = exchange.upload.model or admission.facts.model  # the record's
         if exchange.hooks is not None and exchange.hooks.tenant is not None:
             admission.tenant = exchange.hooks.tenant  # an extension's (``hooked.py``)
         if fleetadmit.ask_store(fx, group, admission, exchange.ident, key):

@@ -48,6 +48,10 @@ class Upload:
         self.trailers: Headers = []
         self.clock = BodyClock(fx.now)
         """The whole-body deadline (``timeouts.client_body``)."""
+        self.model: str | None = None
+        """The model the body names, where it is read before routing (``bymodel.py``)."""
+        self.served_model: str | None = None
+        """The model the body was rewritten to (an alias's target), else None."""
 
     @property
     def sending(self) -> bool:

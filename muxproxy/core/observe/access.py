@@ -213,9 +213,21 @@ class Finished(Traced, Protocol):
     @property
     def usage(self) -> UsageCounts | None: ...
     @property
+    def upload(self) -> NamedModels: ...
+    @property
     def bytes_in(self) -> int: ...
     @property
     def bytes_out(self) -> int: ...
+
+
+class NamedModels(Protocol):
+    """The models a request's body names, where the proxy read them (``exchange/upload.py``):
+    the client's, and the alias's target it was rewritten to."""
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def served_model(self) -> str | None: ...
 
 
 class UsageCounts(Protocol):
@@ -246,6 +258,8 @@ def access_fields(exchange: Finished, outcome: str) -> dict[str, Any]:
         "server": exchange.server_address or None,
         "server_id": exchange.server_id,
         "tries": exchange.tries,
+        "model": exchange.upload.model,
+        "served_model": exchange.upload.served_model,
         "ttfh": _seconds(exchange.head_at, exchange.started),
         "ttft": None if meter is None else _seconds(meter.first_token_at, exchange.started),
         "duration": round(now - exchange.started, 6),
@@ -298,6 +312,8 @@ FIELDS = (
     "server",
     "server_id",
     "tries",
+    "model",
+    "served_model",
     "ttfh",
     "ttft",
     "duration",
