@@ -79,6 +79,7 @@ from muxproxy.config import (
     StoreErrorPolicy,
     quick_config,
 )
+from muxproxy.config.records import ModelAlias, ModelTarget
 from muxproxy.core.commands import BudgetReserve
 from muxproxy.core.events import BudgetAnswered, SessionsLearned
 from muxproxy.core.proxy import ProxyCore
@@ -234,6 +235,15 @@ def config_for(kind: str, llm: bool = False, fleet: int | None = None) -> Config
         retry_until_first_event=True,
     )
     config = attrs.evolve(config, upstreams={"default": group}, routes=(route,))
+    if llm:
+        # Routing by the body's model, read before the route (``core/exchange/bymodel.py``),
+        # and an alias whose target is written into the body.
+        targets = (ModelTarget(model="m", weight=1), ModelTarget(model="gpt-4o", weight=1))
+        config = attrs.evolve(
+            config,
+            routes=(attrs.evolve(route, models=("m", "gpt-*")), route),
+            models={"chat": ModelAlias(name="chat", targets=targets)},
+        )
     if fleet is not None:
         # Conversations keyed by their credential: what the core remembers is shared.
         sticky = Sticky(sources=(SessionSource(kind="header", name="authorization"),))
