@@ -19,9 +19,8 @@ from __future__ import annotations
 from muxproxy.config import LoadReporting, Upstream
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
-from muxproxy.core.messages import ResponseHead
 from muxproxy.core.ports import ProbeHost
-from muxproxy.core.upstream.probes import Probe
+from muxproxy.core.upstream.bodypoll import BodyPoll
 from muxproxy.routing.loadreport import MAX_BODY, LoadReport, ReportError, parse_load_report, parser
 
 BODY_LIMIT = MAX_BODY
@@ -29,54 +28,28 @@ BODY_LIMIT = MAX_BODY
 vLLM's page is some 50-200 KiB (its histograms)."""
 
 
-class LoadPoll(Probe):
+class LoadPoll(BodyPoll):
+    WHAT = "report"
     USER_AGENT = b"muxproxy-load-report"
 
     def __init__(
         self, fx: Effects, host: ProbeHost, group: Upstream, index: int, ident: int
     ) -> None:
-        super().__init__(fx, host, group, index, ident)
+        super().__init__(fx, host, group, index, ident, body_limit=BODY_LIMIT)
         parser()  # imported now, with the configuration, rather than in the first poll
-        self.body = bytearray()
-        self.too_large = False
         self.report: LoadReport | None = None
-        self.failing: bool | None = None
-        """The last poll failed (its failure was logged; the next success is too); None:
-        no poll ended yet."""
 
     def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
         settings: LoadReporting | None = group.load_report
         assert settings is not None
         return settings.path.encode(), settings.interval, settings.poll_timeout
 
-    def response_head(self, head: ResponseHead) -> None:
-        self.status = head.status
-        self.body = bytearray()
-        self.too_large = False
-
-    def response_body(self, data: bytes) -> None:
-        if self.too_large:
-            return
-        if len(self.body) + len(data) > BODY_LIMIT:
-            self.too_large = True
-            self.body = bytearray()
-            return
-        self.body += data
-
-    def _ended(self) -> None:
-        if self.status != 200:
-            self._done(False, f"status {self.status}")
-            return
-        if self.too_large:
-            self._done(False, f"report larger than {BODY_LIMIT} bytes")
-            return
-        body, self.body = bytes(self.body), bytearray()
+    def _read(self, body: bytes) -> str | None:
         try:
             self.report = parse_load_report(body)
         except ReportError as exc:
-            self._done(False, f"unreadable report: {exc}")
-            return
-        self._done(True, "ok")
+            return str(exc)
+        return None
 
     def _result(self, ok: bool, detail: str) -> None:
         router = self.host.router(self.group)

@@ -19,9 +19,8 @@ from __future__ import annotations
 from muxproxy.config import Upstream
 from muxproxy.core.commands import Log
 from muxproxy.core.effects import Effects
-from muxproxy.core.messages import ResponseHead
 from muxproxy.core.ports import ProbeHost
-from muxproxy.core.upstream.probes import Probe
+from muxproxy.core.upstream.bodypoll import BodyPoll
 from muxproxy.routing.modelcatalog import MAX_BODY, ModelInfo, ModelListError, parse_model_list
 
 BODY_LIMIT = MAX_BODY
@@ -34,51 +33,25 @@ TIMEOUT = 5.0
 answers its list from memory, in milliseconds even when busy."""
 
 
-class ModelPoll(Probe):
+class ModelPoll(BodyPoll):
+    WHAT = "model list"
     USER_AGENT = b"muxproxy-models"
 
     def __init__(
         self, fx: Effects, host: ProbeHost, group: Upstream, index: int, ident: int
     ) -> None:
-        super().__init__(fx, host, group, index, ident)
-        self.body = bytearray()
-        self.too_large = False
+        super().__init__(fx, host, group, index, ident, body_limit=BODY_LIMIT)
         self.models: tuple[ModelInfo, ...] = ()
-        self.failing: bool | None = None
-        """The last poll failed (its failure was logged; the next success is too); None:
-        no poll ended yet."""
 
     def _schedule_of(self, group: Upstream) -> tuple[bytes, float, float]:
         return PATH, group.models_refresh, min(TIMEOUT, group.models_refresh / 2)
 
-    def response_head(self, head: ResponseHead) -> None:
-        self.status = head.status
-        self.body = bytearray()
-        self.too_large = False
-
-    def response_body(self, data: bytes) -> None:
-        if self.too_large:
-            return
-        if len(self.body) + len(data) > BODY_LIMIT:
-            self.too_large = True
-            self.body = bytearray()
-            return
-        self.body += data
-
-    def _ended(self) -> None:
-        if self.status != 200:
-            self._done(False, f"status {self.status}")
-            return
-        if self.too_large:
-            self._done(False, f"model list larger than {BODY_LIMIT} bytes")
-            return
-        body, self.body = bytes(self.body), bytearray()
+    def _read(self, body: bytes) -> str | None:
         try:
             self.models = parse_model_list(body)
         except ModelListError as exc:
-            self._done(False, f"unreadable model list: {exc}")
-            return
-        self._done(True, "ok")
+            return str(exc)
+        return None
 
     def _result(self, ok: bool, detail: str) -> None:
         catalog, server, now = self.fx.models, self.group.servers[self.index].address, self.fx.now
