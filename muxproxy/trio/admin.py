@@ -187,18 +187,21 @@ def parse_model_weights(body: bytes) -> dict[str, int | None]:
         raise AdminError(400, "weights: expected an object naming at least one target model")
     weights: dict[str, int | None] = {}
     for model, value in entries.items():
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not SERVER_WEIGHT.contains(value)
-        ):
-            raise AdminError(
-                400,
-                f"weights[{json.dumps(model)}]: expected an integer from {SERVER_WEIGHT.text} or"
-                f" null (the configured weight), got {_shown(value)}",
-            )
-        weights[model] = value
+        weights[model] = _weight(value, f"weights[{json.dumps(model)}]")
     return weights
+
+
+def _weight(value: Any, field: str) -> int | None:
+    """A weight as the admin API takes it: an integer in range, or null (the configured)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not SERVER_WEIGHT.contains(value)
+    ):
+        raise AdminError(
+            400,
+            f"{field}: expected an integer from {SERVER_WEIGHT.text} or null (the configured"
+            f" weight), got {_shown(value)}",
+        )
+    return value
 
 
 def _body_json(body: bytes, example: str) -> Any:
@@ -225,16 +228,7 @@ def _change_of(data: Any, where: str) -> dict[str, Any]:
         if key not in _CHANGE_FIELDS:
             raise AdminError(400, f"{field}: unknown field; expected weight, drain or down")
         if key == "weight":
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not SERVER_WEIGHT.contains(value)
-            ):
-                raise AdminError(
-                    400,
-                    f"{field}: expected an integer from {SERVER_WEIGHT.text} or null (the"
-                    f" configured weight), got {_shown(value)}",
-                )
+            _weight(value, field)
         elif not isinstance(value, bool):
             raise AdminError(400, f"{field}: expected true or false, got {_shown(value)}")
         change[key] = value
