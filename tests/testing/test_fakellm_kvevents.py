@@ -1,0 +1,119 @@
+"""The fake engine's KV-cache events: what its cache does, said as vLLM says it, and an index
+fed over ZeroMQ from two fakes telling which one holds a prompt."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import httpx
+import trio
+
+from muxproxy.routing.kvfeed import EngineFeed
+from muxproxy.routing.kvindex import BlockRemoved, BlockStored, EngineBlocks, KVEvent, best_cached
+from muxproxy.testing.fakellm.app import FakeLLM
+from muxproxy.testing.fakellm.engine import Prompt, prompt_text
+from muxproxy.testing.fakellm.kvevents import PublishingCache, publish_kv_events, token_ids
+from muxproxy.testing.fakellm.server import serve_fakellm
+from muxproxy.trio.kvevents import follow
+
+BLOCK = 4  # tokens per block: 16 bytes of text
+
+
+def test_token_ids_are_little_endian_four_byte_chunks() -> None:
+    assert token_ids("abcdefg") == [
+        int.from_bytes(b"abcd", "little"),
+        int.from_bytes(b"efg", "little"),
+    ]
+
+
+def test_events_mirror_the_cache_through_admissions_and_evictions() -> None:
+    events: list[KVEvent] = []
+    cache = PublishingCache(6, BLOCK, on_events=events.extend)
+    index = EngineBlocks(max_blocks=100)
+    texts = ["s" * 32 + "q1" * 16, "s" * 32 + "q2" * 16, "t" * 48, "s" * 32 + "q1" * 16 + "x" * 16]
+    for text in texts:
+        cache.learn(text)
+        admission = cache.admit(Prompt.from_text(text, BLOCK))
+        cache.release(admission)
+        for event in events:
+            index.apply(event)
+        events.clear()
+        # The index holds what the cache holds, block for block.
+        assert len(index) == cache.cached_blocks
+        for other in texts:
+            held = 0
+            for block in Prompt.from_text(other, BLOCK).blocks:
+                if not cache.is_cached(block):
+                    break
+                held += 1
+            assert index.cached_tokens(token_ids(other)) == held * BLOCK
+
+
+def test_a_second_turn_stores_only_its_new_blocks_chained_to_the_first() -> None:
+    events: list[KVEvent] = []
+    cache = PublishingCache(100, BLOCK, on_events=events.extend)
+    first, second = "s" * 32, "s" * 32 + "u" * 16
+    for text in (first, second):
+        cache.learn(text)
+        cache.admit(Prompt.from_text(text, BLOCK))
+    blocks = Prompt.from_text(second, BLOCK).blocks
+    assert events[1] == BlockStored(
+        block_hashes=(blocks[2],),
+        parent_block_hash=blocks[1],
+        token_ids=tuple(token_ids("u" * 16)),
+        block_size=BLOCK,
+    )
+    assert not any(isinstance(event, BlockRemoved) for event in events)
+
+
+def chat(user: str) -> dict[str, object]:
+    system = "You are a careful assistant who answers in one line. " * 4
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+
+
+async def test_an_index_fed_by_two_fakes_events_places_a_prompt_on_its_holder(
+    nursery: trio.Nursery,
+) -> None:
+    feeds: list[EngineFeed] = []
+    changed = trio.Condition()
+
+    def notify() -> None:
+        nursery.start_soon(_notify_all, changed)
+
+    ports = []
+    for _ in range(2):
+        fake = FakeLLM(kv_blocks=64, block_tokens=BLOCK, tokens=2, delay=0.001)
+        events_port, _publisher = await nursery.start(publish_kv_events, fake)
+        ports.append(await nursery.start(serve_fakellm, fake))
+        feed = EngineFeed(EngineBlocks(max_blocks=1000), stale_after=5.0)
+        feeds.append(feed)
+        await nursery.start(
+            partial(follow, f"fake{len(feeds)}", "127.0.0.1", events_port, feed, on_change=notify)
+        )
+        await _publisher.subscribed.wait()
+    request = chat("What is a KV cache?")
+    tokens = token_ids(prompt_text(request))
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[1]}") as client:
+            response = await client.post("/v1/chat/completions", content=json.dumps(request))
+            assert response.status_code == 200
+        async with changed:
+            while feeds[1].blocks.cached_tokens(tokens) == 0:
+                await changed.wait()
+    held = [feed.blocks.cached_tokens(tokens) for feed in feeds]
+    assert held[0] == 0
+    assert held[1] == len(tokens) // BLOCK * BLOCK  # every full block of the prompt
+    assert best_cached([0, 1], enumerate(held)) == [1, 0]
+    # A follow-up turn of the same conversation shares the system prompt's blocks only.
+    other = token_ids(prompt_text(chat("Another question entirely")))
+    assert 0 < feeds[1].blocks.cached_tokens(other) < held[1]
+    assert feeds[1].usable(trio.current_time(), busy=False)
+
+
+async def _notify_all(condition: trio.Condition) -> None:
+    async with condition:
+        condition.notify_all()
