@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import json
 from functools import partial
+from typing import Any
 
 import httpx
 import trio
 
 from muxproxy.routing.kvfeed import EngineFeed
 from muxproxy.routing.kvindex import BlockRemoved, BlockStored, EngineBlocks, KVEvent, best_cached
-from muxproxy.testing.fakellm.app import FakeLLM
+from muxproxy.routing.kvtokens import (
+    TokenCache,
+    conversation_keys,
+    parse_tokenize_answer,
+    tokenize_body,
+)
 from muxproxy.testing.fakellm.engine import Prompt, prompt_text
-from muxproxy.testing.fakellm.kvevents import PublishingCache, publish_kv_events, token_ids
+from muxproxy.testing.fakellm.kvevents import (
+    KvFakeLLM,
+    PublishingCache,
+    publish_kv_events,
+    token_ids,
+)
 from muxproxy.testing.fakellm.server import serve_fakellm
 from muxproxy.trio.kvevents import follow
 
@@ -67,7 +78,7 @@ def test_a_second_turn_stores_only_its_new_blocks_chained_to_the_first() -> None
     assert not any(isinstance(event, BlockRemoved) for event in events)
 
 
-def chat(user: str) -> dict[str, object]:
+def chat(user: str) -> dict[str, Any]:
     system = "You are a careful assistant who answers in one line. " * 4
     return {
         "model": "m",
@@ -75,7 +86,7 @@ def chat(user: str) -> dict[str, object]:
     }
 
 
-async def test_an_index_fed_by_two_fakes_events_places_a_prompt_on_its_holder(
+async def test_an_index_fed_by_two_fakes_events_places_a_next_turn_on_its_holder(
     nursery: trio.Nursery,
 ) -> None:
     feeds: list[EngineFeed] = []
@@ -86,29 +97,39 @@ async def test_an_index_fed_by_two_fakes_events_places_a_prompt_on_its_holder(
 
     ports = []
     for _ in range(2):
-        fake = FakeLLM(kv_blocks=64, block_tokens=BLOCK, tokens=2, delay=0.001)
-        events_port, _publisher = await nursery.start(publish_kv_events, fake)
+        fake = KvFakeLLM(kv_blocks=64, block_tokens=BLOCK, tokens=2, delay=0.001)
+        events_port, publisher = await nursery.start(publish_kv_events, fake)
         ports.append(await nursery.start(serve_fakellm, fake))
         feed = EngineFeed(EngineBlocks(max_blocks=1000), stale_after=5.0)
         feeds.append(feed)
         await nursery.start(
             partial(follow, f"fake{len(feeds)}", "127.0.0.1", events_port, feed, on_change=notify)
         )
-        await _publisher.subscribed.wait()
-    request = chat("What is a KV cache?")
-    tokens = token_ids(prompt_text(request))
+        await publisher.subscribed.wait()
+    first = chat("What is a KV cache?")
+    reply = {"role": "assistant", "content": "Keys and values kept."}
+    second = {**first, "messages": [*first["messages"], reply, {"role": "user", "content": "Why?"}]}
+    first_tokens = token_ids(prompt_text(first))
+    cache = TokenCache(max_entries=100, max_tokens=100_000)
     with trio.fail_after(10):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[1]}") as client:
-            response = await client.post("/v1/chat/completions", content=json.dumps(request))
+            response = await client.post("/v1/chat/completions", content=json.dumps(first))
             assert response.status_code == 200
+            # Placed, the first turn's messages are tokenized for the next turn.
+            keys = conversation_keys(first)
+            answer = await client.post("/tokenize", content=tokenize_body(first))
+            cache.put(keys[-1], parse_tokenize_answer(answer.content))
         async with changed:
-            while feeds[1].blocks.cached_tokens(tokens) == 0:
+            while feeds[1].blocks.cached_tokens(first_tokens) == 0:
                 await changed.wait()
-    held = [feed.blocks.cached_tokens(tokens) for feed in feeds]
+    # The next turn is scored with its known prefix: the first turn's tokens.
+    known = cache.longest(conversation_keys(second))
+    assert known is not None and known[0] == 2
+    held = [feed.blocks.cached_tokens(known[1]) for feed in feeds]
     assert held[0] == 0
-    assert held[1] == len(tokens) // BLOCK * BLOCK  # every full block of the prompt
+    assert held[1] == len(first_tokens) // BLOCK * BLOCK  # every full block of the first turn
     assert best_cached([0, 1], enumerate(held)) == [1, 0]
-    # A follow-up turn of the same conversation shares the system prompt's blocks only.
+    # Another conversation behind the same system prompt shares its blocks only.
     other = token_ids(prompt_text(chat("Another question entirely")))
     assert 0 < feeds[1].blocks.cached_tokens(other) < held[1]
     assert feeds[1].usable(trio.current_time(), busy=False)
@@ -117,3 +138,20 @@ async def test_an_index_fed_by_two_fakes_events_places_a_prompt_on_its_holder(
 async def _notify_all(condition: trio.Condition) -> None:
     async with condition:
         condition.notify_all()
+
+
+async def test_tokenize_answers_the_engine_models_tokens(nursery: trio.Nursery) -> None:
+    fake = KvFakeLLM()
+    port = await nursery.start(serve_fakellm, fake)
+    request = chat("hello")
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answer = (await client.post("/tokenize", json=request)).json()
+            bad = await client.post("/tokenize", content=b"[1]")
+            prompt = (await client.post("/tokenize", json={"prompt": "abcdefgh"})).json()
+            models = await client.get("/v1/models")  # everything else as the fake serves it
+    assert answer["tokens"] == token_ids(prompt_text(request))
+    assert answer["count"] == len(answer["tokens"])
+    assert bad.status_code == 400
+    assert prompt["tokens"] == token_ids("abcdefgh")
+    assert models.status_code == 200

@@ -19,11 +19,17 @@ tokens of the prompt's blocks (the cache knows blocks only by their hashes); the
 its blocks around each ``admit`` and hands the events to a callback. Blocks it cannot name
 the tokens of (none, today) are left out of the events, and a block stored after one left
 out names that one as its parent, as vLLM's would: a subscriber counts it as an orphan.
+
+:class:`KvFakeLLM` also answers vLLM's ``POST /tokenize`` (``{"model", "messages"}`` or
+``{"model", "prompt"}``; the answer ``{"count", "max_model_len", "tokens"}``) with the
+engine model's tokens of the prompt text: the tokens its events carry, so a router can score
+a request as it would against vLLM.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -34,20 +40,23 @@ import trio
 
 from muxproxy.routing.kvindex import BlockRemoved, BlockStored, KVEvent
 from muxproxy.routing.kvwire import encode_batch
-from muxproxy.testing.fakellm.app import FakeLLM
+from muxproxy.testing.fakellm.app import FakeLLM, Receive, Scope, Send
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,
     Admission,
     PrefixCache,
     Prompt,
     block_hashes,
+    prompt_text,
 )
 from muxproxy.testing.fakellm.scheduler import Engine
 from muxproxy.trio.zmtp import ZmtpPublisher
 
 __all__ = [
     "DEFAULT_TOPIC",
+    "MAX_MODEL_LEN",
     "KvEventStream",
+    "KvFakeLLM",
     "PublishingCache",
     "PublishingEngine",
     "publish_kv_events",
@@ -56,6 +65,9 @@ __all__ = [
 
 DEFAULT_TOPIC = "kv-events"
 """vLLM's topic in its documented ``--kv-events-config`` example."""
+
+MAX_MODEL_LEN = 32768
+"""The context length the fake's ``/tokenize`` answers report."""
 
 
 def token_ids(text: str) -> list[int]:
@@ -192,3 +204,46 @@ async def publish_kv_events(
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(trio.serve_listeners, publisher.serve, listeners))
         task_status.started((bound, publisher))
+
+
+@attrs.define
+class KvFakeLLM(FakeLLM):
+    """A fake backend that also serves ``POST /tokenize`` as vLLM does (see the header)."""
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/tokenize" or scope["method"] != "POST":
+            await super().app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            request = json.loads(b"".join(chunks))
+        except ValueError:
+            request = None
+        answer: dict[str, object]
+        if not isinstance(request, dict) or not (
+            isinstance(request.get("messages"), list) or isinstance(request.get("prompt"), str)
+        ):
+            status, answer = 400, {"error": {"message": "messages or prompt wanted"}}
+        else:
+            tokens = token_ids(prompt_text(request))
+            status = 200
+            answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens}
+        body = json.dumps(answer).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
