@@ -9,6 +9,8 @@ from typing import Any
 
 import httpx
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from muxproxy.routing.kvfeed import EngineFeed
 from muxproxy.routing.kvindex import BlockRemoved, BlockStored, EngineBlocks, KVEvent, best_cached
@@ -18,7 +20,7 @@ from muxproxy.routing.kvtokens import (
     parse_tokenize_answer,
     tokenize_body,
 )
-from muxproxy.testing.fakellm.engine import Prompt, prompt_text
+from muxproxy.testing.fakellm.engine import Admission, Prompt, prompt_text
 from muxproxy.testing.fakellm.kvevents import (
     KvFakeLLM,
     PublishingCache,
@@ -59,6 +61,38 @@ def test_events_mirror_the_cache_through_admissions_and_evictions() -> None:
                     break
                 held += 1
             assert index.cached_tokens(token_ids(other)) == held * BLOCK
+
+
+TEXTS = ["s" * 32 + "q1" * 16, "s" * 32 + "q2" * 16, "t" * 48, "s" * 48 + "x" * 16, "u" * 16]
+
+
+@given(
+    capacity=st.integers(0, 8),
+    steps=st.lists(st.tuples(st.integers(0, len(TEXTS) - 1), st.booleans()), max_size=30),
+)
+def test_the_index_follows_the_cache_whatever_admissions_and_releases(
+    capacity: int, steps: list[tuple[int, bool]]
+) -> None:
+    events: list[KVEvent] = []
+    cache = PublishingCache(capacity, BLOCK, on_events=events.extend)
+    index = EngineBlocks(max_blocks=100)
+    running: list[Admission] = []
+    for which, release_one in steps:
+        if release_one and running:
+            cache.release(running.pop(0))
+        cache.learn(TEXTS[which])
+        running.append(cache.admit(Prompt.from_text(TEXTS[which], BLOCK)))
+        for event in events:
+            index.apply(event)
+        events.clear()
+        assert len(index) == cache.cached_blocks
+        for text in TEXTS:
+            held = 0
+            for block in Prompt.from_text(text, BLOCK).blocks:
+                if not cache.is_cached(block):
+                    break
+                held += 1
+            assert index.cached_tokens(token_ids(text)) == held * BLOCK
 
 
 def test_a_second_turn_stores_only_its_new_blocks_chained_to_the_first() -> None:
