@@ -19,12 +19,14 @@ turn. A sequence gap (messages lost) is counted and logged the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+
 import attrs
 
-from muxproxy.routing.kvindex import EngineBlocks
+from muxproxy.routing.kvindex import EngineBlocks, best_cached
 from muxproxy.routing.kvwire import WireError, decode_batch
 
-__all__ = ["EngineFeed"]
+__all__ = ["EngineFeed", "place_by_cache"]
 
 
 @attrs.define
@@ -87,3 +89,27 @@ class EngineFeed:
         if not busy:
             return True
         return self.last_at is not None and now - self.last_at <= self.stale_after
+
+
+def place_by_cache(
+    ranked: Sequence[int],
+    feeds: Mapping[int, EngineFeed],
+    tokens: Sequence[int] | None,
+    now: float,
+    busy: Callable[[int], bool],
+    within: Callable[[int], bool] | None = None,
+) -> list[int]:
+    """``ranked`` (the prefix key's bounded order) with the server whose trusted index holds
+    the longest prefix of ``tokens`` moved to the front, within the load bounds (``within``,
+    ``load.within_bounds``'s predicate); unchanged without tokens, or when no trusted index
+    holds any of them: the prefix key's placement stands. A server without a feed, or whose
+    feed is not trusted now (:meth:`EngineFeed.usable`; ``busy(i)``: the proxy has streams
+    on ``i``), scores nothing."""
+    if not tokens:
+        return list(ranked)
+    scores = []
+    for index in ranked:
+        feed = feeds.get(index)
+        if feed is not None and feed.usable(now, busy(index)):
+            scores.append((index, feed.blocks.cached_tokens(tokens)))
+    return best_cached(ranked, scores, within)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from muxproxy.routing.kvfeed import EngineFeed
+from muxproxy.routing.kvfeed import EngineFeed, place_by_cache
 from muxproxy.routing.kvindex import BlockStored, EngineBlocks
 from muxproxy.routing.kvwire import encode_batch
 
@@ -58,3 +58,40 @@ def test_trusted_while_connected_and_while_busy_only_if_fresh() -> None:
     state.down()
     assert not state.usable(100.0, busy=False)
     assert state.blocks.cached_tokens(TOKENS) == 8  # kept across the drop
+
+
+def fleet() -> dict[int, EngineFeed]:
+    """Three engines: 1 holds TOKENS (connected), 2 holds them but its feed dropped."""
+    feeds = {index: feed() for index in range(3)}
+    for index in (0, 1, 2):
+        feeds[index].up(0.0)
+    feeds[1].message(message(0), 1.0)
+    feeds[2].message(message(0), 1.0)
+    feeds[2].down()
+    return feeds
+
+
+def idle(index: int) -> bool:
+    return False
+
+
+def test_placement_moves_the_trusted_holder_first() -> None:
+    assert place_by_cache([0, 2, 1], fleet(), TOKENS, 2.0, idle) == [1, 0, 2]
+
+
+def test_placement_ignores_a_dropped_or_silent_busy_feed() -> None:
+    feeds = fleet()
+    del feeds[1]
+    assert place_by_cache([0, 2, 1], feeds, TOKENS, 2.0, idle) == [0, 2, 1]  # 2 dropped
+    feeds = fleet()
+    # 1 is busy and has said nothing for longer than stale_after: the prefix key stands.
+    assert place_by_cache([0, 2, 1], feeds, TOKENS, 60.0, lambda index: True) == [0, 2, 1]
+
+
+def test_placement_without_tokens_or_within_bounds_keeps_the_order() -> None:
+    assert place_by_cache([0, 2, 1], fleet(), None, 2.0, idle) == [0, 2, 1]
+    assert place_by_cache([0, 2, 1], fleet(), TOKENS, 2.0, idle, lambda index: index != 1) == [
+        0,
+        2,
+        1,
+    ]
