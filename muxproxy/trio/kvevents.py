@@ -39,12 +39,14 @@ async def follow(
     feed: EngineFeed,
     *,
     on_change: Callable[[], None] = lambda: None,
+    retry_min: float = RETRY_MIN,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``feed`` subscribed to ``host:port`` until cancelled; ``name`` names the engine in
     logs. ``on_change`` is called after each message applied. ``task_status.started()`` is
-    reported after the first subscription (or the first failure)."""
-    delay = RETRY_MIN
+    reported after the first subscription (or the first failure). ``retry_min``: the first
+    retry's delay."""
+    delay = retry_min
     last_failure: str | None = None
     logged_at = -LOG_INTERVAL
     started = False
@@ -58,7 +60,7 @@ async def follow(
             if last_failure is not None:
                 log.info("kv events: %s: subscribed again to %s:%d", name, host, port)
             last_failure = None
-            delay = RETRY_MIN
+            delay = retry_min
             if not started:
                 task_status.started()
                 started = True
