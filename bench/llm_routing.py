@@ -492,8 +492,8 @@ def prefill_ratio(seeds: list[dict[str, Any]], base: list[dict[str, Any]]) -> fl
 
 
 QUICK = {
-    "warmup": 2.0,
-    "window": 6.0,
+    "warmup": 1.5,
+    "window": 4.0,
     "drain": 10.0,
     "loads": "0.9",
     "seeds": "0,1",
@@ -524,7 +524,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bootstrap", type=int, default=2000, help="resampling rounds")
     search = parser.add_argument_group("the capacity search (round robin, seed 0)")
     search.add_argument("--capacity", type=str, help="WORKLOAD=REQ/S,...: skip the search")
-    search.add_argument("--capacity-guess", type=float, default=8.0, help="first rate probed")
+    search.add_argument("--capacity-guess", type=float, default=10.0, help="first rate probed")
     search.add_argument(
         "--capacity-share",
         type=float,
