@@ -50,9 +50,9 @@ chunk still go out at once (vLLM sends the head before it schedules the request)
 generation waits first come first served for one of ``max_running`` slots, is looked up in
 the prefix cache when let in, and its first token comes ``first_delay + ttft_base +
 prefill_per_token * uncached prompt tokens`` after that, the rest every ``delay``; the slot
-and cache blocks are given back when the last token is out (or the client leaves, or
-die-after fires). A client that leaves while waiting leaves the line at once. Off, none of
-this happens and timings are as above.
+and cache blocks are given back, the generated tokens' blocks cached, when the last token is
+out (or the client leaves, or die-after fires). A client that leaves while waiting leaves the
+line at once. Off, none of this happens and timings are as above.
 
 The step model (``prefill_chunk``, with the engine model; ``batch.py``, ``steps.py``) replaces
 that private timetable with continuous batching, as vLLM V1 and SGLang run: a generation let
