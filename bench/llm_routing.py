@@ -12,10 +12,11 @@ client in this process (Trio, HTTP/1.1 with h11)::
 
 How it measures, and why:
 
-1. **Capacity is measured, not computed.** Per workload, round robin runs seed 0's trace at a
-   rate searched for (up from a guess by ``--search-factor`` until it fails, then bisected
-   ``--search-steps`` times): the highest rate at which at least ``--capacity-share`` of the
-   requests have their first token within the TTFT SLO (``--slo``, 1 s). Loads
+1. **Capacity is measured, not computed.** Per workload, round robin runs the traces of
+   ``--search-seeds`` (every seed by default; the quick mode: seed 0) at a rate searched for
+   (up from a guess by ``--search-factor`` until it fails, then bisected ``--search-steps``
+   times): the highest rate at which at least ``--capacity-share`` of their requests, pooled,
+   have their first token within the TTFT SLO (``--slo``, 1 s). Loads
    (``--loads``) are fractions of that measured capacity: 1.0 is round robin's knee.
 2. **One arrival trace per seed** (``llm_trace.py``), the same for every policy: Poisson
    arrivals, each a request fixed in advance (a conversation's history carries the reply the
@@ -357,23 +358,25 @@ async def run_once(
 # --- capacity ---------------------------------------------------------------------------------
 
 
-def sustains(run: dict[str, Any], args: argparse.Namespace) -> bool:
-    times = run["ttft_s"]
+def sustains(times: list[float], args: argparse.Namespace) -> bool:
     return bool(times) and sum(t <= args.slo for t in times) >= args.capacity_share * len(times)
 
 
 async def measure_capacity(
-    args: argparse.Namespace, fleet: Fleet, workload: Workload
+    args: argparse.Namespace, fleet: Fleet, traces: list[Workload]
 ) -> tuple[float, list[dict[str, Any]]]:
-    """The highest rate round robin sustains at the SLO (see the header), and the probes."""
+    """The highest rate round robin sustains at the SLO over ``traces`` (one per seed of
+    ``--search-seeds``, their requests pooled; see the header), and the probes."""
     probes: list[dict[str, Any]] = []
 
     async def probe(rate: float) -> bool:
-        run = await run_once(args, fleet, "round_robin", workload, rate)
-        ok = sustains(run, args)
-        share = sum(t <= args.slo for t in run["ttft_s"]) / max(len(run["ttft_s"]), 1)
+        times = []
+        for trace in traces:
+            times += (await run_once(args, fleet, "round_robin", trace, rate))["ttft_s"]
+        ok = sustains(times, args)
+        share = sum(t <= args.slo for t in times) / max(len(times), 1)
         print(
-            f"#   {workload.name}: round robin at {rate:.2f} req/s: {share:.0%} within "
+            f"#   {traces[0].name}: round robin at {rate:.2f} req/s: {share:.0%} within "
             f"{args.slo:g} s ({'sustained' if ok else 'not sustained'})",
             file=sys.stderr,
         )
@@ -391,7 +394,7 @@ async def measure_capacity(
         else:
             high = rate
     if low is None or high is None:
-        raise SystemExit(f"{workload.name}: no knee between the rates probed: {probes}")
+        raise SystemExit(f"{traces[0].name}: no knee between the rates probed: {probes}")
     for _ in range(args.search_steps):
         middle = math.sqrt(low * high)
         if await probe(middle):
@@ -499,6 +502,7 @@ QUICK = {
     "seeds": "0,1",
     "policies": "round_robin,least_load,prefix",
     "search_steps": 0,
+    "search_seeds": "0",
     "bootstrap": 300,
 }
 """``--quick``: a smoke test of every part, bounded to about two minutes on two cores."""
@@ -530,6 +534,9 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=0.9,
         help="share of requests within the SLO that counts as sustained",
+    )
+    search.add_argument(
+        "--search-seeds", help="the seeds whose traces the search runs (default: --seeds)"
     )
     search.add_argument("--search-factor", type=float, default=1.4)
     search.add_argument("--search-max", type=int, default=6, help="most probes to bracket")
@@ -581,6 +588,7 @@ def parse_args() -> argparse.Namespace:
     args.seed_list = [int(x) for x in str(args.seeds).split(",")]
     if len(set(args.seed_list)) < 2:
         parser.error("--seeds: at least two, to pool")
+    args.search_list = [int(x) for x in str(args.search_seeds or args.seeds).split(",")]
     args.known_capacity = {}
     for item in filter(None, (args.capacity or "").split(",")):
         name, _, rate = item.partition("=")
@@ -615,12 +623,12 @@ async def bench(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     span = args.warmup + args.window
     for name in args.workload_names:
         top = args.capacity_guess * args.search_factor**args.search_max
-        probe_trace = make_workload(args, name, args.seed_list[0], span * top)
         if name in args.known_capacity:
             capacity = args.known_capacity[name]
         else:
             print(f"# {name}: searching round robin's capacity", file=sys.stderr)
-            capacity, probes = await measure_capacity(args, fleet, probe_trace)
+            probe_traces = [make_workload(args, name, k, span * top) for k in args.search_list]
+            capacity, probes = await measure_capacity(args, fleet, probe_traces)
             out["probes"][name] = probes
         out["capacity"][name] = capacity
         top = capacity * max(args.load_list)
