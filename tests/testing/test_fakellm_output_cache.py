@@ -186,3 +186,17 @@ async def test_the_next_turn_of_a_conversation_hits_the_reply_it_sends_back(
             assert answered.status_code == 200
     sequence = prompt_text(FIRST) + CHAT_REPLY_LEAD + reply
     assert fake.prefix_cache_hits - before == full_blocks(sequence) * BLOCK
+
+
+async def test_a_generation_of_no_tokens_caches_no_output(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig(
+        kv_blocks=1000, block_tokens=BLOCK, prefill_per_token=0.001, prefill_chunk=64
+    )
+    engine = Engine(config, "m", no_op)
+    with trio.fail_after(60):
+        async with engine.batched_generation(EnginePrompt.of(FIRST), tokens=0) as generation:
+            await generation.wait_generated(0)
+        assert engine.cache is not None
+    assert engine.cache.cached_blocks == full_blocks(prompt_text(FIRST))

@@ -178,8 +178,7 @@ class Engine:
         seconds, then joins the batch with its uncached prompt tokens to prefill and yields
         its place there (``wait_generated`` paces its tokens). It leaves the batch, caches the
         tokens the batch generated for it, and gives the slot and cache blocks back, on exit,
-        however it comes. Only with
-        ``prefill_chunk`` (raises ``RuntimeError`` without it).
+        however it comes. Only with ``prefill_chunk`` (raises ``RuntimeError`` without it).
         """
         if self.batch is None:
             raise RuntimeError("batched_generation needs the step model (prefill_chunk)")
@@ -191,7 +190,8 @@ class Engine:
                 try:
                     yield generation
                 finally:
-                    held.generated = generation.generated
+                    # A generation of no tokens still has its one step: it emits nothing.
+                    held.generated = min(generation.generated, tokens)
 
     @asynccontextmanager
     async def _admitted(self, prompt: EnginePrompt) -> AsyncIterator[_Held]:
