@@ -44,12 +44,13 @@ from muxproxy.testing.fakellm.app import FakeLLM, Receive, Scope, Send
 from muxproxy.testing.fakellm.engine import (
     TOKEN_BYTES,
     Admission,
+    EnginePrompt,
     PrefixCache,
     Prompt,
     block_hashes,
     prompt_text,
 )
-from muxproxy.testing.fakellm.scheduler import Engine
+from muxproxy.testing.fakellm.scheduler import Engine, Held
 from muxproxy.trio.zmtp import ZmtpPublisher
 
 __all__ = [
@@ -158,11 +159,11 @@ class PublishingEngine(Engine):
             )
 
     @asynccontextmanager
-    async def _admitted(self, text: str) -> AsyncIterator[int]:
+    async def _admitted(self, prompt: EnginePrompt) -> AsyncIterator[Held]:
         if isinstance(self.cache, PublishingCache):
-            self.cache.learn(text)
-        async with super()._admitted(text) as uncached:
-            yield uncached
+            self.cache.learn(prompt.text)
+        async with super()._admitted(prompt) as held:
+            yield held
 
 
 class KvEventStream:
