@@ -171,6 +171,10 @@ async def test_servers_join_ramp_drain_and_survive_a_dns_outage_under_sticky_str
                     await trio.sleep(0.1)
                 group = await status_of(admin)
                 assert all(s["effective_weight"] == 1.0 for s in group["servers"])
+                ramped_at = grown_at + SLOW_START
+                with trio.fail_after(15):  # new conversations hash over six: wait for all three
+                    while not {t.backend for t in turns if t.began > ramped_at} >= set(HOSTS[3:]):
+                        await trio.sleep(0.1)
 
                 kept = [HOSTS[1], HOSTS[4]]
                 dns.set_a(NAME, kept, ttl=1)
@@ -193,7 +197,7 @@ async def test_servers_join_ramp_drain_and_survive_a_dns_outage_under_sticky_str
     failed = [t for t in turns if t.error is not None]
     assert not failed, failed[:5]
     assert len(turns) > 100
-    ramped = [t for t in turns if t.began > grown_at + SLOW_START and t.ended < shrunk_at]
+    ramped = [t for t in turns if t.began > ramped_at and t.ended < shrunk_at]
     assert {t.backend for t in ramped} >= set(HOSTS[3:])  # the new ones, ramped
     vanished = set(HOSTS) - set(kept)
     in_flight = [t for t in turns if t.backend in vanished and t.began < shrunk_at < t.ended]
