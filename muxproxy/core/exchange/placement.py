@@ -11,7 +11,8 @@ What it obeys:
   (BUFFERING without a route: ``bymodel.py``). A group that reads the request's JSON body
   (a body session key, ``least_load``, prefix affinity, token budgets, load reports: a LoRA
   adapter's name) holds its start first (BUFFERING) until the body is complete or as much of
-  it is held as may be (``sticky.body_limit``, bounded by ``high_water``).
+  it is held as may be (``sticky.body_limit``, bounded by ``high_water``); a body longer than
+  that is read for its facts from its first members (``routing/partialbody.py``).
 - Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
   with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
   Every refusal for want of room, budget or server says why (``refusal.py``: the
@@ -59,6 +60,7 @@ from muxproxy.core.ports import RequestPhase
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.timers import ExchangeTimer
 from muxproxy.routing.llmrequest import parse_json_body
+from muxproxy.routing.partialbody import leading_document
 from muxproxy.routing.ratelimit import Refusal
 from muxproxy.routing.sticky import session_key_from_body, session_key_from_head
 
@@ -170,6 +172,10 @@ def route_by_body(exchange: Routed) -> None:
         document = parse_json_body(prefix) if complete else None
         sources = group.sticky.sources
         key = session_key_from_body(sources, head.headers, head.target, prefix, complete, document)
+        if document is None and group.admits:
+            # Longer than may be held: its facts from its first members (a long
+            # conversation keeps its prefix key, and so its server).
+            document = leading_document(prefix)
         _route(exchange, key, document)
 
 
