@@ -59,6 +59,7 @@ from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.ports import RequestPhase
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.timers import ExchangeTimer
+from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.llmrequest import parse_json_body
 from muxproxy.routing.partialbody import leading_document
 from muxproxy.routing.ratelimit import Refusal
@@ -244,6 +245,9 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         return
     if not _chosen(exchange, failover):
         return
+    if group.admission and _waits_for_home(exchange, failover):
+        _wait(exchange, for_home=True)
+        return
     if group.admission and not failover.choose_room():
         _wait(exchange)
         return
@@ -320,11 +324,38 @@ def retry_stale(exchange: Routed, reason: str) -> bool:
 # -- the admission queue (``admit.py``) ---------------------------------------------------
 
 
-def _wait(exchange: Routed) -> None:
-    """Every candidate is full: wait in the group's queue, or 429 when it is full."""
+def _waits_for_home(exchange: Routed, failover: Failover) -> bool:
+    """Whether a keyed request waits for its home (its first candidate, full) before taking
+    another server that has room (``admit.py``: up to ``queue.affinity_wait``)."""
+    if failover.session_key is None and failover.prefix is None:
+        return False
+    if exchange.admission is None or failover.group.queue.affinity_wait <= 0:
+        return False
+    router, now, candidates = failover.router, exchange.fx.now, failover.candidates
+    home = candidates[0]
+    if failover.session_key is None and failover.prefix is not None:
+        # The prefix's own first server, which the bounds put behind another while it is full.
+        ranked = rendezvous_order(
+            failover.prefix, router.ids, router.routing_weights(now), candidates
+        )
+        home = ranked[0] if ranked else home
+    if router.has_room(home, now):
+        return False
+    # Every server full: the queue's own locality decides (``Admission.may_go``).
+    if not any(router.has_room(index, now) for index in candidates if index != home):
+        return False
+    candidates.remove(home)
+    candidates.insert(0, home)  # its home, for the queue (``_home``)
+    return True
+
+
+def _wait(exchange: Routed, *, for_home: bool = False) -> None:
+    """Every candidate is full (``for_home``: its home is): wait in the group's queue, or
+    429 when it is full."""
     admission, failover = exchange.admission, exchange.failover
     assert admission is not None and failover is not None
-    if not admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
+    home = _home(failover)
+    if not admission.enqueue(failover.router, exchange, exchange.ident, home, for_home=for_home):
         _refuse_busy(exchange, Reason.QUEUE_FULL, "every server is busy and the queue is full")
         return
     exchange.move(_I.QUEUE)
@@ -377,8 +408,13 @@ def left_queue(exchange: Routed, admission: Admission, failover: Failover) -> No
 
 
 def queue_timeout(exchange: Routed) -> None:
-    """The ``queue`` timer: every server stayed busy for the deadline of the request's
-    priority class (``queue.max_wait``, else ``queue.timeout``)."""
+    """The ``queue`` timer: its wait for its home ended (it may take any server with room
+    now), or every server stayed busy for the deadline of the request's priority class
+    (``queue.max_wait``, else ``queue.timeout``)."""
+    admission, failover = exchange.admission, exchange.failover
+    if admission is not None and failover is not None and admission.home_wait_over(exchange.ident):
+        exchange.host.room_freed(failover.router)
+        return
     _refuse_busy(exchange, Reason.QUEUE_TIMEOUT, "every server stayed busy for the queue's timeout")
 
 
