@@ -121,3 +121,17 @@ def test_a_200_kib_conversation_goes_where_its_first_turn_went() -> None:
     pb << SetTimer(timer=("body", conn), at=pb.now + rig.body_gap_s)
     rig.attempt(conn, to=home)  # routed from its first 64 KiB, to its first turn's server
     pb.done()
+
+
+def test_a_request_whose_deadline_is_shorter_than_the_wait_spills_at_once() -> None:
+    rig = Llm(
+        limited(
+            A,
+            B,
+            affinity=AffinityMode.PREFIX,
+            prefix=PrefixAffinity(load_factor=4.0),
+            queue=AdmissionQueue(affinity_wait=WAIT, timeout=WAIT / 2),
+        )
+    )
+    rig.posted(owned(rig, A, "first"), to=A)
+    rig.posted(owned(rig, A, "mine"), to=B)

@@ -329,9 +329,12 @@ def _waits_for_home(exchange: Routed, failover: Failover) -> bool:
     another server that has room (``admit.py``: up to ``queue.affinity_wait``)."""
     if failover.session_key is None and failover.prefix is None:
         return False
-    if exchange.admission is None or failover.group.queue.affinity_wait <= 0:
-        return False
+    admission, queue = exchange.admission, failover.group.queue
+    if admission is None or not 0 < queue.affinity_wait < queue.wait_for(admission.priority):
+        return False  # no wait, or one its deadline cuts short: it goes where there is room
     router, now, candidates = failover.router, exchange.fx.now, failover.candidates
+    if all(router.has_room(index, now) for index in candidates):
+        return False  # the common case, decided without hashing
     home = candidates[0]
     if failover.session_key is None and failover.prefix is not None:
         # The prefix's own first server, which the bounds put behind another while it is full.
