@@ -41,14 +41,15 @@ def test_a_200_kib_conversation_keeps_the_key_of_its_first_turn() -> None:
     assert key_of(leading_document(other)) != key_of(first)
 
 
-def test_only_the_keys_messages_are_kept_and_the_rest_is_skipped() -> None:
-    body = json.dumps(conversation("q", 3, max_tokens=7, n=2)).encode()
-    document = leading_document(body)
+def test_the_members_before_the_keys_messages_are_read_and_the_read_ends_there() -> None:
+    whole = conversation("q", 3)
+    body = json.dumps({"max_tokens": 7, "n": 2, "tools": [{"x": "[{"}], **whole, "user": "u"})
+    document = leading_document(body.encode())
     assert document == {
-        "model": "m",
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}],
         "max_tokens": 7,
         "n": 2,
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}],
     }
 
 
