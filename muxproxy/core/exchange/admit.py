@@ -241,7 +241,8 @@ class Admission:
         self.deadline = fx.now + self.group.queue.wait_for(self.priority)  # its ``max_wait``
         until = fx.now + self.group.queue.affinity_wait if for_home and home else None
         self.home_until = until if until is not None and until < self.deadline else None
-        fx.set_timer((ExchangeTimer.QUEUE, ident), self.home_until or self.deadline)
+        at = self.deadline if self.home_until is None else self.home_until
+        fx.set_timer((ExchangeTimer.QUEUE, ident), at)
         return True
 
     def home_wait_over(self, ident: int) -> bool:

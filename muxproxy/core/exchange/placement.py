@@ -329,6 +329,9 @@ def _waits_for_home(exchange: Routed, failover: Failover) -> bool:
     another server that has room (``admit.py``: up to ``queue.affinity_wait``)."""
     if failover.session_key is None and failover.prefix is None:
         return False
+    hooks = exchange.hooks
+    if hooks is not None and hooks.chooses:
+        return False  # an extension chose its server: that choice stands
     admission, queue = exchange.admission, failover.group.queue
     if admission is None or not 0 < queue.affinity_wait < queue.wait_for(admission.priority):
         return False  # no wait, or one its deadline cuts short: it goes where there is room
