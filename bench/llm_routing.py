@@ -1,61 +1,48 @@
-"""LLM-aware balancing and admission on a multi-tenant chat workload, policy by policy.
+"""LLM-aware balancing policies on fake inference engines, measured against round robin.
 
 Four fake inference engines (``muxproxy fakellm`` with its engine model: ``--max-running``
-slots, a prefix KV cache of ``--kv-blocks`` blocks, a prefill cost per uncached prompt
-token, and by default its step model, ``--prefill-chunk 512``: continuous batching, where a
-cold prompt's prefill stretches the steps of every stream running on its engine; ``0``: each
-request prefills on its own, slowing no other) behind one muxproxy, once per balancing
-policy, each with fresh processes (cold caches), the same workload, and a load client in this
-process (Trio, HTTP/1.1 with h11)::
+slots, a prefix KV cache of ``--kv-blocks`` blocks that keeps prompts and generated tokens
+alike, LRU eviction, a prefill cost per uncached prompt token, continuous batching in steps
+of ``--prefill-chunk`` prefill tokens) behind one muxproxy per balancing policy, and a load
+client in this process (Trio, HTTP/1.1 with h11)::
 
-    python bench/llm_routing.py                       # all six policies, ~8 minutes
-    python bench/llm_routing.py --policies 1,5 --duration 30
-    python bench/llm_routing.py --pool s0.json s1.json s2.json   # runs of several --seed
+    python bench/llm_routing.py --quick          # a smoke test: ~2 minutes on 2 cores
+    python bench/llm_routing.py                  # the full run (not part of CI)
+    python bench/llm_routing.py --workloads chat --loads 0.5,0.9,1.3 --seeds 0,1,2,3
 
-One seed's p99 is its two or three slowest requests, and moves with the seed's bursts more
-than with the policy: compare policies over several seeds, pooled (``--pool``: each seed's
-p99, and the percentiles of all the seeds' requests together, per load and policy variant).
+How it measures, and why:
 
-The policies (``--policies``, names or numbers):
+1. **Capacity is measured, not computed.** Per workload, round robin runs the traces of
+   ``--search-seeds`` (every seed by default; the quick mode: seed 0) at a rate searched for
+   (up from a guess by ``--search-factor`` until it fails, then bisected ``--search-steps``
+   times): the highest rate at which at least ``--capacity-share`` of their requests, pooled,
+   have their first token within the TTFT SLO (``--slo``, 1 s). Loads
+   (``--loads``) are fractions of that measured capacity: 1.0 is round robin's knee.
+2. **One arrival trace per seed** (``llm_trace.py``), the same for every policy: Poisson
+   arrivals, each a request fixed in advance (a conversation's history carries the reply the
+   fake gives), scaled to the rate of the load.
+3. **Only the requests arriving in the window are counted, and every one is waited for.**
+   Requests arriving in the first ``--warmup`` seconds warm the caches; those arriving in the
+   next ``--window`` seconds are counted, and the run waits for all of them (at most
+   ``--drain`` seconds; one still unfinished then counts with its time so far, a lower bound,
+   and is reported).
+4. **Seeds are pooled** (``--seeds``, at least two): the requests of every seed together.
+5. **Each ratio against round robin has a bootstrap interval** (``--bootstrap`` rounds):
+   TTFT p50 and p99, and goodput (requests whose first token came within the SLO, per second
+   of window). The engines' counters give the prefill tokens computed and the hit rate, per
+   run; their ratio's spread is the range over seeds.
 
-1. ``round_robin``    ``balance = "round_robin"``
-2. ``least_streams``  ``balance = "least_streams"``
-3. ``sticky``         round robin, ``sticky.sources = ["header:X-User"]`` (a user stays put)
-4. ``least_load``     ``balance = "least_load"``
-5. ``prefix``         ``least_load`` with ``affinity = "prefix"`` (length 1024:
-   ``--prefix-length``, load 1.25, ``balance_gap`` a quarter of the engines' slots:
-   ``--balance-gap``)
-6. ``admission``      5, plus ``max_streams`` = the engines' slots on every server, ``queue``
-   and ``load_report`` (the engines' ``/metrics`` every second)
+The processes start once: the engines and one proxy per policy, all on loopback. Every run
+leads its system prompts with a run's own salt, so no block an earlier run cached can hit
+(those blocks only take room, and the LRU evicts them first), and the affinity keys are new
+too; between runs the engines are let drain. Measured per run from the engines' ``/metrics``
+(vLLM's names) between the window's start and the last counted request's end: prompt tokens
+looked up and found cached (hit rate), tokens prefilled (looked up less found); from the
+client: TTFT (request sent -> first SSE event with content), the engine that answered
+(``x-backend-id``), and from those the busiest engine's requests over the mean.
 
-The workload (``chat_client.py``, drawn from ``--seed``): ``--prompts`` system prompts of
-``--prompt-bytes`` bytes (~900 tokens each to the engine), with the engines' caches sized to
-hold about 6.5 of them (``--kv-blocks`` by default), not all; ``--users`` users, each with
-one system prompt (Zipf popularity) and multi-turn conversations that send the whole
-history every turn, with mixed ``max_tokens``. Requests arrive as a Poisson process at
-``--rate`` (default ``--load`` x the fleet's capacity, which the script computes from the
-engine options with every system prompt cached: ``chat_client.engine_capacity``, Little's law
-over the engines' slots, where in the step model a step lasts longer the more of the engine's
-time goes to prefill); each arrival is a turn of a user drawn at random who is not waiting
-for a reply (the next free one if that one is), so at most ``--users`` requests are in
-flight. Requests arriving in the first ``--warmup`` seconds warm the caches and are not
-counted; those arriving in the next ``--duration`` seconds are, and the run waits at most
-``--drain`` seconds for them to end.
-
-Measured per policy, for the counted requests: TTFT (request sent -> first SSE event
-carrying content; unfinished requests count with their time so far, a lower bound), the
-gaps between content events (ITL), the time to the response head (the fake engine sends
-its head at once, so for the proxy's admission this is the time queued), completed
-requests/s, refusals (429) and other failures; from the engines' ``/metrics`` (vLLM names,
-parsed with prometheus_client) polled every ``--poll`` seconds: the prefix-cache hit rate
-over the window (hit tokens / queried tokens, all engines), the requests in each engine
-(running + waiting) averaged over time, and the requests each engine served (its
-``x-backend-id``); from the proxy's admin ``/metrics``: the p99 of
-``muxproxy_queue_wait_seconds`` (the upper bound of its bucket), when it is exported.
-
-Out: a markdown table, the targets and whether each holds, and a JSON file of the raw
-results (``--out``; every counted request's record). Every process it starts is stopped at
-the end, also on errors (by PID).
+Out: a markdown table per workload and load, and a JSON file of every run (``--out``).
+Every process it starts is stopped at the end, also on errors (by PID).
 """
 
 from __future__ import annotations
@@ -69,46 +56,29 @@ import shutil
 import string
 import sys
 import tempfile
-import time
-from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import trio
-from chat_client import (
-    NET_ERRORS,
-    TOKEN_BYTES,
-    HttpConn,
-    Outcome,
-    User,
-    capacity,
-    make_users,
-    service_seconds,
-    system_prompts,
-    turn,
-)
+from chat_client import NET_ERRORS, HttpConn, Outcome, chat
 from llm_load import pair
-from prometheus_client.parser import text_string_to_metric_families
-from sse_bench import (
-    HERE,
-    ROOT,
-    Proc,
-    fmt,
-    free_port,
-    host_meta,
-    markdown_header,
-    split_cpus,
-    wait_listening,
+from llm_trace import (
+    Workload,
+    goodput,
+    multi_turn_chat,
+    percentile,
+    ratio_interval,
+    single_questions,
+    ttft_quantile,
 )
-from sse_client import proc_cpu, self_cpu, summary_ms, system_cpu
+from prometheus_client.parser import text_string_to_metric_families
+from sse_bench import ROOT, Proc, free_port, host_meta, markdown_header, wait_listening
 
-QUEUE_WAIT = "muxproxy_queue_wait_seconds"
-"""The proxy's admission-queue wait histogram (admin ``/metrics``)."""
 ENGINE_SERIES = {
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",
-    "kv_usage": "vllm:kv_cache_usage_perc",
     "queries": "vllm:prefix_cache_queries_total",
     "hits": "vllm:prefix_cache_hits_total",
 }
@@ -119,8 +89,7 @@ class Policy:
     name: str
     label: str
     toml: str
-    """The group's balancing keys, as they stand in ``[upstreams.engines]``
-    (``$queue_timeout``: ``--queue-timeout``)."""
+    """The group's balancing keys, as they stand in ``[upstreams.engines]``."""
     admission: bool = False
     """Give every server ``max_streams`` = the engines' slots."""
 
@@ -154,7 +123,10 @@ def proxy_config(
     servers = ",\n".join(f'  {{ address = "127.0.0.1:{port}"{limit} }}' for port in engines)
     group = string.Template(policy.toml).substitute(queue_timeout=f"{args.queue_timeout:g}")
     if 'affinity = "prefix"' in group:
-        options = [f"balance_gap = {args.balance_gap}"] if args.balance_gap else []
+        # The proxy's defaults unless asked otherwise: what a user who turns affinity on gets.
+        options = []
+        if args.balance_gap is not None:
+            options.append(f"balance_gap = {args.balance_gap}")
         if args.prefix_length is not None:
             options.append(f"length = {args.prefix_length}")
         if args.load_factor is not None:
@@ -164,7 +136,6 @@ def proxy_config(
     return (
         f'[[listeners]]\naddress = "127.0.0.1:{listen}"\n\n'
         f'[admin]\naddress = "127.0.0.1:{admin}"\n\n'
-        # Unfinished streams at the end of a run need not keep the proxy up.
         "[timeouts]\nshutdown_grace = 1\n\n"
         '[log]\naccess = "off"\n\n'
         f"[upstreams.engines]\nservers = [\n{servers},\n]\n{group}\n\n"
@@ -172,259 +143,10 @@ def proxy_config(
     )
 
 
-# --- one policy --------------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    """What one policy's load run collects."""
-
-    outcomes: list[Outcome] = field(default_factory=list)
-    gaps: array[int] = field(default_factory=lambda: array("q"))
-    samples: list[tuple[float, list[dict[str, float]]]] = field(default_factory=list)
-    """(seconds after the start, per engine: ENGINE_SERIES values), every ``--poll`` s."""
-    dropped: int = 0
-    """Arrivals that found every user waiting for a reply."""
-    pending: int = 0
-    window_over: bool = False
-    all_done: trio.Event = field(default_factory=trio.Event)
-    send_lag_max_s: float = 0.0
-
-    def counted_ended(self) -> None:
-        self.pending -= 1
-        if self.pending == 0 and self.window_over:
-            self.all_done.set()
-
-
-def engine_values(text: str) -> dict[str, float]:
-    """The ENGINE_SERIES of one engine's ``/metrics``, summed over label sets."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return {key: values.get(name, 0.0) for key, name in ENGINE_SERIES.items()}
-
-
-def histogram(text: str, name: str) -> dict[float, float] | None:
-    """Cumulative bucket counts (upper bound -> count, summed over label sets) of ``name``."""
-    buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name + "_bucket":
-                le = float(sample.labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-    return buckets or None
-
-
-def histogram_quantile(
-    before: dict[float, float] | None, after: dict[float, float] | None, q: float
-) -> tuple[float | None, float]:
-    """(upper bound of the bucket holding quantile ``q`` of what was observed between two
-    snapshots, observations); (None, 0) without observations or without the histogram."""
-    if after is None:
-        return None, 0.0
-    delta = {le: count - (before or {}).get(le, 0.0) for le, count in sorted(after.items())}
-    total = delta.get(math.inf, 0.0)
-    if total <= 0:
-        return None, 0.0
-    for le, count in delta.items():
-        if count >= q * total:
-            return le, total
-    return math.inf, total
-
-
-async def poll_engines(ports: list[int], run: Run, t0: float, interval: float) -> None:
-    conns = [HttpConn(port) for port in ports]
-    while True:
-        try:
-            values = [engine_values((await c.get(b"/metrics")).decode()) for c in conns]
-            run.samples.append((trio.current_time() - t0, values))
-        except NET_ERRORS:
-            for c in conns:
-                await c.close()
-        await trio.sleep(interval)
-
-
-async def proxy_metrics(admin_port: int) -> str:
-    """The proxy's admin ``/metrics`` ("" if it cannot be read), on a connection of its own:
-    the admin server closes idle keep-alive connections within seconds."""
-    admin = HttpConn(admin_port)
-    try:
-        return (await admin.get(b"/metrics")).decode()
-    except NET_ERRORS:
-        return ""
-    finally:
-        await admin.close()
-
-
-class CpuMeter:
-    """CPU used by the processes we started, by this process and by the whole machine."""
-
-    def __init__(self, pids: dict[str, list[int]]) -> None:
-        self.pids = pids
-        self.start: dict[str, float] = {}
-
-    def read(self) -> dict[str, float]:
-        busy, total = system_cpu()
-        return {
-            **{who: proc_cpu(pids) for who, pids in self.pids.items()},
-            "client": self_cpu(),
-            "machine_busy": busy,
-            "machine_total": total,
-            "wall": time.monotonic(),
-        }
-
-    def begin(self) -> None:
-        self.start = self.read()
-
-    def percent(self) -> dict[str, float]:
-        """Percent of one core since ``begin()``; ``machine``: of all its cores."""
-        now = self.read()
-        used = {who: now[who] - self.start[who] for who in now}
-        wall, total, busy = used.pop("wall"), used.pop("machine_total"), used.pop("machine_busy")
-        out = {who: round(100 * cpu / wall, 1) for who, cpu in used.items()}
-        out["machine"] = round(100 * busy / total, 1) if total else 0.0
-        return out
-
-
-async def drive(args: argparse.Namespace, users: list[User], fleet: Fleet) -> dict[str, Any]:
-    """The load of one policy: arrivals for warm-up + window, then the drain."""
-    run = Run()
-    rng = random.Random(args.seed + 3)
-    for user in users:
-        user.conn = HttpConn(fleet.port)
-    end = args.warmup + args.duration
-    cpu = CpuMeter(fleet.pids())
-    queue_before: list[dict[float, float] | None] = [None]
-
-    async def window_start() -> None:
-        await trio.sleep_until(t0 + args.warmup)
-        cpu.begin()
-        queue_before[0] = histogram(await proxy_metrics(fleet.admin), QUEUE_WAIT)
-
-    async with trio.open_nursery() as nursery:
-        t0 = trio.current_time()
-        nursery.start_soon(poll_engines, fleet.engine_ports, run, t0, args.poll)
-        nursery.start_soon(window_start)
-        at = rng.expovariate(args.rate)
-        while at < end:
-            pick = rng.randrange(len(users))
-            await trio.sleep_until(t0 + at)
-            run.send_lag_max_s = max(run.send_lag_max_s, trio.current_time() - t0 - at)
-            order = users[pick:] + users[:pick]
-            free = next((u for u in order if not u.busy), None)
-            counted = at >= args.warmup
-            if free is None:
-                run.dropped += counted
-            else:
-                free.busy = True
-                outcome = Outcome(at=at, user=free.uid, prompt=free.prompt_index)
-                if counted:
-                    run.outcomes.append(outcome)
-                    run.pending += 1
-                    nursery.start_soon(turn, free, args, outcome, run.gaps, run.counted_ended)
-                else:
-                    nursery.start_soon(turn, free, args, outcome, None, lambda: None)
-            at += rng.expovariate(args.rate)
-        await trio.sleep_until(t0 + end)
-        run.window_over = True
-        window = [s for s in run.samples if s[0] >= args.warmup]
-        cpu_pct = cpu.percent()
-        if run.pending:
-            with trio.move_on_after(args.drain):
-                await run.all_done.wait()
-        queue_after = histogram(await proxy_metrics(fleet.admin), QUEUE_WAIT)
-        nursery.cancel_scope.cancel()
-    for user in users:
-        if user.conn is not None:
-            await user.conn.close()
-    queue_p99, queued = histogram_quantile(queue_before[0], queue_after, 0.99)
-    return {
-        **summarize(args, run, window, len(fleet.engine_ports)),
-        "queue_wait_p99_s": queue_p99,
-        "queue_waits_observed": queued,
-        "cpu_pct": cpu_pct,
-    }
-
-
-def share(values: list[float]) -> float | None:
-    """max / mean of the per-engine values; None when all are 0."""
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean > 0 else None
-
-
-def time_means(
-    window: list[tuple[float, list[dict[str, float]]]], engines: int, *keys: str
-) -> list[float]:
-    """Per engine: the sum of ``keys`` averaged over the samples (taken every ``--poll`` s)."""
-    if not window:
-        return []
-    return [
-        sum(sum(values[k][key] for key in keys) for _, values in window) / len(window)
-        for k in range(engines)
-    ]
-
-
-def summarize(
-    args: argparse.Namespace,
-    run: Run,
-    window: list[tuple[float, list[dict[str, float]]]],
-    engines: int,
-) -> dict[str, Any]:
-    outs = run.outcomes
-    ns = 1_000_000_000
-    results: dict[str, int] = {}
-    for o in outs:
-        results[o.result] = results.get(o.result, 0) + 1
-    ok = [o for o in outs if o.result == "ok"]
-    # A request cut before its first token (or head) has waited at least this long so far:
-    # it counts with that, a lower bound. Refusals and errors have no first token.
-    waited = ("ok", "unfinished", "timeout", "short")
-    ttft = [
-        int((o.ttft_s if o.ttft_s is not None else o.e2e_s or 0.0) * ns)
-        for o in outs
-        if o.result in waited
-    ]
-    heads = [int((o.head_s if o.head_s is not None else o.e2e_s or 0.0) * ns) for o in outs]
-    served = {f"e{k}": 0 for k in range(engines)}
-    for o in ok:
-        served[o.engine] = served.get(o.engine, 0) + 1
-    hit_rate = None
-    if len(window) >= 2:
-        first, last = window[0][1], window[-1][1]
-        queries = sum(b["queries"] - a["queries"] for a, b in zip(first, last, strict=True))
-        hits = sum(b["hits"] - a["hits"] for a, b in zip(first, last, strict=True))
-        hit_rate = hits / queries if queries else None
-    in_engine = time_means(window, engines, "running", "waiting")
-    running = time_means(window, engines, "running")
-    return {
-        "offered_per_s": args.rate,
-        "duration_s": args.duration,
-        "arrivals": len(outs),
-        "dropped_all_users_busy": run.dropped,
-        "results": results,
-        "completed_per_s": len(ok) / args.duration,
-        "refused_429": results.get("http_429", 0),
-        "ttft_ms": summary_ms(ttft),
-        "itl_ms": summary_ms(run.gaps),
-        "head_ms": summary_ms(heads),
-        "e2e_ms": summary_ms([int(o.e2e_s * ns) for o in ok if o.e2e_s is not None]),
-        "kv_hit_rate": hit_rate,
-        "served_per_engine": served,
-        "served_max_over_mean": share([float(v) for v in served.values()]),
-        "in_engine_mean": [round(v, 2) for v in in_engine],
-        "in_engine_max_over_mean": share(in_engine),
-        "running_mean": [round(v, 2) for v in running],
-        "send_lag_max_ms": round(run.send_lag_max_s * 1000, 1),
-        "requests": [vars(o) for o in outs],
-    }
-
-
 class Fleet:
-    """The engines and the proxy of one policy, listening; ``stop()`` ends each (by PID)."""
+    """The engines and one proxy per policy, listening; ``stop()`` ends each (by PID)."""
 
-    def __init__(self, args: argparse.Namespace, policy: Policy, tmp: Path) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
+    def __init__(self, args: argparse.Namespace, policies: list[Policy], tmp: Path) -> None:
         options = {
             "--max-running": args.max_running,
             "--kv-blocks": args.kv_blocks,
@@ -432,408 +154,545 @@ class Fleet:
             "--ttft-base": args.ttft_base,
             "--prefill-per-token": args.prefill_per_token,
             "--delay": args.delay,
+            "--prefill-chunk": args.prefill_chunk,
         }
-        if args.prefill_chunk:
-            options["--prefill-chunk"] = args.prefill_chunk
         engine_argv = [str(part) for option in options.items() for part in option]
         command = [sys.executable, "-m", "muxproxy"]  # -m: the package of this checkout (cwd)
-        self.engines: list[Proc] = []
         self.procs: list[Proc] = []
+        self.proxies: dict[str, int] = {}
         try:
+            engines = []
             for k in range(args.engines):
                 port = free_port()
                 argv = [*command, "fakellm", "--port", str(port), "--id", f"e{k}", *engine_argv]
-                self.engines.append(Proc(f"e{k}", argv, tmp / f"e{k}.log", port, cwd=ROOT))
-                self.procs.append(self.engines[-1])
-            self.engine_ports = [engine.port for engine in self.engines]
-            self.port, self.admin = free_port(), free_port()
-            config = tmp / "muxproxy.toml"
-            config.write_text(proxy_config(policy, args, self.port, self.admin, self.engine_ports))
-            argv = [*command, "serve", "--config", str(config)]
-            log = tmp / "muxproxy.log"
-            self.proxy = Proc("muxproxy", argv, log, self.port, cwd=ROOT, cpus=args.proxy_cpu_set)
-            self.procs.append(self.proxy)
+                engines.append(Proc(f"e{k}", argv, tmp / f"e{k}.log", port, cwd=ROOT))
+            self.procs.extend(engines)
+            self.engine_ports = [engine.port for engine in engines]
+            for policy in policies:
+                port, admin = free_port(), free_port()
+                config = tmp / f"{policy.name}.toml"
+                config.write_text(proxy_config(policy, args, port, admin, self.engine_ports))
+                argv = [*command, "serve", "--config", str(config)]
+                log = tmp / f"{policy.name}.log"
+                self.procs.append(Proc("muxproxy", argv, log, port, cwd=ROOT))
+                self.proxies[policy.name] = port
             for proc in self.procs:
                 wait_listening(proc.port, proc.proc)
         except BaseException:
             self.stop()
             raise
 
-    def pids(self) -> dict[str, list[int]]:
-        return {"proxy": [self.proxy.pid], "engines": [engine.pid for engine in self.engines]}
+    def exited(self) -> dict[str, str]:
+        return {p.log.name: p.log_tail() for p in self.procs if not p.alive()}
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
 
 
-def run_policy(
-    args: argparse.Namespace, policy: Policy, prompts: list[str], tmp: Path
-) -> dict[str, Any]:
-    """One policy on fresh processes (cold caches) and fresh users (the same workload)."""
-    fleet = Fleet(args, policy, tmp / policy.name)
-    try:
-        result = trio.run(drive, args, make_users(args, prompts), fleet)
-        exited = {p.name: p.log_tail() for p in fleet.procs if not p.alive()}
-        if exited:
-            print(f"#   ERROR {policy.name}: exited during the run: {exited}", file=sys.stderr)
-            result["exited"] = exited
-    finally:
-        fleet.stop()
-    return {"policy": policy.name, "label": policy.label, **result}
+# --- one run ----------------------------------------------------------------------------------
 
 
-# --- the table ---------------------------------------------------------------------------------
+def engine_values(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return {key: values.get(name, 0.0) for key, name in ENGINE_SERIES.items()}
 
 
-def pair_ms(summary: dict[str, float], a: str, b: str) -> str:
-    if not summary.get("count"):
-        return "-"
-    return f"{summary[a]:,.0f} / {summary[b]:,.0f}"
-
-
-def table(runs: list[dict[str, Any]]) -> str:
-    cols = [
-        "policy",
-        "offered (arrived) req/s",
-        "completed req/s",
-        "TTFT p50 / p99 (ms)",
-        "ITL p99 (ms)",
-        "KV hit rate",
-        "served max/mean",
-        "in engine max/mean",
-        "429",
-        "unfinished",
-        "queue wait p99 (s)",
-        "head p99 (ms)",
-    ]
-    lines = markdown_header(cols)
-    for r in runs:
-        q = r["queue_wait_p99_s"]
-        cells = [
-            f"{POLICIES.index(BY_NAME[r['policy']]) + 1}. {r['label']}",
-            f"{r['offered_per_s']:.2f} ({r['arrivals'] / r['duration_s']:.2f})",
-            f"{r['completed_per_s']:.2f}",
-            pair_ms(r["ttft_ms"], "p50", "p99"),
-            fmt(r["itl_ms"].get("p99"), ".0f"),
-            fmt(r["kv_hit_rate"], ".1%"),
-            fmt(r["served_max_over_mean"], ".2f"),
-            fmt(r["in_engine_max_over_mean"], ".2f"),
-            str(r["refused_429"]),
-            str(r["results"].get("unfinished", 0) + r["results"].get("timeout", 0)),
-            "-" if q is None else f"≤ {q:g}",
-            fmt(r["head_ms"].get("p99"), ",.0f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    for r in runs:
-        cpu = r["cpu_pct"]
-        note = (
-            f"{r['policy']}: CPU (% of a core) proxy {cpu['proxy']:.0f}, engines "
-            f"{cpu['engines']:.0f}, client {cpu['client']:.0f}; machine {cpu['machine']:.0f} % busy"
-        )
-        if r["send_lag_max_ms"] > 50 or r["dropped_all_users_busy"]:
-            note += (
-                f"; ⚠ not quite open loop: a request sent up to {r['send_lag_max_ms']:.0f} ms "
-                f"late, {r['dropped_all_users_busy']} arrivals found every user busy"
-            )
-        failures = {k: v for k, v in r["results"].items() if k != "ok"}
-        if failures:
-            note += f"; not ok: {failures}"
-        if r.get("exited"):
-            note += f"; ⚠ exited during the run: {sorted(r['exited'])}"
-        lines.append(f"- {note}")
-    return "\n".join(lines)
-
-
-def targets(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    by = {r["policy"]: r for r in runs}
+async def engines_now(ports: list[int]) -> list[dict[str, float]]:
     out = []
-    rr, px, adm = by.get("round_robin"), by.get("prefix"), by.get("admission")
-    if rr and px and rr["ttft_ms"].get("count") and px["ttft_ms"].get("count"):
-        ratio = rr["ttft_ms"]["p99"] / px["ttft_ms"]["p99"]
-        out.append(
-            f"- least load + prefix cuts TTFT p99 >= 2x against round robin: "
-            f"{rr['ttft_ms']['p99']:,.0f} -> {px['ttft_ms']['p99']:,.0f} ms ({ratio:.2f}x): "
-            f"{'holds' if ratio >= 2 else 'does not hold'}"
-        )
-    else:
-        out.append("- TTFT p99 target: not measured (needs policies round_robin and prefix)")
-    if px:
-        for key, what in (
-            ("served_max_over_mean", "requests served"),
-            ("in_engine_max_over_mean", "requests in the engine, time-averaged"),
-        ):
-            v = px[key]
-            verdict = "not measured" if v is None else ("holds" if v <= 1.3 else "does not hold")
-            out.append(
-                f"- least load + prefix: no engine above 1.3x the mean load ({what}): "
-                f"{fmt(v, '.2f')}x: {verdict}"
-            )
-    if adm:
-        q = adm["queue_wait_p99_s"]
-        cut = adm["results"].get("unfinished", 0) + adm["results"].get("timeout", 0)
-        if q is None:
-            head = adm["head_ms"].get("p99")
-            bound = f"not exported; time to the response head p99 {fmt(head, ',.0f')} ms"
-            holds = head is not None and head / 1000 <= args.queue_timeout and not cut
-        else:
-            bound = f"p99 queue wait ≤ {q:g} s"
-            holds = q <= args.queue_timeout and not cut
-        out.append(
-            f"- admission: no request waits unboundedly (p99 queue wait <= "
-            f"{args.queue_timeout:g} s, none unfinished): {bound}, {adm['refused_429']} "
-            f"refused (429), {cut} unfinished: {'holds' if holds else 'does not hold'}"
-        )
+    for port in ports:
+        conn = HttpConn(port)
+        try:
+            out.append(engine_values((await conn.get(b"/metrics")).decode()))
+        finally:
+            await conn.close()
     return out
 
 
-# --- pooling runs of several seeds ------------------------------------------------------------
+async def engines_idle(ports: list[int], limit: float) -> None:
+    """Return once no engine runs or queues a request (at most ``limit`` seconds)."""
+    with trio.move_on_after(limit):
+        while any(e["running"] + e["waiting"] for e in await engines_now(ports)):
+            await trio.sleep(0.1)
 
 
-def waited_ns(run: dict[str, Any]) -> list[int]:
-    """A run's TTFTs (ns) counted as ``summarize`` counts them: a request cut before its
-    first token with its time so far; refusals and errors left out."""
-    ns = 1_000_000_000
-    return [
-        int((r["ttft_s"] if r["ttft_s"] is not None else r["e2e_s"] or 0.0) * ns)
-        for r in run["requests"]
-        if r["result"] in ("ok", "unfinished", "timeout", "short")
-    ]
+async def one_request(
+    port: int, idle: list[HttpConn], workload: Workload, index: int, salt: str, outcome: Outcome
+) -> None:
+    """Send one request of the trace and read its stream into ``outcome``."""
+    arrival = workload.arrivals[index]
+    conn = idle.pop() if idle else HttpConn(port)
+    sent = workload.body_messages(arrival, salt)
+    outcome.max_tokens = arrival.max_tokens
+    start = trio.current_time()
+    try:
+        await chat(SimpleNamespace(uid=arrival.user, conn=conn), outcome, sent, None)
+    except NET_ERRORS as exc:
+        outcome.result = f"error: {type(exc).__name__}"
+    finally:
+        if outcome.e2e_s is None:  # cut at the end of the drain: its time so far
+            outcome.e2e_s = trio.current_time() - start
+        if outcome.result == "ok":
+            idle.append(conn)
+        else:
+            with trio.CancelScope(shield=True):
+                await conn.close()
 
 
-def variant_of(run: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:
-    """(policy name, the label of its variant) of a run, from the parameters it ran with."""
-    label = f"{POLICIES.index(BY_NAME[run['policy']]) + 1}. {run['label']}"
-    if run["policy"] in ("prefix", "admission") and "balance_gap" in params:
-        gap = params["balance_gap"]
-        label += f", balance_gap {gap}" if gap else ", balance_gap unset"
-        if params.get("prefix_length") is not None:
-            label += f", length {params['prefix_length']}"
-    return run["policy"], label
+async def drive(
+    args: argparse.Namespace,
+    fleet: Fleet,
+    policy: str,
+    workload: Workload,
+    rate: float,
+    salt: str,
+) -> dict[str, Any]:
+    """One run: the trace at ``rate`` through one policy's proxy; see the header."""
+    port = fleet.proxies[policy]
+    end = args.warmup + args.window
+    counted: list[Outcome] = []
+    idle: list[HttpConn] = []
+    counted_left = 0
+    all_counted = trio.Event()
+    before: list[dict[str, float]] = []
+    overlapping = 0
+    busy_until: dict[int, int] = {}
+
+    async def send(index: int, outcome: Outcome, count: bool) -> None:
+        nonlocal counted_left
+        try:
+            await one_request(port, idle, workload, index, salt, outcome)
+        finally:
+            busy_until[workload.arrivals[index].user] -= 1
+            if count:
+                counted_left -= 1
+                if counted_left == 0 and t0 + end <= trio.current_time():
+                    all_counted.set()
+
+    async def window_start() -> None:
+        await trio.sleep_until(t0 + args.warmup)
+        before.extend(await engines_now(fleet.engine_ports))
+
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(window_start)
+        for index, arrival in enumerate(workload.arrivals):
+            at = arrival.at / rate
+            if at >= end:
+                break
+            await trio.sleep_until(t0 + at)
+            outcome = Outcome(at=at, user=arrival.user, prompt=arrival.conversation)
+            outcome.turn = arrival.turn
+            overlapping += busy_until.get(arrival.user, 0) > 0
+            busy_until[arrival.user] = busy_until.get(arrival.user, 0) + 1
+            count = at >= args.warmup
+            if count:
+                counted.append(outcome)
+                counted_left += 1
+            nursery.start_soon(send, index, outcome, count)
+        else:
+            raise SystemExit(f"the trace of {workload.name} ends before the window does")
+        await trio.sleep_until(t0 + end)
+        if counted_left:
+            with trio.move_on_after(args.drain):
+                await all_counted.wait()
+        after = await engines_now(fleet.engine_ports)
+        nursery.cancel_scope.cancel()
+    for conn in idle:
+        await conn.close()
+    queries = sum(b["queries"] - a["queries"] for a, b in zip(before, after, strict=True))
+    hits = sum(b["hits"] - a["hits"] for a, b in zip(before, after, strict=True))
+    served: dict[str, int] = {f"e{k}": 0 for k in range(len(fleet.engine_ports))}
+    for o in counted:
+        if o.engine:
+            served[o.engine] = served.get(o.engine, 0) + 1
+    mean = sum(served.values()) / len(served)
+    return {
+        "policy": policy,
+        "workload": workload.name,
+        "rate": rate,
+        "requests": len(counted),
+        "overlapping_turns": overlapping,
+        "results": count_results(counted),
+        "ttft_s": [ttft(o) for o in counted],
+        "prefill_tokens": queries - hits,
+        "queried_tokens": queries,
+        "hit_rate": hits / queries if queries else None,
+        "served": served,
+        "busiest_over_mean": max(served.values()) / mean if mean else None,
+    }
 
 
-def pooled(files: list[Path]) -> str:
-    """Per load and policy variant, each seed's TTFT p99 and the pooled percentiles of all
-    their requests, then the p99 cut against round robin over the same seeds."""
-    groups: dict[tuple[float, str], dict[str, Any]] = {}
-    for path in files:
-        data = json.loads(path.read_text())
-        params = data["params"]
-        load = round(params["rate"] / params["capacity"], 2)
-        for run in data["runs"]:
-            policy, label = variant_of(run, params)
-            group = groups.setdefault(
-                (load, label), {"policy": policy, "label": label, "load": load, "seeds": {}}
-            )
-            if params["seed"] in group["seeds"]:
-                raise SystemExit(f"{path}: seed {params['seed']} of {label!r} given twice")
-            group["seeds"][params["seed"]] = run
-    cols = ["load", "policy", "seeds", "TTFT p99 by seed (ms)", "pooled p50 / p90 / p99 (ms)"]
-    cols += ["requests", "KV hit rate", "in engine max/mean"]
-    lines = markdown_header(cols)
-    order = sorted(groups.values(), key=lambda g: (g["load"], POLICIES.index(BY_NAME[g["policy"]])))
-    for g in order:
-        seeds = sorted(g["seeds"])
-        runs = [g["seeds"][k] for k in seeds]
-        every = summary_ms([t for r in runs for t in waited_ns(r)])
-        hits = [r["kv_hit_rate"] for r in runs if r["kv_hit_rate"] is not None]
-        loads = [r["in_engine_max_over_mean"] for r in runs if r["in_engine_max_over_mean"]]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"{g['load']:g}",
-                    g["label"],
-                    ",".join(map(str, seeds)),
-                    ", ".join(f"{r['ttft_ms'].get('p99', 0):,.0f}" for r in runs),
-                    f"{every['p50']:,.0f} / {every['p90']:,.0f} / {every['p99']:,.0f}",
-                    str(every["count"]),
-                    f"{min(hits):.0%}-{max(hits):.0%}" if hits else "-",
-                    f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-",
-                ]
-            )
-            + " |"
+def ttft(outcome: Outcome) -> float:
+    """Its TTFT; one cut before its first token at the end of the drain counts with its time
+    so far (a lower bound), and a refusal or an error as never (outside any SLO)."""
+    if outcome.ttft_s is not None:
+        return outcome.ttft_s
+    if outcome.result in ("unfinished", "timeout"):
+        return outcome.e2e_s or 0.0
+    return math.inf
+
+
+def count_results(outcomes: list[Outcome]) -> dict[str, int]:
+    results: dict[str, int] = {}
+    for o in outcomes:
+        results[o.result] = results.get(o.result, 0) + 1
+    return results
+
+
+async def run_once(
+    args: argparse.Namespace, fleet: Fleet, policy: str, workload: Workload, rate: float
+) -> dict[str, Any]:
+    args.runs += 1
+    await engines_idle(fleet.engine_ports, args.drain)
+    result = await drive(args, fleet, policy, workload, rate, f"[run {args.runs}] ")
+    exited = fleet.exited()
+    if exited:
+        raise SystemExit(f"exited during the run: {exited}")
+    return result
+
+
+# --- capacity ---------------------------------------------------------------------------------
+
+
+def sustains(times: list[float], args: argparse.Namespace) -> bool:
+    return bool(times) and sum(t <= args.slo for t in times) >= args.capacity_share * len(times)
+
+
+async def measure_capacity(
+    args: argparse.Namespace, fleet: Fleet, traces: list[Workload]
+) -> tuple[float, list[dict[str, Any]]]:
+    """The highest rate round robin sustains at the SLO over ``traces`` (one per seed of
+    ``--search-seeds``, their requests pooled; see the header), and the probes."""
+    probes: list[dict[str, Any]] = []
+
+    async def probe(rate: float) -> bool:
+        times = []
+        for trace in traces:
+            times += (await run_once(args, fleet, "round_robin", trace, rate))["ttft_s"]
+        ok = sustains(times, args)
+        share = sum(t <= args.slo for t in times) / max(len(times), 1)
+        print(
+            f"#   {traces[0].name}: round robin at {rate:.2f} req/s: {share:.0%} within "
+            f"{args.slo:g} s ({'sustained' if ok else 'not sustained'})",
+            file=sys.stderr,
         )
-    lines.append("")
-    for g in order:
-        base = groups.get((g["load"], f"1. {BY_NAME['round_robin'].label}"))
-        if base is None or g["policy"] == "round_robin":
-            continue
-        seeds = sorted(set(g["seeds"]) & set(base["seeds"]))
+        probes.append({"rate": rate, "within_slo": share, "sustained": ok})
+        return ok
+
+    rate = args.capacity_guess
+    low, high = (rate, None) if await probe(rate) else (None, rate)
+    for _ in range(args.search_max):
+        if low is not None and high is not None:
+            break
+        rate = rate * args.search_factor if high is None else rate / args.search_factor
+        if await probe(rate):
+            low = rate
+        else:
+            high = rate
+    if low is None or high is None:
+        raise SystemExit(f"{traces[0].name}: no knee between the rates probed: {probes}")
+    for _ in range(args.search_steps):
+        middle = math.sqrt(low * high)
+        if await probe(middle):
+            low = middle
+        else:
+            high = middle
+    return low, probes
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+
+def with_interval(point: float, low: float, high: float) -> str:
+    return f"{point:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def group_table(
+    args: argparse.Namespace, runs: list[dict[str, Any]], window_s: float, rng: random.Random
+) -> list[str]:
+    """One workload and load: a row per policy, its seeds pooled, ratios against round robin."""
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_policy.setdefault(run["policy"], []).append(run)
+    base = by_policy.get("round_robin")
+    cols = [
+        "policy",
+        "requests",
+        "TTFT p50 / p99 (ms)",
+        "p50 x rr",
+        "p99 x rr",
+        f"goodput ≤ {args.slo:g} s (req/s)",
+        "goodput x rr",
+        "prefill tokens / request",
+        "prefill x rr (by seed)",
+        "hit rate",
+        "busiest / mean",
+        "not ok",
+    ]
+    lines = markdown_header(cols)
+    for policy in args.chosen:
+        seeds = sorted(by_policy.get(policy.name, []), key=lambda r: r["seed"])
         if not seeds:
             continue
-        p99 = [
-            summary_ms([t for k in seeds for t in waited_ns(x["seeds"][k])])["p99"]
-            for x in (base, g)
+        ttfts = [r["ttft_s"] for r in seeds]
+        pooled = [t for seed in ttfts for t in seed]
+        requests = sum(r["requests"] for r in seeds)
+        prefill = sum(r["prefill_tokens"] for r in seeds) / max(requests, 1)
+        queried = sum(r["queried_tokens"] for r in seeds)
+        hit = 1 - sum(r["prefill_tokens"] for r in seeds) / queried if queried else math.nan
+        good = goodput(args.slo, window_s)(ttfts)
+        cells = [
+            f"{POLICIES.index(policy) + 1}. {policy.label}",
+            str(requests),
+            f"{percentile(pooled, 0.5) * 1000:,.0f} / {percentile(pooled, 0.99) * 1000:,.0f}",
         ]
-        lines.append(
-            f"- load {g['load']:g}, {g['label']}: TTFT p99 against round robin over seeds "
-            f"{','.join(map(str, seeds))}: {p99[0]:,.0f} -> {p99[1]:,.0f} ms "
-            f"({p99[0] / p99[1]:.2f}x; target 2x)"
-        )
-    return "\n".join(lines)
+        if base is None or policy.name == "round_robin":
+            cells += ["", "", f"{good:.2f}", "", f"{prefill:,.0f}", ""]
+        else:
+            base_seeds = sorted(base, key=lambda r: r["seed"])
+            base_ttfts = [r["ttft_s"] for r in base_seeds]
+            for stat in (ttft_quantile(0.5), ttft_quantile(0.99)):
+                cells.append(
+                    with_interval(*ratio_interval(stat, ttfts, base_ttfts, args.bootstrap, rng))
+                )
+            cells.append(f"{good:.2f}")
+            gp = ratio_interval(goodput(args.slo, window_s), ttfts, base_ttfts, args.bootstrap, rng)
+            cells.append(with_interval(*gp))
+            cells.append(f"{prefill:,.0f}")
+            by_seed = [
+                r["prefill_tokens"] / b["prefill_tokens"] if b["prefill_tokens"] else math.nan
+                for r, b in zip(seeds, base_seeds, strict=False)
+            ]
+            spread = ", ".join(f"{x:.2f}" for x in by_seed)
+            cells.append(f"{prefill_ratio(seeds, base_seeds):.2f}x ({spread})")
+        busiest = [r["busiest_over_mean"] for r in seeds if r["busiest_over_mean"]]
+        bad: dict[str, int] = {}
+        for r in seeds:
+            for result, n in r["results"].items():
+                if result != "ok":
+                    bad[result] = bad.get(result, 0) + n
+        cells += [
+            f"{hit:.1%}",
+            f"{max(busiest):.2f}" if busiest else "-",
+            ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) or "0",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def prefill_ratio(seeds: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
+    """Prefill tokens per request, pooled, over round robin's."""
+    mine = sum(r["prefill_tokens"] for r in seeds) / max(sum(r["requests"] for r in seeds), 1)
+    theirs = sum(r["prefill_tokens"] for r in base) / max(sum(r["requests"] for r in base), 1)
+    return mine / theirs if theirs else math.nan
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+QUICK = {
+    "warmup": 1.5,
+    "window": 4.0,
+    "drain": 10.0,
+    "loads": "0.9",
+    "seeds": "0,1",
+    "policies": "round_robin,least_load,prefix",
+    "search_steps": 0,
+    "search_seeds": "0",
+    "bootstrap": 300,
+}
+"""``--quick``: a smoke test of every part, bounded to about two minutes on two cores."""
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--quick", action="store_true", help="a smoke test: " + str(QUICK))
     parser.add_argument(
         "--policies",
-        default=",".join(p.name for p in POLICIES),
-        help="comma-separated names or numbers 1-6 (default: all)",
+        default="round_robin,least_streams,least_load,prefix,admission",
+        help=f"comma-separated names or numbers 1-{len(POLICIES)} (round robin always runs)",
     )
-    parser.add_argument("--duration", type=float, default=50.0, help="counted window (s)")
-    parser.add_argument("--warmup", type=float, default=10.0, help="arrivals not counted (s)")
-    parser.add_argument(
-        "--drain",
+    parser.add_argument("--workloads", default="single,chat", help="single, chat or both")
+    parser.add_argument("--loads", default="0.5,0.9,1.3", help="fractions of the capacity")
+    parser.add_argument("--seeds", default="0,1,2", help="at least two, comma-separated")
+    parser.add_argument("--slo", type=float, default=1.0, help="TTFT SLO (s)")
+    parser.add_argument("--window", type=float, default=30.0, help="counted arrivals (s)")
+    parser.add_argument("--warmup", type=float, default=10.0, help="uncounted arrivals (s)")
+    parser.add_argument("--drain", type=float, default=60.0, help="most s to wait after it")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="resampling rounds")
+    search = parser.add_argument_group("the capacity search (round robin, seed 0)")
+    search.add_argument("--capacity", type=str, help="WORKLOAD=REQ/S,...: skip the search")
+    search.add_argument("--capacity-guess", type=float, default=10.0, help="first rate probed")
+    search.add_argument(
+        "--capacity-share",
         type=float,
-        default=30.0,
-        help="most seconds to wait for counted requests after the window",
+        default=0.9,
+        help="share of requests within the SLO that counts as sustained",
     )
-    parser.add_argument("--rate", type=float, help="requests/s (default: --load x capacity)")
-    parser.add_argument("--load", type=float, default=0.9, help="fraction of the capacity")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--users", type=int, default=200)
-    parser.add_argument("--prompts", type=int, default=20, help="distinct system prompts")
-    parser.add_argument("--prompt-bytes", type=int, default=3600, help="bytes per system prompt")
-    parser.add_argument("--zipf", type=float, default=0.8, help="popularity exponent of prompts")
-    parser.add_argument("--turns", type=pair(int), default=(1, 5), help="MIN,MAX per chat")
-    parser.add_argument(
-        "--user-bytes",
-        type=pair(int),
-        default=(100, 400),
-        help="MIN,MAX bytes per user message",
+    search.add_argument(
+        "--search-seeds", help="the seeds whose traces the search runs (default: --seeds)"
     )
-    parser.add_argument(
-        "--tokens", type=pair(int), default=(16, 256), help="MIN,MAX max_tokens per request"
-    )
-    parser.add_argument("--request-timeout", type=float, default=120.0)
-    parser.add_argument("--poll", type=float, default=0.5, help="engine /metrics period (s)")
+    search.add_argument("--search-factor", type=float, default=1.4)
+    search.add_argument("--search-max", type=int, default=6, help="most probes to bracket")
+    search.add_argument("--search-steps", type=int, default=2, help="bisections")
+    work = parser.add_argument_group("the workloads")
+    work.add_argument("--system-bytes", type=int, default=6000, help="single: its system prompt")
+    work.add_argument("--users", type=int, default=96)
+    work.add_argument("--prompts", type=int, default=8, help="chat: distinct system prompts")
+    work.add_argument("--prompt-bytes", type=int, default=3600, help="chat: bytes each")
+    work.add_argument("--zipf", type=float, default=0.8)
+    work.add_argument("--turns", type=pair(int), default=(2, 8), help="MIN,MAX per conversation")
+    work.add_argument("--user-bytes", type=pair(int), default=(100, 400))
+    work.add_argument("--tokens", type=pair(int), default=(16, 128), help="MIN,MAX max_tokens")
     engine = parser.add_argument_group("the engines (muxproxy fakellm)")
     engine.add_argument("--engines", type=int, default=4)
     engine.add_argument("--max-running", type=int, default=8)
-    engine.add_argument(
-        "--kv-blocks", type=int, help="default: 6.5 system prompts' worth of blocks"
-    )
+    engine.add_argument("--kv-blocks", type=int, default=1600)
     engine.add_argument("--block-tokens", type=int, default=16)
     engine.add_argument("--ttft-base", type=float, default=0.005)
-    engine.add_argument("--prefill-per-token", type=float, default=0.00075)
-    engine.add_argument(
-        "--delay", type=float, default=0.02, help="seconds between tokens (a step's decode)"
-    )
-    engine.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        metavar="N",
-        help="the engines' step model: prefill tokens per step (0: private prefill, no batching)",
-    )
-    parser.add_argument("--queue-timeout", type=float, default=30.0, help="policy 6's queue")
-    parser.add_argument(
-        "--load-factor",
-        type=float,
-        help="prefix.load_factor of policies 5 and 6 (default: the proxy's, 1.25)",
-    )
-    parser.add_argument(
-        "--prefix-length",
-        type=int,
-        help="prefix.length of policies 5 and 6 (default: the proxy's, 1024 bytes)",
-    )
-    parser.add_argument(
-        "--balance-gap",
-        type=int,
-        help="prefix.balance_gap of policies 5 and 6 (default: a quarter of --max-running;"
-        " 0: unset, the load_factor bound alone)",
-    )
-    parser.add_argument(
-        "--proxy-cpus",
-        help="comma-separated CPUs for the proxy; the rest (engines, this client) on the others",
-    )
+    engine.add_argument("--prefill-per-token", type=float, default=0.0003)
+    engine.add_argument("--delay", type=float, default=0.02, help="a step's decode (s)")
+    engine.add_argument("--prefill-chunk", type=int, default=512)
+    knobs = parser.add_argument_group("policy knobs (default: the proxy's own)")
+    knobs.add_argument("--queue-timeout", type=float, default=30.0, help="policy 6's queue")
+    knobs.add_argument("--load-factor", type=float)
+    knobs.add_argument("--prefix-length", type=int)
+    knobs.add_argument("--balance-gap", type=int)
     parser.add_argument("--out", type=Path, help="JSON results (default: bench/results/...)")
-    parser.add_argument(
-        "--pool",
-        type=Path,
-        nargs="+",
-        metavar="JSON",
-        help="run nothing: pool the results of earlier runs (one per seed) and print each"
-        " seed's p99 and the pooled percentiles per load and policy",
-    )
     parser.add_argument("--keep-tmp", action="store_true", help="keep configs and logs")
     args = parser.parse_args()
-    args.proxy_cpu_set = split_cpus(parser, args.proxy_cpus)
-    if args.prefill_chunk < 0:
-        parser.error(f"--prefill-chunk: expected 0 (no steps) or more, got {args.prefill_chunk}")
-    chosen = []
+    if args.quick:
+        given = {a.dest for a in parser._actions if f"--{a.dest.replace('_', '-')}" in sys.argv}
+        for key, value in QUICK.items():
+            if key not in given:
+                setattr(args, key, value)
+    chosen = [BY_NAME["round_robin"]]
     for item in filter(None, (s.strip() for s in args.policies.split(","))):
-        policy = (
-            POLICIES[int(item) - 1] if item.isdigit() and 1 <= int(item) <= 6 else BY_NAME.get(item)
-        )
+        number = int(item) if item.isdigit() else 0
+        policy = POLICIES[number - 1] if 1 <= number <= len(POLICIES) else BY_NAME.get(item)
         if policy is None:
-            parser.error(f"--policies: unknown {item!r}; choose from 1-6 or {list(BY_NAME)}")
-        chosen.append(policy)
+            parser.error(f"--policies: unknown {item!r}; choose from {list(BY_NAME)}")
+        if policy not in chosen:
+            chosen.append(policy)
     args.chosen = chosen
-    if args.balance_gap is None:
-        args.balance_gap = max(args.max_running // 4, 1)
-    if args.balance_gap < 0:
-        parser.error(f"--balance-gap: expected 0 (unset) or more, got {args.balance_gap}")
-    if args.kv_blocks is None:
-        args.kv_blocks = round(6.5 * args.prompt_bytes / TOKEN_BYTES / args.block_tokens)
-    args.capacity = capacity(args)
-    if args.rate is None:
-        args.rate = round(args.load * args.capacity, 2)
+    args.workload_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not set(args.workload_names) <= {"single", "chat"} or not args.workload_names:
+        parser.error(f"--workloads: single, chat or both, got {args.workloads!r}")
+    args.load_list = [float(x) for x in str(args.loads).split(",")]
+    args.seed_list = [int(x) for x in str(args.seeds).split(",")]
+    if len(set(args.seed_list)) < 2:
+        parser.error("--seeds: at least two, to pool")
+    args.search_list = [int(x) for x in str(args.search_seeds or args.seeds).split(",")]
+    args.known_capacity = {}
+    for item in filter(None, (args.capacity or "").split(",")):
+        name, _, rate = item.partition("=")
+        args.known_capacity[name] = float(rate)
     if args.out is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        args.out = HERE / "results" / f"llm-routing-{stamp}.json"
+        args.out = Path(__file__).resolve().parent / "results" / f"llm-routing-{stamp}.json"
+    args.runs = 0
     return args
+
+
+def make_workload(args: argparse.Namespace, name: str, seed: int, horizon: float) -> Workload:
+    """A trace long enough for ``horizon`` seconds at the highest rate it may run."""
+    count = math.ceil(horizon * 1.3 + 50)
+    if name == "single":
+        return single_questions(seed, count, args.system_bytes, args.user_bytes, args.tokens)
+    return multi_turn_chat(
+        seed,
+        count,
+        users=args.users,
+        prompts=args.prompts,
+        prompt_bytes=args.prompt_bytes,
+        zipf=args.zipf,
+        turns=args.turns,
+        user_bytes=args.user_bytes,
+        tokens=args.tokens,
+    )
+
+
+async def bench(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
+    out: dict[str, Any] = {"capacity": {}, "probes": {}, "runs": []}
+    span = args.warmup + args.window
+    for name in args.workload_names:
+        top = args.capacity_guess * args.search_factor**args.search_max
+        if name in args.known_capacity:
+            capacity = args.known_capacity[name]
+        else:
+            print(f"# {name}: searching round robin's capacity", file=sys.stderr)
+            probe_traces = [make_workload(args, name, k, span * top) for k in args.search_list]
+            capacity, probes = await measure_capacity(args, fleet, probe_traces)
+            out["probes"][name] = probes
+        out["capacity"][name] = capacity
+        top = capacity * max(args.load_list)
+        traces = {seed: make_workload(args, name, seed, span * top) for seed in args.seed_list}
+        for load in args.load_list:
+            for seed in args.seed_list:
+                for policy in args.chosen:
+                    run = await run_once(args, fleet, policy.name, traces[seed], load * capacity)
+                    run.update(load=load, seed=seed)
+                    out["runs"].append(run)
+                    ttfts = run["ttft_s"]
+                    print(
+                        f"#   {name} load {load:g} seed {seed} {policy.name}: "
+                        f"{run['requests']} requests, p50 {percentile(ttfts, 0.5):.3f} s, "
+                        f"hit rate {run['hit_rate'] or 0:.1%}",
+                        file=sys.stderr,
+                    )
+    return out
+
+
+def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
+    rng = random.Random(20261207)
+    lines = []
+    for name in args.workload_names:
+        capacity = out["capacity"][name]
+        for load in args.load_list:
+            runs = [r for r in out["runs"] if r["workload"] == name and r["load"] == load]
+            lines.append(
+                f"\n**{name}**, load {load:g} of round robin's measured capacity "
+                f"({capacity:.2f} req/s: {load * capacity:.2f} req/s), seeds "
+                f"{','.join(map(str, args.seed_list))} pooled, {args.window:g} s counted each:\n"
+            )
+            lines += group_table(args, runs, args.window, rng)
+    return "\n".join(lines)
 
 
 def main() -> None:
     args = parse_args()
-    if args.pool:
-        print(pooled(args.pool))
-        return
-    prompts = system_prompts(args.prompts, args.prompt_bytes, args.seed)
-    system_tokens = args.prompt_bytes // TOKEN_BYTES
-    model = f"steps of {args.prefill_chunk} prefill tokens" if args.prefill_chunk else "no steps"
-    print(
-        f"# {args.engines} engines x {args.max_running} slots, {model}, {args.kv_blocks} KV blocks "
-        f"of {args.block_tokens} tokens (~{args.kv_blocks * args.block_tokens / system_tokens:.1f}"
-        f" system prompts); capacity {args.capacity:.2f} req/s (mean slot time "
-        f"{service_seconds(args):.2f} s; {capacity(args, system_tokens):.2f} req/s with no "
-        f"system prompt cached); offered {args.rate:.2f} req/s",
-        file=sys.stderr,
-    )
     tmp = Path(tempfile.mkdtemp(prefix="llm-routing-"))
-    runs = []
+    fleet = Fleet(args, args.chosen, tmp)
     try:
-        for policy in args.chosen:
-            print(
-                f"# {policy.name}: {args.warmup:g} s warm-up, {args.duration:g} s counted",
-                file=sys.stderr,
-            )
-            runs.append(run_policy(args, policy, prompts, tmp))
+        out = trio.run(bench, args, fleet)
     finally:
+        fleet.stop()
         if args.keep_tmp:
             print(f"# configs and logs kept in {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    params = {k: v for k, v in vars(args).items() if k not in ("chosen", "proxy_cpu_set", "out")}
+    params = {k: v for k, v in vars(args).items() if k not in ("chosen", "out")}
     meta = host_meta()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"meta": meta, "params": params, "runs": runs}, indent=1, default=str)
-    )
+    args.out.write_text(json.dumps({"meta": meta, "params": params, **out}, indent=1, default=str))
     print(
-        f"LLM routing: {args.engines} fake engines, {args.users} users, {args.prompts} system "
-        f"prompts, {args.rate:.2f} req/s offered ({args.rate / args.capacity:.0%} of "
-        f"{args.capacity:.2f}), {args.duration:g} s counted after {args.warmup:g} s warm-up; "
-        f"commit {meta['git_commit']}.\n"
+        f"LLM routing: {args.engines} fake engines x {args.max_running} slots, "
+        f"{args.kv_blocks} KV blocks of {args.block_tokens} tokens each; TTFT SLO {args.slo:g} s; "
+        f"capacity (round robin, ≥ {args.capacity_share:.0%} within the SLO): "
+        + ", ".join(f"{k} {v:.2f} req/s" for k, v in out["capacity"].items())
+        + f"; commit {meta['git_commit']}."
     )
-    print(table(runs))
-    print()
-    print("\n".join(targets(runs, args)))
+    print(report(args, out))
+    print(
+        "\nRatios are the policy's over round robin's (TTFT: below 1 is better; goodput: above"
+        f" 1 is better), with a {args.bootstrap}-round bootstrap's 95 % interval."
+    )
     print(f"\nresults: {args.out}")
 
 

@@ -7,7 +7,8 @@ The body is parsed once per request (``parse_json_body``); every reader takes th
 document.
 
 - Expected tokens: ``max_completion_tokens``, else ``max_tokens`` (the chat and completions
-  APIs' names, OpenAI's newer one first), when it is an integer >= 1; ``n`` > 1 choices
+  APIs' names, OpenAI's newer one first; Anthropic's Messages too), else ``max_output_tokens``
+  (the Responses API's), when it is an integer >= 1; ``n`` > 1 choices
   multiply it (each choice is generated). Otherwise None: the group's
   ``default_max_tokens`` stands in.
 - The model: ``model``, a string of 1 to ``MAX_MODEL`` characters (the OpenAI and Anthropic
@@ -98,6 +99,8 @@ def _max_tokens(document: Mapping[str, object]) -> int | None:
     tokens = _positive_int(document.get("max_completion_tokens"))
     if tokens is None:
         tokens = _positive_int(document.get("max_tokens"))
+    if tokens is None:
+        tokens = _positive_int(document.get("max_output_tokens"))
     if tokens is None:
         return None
     choices = _positive_int(document.get("n")) or 1

@@ -118,8 +118,10 @@ def text_value(value: Any) -> str:
 def text_fields(fields: Mapping[str, Any], order: tuple[str, ...] = ()) -> str:
     """``key=value`` for each field, those named in ``order`` first."""
     keys = [key for key in order if key in fields]
-    keys += [key for key in fields if key not in order]
-    return " ".join(f"{key}={text_value(fields[key])}" for key in keys)
+    if len(keys) < len(fields):  # fields ``order`` does not name: after, as they come
+        named = set(order)
+        keys += [key for key in fields if key not in named]
+    return " ".join([f"{key}={text_value(fields[key])}" for key in keys])
 
 
 class LogSink:

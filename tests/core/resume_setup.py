@@ -47,12 +47,18 @@ def linger_timer(commands: list[Command]) -> SetTimer:
 class Stream:
     """One client's chat stream through the proxy, to an HTTP/1.1 backend peer."""
 
-    def __init__(self, pb: Playbook, conn: int = 1, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self,
+        pb: Playbook,
+        conn: int = 1,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        body: bytes = b"{}",
+    ) -> None:
         self.pb, self.conn = pb, conn
         self.client = H1ClientPeer()
         pb.accept(conn)
         before = len(pb.opens())
-        pb.receive(conn, self.client.request("POST", "/v1/chat/completions", [*headers], b"{}"))
+        pb.receive(conn, self.client.request("POST", "/v1/chat/completions", [*headers], body))
         self.up = pb.opens()[before].conn
         pb.opened(self.up)
         pb.sent(self.up, len(pb.take(self.up)))

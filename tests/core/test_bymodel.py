@@ -15,10 +15,11 @@ from typing import Any
 
 import h11
 from checks import h1_body, h1_response
-from playbook import H1ClientPeer, H2ClientPeer, Sends, Where, data, default_config
+from playbook import H1ClientPeer, H2ClientPeer, Playbook, Sends, Where, data, default_config
+from resume_setup import Stream, body_of
 from test_routing_exchange import CHAT, A, B, Opens, Routing
 
-from muxproxy.config import Limits, Route, Server, SessionSource, Sticky, Upstream
+from muxproxy.config import Limits, Resume, Route, Server, SessionSource, Sticky, Upstream
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.records import ModelAlias, ModelTarget
 from muxproxy.config.runtime import RuntimeState
@@ -316,3 +317,27 @@ def test_a_path_whose_route_no_model_can_change_is_not_held_for_its_body() -> No
     rig.body_key = True  # the same model elsewhere is read first, and routed by it
     conn, client, opens = rig.ask("/v1/completions", [JSON], chat("llama-v1"), to=A)
     backend_body(rig, conn, client, opens)
+
+
+def test_a_post_routed_by_its_model_resumes_the_stream_its_route_kept() -> None:
+    # The route (with ``resume``) is known once the body names the model; a POST re-sent with
+    # the id of the last event it had is answered from the kept stream, BUFFERING -> REPLAY,
+    # and no backend is asked for a second answer.
+    routes = (
+        Route(prefix="/", upstream="default", models=("m",), resume=Resume()),
+        Route(prefix="/", upstream="default"),
+    )
+    pb = Playbook(default_config(routes=routes))
+    first = Stream(pb, body=chat("m"))
+    first.send(b"data: a\n\n")
+    first.send(b"data: b\n\n")
+    opened = len(pb.opens())
+    client = H1ClientPeer()
+    pb.accept(2)
+    first_id = first.last_id()[:-1].decode() + "1"
+    headers = [("Accept", "text/event-stream"), ("Last-Event-ID", first_id)]
+    commands = pb.receive(2, client.request("POST", "/v1/chat/completions", headers, chat("m")))
+    replayed = body_of(client, pb, 2, commands)
+    assert replayed.startswith(b"data: b\nid: ") and b"data: a" not in replayed
+    assert len(pb.opens()) == opened  # no backend asked
+    assert pb.core.resumes.resumed == 1

@@ -516,11 +516,13 @@ def test_every_move_the_table_allows_is_made_by_some_conversation() -> None:
                     taken |= {(was, made) for was, made, _ in moves if made in MOVES}
     # The first attempt from an exchange just started, BUFFER and RESERVE, are taken as it
     # starts;
-    # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py); AWAIT_HOOK as an extension's
+    # REPLAY as a resume starts (tests/e2e/test_resume_e2e.py), also once the body's model
+    # found the route (tests/core/test_bymodel.py); AWAIT_HOOK as an extension's
     # async hook starts (``reach``, tests/core/test_hooks.py), also once the body's model found
     # the route (tests/core/test_bymodel.py).
     taken |= {
         (Phase.BUFFERING, _I.AWAIT_HOOK),
+        (Phase.BUFFERING, _I.REPLAY),
         (Phase.CONNECTING, _I.AWAIT_HOOK),
         (Phase.CONNECTING, _I.ATTEMPT),
         (Phase.CONNECTING, _I.BUFFER),

@@ -228,3 +228,28 @@ async def test_a_resume_of_a_finished_stream_read_whole_is_204(start_backend, st
     assert again.status_code == 204 and again.content == b""
     assert before_last.status_code == 200 and before_last.text.startswith("data: [DONE]")
     assert fake.streams_started == 1
+
+
+async def test_a_post_routed_by_its_model_resent_with_last_event_id_resumes(
+    start_backend, start_proxy
+):
+    # The route is chosen by the body's model (read before routing, ``bymodel.py``): the
+    # resume is found once the model chose it, and the body is not sent anywhere.
+    fake, port = await start_backend(tokens=TOKENS, delay=0.01)
+    config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
+    by_model = Route(prefix="/", upstream="default", models=(MODEL,), resume=Resume())
+    fallback = Route(prefix="/", upstream="default")
+    proxy = await start_proxy(config=attrs.evolve(config, routes=(by_model, fallback)))
+    url = proxy.url + "/v1/chat/completions"
+    with trio.fail_after(20):
+        async with httpx.AsyncClient() as client:
+            async with client.stream("POST", url, json=REQUEST) as response:
+                before = await read_events(response, limit=3)
+            headers = {"Last-Event-ID": ids_of(before)[-1], "Accept": "text/event-stream"}
+            async with client.stream("POST", url, json=REQUEST, headers=headers) as response:
+                assert response.status_code == 200
+                after = await read_events(response)
+    events = before + after
+    assert content_of(events) == reply_text(TOKENS)
+    assert ids_of(events)[len(before)] == ids_of(before)[-1].rsplit(".", 1)[0] + ".4"
+    assert fake.streams_started == 1  # resumed: no second generation

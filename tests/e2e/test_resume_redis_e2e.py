@@ -26,13 +26,16 @@ SSE = {"Accept": "text/event-stream"}
 
 
 async def two_replicas(
-    start_backend, start_proxy, redis_server, *, delay=0.01, linger=30.0, store=None
+    start_backend, start_proxy, redis_server, *, delay=0.01, linger=30.0, store=None, models=()
 ):  # type: ignore[no-untyped-def]
+    """``models``: the route serves these models only (routed by the body's model), beside
+    a route for the rest."""
     fake, port = await start_backend(tokens=TOKENS, delay=delay)
     config = quick_config("127.0.0.1:0", [f"127.0.0.1:{port}"])
     resume = Resume(store=store or redis_server.url + "/0", linger=linger)
-    route = Route(prefix="/", upstream="default", resume=resume)
-    config = attrs.evolve(config, routes=(route,))
+    route = Route(prefix="/", upstream="default", resume=resume, models=models)
+    fallback = (Route(prefix="/", upstream="default"),) if models else ()
+    config = attrs.evolve(config, routes=(route, *fallback))
     one = await start_proxy(config=config)
     two = await start_proxy(config=config)
     return fake, one, two
@@ -281,3 +284,24 @@ async def test_a_resume_of_a_finished_stream_on_another_replica_is_204(
     assert events[-1].startswith("data: [DONE]")
     assert response.status_code == 204 and response.content == b""
     assert fake.streams_started == 1
+
+
+async def test_a_post_routed_by_its_model_is_resumed_on_another_replica(
+    start_backend, start_proxy, redis_server
+):
+    # Its route is known once its body named the model; the stream is then asked of the
+    # store while the body is held, and the body goes to no backend.
+    fake, one, two = await two_replicas(
+        start_backend, start_proxy, redis_server, models=(REQUEST["model"],)
+    )
+    url = "/v1/chat/completions"
+    with trio.fail_after(20):
+        before = await begin(one.url + url, 5)
+        async with httpx.AsyncClient() as client:
+            sent = {"Last-Event-ID": ids_of(before)[-1], **SSE}
+            async with client.stream("POST", two.url + url, json=REQUEST, headers=sent) as got:
+                assert got.status_code == 200
+                after = await read_events(got)
+    assert content_of(before + after) == reply_text(TOKENS)
+    assert fake.streams_started == 1  # resumed: no second generation
+    assert two.server.core.resumes.resumed == 1

@@ -28,6 +28,9 @@ def key(document: object, length: int = 1024, source: str = "auto") -> bytes | N
 def test_max_tokens_prefers_max_completion_tokens_and_multiplies_by_n() -> None:
     assert read_request({"max_tokens": 50}).max_tokens == 50
     assert read_request({"max_tokens": 50, "max_completion_tokens": 70}).max_tokens == 70
+    # The Responses API's name, where the others are missing.
+    assert read_request({"input": "hi", "max_output_tokens": 40}).max_tokens == 40
+    assert read_request({"max_tokens": 50, "max_output_tokens": 40}).max_tokens == 50
     assert read_request({"max_tokens": 50, "n": 3}).max_tokens == 150
     assert read_request({"max_tokens": 50, "n": 10**9}).max_tokens == 50 * 128
 

@@ -32,14 +32,22 @@ READERS: Mapping[Api, Reader] = {
 }
 
 
+_BY_SUFFIX: Mapping[str, Api] = {api.value: api for api in Api}
+_SUFFIXES = tuple(_BY_SUFFIX)
+"""The paths' last segments, for one ``endswith`` per request (an enum's members and their
+values cost a descriptor call each: this runs for every response metered)."""
+
+
 def api_for(path: str) -> Api | None:
     """The API ``path`` speaks, or ``None``."""
     path = path.partition("?")[0].rstrip("/")
-    for api in Api:
-        if path == api.value or path.endswith(api.value):
-            # endswith on "/v1/..." matches whole segments: the suffix starts with "/".
+    # endswith on "/v1/..." matches whole segments: the suffix starts with "/".
+    if not path.endswith(_SUFFIXES):
+        return None
+    for suffix, api in _BY_SUFFIX.items():
+        if path.endswith(suffix):
             return api
-    return None
+    return None  # pragma: no cover - one of them matched above
 
 
 def reader_for(path: str) -> Reader | None:

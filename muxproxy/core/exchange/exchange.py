@@ -231,9 +231,11 @@ class Exchange:
             self.upload.check(self.request_buffered())
 
     def watch_request_body(self) -> None:
-        """A request with a body must keep it moving (``Upload.watch``; a tunnel's client may
-        stay silent, ``websocket.py``)."""
+        """A request with a body must keep it moving (``Upload.watch``; ``websocket.py``)."""
         self.upload.watch()
+
+    def routed_by_model(self) -> bool:  # a resume may take it now (``replay.py``)
+        return False
 
     def upstream_drained(self) -> None:
         """The backend connection wrote some of its pending bytes."""
@@ -244,8 +246,7 @@ class Exchange:
             self._check_request_flow()
 
     def client_aborted(self, reason: str) -> None:
-        """The client reset the stream or went away: stop the backend at once (unless the
-        stream is resumable: then it lingers)."""
+        """The client reset the stream or left: stop the backend (a resumable one lingers)."""
         if not self.move(_I.CLIENT_ABORTED):
             return
         if self.resumable is not None and surviving.may_linger(self):

@@ -214,7 +214,8 @@ _ROWS: dict[ExchangeInput, tuple[Phase | Verdict, ...]] = {
     _I.HOLD: (_X, _X, _X, _X, _X, _H, _X, _X, _X),
     _I.COMMIT: (_X, _X, _X, _X, _X, _S, _S, _X, _X),
     _I.FAIL: (_D, _D, _D, _D, _D, _D, _D, _X, _X),
-    _I.REPLAY: (_X, _X, _X, _X, _S, _X, _X, _X, _X),  # from ``start``, before any routing
+    # From ``start``, before any routing; or once the body's model chose the route.
+    _I.REPLAY: (_X, _S, _X, _X, _S, _X, _X, _X, _X),
     _I.FINISH: (_D, _D, _D, _D, _D, _D, _D, _D, _X),
 }
 _PHASES = (_A, _B, _R, _Q, _C, _W, _H, _S, _D)

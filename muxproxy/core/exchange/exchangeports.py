@@ -118,6 +118,9 @@ class Routed(UpstreamUser, Protocol):
     def hooks(self) -> Hooks | None: ...
     def move(self, input: ExchangeInput) -> bool: ...
     def release_upstream(self, *, close: bool) -> None: ...
+    def routed_by_model(self) -> bool:
+        """Its body's model chose its route: True when a resume took it (``replay.py``)."""
+
     def fail(
         self,
         status: int,

@@ -153,8 +153,8 @@ def route_by_body(exchange: Routed) -> None:
     """BUFFERING: route once the body is complete or as much of it is held as may be (its
     model first, where it decides the route: ``bymodel.py``)."""
     if exchange.route is None:
-        if not bymodel.read_model(exchange):
-            return
+        if not bymodel.read_model(exchange) or exchange.routed_by_model():
+            return  # more body needed, answered, or a resume took it (``replay.py``)
         hooks = exchange.hooks
         if hooks is not None and not hooks.request_head(exchange):
             return

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 
+from muxproxy.config import Resume, Upstream
 from muxproxy.core.commands import ResumeFetch, ResumeFetchCancel, ResumeFetchMore
 from muxproxy.core.events import ResumedHead, ResumeFetched
 from muxproxy.core.exchange import placement
@@ -88,24 +89,37 @@ class ReplayExchange(Exchange):
     """The fetch waits for our ``ResumeFetchMore``, which goes once the client drained."""
 
     def start(self) -> None:
-        if not placement.locate(self):
-            return
+        # Not a resume of ours: the backend's own resume, if any. A route chosen by the body's
+        # model is known later (``routed_by_model``).
+        if placement.locate(self) and not self._resumes():
+            placement.begin(self)
+
+    def routed_by_model(self) -> bool:
+        return self._resumes()
+
+    def _resumes(self) -> bool:
+        """Answer from a stream kept here (or ask the shared store) if this request resumes
+        one on its route; False: an ordinary request."""
         route, group, head = self.route, self.group, self.head
         assert route is not None and group is not None
         event_id = parse_event_id(header_value(head.headers, LAST_EVENT_ID))
         if route.resume is None or event_id is None:
-            placement.begin(self)  # the backend's own resume, if any
-            return
+            return False
+        self._resume(route.resume, group, event_id)
+        return True
+
+    def _resume(self, settings: Resume, group: Upstream, event_id: tuple[bytes, int]) -> None:
+        head = self.head
         token, seq = event_id
         store = self.host.resumes
-        credential = binding_of(route.resume, group, head)
+        credential = binding_of(settings, group, head)
         stream = store.find(token, credential)
-        if stream is None and route.resume.store is not None:
+        if stream is None and settings.store is not None:
             # Not held here: maybe by another worker or replica, through the shared store.
             self.fetching = True
             self.fx.emit(
                 ResumeFetch(
-                    store=route.resume.store,
+                    store=settings.store,
                     request=self.ident,
                     token=token,
                     after=seq,
@@ -295,15 +309,23 @@ class ReplayExchange(Exchange):
 
     # -- the client side, while resuming ---------------------------------------------------
 
+    @property
+    def _resuming(self) -> bool:
+        """Answering from kept events, or asking the store for them once the body's model
+        chose the route (BUFFERING): the request's body goes to no backend."""
+        if self.phase is Phase.STREAMING:
+            return self.failover is None
+        return self.fetching and self.phase is Phase.BUFFERING
+
     def request_body(self, data: bytes, flow_len: int) -> None:
-        if self.phase is not Phase.STREAMING or self.failover is not None:
+        if not self._resuming:
             super().request_body(data, flow_len)
             return
         self.bytes_in += len(data)  # a re-sent request's body: read and dropped
         self.upload.give_back(flow_len)
 
     def request_end(self, trailers: Headers) -> None:
-        if self.phase is not Phase.STREAMING or self.failover is not None:
+        if not self._resuming:
             super().request_end(trailers)
             return
         self.upload.end(trailers, None)

@@ -50,9 +50,9 @@ chunk still go out at once (vLLM sends the head before it schedules the request)
 generation waits first come first served for one of ``max_running`` slots, is looked up in
 the prefix cache when let in, and its first token comes ``first_delay + ttft_base +
 prefill_per_token * uncached prompt tokens`` after that, the rest every ``delay``; the slot
-and cache blocks are given back when the last token is out (or the client leaves, or
-die-after fires). A client that leaves while waiting leaves the line at once. Off, none of
-this happens and timings are as above.
+and cache blocks are given back, the generated tokens' blocks cached, when the last token is
+out (or the client leaves, or die-after fires). A client that leaves while waiting leaves the
+line at once. Off, none of this happens and timings are as above.
 
 The step model (``prefill_chunk``, with the engine model; ``batch.py``, ``steps.py``) replaces
 that private timetable with continuous batching, as vLLM V1 and SGLang run: a generation let
@@ -101,7 +101,7 @@ from muxproxy.testing.fakellm.completions import (
     usage_of,
     whole_completion,
 )
-from muxproxy.testing.fakellm.engine import DEFAULT_BLOCK_TOKENS, EngineConfig, prompt_text
+from muxproxy.testing.fakellm.engine import DEFAULT_BLOCK_TOKENS, EngineConfig, EnginePrompt
 from muxproxy.testing.fakellm.knobs import (
     HEADER_ECHO,
     HEADER_SINK,
@@ -388,7 +388,7 @@ class FakeLLM:
         die_after = knobs.die_after
         if die_after is not None and die_after > reply.count:
             die_after = None
-        prompt = prompt_text(request) if self.engine.config.enabled else None
+        prompt = EnginePrompt.of(request) if self.engine.config.enabled else None
 
         progress = _Progress()
         produce: Callable[[_Progress], Awaitable[bool]]
@@ -429,7 +429,7 @@ class FakeLLM:
 
     @asynccontextmanager
     async def _generating(
-        self, prompt: str | None, start: float, knobs: Knobs, tokens: int
+        self, prompt: EnginePrompt | None, start: float, knobs: Knobs, tokens: int
     ) -> AsyncIterator[TokenClock]:
         """Hold the engine model for one generation of ``tokens``; yields what paces them.
 
@@ -445,8 +445,8 @@ class FakeLLM:
             ) as generation:
                 yield generation
         else:
-            async with self.engine.generation(prompt) as prefill:
-                yield Timetable(trio.current_time() + prefill, knobs.first_delay, knobs.delay)
+            async with self.engine.timetabled(prompt, knobs.first_delay, knobs.delay) as clock:
+                yield clock
 
     async def _watch_disconnect(
         self, receive: Receive, progress: _Progress, cancel_scope: trio.CancelScope
@@ -483,7 +483,7 @@ class FakeLLM:
         base: dict[str, Any],
         usage: dict[str, int] | None,
         echo: dict[str, str] | None,
-        prompt: str | None,
+        prompt: EnginePrompt | None,
         progress: _Progress,
     ) -> bool:
         """Stream one completion as SSE; True when it must die (die-after)."""
@@ -546,7 +546,7 @@ class FakeLLM:
         base: dict[str, Any],
         usage: dict[str, int],
         echo: dict[str, str] | None,
-        prompt: str | None,
+        prompt: EnginePrompt | None,
         progress: _Progress,
     ) -> bool:
         """Send one ``chat.completion`` once "generated"; True when it must die (die-after)."""
@@ -572,7 +572,7 @@ class FakeLLM:
         knobs: Knobs,
         reply: Reply,
         die_after: int | None,
-        prompt: str | None,
+        prompt: EnginePrompt | None,
         progress: _Progress,
     ) -> Generation:
         def finishing(complete: bool) -> None:

@@ -23,6 +23,16 @@ vLLM's design docs):
   the hit run. The last prompt token is always computed (vLLM caps a hit at ``num_tokens -
   1`` so the engine has logits to sample from), so a block reaching the prompt's last token
   is never a hit.
+* **Generated tokens.** When a request ends, the full blocks of what it generated are
+  cached too (vLLM caches a request's blocks as they fill, output as well as prompt), so
+  the next turn of a conversation, which sends the history with this reply in it, hits
+  them. The generated tokens follow the prompt's text and the reply's lead
+  (:class:`EnginePrompt`: ``"assistant: "`` for a chat, how :func:`prompt_text` renders
+  the assistant message the reply becomes; nothing for a completion's ``prompt``), and
+  their text is the fake's answer (``answer.py``, tokens ``0 .. n - 1`` for ``n``
+  generated). A continuation's output is cached as such an answer too (vLLM's would follow
+  the continued message directly: not modelled). They are cached at the end, not pinned
+  while the request runs, so :attr:`PrefixCache.usage` leaves them out.
 * **Pinning and eviction.** A running request holds (pins) all its full blocks; a pinned
   block is never evicted. When the request ends its blocks are unpinned in reverse order,
   becoming the most recently used (vLLM frees a request's blocks tail first, "so that the
@@ -32,7 +42,8 @@ vLLM's design docs):
 * **Usage.** :attr:`PrefixCache.usage` is the fraction of the ``capacity`` blocks pinned by
   running requests. That is what vLLM reports as ``vllm:kv_cache_usage_perc``: its free
   block queue holds the cached blocks no request uses, so they count as free. A request's
-  partial last block and the blocks of its generated tokens are not modelled.
+  partial last block and, while it runs, the blocks of its generated tokens are not
+  modelled.
 * **Counts.** :attr:`PrefixCache.queried_tokens` and :attr:`PrefixCache.hit_tokens` are
   vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens looked up, and those
   found cached.
@@ -77,6 +88,34 @@ def prompt_text(request: Mapping[str, object]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+CHAT_REPLY_LEAD = "assistant: "
+"""What a chat's reply follows in the engine's token sequence: :func:`prompt_text` renders an
+assistant message as ``"assistant: <content>\\n"``, so the reply's blocks are those the next
+turn's prompt holds (the chat template's generation prompt, in vLLM)."""
+
+
+@attrs.frozen(kw_only=True)
+class EnginePrompt:
+    """A request's prompt text and what its generated tokens follow."""
+
+    text: str
+    """:func:`prompt_text` of the request."""
+    reply_lead: str | None
+    """Text between the prompt and the generated tokens (:data:`CHAT_REPLY_LEAD` for chat
+    ``messages``, ``""`` for a ``prompt``); None: the generated tokens are not cached."""
+
+    @classmethod
+    def of(cls, request: Mapping[str, object]) -> EnginePrompt:
+        """The engine's view of ``request``: its text, and the lead of a chat's reply."""
+        chat = isinstance(request.get("messages"), list)
+        return cls(text=prompt_text(request), reply_lead=CHAT_REPLY_LEAD if chat else "")
+
+    @classmethod
+    def uncached_output(cls, text: str) -> EnginePrompt:
+        """A prompt ``text`` whose generated tokens are not cached."""
+        return cls(text=text, reply_lead=None)
+
+
 def content_text(message: Mapping[str, object]) -> str:
     """A message's text: a string content, or the ``text`` of its ``{"type": "text"}`` parts
     joined (anything else: ``""``)."""
@@ -113,6 +152,16 @@ def block_hashes(text: str, block_tokens: int) -> list[bytes]:
         parent = hashlib.sha256(parent + data[start : start + size]).digest()
         hashes.append(parent)
     return hashes
+
+
+def output_blocks(prompt: EnginePrompt, reply: str, block_tokens: int) -> list[bytes]:
+    """The chained hashes of the full blocks that ``reply``, generated after ``prompt``,
+    completes: those of the whole sequence (prompt, lead, reply) past the prompt's own
+    (none when the prompt's ``reply_lead`` is None or nothing was generated)."""
+    if prompt.reply_lead is None or not reply:
+        return []
+    sequence = block_hashes(prompt.text + prompt.reply_lead + reply, block_tokens)
+    return sequence[len(prompt.text.encode()) // (block_tokens * TOKEN_BYTES) :]
 
 
 @attrs.frozen(kw_only=True)
@@ -203,9 +252,20 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
         return Admission(prompt_tokens=prompt.tokens, hit_tokens=hit_tokens, pinned=tuple(pinned))
 
-    def release(self, admission: Admission) -> None:
-        """Unpin the blocks ``admission`` holds, tail first (they become the most recent)."""
-        for block in reversed(admission.pinned):
+    def release(self, admission: Admission, generated: Sequence[bytes] = ()) -> None:
+        """Cache ``generated`` (the chained hashes of the full blocks after the prompt's, of
+        the tokens the request generated; see the header), then unpin every block
+        ``admission`` holds and those, tail first (they become the most recent)."""
+        held = list(admission.pinned)
+        for block in generated:
+            if block in self._refs:
+                self._pin(block)
+            elif self._make_room():
+                self._refs[block] = 1
+            else:
+                break  # every block is pinned: the rest of the chain could never hit
+            held.append(block)
+        for block in reversed(held):
             refs = self._refs[block] - 1
             self._refs[block] = refs
             if refs == 0:

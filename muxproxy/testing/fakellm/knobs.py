@@ -303,7 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=None,
         metavar="B",
-        help="a prefix KV cache of B blocks, least recently used evicted first",
+        help="a prefix KV cache of B blocks (prompts and generated tokens), least recently used"
+        " evicted first",
     )
     engine.add_argument(
         "--block-tokens",

@@ -5,7 +5,8 @@ lets at most ``max_running`` generations run at once (:class:`FifoSlots`); the o
 arrival order, as vLLM's scheduler takes waiting requests first come first served (its default
 ``fcfs`` policy). When a generation is let in, its prompt is looked up in the prefix cache and
 its blocks pinned (vLLM looks the cache up when it schedules a request, not when it arrives);
-when it ends, they are unpinned. A waiter that is cancelled (its client went away) leaves the
+when it ends, the full blocks of the tokens it generated are cached (``engine.py``) and all
+its blocks unpinned. A waiter that is cancelled (its client went away) leaves the
 queue at once and is never let in. In the step model (``prefill_chunk``) a generation let in
 runs in the engine's one batch (``batch.py``) until it ends, holding its slot all the while.
 
@@ -22,16 +23,41 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from muxproxy.testing.fakellm.answer import reply_text
 from muxproxy.testing.fakellm.batch import Batch, BatchedGeneration
 from muxproxy.testing.fakellm.engine import (
     Admission,
     EngineConfig,
+    EnginePrompt,
     PrefixCache,
     Prompt,
+    output_blocks,
     token_count,
 )
 from muxproxy.testing.fakellm.lora import LoraSlots
 from muxproxy.testing.fakellm.metrics import EngineMetrics
+from muxproxy.testing.fakellm.pacing import Timetable, TokenClock
+
+
+@attrs.define
+class Held:
+    """One generation let in: its uncached prompt tokens, and the tokens it has generated
+    (set by whoever paces it, read when it ends)."""
+
+    uncached: int
+    generated: int = 0
+
+
+@attrs.define
+class _CountingClock:
+    """A generation's own timetable that counts the tokens it has let out."""
+
+    timetable: Timetable
+    held: Held
+
+    async def wait_generated(self, count: int) -> None:
+        await self.timetable.wait_generated(count)
+        self.held.generated = max(self.held.generated, count)
 
 
 @attrs.define
@@ -124,47 +150,69 @@ class Engine:
 
         Yields the seconds from admission to the first token (``EngineConfig.prefill_seconds``
         of the prompt tokens not found cached). The slot and the prompt's cache blocks are
-        given back on exit, however it comes.
+        given back on exit, however it comes; nothing it generates is cached.
         """
-        async with self._admitted(text) as uncached:
-            yield self.config.prefill_seconds(uncached)
+        async with self._admitted(EnginePrompt.uncached_output(text)) as held:
+            yield self.config.prefill_seconds(held.uncached)
+
+    @asynccontextmanager
+    async def timetabled(
+        self, prompt: EnginePrompt, first_delay: float, delay: float
+    ) -> AsyncIterator[TokenClock]:
+        """Run one generation of ``prompt`` on its own timetable: wait for a slot, then hold
+        it; the first token ``prefill_seconds + first_delay`` after admission, then one every
+        ``delay``. On exit, however it comes, the tokens let out so far are cached (see
+        ``engine.py``) and the slot and blocks given back."""
+        async with self._admitted(prompt) as held:
+            start = trio.current_time() + self.config.prefill_seconds(held.uncached)
+            yield _CountingClock(Timetable(start, first_delay, delay), held)
 
     @asynccontextmanager
     async def batched_generation(
-        self, text: str, *, tokens: int, first_delay: float = 0.0
+        self, prompt: str | EnginePrompt, *, tokens: int, first_delay: float = 0.0
     ) -> AsyncIterator[BatchedGeneration]:
-        """Run one generation of ``tokens`` tokens of a prompt ``text`` in the step model.
+        """Run one generation of ``tokens`` tokens of a ``prompt`` in the step model (a plain
+        text: its output is not cached).
 
         Waits for a slot as :meth:`generation` does, then ``ttft_base + first_delay``
         seconds, then joins the batch with its uncached prompt tokens to prefill and yields
-        its place there (``wait_generated`` paces its tokens). It leaves the batch, and gives
-        the slot and cache blocks back, on exit, however it comes. Only with
-        ``prefill_chunk`` (raises ``RuntimeError`` without it).
+        its place there (``wait_generated`` paces its tokens). It leaves the batch, caches the
+        tokens the batch generated for it, and gives the slot and cache blocks back, on exit,
+        however it comes. Only with ``prefill_chunk`` (raises ``RuntimeError`` without it).
         """
         if self.batch is None:
             raise RuntimeError("batched_generation needs the step model (prefill_chunk)")
-        async with self._admitted(text) as uncached:
+        if isinstance(prompt, str):
+            prompt = EnginePrompt.uncached_output(prompt)
+        async with self._admitted(prompt) as held:
             await trio.sleep((self.config.ttft_base or 0.0) + first_delay)
-            async with self.batch.joined(uncached, tokens) as generation:
-                yield generation
+            async with self.batch.joined(held.uncached, tokens) as generation:
+                try:
+                    yield generation
+                finally:
+                    # A generation of no tokens still has its one step: it emits nothing.
+                    held.generated = min(generation.generated, tokens)
 
     @asynccontextmanager
-    async def _admitted(self, text: str) -> AsyncIterator[int]:
-        """Hold a slot and the prompt's cache blocks; yields its uncached prompt tokens."""
+    async def _admitted(self, prompt: EnginePrompt) -> AsyncIterator[Held]:
+        """Hold a slot and the prompt's cache blocks; yields its uncached prompt tokens, and
+        on exit caches the blocks of the tokens it generated by then."""
         await self.slots.acquire(self.on_change)
         admission: Admission | None = None
+        held = Held(uncached=token_count(prompt.text))
         try:
-            if self.cache is None:
-                uncached = token_count(text)
-            else:
-                admission = self.cache.admit(Prompt.from_text(text, self.config.block_tokens))
+            if self.cache is not None:
+                block_tokens = self.config.block_tokens
+                admission = self.cache.admit(Prompt.from_text(prompt.text, block_tokens))
                 self.metrics.count_lookup(admission.prompt_tokens, admission.hit_tokens)
-                uncached = admission.uncached_tokens
+                held.uncached = admission.uncached_tokens
                 self.on_change()
-            yield uncached
+            yield held
         finally:
             if admission is not None and self.cache is not None:
-                self.cache.release(admission)
+                reply = reply_text(held.generated)
+                output = output_blocks(prompt, reply, self.config.block_tokens)
+                self.cache.release(admission, output)
             self.slots.release(self.on_change)
 
     def render_metrics(self) -> bytes:
