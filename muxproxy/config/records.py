@@ -419,7 +419,9 @@ class Upstream:
     """What ``affinity = "prefix"`` keys on, and how loaded a server may get."""
     load_report: LoadReporting | None = None
     """Poll each server's Prometheus endpoint for the engine's own load and LoRA adapters
-    (vLLM, SGLang); None: the proxy's own count only."""
+    (vLLM, SGLang); None: the proxy's own count only. With ``affinity = "prefix"`` on by
+    default (``path = "/metrics"``, every second): a key stays on its engine while the
+    engine reports room; ``load_report = false`` turns it off."""
     queue: AdmissionQueue = AdmissionQueue()  # noqa: RUF009  (frozen: one default is safe)
     """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None

@@ -37,9 +37,12 @@ off an engine that could start it at once onto another that computes its prefix 
 server's slots are its ``max_streams``, else what its engine showed when it last queued (the
 ``running`` of a fresh report with requests ``waiting``: its batch was full); it has a free
 slot while its streams, and the running of a fresh report, are below them and the report
-shows no queue (``ServerLoads.free``). A key whose first server is full goes to the first
-server in its order within the bounds that is not full (else the first within the bounds:
-every server is full, and the gap keeps the lead bounded). Unknown slots count as not full.
+shows no queue (``ServerLoads.free``). Before its slots are seen, a fresh report without a
+queue says it has room, for up to ``UNSEEN_SPARE`` streams sent after that report (the next
+one confirms). A key whose first server is full goes to the first server in its order
+within the bounds that is not full (else the first within the bounds: every server is full,
+and the gap keeps the lead bounded). Unknown room (no slots, no fresh report) counts as not
+full: the bounds alone decide.
 
 The gap when ``balance_gap`` is unset (``default_gap``): a quarter of the smallest known
 server's slots, rounded up (vLLM's batch of 256 gives 64, SGLang's router's default
@@ -76,6 +79,11 @@ key's server runs at most a few streams ahead of the least loaded one; small eno
 let one engine queue long while another idles."""
 
 
+UNSEEN_SPARE = 4
+"""With a server's slots unknown, how many streams the proxy may send it after a report that
+showed no queue before the next report must confirm there is still room."""
+
+
 class Progress(Protocol):
     """What a ticket reads of its stream: the SSE events relayed so far."""
 
@@ -104,7 +112,7 @@ class Ticket:
 class ServerLoads:
     """Per server of a group: the tickets of its streams and the engine's last report."""
 
-    __slots__ = ("default_tokens", "interval", "reports", "seen_slots", "tickets")
+    __slots__ = ("default_tokens", "interval", "reports", "seen_slots", "sent_at_report", "tickets")
 
     def __init__(self, size: int, default_tokens: int, interval: float | None) -> None:
         self.default_tokens = default_tokens
@@ -115,6 +123,8 @@ class ServerLoads:
         self.seen_slots: list[int | None] = [None] * size
         """Per server, the most requests its engine ran while it queued others (its batch
         slots, as seen); None: never seen queueing."""
+        self.sent_at_report: list[int] = [0] * size
+        """Per server, the proxy's own streams on it when its last report came."""
 
     def carry(self, old: ServerLoads, moves: Iterable[tuple[int, int]]) -> None:
         """Take over ``old``'s tickets, reports and slots seen of the servers ``moves`` maps
@@ -123,6 +133,7 @@ class ServerLoads:
             self.tickets[after] = old.tickets[before]
             self.reports[after] = old.reports[before]
             self.seen_slots[after] = old.seen_slots[before]
+            self.sent_at_report[after] = old.sent_at_report[before]
 
     def add(self, index: int, ticket: Ticket) -> None:
         self.tickets[index][ticket] = None
@@ -134,8 +145,10 @@ class ServerLoads:
         """Tokens our streams on ``index`` are still expected to generate."""
         return sum(ticket.remaining for ticket in self.tickets[index])
 
-    def report(self, index: int, report: LoadReport, now: float) -> None:
+    def report(self, index: int, report: LoadReport, now: float, streams: int = 0) -> None:
+        """The engine's report on ``index``, with the proxy's own ``streams`` there now."""
         self.reports[index] = (report, now)
+        self.sent_at_report[index] = streams
         running = report.running
         if report.waiting and running:  # a queue behind a full batch: its size is seen
             seen = self.seen_slots[index]
@@ -147,12 +160,17 @@ class ServerLoads:
 
     def free(self, index: int, streams: int, max_streams: int | None, now: float) -> bool | None:
         """Whether the server has a free slot (see the module header): its ``streams`` and
-        the running of a fresh report below its slots, and no queue reported; None: its
-        slots are unknown."""
+        the running of a fresh report below its slots, and no queue reported; with its slots
+        unknown, a fresh report without a queue and fewer than ``UNSEEN_SPARE`` streams sent
+        since; None: unknown (no slots and no fresh report, or that many sent since)."""
         slots = max_streams if max_streams is not None else self.seen_slots[index]
-        if slots is None:
-            return None
         report = self.fresh(index, now)
+        if slots is None:
+            if report is None or report.waiting is None:
+                return None
+            if report.waiting:
+                return False
+            return True if streams - self.sent_at_report[index] < UNSEEN_SPARE else None
         if report is not None:
             if report.waiting:
                 return False

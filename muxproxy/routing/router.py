@@ -387,7 +387,7 @@ class GroupRouter:
 
     def load_reported(self, index: int, report: LoadReport, now: float) -> None:
         """The engine of ``index`` reported its load (``core/upstream/loadpoll.py``)."""
-        self.loads.report(index, report, now)
+        self.loads.report(index, report, now, self.active[index])
 
     def _takes_existing(self, index: int, now: float) -> bool:
         """Whether pins and remembered keys may go to ``index`` now: not down, healthy, and

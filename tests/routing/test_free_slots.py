@@ -7,7 +7,13 @@ from __future__ import annotations
 from muxproxy.config import AffinityMode, LoadReporting, PrefixAffinity, Server, Upstream
 from muxproxy.config.serverid import server_id
 from muxproxy.routing.balancer import rendezvous_order
-from muxproxy.routing.load import DEFAULT_GAP, ServerLoads, bounded_order, default_gap
+from muxproxy.routing.load import (
+    DEFAULT_GAP,
+    UNSEEN_SPARE,
+    ServerLoads,
+    bounded_order,
+    default_gap,
+)
 from muxproxy.routing.loadreport import LoadReport
 from muxproxy.routing.router import GroupRouter
 
@@ -73,8 +79,9 @@ def test_the_default_gap_is_a_quarter_of_the_smallest_known_slots() -> None:
 def test_slots_are_seen_when_the_engine_queues_and_a_queue_means_full() -> None:
     loads = ServerLoads(2, 100, 1.0)
     assert loads.free(0, 3, None, 0.0) is None  # unknown
-    loads.report(0, report(6), 0.0)
-    assert loads.free(0, 3, None, 0.0) is None  # no queue seen: its batch may be larger
+    loads.report(0, report(6), 0.0, streams=3)
+    assert loads.free(0, 3, None, 0.0) is True  # no queue: room, by its report
+    assert loads.free(0, 3 + UNSEEN_SPARE, None, 0.0) is None  # sent that many since: unknown
     loads.report(0, report(8, waiting=2), 1.0)
     assert loads.seen_slots[0] == 8
     assert loads.free(0, 3, None, 1.0) is False  # it queues now
@@ -125,3 +132,24 @@ def test_a_home_with_free_slots_by_its_report_keeps_its_key() -> None:
     assert router.candidates(None, None, 1.0, prefix=KEY)[0] == home
     router.load_reported(home, report(8, waiting=1), 1.5)  # its engine queues: full
     assert router.candidates(None, None, 1.5, prefix=KEY)[0] != home
+
+
+def test_before_its_slots_are_seen_a_report_without_a_queue_keeps_the_key_home() -> None:
+    router = router_with(None, reports=True)
+    home = router.candidates(None, None, 0.0, prefix=KEY)[0]
+    for index in range(4):
+        router.load_reported(index, report(2 if index != home else 5), 0.0)
+    assert router.loads.seen_slots == [None] * 4  # no engine has queued yet
+    placed = []
+    for _ in range(UNSEEN_SPARE + 2):
+        index = router.candidates(None, None, 0.5, prefix=KEY)[0]
+        router.stream_started(index, None, 0.5)
+        placed.append(index)
+    # Room by its report for UNSEEN_SPARE more, past the default gap of 4 and the bound;
+    # then the bounds decide until the next report.
+    assert placed[:UNSEEN_SPARE] == [home] * UNSEEN_SPARE
+    assert home not in placed[UNSEEN_SPARE:]
+    router.load_reported(home, report(5 + UNSEEN_SPARE), 1.0)  # no queue yet: room again
+    assert router.candidates(None, None, 1.0, prefix=KEY)[0] == home
+    router.load_reported(home, report(0, waiting=3), 2.0)  # a queue: full
+    assert router.candidates(None, None, 2.0, prefix=KEY)[0] != home
