@@ -254,6 +254,7 @@ async def drive(
     port = fleet.proxies[policy]
     end = args.warmup + args.window
     counted: list[Outcome] = []
+    every: list[Outcome] = []
     idle: list[HttpConn] = []
     counted_left = 0
     all_counted = trio.Event()
@@ -286,6 +287,7 @@ async def drive(
             await trio.sleep_until(t0 + at)
             outcome = Outcome(at=at, user=arrival.user, prompt=arrival.conversation)
             outcome.turn = arrival.turn
+            every.append(outcome)
             overlapping += busy_until.get(arrival.user, 0) > 0
             busy_until[arrival.user] = busy_until.get(arrival.user, 0) + 1
             count = at >= args.warmup
@@ -323,7 +325,24 @@ async def drive(
         "hit_rate": hits / queries if queries else None,
         "served": served,
         "busiest_over_mean": max(served.values()) / mean if mean else None,
+        "moved_share": moved_share(every),
     }
+
+
+def moved_share(outcomes: list[Outcome]) -> float | None:
+    """Of the later turns, the share served by another engine than the conversation's turn
+    before (each move leaves the history cached where it was)."""
+    last: dict[int, str] = {}
+    later = moved = 0
+    for o in outcomes:
+        if o.engine is None:
+            continue
+        before = last.get(o.prompt)
+        if before is not None:
+            later += 1
+            moved += before != o.engine
+        last[o.prompt] = o.engine
+    return moved / later if later else None
 
 
 def ttft(outcome: Outcome) -> float:
@@ -431,6 +450,7 @@ def group_table(
         "prefill x rr (by seed)",
         "hit rate",
         "busiest / mean",
+        "turns moved",
         "not ok",
     ]
     lines = markdown_header(cols)
@@ -478,10 +498,18 @@ def group_table(
         cells += [
             f"{hit:.1%}",
             f"{max(busiest):.2f}" if busiest else "-",
+            moved_cell(seeds),
             ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) or "0",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def moved_cell(seeds: list[dict[str, Any]]) -> str:
+    """The share of later turns served away from the turn before's engine, by seed."""
+    shares = [r.get("moved_share") for r in seeds]
+    known = [x for x in shares if x is not None]
+    return ", ".join(f"{x:.0%}" for x in known) if known else "-"
 
 
 def prefill_ratio(seeds: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:

@@ -83,6 +83,17 @@ def test_tables_alone_get_their_defaults() -> None:
     assert group.queue == AdmissionQueue()
 
 
+def test_prefix_affinity_reads_the_engines_reports_unless_told_not_to() -> None:
+    group = parse_config(valid(affinity="prefix")).upstreams["gpus"]
+    assert group.load_report == LoadReporting()  # its engines' room keeps keys home
+    off = parse_config(valid(affinity="prefix", load_report=False)).upstreams["gpus"]
+    assert off.load_report is None
+    own = parse_config(valid(affinity="prefix", load_report={"interval": 2})).upstreams["gpus"]
+    assert own.load_report == LoadReporting(interval=2.0)
+    plain = parse_config(valid(load_report=False)).upstreams["gpus"]
+    assert plain.load_report is None
+
+
 def problems(data: dict[str, Any]) -> list[str]:
     with pytest.raises(ConfigError) as info:
         parse_config(data)

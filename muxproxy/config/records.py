@@ -205,19 +205,22 @@ class PrefixAffinity:
     chat request; ``"prompt"``: a completion request's ``prompt``; ``"auto"``: whichever the
     request has."""
     length: int = 1024
-    """Bytes of that text (UTF-8) the key covers: prompts alike in their first ``length``
-    bytes share a server. A system prompt longer than this keys all its users together; a
-    shorter one also takes in the start of the first user turn."""
+    """Bytes of each part of that text (UTF-8) the key covers: the system part's first
+    ``length`` bytes and the first user turn's first ``length`` bytes, so a system prompt
+    longer than this does not key all its users together; a conversation keeps its key on
+    every later turn."""
     load_factor: float = 1.25
     """The bound of consistent hashing with bounded loads: a server takes a new key only
-    while its streams are under ``load_factor`` x the (weighted) mean; at least 1."""
+    while its streams are under ``load_factor`` x the (weighted) mean; at least 1. A server
+    with a free slot keeps its keys whatever the bound says."""
     balance_gap: int | None = None
     """A second bound: a server takes a new key only while its streams, the new one
     counted, stay within ``balance_gap`` of the least loaded server's (per unit of weight);
     otherwise the key goes to the next server in its order within both bounds. Near the
     fleet's capacity this keeps a hot prompt's server from queueing requests in the engine
-    while another has free slots; about a quarter of one engine's batch slots (vLLM's
-    ``max_num_seqs``) is a start. Unset: the ``load_factor`` bound alone."""
+    while another has free slots. A server with a free slot keeps its keys whatever the gap.
+    Unset: a quarter of the smallest server's slots, rounded up (its ``max_streams``, else
+    the batch its engine showed when it last queued), or 4 while no slots are known."""
 
 
 @attrs.frozen(kw_only=True)
@@ -416,7 +419,9 @@ class Upstream:
     """What ``affinity = "prefix"`` keys on, and how loaded a server may get."""
     load_report: LoadReporting | None = None
     """Poll each server's Prometheus endpoint for the engine's own load and LoRA adapters
-    (vLLM, SGLang); None: the proxy's own count only."""
+    (vLLM, SGLang); None: the proxy's own count only. With ``affinity = "prefix"`` on by
+    default (``path = "/metrics"``, every second): a key stays on its engine while the
+    engine reports room; ``load_report = false`` turns it off."""
     queue: AdmissionQueue = AdmissionQueue()  # noqa: RUF009  (frozen: one default is safe)
     """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None

@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from muxproxy.config.checker import (
     TOKEN,
     TOKEN_CHARS,
@@ -69,6 +71,9 @@ _CONDITION_ORDER = tuple(sorted(CONDITIONS, key=lambda c: (c.startswith("http_")
 
 def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | None:
     """The group ``name`` at ``path`` (``upstreams.NAME``), with its cross-checks."""
+    reports_off = isinstance(value, dict) and value.get("load_report") is False
+    if reports_off:  # ``load_report = false``: none, not even prefix affinity's default
+        value = {key: item for key, item in value.items() if key != "load_report"}
     values = check.table(value, path, _UPSTREAM_KEYS, what="a table with servers = [...]")
     if values is None:
         return None
@@ -88,6 +93,11 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
             )
         return None
     group = Upstream(name=name, **values)
+    if group.affinity is AffinityMode.PREFIX and group.load_report is None and not reports_off:
+        # Prefix affinity keeps a key on its engine while the engine has room: its own
+        # report says so (vLLM, SGLang: ``/metrics``); a server without one degrades to the
+        # bounds alone, logged once.
+        group = attrs.evolve(group, load_report=LoadReporting())
     found = group.discover
     if found is not None and found.max_waiting is not None and group.load_report is None:
         check.add(

@@ -47,6 +47,7 @@ from muxproxy.core.events import (
     Wakeup,
 )
 from muxproxy.core.exchange import fleetadmit, placement
+from muxproxy.core.exchange.admit import Admission, next_to_admit
 from muxproxy.core.exchange.exchange import Exchange
 from muxproxy.core.exchange.replay import ReplayExchange, wants_resume
 from muxproxy.core.exchange.sessionshare import SessionSharing
@@ -307,18 +308,15 @@ class ProxyCore:
 
     def _admit_waiting(self, router: GroupRouter) -> None:
         """Admit waiting exchanges while a server has room for them: of the next
-        ``ADMIT_LOOKAHEAD`` in fair order, the first whose home server has room (or that may
-        go anywhere: ``Admission.may_go``), else the fairest; a fault in one ends its
+        ``ADMIT_LOOKAHEAD`` in fair order, the first whose home server has room, else the
+        fairest that may go anywhere (``admit.next_to_admit``); a fault in one ends its
         connection alone."""
         self._admitting.discard(router)
         queue, now = router.queue, self.fx.now
         while queue and (rooms := router.rooms(now)):
-
-            def may_go(item: object) -> bool:
-                admission = item.admission if isinstance(item, Exchange) else None
-                return admission is None or admission.may_go(rooms, now)
-
-            exchange = queue.pop_first(may_go, ADMIT_LOOKAHEAD) or queue.pop()
+            exchange = next_to_admit(queue, rooms, now, _admission_of, ADMIT_LOOKAHEAD)
+            if exchange is None:
+                break  # only requests that wait for their full home alone: none may go now
             if not isinstance(exchange, Exchange):
                 continue
             try:
@@ -593,3 +591,7 @@ class ProxyCore:
     def statistics(self) -> ProxyStatistics:
         """A snapshot of connections and of every stream's buffered bytes."""
         return take_statistics(self.clients, self.upstreams, self.exchanges.values(), self.pool)
+
+
+def _admission_of(item: object) -> Admission | None:
+    return item.admission if isinstance(item, Exchange) else None

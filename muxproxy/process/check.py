@@ -146,7 +146,9 @@ def _describe_llm(group: Upstream) -> list[str]:
         lines.append(
             f"prefix affinity on the first {_size(prefix.length)} of {prefix.source} prompts,"
             f" bounded at {prefix.load_factor:g} x the mean load"
-            + ("" if gap is None else f" and {gap} streams over the least loaded server")
+            + " and "
+            + ("a quarter of the servers' slots" if gap is None else f"{gap} streams")
+            + " over the least loaded server"
         )
     report = group.load_report
     if report is not None:

@@ -13,14 +13,19 @@ document.
   ``default_max_tokens`` stands in.
 - The model: ``model``, a string of 1 to ``MAX_MODEL`` characters (the OpenAI and Anthropic
   APIs' name, and vLLM's name for a LoRA adapter: ``routing/lora.py`` places by it).
-- The prefix key (``affinity = "prefix"``): the leading ``length`` bytes (UTF-8) of the text
-  the engine computes first and reuses across requests: for a chat request the system and
-  developer messages and the first user message, in order, each as its role, a line feed,
-  its text and a NUL; for a completion request its ``prompt`` (a string, the first of a
-  list of strings, or a list of token ids as their JSON text). Content given as parts takes
-  the ``text`` of its text parts and the URL of its image parts. The key is a 16-byte
-  blake2b of that, the same in every process (as ``affinity.py``'s key hash): replicas
-  agree on where a prefix goes.
+- The prefix key (``affinity = "prefix"``): the text the engine computes first and reuses
+  across requests. For a chat request: its system part (the system and developer messages
+  before the first other message, in order, each as its role, a line feed, its text and a
+  NUL), bounded to its first ``length`` bytes (UTF-8), then its first turn (the first other
+  message, usually the user's, written the same way), bounded to its own first ``length``
+  bytes. Each part has its own bound so that a system prompt longer than ``length`` does not
+  swallow the first turn: single questions behind one long system prompt spread by their
+  question, and a conversation keeps its key on every later turn (they repeat the same
+  system part and first turn). For a completion request: the first ``length`` bytes of its
+  ``prompt`` (a string, the first of a list of strings, or a list of token ids as their JSON
+  text). Content given as parts takes the ``text`` of its text parts and the URL of its
+  image parts. The key is a 16-byte blake2b of that, the same in every process (as
+  ``affinity.py``'s key hash): replicas agree on where a prefix goes.
 """
 
 from __future__ import annotations
@@ -114,20 +119,28 @@ def _prefix_key(document: Mapping[str, object], source: str, length: int) -> byt
 
 
 def _messages_text(messages: object, length: int) -> bytes | None:
+    """The keyed text of a chat: the system part and the first turn, each bounded to
+    ``length`` bytes on its own (see the module header)."""
     if not isinstance(messages, list) or not messages:
         return None
-    out = bytearray()
+    system = bytearray()
+    turn = b""
     for message in messages:
         if not isinstance(message, dict):
             break
         role = message.get("role")
         if not isinstance(role, str):
             break
-        out += role.encode("utf-8", "surrogatepass") + b"\n"
-        out += _content_text(message.get("content"), length - len(out)) + b"\0"
-        if len(out) >= length or role not in _MESSAGE_ROLES:
-            break  # the first user (or other) turn ends the prefix
-    return bytes(out[:length]) if out else None
+        if role in _MESSAGE_ROLES:
+            if len(system) < length:  # past the bound the system part is read no further
+                system += role.encode("utf-8", "surrogatepass") + b"\n"
+                system += _content_text(message.get("content"), length - len(system)) + b"\0"
+            continue
+        turn = role.encode("utf-8", "surrogatepass") + b"\n"
+        turn += _content_text(message.get("content"), length - len(turn)) + b"\0"
+        break  # the first user (or other) turn ends the prefix
+    out = bytes(system[:length]) + turn[:length]
+    return out or None
 
 
 def _content_text(content: object, room: int) -> bytes:

@@ -30,6 +30,23 @@ it lets a hot key's server run a queue while another has free slots; ``gap``
 queue past ``balance_abs_threshold``: a server also stays within ``gap`` streams (per unit of
 weight) of the least loaded server, counting the new one. With ``gap >= 1`` the least loaded
 server is always within both bounds.
+
+Free slots come first (``free``): a key whose first server has a free batch slot goes there,
+whatever the bounds say; both bounds count streams, and near the mean they would move a key
+off an engine that could start it at once onto another that computes its prefix cold. A
+server's slots are its ``max_streams``, else what its engine showed when it last queued (the
+``running`` of a fresh report with requests ``waiting``: its batch was full); it has a free
+slot while its streams, and the running of a fresh report, are below them and the report
+shows no queue (``ServerLoads.free``). Before its slots are seen, a fresh report without a
+queue says it has room, for up to ``UNSEEN_SPARE`` streams sent after that report (the next
+one confirms). A key whose first server is full goes to the first server in its order
+within the bounds that is not full (else the first within the bounds: every server is full,
+and the gap keeps the lead bounded). Unknown room (no slots, no fresh report) counts as not
+full: the bounds alone decide.
+
+The gap when ``balance_gap`` is unset (``default_gap``): a quarter of the smallest known
+server's slots, rounded up (vLLM's batch of 256 gives 64, SGLang's router's default
+``balance_abs_threshold``; 8 slots give 2), and ``DEFAULT_GAP`` while no slots are known.
 """
 
 from __future__ import annotations
@@ -42,17 +59,29 @@ from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.loadreport import LoadReport
 
 __all__ = [
+    "DEFAULT_GAP",
     "REPORT_LIFETIMES",
     "Sampler",
     "ServerLoads",
     "Ticket",
     "bounded_order",
+    "default_gap",
     "power_of_two",
     "within_bounds",
 ]
 
 REPORT_LIFETIMES = 3
 """A report older than this many poll intervals is ignored."""
+
+DEFAULT_GAP = 4
+"""``balance_gap`` while no server's slots are known: half an 8-slot engine's batch, so a hot
+key's server runs at most a few streams ahead of the least loaded one; small enough never to
+let one engine queue long while another idles."""
+
+
+UNSEEN_SPARE = 4
+"""With a server's slots unknown, how many streams the proxy may send it after a report that
+showed no queue before the next report must confirm there is still room."""
 
 
 class Progress(Protocol):
@@ -83,7 +112,7 @@ class Ticket:
 class ServerLoads:
     """Per server of a group: the tickets of its streams and the engine's last report."""
 
-    __slots__ = ("default_tokens", "interval", "reports", "tickets")
+    __slots__ = ("default_tokens", "interval", "reports", "seen_slots", "sent_at_report", "tickets")
 
     def __init__(self, size: int, default_tokens: int, interval: float | None) -> None:
         self.default_tokens = default_tokens
@@ -91,12 +120,20 @@ class ServerLoads:
         """The poll interval of the group's load reports; None: no reports."""
         self.tickets: list[dict[Ticket, None]] = [{} for _ in range(size)]
         self.reports: list[tuple[LoadReport, float] | None] = [None] * size
+        self.seen_slots: list[int | None] = [None] * size
+        """Per server, the most requests its engine ran while it queued others (its batch
+        slots, as seen); None: never seen queueing."""
+        self.sent_at_report: list[int] = [0] * size
+        """Per server, the proxy's own streams on it when its last report came."""
 
     def carry(self, old: ServerLoads, moves: Iterable[tuple[int, int]]) -> None:
-        """Take over ``old``'s tickets and reports of the servers ``moves`` maps here."""
+        """Take over ``old``'s tickets, reports and slots seen of the servers ``moves`` maps
+        here."""
         for before, after in moves:
             self.tickets[after] = old.tickets[before]
             self.reports[after] = old.reports[before]
+            self.seen_slots[after] = old.seen_slots[before]
+            self.sent_at_report[after] = old.sent_at_report[before]
 
     def add(self, index: int, ticket: Ticket) -> None:
         self.tickets[index][ticket] = None
@@ -108,8 +145,38 @@ class ServerLoads:
         """Tokens our streams on ``index`` are still expected to generate."""
         return sum(ticket.remaining for ticket in self.tickets[index])
 
-    def report(self, index: int, report: LoadReport, now: float) -> None:
+    def report(self, index: int, report: LoadReport, now: float, streams: int = 0) -> None:
+        """The engine's report on ``index``, with the proxy's own ``streams`` there now."""
         self.reports[index] = (report, now)
+        self.sent_at_report[index] = streams
+        running = report.running
+        if report.waiting and running:  # a queue behind a full batch: its size is seen
+            seen = self.seen_slots[index]
+            self.seen_slots[index] = running if seen is None else max(seen, running)
+
+    def slots(self, index: int, max_streams: int | None) -> int | None:
+        """The server's batch slots: its ``max_streams``, else as seen; None: unknown."""
+        return max_streams if max_streams is not None else self.seen_slots[index]
+
+    def free(self, index: int, streams: int, max_streams: int | None, now: float) -> bool | None:
+        """Whether the server has a free slot (see the module header): its ``streams`` and
+        the running of a fresh report below its slots, and no queue reported; with its slots
+        unknown, a fresh report without a queue and fewer than ``UNSEEN_SPARE`` streams sent
+        since; None: unknown (no slots and no fresh report, or that many sent since)."""
+        slots = max_streams if max_streams is not None else self.seen_slots[index]
+        report = self.fresh(index, now)
+        if slots is None:
+            if report is None or report.waiting is None:
+                return None
+            if report.waiting:
+                return False
+            return True if streams - self.sent_at_report[index] < UNSEEN_SPARE else None
+        if report is not None:
+            if report.waiting:
+                return False
+            if report.running is not None and report.running > streams:
+                streams = report.running
+        return streams < slots
 
     def fresh(self, index: int, now: float) -> LoadReport | None:
         """The server's report, if at most ``REPORT_LIFETIMES`` intervals old."""
@@ -230,6 +297,13 @@ def within_bounds(
     return within
 
 
+def default_gap(slots: Iterable[int | None]) -> int:
+    """``balance_gap`` when it is unset: a quarter of the smallest of ``slots`` (the servers'
+    batch slots, None where unknown), rounded up; ``DEFAULT_GAP`` when none is known."""
+    known = [count for count in slots if count is not None]
+    return max(1, -(-min(known) // 4)) if known else DEFAULT_GAP
+
+
 def bounded_order(
     key: bytes,
     ids: Sequence[bytes],
@@ -238,17 +312,27 @@ def bounded_order(
     eligible: Iterable[int],
     factor: float,
     gap: int | None = None,
+    free: Callable[[int], bool | None] | None = None,
 ) -> list[int]:
     """The servers for ``key``: rendezvous order, with the first server within its bounds
     moved to the front (consistent hashing with bounded loads, and with ``gap``, bounded
-    lead over the least loaded server; see the module header)."""
+    lead over the least loaded server; see the module header). With ``free`` (whether a
+    server has a free slot; None: unknown), a first server with a free slot stays first,
+    and a full one gives way to the first within the bounds that is not full."""
     order = rendezvous_order(key, ids, weights, eligible)
     if len(order) < 2:
         return order
+    if free is not None and free(order[0]):
+        return order  # its home can start it now: never spilled
     within = within_bounds(weights, streams, order, factor, gap)
+    first = None
     for at, index in enumerate(order):
         if within(index):
-            if at:
-                order.insert(0, order.pop(at))
-            return order
-    return order  # unreachable for factor >= 1 and gap >= 1: the least loaded fits both
+            if free is None or free(index) is not False:
+                first = at
+                break
+            if first is None:
+                first = at  # every server within the bounds may be full
+    if first:
+        order.insert(0, order.pop(first))
+    return order  # none within: unreachable for factor >= 1 and gap >= 1

@@ -11,7 +11,8 @@ over stable server ids). The order it returns is the order the exchange tries on
    sent to (``affinity.py``), while that server takes existing sessions;
 3. with a session key: weighted rendezvous hashing over the usable servers with weight > 0;
 4. with a prefix key (``affinity = "prefix"``, no session key): consistent hashing with
-   bounded loads (``load.bounded_order``);
+   bounded loads (``load.bounded_order``), a server with a free slot keeping its keys, and
+   ``balance_gap`` sized from the servers' slots when it is unset (``gap``);
 5. without either: the balancer's pick (smooth weighted round-robin, least streams, or power
    of two choices by outstanding work: ``load.py``), then the other usable servers as
    fallbacks.
@@ -82,6 +83,7 @@ from muxproxy.routing.load import (
     ServerLoads,
     Ticket,
     bounded_order,
+    default_gap,
     power_of_two,
     within_bounds,
 )
@@ -281,15 +283,15 @@ class GroupRouter:
         if key is not None:
             ranked = rendezvous_order(key, self.ids, weights, fresh)
         elif prefix is not None and group.affinity is AffinityMode.PREFIX:
-            options = group.prefix
             ranked = bounded_order(
                 prefix,
                 self.ids,
                 weights,
                 self.active,
                 fresh,
-                options.load_factor,
-                options.balance_gap,
+                group.prefix.load_factor,
+                self.gap(),
+                self._free_at(now),
             )
         else:
             balance = group.balance
@@ -322,9 +324,8 @@ class GroupRouter:
         bases = (r.models for r in reports if r is not None)
         if any(weights[index] <= 0 for index in ranked) or not is_adapter(model, loras, bases):
             return ranked
-        options = self.group.prefix
         bound = within_bounds(
-            weights, self.active, ranked, options.load_factor, options.balance_gap
+            weights, self.active, ranked, self.group.prefix.load_factor, self.gap()
         )
         work = self._work_at(now)
         return lora_order(
@@ -334,6 +335,19 @@ class GroupRouter:
             lambda index: self.has_room(index, now) and bound(index),
             lambda index: work(index) / weights[index],
         )
+
+    def gap(self) -> int:
+        """``prefix.balance_gap``, else sized from the servers' slots (``load.default_gap``)."""
+        gap = self.group.prefix.balance_gap
+        if gap is not None:
+            return gap
+        loads = self.loads
+        servers = self.group.servers
+        return default_gap(loads.slots(i, server.max_streams) for i, server in enumerate(servers))
+
+    def _free_at(self, now: float) -> Callable[[int], bool | None]:
+        loads, active, servers = self.loads, self.active, self.group.servers
+        return lambda index: loads.free(index, active[index], servers[index].max_streams, now)
 
     def _work_at(self, now: float) -> Callable[[int], int]:
         loads, active = self.loads, self.active
@@ -373,7 +387,7 @@ class GroupRouter:
 
     def load_reported(self, index: int, report: LoadReport, now: float) -> None:
         """The engine of ``index`` reported its load (``core/upstream/loadpoll.py``)."""
-        self.loads.report(index, report, now)
+        self.loads.report(index, report, now, self.active[index])
 
     def _takes_existing(self, index: int, now: float) -> bool:
         """Whether pins and remembered keys may go to ``index`` now: not down, healthy, and

@@ -61,6 +61,14 @@ def chat(user: str = "hi", *, system: str | None = None, max_tokens: int | None 
     return json.dumps(body).encode()
 
 
+def chat_turns(*turns: str, system: str | None = None) -> bytes:
+    """A conversation's request: the user's and the assistant's turns in turn."""
+    body = json.loads(chat(turns[0], system=system))
+    roles = ("assistant", "user")
+    body["messages"] += [{"role": roles[n % 2], "content": t} for n, t in enumerate(turns[1:])]
+    return json.dumps(body).encode()
+
+
 def stream_end(events: Any) -> None:
     assert [type(e) for e in events] == [h11.EndOfMessage], events
 
@@ -242,16 +250,23 @@ def prefix_fleet(**group: Any) -> Any:
     return fleet(A, B, balance=Balance.LEAST_LOAD, affinity=AffinityMode.PREFIX, **group)
 
 
-def test_users_of_one_system_prompt_go_to_the_same_server() -> None:
+def test_a_conversations_turns_go_to_the_same_server() -> None:
     rig = Llm(prefix_fleet(prefix=PrefixAffinity(load_factor=4.0)))
     _, first = rig.posted(chat("question 1", system=SYSTEM))
-    for n in range(2, 5):
-        rig.posted(chat(f"question {n}", system=SYSTEM), to=first)
+    for n in range(2, 5):  # its later turns repeat the history: system, question 1, ...
+        later = [text for k in range(2, n + 1) for text in (f"answer {k - 1}", f"question {k}")]
+        rig.posted(chat_turns("question 1", *later, system=SYSTEM), to=first)
+
+
+def test_single_questions_behind_one_long_system_prompt_spread_by_their_question() -> None:
+    rig = Llm(prefix_fleet(prefix=PrefixAffinity(load_factor=4.0)))
+    servers = {rig.posted(chat(f"question {n}", system=SYSTEM))[1] for n in range(12)}
+    assert servers == {A, B}
 
 
 def test_a_hot_prefix_spills_over_once_its_server_is_over_the_bound() -> None:
     rig = Llm(prefix_fleet())  # c = 1.25
-    servers = [rig.posted(chat(f"q{n}", system=SYSTEM))[1] for n in range(8)]
+    servers = [rig.posted(chat("the same question", system=SYSTEM))[1] for n in range(8)]
     counts = {s: servers.count(s) for s in (A, B)}
     assert counts[servers[0]] == 5 and counts[A] + counts[B] == 8  # ceil(1.25 * 8 / 2) = 5
     assert max(rig.router.active) <= 5
@@ -565,15 +580,21 @@ def test_a_failing_load_report_is_logged_once_and_touches_nothing_else() -> None
 # -- the queue keeps a prefix on its server ------------------------------------------------------
 
 
-def system_owned_by(rig: Llm, address: str) -> str:
-    """A system prompt whose prefix key ranks ``address`` first."""
+def owned(rig: Llm, address: str, user: str) -> bytes:
+    """A chat request asking ``user`` behind a system prompt chosen so that its prefix key
+    ranks ``address`` first."""
+    return chat(user, system=system_owned_by(rig, address, user))
+
+
+def system_owned_by(rig: Llm, address: str, user: str = "hi") -> str:
+    """A system prompt whose prefix key, asking ``user``, ranks ``address`` first."""
     from muxproxy.routing.balancer import rendezvous_order
     from muxproxy.routing.llmrequest import parse_json_body, read_request
 
     index = [s.address for s in rig.group.servers].index(address)
     for n in range(100):
         system = f"prompt {n} " + SYSTEM
-        key = read_request(parse_json_body(chat(system=system)), length=1024).prefix_key
+        key = read_request(parse_json_body(chat(user, system=system)), length=1024).prefix_key
         assert key is not None
         if rendezvous_order(key, rig.router.ids, rig.router.weights, range(2))[0] == index:
             return system
@@ -590,11 +611,10 @@ def test_a_freed_slot_goes_to_the_first_waiting_request_that_belongs_there() -> 
             prefix=PrefixAffinity(load_factor=2.0),
         )
     )
-    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    up_a, _ = rig.posted(chat("x", system=to_a), to=A)
-    up_b, _ = rig.posted(chat("y", system=to_b), to=B)
-    first, _ = rig.waits(chat("first in line", system=to_a))  # waits for A
-    second, _ = rig.waits(chat("second in line", system=to_b))  # waits for B
+    up_a, _ = rig.posted(owned(rig, A, "x"), to=A)
+    up_b, _ = rig.posted(owned(rig, B, "y"), to=B)
+    first, _ = rig.waits(owned(rig, A, "first in line"))  # waits for A
+    second, _ = rig.waits(owned(rig, B, "second in line"))  # waits for B
     assert rig.queue_len() == 2
     # B frees first: the request that belongs on B goes, not the first.
     rig.finish(up_b, admits=second, to=B)
@@ -614,18 +634,17 @@ def test_a_request_passed_over_for_affinity_wait_takes_the_next_slot_anywhere() 
             queue=AdmissionQueue(affinity_wait=0.5),
         )
     )
-    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    rig.posted(chat("x", system=to_a))
-    up_b, _ = rig.posted(chat("y", system=to_b))
-    patient = rig.waits(chat("patient", system=to_a))  # first in line, belongs on A
-    local = rig.waits(chat("local 1", system=to_b))
+    rig.posted(owned(rig, A, "x"))
+    up_b, _ = rig.posted(owned(rig, B, "y"))
+    patient = rig.waits(owned(rig, A, "patient"))  # first in line, belongs on A
+    local = rig.waits(owned(rig, B, "local 1"))
     rig.pb.now += 0.4
     # B frees: "local 1" belongs there and goes first.
     opens = rig.finish(up_b, admits=local[0], to=B)
     assert opens is not None
-    rig.stream(*local, opens, chat("local 1", system=to_b))
+    rig.stream(*local, opens, owned(rig, B, "local 1"))
     up_b = opens.conn
-    rig.waits(chat("local 2", system=to_b))
+    rig.waits(owned(rig, B, "local 2"))
     rig.pb.now += 0.2  # "patient" has waited 0.6 s: passed over long enough
     opens = rig.finish(up_b, admits=patient[0], to=B)
     assert opens is not None
@@ -638,10 +657,9 @@ def test_a_request_passed_over_for_affinity_wait_takes_the_next_slot_anywhere() 
 
 def test_with_nobody_belonging_there_the_fairest_takes_a_freed_slot() -> None:
     rig = Llm(limited(A, B, affinity=AffinityMode.PREFIX, prefix=PrefixAffinity(load_factor=2.0)))
-    to_a, to_b = system_owned_by(rig, A), system_owned_by(rig, B)
-    rig.posted(chat("x", system=to_a))
-    up_b, _ = rig.posted(chat("y", system=to_b))
-    belongs_on_a, _ = rig.waits(chat("belongs on A", system=to_a))
+    rig.posted(owned(rig, A, "x"))
+    up_b, _ = rig.posted(owned(rig, B, "y"))
+    belongs_on_a, _ = rig.waits(owned(rig, A, "belongs on A"))
     rig.finish(up_b, admits=belongs_on_a, to=B)  # no slot is left idle: it goes to B
     assert rig.queue_len() == 0
 

@@ -114,7 +114,7 @@ async def check_steered(start_proxy: Any, busy_port: int, idle_port: int) -> Non
     assert reported["running"] == 1 and reported["waiting"] == 2 and reported["fresh"]
 
 
-async def test_users_of_one_system_prompt_share_one_engines_kv_cache(
+async def test_the_turns_of_one_conversation_share_one_engines_kv_cache(
     start_backend: Any, start_proxy: Any
 ) -> None:
     with trio.fail_after(TEST_TIMEOUT):
@@ -128,8 +128,14 @@ async def test_users_of_one_system_prompt_share_one_engines_kv_cache(
         )
         async with httpx.AsyncClient() as client:
             served = set()
-            for n in range(6):
-                response = await stream(client, proxy.url, chat(f"question {n}", system=SYSTEM))
+            for n in range(6):  # a conversation: each turn repeats the ones before it
+                turn = chat("question 0", system=SYSTEM)
+                for k in range(1, n + 1):
+                    turn["messages"] += [
+                        {"role": "assistant", "content": f"answer {k - 1}"},
+                        {"role": "user", "content": f"question {k}"},
+                    ]
+                response = await stream(client, proxy.url, turn)
                 assert response.status_code == 200
                 served.add(response.headers["x-backend-id"])
         (owner,) = served

@@ -46,12 +46,27 @@ def test_no_prefix_key_unless_asked_for() -> None:
     assert read_request(chat(SYSTEM, "hi")).prefix_key is None
 
 
-def test_users_of_one_long_system_prompt_share_a_key() -> None:
+def test_single_questions_behind_one_long_system_prompt_get_different_keys() -> None:
+    # The system prompt is longer than ``length``: it no longer swallows the question.
     a = key(chat(SYSTEM, "What is 2+2?"))
-    b = key(chat(SYSTEM, "Write a poem", "ok", "longer please"))
-    assert a is not None and a == b
+    b = key(chat(SYSTEM, "Write a poem"))
+    assert a is not None and b is not None and a != b
     assert len(a) == 16
     assert key(chat(SYSTEM.replace("careful", "cheerful"), "What is 2+2?")) != a
+
+
+def test_a_conversation_behind_a_long_system_prompt_keeps_its_first_turns_key() -> None:
+    first = key(chat(SYSTEM, "Write a poem"))
+    assert first == key(chat(SYSTEM, "Write a poem", "Roses are red...", "longer please"))
+    assert first == key(chat(SYSTEM, "Write a poem", "ok", "more", "here", "x" * 100_000))
+
+
+def test_each_part_is_bounded_on_its_own() -> None:
+    # Past ``length`` bytes neither the system part nor the first turn changes the key.
+    assert key(chat(SYSTEM + "tail one", "q" * 2000 + "a")) == key(
+        chat(SYSTEM + "tail two", "q" * 2000 + "b")
+    )
+    assert key(chat(SYSTEM, "q" * 1000 + "a")) != key(chat(SYSTEM, "q" * 1000 + "b"))
 
 
 def test_a_short_system_prompt_takes_in_the_first_user_turn() -> None:

@@ -22,6 +22,7 @@ from muxproxy.config import (
 )
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.routing.balancer import rendezvous_order
+from muxproxy.routing.load import DEFAULT_GAP
 from muxproxy.routing.router import GroupRouter
 
 A, B, C, D = (f"10.0.0.{n}:8000" for n in range(1, 5))
@@ -198,7 +199,14 @@ def test_prefix_placement_applies_the_groups_balance_gap() -> None:
             out[fleet.servers[index].address] += 1
         return out
 
-    # The mean bound alone lets the prompt's owner run ceil(1.25 x 20 / 4) = 7 of 20 streams;
-    # a gap of 1 keeps every server within one stream of the others: 5 each.
-    assert max(placements(None).values()) >= 7
+    # The mean bound alone (a gap too large to bind) lets the prompt's owner run
+    # ceil(1.25 x 20 / 4) = 7 of 20 streams; a gap of 1 keeps every server within one stream
+    # of the others: 5 each. Unset, the gap is ``DEFAULT_GAP`` (no server's slots known).
+    assert max(placements(1000).values()) >= 7
     assert sorted(placements(1).values()) == [5, 5, 5, 5]
+    unset = placements(None).values()
+    assert (
+        max(unset) - min(unset)
+        <= DEFAULT_GAP
+        < max(placements(1000).values()) - min(placements(1000).values())
+    )

@@ -29,12 +29,19 @@ What it obeys:
   (``refusal.py``: ``queue_full``, ``queue_timeout``). A deadline is the class's own
   (a class-9 request may give up after its 2 s while a class-0 one still waits); the order
   of service does not change. Its wait is measured.
+- Waiting for home: a keyed request (a session key or a prefix) whose first candidate is
+  full while another has room waits in the queue for that server first, up to
+  ``queue.affinity_wait`` (``home_until``): its prefix is cached there, and a slot there
+  often frees sooner than another server computes the prefix cold. Until then only a slot on
+  its home admits it (``may_go``) and no other slot is handed to it (``held_for_home``); at
+  ``home_until`` its ``queue`` timer fires first, and it takes the first server with room.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -55,6 +62,7 @@ from muxproxy.routing.sticky import source_value
 
 if TYPE_CHECKING:
     from muxproxy.core.observe.series import GroupStats
+    from muxproxy.routing.admission import FairQueue
     from muxproxy.routing.router import GroupRouter
 
 
@@ -92,11 +100,13 @@ class Admission:
     """The facts, reservation and queue wait of one exchange in one group."""
 
     __slots__ = (
+        "deadline",
         "facts",
         "fleet",
         "fx",
         "group",
         "home",
+        "home_until",
         "limiter",
         "priority",
         "queued_at",
@@ -132,6 +142,10 @@ class Admission:
         self.fleet: FleetHold | None = None
         """With a fleet store: the reservation asked of it, then held."""
         self.queued_at: float | None = None
+        self.deadline = 0.0
+        """While queued: when its class's wait runs out."""
+        self.home_until: float | None = None
+        """While it waits for its home alone (see the module header): until when."""
         self.home: str | None = None
         """While queued: the address of the server this request belongs on (its session
         key's or prefix's first candidate), None for one that may go anywhere."""
@@ -208,24 +222,51 @@ class Admission:
 
     # -- the queue -------------------------------------------------------------------------
 
-    def enqueue(self, router: GroupRouter, exchange: object, ident: int, home: str | None) -> bool:
-        """Wait in ``router``'s queue, for a slot on ``home`` preferably; False when the
-        queue is full."""
+    def enqueue(
+        self,
+        router: GroupRouter,
+        exchange: object,
+        ident: int,
+        home: str | None,
+        *,
+        for_home: bool = False,
+    ) -> bool:
+        """Wait in ``router``'s queue, for a slot on ``home`` preferably (``for_home``: on
+        ``home`` alone, for ``queue.affinity_wait``); False when the queue is full."""
         if not router.queue.push(exchange, self.tenant, self.priority):
             return False
         self.home = home
         fx = self.fx
         self.queued_at = fx.now
-        deadline = fx.now + self.group.queue.wait_for(self.priority)  # its class's ``max_wait``
-        fx.set_timer((ExchangeTimer.QUEUE, ident), deadline)
+        self.deadline = fx.now + self.group.queue.wait_for(self.priority)  # its ``max_wait``
+        until = fx.now + self.group.queue.affinity_wait if for_home and home else None
+        self.home_until = until if until is not None and until < self.deadline else None
+        at = self.deadline if self.home_until is None else self.home_until
+        fx.set_timer((ExchangeTimer.QUEUE, ident), at)
         return True
+
+    def home_wait_over(self, ident: int) -> bool:
+        """The ``queue`` timer fired: True when it ended the wait for home (not its
+        deadline); its deadline's timer is set again."""
+        if self.home_until is None:
+            return False
+        self.home_until = None
+        self.fx.set_timer((ExchangeTimer.QUEUE, ident), self.deadline)
+        return True
+
+    def held_for_home(self, now: float) -> bool:
+        """Whether it still waits for its home alone (no other server's slot is its)."""
+        return self.home_until is not None and now < self.home_until
 
     def may_go(self, rooms: set[str], now: float) -> bool:
         """Whether a slot on one of ``rooms`` (addresses) may be this request's now: it has no
-        home, its home is one of them, or it waited ``queue.affinity_wait`` already."""
+        home, its home is one of them, or it waited ``queue.affinity_wait`` already (and no
+        longer waits for its home alone)."""
         home, at = self.home, self.queued_at
         if home is None or home in rooms or at is None:
             return True
+        if self.home_until is not None:
+            return now >= self.home_until
         return now - at >= self.group.queue.affinity_wait
 
     def leave_queue(self, router: GroupRouter, exchange: object, ident: int) -> float | None:
@@ -233,10 +274,34 @@ class Admission:
         at = self.queued_at
         if at is None:
             return None
-        self.queued_at = None
+        self.queued_at = self.home_until = None
         router.queue.remove(exchange)
         self.fx.cancel_timer((ExchangeTimer.QUEUE, ident))
         return self.fx.now - at
+
+
+def next_to_admit(
+    queue: FairQueue[object],
+    rooms: set[str],
+    now: float,
+    admission_of: Callable[[object], Admission | None],
+    lookahead: int,
+) -> object | None:
+    """The next waiting request a slot on ``rooms`` goes to, taken out of ``queue``: of the
+    next ``lookahead`` in fair order, the first whose home is in ``rooms`` or that may go
+    anywhere (``Admission.may_go``), else the fairest that does not wait for its home alone
+    (``Admission.held_for_home``: no slot stays idle for locality beyond that); None when
+    every one of them waits for its home alone."""
+
+    def may_go(item: object) -> bool:
+        admission = admission_of(item)
+        return admission is None or admission.may_go(rooms, now)
+
+    def takes_any(item: object) -> bool:
+        admission = admission_of(item)
+        return admission is None or not admission.held_for_home(now)
+
+    return queue.pop_first(may_go, lookahead) or queue.pop_first(takes_any, lookahead)
 
 
 def _value(

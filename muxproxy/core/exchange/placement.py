@@ -11,7 +11,8 @@ What it obeys:
   (BUFFERING without a route: ``bymodel.py``). A group that reads the request's JSON body
   (a body session key, ``least_load``, prefix affinity, token budgets, load reports: a LoRA
   adapter's name) holds its start first (BUFFERING) until the body is complete or as much of
-  it is held as may be (``sticky.body_limit``, bounded by ``high_water``).
+  it is held as may be (``sticky.body_limit``, bounded by ``high_water``); a body longer than
+  that is read for its facts from its first members (``routing/partialbody.py``).
 - Budgets (``admit.py``): a tenant whose budget is spent gets 429 with its ``Retry-After``;
   with the fleet's budgets the shared store answers first (RESERVING, ``fleetadmit.py``).
   Every refusal for want of room, budget or server says why (``refusal.py``: the
@@ -58,7 +59,9 @@ from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.ports import RequestPhase
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.timers import ExchangeTimer
+from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.llmrequest import parse_json_body
+from muxproxy.routing.partialbody import leading_document
 from muxproxy.routing.ratelimit import Refusal
 from muxproxy.routing.sticky import session_key_from_body, session_key_from_head
 
@@ -170,6 +173,10 @@ def route_by_body(exchange: Routed) -> None:
         document = parse_json_body(prefix) if complete else None
         sources = group.sticky.sources
         key = session_key_from_body(sources, head.headers, head.target, prefix, complete, document)
+        if document is None and group.admits:
+            # Longer than may be held: its facts from its first members (a long
+            # conversation keeps its prefix key, and so its server).
+            document = leading_document(prefix)
         _route(exchange, key, document)
 
 
@@ -237,6 +244,9 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         refuse(exchange, Reason.NO_SERVER, 503, "no backend available")
         return
     if not _chosen(exchange, failover):
+        return
+    if group.admission and _waits_for_home(exchange, failover):
+        _wait(exchange, for_home=True)
         return
     if group.admission and not failover.choose_room():
         _wait(exchange)
@@ -314,11 +324,44 @@ def retry_stale(exchange: Routed, reason: str) -> bool:
 # -- the admission queue (``admit.py``) ---------------------------------------------------
 
 
-def _wait(exchange: Routed) -> None:
-    """Every candidate is full: wait in the group's queue, or 429 when it is full."""
+def _waits_for_home(exchange: Routed, failover: Failover) -> bool:
+    """Whether a keyed request waits for its home (its first candidate, full) before taking
+    another server that has room (``admit.py``: up to ``queue.affinity_wait``)."""
+    if failover.session_key is None and failover.prefix is None:
+        return False
+    hooks = exchange.hooks
+    if hooks is not None and hooks.chooses:
+        return False  # an extension chose its server: that choice stands
+    admission, queue = exchange.admission, failover.group.queue
+    if admission is None or not 0 < queue.affinity_wait < queue.wait_for(admission.priority):
+        return False  # no wait, or one its deadline cuts short: it goes where there is room
+    router, now, candidates = failover.router, exchange.fx.now, failover.candidates
+    if all(router.has_room(index, now) for index in candidates):
+        return False  # the common case, decided without hashing
+    home = candidates[0]
+    if failover.session_key is None and failover.prefix is not None:
+        # The prefix's own first server, which the bounds put behind another while it is full.
+        ranked = rendezvous_order(
+            failover.prefix, router.ids, router.routing_weights(now), candidates
+        )
+        home = ranked[0] if ranked else home
+    if router.has_room(home, now):
+        return False
+    # Every server full: the queue's own locality decides (``Admission.may_go``).
+    if not any(router.has_room(index, now) for index in candidates if index != home):
+        return False
+    candidates.remove(home)
+    candidates.insert(0, home)  # its home, for the queue (``_home``)
+    return True
+
+
+def _wait(exchange: Routed, *, for_home: bool = False) -> None:
+    """Every candidate is full (``for_home``: its home is): wait in the group's queue, or
+    429 when it is full."""
     admission, failover = exchange.admission, exchange.failover
     assert admission is not None and failover is not None
-    if not admission.enqueue(failover.router, exchange, exchange.ident, _home(failover)):
+    home = _home(failover)
+    if not admission.enqueue(failover.router, exchange, exchange.ident, home, for_home=for_home):
         _refuse_busy(exchange, Reason.QUEUE_FULL, "every server is busy and the queue is full")
         return
     exchange.move(_I.QUEUE)
@@ -371,8 +414,13 @@ def left_queue(exchange: Routed, admission: Admission, failover: Failover) -> No
 
 
 def queue_timeout(exchange: Routed) -> None:
-    """The ``queue`` timer: every server stayed busy for the deadline of the request's
-    priority class (``queue.max_wait``, else ``queue.timeout``)."""
+    """The ``queue`` timer: its wait for its home ended (it may take any server with room
+    now), or every server stayed busy for the deadline of the request's priority class
+    (``queue.max_wait``, else ``queue.timeout``)."""
+    admission, failover = exchange.admission, exchange.failover
+    if admission is not None and failover is not None and admission.home_wait_over(exchange.ident):
+        exchange.host.room_freed(failover.router)
+        return
     _refuse_busy(exchange, Reason.QUEUE_TIMEOUT, "every server stayed busy for the queue's timeout")
 
 
