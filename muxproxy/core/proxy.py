@@ -75,6 +75,7 @@ from muxproxy.core.timers import (
 from muxproxy.core.tunnel.tunnel import Tunnel
 from muxproxy.core.tunnel.websocket import WebSocketExchange, wants_tunnel
 from muxproxy.core.upstream.h2pool import H2Stream
+from muxproxy.core.upstream.kvfeeds import KvFeeds
 from muxproxy.core.upstream.loadpoll import LoadPoll
 from muxproxy.core.upstream.modelpoll import ModelPoll
 from muxproxy.core.upstream.pool import Pool, UpstreamConn
@@ -120,9 +121,9 @@ class ProxyCore:
         """Counters and histograms (``measure.py``); ``measurements.snapshot()`` exports
         them as data the driver renders (``muxproxy.trio.metrics``)."""
         self.request_ids = RequestIds()
+        """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.resumes = ResumeStore(self.fx)
         """Resumable SSE streams (``resume.py``): their kept events, by token."""
-        """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.defences = DefenceLog(self)
         """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""
         self._waking: int | Probe | None = None
@@ -172,6 +173,9 @@ class ProxyCore:
             ExtensionAnswered: self._extension_answered,
             SessionsLearned: self.sessions.learn,
         }
+        self.kv = KvFeeds(self.fx, self.router)
+        """The engines' KV-cache events and tokens (``kvfeeds.py``)."""
+        self._dispatch.update(self.kv.handlers())
 
     # -- what the driver and embedders read ----------------------------------------------
 
@@ -519,6 +523,7 @@ class ProxyCore:
         self._routers = routers
         if not fx.shutting_down:  # a stopping proxy checks no health (shutdown.py)
             self._start_probes()
+        self.kv.configured()
         self._wake_queues()
         fx.emit(Log(event="config_changed", fields={}))
 
