@@ -20,6 +20,7 @@ import sys
 import tomllib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ TEST_TIMEOUT = 19
 SYSTEM = "You answer questions about the weather in the harbour town, briefly and kindly. " * 2
 
 
-async def relay(client: trio.abc.Stream, port: int) -> None:
+async def relay(port: int, client: trio.SocketStream) -> None:
     """Carry one connection to ``127.0.0.1:port`` and back until either side ends."""
 
     async def pipe(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
@@ -63,7 +64,7 @@ async def serve_relay(
     with scope:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(lambda stream: relay(stream, port), listeners)
+        await trio.serve_listeners(partial(relay, port), listeners)
 
 
 @asynccontextmanager
