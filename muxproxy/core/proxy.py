@@ -153,6 +153,8 @@ class ProxyCore:
         self.planted: FaultPlan | None = None
         """Faults a test planted (``faultplan.py``); None, and so consulted at no cost, but
         in tests."""
+        self.kv = KvFeeds(self.fx, self.router)
+        """The engines' KV-cache events and tokens (``kvfeeds.py``)."""
         self.isolation = Isolation(self)
         self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
@@ -172,10 +174,8 @@ class ProxyCore:
             BudgetAnswered: self._budget_answered,
             ExtensionAnswered: self._extension_answered,
             SessionsLearned: self.sessions.learn,
+            **self.kv.handlers(),
         }
-        self.kv = KvFeeds(self.fx, self.router)
-        """The engines' KV-cache events and tokens (``kvfeeds.py``)."""
-        self._dispatch.update(self.kv.handlers())
 
     # -- what the driver and embedders read ----------------------------------------------
 
