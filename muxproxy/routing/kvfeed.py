@@ -2,7 +2,9 @@
 trusted now, and what went wrong.
 
 Obeys the routing rules: pure code, no clock (``now`` is passed in), no I/O; the messages
-come from ``muxproxy/trio/kvevents.py``. A message is vLLM's ``[topic, sequence, batch]``
+come from the driver's subscriptions (``muxproxy/trio/kvevents.py``, ``trio/kvfollow.py``)
+through the core (``core/upstream/kvfeeds.py``), which keeps a feed per server in the
+group's router (``kvplace.py``). A message is vLLM's ``[topic, sequence, batch]``
 (``ZmqEventPublisher``: the sequence is 8 bytes, big-endian, counting from 0 per publisher).
 
 When the index is trusted (:meth:`EngineFeed.usable`): while the subscription is connected,

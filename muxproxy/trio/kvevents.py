@@ -1,5 +1,6 @@
 """The I/O of following an engine's KV-cache events: one Trio task per engine, subscribed to
-its ZeroMQ publisher, feeding an :class:`~muxproxy.routing.kvfeed.EngineFeed`.
+its ZeroMQ publisher, feeding a :class:`Feed` (an :class:`~muxproxy.routing.kvfeed.EngineFeed`,
+or in the proxy the core, through ``trio/kvfollow.py``).
 
 The decisions (what a message does to the index, when the index is trusted) are
 ``routing/kvfeed.py``'s; this module only connects, reads and waits. A connection that
