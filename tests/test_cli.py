@@ -314,6 +314,20 @@ def test_check_summarizes_balancing_and_admission(tmp_path: Path) -> None:
     ]
 
 
+def test_check_summarizes_placement_by_kv_events(tmp_path: Path) -> None:
+    (tmp_path / "kv.toml").write_text(
+        '[[listeners]]\naddress = "127.0.0.1:8080"\n[upstreams.gpus]\naffinity = "prefix"\n'
+        'servers = ["127.0.0.1:9001", { address = "127.0.0.1:9002", kv_events ='
+        ' "tcp://127.0.0.1:6000" }]\nkv_events = { stale_after = "500ms" }\n'
+    )
+    result = run_cli("check", "--config", "kv.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "    placed by the engines' KV-cache events on port 5557 (1 at their own endpoint),"
+        ' topic "kv-events", untrusted after 0.5s silent while busy'
+    ) in result.stdout.splitlines()
+
+
 def test_check_bad_routing_file(tmp_path: Path) -> None:
     assert refused_by_check(tmp_path, "bad.toml", BAD_ROUTING) == [
         "muxproxy: bad.toml: invalid configuration",

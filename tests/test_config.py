@@ -351,7 +351,7 @@ def _set(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
             [{"address": "127.0.0.1:9001", "colour": 2}],
             "upstreams.gpus.servers[0].colour: unknown key; expected one of: address, weight,"
             " max_fails, fail_timeout, backup, protocol, max_connections, tls, tls_ca,"
-            " tls_server_name, max_streams, max_waiting",
+            " tls_server_name, max_streams, max_waiting, kv_events",
         ),
         (
             ("upstreams", "gpus", "servers"),

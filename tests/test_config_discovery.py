@@ -67,8 +67,8 @@ def test_slow_start_takes_seconds_or_a_duration(text: Any, seconds: float) -> No
     assert group.slow_start == seconds
 
 
-def test_discover_has_every_server_setting_but_address_and_backup() -> None:
-    server = {f.name for f in attrs.fields(Server)} - {"address", "backup"}
+def test_discover_has_every_server_setting_but_address_backup_and_kv_events() -> None:
+    server = {f.name for f in attrs.fields(Server)} - {"address", "backup", "kv_events"}
     discover = {f.name: f.default for f in attrs.fields(Discover)}
     assert server <= set(discover)
     for field in attrs.fields(Server):

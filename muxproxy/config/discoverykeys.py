@@ -22,9 +22,9 @@ __all__ = ["discover_keys", "discover_parser", "duration_or_zero", "lookup_name"
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z")
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_NOT_FOR_DISCOVERED = ("address", "backup")
-"""Server keys a ``discover`` table has no use for: the answer gives the addresses, and SRV
-priorities the backups."""
+_NOT_FOR_DISCOVERED = ("address", "backup", "kv_events")
+"""Server keys a ``discover`` table has no use for: the answer gives the addresses, SRV
+priorities the backups, and the group's ``kv_events.port`` each engine's events."""
 
 
 def lookup_name(check: Checker, value: Any, path: str) -> str | None:

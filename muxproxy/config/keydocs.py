@@ -38,6 +38,8 @@ from muxproxy.config import (
     fleet,
     fleetkeys,
     groupmodelkeys,
+    kveventkeys,
+    kvevents,
     logs,
     logsettings,
     modelkeys,
@@ -152,6 +154,10 @@ _VALUE_KINDS: dict[Any, str] = {
     upstreams.balance_gap: "an integer >= 1",
     upstreams.fraction: "a fraction in (0, 1]",
     upstreams.load_reporting: "a table",
+    kveventkeys.kv_events: "a table",
+    kveventkeys.kv_endpoint: '"tcp://host:port", a ZeroMQ endpoint',
+    kveventkeys.topic: "a string",
+    kveventkeys.stale_after: 'seconds (a number above 0) or "2s", "500ms"',
     queuekeys.seconds_or_zero: "seconds (a number >= 0; 0: off)",
     queuekeys.admission_queue: "a table",
     queuekeys.max_wait: "a table of priority classes (0..9) to seconds or durations"
@@ -186,6 +192,9 @@ _VALUE_KINDS: dict[Any, str] = {
 _EXTENSION = '"muxproxy.extensions:Extension"'
 """The base class, which does nothing: an extension every example can load."""
 
+_KV_EVENTS = '[upstreams.gpus]\naffinity = "prefix"\n\n[upstreams.gpus.kv_events]\n{}'
+"""``kv_events`` examples: the table needs ``affinity = "prefix"`` beside it."""
+
 _EXAMPLES = {
     "listeners[].address": 'address = "0.0.0.0:8080"',
     "listeners[].tls_cert": 'address = "0.0.0.0:8443"\ntls_cert = "cert.pem"\ntls_key = "key.pem"',
@@ -217,6 +226,19 @@ _EXAMPLES = {
     f"{GROUP}.prefix": '[upstreams.gpus.prefix]\nsource = "messages"',
     f"{GROUP}.prefix.balance_gap": "balance_gap = 2",
     f"{GROUP}.load_report": '[upstreams.gpus.load_report]\npath = "/metrics"\ninterval = 1',
+    f"{GROUP}.kv_events": _KV_EVENTS.format("port = 5557"),
+    **{
+        f"{GROUP}.kv_events.{key}": _KV_EVENTS.format(line)
+        for key, line in (
+            ("port", "port = 5557"),
+            ("topic", 'topic = "kv-events"'),
+            ("stale_after", 'stale_after = "2s"'),
+            ("max_blocks", "max_blocks = 200000"),
+        )
+    },
+    f"{GROUP}.servers[].kv_events": '[upstreams.gpus]\naffinity = "prefix"\nservers = ['
+    '{ address = "10.0.0.1:8000", kv_events = "tcp://10.0.0.1:5557" }]\n\n'
+    "[upstreams.gpus.kv_events]",
     f"{GROUP}.queue": "[upstreams.gpus.queue]\nmax = 200",
     f"{GROUP}.queue.max_wait": 'max_wait = { 0 = 60, 5 = "10s", 9 = "2s" }',
     f"{GROUP}.tenant": 'tenant = "header:Authorization"',
@@ -300,6 +322,7 @@ def _record_docs() -> dict[tuple[str, str], str]:
         *ast.parse(inspect.getsource(routes)).body,
         *ast.parse(inspect.getsource(fleet)).body,
         *ast.parse(inspect.getsource(discovery)).body,
+        *ast.parse(inspect.getsource(kvevents)).body,
         *ast.parse(inspect.getsource(queue)).body,
         *ast.parse(inspect.getsource(extensions)).body,
         *ast.parse(inspect.getsource(telemetry)).body,
@@ -479,11 +502,9 @@ def _document(entry: Entry) -> str:
     table = entry.table
     if table.path == "listeners[]":
         return f"{example}\n\n{_MINIMAL_GROUP}"
-    if table.path == GROUP or table.path.endswith((".servers[]", ".discover")):
-        if (
-            "servers = " in example or "discover = " in example
-        ):  # the example sets the group's servers itself
-            return f"{_MINIMAL_LISTENER}\n{example}\n"
-        if example.startswith("[upstreams.gpus]\n"):  # a key of the group: add its servers
-            return f"{_MINIMAL_LISTENER}\n{_MINIMAL_GROUP}{example.partition(chr(10))[2]}\n"
+    in_group = table.path == GROUP or table.path.endswith((".servers[]", ".discover"))
+    if in_group and ("servers = " in example or "discover = " in example):
+        return f"{_MINIMAL_LISTENER}\n{example}\n"  # the example sets the group's servers
+    if example.startswith("[upstreams.gpus]\n"):  # keys of the group: add its servers
+        return f"{_MINIMAL_LISTENER}\n{_MINIMAL_GROUP}{example.partition(chr(10))[2]}\n"
     return f"{_MINIMAL_LISTENER}\n{_MINIMAL_GROUP}\n{example}\n"

@@ -29,6 +29,8 @@ from muxproxy.config.extensionkeys import EXTENSION_KEYS
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
 from muxproxy.config.fleetkeys import FLEET_KEYS, RESOLVER_KEYS
+from muxproxy.config.kveventkeys import KV_EVENTS_KEYS
+from muxproxy.config.kvevents import KvEvents
 from muxproxy.config.logs import _LOG_KEYS
 from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.modelkeys import ALIAS_KEYS, TARGET_KEYS
@@ -220,6 +222,16 @@ TABLES = (
         "[upstreams.gpus.load_report]",
     ),
     Table(
+        f"{GROUP}.kv_events",
+        "[upstreams.NAME.kv_events]",
+        KvEvents,
+        KV_EVENTS_KEYS,
+        "Follow each engine's KV-cache events (vLLM's `--kv-events-config`) and place a"
+        " prompt on the engine holding the most of it, within the bounds of `affinity ="
+        ' "prefix"` (`docs/balancing.md`).',
+        "[upstreams.gpus.kv_events]",
+    ),
+    Table(
         f"{GROUP}.queue",
         "[upstreams.NAME.queue]",
         AdmissionQueue,
@@ -338,6 +350,7 @@ SUB_TABLES = {
     f"{GROUP}.timeouts": f"{GROUP}.timeouts",
     f"{GROUP}.prefix": f"{GROUP}.prefix",
     f"{GROUP}.load_report": f"{GROUP}.load_report",
+    f"{GROUP}.kv_events": f"{GROUP}.kv_events",
     f"{GROUP}.queue": f"{GROUP}.queue",
     f"{GROUP}.rate_limit": f"{GROUP}.rate_limit",
     "routes[].resume": "routes[].resume",
@@ -374,8 +387,8 @@ def placement(key: str, path: str) -> str | None:
     other table, or in too many for a pointer to help (``path``, ``name``)."""
     here, group = table_pattern(path)
     homes = [table for table in TABLES if key in table.keys and table.path != here]
-    if not here.startswith(GROUP):  # a listener's "port" is no DNS lookup's
-        homes = [table for table in homes if not table.path.endswith(".discover")]
+    if not here.startswith(GROUP):  # a listener's "port" is no DNS lookup's, nor an engine's
+        homes = [table for table in homes if not table.path.endswith((".discover", ".kv_events"))]
     if not here.startswith("models."):  # a server's "weight" is no alias target's
         homes = [table for table in homes if not table.path.startswith("models.")]
     if not homes or len(homes) > 2:

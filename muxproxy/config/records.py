@@ -15,6 +15,7 @@ import attrs
 from muxproxy.config.discovery import Discover
 from muxproxy.config.extensions import ExtensionConfig
 from muxproxy.config.fleet import FleetSettings, ResolverSettings
+from muxproxy.config.kvevents import KvEvents
 from muxproxy.config.logsettings import LogSettings
 from muxproxy.config.queue import AdmissionQueue
 from muxproxy.config.routes import (
@@ -173,6 +174,9 @@ class Server(_HostPort):
     max_waiting: int | None = None
     """Admission control, with ``load_report``: the server counts as full while the engine
     reports this many requests waiting in its own queue (or more). None: no limit."""
+    kv_events: str | None = None
+    """Where this server's engine publishes its KV-cache events, ``"tcp://host:port"``, when
+    not at the group's ``kv_events.port`` on the server's own host."""
 
 
 class Balance(enum.Enum):
@@ -422,6 +426,10 @@ class Upstream:
     (vLLM, SGLang); None: the proxy's own count only. With ``affinity = "prefix"`` on by
     default (``path = "/metrics"``, every second): a key stays on its engine while the
     engine reports room; ``load_report = false`` turns it off."""
+    kv_events: KvEvents | None = None
+    """Follow each engine's KV-cache events and place a prompt on the engine holding the
+    most of it, within the prefix affinity's bounds (``docs/balancing.md``); None: the
+    prefix key alone."""
     queue: AdmissionQueue = AdmissionQueue()  # noqa: RUF009  (frozen: one default is safe)
     """Where requests wait while every candidate is full (``max_streams``, ``max_waiting``)."""
     tenant: SessionSource | None = None

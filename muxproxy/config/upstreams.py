@@ -26,6 +26,7 @@ from muxproxy.config.checker import (
 )
 from muxproxy.config.discoverykeys import discover_keys, discover_parser, duration_or_zero
 from muxproxy.config.groupmodelkeys import model_names, models_valid
+from muxproxy.config.kveventkeys import kv_endpoint, kv_events, kv_events_valid
 from muxproxy.config.queuekeys import admission_queue
 from muxproxy.config.records import (
     CONDITIONS,
@@ -116,7 +117,7 @@ def upstream(check: Checker, name: str, value: Any, path: str) -> Upstream | Non
                     " remove max_waiting",
                 )
                 return None
-    if not models_valid(check, path, group, value):
+    if not models_valid(check, path, group, value) or not kv_events_valid(check, path, group):
         return None
     if not group.sticky.sources:
         valid = True
@@ -469,6 +470,7 @@ _SERVER_KEYS = {
     "tls_server_name": Key(Checker.string),
     "max_streams": Key(Checker.positive_int),
     "max_waiting": Key(Checker.count),
+    "kv_events": Key(kv_endpoint),
 }
 _NEXT_UPSTREAM_KEYS = {
     "on": Key(conditions),
@@ -502,6 +504,7 @@ _UPSTREAM_KEYS = {
     "affinity": Key(affinity),
     "prefix": Key(prefix_affinity),
     "load_report": Key(load_reporting),
+    "kv_events": Key(kv_events),
     "queue": Key(admission_queue),
     "tenant": Key(source),
     "priority": Key(source),

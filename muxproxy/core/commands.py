@@ -269,3 +269,38 @@ class ExtensionCall(Command):
     extension: Extension
     view: Request
     timeout: float
+
+
+# -- the engines' KV-cache events (``upstream/kvfeeds.py``; the driver's ``trio/kvfollow``) ---
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvEndpoint:
+    """Where one server of a group with ``kv_events`` publishes its events."""
+
+    group: str
+    address: str
+    """The server's configured address, as the answers name it."""
+    host: str
+    port: int
+    topic: bytes
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvFollow(Command):
+    """Follow exactly these endpoints from now on (every configuration says all of them):
+    subscribe to the new ones, stop following the ones left out. Answered, per endpoint, by
+    ``KvSubscription`` and ``KvEventsReceived`` for as long as it is followed."""
+
+    endpoints: tuple[KvEndpoint, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvTokenize(Command):
+    """``POST /tokenize`` with ``body`` to ``origin`` (a server of ``group``), off every
+    request's path. Always answered by ``KvTokensAnswered`` with ``key``."""
+
+    group: str
+    origin: Origin
+    key: bytes
+    body: bytes

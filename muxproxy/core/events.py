@@ -208,3 +208,33 @@ class ExtensionAnswered(Event):
     """What the hook returned (a ``Decision`` or None; anything else is its error)."""
     error: str = ""
     """Not empty: the hook raised or timed out (``decision`` is then None)."""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvSubscription(Event):
+    """The subscription to a server's KV-cache events (``KvFollow``) is up, or failed:
+    ``error`` says why (empty: it is up)."""
+
+    group: str
+    address: str
+    error: str = ""
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvEventsReceived(Event):
+    """One ZeroMQ message from a server's KV-cache event publisher, its frames as sent."""
+
+    group: str
+    address: str
+    parts: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class KvTokensAnswered(Event):
+    """The answer to ``KvTokenize``: the engine's answer body, or why there is none."""
+
+    group: str
+    key: bytes
+    body: bytes | None
+    """The 200 answer's body (None: it failed, ``error`` says how)."""
+    error: str = ""

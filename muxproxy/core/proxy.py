@@ -76,6 +76,7 @@ from muxproxy.core.timers import (
 from muxproxy.core.tunnel.tunnel import Tunnel
 from muxproxy.core.tunnel.websocket import WebSocketExchange, wants_tunnel
 from muxproxy.core.upstream.h2pool import H2Stream
+from muxproxy.core.upstream.kvfeeds import KvFeeds
 from muxproxy.core.upstream.loadpoll import LoadPoll
 from muxproxy.core.upstream.modelpoll import ModelPoll
 from muxproxy.core.upstream.pool import Pool, UpstreamConn
@@ -110,20 +111,18 @@ class ProxyCore:
         self.fx = Effects(config, read_size=read_size)
         """The clock, limits, commands and timers every part shares (``effects.py``)."""
         self.read_size = self.fx.read_size
-        """How many bytes the driver may read from a socket at once (a plain attribute: the
-        driver reads it before every read)."""
+        """Bytes the driver reads from a socket at once (plain: read before every read)."""
         if raise_errors is None:
             raise_errors = raise_errors_from_environment()
         self.raise_errors = raise_errors
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         """Plain counters, name -> int (``COUNTERS``), for an embedder to export as metrics."""
         self.measurements = Measurements(self)
-        """Counters and histograms (``measure.py``); ``measurements.snapshot()`` exports
-        them as data the driver renders (``muxproxy.trio.metrics``)."""
+        """Counters and histograms (``measure.py``), exported by ``snapshot()``."""
         self.request_ids = RequestIds()
+        """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.resumes = ResumeStore(self.fx)
         """Resumable SSE streams (``resume.py``): their kept events, by token."""
-        """X-Request-ID values (``access.py``); its random prefix is read here, once."""
         self.defences = DefenceLog(self)
         """Counts and rate-limited log lines of what the defences do (``defencelog.py``)."""
         self._waking: int | Probe | None = None
@@ -153,6 +152,8 @@ class ProxyCore:
         self.planted: FaultPlan | None = None
         """Faults a test planted (``faultplan.py``); None, and so consulted at no cost, but
         in tests."""
+        self.kv = KvFeeds(self.fx, self.router)
+        """The engines' KV-cache events and tokens (``kvfeeds.py``)."""
         self.isolation = Isolation(self)
         self.stop = Shutdown(self, self.isolation)
         self._dispatch: dict[type[Event], Callable[[Any], None]] = {
@@ -172,6 +173,7 @@ class ProxyCore:
             BudgetAnswered: self._budget_answered,
             ExtensionAnswered: self._extension_answered,
             SessionsLearned: self.sessions.learn,
+            **self.kv.handlers(),
         }
 
     # -- what the driver and embedders read ----------------------------------------------
@@ -517,6 +519,7 @@ class ProxyCore:
         self._routers = routers
         if not fx.shutting_down:  # a stopping proxy checks no health (shutdown.py)
             self._start_probes()
+        self.kv.configured()
         self._wake_queues()
         fx.emit(Log(event="config_changed", fields={}))
 

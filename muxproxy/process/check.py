@@ -150,6 +150,15 @@ def _describe_llm(group: Upstream) -> list[str]:
             + ("a quarter of the servers' slots" if gap is None else f"{gap} streams")
             + " over the least loaded server"
         )
+    events = group.kv_events
+    if events is not None:
+        own = sum(server.kv_events is not None for server in group.servers)
+        lines.append(
+            f"placed by the engines' KV-cache events on port {events.port}"
+            + (f" ({own} at their own endpoint)" if own else "")
+            + f', topic "{events.topic}", untrusted after {seconds(events.stale_after)}'
+            " silent while busy"
+        )
     report = group.load_report
     if report is not None:
         lines.append(

@@ -2,7 +2,9 @@
 trusted now, and what went wrong.
 
 Obeys the routing rules: pure code, no clock (``now`` is passed in), no I/O; the messages
-come from ``muxproxy/trio/kvevents.py``. A message is vLLM's ``[topic, sequence, batch]``
+come from the driver's subscriptions (``muxproxy/trio/kvevents.py``, ``trio/kvfollow.py``)
+through the core (``core/upstream/kvfeeds.py``), which keeps a feed per server in the
+group's router (``kvplace.py``). A message is vLLM's ``[topic, sequence, batch]``
 (``ZmqEventPublisher``: the sequence is 8 bytes, big-endian, counting from 0 per publisher).
 
 When the index is trusted (:meth:`EngineFeed.usable`): while the subscription is connected,
@@ -47,6 +49,8 @@ class EngineFeed:
     bad: int = attrs.field(default=0, init=False)
     """Messages that were not a ``[topic, sequence, batch]`` this module can read."""
     skipped_events: int = attrs.field(default=0, init=False)
+    last_error: str | None = attrs.field(default=None, init=False)
+    """What went wrong last: the subscription's failure, a refused message or a gap."""
 
     def up(self, now: float) -> None:
         """The subscription is connected."""
@@ -57,24 +61,32 @@ class EngineFeed:
         """The subscription dropped."""
         self.connected = False
 
+    def failed(self, reason: str) -> None:
+        """The subscription failed, or could not be made: ``reason``, kept for ``/status``."""
+        self.connected = False
+        self.last_error = reason
+
     def message(self, parts: list[bytes], now: float) -> str | None:
         """Apply one message; returns why it was refused or what it revealed (to be logged),
         or None."""
         self.last_at = now
         if len(parts) != 3 or len(parts[1]) != 8 or not parts[0].startswith(self.topic):
             self.bad += 1
-            return f"a message of {len(parts)} frames is not [topic, sequence, batch]"
+            self.last_error = f"a message of {len(parts)} frames is not [topic, sequence, batch]"
+            return self.last_error
         sequence = int.from_bytes(parts[1], "big")
         try:
             batch = decode_batch(parts[2])
         except WireError as error:
             self.bad += 1
-            return f"an unreadable batch: {error}"
+            self.last_error = f"an unreadable batch: {error}"
+            return self.last_error
         note = None
         previous = self.last_sequence
         if previous is not None and sequence != previous + 1:
             self.gaps += 1
             note = f"sequence {sequence} after {previous}: events were lost or the engine restarted"
+            self.last_error = note
         self.last_sequence = sequence
         self.batches += 1
         self.skipped_events += batch.skipped

@@ -78,6 +78,7 @@ from muxproxy.routing.balancer import (
     rendezvous_order,
 )
 from muxproxy.routing.health import ActiveHealth, PassiveHealth, usable_servers
+from muxproxy.routing.kvplace import GroupKv
 from muxproxy.routing.load import (
     Sampler,
     ServerLoads,
@@ -123,6 +124,9 @@ class GroupRouter:
         self.affinity = Affinity(group.sticky.session_idle)
         self.loads = _loads(group)
         """Outstanding work and the engines' reports, per server (``load.py``)."""
+        self.kv = _kv(group)
+        """With ``kv_events``: the engines' KV-cache feeds and the tokens known
+        (``kvplace.py``); None otherwise."""
         self.sampler = Sampler(int.from_bytes(hashlib.blake2b(group.name.encode()).digest()[:8]))
         self.queue: FairQueue[object] = FairQueue(group.queue.max)
         """Requests waiting for a server with room (admission control)."""
@@ -198,8 +202,10 @@ class GroupRouter:
             self._index_servers(group)
             self._ramp_end = max(self.joined, default=_NEVER) + group.slow_start
             loads = _loads(group)
-            loads.carry(self.loads, ((i, i) for i in range(len(group.servers))))
+            same = [(i, i) for i in range(len(group.servers))]
+            loads.carry(self.loads, same)
             self.loads = loads
+            self.kv = _kv(group, self.kv, same)
             self.limiter = limiter
             self.share = share
             self.apply_runtime(RuntimeState.empty())
@@ -228,6 +234,7 @@ class GroupRouter:
             new.probes.carry(self.probes, moves)
         new.affinity = self.affinity  # keyed by address: still right for the kept servers
         new.loads.carry(self.loads, moves)
+        new.kv = _kv(group, self.kv, moves)
         new.queue = self.queue  # the requests waiting go on waiting for the new servers
         new.limiter = limiter
         new.share = share
@@ -256,11 +263,13 @@ class GroupRouter:
         now: float,
         prefix: bytes | None = None,
         model: str | None = None,
+        conversation: Sequence[bytes] | None = None,
     ) -> list[int]:
         """Server indices to try, in order; empty when no server is usable. ``prefix``: the
         request's prefix key (used with ``affinity = "prefix"`` when there is no ``key``);
         ``model``: the model its body names (a LoRA adapter's name is placed by ``lora.py``
-        in a group with load reports)."""
+        in a group with load reports); ``conversation``: its message prefixes' keys, with
+        ``kv_events`` (the engines' caches reorder the prefix key's order: ``kvplace.py``)."""
         out: list[int] = []
         pin = None if pinned is None else self.by_id.get(pinned)
         known = None
@@ -283,16 +292,13 @@ class GroupRouter:
         if key is not None:
             ranked = rendezvous_order(key, self.ids, weights, fresh)
         elif prefix is not None and group.affinity is AffinityMode.PREFIX:
-            ranked = bounded_order(
-                prefix,
-                self.ids,
-                weights,
-                self.active,
-                fresh,
-                group.prefix.load_factor,
-                self.gap(),
-                self._free_at(now),
-            )
+            free, gap, factor = self._free_at(now), self.gap(), group.prefix.load_factor
+            ranked = bounded_order(prefix, self.ids, weights, self.active, fresh, factor, gap, free)
+            if conversation is not None and self.kv is not None:
+                bound = within_bounds(weights, self.active, ranked, factor, gap)
+                ranked = self.kv.order(
+                    ranked, conversation, now, self.active, lambda i: free(i) is True or bound(i)
+                )
         else:
             balance = group.balance
             if balance is Balance.LEAST_LOAD:
@@ -489,6 +495,8 @@ class GroupRouter:
                     "reported": self._reported(index, now),
                 }
             )
+            if self.kv is not None:
+                servers[-1]["kv_events"] = self.kv.status(index, now, self.active[index] > 0)
         group = self.group
         out: dict[str, object] = {
             "balance": group.balance.value,
@@ -499,6 +507,8 @@ class GroupRouter:
         }
         if self.limiter is not None:
             out["rate_limited_tenants"] = len(self.limiter)
+        if self.kv is not None:
+            out["kv_events"] = self.kv.group_status()
         return out
 
     def _reported(self, index: int, now: float) -> dict[str, object] | None:
@@ -522,6 +532,19 @@ class GroupRouter:
 def _loads(group: Upstream) -> ServerLoads:
     interval = group.load_report.interval if group.load_report is not None else None
     return ServerLoads(len(group.servers), group.default_max_tokens, interval)
+
+
+def _kv(
+    group: Upstream, old: GroupKv | None = None, moves: Sequence[tuple[int, int]] = ()
+) -> GroupKv | None:
+    """The KV-event state of ``group`` (None without ``kv_events``), keeping ``old``'s for
+    the servers that ``moves`` maps."""
+    if group.kv_events is None:
+        return None
+    kv = GroupKv.of(group.kv_events, len(group.servers))
+    if old is not None:
+        kv.carry(old, moves)
+    return kv
 
 
 def _limiter(group: Upstream) -> RateLimiter | None:

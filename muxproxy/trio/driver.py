@@ -65,7 +65,7 @@ from muxproxy.core.events import (
 )
 from muxproxy.core.proxy import ProxyCore
 from muxproxy.core.raising import raised_by_handle
-from muxproxy.trio import reactor
+from muxproxy.trio import kvfollow, reactor
 from muxproxy.trio.backendtls import BackendTLS, BackendTLSError
 from muxproxy.trio.hookcalls import call_hook
 from muxproxy.trio.logs import drop_access
@@ -146,6 +146,7 @@ class Driver:
             BudgetSettle: lambda command: self._budgets().settle(command),
             SessionsRemembered: self._sessions_remembered,
             ExtensionCall: lambda command: self.nursery.start_soon(call_hook, self, command),
+            **kvfollow.executors(self),  # the engines' KV-cache events and tokens
         }
         self._fleet_budgets: FleetBudgets | None = None
         """Fleet-wide budgets (``fleetbudgets.py``), made at the start with ``[fleet]``."""
@@ -590,8 +591,6 @@ class Driver:
     def _sessions_remembered(self, command: SessionsRemembered) -> None:
         if self.on_sessions is not None:
             self.on_sessions(command)
-
-    # -- logs ------------------------------------------------------------------------------
 
     def log(self, command: Log) -> None:
         """Hand ``command`` to the log sink (``on_log``); the stores log through it too."""

@@ -1,5 +1,6 @@
 """The I/O of following an engine's KV-cache events: one Trio task per engine, subscribed to
-its ZeroMQ publisher, feeding an :class:`~muxproxy.routing.kvfeed.EngineFeed`.
+its ZeroMQ publisher, feeding a :class:`Feed` (an :class:`~muxproxy.routing.kvfeed.EngineFeed`,
+or in the proxy the core, through ``trio/kvfollow.py``).
 
 The decisions (what a message does to the index, when the index is trusted) are
 ``routing/kvfeed.py``'s; this module only connects, reads and waits. A connection that
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
-from muxproxy.routing.kvfeed import EngineFeed
 from muxproxy.trio.zmtp import ZmtpError, subscribe
 
-__all__ = ["LOG_INTERVAL", "RETRY_MAX", "RETRY_MIN", "follow"]
+__all__ = ["LOG_INTERVAL", "RETRY_MAX", "RETRY_MIN", "Feed", "follow"]
 
 log = logging.getLogger("muxproxy")
 
@@ -32,11 +33,27 @@ LOG_INTERVAL = 60.0
 """Seconds between two logged refused messages of one engine."""
 
 
+class Feed(Protocol):
+    """What a subscription feeds: ``routing.kvfeed.EngineFeed`` itself, or the driver's
+    hand-over to the core (``trio/kvfollow.py``)."""
+
+    @property
+    def topic(self) -> bytes: ...
+
+    def up(self, now: float) -> None: ...
+
+    def message(self, parts: list[bytes], now: float) -> str | None: ...
+
+    def down(self) -> None: ...
+
+    def failed(self, reason: str) -> None: ...
+
+
 async def follow(
     name: str,
     host: str,
     port: int,
-    feed: EngineFeed,
+    feed: Feed,
     *,
     on_change: Callable[[], None] = lambda: None,
     retry_min: float = RETRY_MIN,
@@ -79,6 +96,7 @@ async def follow(
                 feed.down()
                 with trio.CancelScope(shield=True):
                     await subscription.aclose()
+        feed.failed(failure)
         if failure != last_failure:
             log.warning(
                 "kv events: %s: no events from %s:%d (%s); placing by the prefix key until"

@@ -77,6 +77,7 @@ LEVELS: dict[str, int] = {
     "fleet_budget_store_error": logging.WARNING,
     "fleet_sessions_store_error": logging.WARNING,
     "extension_error": logging.WARNING,
+    "kv_events": logging.WARNING,
     "telemetry_error": logging.ERROR,
     **dict.fromkeys(DEFENCE_KINDS, logging.WARNING),
 }

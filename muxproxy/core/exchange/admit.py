@@ -55,6 +55,7 @@ from muxproxy.core.http.credentials import credential_key, repeated_field
 from muxproxy.core.messages import Headers, RequestHead
 from muxproxy.core.timers import ExchangeTimer
 from muxproxy.fleet.budgets import Ask
+from muxproxy.routing.kvtokens import conversation_keys, tokenize_body
 from muxproxy.routing.llmrequest import NOTHING, LlmRequest, read_request
 from muxproxy.routing.load import Progress, Ticket
 from muxproxy.routing.ratelimit import RateLimiter, Refusal, Reservation
@@ -100,6 +101,7 @@ class Admission:
     """The facts, reservation and queue wait of one exchange in one group."""
 
     __slots__ = (
+        "conversation",
         "deadline",
         "facts",
         "fleet",
@@ -114,6 +116,7 @@ class Admission:
         "target",
         "tenant",
         "ticket",
+        "tokenize",
         "usage",
     )
 
@@ -149,6 +152,15 @@ class Admission:
         self.home: str | None = None
         """While queued: the address of the server this request belongs on (its session
         key's or prefix's first candidate), None for one that may go anywhere."""
+        self.conversation: list[bytes] | None = None
+        """With ``kv_events``: the keys of its message prefixes (``kvtokens.py``), which
+        the engines' caches are scored by; None otherwise."""
+        self.tokenize: bytes | None = None
+        """With a conversation: the ``/tokenize`` body of its prompt, until it is asked."""
+        if group.kv_events is not None and isinstance(document, dict):
+            self.conversation = conversation_keys(document) or None
+            if self.conversation is not None:
+                self.tokenize = tokenize_body(document)
 
     def streaming(self, progress: Progress) -> None:
         """The response streams: its work left shrinks as ``progress`` counts its events."""

@@ -68,12 +68,14 @@ class Failover:
         prefix: bytes | None = None,
         ticket: Ticket | None = None,
         model: str | None = None,
+        conversation: list[bytes] | None = None,
     ) -> None:
         """The router's order for ``head`` with ``session_key``, ``prefix`` (the prompt's
         key) and ``model`` (the body's, for LoRA placement; ``candidates`` is empty where no
         server is usable); ``body``: the request's,
         replayed for a retry; ``ident``: the exchange's, for its ``connect`` timer;
-        ``ticket``: its expected work, counted on the server of each try."""
+        ``ticket``: its expected work, counted on the server of each try; ``conversation``:
+        its message prefixes' keys, with ``kv_events`` (``routing/kvplace.py``)."""
         self.fx = fx
         self.body = body
         self.host = host
@@ -84,13 +86,16 @@ class Failover:
         self.session_key = session_key
         self.prefix = prefix
         self.model = model
+        self.conversation = conversation
         self.ticket = ticket
         cookie = group.sticky.cookie
         self.pinned = (cookie_value(head.headers, cookie.name) or None) if cookie else None
         """The server id of the client's sticky cookie, if it sent one."""
         self.started = fx.now
         """When the first try started (``tries_timeout`` runs from there)."""
-        self.candidates = self.router.candidates(session_key, self.pinned, fx.now, prefix, model)
+        self.candidates = self.router.candidates(
+            session_key, self.pinned, fx.now, prefix, model, conversation
+        )
         self.tries = 0
         self.server: int | None = None
         """The server of the current try, while it counts as a stream there."""
@@ -157,7 +162,7 @@ class Failover:
         self.router = self.host.router(group)
         router, now = self.router, self.fx.now
         self.candidates = router.candidates(
-            self.session_key, self.pinned, now, self.prefix, self.model
+            self.session_key, self.pinned, now, self.prefix, self.model, self.conversation
         )
 
     def failed(self, condition: str, reason: str) -> None:

@@ -59,6 +59,7 @@ from muxproxy.core.http.paths import normalise_target
 from muxproxy.core.ports import RequestPhase
 from muxproxy.core.streams.commit import CommitPoint
 from muxproxy.core.timers import ExchangeTimer
+from muxproxy.core.upstream import kvfeeds
 from muxproxy.routing.balancer import rendezvous_order
 from muxproxy.routing.llmrequest import parse_json_body
 from muxproxy.routing.partialbody import leading_document
@@ -239,10 +240,17 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         prefix=admission.prefix_key if admission else None,
         ticket=admission.ticket if admission else None,
         model=admission.facts.model if admission else None,
+        conversation=admission.conversation if admission else None,
     )
     if not failover.candidates:
         refuse(exchange, Reason.NO_SERVER, 503, "no backend available")
         return
+    if admission is not None and admission.tokenize is not None:
+        assert admission.conversation is not None
+        body, admission.tokenize = admission.tokenize, None
+        kvfeeds.ask_tokens(
+            exchange.fx, failover.router, failover.candidates[0], admission.conversation, body
+        )
     if not _chosen(exchange, failover):
         return
     if group.admission and _waits_for_home(exchange, failover):

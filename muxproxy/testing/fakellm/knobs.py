@@ -76,6 +76,10 @@ attribute / CLI option                      meaning
                                             to every stream done with its prefill, so a cold
                                             prompt slows them all; ``x-fake-delay`` does not
                                             apply (off: each generation prefills on its own)
+``--kv-events PORT``                        publish the cache's changes as vLLM's KV-cache
+                                            events on a ZeroMQ PUB socket at PORT (0: any
+                                            free port), and answer ``POST /tokenize``
+                                            (``kvevents.py``; needs ``--kv-blocks``)
 ==========================================  ==================================================
 
 LoRA (``lora.py``; off by default), read once too:
@@ -233,6 +237,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65_535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -353,4 +364,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--delay plus the prefill of at most N uncached prompt tokens, every stream a "
             "token a step (off: each generation prefills on its own)"
         ),
+    )
+    engine.add_argument(
+        "--kv-events",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="publish the cache's changes as vLLM's KV-cache events (ZeroMQ PUB, topic"
+        ' "kv-events") on PORT (0: any free port) and answer POST /tokenize; needs --kv-blocks',
     )

@@ -40,6 +40,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from muxproxy.testing.fakellm.app import App, FakeBackendDied, FakeLLM, Receive, Scope, Send
 from muxproxy.testing.fakellm.knobs import add_arguments
+from muxproxy.testing.fakellm.kvevents import KvFakeLLM, publish_kv_events
 from muxproxy.testing.fakellm.lora import LoraSlots
 
 _ABORT_DRAIN_TIMEOUT = 1.0
@@ -143,7 +144,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"muxproxy fakellm: {exc}", file=sys.stderr)
         return 2
-    fake = FakeLLM(
+    if args.kv_events is not None and args.kv_blocks is None:
+        print(
+            "muxproxy fakellm: --kv-events needs the engine's cache: add --kv-blocks B",
+            file=sys.stderr,
+        )
+        return 2
+    fake = (FakeLLM if args.kv_events is None else KvFakeLLM)(
         backend_id=args.backend_id,
         tokens=args.tokens,
         delay=args.delay,
@@ -163,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
+            if args.kv_events is not None:
+                publish = partial(publish_kv_events, fake, host=args.host, port=args.kv_events)
+                events, _ = await nursery.start(publish)
+                print(f"fakellm {fake.backend_id} kv events on {args.host}:{events}", flush=True)
             port = await nursery.start(partial(serve_fakellm, fake, host=args.host, port=args.port))
             print(f"fakellm {fake.backend_id} listening on {args.host}:{port}", flush=True)
 

@@ -1,0 +1,168 @@
+"""One group's placement by the engines' KV-cache events (``kv_events``): a feed per
+server, the tokens of the conversations seen, and the one reordering it makes.
+
+Obeys the routing rules: pure code, no clock (``now`` is passed in), no I/O. The driver
+follows each engine's events (``trio/kvevents.py``) and asks the engines' ``/tokenize``
+(``trio/kvfollow.py``); the core hands both in (``core/upstream/kvfeeds.py``).
+
+The rule (:meth:`GroupKv.order`), applied to the prefix key's bounded order
+(``load.bounded_order``) of a request with a conversation (``kvtokens.conversation_keys``):
+
+- the tokens of its longest message prefix already tokenized are scored against every
+  server's index (``kvfeed.place_by_cache``): the server holding the longest cached prefix
+  goes first among those the prefix key's load rule allows (a free slot, or within
+  ``load.within_bounds``, the same rule the prefix key obeys); a tie, or nothing held,
+  keeps the prefix key's order;
+- a server whose feed is not trusted now (not connected, or silent for ``stale_after``
+  while it runs the proxy's streams: ``EngineFeed.usable``) scores nothing, so when every
+  feed stops, every request is placed by the prefix key exactly as without ``kv_events``;
+- a request whose tokens are not known (a first turn, an answer not back yet) keeps the
+  prefix key's order: tokens are never waited for. Its own messages are asked for
+  (:meth:`GroupKv.ask`) for its next turn.
+
+Bounds: the tokens of at most :data:`TOKEN_ENTRIES` prefixes and :data:`TOKEN_BUDGET`
+tokens per group (least recently used forgotten), at most :data:`MAX_PENDING` tokenize
+requests in flight per group (a request that finds them all taken asks nothing), and each
+engine's index its ``max_blocks``.
+
+What a new configuration keeps (:meth:`GroupKv.carry`): the feeds of the servers that stay,
+the tokens and the requests in flight, while ``kv_events`` itself is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from muxproxy.config.kvevents import KvEvents
+from muxproxy.routing.kvfeed import EngineFeed, place_by_cache
+from muxproxy.routing.kvindex import EngineBlocks
+from muxproxy.routing.kvtokens import TokenCache
+
+__all__ = ["MAX_PENDING", "TOKEN_BUDGET", "TOKEN_ENTRIES", "GroupKv"]
+
+TOKEN_ENTRIES = 4096
+"""Conversation prefixes whose tokens a group keeps: the conversations of the last minutes."""
+TOKEN_BUDGET = 2_000_000
+"""Tokens a group keeps, all prefixes together (some 16 MB of references, more for large
+token ids): a few hundred long conversations."""
+MAX_PENDING = 32
+"""Tokenize requests in flight per group: a burst of new conversations asks for some and
+places the rest by the prefix key, rather than queueing work on the engines."""
+
+
+def _feed(settings: KvEvents) -> EngineFeed:
+    return EngineFeed(
+        EngineBlocks(settings.max_blocks),
+        settings.stale_after,
+        settings.topic.encode(),
+    )
+
+
+@attrs.define
+class GroupKv:
+    """The KV-event state of one group of ``size`` servers (see the module header)."""
+
+    settings: KvEvents
+    feeds: list[EngineFeed]
+    """Per server, in the group's order."""
+    tokens: TokenCache = attrs.field(factory=lambda: TokenCache(TOKEN_ENTRIES, TOKEN_BUDGET))
+    pending: set[bytes] = attrs.field(factory=set)
+    """Keys of the tokenize requests in flight."""
+    placed: int = 0
+    """Requests whose tokens were known when placed."""
+    moved: int = 0
+    """Of those, the ones the events put on another server than the prefix key's."""
+    tokenize_failures: int = 0
+    last_tokenize_error: str | None = None
+
+    @classmethod
+    def of(cls, settings: KvEvents, size: int) -> GroupKv:
+        return cls(settings=settings, feeds=[_feed(settings) for _ in range(size)])
+
+    def carry(self, old: GroupKv, moves: Iterable[tuple[int, int]]) -> None:
+        """Take over ``old``'s feeds of the servers ``moves`` maps here (``(old index, new
+        index)``), its tokens and its requests in flight, when the settings are the same."""
+        if old.settings != self.settings:
+            return
+        for before, after in moves:
+            self.feeds[after] = old.feeds[before]
+        self.tokens, self.pending = old.tokens, old.pending
+        self.placed, self.moved = old.placed, old.moved
+        self.tokenize_failures = old.tokenize_failures
+        self.last_tokenize_error = old.last_tokenize_error
+
+    def order(
+        self,
+        ranked: list[int],
+        conversation: Sequence[bytes],
+        now: float,
+        active: Sequence[int],
+        within: Callable[[int], bool],
+    ) -> list[int]:
+        """``ranked`` (the prefix key's bounded order) with the server holding the longest
+        cached prefix of the conversation's known tokens first, where ``within`` (the
+        router's load rule: a free slot, or within the bounds) allows."""
+        if len(ranked) < 2:
+            return ranked
+        known = self.tokens.longest(conversation)
+        if known is None:
+            return ranked
+        self.placed += 1
+        feeds = {index: self.feeds[index] for index in ranked}
+        out = place_by_cache(ranked, feeds, known[1], now, lambda i: active[i] > 0, within)
+        if out[0] != ranked[0]:
+            self.moved += 1
+        return out
+
+    def ask(self, conversation: Sequence[bytes]) -> bytes | None:
+        """The key to tokenize for this conversation's next turn (its whole prompt), now
+        counted in flight; None when it is known, asked already, or too many are in flight."""
+        if not self.tokens.wanted(conversation):
+            return None
+        key = conversation[-1]
+        if key in self.pending or len(self.pending) >= MAX_PENDING:
+            return None
+        self.pending.add(key)
+        return key
+
+    def answered(self, key: bytes, tokens: tuple[int, ...] | None, error: str) -> bool:
+        """A tokenize answer (None: it failed, ``error`` says why); True when it changes
+        whether the last one failed (to be logged)."""
+        self.pending.discard(key)
+        failed_before = self.last_tokenize_error is not None
+        if tokens is None:
+            self.tokenize_failures += 1
+            self.last_tokenize_error = error
+            return not failed_before
+        self.tokens.put(key, tokens)
+        self.last_tokenize_error = None
+        return failed_before
+
+    def status(self, index: int, now: float, busy: bool) -> dict[str, object]:
+        """Server ``index``'s feed for ``/status``."""
+        feed = self.feeds[index]
+        return {
+            "connected": feed.connected,
+            "trusted": feed.usable(now, busy),
+            "blocks": len(feed.blocks),
+            "batches": feed.batches,
+            "gaps": feed.gaps,
+            "bad": feed.bad,
+            "orphans": feed.blocks.orphans,
+            "last_error": feed.last_error,
+            "age": None if feed.last_at is None else round(now - feed.last_at, 3),
+        }
+
+    def group_status(self) -> dict[str, object]:
+        """The group's side for ``/status``: tokens known, placements, tokenize failures."""
+        return {
+            "conversations": len(self.tokens),
+            "tokens": self.tokens.tokens,
+            "tokenizing": len(self.pending),
+            "placed": self.placed,
+            "moved": self.moved,
+            "tokenize_failures": self.tokenize_failures,
+            "last_tokenize_error": self.last_tokenize_error,
+        }
