@@ -39,7 +39,14 @@ too; between runs the engines are let drain. Measured per run from the engines' 
 (vLLM's names) between the window's start and the last counted request's end: prompt tokens
 looked up and found cached (hit rate), tokens prefilled (looked up less found); from the
 client: TTFT (request sent -> first SSE event with content), the engine that answered
-(``x-backend-id``), and from those the busiest engine's requests over the mean.
+(``x-backend-id``), and from those the busiest engine's requests over the mean and the share
+of a conversation's later turns served away from its turn before's engine ("turns moved",
+over warm-up and window: each move leaves the history's cache behind).
+
+Every engine publishes its KV-cache events (``--kv-events``), whichever policy runs, so that
+the policy that follows them (``kv_events``) runs on the same engines as the others; its
+proxy's ``/status`` counters (requests placed with known tokens, moved by the events) are in
+the JSON.
 
 Out: a markdown table per workload and load, and a JSON file of every run (``--out``).
 Every process it starts is stopped at the end, also on errors (by PID).
@@ -92,6 +99,8 @@ class Policy:
     """The group's balancing keys, as they stand in ``[upstreams.engines]``."""
     admission: bool = False
     """Give every server ``max_streams`` = the engines' slots."""
+    kv_events: bool = False
+    """Follow every engine's KV-cache events (each server's own endpoint)."""
 
 
 POLICIES = [
@@ -112,15 +121,31 @@ POLICIES = [
         'load_report = { path = "/metrics", interval = 1 }',
         admission=True,
     ),
+    Policy(
+        "kv_events",
+        "least load + prefix + KV events",
+        'balance = "least_load"\naffinity = "prefix"\nkv_events = {}',
+        kv_events=True,
+    ),
 ]
 BY_NAME = {p.name: p for p in POLICIES}
 
 
 def proxy_config(
-    policy: Policy, args: argparse.Namespace, listen: int, admin: int, engines: list[int]
+    policy: Policy,
+    args: argparse.Namespace,
+    listen: int,
+    admin: int,
+    engines: list[int],
+    kv_ports: list[int],
 ) -> str:
     limit = f", max_streams = {args.max_running}" if policy.admission else ""
-    servers = ",\n".join(f'  {{ address = "127.0.0.1:{port}"{limit} }}' for port in engines)
+    servers = ",\n".join(
+        f'  {{ address = "127.0.0.1:{port}"{limit}'
+        + (f', kv_events = "tcp://127.0.0.1:{kv}"' if policy.kv_events else "")
+        + " }"
+        for port, kv in zip(engines, kv_ports, strict=True)
+    )
     group = string.Template(policy.toml).substitute(queue_timeout=f"{args.queue_timeout:g}")
     if 'affinity = "prefix"' in group:
         # The proxy's defaults unless asked otherwise: what a user who turns affinity on gets.
@@ -160,22 +185,28 @@ class Fleet:
         command = [sys.executable, "-m", "muxproxy"]  # -m: the package of this checkout (cwd)
         self.procs: list[Proc] = []
         self.proxies: dict[str, int] = {}
+        self.admins: dict[str, int] = {}
         try:
             engines = []
+            kv_ports = [free_port() for _ in range(args.engines)]
             for k in range(args.engines):
                 port = free_port()
                 argv = [*command, "fakellm", "--port", str(port), "--id", f"e{k}", *engine_argv]
+                argv += ["--kv-events", str(kv_ports[k])]  # published for every policy alike
                 engines.append(Proc(f"e{k}", argv, tmp / f"e{k}.log", port, cwd=ROOT))
             self.procs.extend(engines)
             self.engine_ports = [engine.port for engine in engines]
             for policy in policies:
                 port, admin = free_port(), free_port()
                 config = tmp / f"{policy.name}.toml"
-                config.write_text(proxy_config(policy, args, port, admin, self.engine_ports))
+                config.write_text(
+                    proxy_config(policy, args, port, admin, self.engine_ports, kv_ports)
+                )
                 argv = [*command, "serve", "--config", str(config)]
                 log = tmp / f"{policy.name}.log"
                 self.procs.append(Proc("muxproxy", argv, log, port, cwd=ROOT))
                 self.proxies[policy.name] = port
+                self.admins[policy.name] = admin
             for proc in self.procs:
                 wait_listening(proc.port, proc.proc)
         except BaseException:
@@ -210,6 +241,17 @@ async def engines_now(ports: list[int]) -> list[dict[str, float]]:
         finally:
             await conn.close()
     return out
+
+
+async def kv_counts(admin: int) -> dict[str, Any] | None:
+    """The group's ``kv_events`` counters from the proxy's ``/status`` (None: not followed)."""
+    conn = HttpConn(admin)
+    try:
+        document = json.loads(await conn.get(b"/status"))
+    finally:
+        await conn.close()
+    counts: dict[str, Any] | None = document["groups"]["engines"].get("kv_events")
+    return counts
 
 
 async def engines_idle(ports: list[int], limit: float) -> None:
@@ -302,6 +344,7 @@ async def drive(
             with trio.move_on_after(args.drain):
                 await all_counted.wait()
         after = await engines_now(fleet.engine_ports)
+        kv_after = await kv_counts(fleet.admins[policy])
         nursery.cancel_scope.cancel()
     for conn in idle:
         await conn.close()
@@ -326,6 +369,7 @@ async def drive(
         "served": served,
         "busiest_over_mean": max(served.values()) / mean if mean else None,
         "moved_share": moved_share(every),
+        "kv_events": kv_after,
     }
 
 
