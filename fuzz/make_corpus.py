@@ -26,6 +26,10 @@ from fuzz.harness import BAD_REPLY, FLEET_BIT, LATE, LLM_BIT, REFUSED, RESERVED,
 from muxproxy.config.runtime import RuntimeState
 from muxproxy.fleet.sessions import SessionEntry, entries_to_wire
 from muxproxy.fleet.state import FleetDocument
+from muxproxy.routing.kvindex import AllBlocksCleared, BlockRemoved, BlockStored
+from muxproxy.routing.kvwire import encode_batch, pack
+from muxproxy.trio.zmtp import _ready as ready
+from muxproxy.trio.zmtp import frame, greeting
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 SYSTEM_CHAT = (
@@ -426,6 +430,31 @@ def discovery() -> list[bytes]:
     ]
 
 
+def kv_events() -> list[bytes]:
+    """An engine's KV-event stream (ZMTP from the greeting), batches of both of vLLM's forms,
+    and tokenize answers (``kvcases.py``: the first byte picks the case)."""
+    tokens = tuple(range(1, 33))
+    stored = BlockStored(
+        block_hashes=(b"h1", 2), parent_block_hash=None, token_ids=tokens, block_size=16
+    )
+    child = BlockStored(
+        block_hashes=(3,), parent_block_hash=2, token_ids=tuple(range(40, 56)), block_size=16
+    )
+    batches = [
+        encode_batch(1.0, [stored, child]),
+        encode_batch(2.0, [stored, BlockRemoved(block_hashes=(b"h1",)), AllBlocksCleared()]),
+        pack([1.0, [["BlockStored", [7], None, list(tokens[:16]), 16, None]], None]),
+    ]
+    stream = greeting() + ready(b"PUB")
+    for sequence, batch in enumerate(batches):
+        parts = [b"kv-events", sequence.to_bytes(8, "big"), batch]
+        stream += b"".join(frame(part, more=at < 2) for at, part in enumerate(parts))
+    answers = [b'{"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]}', b'{"tokens": []}']
+    return [b"\x00" + stream, *(b"\x01" + batch for batch in batches)] + [
+        b"\x02" + answer for answer in answers
+    ]
+
+
 def main() -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
     for name, seeds, fleet in [
@@ -441,7 +470,11 @@ def main() -> None:
             path = os.path.join(folder, "seed-" + hashlib.sha1(seed).hexdigest()[:12])
             with open(path, "wb") as f:
                 f.write(seed)
-    for name, seeds in [("fleet_store", fleet_store()), ("discovery", discovery())]:
+    for name, seeds in [
+        ("fleet_store", fleet_store()),
+        ("discovery", discovery()),
+        ("kv_events", kv_events()),
+    ]:
         folder = os.path.join(root, name)
         os.makedirs(folder, exist_ok=True)
         for seed in seeds:

@@ -1,6 +1,7 @@
 """CI smoke run of the fuzz targets (fuzz/): the seed corpus, then bounded hypothesis inputs,
 through the same harness atheris drives (no atheris needed here): the protocol targets, the
-load report, and the fleet's (the store's replies, DNS answers over time)."""
+load report, the fleet's (the store's replies, DNS answers over time), and an engine's
+KV-cache events."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from fuzz.fleetcases import check_discovery, check_store
 from fuzz.harness import KINDS, check_report, decode, fleet_of, llm_of, run_case, stop_of
+from fuzz.kvcases import check as check_kv_events
 
 CORPUS = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
 SEEDS = sorted((kind, path) for kind in KINDS for path in (CORPUS / kind).iterdir())
@@ -79,7 +81,11 @@ def test_mutated_load_reports_keep_the_parsers_promises(data: st.DataObject) -> 
     check_report(bytes(seed))
 
 
-FLEET_TARGETS = {"fleet_store": check_store, "discovery": check_discovery}
+FLEET_TARGETS = {
+    "fleet_store": check_store,
+    "discovery": check_discovery,
+    "kv_events": check_kv_events,  # an engine's KV-event stream and tokenize answers
+}
 FLEET_SEEDS = sorted(
     (target, path) for target in FLEET_TARGETS for path in (CORPUS / target).iterdir()
 )
