@@ -74,6 +74,7 @@ from llm_load import pair
 from llm_trace import (
     Workload,
     goodput,
+    hit_ceiling,
     multi_turn_chat,
     percentile,
     ratio_interval,
@@ -731,10 +732,29 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> str:
             lines.append(
                 f"\n**{name}**, load {load:g} of round robin's measured capacity "
                 f"({capacity:.2f} req/s: {load * capacity:.2f} req/s), seeds "
-                f"{','.join(map(str, args.seed_list))} pooled, {args.window:g} s counted each:\n"
+                f"{','.join(map(str, args.seed_list))} pooled, {args.window:g} s counted each"
+                f"; hit-rate ceiling {ceiling_of(args, name, capacity, load):.1%}:\n"
             )
             lines += group_table(args, runs, args.window, rng)
     return "\n".join(lines)
+
+
+def ceiling_of(args: argparse.Namespace, name: str, capacity: float, load: float) -> float:
+    """The hit rate the seeds' windows allow at most (``llm_trace.hit_ceiling``), the mean
+    over the seeds."""
+    # The traces the runs used: drawn for the highest load's rate (``bench``).
+    horizon = (args.warmup + args.window) * capacity * max(args.load_list)
+    ceilings = [
+        hit_ceiling(
+            make_workload(args, name, seed, horizon),
+            capacity * load,
+            args.warmup,
+            args.window,
+            args.block_tokens,
+        )
+        for seed in args.seed_list
+    ]
+    return sum(ceilings) / len(ceilings)
 
 
 def main() -> None:

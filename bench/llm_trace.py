@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from chat_client import system_prompts, words
 
 from muxproxy.testing.fakellm.answer import reply_text
+from muxproxy.testing.fakellm.engine import EnginePrompt, PrefixCache, Prompt, output_blocks
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,29 @@ def multi_turn_chat(
         history[u] = [*sent, ("assistant", reply_text(max_tokens))]
         left[u] -= 1
     return Workload("chat", tuple(arrivals))
+
+
+def hit_ceiling(
+    workload: Workload, rate: float, warmup: float, window: float, block_tokens: int
+) -> float:
+    """The workload's hit rate with one unbounded cache that every request goes through in
+    order, each reply cached before the next request: the share of the window's prompt
+    tokens that any placement could find cached (the fake engine's rules, ``engine.py``)."""
+    cache = PrefixCache(capacity=1 << 40, block_tokens=block_tokens)
+    queried = hits = 0
+    for arrival in workload.arrivals:
+        at = arrival.at / rate
+        if at >= warmup + window:
+            break
+        request = {"messages": workload.body_messages(arrival, "")}
+        prompt = EnginePrompt.of(request)
+        admission = cache.admit(Prompt.from_text(prompt.text, block_tokens))
+        reply = reply_text(arrival.max_tokens)
+        cache.release(admission, output_blocks(prompt, reply, block_tokens))
+        if at >= warmup:
+            queried += admission.prompt_tokens
+            hits += admission.hit_tokens
+    return hits / queried if queried else math.nan
 
 
 # --- statistics ---------------------------------------------------------------------------

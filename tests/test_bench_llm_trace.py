@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from llm_trace import (
     Arrival,
     goodput,
+    hit_ceiling,
     multi_turn_chat,
     percentile,
     ratio_interval,
@@ -99,3 +100,30 @@ def test_the_bootstrap_interval_holds_the_ratio_and_tells_equal_from_different()
     assert low <= point <= high < 1
     same, low, high = ratio_interval(ttft_quantile(0.5), fast, fast, 300, random.Random(3))
     assert same == 1.0 and low < 1 < high
+
+
+def test_the_hit_ceiling_is_what_one_unbounded_cache_finds_in_the_window() -> None:
+    # Single questions behind one system prompt: every prompt after the first hits the
+    # system prompt's full blocks, and nothing of its own question.
+    single = single_questions(0, 200, 2048, (40, 80), (8, 16))
+    ceiling = hit_ceiling(single, 1.0, 50.0, 100.0, 16)
+    counted = [a for a in single.arrivals if 50.0 <= a.at < 150.0]
+    system_tokens = 2048 // 64 * 16  # "system: " + 2,048 bytes: 32 full blocks of 64 bytes
+    prompts = [len(prompt_text({"messages": single.body_messages(a, "")})) // 4 for a in counted]
+    assert ceiling == pytest.approx(system_tokens * len(counted) / sum(prompts), rel=0.02)
+    # A conversation's later turns hit their whole history: the chat's ceiling is higher
+    # than the system prompts' share alone, and it grows with the warm-up (more history).
+    workload = multi_turn_chat(
+        1,
+        600,
+        users=12,
+        prompts=3,
+        prompt_bytes=400,
+        zipf=0.8,
+        turns=(2, 6),
+        user_bytes=(20, 60),
+        tokens=(16, 32),
+    )
+    cold = hit_ceiling(workload, 1.0, 0.0, 100.0, 16)
+    warm = hit_ceiling(workload, 1.0, 100.0, 100.0, 16)
+    assert 0.5 < cold < warm < 1.0
