@@ -16,9 +16,14 @@ The rule (:meth:`GroupKv.order`), applied to the prefix key's bounded order
 - a server whose feed is not trusted now (not connected, or silent for ``stale_after``
   while it runs the proxy's streams: ``EngineFeed.usable``) scores nothing, so when every
   feed stops, every request is placed by the prefix key exactly as without ``kv_events``;
-- a request whose tokens are not known (a first turn, an answer not back yet) keeps the
-  prefix key's order: tokens are never waited for. Its own messages are asked for
-  (:meth:`GroupKv.ask`) for its next turn.
+- a conversation's first turn (at most :data:`FIRST_TURN` messages, no tokens known) goes
+  to the least loaded server while every feed is trusted: no engine can hold more of it
+  than a shared system prompt, which each engine caches alike, so its history starts where
+  there is room, and the events lead its later turns there; with a feed untrusted it keeps
+  the prefix key's order, which its later turns would follow too;
+- a later turn whose tokens are not known (an answer not back yet, forgotten) keeps the
+  prefix key's order: tokens are never waited for. Every request's own messages are asked
+  for (:meth:`GroupKv.ask`) for its next turn.
 
 Bounds: the tokens of at most :data:`TOKEN_ENTRIES` prefixes and :data:`TOKEN_BUDGET`
 tokens per group (least recently used forgotten), at most :data:`MAX_PENDING` tokenize
@@ -47,6 +52,9 @@ TOKEN_ENTRIES = 4096
 TOKEN_BUDGET = 2_000_000
 """Tokens a group keeps, all prefixes together (some 16 MB of references, more for large
 token ids): a few hundred long conversations."""
+FIRST_TURN = 2
+"""Messages of a conversation's first turn at most (a system prompt and the question): no
+engine holds more of it than a shared system prompt, which every engine caches alike."""
 MAX_PENDING = 32
 """Tokenize requests in flight per group: a burst of new conversations asks for some and
 places the rest by the prefix key, rather than queueing work on the engines."""
@@ -74,6 +82,8 @@ class GroupKv:
     """Requests whose tokens were known when placed."""
     moved: int = 0
     """Of those, the ones the events put on another server than the prefix key's."""
+    balanced: int = 0
+    """First turns placed on the least loaded server, the feeds all trusted."""
     tokenize_failures: int = 0
     last_tokenize_error: str | None = None
 
@@ -89,7 +99,7 @@ class GroupKv:
         for before, after in moves:
             self.feeds[after] = old.feeds[before]
         self.tokens, self.pending = old.tokens, old.pending
-        self.placed, self.moved = old.placed, old.moved
+        self.placed, self.moved, self.balanced = old.placed, old.moved, old.balanced
         self.tokenize_failures = old.tokenize_failures
         self.last_tokenize_error = old.last_tokenize_error
 
@@ -99,18 +109,26 @@ class GroupKv:
         conversation: Sequence[bytes],
         now: float,
         active: Sequence[int],
+        weights: Sequence[int],
         within: Callable[[int], bool],
     ) -> list[int]:
         """``ranked`` (the prefix key's bounded order) with the server holding the longest
         cached prefix of the conversation's known tokens first, where ``within`` (the
-        router's load rule: a free slot, or within the bounds) allows."""
+        router's load rule: a free slot, or within the bounds) allows; a first turn on the
+        least loaded server while every feed is trusted (see the module header)."""
         if len(ranked) < 2:
             return ranked
         known = self.tokens.longest(conversation)
-        if known is None:
-            return ranked
-        self.placed += 1
         feeds = {index: self.feeds[index] for index in ranked}
+        if known is None:
+            if len(conversation) > FIRST_TURN or not all(
+                feed.usable(now, active[index] > 0) for index, feed in feeds.items()
+            ):
+                return ranked  # a later turn whose tokens are unknown: its key's server
+            out = least_loaded_first(ranked, active, weights)
+            self.balanced += out[0] != ranked[0]
+            return out
+        self.placed += 1
         out = place_by_cache(ranked, feeds, known[1], now, lambda i: active[i] > 0, within)
         if out[0] != ranked[0]:
             self.moved += 1
@@ -163,6 +181,20 @@ class GroupKv:
             "tokenizing": len(self.pending),
             "placed": self.placed,
             "moved": self.moved,
+            "balanced": self.balanced,
             "tokenize_failures": self.tokenize_failures,
             "last_tokenize_error": self.last_tokenize_error,
         }
+
+
+def least_loaded_first(
+    ranked: list[int], active: Sequence[int], weights: Sequence[int]
+) -> list[int]:
+    """``ranked`` with the server of the fewest streams per weight first (a tie keeps the
+    ranking's order: the key's own server wins it)."""
+    best = min(range(len(ranked)), key=lambda at: active[ranked[at]] / max(weights[ranked[at]], 1))
+    if best == 0:
+        return ranked
+    out = list(ranked)
+    out.insert(0, out.pop(best))
+    return out

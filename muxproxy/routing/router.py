@@ -297,7 +297,12 @@ class GroupRouter:
             if conversation is not None and self.kv is not None:
                 bound = within_bounds(weights, self.active, ranked, factor, gap)
                 ranked = self.kv.order(
-                    ranked, conversation, now, self.active, lambda i: free(i) is True or bound(i)
+                    ranked,
+                    conversation,
+                    now,
+                    self.active,
+                    weights,
+                    lambda i: free(i) is True or bound(i),
                 )
         else:
             balance = group.balance

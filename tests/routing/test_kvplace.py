@@ -98,19 +98,22 @@ def test_the_longest_cached_prefix_wins_and_a_tie_keeps_the_key_order() -> None:
     assert placed({shorter: 4}) == shorter  # one block is a prefix held
 
 
-def test_unknown_tokens_keep_the_prefix_key_and_ask_for_them_once() -> None:
+def test_unknown_tokens_of_a_later_turn_keep_the_prefix_key_and_ask_for_them_once() -> None:
     router, home = router_with_cache(0)
     router, home = router_with_cache(other_than(home))
     kv = router.kv
     assert kv is not None
-    unknown = conversation_keys({"model": "m", "messages": [{"role": "user", "content": "new"}]})
+    router.stream_started(home, None, 1.0)  # its key's server not the least loaded: still its
+    router.stream_started(other_than(home), None, 1.0)
+    later = [{"role": "user", "content": "new"}, {"role": "assistant", "content": "hi"}]
+    unknown = keys([*later, {"role": "user", "content": "and?"}])
     assert router.candidates(None, None, 1.0, PREFIX, conversation=unknown)[0] == home
     assert kv.placed == 0
     assert kv.ask(unknown) == unknown[-1]
     assert kv.ask(unknown) is None  # in flight already
     assert kv.answered(unknown[-1], (1, 2, 3), "") is False
     assert kv.ask(unknown) is None  # known now
-    assert kv.tokens.longest(unknown) == (1, (1, 2, 3))
+    assert kv.tokens.longest(unknown) == (3, (1, 2, 3))
 
 
 def test_events_stopped_or_silent_while_busy_fall_back_to_the_prefix_key() -> None:
@@ -183,3 +186,20 @@ def test_status_shows_each_feed() -> None:
     assert feed["connected"] and feed["trusted"] and feed["blocks"] == len(TOKENS) // BLOCK
     assert feed["gaps"] == 0 and feed["last_error"] is None
     assert status["kv_events"]["conversations"] == 1  # type: ignore[index]
+
+
+def test_a_first_turn_goes_to_the_least_loaded_server_while_every_feed_is_trusted() -> None:
+    router, home = router_with_cache(0)
+    kv = router.kv
+    assert kv is not None
+    first = keys([SYSTEM, {"role": "user", "content": "a new question"}])
+    router.stream_started(home, None, 1.0)  # within the bounds: the key alone keeps it
+    router.stream_started(other_than(home), None, 1.0)
+    idle = next(i for i in range(len(SERVERS)) if i not in (home, other_than(home)))
+    assert router.candidates(None, None, 1.0, PREFIX)[0] == home
+    assert router.candidates(None, None, 1.0, PREFIX, conversation=first)[0] == idle
+    assert kv.balanced == 1 and kv.placed == 0
+    # One feed silent while busy: not trusted, so the prefix key places it (its later
+    # turns, placed by the same key without events, find its history there).
+    assert router.candidates(None, None, 10.0, PREFIX, conversation=first)[0] == home
+    assert kv.balanced == 1
