@@ -21,8 +21,10 @@ The rule (:meth:`GroupKv.order`), applied to the prefix key's bounded order
   than a shared system prompt, which each engine caches alike, so its history starts where
   there is room, and the events lead its later turns there; with a feed untrusted it keeps
   the prefix key's order, which its later turns would follow too;
-- a later turn whose tokens are not known (an answer not back yet, forgotten) keeps the
-  prefix key's order: tokens are never waited for. Every request's own messages are asked
+- a later turn whose tokens are not known (an answer not back yet, forgotten) goes where
+  its first turn went if load put that one off its key's server (remembered for
+  :data:`FIRST_HOMES` first turns), else by the prefix key's order: tokens are never
+  waited for. Every request's own messages are asked
   for (:meth:`GroupKv.ask`) for its next turn.
 
 Bounds: the tokens of at most :data:`TOKEN_ENTRIES` prefixes and :data:`TOKEN_BUDGET`
@@ -36,6 +38,7 @@ the tokens and the requests in flight, while ``kv_events`` itself is unchanged.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -45,7 +48,15 @@ from muxproxy.routing.kvfeed import EngineFeed, place_by_cache
 from muxproxy.routing.kvindex import EngineBlocks
 from muxproxy.routing.kvtokens import TokenCache
 
-__all__ = ["MAX_PENDING", "TOKEN_BUDGET", "TOKEN_ENTRIES", "GroupKv"]
+__all__ = [
+    "FIRST_HOMES",
+    "FIRST_TURN",
+    "MAX_PENDING",
+    "TOKEN_BUDGET",
+    "TOKEN_ENTRIES",
+    "GroupKv",
+    "least_loaded_first",
+]
 
 TOKEN_ENTRIES = 4096
 """Conversation prefixes whose tokens a group keeps: the conversations of the last minutes."""
@@ -55,6 +66,9 @@ token ids): a few hundred long conversations."""
 FIRST_TURN = 2
 """Messages of a conversation's first turn at most (a system prompt and the question): no
 engine holds more of it than a shared system prompt, which every engine caches alike."""
+FIRST_HOMES = 65_536
+"""First turns a group remembers the server of, where load put one off its key's server
+(some 6 MB at most): a later turn whose tokens are not known goes there."""
 MAX_PENDING = 32
 """Tokenize requests in flight per group: a burst of new conversations asks for some and
 places the rest by the prefix key, rather than queueing work on the engines."""
@@ -84,6 +98,9 @@ class GroupKv:
     """Of those, the ones the events put on another server than the prefix key's."""
     balanced: int = 0
     """First turns placed on the least loaded server, the feeds all trusted."""
+    homes: OrderedDict[bytes, int] = attrs.field(factory=OrderedDict)
+    """The server of each first turn load put off its key's (by the first turn's key),
+    least recently used first; at most :data:`FIRST_HOMES`."""
     tokenize_failures: int = 0
     last_tokenize_error: str | None = None
 
@@ -96,8 +113,12 @@ class GroupKv:
         index)``), its tokens and its requests in flight, when the settings are the same."""
         if old.settings != self.settings:
             return
-        for before, after in moves:
+        moved = dict(moves)
+        for before, after in moved.items():
             self.feeds[after] = old.feeds[before]
+        self.homes = OrderedDict(
+            (key, moved[index]) for key, index in old.homes.items() if index in moved
+        )
         self.tokens, self.pending = old.tokens, old.pending
         self.placed, self.moved, self.balanced = old.placed, old.moved, old.balanced
         self.tokenize_failures = old.tokenize_failures
@@ -121,18 +142,40 @@ class GroupKv:
         known = self.tokens.longest(conversation)
         feeds = {index: self.feeds[index] for index in ranked}
         if known is None:
-            if len(conversation) > FIRST_TURN or not all(
-                feed.usable(now, active[index] > 0) for index, feed in feeds.items()
-            ):
-                return ranked  # a later turn whose tokens are unknown: its key's server
+            if len(conversation) > FIRST_TURN:
+                return self._first_turns_home(ranked, conversation, within)
+            if not all(feed.usable(now, active[index] > 0) for index, feed in feeds.items()):
+                return ranked  # untrusted: its key's server, where its later turns go too
             out = least_loaded_first(ranked, active, weights)
-            self.balanced += out[0] != ranked[0]
+            if out[0] != ranked[0]:
+                self.balanced += 1
+                self.homes[conversation[-1]] = out[0]
+                self.homes.move_to_end(conversation[-1])
+                if len(self.homes) > FIRST_HOMES:
+                    self.homes.popitem(last=False)
             return out
         self.placed += 1
         out = place_by_cache(ranked, feeds, known[1], now, lambda i: active[i] > 0, within)
         if out[0] != ranked[0]:
             self.moved += 1
         return out
+
+    def _first_turns_home(
+        self, ranked: list[int], conversation: Sequence[bytes], within: Callable[[int], bool]
+    ) -> list[int]:
+        """A later turn whose tokens are not known: the server its first turn went to, where
+        load put it off its key's (and the load rule allows), else the key's order."""
+        for key in conversation[:FIRST_TURN][::-1]:
+            home = self.homes.get(key)
+            if home is None:
+                continue
+            self.homes.move_to_end(key)
+            if home in ranked and home != ranked[0] and within(home):
+                out = list(ranked)
+                out.insert(0, out.pop(out.index(home)))
+                return out
+            break
+        return ranked
 
     def ask(self, conversation: Sequence[bytes]) -> bytes | None:
         """The key to tokenize for this conversation's next turn (its whole prompt), now
@@ -182,6 +225,7 @@ class GroupKv:
             "placed": self.placed,
             "moved": self.moved,
             "balanced": self.balanced,
+            "first_homes": len(self.homes),
             "tokenize_failures": self.tokenize_failures,
             "last_tokenize_error": self.last_tokenize_error,
         }

@@ -199,6 +199,19 @@ def test_a_first_turn_goes_to_the_least_loaded_server_while_every_feed_is_truste
     assert router.candidates(None, None, 1.0, PREFIX)[0] == home
     assert router.candidates(None, None, 1.0, PREFIX, conversation=first)[0] == idle
     assert kv.balanced == 1 and kv.placed == 0
+    # Its next turn, its tokens not known (forgotten, or not back yet), goes where the
+    # first went, though that server is no longer the least loaded.
+    router.stream_started(idle, None, 1.0)
+    router.stream_started(idle, None, 1.0)
+    second = keys([SYSTEM, {"role": "user", "content": "a new question"}, *SECOND[2:]])
+    assert router.candidates(None, None, 1.0, PREFIX, conversation=second)[0] == idle
+    # A new configuration keeps it, the servers renumbered.
+    renumbered = GroupRouter(
+        group(servers=(SERVERS[idle], *(a for a in SERVERS if a != SERVERS[idle])))
+    )
+    assert renumbered.kv is not None
+    renumbered.kv.carry(kv, [(idle, 0)])
+    assert dict(renumbered.kv.homes) == {first[-1]: 0}
     # One feed silent while busy: not trusted, so the prefix key places it (its later
     # turns, placed by the same key without events, find its history there).
     assert router.candidates(None, None, 10.0, PREFIX, conversation=first)[0] == home
