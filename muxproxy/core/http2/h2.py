@@ -96,6 +96,7 @@ _CLOSED_STATE = h2.connection.ConnectionState.CLOSED
 
 
 class H2State(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     OPEN = "open"
     GOING_AWAY = "going_away"
     """The first GOAWAY of a graceful stop (last-stream-id 2^31-1) and a PING were sent: new
@@ -109,6 +110,7 @@ class H2State(enum.Enum):
 
 
 class H2Input(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     ANNOUNCE = "announce"
     """``announce_shutdown``: the first GOAWAY of a graceful stop and its PING."""
     SHUTDOWN_ACK = "shutdown_ack"
