@@ -80,7 +80,11 @@ def test_text_fields_put_the_named_order_first() -> None:
         {"request_id": "r 1", "target": "/a\nb", "group": "", "trace_sampled": True},
         {"status": _Code.OK, "model": "caf\xe9", "bytes_in": 0, "events": 3.0},
         {"client": 'say "hi"', "target": "a\tb", "ttft": float("nan"), "tries": -1},
-        {"method": "GET", "target": "/x"},  # text alone: the quick line
+        {"request_id": "r-1", "client": "10.0.0.7"},  # the first fields, in order
+        dict.fromkeys(FIELDS[:24], None),  # a record without telemetry's fields
+        {**{key: 7 for key in FIELDS[:-1]}, "ttft": 0.25, "trace_sampled": True},  # with them
+        {**dict.fromkeys(FIELDS, "x"), "trace_sampled": False, "session": ""},  # an empty text
+        {**dict.fromkeys(FIELDS, 1e-06), "target": "/a b"},  # a text to quote
         {"request_id": "r-1", "extra": "x y", "status": 200, "more": None},  # not in FIELDS
         {},
     ],
