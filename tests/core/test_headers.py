@@ -296,6 +296,17 @@ def test_request_from_h2_plain_connect_is_valid() -> None:
     )
 
 
+@pytest.mark.parametrize("end_stream", [False, True])
+def test_request_from_h2_says_whether_its_headers_ended_the_stream(end_stream: bool) -> None:
+    get = [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"a")]
+    assert request_from_h2(1, get, scheme_default=b"http", end_stream=end_stream).end_stream is (
+        end_stream
+    )
+    connect = request_from_h2(5, CONNECT, scheme_default=b"https", end_stream=end_stream)
+    assert connect.end_stream is end_stream
+    assert request_from_h2(1, get, scheme_default=b"http").end_stream is False
+
+
 def test_request_from_h2_extended_connect() -> None:
     head = request_from_h2(7, WEBSOCKET, scheme_default=b"http")
     assert (head.method, head.target, head.authority, head.scheme) == (

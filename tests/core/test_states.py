@@ -345,3 +345,35 @@ def test_goaway_before_the_first_settings_drains_and_closes_the_connection() -> 
         (UpState.STARTING, UpInput.GOAWAY, UpState.DRAINING),
         (UpState.DRAINING, UpInput.CLOSE, UpState.CLOSED),
     ]
+
+
+def test_the_request_path_tables_hash_their_members_by_identity() -> None:
+    # A table lookup hashes a (state, input) pair: ``Enum.__hash__`` would run Python code
+    # (it hashes the member's name) twice for each of the dozen lookups of every request.
+    from muxproxy.core.client import downstream_states
+    from muxproxy.core.exchange.exchange_states import ExchangeInput
+    from muxproxy.core.http2 import h2 as h2server
+    from muxproxy.core.ports import Phase
+    from muxproxy.core.upstream import h2pool, h2upstream_states, pool
+
+    enums: list[type[enum.Enum]] = [
+        Phase,
+        ExchangeInput,
+        downstream_states.ClientState,
+        downstream_states.ClientInput,
+        pool.UpstreamState,
+        pool.UpstreamInput,
+        pool.Progress,
+        pool.ProgressInput,
+        h2server.H2State,
+        h2server.H2Input,
+        h2upstream_states.H2State,
+        h2upstream_states.H2Input,
+        h2pool.StreamState,
+        h2pool.StreamInput,
+    ]
+    slow = [cls.__qualname__ for cls in enums if cls.__hash__ is not object.__hash__]
+    assert slow == []
+    for cls in enums:
+        pairs = {(member, member): member for member in cls}
+        assert all(pairs[(member, member)] is member for member in cls)

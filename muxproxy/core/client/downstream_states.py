@@ -29,10 +29,11 @@ nothing: bytes read on an open connection, say. Read for this part:
   it is work of its own that was under way (a deferred follow-up or close, an exchange that
   ends as the close aborts it): that is IGNORED, a driver event or a timer ILLEGAL.
 
-Fast paths: a lookup hashes two enum members (``Enum.__hash__`` runs in Python), so the inputs
-of every token (``DATA``, ``SENT``) do not look the table up in the states that act on them;
-they read ``ClientState.protocol``, a plain attribute of each state, and take the table only
-in the others. ``tests/core/test_downstream_states.py`` checks that both say the same.
+Fast paths: a lookup builds and hashes a pair (the members hash by identity, as ``Phase``'s:
+``Enum.__hash__`` would run in Python), so the inputs of every token (``DATA``, ``SENT``) do
+not look the table up in the states that act on them; they read ``ClientState.protocol``, a
+plain attribute of each state, and take the table only in the others.
+``tests/core/test_downstream_states.py`` checks that both say the same.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Protocol(enum.Enum):
 class ClientState(enum.Enum):
     """The state of one client connection (see the module docstring)."""
 
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
+
     protocol: Protocol
     """What it speaks in this state."""
 
@@ -75,6 +78,7 @@ class ClientState(enum.Enum):
 
 
 class ClientInput(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     H1 = "h1"
     """It speaks HTTP/1.1: ALPN said so (or nothing, over TLS), or its first bytes are not the
     HTTP/2 preface."""

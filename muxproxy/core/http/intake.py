@@ -125,8 +125,11 @@ def _check_content_length(value: bytes, seen: bytes | None) -> bytes:
 # --- intake --------------------------------------------------------------------------------
 
 
-def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> RequestHead:
-    """Validate an HTTP/2 request header block and build its RequestHead.
+def request_from_h2(
+    stream: int, headers: Headers, *, scheme_default: bytes, end_stream: bool = False
+) -> RequestHead:
+    """Validate an HTTP/2 request header block and build its RequestHead; ``end_stream``:
+    its HEADERS frame ended the stream (the request has no body).
 
     The block is as hpack decoded it (h2 with validate_inbound_headers=False and
     normalize_inbound_headers=False). Everything RFC 9113 §8.1.1 calls malformed raises
@@ -221,6 +224,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
             scheme=scheme_default,
             headers=regular,
             http_version=b"2",
+            end_stream=end_stream,
         )
 
     if protocol is not None and method != b"CONNECT":
@@ -253,6 +257,7 @@ def request_from_h2(stream: int, headers: Headers, *, scheme_default: bytes) -> 
         scheme=scheme,
         headers=regular,
         http_version=b"2",
+        end_stream=end_stream,
         protocol=protocol,
     )
 

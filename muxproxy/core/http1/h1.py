@@ -213,6 +213,9 @@ class H1Server:
                 out.append(Body(stream=self.stream, data=h11_data(event)))
             elif type(event) is h11.Request:
                 self.method = event.method
+                # One walk over h11's ``Headers`` (a Sequence iterated in Python, an item at a
+                # time), for the framing check and the head both.
+                fields = list(event.headers)
                 raw = self.raw_head
                 if raw is not None:
                     self.raw_head = None
@@ -226,7 +229,7 @@ class H1Server:
                     except PeerError as exc:
                         exc.smuggling = True  # every check there is one (module docstring)
                         raise
-                    if any(name == b"transfer-encoding" for name, _ in event.headers):
+                    if any(name == b"transfer-encoding" for name, _ in fields):
                         # h11 accepts no transfer coding but chunked (RFC 9112 §6.1); the
                         # body starts after the empty line.
                         self.chunks = ChunkedDecoder(max_line=self.max_head)
@@ -239,7 +242,7 @@ class H1Server:
                         self.stream,
                         event.method,
                         event.target,
-                        event.headers,
+                        fields,
                         scheme=self.scheme,
                         http_version=event.http_version,
                     )

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import enum
 
-import attrs
 import h2.connection
 import h2.errors
 import h2.events
@@ -96,6 +95,7 @@ _CLOSED_STATE = h2.connection.ConnectionState.CLOSED
 
 
 class H2State(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     OPEN = "open"
     GOING_AWAY = "going_away"
     """The first GOAWAY of a graceful stop (last-stream-id 2^31-1) and a PING were sent: new
@@ -109,6 +109,7 @@ class H2State(enum.Enum):
 
 
 class H2Input(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     ANNOUNCE = "announce"
     """``announce_shutdown``: the first GOAWAY of a graceful stop and its PING."""
     SHUTDOWN_ACK = "shutdown_ack"
@@ -323,14 +324,17 @@ class H2Server(ResponseSender):
                 Refused(stream=sid, status=431, reason=reason, end_stream=bool(event.stream_ended))
             ]
         try:
-            head = request_from_h2(sid, fields, scheme_default=self.scheme)
+            # RFC 9113 §8.1: HEADERS with END_STREAM is a request without a body; the head
+            # says so as it is built (its ``End`` comes from h2's ``StreamEnded`` next).
+            ended = event.stream_ended is not None
+            head = request_from_h2(sid, fields, scheme_default=self.scheme, end_stream=ended)
             length = header_value(head.headers, b"content-length")
             declared = None
             if length is not None:
                 # Digits only (intake). Past 18 of them no body can match it, and int() of a
                 # few thousand digits raises: count it as the largest we track.
                 declared = int(length) if len(length) <= 18 else _HUGE_LENGTH
-            if declared and event.stream_ended is not None:
+            if declared and ended:
                 raise MalformedRequest("content-length of a request without a body")
         except MalformedRequest:
             # RFC 9113 §8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR.
@@ -341,10 +345,6 @@ class H2Server(ResponseSender):
             self.body_left[sid] = declared
         if sid >= STREAM_ID_DRAIN:
             self.drain(sid)
-        if event.stream_ended is not None:
-            # The request has no body: its ``End`` comes from the ``StreamEnded`` event that
-            # h2 reports right after this one.
-            return [attrs.evolve(head, end_stream=True)]
         return [head]
 
     def _refuse(self, sid: int) -> list[Message]:

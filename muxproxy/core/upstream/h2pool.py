@@ -66,6 +66,7 @@ PING_INTERVAL = 20.0
 
 
 class StreamState(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     UNSTARTED = "unstarted"
     """Granted a slot; its head (and so its id) not sent yet."""
     OPEN = "open"
@@ -74,6 +75,7 @@ class StreamState(enum.Enum):
 
 
 class StreamInput(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     START = "start"
     """Its head goes out and it gets its id (``send_head``)."""
     FINISH = "finish"

@@ -14,6 +14,7 @@ from muxproxy.core.states import IGNORED, ILLEGAL, Transitions
 
 
 class H2State(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     CONNECTING = "connecting"
     STARTING = "starting"
     """Connected, preface sent; waiting for the backend's SETTINGS."""
@@ -24,6 +25,7 @@ class H2State(enum.Enum):
 
 
 class H2Input(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     OPENED = "opened"
     """The driver's ``ConnectionOpened``: the preface and our SETTINGS go out."""
     OPEN_FAILED = "open_failed"

@@ -59,6 +59,7 @@ __all__ = [
 
 
 class UpstreamState(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     CONNECTING = "connecting"
     """``OpenConnection`` emitted; an exchange waits for it (``Pool.waiting``)."""
     BUSY = "busy"
@@ -69,6 +70,7 @@ class UpstreamState(enum.Enum):
 
 
 class UpstreamInput(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     OPENED = "opened"
     """The driver's ``ConnectionOpened``: the exchange that waits for it gets it."""
     OPEN_FAILED = "open_failed"
@@ -131,6 +133,8 @@ del _S, _I
 class Progress(enum.Enum):
     """What the connection's current request has come to."""
 
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
+
     UNWRITTEN = "unwritten"
     """No byte of it reached the kernel yet (it may be sent elsewhere, whatever its method)."""
     WRITTEN = "written"
@@ -140,6 +144,7 @@ class Progress(enum.Enum):
 
 
 class ProgressInput(enum.Enum):
+    __hash__ = object.__hash__  # as ``Phase``'s: a table lookup runs no Python code
     ASSIGNED = "assigned"
     """An exchange takes the connection (new or from the idle pool): its answer is to come."""
     HEAD_SENT = "head_sent"
