@@ -48,12 +48,12 @@ async def test_a_publisher_that_fails_at_first_is_followed_once_it_works(
                 )
             )
             await publisher.subscribed.wait()
-            assert feed.connected
             stored = BlockStored(
                 block_hashes=(1,), parent_block_hash=None, token_ids=(1, 2), block_size=2
             )
             publisher.publish([b"kv-events", bytes(8), encode_batch(0.0, [stored])])
-            await applied.wait()
+            await applied.wait()  # the subscriber's side is up once it applies a message
+            assert feed.connected
             assert feed.blocks.cached_tokens((1, 2)) == 2
             nursery.cancel_scope.cancel()
     assert refused == 4
