@@ -123,14 +123,22 @@ def _resolve(
         return None
     body = rewrite_model(prefix, span, model)
     exchange.upload.body.replace(body)
-    if len(body) != len(prefix):
+    shift = len(body) - len(prefix)
+    if shift:
+        # The declared length moves by what the rewrite added: the body held so far may
+        # be only its start (the model found before the rest came), RFC 9110 §8.6.
         head = exchange.head
         fields = [
-            (name, str(len(body)).encode("ascii") if name.lower() == b"content-length" else value)
+            (name, _shifted(value, shift) if name.lower() == b"content-length" else value)
             for name, value in head.headers
         ]
         exchange.head = attrs.evolve(head, headers=fields)
     return model
+
+
+def _shifted(length: bytes, shift: int) -> bytes:
+    """A Content-Length value (digits: the HTTP adapters checked it) moved by ``shift``."""
+    return str(int(length) + shift).encode("ascii")
 
 
 def _session_key(
