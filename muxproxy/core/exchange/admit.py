@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -55,7 +55,7 @@ from muxproxy.core.http.credentials import credential_key, repeated_field
 from muxproxy.core.messages import Headers, RequestHead
 from muxproxy.core.timers import ExchangeTimer
 from muxproxy.fleet.budgets import Ask
-from muxproxy.routing.kvtokens import conversation_keys, tokenize_body
+from muxproxy.routing.kvtokens import conversation_keys
 from muxproxy.routing.llmrequest import NOTHING, LlmRequest, read_request
 from muxproxy.routing.load import Progress, Ticket
 from muxproxy.routing.ratelimit import RateLimiter, Refusal, Reservation
@@ -155,12 +155,13 @@ class Admission:
         self.conversation: list[bytes] | None = None
         """With ``kv_events``: the keys of its message prefixes (``kvtokens.py``), which
         the engines' caches are scored by; None otherwise."""
-        self.tokenize: bytes | None = None
-        """With a conversation: the ``/tokenize`` body of its prompt, until it is asked."""
+        self.tokenize: dict[str, Any] | None = None
+        """With a conversation: its body, whose prompt the engine is asked to tokenize once
+        it is placed (the ``/tokenize`` body is written only if asked)."""
         if group.kv_events is not None and isinstance(document, dict):
             self.conversation = conversation_keys(document) or None
             if self.conversation is not None:
-                self.tokenize = tokenize_body(document)
+                self.tokenize = document
 
     def streaming(self, progress: Progress) -> None:
         """The response streams: its work left shrinks as ``progress`` counts its events."""

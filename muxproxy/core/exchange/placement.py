@@ -247,9 +247,9 @@ def _place(exchange: Routed, key: bytes | None, admission: Admission | None) -> 
         return
     if admission is not None and admission.tokenize is not None:
         assert admission.conversation is not None
-        body, admission.tokenize = admission.tokenize, None
+        document, admission.tokenize = admission.tokenize, None
         kvfeeds.ask_tokens(
-            exchange.fx, failover.router, failover.candidates[0], admission.conversation, body
+            exchange.fx, failover.router, failover.candidates[0], admission.conversation, document
         )
     if not _chosen(exchange, failover):
         return

@@ -20,7 +20,7 @@ per server.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from muxproxy.config import Config, Upstream
@@ -29,7 +29,7 @@ from muxproxy.core.commands import KvEndpoint, KvFollow, KvTokenize, Log, Origin
 from muxproxy.core.effects import Effects
 from muxproxy.core.events import Event, KvEventsReceived, KvSubscription, KvTokensAnswered
 from muxproxy.routing.kvfeed import EngineFeed
-from muxproxy.routing.kvtokens import TokenizeError, parse_tokenize_answer
+from muxproxy.routing.kvtokens import TokenizeError, parse_tokenize_answer, tokenize_body
 from muxproxy.routing.router import GroupRouter
 
 __all__ = ["LOG_INTERVAL", "KvFeeds", "ask_tokens", "endpoints"]
@@ -55,16 +55,21 @@ def endpoints(config: Config) -> Iterator[KvEndpoint]:
 
 
 def ask_tokens(
-    fx: Effects, router: GroupRouter, index: int, conversation: Sequence[bytes], body: bytes
+    fx: Effects,
+    router: GroupRouter,
+    index: int,
+    conversation: Sequence[bytes],
+    document: Mapping[str, object],
 ) -> None:
-    """A request of ``conversation`` was placed on server ``index``: ask that engine for its
-    prompt's tokens (``body``: ``kvtokens.tokenize_body``) unless known or asked already."""
+    """A request of ``conversation`` (its body: ``document``) was placed on server ``index``:
+    ask that engine for its prompt's tokens unless known or asked already."""
     kv = router.kv
     if kv is None:
         return
     key = kv.ask(conversation)
     if key is not None:
         origin = Origin.of(router.group.servers[index])
+        body = tokenize_body(document)
         fx.emit(KvTokenize(group=router.group.name, origin=origin, key=key, body=body))
 
 
