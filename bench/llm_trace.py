@@ -23,6 +23,7 @@ What it obeys, and why:
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -31,7 +32,13 @@ from dataclasses import dataclass
 from chat_client import system_prompts, words
 
 from muxproxy.testing.fakellm.answer import reply_text
-from muxproxy.testing.fakellm.engine import EnginePrompt, PrefixCache, Prompt, output_blocks
+from muxproxy.testing.fakellm.engine import (
+    Admission,
+    EnginePrompt,
+    PrefixCache,
+    Prompt,
+    output_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -140,26 +147,51 @@ def multi_turn_chat(
 
 
 def hit_ceiling(
-    workload: Workload, rate: float, warmup: float, window: float, block_tokens: int
+    workload: Workload,
+    rate: float,
+    warmup: float,
+    window: float,
+    block_tokens: int,
+    reply_time: Callable[[Arrival], float] | None = None,
 ) -> float:
     """The workload's hit rate with one unbounded cache that every request goes through in
-    order, each reply cached before the next request: the share of the window's prompt
-    tokens that any placement could find cached (the fake engine's rules, ``engine.py``)."""
+    order: the share of the window's prompt tokens that any placement could find cached (the
+    fake engine's rules, ``engine.py``).
+
+    A reply is cached once it could have been generated: ``reply_time(arrival)`` after its
+    request (the engine's fastest answer, :func:`fastest_reply`); a turn sent before its
+    previous reply could exist finds only what was cached before it. None: every reply is
+    cached before the next request (no engine can do that: an upper bound above this one).
+    """
     cache = PrefixCache(capacity=1 << 40, block_tokens=block_tokens)
     queried = hits = 0
-    for arrival in workload.arrivals:
+    replies: list[tuple[float, int, Admission, list[bytes]]] = []
+    for count, arrival in enumerate(workload.arrivals):
         at = arrival.at / rate
         if at >= warmup + window:
             break
+        while replies and replies[0][0] <= at:
+            _, _, held, blocks = heapq.heappop(replies)
+            cache.release(held, blocks)
         request = {"messages": workload.body_messages(arrival, "")}
         prompt = EnginePrompt.of(request)
         admission = cache.admit(Prompt.from_text(prompt.text, block_tokens))
-        reply = reply_text(arrival.max_tokens)
-        cache.release(admission, output_blocks(prompt, reply, block_tokens))
+        reply = output_blocks(prompt, reply_text(arrival.max_tokens), block_tokens)
+        if reply_time is None:
+            cache.release(admission, reply)
+        else:
+            heapq.heappush(replies, (at + reply_time(arrival), count, admission, list(reply)))
         if at >= warmup:
             queried += admission.prompt_tokens
             hits += admission.hit_tokens
     return hits / queried if queried else math.nan
+
+
+def fastest_reply(ttft_base: float, step: float) -> Callable[[Arrival], float]:
+    """The soonest an engine of the step model can end a reply after its request: the first
+    token after ``ttft_base`` with every prompt token cached and no queue, then one token a
+    step (``step``, the fake's ``delay``)."""
+    return lambda arrival: ttft_base + max(arrival.max_tokens - 1, 0) * step
 
 
 # --- statistics ---------------------------------------------------------------------------

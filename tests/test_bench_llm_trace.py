@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from llm_trace import (
     Arrival,
+    fastest_reply,
     goodput,
     hit_ceiling,
     multi_turn_chat,
@@ -127,3 +128,31 @@ def test_the_hit_ceiling_is_what_one_unbounded_cache_finds_in_the_window() -> No
     cold = hit_ceiling(workload, 1.0, 0.0, 100.0, 16)
     warm = hit_ceiling(workload, 1.0, 100.0, 100.0, 16)
     assert 0.5 < cold < warm < 1.0
+
+
+def test_a_reply_counts_in_the_ceiling_only_once_an_engine_could_have_ended_it() -> None:
+    workload = multi_turn_chat(
+        1,
+        600,
+        users=12,
+        prompts=3,
+        prompt_bytes=400,
+        zipf=0.8,
+        turns=(2, 6),
+        user_bytes=(20, 60),
+        tokens=(16, 32),
+    )
+    every_reply_first = hit_ceiling(workload, 1.0, 100.0, 100.0, 16)
+    # A reply ready at once is what caching each before the next request assumed.
+    assert hit_ceiling(workload, 1.0, 100.0, 100.0, 16, lambda _: 0.0) == every_reply_first
+    # Turns come every few seconds per user: replies taking longer are not there for some
+    # next turns, and replies that never end leave only what the prompts themselves cached.
+    slow = hit_ceiling(workload, 1.0, 100.0, 100.0, 16, lambda _: 20.0)
+    never = hit_ceiling(workload, 1.0, 100.0, 100.0, 16, lambda _: 1e9)
+    assert never < slow < every_reply_first
+    # The engine's fastest answer: the first token after ttft_base, then one per step.
+    fastest = fastest_reply(0.005, 0.02)
+    assert fastest(workload.arrivals[0]) == pytest.approx(
+        0.005 + (workload.arrivals[0].max_tokens - 1) * 0.02
+    )
+    assert never < hit_ceiling(workload, 1.0, 100.0, 100.0, 16, fastest) <= every_reply_first
