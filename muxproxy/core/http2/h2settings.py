@@ -15,6 +15,7 @@ import h2.connection
 import h2.settings
 
 from muxproxy.core.http2.h2decode import HeaderDecoder
+from muxproxy.core.http2.h2encode import HeaderEncoder
 from muxproxy.core.http2.h2preface import SettingsFirstBuffer
 from muxproxy.core.http2.h2slimsettings import SlimSettings
 
@@ -60,6 +61,9 @@ def server_connection(
         limit=max_header_list_size, blocks=BLOCKS_PER_READ_FACTOR * max_concurrent_streams
     )
     conn.decoder = decoder
+    # The encoder is ours too (``h2encode``: a lookup per field where hpack's scans its table;
+    # ``encoder`` is h2's public attribute, used for every header block sent).
+    conn.encoder = HeaderEncoder()
     # RFC 9113 §3.4: the preface is followed by SETTINGS (``h2preface``; ``incoming_buffer``
     # is h2's public attribute, read at every ``receive_data``).
     conn.incoming_buffer = SettingsFirstBuffer()
