@@ -52,6 +52,10 @@ def server_connection(
         header_encoding=None,
         validate_inbound_headers=False,
         normalize_inbound_headers=False,
+        # RFC 9113 §8.2: what these two checked of a response's fields, ``ResponseSender``
+        # checks once per distinct field instead (``h2outbound``).
+        normalize_outbound_headers=False,
+        validate_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config=config)
     # h2 keeps hpack's 64 KiB default list size unless a SETTINGS change is acknowledged,
