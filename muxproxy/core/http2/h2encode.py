@@ -4,7 +4,7 @@ python-h2 encodes every header block it sends with its connection's public ``enc
 attribute, setting ``header_table_size`` when the peer's SETTINGS_HEADER_TABLE_SIZE changes and
 calling ``encode`` with the block's fields. The adapters put a ``HeaderEncoder`` there (as they
 put their own decoder, ``h2decode``), because hpack's own encoder is most of the cost of a
-response head: it scans its whole dynamic table for every field (some 60 entries once the
+response head: it scans its whole dynamic table for every field (dozens of entries once the
 table is full), and it calls ``logging`` for every field. What it sends and what this sends
 decode to the same fields.
 
