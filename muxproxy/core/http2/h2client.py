@@ -40,6 +40,7 @@ import h2.settings
 from muxproxy.core.http.grpc import STATUS_FIELDS
 from muxproxy.core.http.intake import valid_h2_fields
 from muxproxy.core.http2.h2 import CONNECTION_WINDOW
+from muxproxy.core.http2.h2encode import HeaderEncoder
 from muxproxy.core.http2.h2goaway import GoawayTolerantReceiver
 from muxproxy.core.http2.h2send import (
     BlockedStreams,
@@ -67,6 +68,8 @@ class H2Client:
             normalize_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
+        # Our HPACK encoder, as on the server side (``h2encode``; h2's public ``encoder``).
+        self.conn.encoder = HeaderEncoder()
         # Settings in a few hundred bytes rather than h2's 10 KiB (h2slimsettings).
         self.conn.remote_settings = SlimSettings(client=False)
         self.conn.local_settings = SlimSettings(

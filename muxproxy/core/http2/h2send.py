@@ -24,6 +24,7 @@ import h2.errors
 import h2.exceptions
 
 from muxproxy.core.http2.h2guard import H2Guard
+from muxproxy.core.http2.h2outbound import outbound_fields
 from muxproxy.core.messages import Headers, ResponseHead
 
 
@@ -146,7 +147,7 @@ class ResponseSender:
         response."""
         if head.stream not in self.queues:
             return
-        headers = [(b":status", str(head.status).encode()), *head.headers]
+        headers = [(b":status", str(head.status).encode()), *outbound_fields(head.headers)]
         try:
             self.conn.send_headers(head.stream, headers, end_stream=end_stream)
         except h2.exceptions.StreamClosedError:
@@ -178,7 +179,7 @@ class ResponseSender:
         if queue is None:
             return
         queue.end = True
-        queue.end_trailers = trailers
+        queue.end_trailers = outbound_fields(trailers) if trailers else trailers
         self._flush(stream, queue)
 
     def _closed_by_client(self, stream: int) -> None:

@@ -15,6 +15,7 @@ import h2.connection
 import h2.settings
 
 from muxproxy.core.http2.h2decode import HeaderDecoder
+from muxproxy.core.http2.h2encode import HeaderEncoder
 from muxproxy.core.http2.h2preface import SettingsFirstBuffer
 from muxproxy.core.http2.h2slimsettings import SlimSettings
 
@@ -51,6 +52,10 @@ def server_connection(
         header_encoding=None,
         validate_inbound_headers=False,
         normalize_inbound_headers=False,
+        # RFC 9113 §8.2: what these two checked of a response's fields, ``ResponseSender``
+        # checks once per distinct field instead (``h2outbound``).
+        normalize_outbound_headers=False,
+        validate_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config=config)
     # h2 keeps hpack's 64 KiB default list size unless a SETTINGS change is acknowledged,
@@ -60,6 +65,9 @@ def server_connection(
         limit=max_header_list_size, blocks=BLOCKS_PER_READ_FACTOR * max_concurrent_streams
     )
     conn.decoder = decoder
+    # The encoder is ours too (``h2encode``: a lookup per field where hpack's scans its table;
+    # ``encoder`` is h2's public attribute, used for every header block sent).
+    conn.encoder = HeaderEncoder()
     # RFC 9113 §3.4: the preface is followed by SETTINGS (``h2preface``; ``incoming_buffer``
     # is h2's public attribute, read at every ``receive_data``).
     conn.incoming_buffer = SettingsFirstBuffer()
