@@ -149,7 +149,9 @@ async def serve_h1(client: trio.SocketStream, host: str, port: int) -> None:
                 for event in await backend.next_events():
                     if isinstance(event, h11.Response):
                         response = h11.Response(
-                            status_code=event.status_code, headers=event.headers, reason=event.reason
+                            status_code=event.status_code,
+                            headers=event.headers,
+                            reason=event.reason,
                         )
                         out += conn.send(response) or b""
                     elif isinstance(event, h11.Data):
