@@ -260,6 +260,22 @@ def build_of(src: Path) -> str:
     return done.stdout.decode().strip()
 
 
+def compiled_loaded(proxy: Proc, src: Path) -> tuple[int, int]:
+    """(compiled modules the proxy's processes have mapped, compiled modules ``src`` has):
+    what the running proxy imported, read from /proc/PID/maps, not what a fresh import
+    would."""
+    package = src / "muxproxy"
+    built = {p for p in package.rglob("*.so") if "__mypyc" not in p.name}
+    mapped: set[Path] = set()
+    for pid in family(proxy):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = Path(line.rstrip("\n").split(maxsplit=5)[-1])
+                if path in built:
+                    mapped.add(path)
+    return len(mapped), len(built)
+
+
 # --- the runs -------------------------------------------------------------------------------
 
 
@@ -384,6 +400,15 @@ def bench(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                 print(f"# ERROR {name}: {problem}", file=sys.stderr)
                 runs.append({**base, "kind": "load", "error": problem})
                 continue
+            if proxy is not None and proxy.name == "muxproxy":
+                src = args.compiled_src if name.startswith("compiled-") else args.muxproxy_src
+                loaded, built = compiled_loaded(proxy, src)
+                args.compiled_loaded[name] = f"{loaded} of {built}"
+                if name.startswith("compiled-") and (not built or loaded < built):
+                    problem = f"runs {loaded} of the {built} compiled modules of {src}"
+                    print(f"# ERROR {name}: {problem}", file=sys.stderr)
+                    runs.append({**base, "kind": "load", "error": problem})
+                    continue
             ports[name], proxies[name] = port, proxy
         names = list(ports)
         for rep in range(args.repeat):
@@ -435,6 +460,7 @@ def meta(args: argparse.Namespace, builds: dict[str, str]) -> dict[str, Any]:
         "muxproxy_src": str(args.muxproxy_src),
         "compiled_src": str(args.compiled_src) if args.compiled_src else None,
         "builds": builds,
+        "compiled_modules_mapped": args.compiled_loaded,
         "h2load": version([args.h2load, "--version"]),
         "nginx": version([args.nginx, "-v"]),
         "haproxy": version([shutil.which("haproxy") or "/usr/sbin/haproxy", "-v"]),
@@ -464,6 +490,8 @@ def header(args: argparse.Namespace, builds: dict[str, str]) -> str:
     ]
     for src, build in builds.items():
         lines.append(f"muxproxy from {src}: {build}.")
+    for name, loaded in args.compiled_loaded.items():
+        lines.append(f"{name}: {loaded} compiled modules mapped in its processes.")
     for name in args.variants:
         workers = variant(name)[2]
         if workers > len(args.proxy_cpu_set):
@@ -521,6 +549,7 @@ def parse_args() -> argparse.Namespace:
     args.proxy_cpu_set = proxy_cpus
     args.load_cpu_set = os.sched_getaffinity(0)
     args.nginx_conf = nginx_proxy_conf()
+    args.compiled_loaded = {}
     return args
 
 
