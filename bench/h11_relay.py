@@ -279,17 +279,17 @@ class H2Client:
                         self.conn.end_stream(stream_id)
                         finished = True
                 await self.flush()
-        except PEER_ERRORS:
-            await backend.stream.aclose()
-            return
         except h2.exceptions.StreamClosedError:
-            # The client reset the stream: the backend's answer was read whole, so the
-            # connection is still good to reuse.
+            pass  # the client reset the stream; the connection goes on
+        except PEER_ERRORS:
             pass
-        if backend.reusable():
-            self.pool.give_back(backend)
-        else:
-            await backend.stream.aclose()
+        finally:
+            # Back to the pool only between two whole exchanges (also after a reset stream
+            # whose answer was read whole); otherwise closed, also when cancelled.
+            if backend.reusable():
+                self.pool.give_back(backend)
+            else:
+                backend.stream.socket.close()
 
     async def send_data(self, stream_id: int, data: bytes) -> None:
         """RFC 9113 §6.9: never more than the peer's window allows; wait for it to open."""
