@@ -43,7 +43,8 @@ ones only with ``--compiled-src``):
   with none), nginx also with ``keepalive_requests`` raised (below).
 * ``h11-relay``, ``h2-relay``: the floors (``h11_relay.py``): Trio + h11 (+ h2 to the
   client) relaying each request and its answer with no proxy logic.
-* ``muxproxy-h1-wN``, ``muxproxy-h2-wN``: ``muxproxy serve --workers N`` on N CPUs (the
+* ``muxproxy-h1-wN``, ``muxproxy-h2-wN``: ``muxproxy serve --workers N`` (N >= 2; one worker is
+  the one process of ``muxproxy-h1``) on N CPUs (the
   ``--proxy-cpus`` first, then the others: with N above the proxy CPUs, the workers share
   CPUs with the backend and h2load, and the table says so).
 
@@ -99,7 +100,9 @@ VARIANTS = {
     "h11-relay": ("relay-h1", "h1"),
     "h2-relay": ("relay-h2", "h2"),
 }
-WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([1-9][0-9]*)")
+WORKERS_VARIANT = re.compile(r"muxproxy-(h1|h2)-w([2-9]|[1-9][0-9]+)")
+"""``muxproxy serve --workers N``, N from 2: with one worker muxproxy runs as one process (the
+``muxproxy-h1`` / ``muxproxy-h2`` rows)."""
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}\n'
 """The request body of ``--method POST``: a short streamed chat completion (72 bytes)."""
@@ -403,7 +406,8 @@ def bench(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
             if proxy is not None and proxy.name == "muxproxy":
                 src = args.compiled_src if name.startswith("compiled-") else args.muxproxy_src
                 loaded, built = compiled_loaded(proxy, src)
-                args.compiled_loaded[name] = f"{loaded} of {built}"
+                if built:
+                    args.compiled_loaded[name] = f"{loaded} of {built}"
                 if name.startswith("compiled-") and (not built or loaded < built):
                     problem = f"runs {loaded} of the {built} compiled modules of {src}"
                     print(f"# ERROR {name}: {problem}", file=sys.stderr)
@@ -538,7 +542,10 @@ def parse_args() -> argparse.Namespace:
     args.variants = [v.strip() for v in (args.variants or ",".join(default)).split(",")]
     unknown = [v for v in args.variants if v not in VARIANTS and not WORKERS_VARIANT.fullmatch(v)]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)} or muxproxy-h1-wN")
+        parser.error(
+            f"unknown variants {unknown}; choose from {list(VARIANTS)} or muxproxy-h1-wN / "
+            "muxproxy-h2-wN (N >= 2 worker processes)"
+        )
     if any(variant(v)[0] == "muxproxy-base" for v in args.variants) and not args.compiled_src:
         parser.error("the compiled-* variants need --compiled-src DIR (see --help)")
     args.muxproxy_src = args.muxproxy_src.resolve()
