@@ -341,11 +341,11 @@ def load_run(
     return run
 
 
-def latency_run(args: argparse.Namespace, name: str, port: int, tmp: Path) -> dict[str, Any]:
+def latency_run(args: argparse.Namespace, name: str, port: int, log: Path) -> dict[str, Any]:
     """One connection, one request at a time: the per-request times h2load logs."""
     proto = variant(name)[1]
     request, url = target(args, port)
-    log = tmp / f"latency-{name}.tsv"
+    log.unlink(missing_ok=True)  # h2load appends to a log file that is there
     count = LATENCY_WARMUP + args.latency_requests
     argv = [args.h2load, *proto_opts(proto), "-c", "1", "-m", "1", "-n", str(count)]
     argv += ["--log-file", str(log), *request, url]
@@ -431,7 +431,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                 report(name, run)
                 sse_bench.quiesce(started)
                 print(f"# [{rep + 1}/{args.repeat}] {name}: latency", file=sys.stderr)
-                run = latency_run(args, name, ports[name], tmp)
+                run = latency_run(args, name, ports[name], tmp / f"latency-{name}-{rep}.tsv")
                 runs.append({**base, "kind": "latency", **run})
                 report(name, run)
     finally:
