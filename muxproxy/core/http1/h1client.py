@@ -37,6 +37,9 @@ H2_HINT = (
 )
 """Added to the reason of a broken response whose first bytes ``speaks_h2``."""
 
+_TRANSFER_ENCODING = b"\r\ntransfer-encoding:"
+"""How a head's Transfer-Encoding line starts, lowered (h11 writes ``name: value``)."""
+
 _FRAME_HEADER = 9
 """RFC 9113 §4.1: length (24 bits), type, flags, stream id (32 bits)."""
 
@@ -82,13 +85,16 @@ class H1Client:
         self.stream = stream
         self.method = method
         self.first = b""
-        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
-        self.chunking = any(name.lower() == b"transfer-encoding" for name, _ in headers)
-        return head_bytes(
+        out = head_bytes(
             self.conn,
             lambda fields: h11.Request(method=method, target=target, headers=fields),
             headers,
         )
+        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
+        # No line but a Transfer-Encoding field's starts so: a sent head holds no CR or LF
+        # inside a line (h11's grammar and ``head_bytes``' own check).
+        self.chunking = _TRANSFER_ENCODING in out.lower()
+        return out
 
     def send_body(self, data: bytes) -> bytes:
         return self.conn.send(h11.Data(data=data)) or b""
