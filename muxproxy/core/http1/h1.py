@@ -230,7 +230,7 @@ class H1Server:
                     except PeerError as exc:
                         exc.smuggling = True  # every check there is one (module docstring)
                         raise
-                    if any(name == b"transfer-encoding" for name, _ in fields):
+                    if b"transfer-encoding" in map(_NAME, fields):  # h11 lowered the names
                         # h11 accepts no transfer coding but chunked (RFC 9112 §6.1); the
                         # body starts after the empty line.
                         self.chunks = ChunkedDecoder(max_line=self.max_head)

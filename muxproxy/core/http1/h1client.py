@@ -24,6 +24,8 @@ h11's own rules:
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import h11
 
 from muxproxy.core.http1.chunked import ChunkedDecoder, ChunkedError
@@ -39,6 +41,8 @@ H2_HINT = (
 
 _TRANSFER_ENCODING = b"\r\ntransfer-encoding:"
 """How a head's Transfer-Encoding line starts, lowered (h11 writes ``name: value``)."""
+
+_NAME = itemgetter(0)
 
 _FRAME_HEADER = 9
 """RFC 9113 §4.1: length (24 bits), type, flags, stream id (32 bits)."""
@@ -198,7 +202,7 @@ class H1Client:
         # RFC 9112 §6.3: no body for HEAD, 1xx, 204, 304, whatever the headers say.
         if self.method == b"HEAD" or status < 200 or status in (204, 304):
             return False
-        return any(name == b"transfer-encoding" for name, _ in headers)
+        return b"transfer-encoding" in map(_NAME, headers)  # h11 lowered the names
 
     def _receive_chunked(self, data: bytes, out: list[Message]) -> None:
         decoder = self.chunked
