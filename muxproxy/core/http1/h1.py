@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from operator import itemgetter
 from typing import Any
 
 import h11
@@ -230,7 +229,7 @@ class H1Server:
                     except PeerError as exc:
                         exc.smuggling = True  # every check there is one (module docstring)
                         raise
-                    if b"transfer-encoding" in map(_NAME, fields):  # h11 lowered the names
+                    if any(name == b"transfer-encoding" for name, _ in fields):
                         # h11 accepts no transfer coding but chunked (RFC 9112 §6.1); the
                         # body starts after the empty line.
                         self.chunks = ChunkedDecoder(max_line=self.max_head)
@@ -383,8 +382,6 @@ _NAMES = re.compile(rb"(?:%s:)*" % _NAME_SYNTAX)
 """Field names, each followed by ":"."""
 _VALUES = re.compile(rb"(?:%s\x00)*" % _VALUE_SYNTAX)
 """Field values, each followed by NUL."""
-_NAME = itemgetter(0)
-_VALUE = itemgetter(1)
 
 
 def h11_data(event: h11.Data) -> bytes:
@@ -413,13 +410,13 @@ def head_bytes(
     if not rest:
         return out
     # One regex over all names and one over all values, each joined by a byte that a valid
-    # one never contains; counting that byte catches an invalid one that does. The joins walk
-    # the fields in C (``map``), as does the writing of the lines: no Python step per field.
-    names = b":".join(map(_NAME, rest)) + b":"
+    # one never contains; counting that byte catches an invalid one that does.
+    names = b"".join([name + b":" for name, _ in rest])
     if names.count(b":") != len(rest) or not _NAMES.fullmatch(names):
         raise h11.LocalProtocolError(f"illegal header name in {[n for n, _ in rest]!r}")
-    values = b"\x00".join(map(_VALUE, rest)) + b"\x00"
+    values = b"".join([value + b"\x00" for _, value in rest])
     if values.count(b"\x00") != len(rest) or not _VALUES.fullmatch(values):
         raise h11.LocalProtocolError("illegal header value")
     # h11's head ends with the empty line (RFC 9112 §2.1): the other fields go before it.
-    return out[:-2] + b"\r\n".join(map(b": ".join, rest)) + b"\r\n\r\n"
+    lines = b"".join([name + b": " + value + b"\r\n" for name, value in rest])
+    return out[:-2] + lines + b"\r\n"

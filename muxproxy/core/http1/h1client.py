@@ -24,8 +24,6 @@ h11's own rules:
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 import h11
 
 from muxproxy.core.http1.chunked import ChunkedDecoder, ChunkedError
@@ -38,11 +36,6 @@ H2_HINT = (
     "(gRPC servers speak HTTP/2 only)"
 )
 """Added to the reason of a broken response whose first bytes ``speaks_h2``."""
-
-_TRANSFER_ENCODING = b"\r\ntransfer-encoding:"
-"""How a head's Transfer-Encoding line starts, lowered (h11 writes ``name: value``)."""
-
-_NAME = itemgetter(0)
 
 _FRAME_HEADER = 9
 """RFC 9113 §4.1: length (24 bits), type, flags, stream id (32 bits)."""
@@ -89,16 +82,13 @@ class H1Client:
         self.stream = stream
         self.method = method
         self.first = b""
-        out = head_bytes(
+        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
+        self.chunking = any(name.lower() == b"transfer-encoding" for name, _ in headers)
+        return head_bytes(
             self.conn,
             lambda fields: h11.Request(method=method, target=target, headers=fields),
             headers,
         )
-        # h11 frames a request body chunked exactly when the head says so (RFC 9112 §6.1).
-        # No line but a Transfer-Encoding field's starts so: a sent head holds no CR or LF
-        # inside a line (h11's grammar and ``head_bytes``' own check).
-        self.chunking = _TRANSFER_ENCODING in out.lower()
-        return out
 
     def send_body(self, data: bytes) -> bytes:
         return self.conn.send(h11.Data(data=data)) or b""
@@ -202,7 +192,7 @@ class H1Client:
         # RFC 9112 §6.3: no body for HEAD, 1xx, 204, 304, whatever the headers say.
         if self.method == b"HEAD" or status < 200 or status in (204, 304):
             return False
-        return b"transfer-encoding" in map(_NAME, headers)  # h11 lowered the names
+        return any(name == b"transfer-encoding" for name, _ in headers)
 
     def _receive_chunked(self, data: bytes, out: list[Message]) -> None:
         decoder = self.chunked
