@@ -41,6 +41,9 @@ Modes:
     python bench/otlp_sink.py 4318 &         # a collector that takes everything
     python bench/icount.py --modes request,openai --telemetry http://127.0.0.1:4318
                                              # what [telemetry] costs (the export threads too)
+    python bench/icount.py --modes request,request-h2 --routes 100
+                                             # a route table of 100 prefixes (/r0/ ... /r99/),
+                                             # every request for the last
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MODES = (
@@ -75,8 +79,11 @@ EXTENSION_ENV = "ICOUNT_EXTENSION"
 """``--extension``, passed to the runs under valgrind."""
 TELEMETRY_ENV = "ICOUNT_TELEMETRY"
 """``--telemetry``, passed to the runs under valgrind."""
+ROUTES_ENV = "ICOUNT_ROUTES"
+"""``--routes``, passed to the runs under valgrind."""
 
 GET = b"GET /sse HTTP/1.1\r\nhost: x\r\naccept: text/event-stream\r\n\r\n"
+"""``request``'s request; with ``--routes N``, its target is the last route's (``routed``)."""
 GET_RESPONSE = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -146,6 +153,9 @@ async def serve_through_proxy(mode: str, n: int) -> None:
 
         extension = ExtensionConfig(module=os.environ[EXTENSION_ENV])
         config = attrs.evolve(config, extensions=(extension,))
+    routes = int(os.environ.get(ROUTES_ENV) or 0)
+    if routes:
+        config, request, h2_first, h2_next = routed(config, routes, request, h2_first, h2_next)
     if os.environ.get(TELEMETRY_ENV):
         import attrs
 
@@ -219,6 +229,26 @@ async def serve_through_proxy(mode: str, n: int) -> None:
         nursery.cancel_scope.cancel()
 
 
+def routed(
+    config: Any, routes: int, request: bytes, h2_first: bytes, h2_next: bytes
+) -> tuple[Any, bytes, bytes, bytes]:
+    """``config`` with ``routes`` routes of distinct prefixes (``/r0/`` ... ``/rN-1/``, all to
+    the one group), and the requests of ``GET /sse`` with the last route's target instead."""
+    import attrs
+
+    from muxproxy.config import Route
+
+    table = tuple(Route(prefix=f"/r{i}/", upstream="default") for i in range(routes))
+    target = f"/r{routes - 1}/sse"
+    h2_first, h2_next = h2_request(target)
+    return (
+        attrs.evolve(config, routes=table),
+        request.replace(b" /sse ", b" %s " % target.encode()),
+        h2_first,
+        h2_next,
+    )
+
+
 async def read_h2_until_end(sock: socket.socket, stream: int) -> None:
     """Read HTTP/2 frames (RFC 9113 §4.1) until one of ``stream`` carries END_STREAM."""
     import trio
@@ -237,7 +267,7 @@ async def read_h2_until_end(sock: socket.socket, stream: int) -> None:
                 return
 
 
-def h2_request() -> tuple[bytes, bytes]:
+def h2_request(path: str = "/sse") -> tuple[bytes, bytes]:
     """An h2c client's preface, SETTINGS (the largest initial window), a connection
     WINDOW_UPDATE to 2**31-1 and the HEADERS of ``GET /sse``, made by the h2 library; and the
     HEADERS frame of the same request on stream 3, every field then a dynamic-table index."""
@@ -249,7 +279,7 @@ def h2_request() -> tuple[bytes, bytes]:
     conn.initiate_connection()
     conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
     conn.increment_flow_control_window(2**31 - 1 - 65535)
-    headers = [(":method", "GET"), (":path", "/sse"), (":scheme", "http"), (":authority", "x")]
+    headers = [(":method", "GET"), (":path", path), (":scheme", "http"), (":authority", "x")]
     conn.send_headers(1, [*headers, ("accept", "text/event-stream")], end_stream=True)
     first = conn.data_to_send()
     conn.send_headers(3, [*headers, ("accept", "text/event-stream")], end_stream=True)
@@ -346,8 +376,16 @@ def main() -> None:
         metavar="URL",
         help="configure [telemetry] with this otlp_endpoint (bench/otlp_sink.py serves one)",
     )
+    parser.add_argument(
+        "--routes",
+        type=int,
+        default=int(os.environ.get(ROUTES_ENV) or 0),
+        metavar="N",
+        help="N routes of distinct prefixes, every request for the last (0: the one route /)",
+    )
     args = parser.parse_args()
     os.environ[H11_ENV] = args.h11  # the runs under valgrind inherit it
+    os.environ[ROUTES_ENV] = str(args.routes)
     os.environ[EXTENSION_ENV] = args.extension
     os.environ[TELEMETRY_ENV] = args.telemetry
     if args.h11 == "mypyc":
@@ -364,6 +402,7 @@ def main() -> None:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     extension = f", extension {args.extension}" if args.extension else ""
     extension += f", telemetry to {args.telemetry}" if args.telemetry else ""
+    extension += f", {args.routes} routes" if args.routes else ""
     python = sys.version.split()[0]
     print(f"muxproxy from {args.src.resolve()}, Python {python}, h11 {args.h11}{extension}\n")
     print("| mode | unit | instructions per unit |\n|---|---|---:|")

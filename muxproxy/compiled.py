@@ -39,6 +39,18 @@ MODULES = [
     "muxproxy.core.timers",
     "muxproxy.trio.reactor",
     "muxproxy.trio.socketconn",
+    # The request path's other busiest parts: the access line, the fields in and out, the
+    # access record, the attempt's bookkeeping, the state tables' step, the choice of a server.
+    # Not the driver (its fault-isolation tests replace its methods on an instance, which a
+    # compiled class refuses) nor the timer heap (its tests use keys of no timer kind, which
+    # compiled code checks against ``TimerKey``).
+    "muxproxy.trio.logs",
+    "muxproxy.core.http.headers",
+    "muxproxy.core.http.intake",
+    "muxproxy.core.observe.access",
+    "muxproxy.core.exchange.failover",
+    "muxproxy.core.states",
+    "muxproxy.routing.router",
 ]
 
 

@@ -26,7 +26,7 @@ from muxproxy.config.routes import (
     ModelTarget,
     Resume,
     Route,
-    choose_route,
+    RouteTable,
 )
 from muxproxy.config.telemetry import TelemetrySettings
 
@@ -540,11 +540,14 @@ class Config:
     alias exists): only then is a body read for it (derived, kept: every request asks)."""
     reads_models: bool = attrs.field(init=False, repr=False, eq=False)
     """``by_model``, or telemetry on (its spans name the model): a body may be read for it."""
+    route_table: RouteTable = attrs.field(init=False, repr=False, eq=False)
+    """``routes`` indexed for ``route_for`` (derived, kept: every request asks)."""
 
     def __attrs_post_init__(self) -> None:
         by_model = bool(self.models) or any(route.models for route in self.routes)
         object.__setattr__(self, "by_model", by_model)
         object.__setattr__(self, "reads_models", by_model or self.telemetry is not None)
+        object.__setattr__(self, "route_table", RouteTable(self.routes))
 
     def route_for(self, path: bytes, model: str | None = None) -> Route | None:
         """The route with the longest prefix matching ``path`` (``routes.choose_route``:
@@ -553,13 +556,4 @@ class Config:
         The exchange passes the request target normalised by ``muxproxy.core.http.paths`` (dot-
         segments resolved, encoded unreserved characters decoded), never the raw one: a prefix
         is a boundary only on a path the backend has nothing left to resolve in."""
-        text = path.decode("latin-1")
-        if self.by_model:
-            return choose_route(self.routes, text, model)
-        best: Route | None = None
-        for route in self.routes:
-            if text.startswith(route.prefix) and (
-                best is None or len(route.prefix) > len(best.prefix)
-            ):
-                best = route
-        return best
+        return self.route_table.choose(path.decode("latin-1"), model)

@@ -10,6 +10,11 @@ order. The first whose ``models`` is empty, or matches the body's model, serves 
 whose model is not known (its path speaks no LLM API, its body is no JSON object with a
 ``model`` within ``limits.max_route_body``) skips the routes with ``models``: it is routed by
 path alone, as when no route has ``models``.
+
+``RouteTable`` makes that choice from a per-configuration index, the routes by prefix and the
+prefixes' lengths longest first: a request costs one dictionary lookup per distinct prefix
+length, however many routes there are, where ``choose_route`` walks them all. The two agree on
+every table and path (a property test holds them to it).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "ModelTarget",
     "Resume",
     "Route",
+    "RouteTable",
     "choose_route",
     "model_decides",
     "model_matches",
@@ -158,3 +164,51 @@ def model_decides(routes: Iterable[Route], path: str) -> bool:
             else:
                 plain = max(plain, len(route.prefix))
     return modelled >= plain and modelled >= 0
+
+
+class RouteTable:
+    """The routes of one configuration, indexed for ``choose_route``'s rule: made once per
+    configuration, read by every request."""
+
+    __slots__ = ("_by_prefix", "_lengths")
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        by_prefix: dict[str, list[Route]] = {}
+        for route in routes:
+            by_prefix.setdefault(route.prefix, []).append(route)
+        # Among routes of one prefix: those with ``models`` first, each kind in the file's order
+        # (``sorted`` is stable), then the rank of ``choose_route`` is the order of the walk.
+        self._by_prefix = {
+            prefix: tuple(sorted(same, key=lambda route: not route.models))
+            for prefix, same in by_prefix.items()
+        }
+        self._lengths = tuple(sorted({len(prefix) for prefix in by_prefix}, reverse=True))
+
+    def choose(self, path: str, model: str | None) -> Route | None:
+        """``choose_route(routes, path, model)``."""
+        by_prefix = self._by_prefix
+        size = len(path)
+        for length in self._lengths:
+            if length > size:
+                continue
+            same = by_prefix.get(path[:length])
+            if same is None:
+                continue
+            for route in same:
+                if not route.models:
+                    return route
+                if model is not None and model_matches(model, route.models):
+                    return route
+        return None
+
+    def model_decides(self, path: str) -> bool:
+        """``model_decides(routes, path)``: the longest prefix ``path`` starts with has a route
+        with ``models`` (a route without any, of a longer prefix, would win whatever the model)."""
+        by_prefix = self._by_prefix
+        size = len(path)
+        for length in self._lengths:
+            if length <= size:
+                same = by_prefix.get(path[:length])
+                if same is not None:
+                    return bool(same[0].models)
+        return False

@@ -189,3 +189,16 @@ def test_trailers_h11_would_refuse_are_dropped_not_raised() -> None:
     end = events[-1]
     assert isinstance(end, h11.EndOfMessage)
     assert list(end.headers) == [(b"grpc-status", b"0")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(fields_lists)
+def test_the_client_knows_its_request_body_is_chunked(fields: Fields) -> None:
+    # ``chunking`` (the body's trailers go out) exactly when a Transfer-Encoding field, of any
+    # case, was sent: what h11 frames chunked (RFC 9112 §6.1).
+    client = H1Client()
+    try:
+        client.send_head(1, b"POST", b"/v1/x", [(b"host", b"b"), *fields])
+    except h11.LocalProtocolError:
+        return
+    assert client.chunking == any(name.lower() == b"transfer-encoding" for name, _ in fields)

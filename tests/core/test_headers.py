@@ -920,3 +920,15 @@ def test_property_upstream_from_h2(
         head, client_ip="2001:db8::1", proto=b"http", via=b"mp", has_body=has_body
     )
     check_upstream(out, set())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([b"a", b"b", b"upgrade", b"A"]), st.binary(max_size=3))),
+    st.sampled_from([b"a", b"b", b"upgrade", b"c"]),
+)
+def test_header_value_is_the_first_match_of_any_iterable(fields: Headers, name: bytes) -> None:
+    first = next((value for field, value in fields if field == name), None)
+    assert header_value(fields, name) == first
+    assert header_value(iter(fields), name) == first
+    assert header_value(tuple(fields), name) == first

@@ -40,7 +40,6 @@ import sys
 import attrs
 
 from muxproxy.config.records import ModelAlias
-from muxproxy.config.routes import model_decides
 from muxproxy.core.apis.paths import Api, api_for
 from muxproxy.core.exchange.body import RequestBody
 from muxproxy.core.exchange.exchange_states import ExchangeInput
@@ -65,7 +64,11 @@ def reads_model(exchange: Routed) -> bool:
     # An alias is resolved on any route; without one the model matters only where a route
     # with ``models`` could win over the route the path alone takes, or to telemetry (its
     # spans and metrics name the model: docs/telemetry.md).
-    return bool(config.models) or config.telemetry is not None or model_decides(config.routes, path)
+    return (
+        bool(config.models)
+        or config.telemetry is not None
+        or config.route_table.model_decides(path)
+    )
 
 
 def hold_for_model(exchange: Routed) -> None:

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from operator import itemgetter
 
 from muxproxy.core.http.forwarded import FORWARDED_FIELDS, append_list, forwarded_fields
 from muxproxy.core.messages import Headers, RequestHead
+
+_NAME = itemgetter(0)
 
 __all__ = [
     "CONNECTION_SPECIFIC",
@@ -226,9 +229,12 @@ def is_websocket_upgrade(head: RequestHead) -> bool:
     # carry these fields (RFC 9113 §8.2.2); one that does is ``websocket.bridged_head``'s.
     if head.method != b"GET" or not head.end_stream or head.http_version == b"1.0":
         return False
+    fields = head.headers
+    if b"upgrade" not in map(_NAME, fields):  # the common case, found in C
+        return False
     upgrade: set[bytes] = set()
     connection: set[bytes] = set()
-    for name, value in head.headers:
+    for name, value in fields:
         if name == b"upgrade":
             upgrade |= _tokens(value)
         elif name == b"connection":
@@ -359,6 +365,8 @@ def is_event_stream(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 
 def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     """The first value of field `name` (lower-case), or None."""
+    if type(headers) is list and name not in map(_NAME, headers):
+        return None  # the common case (a field most requests lack), found in C
     for field_name, value in headers:
         if field_name == name:
             return value
