@@ -261,7 +261,10 @@ async def gray_release(
                 except httpx.HTTPError:
                     return False
 
-            await wait_until(f"replica {replica.number} discovering the engines", discovered)
+            # A start-up bound (three processes import and bind at once; a busy host is slow).
+            await wait_until(
+                f"replica {replica.number} discovering the engines", discovered, timeout=60.0
+            )
         print(f"every replica discovered the {len(engines)} engines in {SERVICE}")
         v1 = [e for e in engines if e.version == "v1"]
         v2 = [e for e in engines if e.version == "v2"]
