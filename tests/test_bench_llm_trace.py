@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from llm_trace import (
     Arrival,
+    Workload,
     fastest_reply,
     goodput,
     hit_ceiling,
@@ -103,6 +104,21 @@ def test_the_bootstrap_interval_holds_the_ratio_and_tells_equal_from_different()
     assert same == 1.0 and low < 1 < high
 
 
+def long_chat() -> Workload:
+    """Conversations of two to six turns, twelve users on three system prompts."""
+    return multi_turn_chat(
+        1,
+        600,
+        users=12,
+        prompts=3,
+        prompt_bytes=400,
+        zipf=0.8,
+        turns=(2, 6),
+        user_bytes=(20, 60),
+        tokens=(16, 32),
+    )
+
+
 def test_the_hit_ceiling_is_what_one_unbounded_cache_finds_in_the_window() -> None:
     # Single questions behind one system prompt: every prompt after the first hits the
     # system prompt's full blocks, and nothing of its own question.
@@ -114,34 +130,14 @@ def test_the_hit_ceiling_is_what_one_unbounded_cache_finds_in_the_window() -> No
     assert ceiling == pytest.approx(system_tokens * len(counted) / sum(prompts), rel=0.02)
     # A conversation's later turns hit their whole history: the chat's ceiling is higher
     # than the system prompts' share alone, and it grows with the warm-up (more history).
-    workload = multi_turn_chat(
-        1,
-        600,
-        users=12,
-        prompts=3,
-        prompt_bytes=400,
-        zipf=0.8,
-        turns=(2, 6),
-        user_bytes=(20, 60),
-        tokens=(16, 32),
-    )
+    workload = long_chat()
     cold = hit_ceiling(workload, 1.0, 0.0, 100.0, 16)
     warm = hit_ceiling(workload, 1.0, 100.0, 100.0, 16)
     assert 0.5 < cold < warm < 1.0
 
 
 def test_a_reply_counts_in_the_ceiling_only_once_an_engine_could_have_ended_it() -> None:
-    workload = multi_turn_chat(
-        1,
-        600,
-        users=12,
-        prompts=3,
-        prompt_bytes=400,
-        zipf=0.8,
-        turns=(2, 6),
-        user_bytes=(20, 60),
-        tokens=(16, 32),
-    )
+    workload = long_chat()
     every_reply_first = hit_ceiling(workload, 1.0, 100.0, 100.0, 16)
     # A reply ready at once is what caching each before the next request assumed.
     assert hit_ceiling(workload, 1.0, 100.0, 100.0, 16, lambda _: 0.0) == every_reply_first
