@@ -80,7 +80,7 @@ from short_stats import (
     rows,
     table,
 )
-from sse_bench import Proc, StartError, descendants, free_port, wait_listening
+from sse_bench import Proc, StartError, cpu_seconds, descendants, free_port, wait_listening
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -169,17 +169,6 @@ def variant(name: str) -> tuple[str | None, str, int]:
 
 
 # --- processes ------------------------------------------------------------------------------
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the processes that are still there (/proc/PID/stat)."""
-    ticks = 0
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-            fields = raw[raw.rfind(b")") + 2 :].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def family(proc: Proc) -> list[int]:

@@ -538,22 +538,23 @@ def quiesce(procs: list[Proc], limit: float = 15.0) -> None:
     """Wait until the processes we started are (nearly) idle, at most ``limit`` s."""
     deadline = time.monotonic() + limit
     pids = [pid for proc in procs for pid in proc.measured_pids()]
-
-    def cpu() -> float:
-        total = 0.0
-        for pid in pids:
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
-                raw = f.read()
-                fields = raw[raw.rfind(b")") + 2 :].split()
-                total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
-
     time.sleep(0.5)
     while time.monotonic() < deadline:
-        before = cpu()
+        before = cpu_seconds(pids)
         time.sleep(0.5)
-        if cpu() - before < 0.05:  # under 10 % of a core
+        if cpu_seconds(pids) - before < 0.05:  # under 10 % of a core
             return
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of the processes that are still there (/proc/PID/stat)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+            fields = raw[raw.rfind(b")") + 2 :].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Session:
