@@ -13,7 +13,6 @@ import pytest
 
 from muxproxy.config import Config, ConfigError, Route, parse_config
 from muxproxy.config.records import ModelAlias, ModelTarget
-from muxproxy.config.routes import model_decides
 from muxproxy.core.exchange.placement import model_aliases
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -176,14 +175,14 @@ def test_the_examples_of_docs_models_load() -> None:
 
 
 def test_the_model_decides_only_where_a_route_with_models_could_win() -> None:
-    config = parse_config(document())
-    assert model_decides(config.routes, "/v1/chat/completions")
-    assert not model_decides(config.routes, "/other")  # only the route without models
+    table = parse_config(document()).route_table
+    assert table.model_decides("/v1/chat/completions")
+    assert not table.model_decides("/other")  # only the route without models
     data = document()
     data["routes"].append({"prefix": "/v1/chat/", "upstream": "small"})
-    routes = parse_config(data).routes
-    assert not model_decides(routes, "/v1/chat/completions")  # a longer plain prefix wins
-    assert model_decides(routes, "/v1/completions")
+    table = parse_config(data).route_table
+    assert not table.model_decides("/v1/chat/completions")  # a longer plain prefix wins
+    assert table.model_decides("/v1/completions")
 
 
 def test_the_model_list_names_the_routes_exact_models_and_the_aliases() -> None:

@@ -3,12 +3,14 @@ index, is the route of the linear rule on every route table and path, with and w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muxproxy.config import Route, quick_config
-from muxproxy.config.routes import RouteTable, choose_route, model_decides
+from muxproxy.config.routes import RouteTable, model_matches
 
 # A small alphabet, so that random prefixes and paths share beginnings often.
 _TEXT = st.text(alphabet="/ab.", max_size=6)
@@ -22,6 +24,37 @@ _ROUTES = st.lists(
     ),
     max_size=8,
 )
+
+
+def choose_route(routes: Iterable[Route], path: str, model: str | None) -> Route | None:
+    """The route of a request for ``path`` whose body names ``model`` (None: not known), as
+    ``config/routes.py``'s header says, walking every route; None: no route serves it."""
+    best: Route | None = None
+    best_rank = (-1, -1)
+    for route in routes:
+        if not path.startswith(route.prefix):
+            continue
+        if route.models and (model is None or not model_matches(model, route.models)):
+            continue
+        rank = (len(route.prefix), 1 if route.models else 0)
+        if rank > best_rank:  # strictly: the first of equal rank, in the file's order, wins
+            best, best_rank = route, rank
+    return best
+
+
+def model_decides(routes: Iterable[Route], path: str) -> bool:
+    """Whether a request's model can change which of ``routes`` serves ``path``: a route with
+    ``models`` matches the path with a prefix at least as long as the longest route without
+    (which would win whatever the model)."""
+    plain = -1
+    modelled = -1
+    for route in routes:
+        if path.startswith(route.prefix):
+            if route.models:
+                modelled = max(modelled, len(route.prefix))
+            else:
+                plain = max(plain, len(route.prefix))
+    return modelled >= plain and modelled >= 0
 
 
 def linear_by_path(routes: list[Route], path: str) -> Route | None:

@@ -550,7 +550,7 @@ class Config:
         object.__setattr__(self, "route_table", RouteTable(self.routes))
 
     def route_for(self, path: bytes, model: str | None = None) -> Route | None:
-        """The route with the longest prefix matching ``path`` (``routes.choose_route``:
+        """The route with the longest prefix matching ``path`` (``routes.RouteTable.choose``:
         then the routes with ``models`` matching ``model`` before the one without).
 
         The exchange passes the request target normalised by ``muxproxy.core.http.paths`` (dot-

@@ -4,7 +4,7 @@ and ``[models.NAME]`` aliases, and the rule that picks a request's route.
 Frozen attrs records without validators, like every record of :mod:`.records` (which
 re-exports them); validation is :mod:`.sections`' and :mod:`.modelkeys`'.
 
-The route of a request (``choose_route``): the routes whose ``prefix`` the path starts with,
+The route of a request (``RouteTable.choose``): the routes whose ``prefix`` the path starts with,
 longest prefix first; among routes of one prefix, those with ``models`` first, in the file's
 order. The first whose ``models`` is empty, or matches the body's model, serves it. A request
 whose model is not known (its path speaks no LLM API, its body is no JSON object with a
@@ -13,8 +13,8 @@ path alone, as when no route has ``models``.
 
 ``RouteTable`` makes that choice from a per-configuration index, the routes by prefix and the
 prefixes' lengths longest first: a request costs one dictionary lookup per distinct prefix
-length, however many routes there are, where ``choose_route`` walks them all. The two agree on
-every table and path (a property test holds them to it).
+length, however many routes there are (a property test holds it to the rule above, written
+as a walk over every route, in ``tests/test_config_route_table.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ __all__ = [
     "Resume",
     "Route",
     "RouteTable",
-    "choose_route",
-    "model_decides",
     "model_matches",
 ]
 
@@ -129,45 +127,14 @@ class ModelAlias:
     its target while the weights do not move it."""
 
 
-def choose_route(routes: Iterable[Route], path: str, model: str | None) -> Route | None:
-    """The route of a request for ``path`` whose body names ``model`` (None: not known), as
-    the module header says; None: no route serves it."""
-    best: Route | None = None
-    best_rank = (-1, -1)
-    for route in routes:
-        if not path.startswith(route.prefix):
-            continue
-        if route.models and (model is None or not model_matches(model, route.models)):
-            continue
-        rank = (len(route.prefix), 1 if route.models else 0)
-        if rank > best_rank:  # strictly: the first of equal rank, in the file's order, wins
-            best, best_rank = route, rank
-    return best
-
-
 def model_matches(model: str, patterns: Iterable[str]) -> bool:
     """Whether ``model`` is one of ``patterns``: exact names or shell-style globs
     (``fnmatchcase``, case-sensitive everywhere: ``"llama-3.1-70b*"``)."""
     return any(model == pattern or fnmatchcase(model, pattern) for pattern in patterns)
 
 
-def model_decides(routes: Iterable[Route], path: str) -> bool:
-    """Whether a request's model can change which of ``routes`` serves ``path``: a route with
-    ``models`` matches the path with a prefix at least as long as the longest route without
-    (which would win whatever the model)."""
-    plain = -1
-    modelled = -1
-    for route in routes:
-        if path.startswith(route.prefix):
-            if route.models:
-                modelled = max(modelled, len(route.prefix))
-            else:
-                plain = max(plain, len(route.prefix))
-    return modelled >= plain and modelled >= 0
-
-
 class RouteTable:
-    """The routes of one configuration, indexed for ``choose_route``'s rule: made once per
+    """The routes of one configuration, indexed for the rule of the module header: made once per
     configuration, read by every request."""
 
     __slots__ = ("_by_prefix", "_lengths")
@@ -177,7 +144,7 @@ class RouteTable:
         for route in routes:
             by_prefix.setdefault(route.prefix, []).append(route)
         # Among routes of one prefix: those with ``models`` first, each kind in the file's order
-        # (``sorted`` is stable), then the rank of ``choose_route`` is the order of the walk.
+        # (``sorted`` is stable): the order of the walk is the rule's rank.
         self._by_prefix = {
             prefix: tuple(sorted(same, key=lambda route: not route.models))
             for prefix, same in by_prefix.items()
@@ -185,7 +152,8 @@ class RouteTable:
         self._lengths = tuple(sorted({len(prefix) for prefix in by_prefix}, reverse=True))
 
     def choose(self, path: str, model: str | None) -> Route | None:
-        """``choose_route(routes, path, model)``."""
+        """The route of a request for ``path`` whose body names ``model`` (None: not known), as
+        the module header says; None: no route serves it."""
         by_prefix = self._by_prefix
         size = len(path)
         for length in self._lengths:
@@ -202,8 +170,9 @@ class RouteTable:
         return None
 
     def model_decides(self, path: str) -> bool:
-        """``model_decides(routes, path)``: the longest prefix ``path`` starts with has a route
-        with ``models`` (a route without any, of a longer prefix, would win whatever the model)."""
+        """Whether a request's model can change which route serves ``path``: the longest
+        prefix ``path`` starts with has a route with ``models`` (a route without any, of a
+        longer prefix, would win whatever the model)."""
         by_prefix = self._by_prefix
         size = len(path)
         for length in self._lengths:

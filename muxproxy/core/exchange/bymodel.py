@@ -6,7 +6,7 @@ What it obeys:
   ``[models]`` aliases (``Config.by_model``), a request with a body, on a path that speaks
   an LLM API (``apis/paths.api_for``: chat completions, completions, responses, messages,
   embeddings), and, without aliases, where a route with ``models`` could win over the route
-  the path alone takes (``routes.model_decides``). Every other request is routed from its
+  the path alone takes (``routes.RouteTable.model_decides``). Every other request is routed from its
   head as before, at no extra cost.
 - Bounded: the body is held (BUFFERING, no route yet) only until ``routing/models.find_model``
   decides, which reads at most ``limits.max_route_body`` bytes, and never more than the
